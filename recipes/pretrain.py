@@ -1,0 +1,296 @@
+"""Pretrain a LLaMA/GPT-style causal LM from scratch with Accelerate.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/pretrain.py \\
+        --config recipes/configs/pretrain_tiny.yaml train.max_steps=200 output_dir=runs/tiny
+
+Features
+- Any transformers `model_type` (llama, gpt2, qwen2, mistral, ...) with sizes from the YAML.
+- Corpus from files, a folder, a glob or a hub id; the CPython docs when none is given.
+- A byte-level BPE trained on the corpus when no tokenizer is given.
+- Packed blocks in which attention never crosses a document boundary.
+- Loss normalised by target tokens over the whole global batch (accumulation- and rank-exact).
+- Checkpoints every N steps (keep the last K), `resume=auto` or `resume=PATH`.
+- metrics.jsonl, tensorboard, held-out perplexity, a loss-curve PNG, and final/ in HF format.
+
+Errors (one line, exit code 2): unknown/misspelled or mistyped config keys, missing data path,
+empty corpus, seq_len over the model's max positions, batch sizes that do not divide, an
+output_dir that holds another run, an incomplete checkpoint, an attention kind that cannot
+keep packed documents apart.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+
+from toolkit import checkpoint as ckpt
+from toolkit.batching import BatchSchedule
+from toolkit.config import UserError, load_config, to_dict
+from toolkit.corpus import load_corpus, split_documents
+from toolkit.distributed import build_accelerator, check_replicas_in_sync, describe, strategy_name
+from toolkit.evaluation import evaluate
+from toolkit.gradient_checkpointing import apply_gradient_checkpointing
+from toolkit.hf_folder import save_final_model
+from toolkit.loss import backward_scale, forward_loss_sum
+from toolkit.metrics import MetricsWriter, estimate_mfu, flops_per_token, peak_flops, plot_loss
+from toolkit.model import build_model, count_parameters, hf_config
+from toolkit.optim import build_optimizer, build_scheduler
+from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
+from toolkit.recipe_config import PretrainConfig
+from toolkit.tokenizer import get_tokenizer
+
+
+class PretrainRecipe:
+    def __init__(self, cfg: PretrainConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.step = 0
+        self.tokens_seen = 0
+        self.last_eval: dict[str, float] = {}
+        self.eval_step = self.checkpoint_step = -1
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        check_attention(cfg.model.attn_implementation)
+        ckpt.check_output_dir(self.out, cfg.resume, cfg.overwrite)
+        resume_from = ckpt.resolve_resume(cfg.resume, self.out)
+
+        # Distributed: strategy, world size and backend come from the accelerate config file.
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.accum = cfg.train.accumulation_steps(world)
+        self.accelerator = acc = build_accelerator(
+            cfg.train.mixed_precision, self.accum, str(self.out), cfg.logging.trackers
+        )
+        if cfg.overwrite and acc.is_main_process and self.out.exists():
+            shutil.rmtree(self.out)
+        acc.wait_for_everyone()
+        self.out.mkdir(parents=True, exist_ok=True)
+        acc.print(f"[pretrain] {describe(acc)}")
+        if not acc.is_main_process:
+            datasets.disable_progress_bars()
+
+        # Data: the main process tokenizes and packs into the cache; the others then read it.
+        cache = cfg.data.resolved_cache_dir()
+        with acc.main_process_first():
+            corpus, source = load_corpus(cfg.data)
+            train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
+            cache.mkdir(parents=True, exist_ok=True)
+            tok_key = f"{source}-v{cfg.tokenizer.vocab_size}-f{cfg.tokenizer.min_frequency}"
+            self.tokenizer = get_tokenizer(cfg.tokenizer, train_docs, cache / f"tokenizer-{tok_key}")
+            split_key = f"{source}-seed{cfg.seed}-val{cfg.data.val_fraction}"
+            self.train_blocks = packed_dataset(
+                train_docs, self.tokenizer, cfg.data.seq_len, cache, f"{split_key}-train", cfg.data.num_proc
+            )
+            self.val_blocks = None
+            if val_docs is not None:
+                self.val_blocks = packed_dataset(
+                    val_docs, self.tokenizer, cfg.data.seq_len, cache, f"{split_key}-val", cfg.data.num_proc
+                )
+        self.train_blocks = self.train_blocks.with_format("numpy")
+        self.block_targets = target_counts(self.train_blocks)
+        self.block_tokens = column(self.train_blocks, "num_tokens").astype("int64")
+        self.schedule = BatchSchedule(
+            len(self.train_blocks), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+            acc.num_processes, acc.process_index, cfg.seed,
+        )
+        acc.print(
+            f"[pretrain] data: {len(train_docs)} train / {len(val_docs or [])} held-out documents -> "
+            f"{len(self.train_blocks)} blocks of {cfg.data.seq_len} tokens "
+            f"({self.schedule.steps_per_epoch} steps per epoch); vocab {len(self.tokenizer)}"
+        )
+
+        # Model: random init from the config, seeded identically on every rank.
+        config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        model = build_model(cfg.model, config, cfg.data.seq_len, cfg.seed)
+        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
+        self.n_params = count_parameters(model)
+        self.flops_token = flops_per_token(
+            count_parameters(model, exclude_embeddings=True), config.num_hidden_layers, config.hidden_size,
+            cfg.data.seq_len,
+        )
+        acc.print(f"[pretrain] model: {cfg.model.model_type}, {self.n_params:,} parameters")
+
+        # Optimizer and schedule. The scheduler is stepped by us once per optimizer step, not by
+        # Accelerate (which steps it once per process), and saved through register_for_checkpointing.
+        optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+
+        if resume_from is not None:
+            state = ckpt.load_checkpoint(acc, resume_from)
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.last_eval = state.get("last_eval", {})
+            self.checkpoint_step = self.step
+            acc.print(f"[pretrain] resumed from {resume_from} at step {self.step}")
+
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl", self.step) if acc.is_main_process else None
+        if cfg.logging.trackers:
+            acc.init_trackers("tensorboard", config=_flat(to_dict(cfg)))
+        self.peak = peak_flops(acc.device)
+
+    # ------------------------------------------------------------------ train
+    def train(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not acc.is_main_process, desc="pretrain")
+        window_tokens, window_time = 0, 0.0
+        while self.step < cfg.train.max_steps:
+            t0 = time.perf_counter()
+            global_idx = self.schedule.global_indices(self.step)
+            global_targets = int(self.block_targets[global_idx].sum())
+            scale = backward_scale(global_targets, acc.num_processes, self.accum)
+            loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
+            grad_norm = None
+            for micro in self.schedule.micro_batches(self.step):
+                batch = {k: v.to(acc.device) for k, v in collate(self.train_blocks[micro], cfg.model.attn_implementation).items()}
+                with acc.accumulate(self.model):
+                    micro_loss = forward_loss_sum(self.model, batch)
+                    acc.backward(micro_loss * scale)
+                    loss_sum += micro_loss.detach().double()
+                    if acc.sync_gradients:
+                        max_norm = cfg.optim.max_grad_norm or float("inf")
+                        grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            self.step += 1
+            step_tokens = int(self.block_tokens[global_idx].sum())
+            self.tokens_seen += step_tokens
+            loss = acc.reduce(loss_sum, reduction="sum").item() / max(1, global_targets)
+            window_tokens += step_tokens
+            window_time += time.perf_counter() - t0
+
+            if self.step % cfg.logging.every == 0 or self.step == cfg.train.max_steps:
+                tps = window_tokens / max(window_time, 1e-9)
+                record = {
+                    "step": self.step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "tokens": self.tokens_seen,
+                    "tokens_per_s": tps,
+                    "mfu": estimate_mfu(tps, self.flops_token, acc.num_processes, self.peak),
+                    "epoch": self.schedule.epoch(self.step),
+                }
+                self._log(record)
+                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+                window_tokens, window_time = 0, 0.0
+            bar.update(1)
+
+            if self.val_blocks is not None and cfg.logging.eval_every and self.step % cfg.logging.eval_every == 0:
+                self.evaluate()
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                self.save_checkpoint()
+        bar.close()
+
+    def evaluate(self) -> None:
+        cfg = self.cfg
+        self.last_eval = evaluate(
+            self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
+            cfg.logging.eval_blocks, cfg.model.attn_implementation,
+        )
+        self.eval_step = self.step
+        self._log({"step": self.step, **self.last_eval})
+        self.accelerator.print(
+            f"[pretrain] step {self.step}: held-out loss {self.last_eval['eval_loss']:.4f}, "
+            f"perplexity {self.last_eval['eval_ppl']:.2f}"
+        )
+
+    def save_checkpoint(self) -> None:
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": self.last_eval, "seed": self.cfg.seed}
+        self.checkpoint_step = self.step
+        folder = ckpt.save_checkpoint(self.accelerator, self.out, state, self.cfg.checkpoint.keep_last)
+        self.accelerator.print(f"[pretrain] checkpoint saved: {folder}")
+
+    # ---------------------------------------------------------------- cleanup
+    def cleanup(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        if self.val_blocks is not None and self.eval_step != self.step:
+            self.evaluate()
+        if self.checkpoint_step != self.step:
+            self.save_checkpoint()  # so the run can always be extended with resume=auto
+        digests = check_replicas_in_sync(acc, self.model)
+        self._log({"step": self.step, "parameter_digests": digests})
+
+        facts = {
+            "recipe": "pretrain", "model_type": cfg.model.model_type, "params": self.n_params,
+            "step": self.step, "tokens": self.tokens_seen, "strategy": strategy_name(acc), **self.last_eval,
+        }
+        final = save_final_model(acc, self.model, self.tokenizer, self.out / "final", facts, to_dict(cfg))
+        acc.end_training()
+        if not acc.is_main_process:
+            return
+        self.metrics.close()
+        plot = plot_loss(self.out / "metrics.jsonl", self.out / "loss.png")
+        print(f"\nfinal model : {final}")
+        print(f"metrics     : {self.out / 'metrics.jsonl'}")
+        print(f"loss plot   : {plot}")
+        if cfg.logging.trackers:
+            print(f"tensorboard : tensorboard --logdir {self.out / 'tensorboard'}")
+        if cfg.sample.max_new_tokens:
+            print(f"sample      : {sample_from(final, cfg.sample.prompt, cfg.sample.max_new_tokens, cfg.seed)!r}")
+
+    def _log(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.cfg.logging.trackers:
+            self.accelerator.log(scalars, step=record["step"])
+
+
+def sample_from(folder: Path, prompt: str, max_new_tokens: int, seed: int) -> str:
+    """Generate from the saved folder, which also proves that it loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    inputs = tokenizer(prompt, return_tensors="pt")
+    torch.manual_seed(seed)
+    out = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=50,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """Tensorboard's hparams take flat scalars only."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "--config" or len(argv) < 2:
+        print("usage: recipes/pretrain.py --config recipes/configs/NAME.yaml [key.sub=value ...]", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(PretrainConfig, argv[1], argv[2:])
+        recipe = PretrainRecipe(cfg)
+        recipe.setup()
+        recipe.train()
+        recipe.cleanup()
+    except UserError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Which packed blocks each rank trains on at each optimizer step.
+
+The order is a pure function of (seed, step): every rank can compute the whole global batch,
+so the data position is just the step number (nothing to save for resume), a 2-process run
+sees exactly the global batches of a 1-process run, and the loss normaliser (target tokens in
+the global batch) is known on every rank without a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from toolkit.config import UserError, field
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = field(200, help="optimizer steps to train")
+    global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
+    micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
+        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU"
+    )
+
+    def validate(self) -> list[str]:
+        problems = []
+        for name in ("max_steps", "global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        return problems
+
+    def accumulation_steps(self, world_size: int) -> int:
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            multiple = per_step
+            raise UserError(
+                f"train.global_batch_size={self.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={self.micro_batch_size} x {world_size} process(es) = {per_step}; "
+                f"use a multiple of {multiple} or change train.micro_batch_size"
+            )
+        return self.global_batch_size // per_step
+
+
+class BatchSchedule:
+    def __init__(self, n_blocks: int, global_batch: int, micro_batch: int, world_size: int, rank: int, seed: int):
+        if n_blocks < global_batch:
+            raise UserError(
+                f"the training data packs to {n_blocks} blocks, fewer than train.global_batch_size={global_batch}; "
+                "add data, lower data.seq_len or lower train.global_batch_size"
+            )
+        self.n_blocks, self.global_batch, self.micro_batch = n_blocks, global_batch, micro_batch
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.steps_per_epoch = n_blocks // global_batch
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def global_indices(self, step: int) -> np.ndarray:
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:  # a fresh shuffle each epoch, reproducible from (seed, epoch)
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.n_blocks, generator=gen).numpy()
+        return self._order[offset * self.global_batch : (offset + 1) * self.global_batch]
+
+    def micro_batches(self, step: int) -> list[np.ndarray]:
+        """This rank's share of the global batch, cut into micro-batches."""
+        per_rank = self.global_batch // self.world_size
+        mine = self.global_indices(step)[self.rank * per_rank : (self.rank + 1) * per_rank]
+        return [mine[i : i + self.micro_batch] for i in range(0, per_rank, self.micro_batch)]
+
+    def epoch(self, step: int) -> float:
+        return step / self.steps_per_epoch

@@ -1,0 +1,107 @@
+"""Training checkpoints: save_state folders `checkpoints/step-N/`, keep the last K, resume.
+
+A checkpoint is complete only once `trainer_state.json` is written, after every rank has
+finished its part of `save_state`; a folder without it (a crash mid-save) is never resumed
+from and never counts towards `keep_last`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from toolkit.config import UserError, field
+
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = field(100, help="save a checkpoint every N optimizer steps (0 = only at the end)")
+    keep_last: int = field(2, help="complete checkpoints to keep; older ones are deleted")
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.every < 0:
+            problems.append(f"every={self.every} must be >= 0")
+        if self.keep_last < 1:
+            problems.append(f"keep_last={self.keep_last} must be at least 1")
+        return problems
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / STATE_FILE).is_file()
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    root = output_dir / "checkpoints"
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            m = _STEP_DIR.match(child.name)
+            if m and is_complete(child):
+                found.append((int(m.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
+    """`None` -> fresh start; `auto` -> newest complete checkpoint (or fresh); a path -> that one."""
+    if not resume:
+        return None
+    if resume == "auto":
+        done = complete_checkpoints(output_dir)
+        return done[-1] if done else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(f"resume={resume} is not a folder; give a checkpoints/step-N folder or resume=auto")
+    if not is_complete(path):
+        raise UserError(
+            f"resume={resume} is an incomplete checkpoint (no {STATE_FILE}; the save was interrupted); "
+            f"resume from an earlier one or use resume=auto"
+        )
+    return path
+
+
+def read_state(folder: Path) -> dict:
+    return json.loads((folder / STATE_FILE).read_text())
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict, keep_last: int) -> Path:
+    """Collective: every rank must call it."""
+    folder = output_dir / "checkpoints" / f"step-{state['step']}"
+    if accelerator.is_main_process and folder.exists():
+        shutil.rmtree(folder)  # a stale, incomplete save of the same step
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(folder))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        tmp = folder / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.rename(folder / STATE_FILE)
+        for old in complete_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def load_checkpoint(accelerator: Accelerator, folder: Path) -> dict:
+    accelerator.load_state(str(folder))
+    return read_state(folder)
+
+
+def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse to mix two runs in one folder: nothing a user trained is lost by accident."""
+    if not output_dir.exists() or not any(output_dir.iterdir()):
+        return
+    if resume or overwrite:
+        return
+    raise UserError(
+        f"output_dir={output_dir} already holds a run; continue it with resume=auto, "
+        "start over with overwrite=true (deletes it), or choose another output_dir"
+    )

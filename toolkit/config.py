@@ -1,0 +1,204 @@
+"""Typed, validated recipe configs: a YAML file plus `key.sub=value` overrides into dataclasses.
+
+Every component owns a dataclass whose fields carry a one-line `help`; a recipe composes them
+into one tree. Loading checks every key (unknown ones get the closest valid name), coerces
+types the way YAML users expect ("1e-3" is a float), runs each section's `validate()`, and
+reports *all* problems in one `ConfigError` rather than stopping at the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for; recipes print it as one line, with no traceback."""
+
+
+class ConfigError(UserError):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems) if len(problems) == 1 else "\n  - " + "\n  - ".join(problems))
+
+
+def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
+    """A dataclass field with its one-line documentation."""
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`["train.lr=3e-4", "output_dir=runs/x"]` -> nested dict, values parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError([f"override {arg!r} is not key=value (for example train.max_steps=200)"])
+        key, raw = arg.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else None
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError([f"override {arg!r} sets a key under {part!r}, which is not a section"])
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:
+    """Read `path` (YAML), apply overrides, build and validate `cls`."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError([f"--config {path} does not exist; pick one from recipes/configs/"])
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError([f"{path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
+        if not isinstance(raw, dict):
+            raise ConfigError([f"{path} must hold a mapping of keys, found {type(raw).__name__}"])
+    raw = merge(raw, parse_overrides(overrides or []))
+    problems: list[str] = []
+    cfg = _build(cls, raw, "", problems)
+    if not problems:
+        problems.extend(validate_tree(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def validate_tree(cfg: Any, prefix: str = "") -> list[str]:
+    """Run `validate()` on every section; each returns messages naming keys relative to itself."""
+    problems: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            problems += validate_tree(value, f"{prefix}{f.name}.")
+    if hasattr(cfg, "validate"):
+        problems += [f"{prefix}{msg}" for msg in cfg.validate()]
+    return problems
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    if not isinstance(raw, dict):
+        problems.append(f"{prefix.rstrip('.') or 'config'} must be a mapping, found {raw!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            problems.append(f"unknown key {prefix}{key}{hint}")
+            continue
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}", problems)
+    for name, f in fields.items():
+        is_section = dataclasses.is_dataclass(hints[name])
+        if name not in kwargs and is_section:
+            kwargs[name] = _build(hints[name], {}, f"{prefix}{name}.", problems)
+        elif name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            problems.append(f"missing required key {prefix}{name} ({f.metadata.get('help', '')})")
+    if any(v is None and dataclasses.is_dataclass(hints[k]) for k, v in kwargs.items()):
+        return None
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required key was missing: already reported above
+        if not problems:
+            problems.append(f"{prefix or 'config'}: {exc}")
+        return None
+
+
+def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value if value is not None else {}, f"{key}.", problems)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        sub: list[str] = []
+        for arg in non_none:
+            sub = []
+            out = _coerce(arg, value, key, sub)
+            if not sub:
+                return out
+        problems.extend(sub)
+        return value
+    if origin is typing.Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint_txt = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"{key}={value!r} is not one of {', '.join(map(str, args))}{hint_txt}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{key} must be a list, found {value!r}")
+            return value
+        item = args[0] if args else Any
+        return [_coerce(item, v, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{key} must be a mapping, found {value!r}")
+        return value
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{key} must be true or false, found {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        problems.append(f"{key} must be an integer, found {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        problems.append(f"{key} must be a number, found {value!r}")
+        return value
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        problems.append(f"{key} must be a string, found {value!r}")
+        return value
+    return value

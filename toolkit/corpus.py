@@ -1,0 +1,141 @@
+"""Where training text comes from: local files, a folder, a glob, a hub id, or the embedded default.
+
+The embedded default is the Python language documentation that ships inside every CPython
+(`pydoc_data.topics`, ~465 KB of English technical prose), so a first run needs no network.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import datasets
+import numpy as np
+
+from toolkit.config import UserError, field
+
+EMBEDDED = "embedded:python-docs"
+_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class DataConfig:
+    path: str | None = field(None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs")
+    text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data")
+    sample_by: Literal["document", "paragraph", "line"] = field(
+        "paragraph", help="how plain-text files split into documents"
+    )
+    split: str = field("train", help="split to read from a hub dataset")
+    val_fraction: float = field(0.05, help="fraction of documents held out for evaluation (0 = no eval)")
+    seq_len: int = field(256, help="tokens per packed block")
+    num_proc: int = field(2, help="processes for tokenization")
+    cache_dir: str | None = field(None, help="where tokenized blocks are cached; default ~/.cache/llm-toolkit")
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not 0 <= self.val_fraction < 1:
+            problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
+        if self.seq_len < 8:
+            problems.append(f"seq_len={self.seq_len} is too short; use at least 8 tokens")
+        if self.num_proc < 1:
+            problems.append(f"num_proc={self.num_proc} must be at least 1")
+        return problems
+
+    def resolved_cache_dir(self) -> Path:
+        default = Path(os.environ.get("LLM_TOOLKIT_CACHE", Path.home() / ".cache" / "llm-toolkit"))
+        return Path(self.cache_dir) if self.cache_dir else default
+
+
+def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
+    """Return (dataset with one `text` column of non-empty documents, fingerprint of the source)."""
+    if not cfg.path:
+        from pydoc_data.topics import topics
+
+        texts = [topics[k] for k in sorted(topics)]
+        ds = datasets.Dataset.from_dict({"text": texts})
+        return _non_empty(ds, EMBEDDED), _hash(EMBEDDED, *texts)
+
+    files = _local_files(cfg.path)
+    if files is not None:
+        exts = {Path(f).suffix.lower() for f in files}
+        builders = {_BUILDERS.get(e) for e in exts}
+        if None in builders or len(builders) != 1:
+            raise UserError(
+                f"data.path={cfg.path} holds files of types {sorted(exts)}; use one of "
+                f"{sorted(_BUILDERS)} (all of one kind)"
+            )
+        builder = builders.pop()
+        kwargs = {"sample_by": cfg.sample_by} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+        stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
+        fingerprint = _hash(builder, cfg.sample_by, cfg.text_column, repr(stats))
+    else:
+        if Path(cfg.path).suffix or "/" not in cfg.path or cfg.path.startswith((".", "/", "~")):
+            raise UserError(
+                f"data.path={cfg.path} does not exist; give a file, a folder, a glob, or a hub id like org/name"
+            )
+        try:
+            ds = datasets.load_dataset(cfg.path, split=cfg.split)
+        except Exception as exc:  # the hub client raises many types; say what we tried
+            raise UserError(f"could not load hub dataset data.path={cfg.path} split={cfg.split}: {exc}") from None
+        fingerprint = _hash(cfg.path, cfg.split, cfg.text_column, ds._fingerprint)
+
+    if cfg.text_column not in ds.column_names:
+        raise UserError(
+            f"data.text_column={cfg.text_column} is not in {cfg.path}; its columns are {ds.column_names}"
+        )
+    ds = ds.select_columns([cfg.text_column])
+    if cfg.text_column != "text":
+        ds = ds.rename_column(cfg.text_column, "text")
+    return _non_empty(ds, cfg.path), fingerprint
+
+
+def split_documents(ds: datasets.Dataset, val_fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Hold out whole documents (never half a document) for evaluation, deterministically."""
+    if val_fraction == 0:
+        return ds, None
+    n = len(ds)
+    n_val = max(1, round(n * val_fraction))
+    if n - n_val < 1:
+        raise UserError(
+            f"the corpus has {n} document(s); cannot hold out {val_fraction:.0%} for validation "
+            "and still train; add text or set data.val_fraction=0"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    return ds.select(np.sort(order[n_val:])), ds.select(np.sort(order[:n_val]))
+
+
+def _local_files(path: str) -> list[str] | None:
+    p = Path(path).expanduser()
+    if p.is_file():
+        return [str(p)]
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix.lower() in _BUILDERS)
+        if not files:
+            raise UserError(f"data.path={path} is a folder with no {'/'.join(sorted(_BUILDERS))} files")
+        return files
+    if any(ch in path for ch in "*?["):
+        files = sorted(f for f in glob.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(f))
+        if not files:
+            raise UserError(f"data.path={path} matches no files")
+        return files
+    return None
+
+
+def _non_empty(ds: datasets.Dataset, source: str) -> datasets.Dataset:
+    ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
+    if len(ds) == 0:
+        raise UserError(f"data.path={source} holds no text (0 non-empty documents)")
+    return ds
+
+
+def _hash(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return h.hexdigest()[:16]

@@ -1,0 +1,72 @@
+"""The final model as one Hugging Face folder: safetensors, config, tokenizer, model card.
+
+Written to a temporary sibling and renamed into place, so `final/` is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+from accelerate import Accelerator
+
+CARD = """---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [llm-toolkit, {model_type}]
+---
+# {name}
+
+A {model_type} causal language model ({params:,} parameters) trained from scratch with
+llm-toolkit's `{recipe}` recipe.
+
+| | |
+|---|---|
+| steps | {step} |
+| tokens seen | {tokens:,} |
+| final held-out loss | {eval_loss} |
+| final held-out perplexity | {eval_ppl} |
+| strategy | {strategy} |
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+```
+
+## Training config
+```yaml
+{config}```
+"""
+
+
+def save_final_model(
+    accelerator: Accelerator, model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict
+) -> Path | None:
+    """Collective (gathers sharded weights); only the main process writes."""
+    state_dict = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return None
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.config.use_cache = True  # inference default; training turned it off
+    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    if getattr(unwrapped, "generation_config", None) is not None:
+        unwrapped.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    facts = {"name": out_dir.name, **card_facts}
+    for key in ("eval_loss", "eval_ppl"):
+        if isinstance(facts.get(key), float):
+            facts[key] = f"{facts[key]:.4f}"
+    facts.setdefault("eval_loss", "n/a")
+    facts.setdefault("eval_ppl", "n/a")
+    (tmp / "README.md").write_text(CARD.format(config=yaml.safe_dump(train_config, sort_keys=False), **facts))
+    (tmp / "training_summary.json").write_text(json.dumps(card_facts, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    accelerator.wait_for_everyone()
+    return out_dir

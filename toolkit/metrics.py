@@ -1,0 +1,120 @@
+"""Training metrics: `metrics.jsonl`, model FLOPs utilisation, and the loss-curve plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit.config import field
+
+# Dense bf16 peak (no sparsity) per GPU, FLOP/s, from the vendors' datasheets.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,  # fp16 tensor cores; V100 has no bf16
+    "T4": 65e12,
+}
+
+
+@dataclass
+class LoggingConfig:
+    every: int = field(1, help="write a metrics line every N optimizer steps")
+    eval_every: int = field(50, help="held-out perplexity every N steps (0 = only at the end)")
+    eval_blocks: int = field(64, help="held-out blocks per evaluation, the same on any number of processes (0 = all)")
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"], help="Accelerate trackers: tensorboard, wandb")
+
+    def validate(self) -> list[str]:
+        problems = []
+        for name in ("every", "eval_every", "eval_blocks"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0")
+        if self.every == 0:
+            problems.append("every=0: use at least 1")
+        for t in self.trackers:
+            if t not in ("tensorboard", "wandb"):
+                problems.append(f"trackers has {t!r}; use tensorboard and/or wandb")
+        return problems
+
+
+def flops_per_token(n_params_no_embed: int, n_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token, as in PaLM (appendix B) and nanoGPT: 6N for the weight matmuls
+    plus 12 * layers * seq_len * hidden for the attention scores and values (forward + backward)."""
+    return 6 * n_params_no_embed + 12 * n_layers * seq_len * hidden
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of the device, or None where it is not known (CPUs: never guessed)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def estimate_mfu(tokens_per_s: float, flops_token: float, world_size: int, peak: float | None) -> float | None:
+    if peak is None:
+        return None
+    return tokens_per_s * flops_token / (peak * world_size)
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; on resume, drops lines past the resumed step."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._file = path.open("a")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: Path, out_png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="held-out loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png

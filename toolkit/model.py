@@ -1,0 +1,96 @@
+"""Build a causal LM from any transformers `model_type` plus sizes, with validated keys."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from toolkit.config import UserError, field
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = field("llama", help="any transformers model_type with a causal LM head: llama, gpt2, qwen2, mistral, ...")
+    config: dict[str, Any] = field(default_factory=dict, help="architecture sizes passed to the transformers config")
+    attn_implementation: str = field("sdpa", help="sdpa (CPU/GPU) or flash_attention_2 (GPU)")
+    gradient_checkpointing: Literal["none", "full", "every_k"] = field(
+        "none", help="recompute activations in the backward: none, full (every layer) or every_k"
+    )
+    gradient_checkpointing_k: int = field(2, help="with every_k: checkpoint every k-th decoder layer")
+    init_seed: int | None = field(None, help="seed for the random init; default: the run's seed")
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.model_type not in CONFIG_MAPPING:
+            close = difflib.get_close_matches(self.model_type, list(CONFIG_MAPPING), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"model_type={self.model_type} is not a transformers model type{hint}")
+        else:
+            problems += [f"config.{p}" for p in _unknown_config_keys(self.model_type, self.config)]
+        if self.gradient_checkpointing_k < 1:
+            problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
+        return problems
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int | None) -> PretrainedConfig:
+    kwargs = dict(cfg.config)
+    kwargs.setdefault("vocab_size", vocab_size)
+    if kwargs["vocab_size"] < vocab_size:
+        raise UserError(
+            f"model.config.vocab_size={kwargs['vocab_size']} is smaller than the tokenizer's {vocab_size} tokens; "
+            "remove it to take the tokenizer's size"
+        )
+    config = AutoConfig.for_model(cfg.model_type, **kwargs)
+    config.eos_token_id = config.bos_token_id = eos_id
+    config.pad_token_id = pad_id
+    config.use_cache = False  # training; generate() turns it back on
+    return config
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def build_model(cfg: ModelConfig, config: PretrainedConfig, seq_len: int, seed: int) -> torch.nn.Module:
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise UserError(
+            f"data.seq_len={seq_len} is larger than the model's max positions ({limit}); "
+            f"lower data.seq_len or raise model.config.max_position_embeddings"
+        )
+    torch.manual_seed(cfg.init_seed if cfg.init_seed is not None else seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    except (ValueError, ImportError) as exc:
+        raise UserError(f"model.attn_implementation={cfg.attn_implementation} is not usable here: {exc}") from None
+    return model
+
+
+def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = False) -> int:
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        emb = model.get_input_embeddings()
+        if emb is not None:
+            total -= emb.weight.numel()
+    return total
+
+
+def _unknown_config_keys(model_type: str, sizes: dict[str, Any]) -> list[str]:
+    reference = CONFIG_MAPPING[model_type]()
+    known = set(reference.to_dict()) | set(getattr(reference, "attribute_map", {}))
+    problems = []
+    for key in sizes:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"{key} is not a {model_type} config key{hint}")
+    return problems

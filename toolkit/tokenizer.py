@@ -1,0 +1,74 @@
+"""The tokenizer: load one, or train a byte-level BPE on the corpus with `tokenizers`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from toolkit.config import UserError, field
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+
+
+@dataclass
+class TokenizerConfig:
+    path: str | None = field(None, help="tokenizer folder or hub id; empty = train a byte-level BPE on the corpus")
+    vocab_size: int = field(4096, help="vocabulary size when training a BPE")
+    min_frequency: int = field(2, help="minimum pair frequency for a BPE merge")
+
+    def validate(self) -> list[str]:
+        if self.path is None and not 256 + 2 <= self.vocab_size <= 1_000_000:
+            return [f"vocab_size={self.vocab_size} must be between 258 (bytes + special tokens) and 1000000"]
+        return []
+
+
+def train_bpe(corpus: datasets.Dataset, vocab_size: int, min_frequency: int = 2) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 style): every byte is reachable, so no text is ever <unk>."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+    def batches():
+        for start in range(0, len(corpus), 1000):
+            yield corpus[start : start + 1000]["text"]
+
+    tok.train_from_iterator(batches(), trainer=trainer, length=len(corpus))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"tokenizer.path={path} could not be loaded ({exc}); give a tokenizer folder or hub id") from None
+    if tok.eos_token_id is None:
+        raise UserError(f"tokenizer.path={path} has no EOS token; packing needs one to separate documents")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # only fills the tail of the last block, which is masked out
+    return tok
+
+
+def get_tokenizer(cfg: TokenizerConfig, corpus: datasets.Dataset, cache: Path) -> PreTrainedTokenizerBase:
+    """Load `cfg.path`, or train a BPE once per (corpus, vocab) and reuse it from `cache`."""
+    if cfg.path:
+        return load_tokenizer(cfg.path)
+    if (cache / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cache))
+    tok = train_bpe(corpus, cfg.vocab_size, cfg.min_frequency)
+    tmp = cache.with_name(cache.name + ".tmp")
+    tok.save_pretrained(str(tmp))
+    tmp.rename(cache)
+    return tok
