@@ -41,7 +41,7 @@ from toolkit.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.hf_folder import save_final_model
 from toolkit.loss import backward_scale, forward_loss_sum
 from toolkit.metrics import MetricsWriter, estimate_mfu, flops_per_token, peak_flops, plot_loss
-from toolkit.model import build_model, count_parameters, hf_config
+from toolkit.model import build_model, check_seq_len, count_parameters, hf_config
 from toolkit.optim import build_optimizer, build_scheduler
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
 from toolkit.recipe_config import PretrainConfig
@@ -61,6 +61,7 @@ class PretrainRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         check_attention(cfg.model.attn_implementation)
+        check_seq_len(cfg.model, cfg.data.seq_len)
         ckpt.check_output_dir(self.out, cfg.resume, cfg.overwrite)
         resume_from = ckpt.resolve_resume(cfg.resume, self.out)
 
@@ -110,7 +111,7 @@ class PretrainRecipe:
 
         # Model: random init from the config, seeded identically on every rank.
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
-        model = build_model(cfg.model, config, cfg.data.seq_len, cfg.seed)
+        model = build_model(cfg.model, config, cfg.seed)
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         self.n_params = count_parameters(model)
         self.flops_token = flops_per_token(

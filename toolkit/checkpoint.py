@@ -60,12 +60,21 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
     path = Path(resume)
     if not path.is_dir():
         raise UserError(f"resume={resume} is not a folder; give a checkpoints/step-N folder or resume=auto")
+    if not is_complete(path) and not _looks_like_checkpoint(path):
+        raise UserError(
+            f"resume={resume} is not a training checkpoint (no optimizer or RNG state); give a "
+            "checkpoints/step-N folder of a run, or resume=auto"
+        )
     if not is_complete(path):
         raise UserError(
             f"resume={resume} is an incomplete checkpoint (no {STATE_FILE}; the save was interrupted); "
             f"resume from an earlier one or use resume=auto"
         )
     return path
+
+
+def _looks_like_checkpoint(folder: Path) -> bool:
+    return _STEP_DIR.match(folder.name) is not None or any(folder.glob("optimizer*")) or any(folder.glob("random_states*"))
 
 
 def read_state(folder: Path) -> dict:

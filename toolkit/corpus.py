@@ -29,6 +29,7 @@ class DataConfig:
     sample_by: Literal["document", "paragraph", "line"] = field(
         "paragraph", help="how plain-text files split into documents"
     )
+    name: str | None = field(None, help="hub dataset config name, e.g. wikitext-103-raw-v1")
     split: str = field("train", help="split to read from a hub dataset")
     val_fraction: float = field(0.05, help="fraction of documents held out for evaluation (0 = no eval)")
     seq_len: int = field(256, help="tokens per packed block")
@@ -69,8 +70,14 @@ def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
                 f"{sorted(_BUILDERS)} (all of one kind)"
             )
         builder = builders.pop()
+        if all(os.path.getsize(f) == 0 for f in files):
+            raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty)")
         kwargs = {"sample_by": cfg.sample_by} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+        try:
+            ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+        except datasets.exceptions.DatasetGenerationError as exc:
+            cause = exc.__cause__ or exc
+            raise UserError(f"could not read data.path={cfg.path} as {builder}: {cause}") from None
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         fingerprint = _hash(builder, cfg.sample_by, cfg.text_column, repr(stats))
     else:
@@ -79,10 +86,10 @@ def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
                 f"data.path={cfg.path} does not exist; give a file, a folder, a glob, or a hub id like org/name"
             )
         try:
-            ds = datasets.load_dataset(cfg.path, split=cfg.split)
+            ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
         except Exception as exc:  # the hub client raises many types; say what we tried
             raise UserError(f"could not load hub dataset data.path={cfg.path} split={cfg.split}: {exc}") from None
-        fingerprint = _hash(cfg.path, cfg.split, cfg.text_column, ds._fingerprint)
+        fingerprint = _hash(cfg.path, str(cfg.name), cfg.split, cfg.text_column, ds._fingerprint)
 
     if cfg.text_column not in ds.column_names:
         raise UserError(

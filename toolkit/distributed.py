@@ -11,6 +11,7 @@ Accelerate's quirks on CPU-only machines are handled here, each with the reason:
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 from accelerate import Accelerator
@@ -46,7 +47,9 @@ def build_accelerator(
 ) -> Accelerator:
     kwargs = {}
     if not has_gpu():
-        kwargs = {"cpu": True, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+        kwargs["cpu"] = True
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # single process: no process group at all
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     return Accelerator(
         mixed_precision=resolve_mixed_precision(mixed_precision),
         gradient_accumulation_steps=accumulation_steps,

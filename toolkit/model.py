@@ -52,6 +52,16 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int | None
     return config
 
 
+def check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
+    """Fail before any data work if blocks would not fit the model's positions."""
+    limit = max_positions(AutoConfig.for_model(cfg.model_type, **cfg.config))
+    if limit is not None and seq_len > limit:
+        raise UserError(
+            f"data.seq_len={seq_len} is larger than the model's max positions ({limit}); "
+            f"lower data.seq_len or raise model.config.max_position_embeddings"
+        )
+
+
 def max_positions(config: PretrainedConfig) -> int | None:
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
@@ -60,13 +70,7 @@ def max_positions(config: PretrainedConfig) -> int | None:
     return None
 
 
-def build_model(cfg: ModelConfig, config: PretrainedConfig, seq_len: int, seed: int) -> torch.nn.Module:
-    limit = max_positions(config)
-    if limit is not None and seq_len > limit:
-        raise UserError(
-            f"data.seq_len={seq_len} is larger than the model's max positions ({limit}); "
-            f"lower data.seq_len or raise model.config.max_position_embeddings"
-        )
+def build_model(cfg: ModelConfig, config: PretrainedConfig, seed: int) -> torch.nn.Module:
     torch.manual_seed(cfg.init_seed if cfg.init_seed is not None else seed)
     try:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)

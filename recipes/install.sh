@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install the toolkit and everything it needs into the current Python.
+# A torch that is already there (say, a CUDA build on a GPU machine) is kept; with none, the
+# CPU build of torch 2.13.0 is installed (an unpinned torch would pull several GB of CUDA).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".[deepspeed,test]"
