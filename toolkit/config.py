@@ -27,7 +27,10 @@ class UserError(Exception):
 class ConfigError(UserError):
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("; ".join(problems) if len(problems) == 1 else "\n  - " + "\n  - ".join(problems))
+        if len(problems) == 1:
+            super().__init__(problems[0])
+        else:
+            super().__init__(f"{len(problems)} problems in the config:\n  - " + "\n  - ".join(problems))
 
 
 def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
@@ -84,8 +87,8 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
     raw = merge(raw, parse_overrides(overrides or []))
     problems: list[str] = []
     cfg = _build(cls, raw, "", problems)
-    if not problems:
-        problems.extend(validate_tree(cfg))
+    if cfg is not None:  # range checks too, so that one run reports every problem
+        problems.extend(p for p in validate_tree(cfg) if p not in problems)
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -99,7 +102,10 @@ def validate_tree(cfg: Any, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(value):
             problems += validate_tree(value, f"{prefix}{f.name}.")
     if hasattr(cfg, "validate"):
-        problems += [f"{prefix}{msg}" for msg in cfg.validate()]
+        try:
+            problems += [f"{prefix}{msg}" for msg in cfg.validate()]
+        except TypeError:  # a value of the wrong type, already reported by the loader
+            pass
     return problems
 
 

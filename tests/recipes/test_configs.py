@@ -1,0 +1,53 @@
+"""Every shipped recipe YAML and accelerate config loads and validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from toolkit.config import load_config
+from toolkit.model import check_seq_len, hf_config
+from toolkit.recipe_config import PretrainConfig
+
+RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+def test_the_required_configs_ship():
+    names = {p.name for p in RECIPE_CONFIGS}
+    assert {"pretrain_tiny.yaml", "pretrain_gpt2_124m.yaml", "pretrain_llama_1b.yaml"} <= names
+    assert "ddp.yaml" in {p.name for p in ACCELERATE_CONFIGS}
+
+
+@pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=lambda p: p.name)
+def test_recipe_yaml_validates_and_starts_with_its_launch_line(path: Path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# accelerate launch --config_file accelerate_configs/"), first
+    assert f"--config recipes/configs/{path.name}" in first
+    script = first.split("recipes/", 1)[1].split()[0]
+    assert (ROOT / "recipes" / script).is_file(), script
+    if path.name.startswith("pretrain_"):
+        cfg = load_config(PretrainConfig, path)
+        check_seq_len(cfg.model, cfg.data.seq_len)
+        config = hf_config(cfg.model, cfg.tokenizer.vocab_size, 0, 1)  # the architecture builds
+        assert config.model_type == cfg.model.model_type
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_accelerate_config_loads_with_accelerate(path: Path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(path))
+    assert cfg.compute_environment.value == "LOCAL_MACHINE"
+    raw = yaml.safe_load(path.read_text())
+    assert raw["mixed_precision"] == "no", "precision belongs to the recipe config (train.mixed_precision)"
+
+
+def test_a_shipped_yaml_with_an_unknown_key_fails(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "recipes/configs/pretrain_tiny.yaml").read_text() + "\ntrian:\n  max_steps: 3\n")
+    with pytest.raises(Exception, match="unknown key trian; did you mean train"):
+        load_config(PretrainConfig, bad)

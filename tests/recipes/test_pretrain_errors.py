@@ -1,0 +1,103 @@
+"""Bad input to the pretraining recipe: one clear line on stderr, exit code 2, nothing lost."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT, TINY, run_recipe
+
+
+@pytest.fixture(scope="module")
+def pretrain():
+    spec = importlib.util.spec_from_file_location("pretrain_recipe", ROOT / "recipes" / "pretrain.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_main(pretrain, capsys, monkeypatch, tmp_path, *overrides) -> str:
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(tmp_path / "cache"))
+    argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, *overrides]
+    if not any(o.startswith("output_dir=") for o in overrides):
+        argv.append(f"output_dir={tmp_path / 'out'}")
+    assert pretrain.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err  # progress bars of datasets may come before it
+    return errors[0]
+
+
+CASES = {
+    "misspelled key": (["train.max_stepz=3"], "unknown key train.max_stepz; did you mean train.max_steps?"),
+    "unknown section": (["optimizer.lr=1"], "unknown key optimizer; did you mean optim?"),
+    "wrong type": (["train.max_steps=many"], "train.max_steps must be an integer, found 'many'"),
+    "bad choice": (["optim.schedule=cosin"], "optim.schedule='cosin' is not one of cosine, linear, constant; did you mean cosine?"),
+    "unknown architecture key": (["model.config.hidden_sise=8"], "model.config.hidden_sise is not a llama config key; did you mean hidden_size?"),
+    "missing data path": (["data.path=/nonexistent/corpus.txt"], "data.path=/nonexistent/corpus.txt does not exist"),
+    "seq_len over max positions": (["data.seq_len=512", "model.config.max_position_embeddings=256"], "data.seq_len=512 is larger than the model's max positions (256)"),
+    "batch sizes do not divide": (["train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size=10 is not divisible by train.micro_batch_size=4"),
+    "eager attention with packing": (["model.attn_implementation=eager"], "cannot keep packed documents apart"),
+    "bf16 on a CPU": (["train.mixed_precision=bf16"], "train.mixed_precision=bf16 needs a GPU"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_config_gives_one_line(pretrain, capsys, monkeypatch, tmp_path, name):
+    overrides, message = CASES[name]
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, *overrides)
+    assert message in err
+
+
+def test_all_problems_are_reported_at_once(pretrain, capsys, monkeypatch, tmp_path):
+    argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), "train.max_stepz=3", "optim.lr=-1",
+            "data.val_fraction=2"]
+    assert pretrain.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 3 problems in the config:"), err
+    assert "train.max_stepz" in err and "optim.lr=-1.0 must be positive" in err and "data.val_fraction=2.0" in err
+
+
+def test_empty_corpus(pretrain, capsys, monkeypatch, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"data.path={empty}")
+    assert "holds no text" in err
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"text": "   "}) + "\n")
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"data.path={blank}")
+    assert "holds no text (0 non-empty documents)" in err
+
+
+def test_output_dir_of_another_run_is_not_overwritten(pretrain, capsys, monkeypatch, tmp_path):
+    out = tmp_path / "previous"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}")
+    assert "already holds a run" in err and "resume=auto" in err and "overwrite=true" in err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'
+
+
+def test_incomplete_checkpoint_is_refused(pretrain, capsys, monkeypatch, tmp_path):
+    partial = tmp_path / "run" / "checkpoints" / "step-4"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"truncated")
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={tmp_path / 'new'}", f"resume={partial}")
+    assert "is an incomplete checkpoint" in err
+    # resume=auto skips it: an interrupted save is never resumed from
+    from toolkit.checkpoint import resolve_resume
+
+    assert resolve_resume("auto", tmp_path / "run") is None
+
+
+@pytest.mark.distributed
+def test_two_process_launch_prints_the_error_first(tmp_path, data_cache):
+    proc = run_recipe("pretrain", [*TINY, "train.max_stepz=3", f"output_dir={tmp_path}"], nproc=2,
+                      cache=data_cache, check=False)
+    assert proc.returncode != 0
+    first = proc.stderr.strip().splitlines()[0]
+    assert first == "error: unknown key train.max_stepz; did you mean train.max_steps?"
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
