@@ -29,13 +29,21 @@ from pathlib import Path
 
 import datasets
 import torch
+from accelerate.utils import DummyOptim, DummyScheduler
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint as ckpt
 from toolkit.batching import BatchSchedule
 from toolkit.config import UserError, load_config, to_dict
 from toolkit.corpus import load_corpus, split_documents
-from toolkit.distributed import build_accelerator, check_replicas_in_sync, describe, strategy_name
+from toolkit.distributed import (
+    build_accelerator,
+    check_fsdp_layers,
+    check_replicas_in_sync,
+    configure_deepspeed,
+    describe,
+    strategy_name,
+)
 from toolkit.evaluation import evaluate
 from toolkit.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.hf_folder import save_final_model
@@ -120,12 +128,27 @@ class PretrainRecipe:
         )
         acc.print(f"[pretrain] model: {cfg.model.model_type}, {self.n_params:,} parameters")
 
-        # Optimizer and schedule. The scheduler is stepped by us once per optimizer step, not by
-        # Accelerate (which steps it once per process), and saved through register_for_checkpointing.
-        optimizer = build_optimizer(model, cfg.optim)
-        self.scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-        self.model, self.optimizer = acc.prepare(model, optimizer)
-        acc.register_for_checkpointing(self.scheduler)
+        # Optimizer and schedule: the recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON
+        # defines its own. Ours is stepped once per optimizer step by us (Accelerate would step it
+        # once per process) and saved through register_for_checkpointing.
+        check_fsdp_layers(acc, model)
+        ds_owned = configure_deepspeed(acc, cfg.train.micro_batch_size, cfg.optim.max_grad_norm)
+        if ds_owned:
+            acc.print(f"[pretrain] the DeepSpeed config defines {' and '.join(ds_owned)}: using them instead of the recipe's optim section")
+        if "optimizer" in ds_owned:
+            optimizer = DummyOptim(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        else:
+            optimizer = build_optimizer(model, cfg.optim)
+        if "scheduler" in ds_owned:
+            scheduler = DummyScheduler(optimizer, total_num_steps=cfg.train.max_steps, warmup_num_steps=cfg.optim.warmup_steps)
+            self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+            self.step_scheduler = False  # the DeepSpeed engine steps it
+        else:
+            self.model, self.optimizer = acc.prepare(model, optimizer)
+            # Built on the prepared optimizer: ZeRO-3 and FSDP2 rebuild the parameter groups.
+            self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+            acc.register_for_checkpointing(self.scheduler)
+            self.step_scheduler = True
 
         if resume_from is not None:
             state = ckpt.load_checkpoint(acc, resume_from)
@@ -146,6 +169,7 @@ class PretrainRecipe:
         window_tokens, window_time = 0, 0.0
         while self.step < cfg.train.max_steps:
             t0 = time.perf_counter()
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
             global_idx = self.schedule.global_indices(self.step)
             global_targets = int(self.block_targets[global_idx].sum())
             scale = backward_scale(global_targets, acc.num_processes, self.accum)
@@ -162,8 +186,8 @@ class PretrainRecipe:
                         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
+            if self.step_scheduler:
+                self.scheduler.step()
             self.step += 1
             step_tokens = int(self.block_tokens[global_idx].sum())
             self.tokens_seen += step_tokens

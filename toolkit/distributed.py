@@ -1,17 +1,29 @@
 """One place that turns an `accelerate launch` into a correctly configured Accelerator.
 
-Accelerate's quirks on CPU-only machines are handled here, each with the reason:
-- Without `cpu=True`, Accelerate on a CPU machine treats a multi-process launch as a single
-  process: the model is not wrapped in DDP and ranks silently train apart (measured: losses
-  diverge between ranks). So with no GPU we force `cpu=True` and the gloo backend, and the
-  same `accelerate_configs/ddp.yaml` runs NCCL on GPUs and gloo on CPU.
-- `cpu=True` alone picks MPI when torch was built with it; gloo is named explicitly.
+The strategy (DDP, FSDP, DeepSpeed ZeRO-1/2/3) comes only from the accelerate config file the
+user launched with. Accelerate's quirks on CPU-only machines are handled here, each with the
+reason, so that the same file trains the same way on CPU (gloo) and GPU (NCCL), and never
+silently trains unsharded or unsynchronised:
+
+- DDP: without `cpu=True`, Accelerate on a CPU machine treats a multi-process launch as a
+  single process: the model is not wrapped in DDP and ranks silently train apart (measured:
+  losses diverge). So with no GPU we force `cpu=True`, and name gloo (`cpu=True` alone picks
+  MPI when torch was built with it).
+- DeepSpeed: `cpu=True` makes Accelerate drop DeepSpeed altogether, and without a backend it
+  reports a single process. So on CPU we leave `cpu` off, pass gloo, and select DeepSpeed's
+  CPU accelerator (DS_ACCELERATOR=cpu) before DeepSpeed is imported.
+- FSDP: Accelerate applies FSDP only on GPU-like devices; on CPU the config would do nothing.
+  torch's FSDP2 `fully_shard` does shard and train on CPU over gloo, so after creating the
+  Accelerator on CPU we set its distributed type to FSDP and give it the plugin from the
+  launch environment; `prepare` then takes Accelerate's own FSDP2 path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -30,6 +42,15 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def launched_strategy() -> str:
+    """What the accelerate config asked for, read from the launcher's environment."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    return "ddp"
+
+
 def resolve_mixed_precision(choice: str) -> str:
     if choice != "auto":
         if choice != "no" and not has_gpu():
@@ -42,25 +63,128 @@ def resolve_mixed_precision(choice: str) -> str:
     return "no"
 
 
+def check_deepspeed_config() -> dict | None:
+    """Read the launched DeepSpeed JSON ourselves first, so that mistakes are one clear line."""
+    if launched_strategy() != "deepspeed":
+        return None
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as exc:
+        raise UserError(
+            f"the accelerate config asks for DeepSpeed, but it cannot be imported ({exc}); "
+            "install it with pip install 'llm-toolkit[deepspeed]' or launch with accelerate_configs/ddp.yaml"
+        ) from None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or path == "none":
+        return None  # stage etc. given inline in the accelerate config
+    if not Path(path).is_file():
+        raise UserError(f"deepspeed_config_file {path} does not exist (paths are relative to where you launch)")
+    try:
+        ds = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
+    return ds
+
+
 def build_accelerator(
     mixed_precision: str, accumulation_steps: int, project_dir: str, trackers: list[str] | None = None
 ) -> Accelerator:
-    kwargs = {}
+    strategy = launched_strategy()
+    check_deepspeed_config()
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    kwargs: dict = {}
     if not has_gpu():
-        kwargs["cpu"] = True
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # single process: no process group at all
+        if strategy == "deepspeed":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-    return Accelerator(
+        else:
+            kwargs["cpu"] = True
+            if multi:  # single process: no process group at all
+                kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(
         mixed_precision=resolve_mixed_precision(mixed_precision),
         gradient_accumulation_steps=accumulation_steps,
         log_with=trackers or None,
         project_dir=project_dir,
         **kwargs,
     )
+    if strategy == "fsdp" and not has_gpu() and multi:
+        from accelerate.state import PartialState
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        accelerator.state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return accelerator
+
+
+def configure_deepspeed(accelerator: Accelerator, micro_batch: int, max_grad_norm: float) -> list[str]:
+    """Fill DeepSpeed's "auto" values from the recipe; refuse values that contradict it.
+
+    Returns what the DeepSpeed JSON itself takes over (its own optimizer/scheduler), for the log.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return []
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "the DeepSpeed config")
+    wanted = {
+        "train_micro_batch_size_per_gpu": (micro_batch, "train.micro_batch_size"),
+        "gradient_accumulation_steps": (accelerator.gradient_accumulation_steps, "the accumulation derived from train.global_batch_size"),
+        "train_batch_size": (micro_batch * accelerator.gradient_accumulation_steps * accelerator.num_processes, "train.global_batch_size"),
+        "gradient_clipping": (max_grad_norm, "optim.max_grad_norm"),
+    }
+    problems = []
+    for key, (value, origin) in wanted.items():
+        current = ds.get(key, "auto")
+        if current == "auto":
+            ds[key] = value
+        elif float(current) != float(value):
+            problems.append(f"{source} sets {key}={current} but the recipe has {value} ({origin}); set it to \"auto\"")
+    if problems:
+        raise UserError("; ".join(problems))
+    return [block for block in ("optimizer", "scheduler") if block in ds]
+
+
+def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """An FSDP config naming a layer class the model does not have would fail deep inside prepare."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    named = accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap or []
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in named if n not in present]
+    if missing:
+        layers = getattr(model, "_no_split_modules", None) or sorted(present)
+        raise UserError(
+            f"the FSDP config wraps {', '.join(missing)}, which this {type(model).__name__} does not have; "
+            f"its decoder layer class is {', '.join(layers)} (or leave fsdp_transformer_layer_cls_to_wrap out)"
+        )
+
+
+def zero_stage(accelerator: Accelerator) -> int | None:
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return int(accelerator.state.deepspeed_plugin.zero_stage)
 
 
 def strategy_name(accelerator: Accelerator) -> str:
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        offload = [k.split("_")[1] for k in ("offload_optimizer", "offload_param") if ds.get(k, {}).get("device", "none") != "none"]
+        return f"DeepSpeed ZeRO-{zero_stage(accelerator)}" + (f" (offload {'+'.join(offload)})" if offload else "")
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
     return DATA_PARALLEL.get(accelerator.distributed_type, str(accelerator.distributed_type).split(".")[-1])
+
+
+def is_replicated(accelerator: Accelerator) -> bool:
+    """Whether every rank holds the full parameters (DDP, ZeRO-1/2) rather than shards."""
+    if accelerator.distributed_type in DATA_PARALLEL:
+        return True
+    return accelerator.distributed_type == DistributedType.DEEPSPEED and (zero_stage(accelerator) or 0) < 3
 
 
 def describe(accelerator: Accelerator) -> str:
@@ -78,8 +202,10 @@ def parameter_digest(model: torch.nn.Module) -> str:
     """Exact fingerprint of the parameters held by this rank (bit-level)."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
+        # FSDP2 holds DTensors, ZeRO-3 keeps this rank's partition in `ds_tensor`
+        local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
         h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(local.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -88,7 +214,7 @@ def check_replicas_in_sync(accelerator: Accelerator, model: torch.nn.Module) -> 
     from accelerate.utils import gather_object
 
     digests = gather_object([parameter_digest(accelerator.unwrap_model(model))])
-    if accelerator.distributed_type in DATA_PARALLEL and len(set(digests)) > 1:
+    if is_replicated(accelerator) and len(set(digests)) > 1:
         raise RuntimeError(
             f"data-parallel ranks ended with different weights ({digests}); gradients were not "
             "synchronised. Report this with the launch command and accelerate config."

@@ -24,7 +24,9 @@ def losses(out) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, data_cache):
     out = tmp_path_factory.mktemp("ddp") / "run"
-    proc = run_recipe("pretrain", [*TINY, *STEPS, f"output_dir={out}"], nproc=2, cache=data_cache)
+    proc = run_recipe(
+        "pretrain", [*TINY, *STEPS, f"output_dir={out}", "logging.trackers=[tensorboard]"], nproc=2, cache=data_cache
+    )
     return out, proc
 
 
@@ -75,6 +77,7 @@ def test_final_folder_loads_and_generates(ddp_run):
     assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
     assert all(r["eval_ppl"] > 1 for r in rows if "eval_ppl" in r)
     assert (out / "loss.png").stat().st_size > 1000
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*")), "no tensorboard events written"
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-3", "step-6"]
 
 
@@ -98,5 +101,7 @@ def test_resume_from_checkpoint_continues_at_the_right_step(ddp_run, tmp_path, d
 def test_resume_auto_extends_a_finished_run(ddp_run, data_cache):
     out, _ = ddp_run
     run_recipe("pretrain", [*TINY, "train.max_steps=8", f"output_dir={out}", "resume=auto"], nproc=2, cache=data_cache)
-    steps = sorted(losses(out))
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, 9))  # 1-6 kept from the first run, 7-8 appended once
+    # keep_last=2: step-3 was pruned once step-8 completed
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-6", "step-8"]
