@@ -20,7 +20,6 @@ keep packed documents apart.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import sys
@@ -42,6 +41,7 @@ from toolkit.distributed import (
     check_replicas_in_sync,
     configure_deepspeed,
     describe,
+    full_model_init,
     strategy_name,
 )
 from toolkit.evaluation import evaluate
@@ -119,7 +119,8 @@ class PretrainRecipe:
 
         # Model: random init from the config, seeded identically on every rank.
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
-        model = build_model(cfg.model, config, cfg.seed)
+        with full_model_init(acc):
+            model = build_model(cfg.model, config, cfg.seed)
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         self.n_params = count_parameters(model)
         self.flops_token = flops_per_token(

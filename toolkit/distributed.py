@@ -20,6 +20,7 @@ silently trains unsharded or unsynchronised:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -147,6 +148,28 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, max_grad_nor
     if problems:
         raise UserError("; ".join(problems))
     return [block for block in ("optimizer", "scheduler") if block in ds]
+
+
+@contextlib.contextmanager
+def full_model_init(accelerator: Accelerator):
+    """Build the model whole on every rank, identically seeded, whatever the strategy.
+
+    Accelerate registers its DeepSpeed config with transformers even with zero3_init_flag off,
+    so under ZeRO-3 `from_config` would construct the model inside `deepspeed.zero.Init`:
+    partitioned at birth, with another random init than every other strategy gets. Building it
+    whole costs host RAM for the full model once and makes the init identical everywhere;
+    `prepare` partitions it right after.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
 def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module) -> None:

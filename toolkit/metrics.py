@@ -107,9 +107,9 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path:
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
-        ax.plot(*zip(*train), label="train loss", linewidth=1)
+        ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out loss")
+        ax.plot(*zip(*evals, strict=True), "o-", label="held-out loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from recipe_runner import ROOT
 
-from conftest import ROOT
 from toolkit.config import load_config
 from toolkit.model import check_seq_len, hf_config
 from toolkit.recipe_config import PretrainConfig

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from recipe_runner import TINY, run_recipe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import TINY, run_recipe
 from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed

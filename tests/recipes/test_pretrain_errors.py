@@ -6,8 +6,7 @@ import importlib.util
 import json
 
 import pytest
-
-from conftest import ROOT, TINY, run_recipe
+from recipe_runner import ROOT, TINY, run_recipe
 
 
 @pytest.fixture(scope="module")

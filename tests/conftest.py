@@ -1,0 +1,78 @@
+"""Shared fixtures for the test suite.
+
+Fixtures prefixed `tiny_` (tokenizer, documents, models) were added for tests/toolkit; they are
+small enough that every test file runs in seconds on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+TINY_VOCAB = 300
+
+# Sizes per model_type for `tiny_model`: hidden 64, 4 heads, fp32.
+TINY_SIZES = {
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_texts() -> list[str]:
+    """The CPython docs shipped in `pydoc_data` (the recipe's embedded default corpus)."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_texts):
+    """A byte-level BPE of TINY_VOCAB tokens trained with the toolkit on the pydoc texts."""
+    from toolkit.tokenizer import train_bpe
+
+    return train_bpe(datasets.Dataset.from_dict({"text": tiny_texts}), TINY_VOCAB)
+
+
+def build_tiny_model(model_type: str = "llama", seed: int = 0, attn: str = "sdpa", tokenizer=None, **sizes):
+    """A randomly initialised fp32 causal LM configured as the recipe does (use_cache off, EOS/PAD ids).
+
+    Built with transformers directly rather than toolkit.model so that these fixtures do not
+    follow signature changes there.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    eos, pad = (tokenizer.eos_token_id, tokenizer.pad_token_id) if tokenizer is not None else (0, 1)
+    vocab = len(tokenizer) if tokenizer is not None else TINY_VOCAB
+    config = AutoConfig.for_model(model_type, vocab_size=vocab, **{**TINY_SIZES[model_type], **sizes})
+    config.eos_token_id = config.bos_token_id = eos
+    config.pad_token_id = pad
+    config.use_cache = False
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Factory: `tiny_model("llama", seed=0, tokenizer=tok, num_hidden_layers=4, ...)`.
+
+    A fixture rather than an import: `from conftest import ...` is ambiguous once
+    tests/recipes/conftest.py is loaded too.
+    """
+    return build_tiny_model

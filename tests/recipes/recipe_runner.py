@@ -1,0 +1,65 @@
+"""Launch the real recipes as subprocesses, the way users do.
+
+A plain module (not conftest) so that test files can import it reliably.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A very small LLaMA and short run, so that a 2-process launch takes seconds on 2 CPU cores.
+TINY = [
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=2",
+    "tokenizer.vocab_size=512",
+    "data.seq_len=64",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "logging.every=1",
+    "logging.eval_every=3",
+    "logging.eval_blocks=8",
+    "logging.trackers=[]",
+    "checkpoint.every=3",
+    "sample.max_new_tokens=0",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_recipe(
+    recipe: str, overrides: list[str], nproc: int, cache: Path, config: str = "pretrain_tiny.yaml",
+    accelerate_config: str = "ddp.yaml", check: bool = True,
+) -> subprocess.CompletedProcess:
+    """1 process: plain `python`; more: `accelerate launch` with its own port."""
+    script = [f"recipes/{recipe}.py", "--config", f"recipes/configs/{config}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, *script]
+    else:
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", f"accelerate_configs/{accelerate_config}",
+            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *script,
+        ]
+    env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        (ROOT / "runs").mkdir(exist_ok=True)
+        (ROOT / "runs" / "last_failed_launch.log").write_text(proc.stdout + "\n" + proc.stderr)
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
