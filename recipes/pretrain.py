@@ -28,7 +28,7 @@ from pathlib import Path
 
 import datasets
 import torch
-from accelerate.utils import DummyOptim, DummyScheduler
+from accelerate.utils import DummyOptim, DummyScheduler, gather_object
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint as ckpt
@@ -48,8 +48,8 @@ from toolkit.evaluation import evaluate
 from toolkit.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.hf_folder import save_final_model
 from toolkit.loss import backward_scale, forward_loss_sum
-from toolkit.metrics import MetricsWriter, estimate_mfu, flops_per_token, peak_flops, plot_loss
-from toolkit.model import build_model, check_seq_len, count_parameters, hf_config
+from toolkit.metrics import MetricsWriter, estimate_mfu, flops_per_token, peak_flops, peak_memory_mb, plot_loss
+from toolkit.model import build_model, check_seq_len, count_parameters, hf_config, meta_model
 from toolkit.optim import build_optimizer, build_scheduler
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
 from toolkit.recipe_config import PretrainConfig
@@ -84,6 +84,9 @@ class PretrainRecipe:
         acc.wait_for_everyone()
         self.out.mkdir(parents=True, exist_ok=True)
         acc.print(f"[pretrain] {describe(acc)}")
+        # Strategy settings that contradict the recipe fail now, before any data work.
+        check_fsdp_layers(acc, meta_model(cfg.model))
+        ds_owned = configure_deepspeed(acc, cfg.train.micro_batch_size, cfg.optim.max_grad_norm)
         if not acc.is_main_process:
             datasets.disable_progress_bars()
 
@@ -132,8 +135,6 @@ class PretrainRecipe:
         # Optimizer and schedule: the recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON
         # defines its own. Ours is stepped once per optimizer step by us (Accelerate would step it
         # once per process) and saved through register_for_checkpointing.
-        check_fsdp_layers(acc, model)
-        ds_owned = configure_deepspeed(acc, cfg.train.micro_batch_size, cfg.optim.max_grad_norm)
         if ds_owned:
             acc.print(f"[pretrain] the DeepSpeed config defines {' and '.join(ds_owned)}: using them instead of the recipe's optim section")
         if "optimizer" in ds_owned:
@@ -246,7 +247,8 @@ class PretrainRecipe:
         if self.checkpoint_step != self.step:
             self.save_checkpoint()  # so the run can always be extended with resume=auto
         digests = check_replicas_in_sync(acc, self.model)
-        self._log({"step": self.step, "parameter_digests": digests})
+        memory = gather_object([peak_memory_mb(acc.device)])
+        self._log({"step": self.step, "parameter_digests": digests, "peak_memory": memory})
 
         facts = {
             "recipe": "pretrain", "model_type": cfg.model.model_type, "params": self.n_params,

@@ -42,6 +42,18 @@ tokenizer = AutoTokenizer.from_pretrained("{name}")
 """
 
 
+def tied_copies(model) -> list[str]:
+    """Keys that are tied to another weight (e.g. lm_head to the embeddings) and load from it.
+
+    Strategies that gather weights into fresh tensors (ZeRO-1/2, FSDP) lose the shared storage
+    that save_pretrained uses to spot ties, so the duplicate would be written twice.
+    """
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    tied = getattr(model, "_tied_weights_keys", None) or []
+    return list(tied.keys()) if isinstance(tied, dict) else list(tied)
+
+
 def save_final_model(
     accelerator: Accelerator, model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict
 ) -> Path | None:
@@ -53,6 +65,8 @@ def save_final_model(
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     unwrapped = accelerator.unwrap_model(model)
+    for key in tied_copies(unwrapped):
+        state_dict.pop(key, None)
     unwrapped.config.use_cache = True  # inference default; training turned it off
     unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     if getattr(unwrapped, "generation_config", None) is not None:

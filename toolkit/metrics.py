@@ -74,6 +74,16 @@ def estimate_mfu(tokens_per_s: float, flops_token: float, world_size: int, peak:
     return tokens_per_s * flops_token / (peak * world_size)
 
 
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    """This process's peak resident memory, and on GPUs the peak memory torch allocated."""
+    import resource
+
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    if device.type == "cuda":
+        out["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
 class MetricsWriter:
     """Appends one JSON object per line; on resume, drops lines past the resumed step."""
 

@@ -62,6 +62,12 @@ def check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
         )
 
 
+def meta_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The architecture without memory (meta device), to check layer names before any work."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.model_type, **cfg.config))
+
+
 def max_positions(config: PretrainedConfig) -> int | None:
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)

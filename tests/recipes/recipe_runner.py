@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def run_recipe(
     recipe: str, overrides: list[str], nproc: int, cache: Path, config: str = "pretrain_tiny.yaml",
-    accelerate_config: str = "ddp.yaml", check: bool = True,
+    accelerate_config: str = "ddp.yaml", check: bool = True, env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """1 process: plain `python`; more: `accelerate launch` with its own port."""
     script = [f"recipes/{recipe}.py", "--config", f"recipes/configs/{config}", *overrides]
@@ -53,10 +53,11 @@ def run_recipe(
     else:
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", f"accelerate_configs/{accelerate_config}",
+            "--config_file", accelerate_config if "/" in accelerate_config else f"accelerate_configs/{accelerate_config}",
             "--num_processes", str(nproc), "--main_process_port", str(free_port()), *script,
         ]
-    env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if check and proc.returncode != 0:
         (ROOT / "runs").mkdir(exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,16 @@ def test_accelerate_config_loads_with_accelerate(path: Path):
     cfg = load_config_from_file(str(path))
     assert cfg.compute_environment.value == "LOCAL_MACHINE"
     raw = yaml.safe_load(path.read_text())
-    assert raw["mixed_precision"] == "no", "precision belongs to the recipe config (train.mixed_precision)"
+    if raw["distributed_type"] == "DEEPSPEED":
+        # Accelerate refuses a mixed_precision key beside a deepspeed_config_file.
+        assert "mixed_precision" not in raw
+        ds_file = ROOT / raw["deepspeed_config"]["deepspeed_config_file"]
+        ds = json.loads(ds_file.read_text())
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+            assert ds[key] == "auto", f"{ds_file.name}: {key} must come from the recipe"
+        assert ds["zero_optimization"]["stage"] in (1, 2, 3)
+    else:
+        assert raw["mixed_precision"] == "no", "precision belongs to the recipe config (train.mixed_precision)"
 
 
 def test_a_shipped_yaml_with_an_unknown_key_fails(tmp_path):
