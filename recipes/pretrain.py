@@ -48,7 +48,14 @@ from toolkit.evaluation import evaluate
 from toolkit.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.hf_folder import save_final_model
 from toolkit.loss import backward_scale, forward_loss_sum
-from toolkit.metrics import MetricsWriter, estimate_mfu, flops_per_token, peak_flops, peak_memory_mb, plot_loss
+from toolkit.metrics import (
+    MetricsWriter,
+    estimate_mfu,
+    flops_per_token,
+    peak_flops,
+    peak_memory_mb,
+    plot_loss,
+)
 from toolkit.model import build_model, check_seq_len, count_parameters, hf_config, meta_model
 from toolkit.optim import build_optimizer, build_scheduler
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
