@@ -5,7 +5,8 @@
 For each accelerate config it launches recipes/pretrain.py (pretrain_tiny.yaml, fp32, no eval,
 no checkpoints) and reads what the run measured itself from metrics.jsonl: tokens/s (median
 over the steps after the first 5), this rank's parameter / gradient / optimizer-state bytes
-held (the `held_bytes` record, measured from the live tensors), and each rank's peak RSS.
+held (the `held_bytes` record, measured from the live tensors; DeepSpeed's separate fp32 master
+weights in their own column), and each rank's peak RSS.
 On a GPU machine use --nproc 1 --extra train.mixed_precision=bf16 for the bf16 figures
 (tokens/s, MFU, torch.cuda.max_memory_allocated).
 """
@@ -80,14 +81,14 @@ def main() -> None:
     print(f"command: python bench/{Path(__file__).name} --steps {args.steps} --nproc {args.nproc}"
           + (f" --extra {' '.join(args.extra)}" if args.extra else ""))
     print()
-    print("| strategy | tokens/s | MFU | params MB/rank | grads MB/rank | optimizer MB/rank | peak RSS MB/rank | cuda max alloc MB/rank |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| strategy | tokens/s | MFU | params MB/rank | grads MB/rank | optimizer state MB/rank | fp32 master MB/rank | peak RSS MB/rank | cuda max alloc MB/rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (CPU)"
         cuda = " / ".join(f"{c:.0f}" for c in r["cuda"]) if any(c is not None for c in r["cuda"]) else "n/a"
         print(
             f"| {name} | {r['tokens_per_s']:,.0f} | {mfu} | {mb(r['held'], 'params')} | {mb(r['held'], 'grads')} "
-            f"| {mb(r['held'], 'optimizer')} | {' / '.join(f'{x:.0f}' for x in r['rss'])} | {cuda} |"
+            f"| {mb(r['held'], 'optimizer')} | {mb(r['held'], 'master')} | {' / '.join(f'{x:.0f}' for x in r['rss'])} | {cuda} |"
         )
 
 

@@ -20,6 +20,7 @@ keep packed documents apart.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -60,6 +61,7 @@ from toolkit.model import build_model, check_seq_len, count_parameters, hf_confi
 from toolkit.optim import build_optimizer, build_scheduler
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
 from toolkit.recipe_config import PretrainConfig
+from toolkit.sharding import GradientMeter, held_bytes
 from toolkit.tokenizer import get_tokenizer
 
 
@@ -71,6 +73,7 @@ class PretrainRecipe:
         self.tokens_seen = 0
         self.last_eval: dict[str, float] = {}
         self.eval_step = self.checkpoint_step = -1
+        self.measured = False
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -184,17 +187,20 @@ class PretrainRecipe:
             scale = backward_scale(global_targets, acc.num_processes, self.accum)
             loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
             grad_norm = None
-            for micro in self.schedule.micro_batches(self.step):
-                batch = {k: v.to(acc.device) for k, v in collate(self.train_blocks[micro], cfg.model.attn_implementation).items()}
-                with acc.accumulate(self.model):
-                    micro_loss = forward_loss_sum(self.model, batch)
-                    acc.backward(micro_loss * scale)
-                    loss_sum += micro_loss.detach().double()
-                    if acc.sync_gradients:
-                        max_norm = cfg.optim.max_grad_norm or float("inf")
-                        grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+            # Once per run, measure the bytes each rank really holds (sharding made visible).
+            meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
+            with meter or contextlib.nullcontext():
+                for micro in self.schedule.micro_batches(self.step):
+                    batch = {k: v.to(acc.device) for k, v in collate(self.train_blocks[micro], cfg.model.attn_implementation).items()}
+                    with acc.accumulate(self.model):
+                        micro_loss = forward_loss_sum(self.model, batch)
+                        acc.backward(micro_loss * scale)
+                        loss_sum += micro_loss.detach().double()
+                        if acc.sync_gradients:
+                            max_norm = cfg.optim.max_grad_norm or float("inf")
+                            grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
             if self.step_scheduler:
                 self.scheduler.step()
             self.step += 1
@@ -203,6 +209,10 @@ class PretrainRecipe:
             loss = acc.reduce(loss_sum, reduction="sum").item() / max(1, global_targets)
             window_tokens += step_tokens
             window_time += time.perf_counter() - t0
+            if meter is not None:
+                self.measured = True
+                held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
+                self._log({"step": self.step, "held_bytes": held})
 
             if self.step % cfg.logging.every == 0 or self.step == cfg.train.max_steps:
                 tps = window_tokens / max(window_time, 1e-9)
