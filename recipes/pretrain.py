@@ -57,7 +57,7 @@ from toolkit.metrics import (
     peak_memory_mb,
     plot_loss,
 )
-from toolkit.model import build_model, check_seq_len, count_parameters, hf_config, meta_model
+from toolkit.model import build_model, check_seq_len, count_parameters, hf_config
 from toolkit.optim import build_optimizer, build_scheduler
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
 from toolkit.recipe_config import PretrainConfig
@@ -95,7 +95,7 @@ class PretrainRecipe:
         self.out.mkdir(parents=True, exist_ok=True)
         acc.print(f"[pretrain] {describe(acc)}")
         # Strategy settings that contradict the recipe fail now, before any data work.
-        check_fsdp_layers(acc, meta_model(cfg.model))
+        check_fsdp_layers(acc, cfg.model)
         ds_owned = configure_deepspeed(acc, cfg.train.micro_batch_size, cfg.optim.max_grad_norm)
         if not acc.is_main_process:
             datasets.disable_progress_bars()
@@ -140,7 +140,10 @@ class PretrainRecipe:
             count_parameters(model, exclude_embeddings=True), config.num_hidden_layers, config.hidden_size,
             cfg.data.seq_len,
         )
-        acc.print(f"[pretrain] model: {cfg.model.model_type}, {self.n_params:,} parameters")
+        acc.print(
+            f"[pretrain] model: {cfg.model.model_type}, {self.n_params:,} parameters, "
+            f"gradient checkpointing {cfg.model.gradient_checkpointing}"
+        )
 
         # Optimizer and schedule: the recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON
         # defines its own. Ours is stepped once per optimizer step by us (Accelerate would step it

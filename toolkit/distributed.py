@@ -172,11 +172,15 @@ def full_model_init(accelerator: Accelerator):
         accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
-def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module) -> None:
-    """An FSDP config naming a layer class the model does not have would fail deep inside prepare."""
+def check_fsdp_layers(accelerator: Accelerator, model_cfg) -> None:
+    """An FSDP config naming a layer class the model does not have would fail deep inside
+    prepare, after all the data work; check it first, on a memory-free (meta) copy."""
     if accelerator.distributed_type != DistributedType.FSDP:
         return
+    from toolkit.model import meta_model
+
     named = accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap or []
+    model = meta_model(model_cfg)
     present = {type(m).__name__ for m in model.modules()}
     missing = [n for n in named if n not in present]
     if missing:
