@@ -73,8 +73,6 @@ def pack_documents(tokenized: datasets.Dataset, seq_len: int, pad_id: int) -> da
     """Lay token lists end to end and cut into blocks of `seq_len` (vectorized, no Python loop)."""
     # `[:]` through the arrow format honours an indices mapping (select/shuffle); `.data` would not
     column = tokenized.with_format("arrow")[:].column("input_ids").combine_chunks()
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks else pa.array([], pa.list_(pa.int32()))
     flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
     offsets = column.offsets.to_numpy()
     lengths = np.diff(offsets)
