@@ -43,6 +43,7 @@ from toolkit.distributed import (
     configure_deepspeed,
     describe,
     full_model_init,
+    offloads_optimizer_to_cpu,
     strategy_name,
 )
 from toolkit.evaluation import evaluate
@@ -153,7 +154,7 @@ class PretrainRecipe:
         if "optimizer" in ds_owned:
             optimizer = DummyOptim(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         else:
-            optimizer = build_optimizer(model, cfg.optim)
+            optimizer = build_optimizer(model, cfg.optim, cpu_offload=offloads_optimizer_to_cpu(acc))
         if "scheduler" in ds_owned:
             scheduler = DummyScheduler(optimizer, total_num_steps=cfg.train.max_steps, warmup_num_steps=cfg.optim.warmup_steps)
             self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)

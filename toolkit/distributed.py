@@ -191,6 +191,14 @@ def check_fsdp_layers(accelerator: Accelerator, model_cfg) -> None:
         )
 
 
+def offloads_optimizer_to_cpu(accelerator: Accelerator) -> bool:
+    """DeepSpeed optimizer offload on a GPU machine (on a CPU machine there is nothing to offload)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or not has_gpu():
+        return False
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+    return zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
+
+
 def zero_stage(accelerator: Accelerator) -> int | None:
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return None

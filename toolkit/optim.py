@@ -37,7 +37,9 @@ class OptimConfig:
         return problems
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, cpu_offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW; with DeepSpeed optimizer offload on a GPU machine, DeepSpeed's CPU AdamW (same
+    update), because DeepSpeed refuses a torch optimizer for offloaded state (it would be slow)."""
     # Matrices decay; vectors (norm gains, biases) do not, as in GPT-2/LLaMA training.
     decay, no_decay = [], []
     for p in model.parameters():
@@ -47,6 +49,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if cpu_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
