@@ -52,6 +52,7 @@ from toolkit.hf_folder import save_final_model
 from toolkit.loss import backward_scale, forward_loss_sum
 from toolkit.metrics import (
     MetricsWriter,
+    check_trackers,
     estimate_mfu,
     flops_per_token,
     peak_flops,
@@ -81,6 +82,7 @@ class PretrainRecipe:
         cfg = self.cfg
         check_attention(cfg.model.attn_implementation)
         check_seq_len(cfg.model, cfg.data.seq_len)
+        check_trackers(cfg.logging.trackers)
         ckpt.check_output_dir(self.out, cfg.resume, cfg.overwrite)
         resume_from = ckpt.resolve_resume(cfg.resume, self.out)
 

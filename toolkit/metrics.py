@@ -51,6 +51,20 @@ class LoggingConfig:
         return problems
 
 
+def check_trackers(trackers: list[str]) -> None:
+    """Accelerate silently drops a tracker whose package is missing; a run must not log nowhere."""
+    import importlib.util
+
+    from toolkit.config import UserError
+
+    for name in trackers:
+        if importlib.util.find_spec(name) is None:
+            raise UserError(
+                f"logging.trackers has {name}, but the {name} package is not installed; "
+                f"pip install {name}, or remove it from logging.trackers"
+            )
+
+
 def flops_per_token(n_params_no_embed: int, n_layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token, as in PaLM (appendix B) and nanoGPT: 6N for the weight matmuls
     plus 12 * layers * seq_len * hidden for the attention scores and values (forward + backward)."""
