@@ -76,6 +76,7 @@ class PretrainRecipe:
         self.last_eval: dict[str, float] = {}
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
+        self.stop = ckpt.StopRequest()
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -212,7 +213,10 @@ class PretrainRecipe:
             self.step += 1
             step_tokens = int(self.block_tokens[global_idx].sum())
             self.tokens_seen += step_tokens
-            loss = acc.reduce(loss_sum, reduction="sum").item() / max(1, global_targets)
+            # One all-reduce for the global loss and for "did any rank get a stop signal".
+            stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
+            totals = acc.reduce(torch.stack([loss_sum, stop_flag]), reduction="sum")
+            loss = totals[0].item() / max(1, global_targets)
             window_tokens += step_tokens
             window_time += time.perf_counter() - t0
             if meter is not None:
@@ -241,6 +245,14 @@ class PretrainRecipe:
                 self.evaluate()
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 self.save_checkpoint()
+            if totals[1].item() > 0:
+                bar.close()
+                if self.checkpoint_step != self.step:
+                    self.save_checkpoint()
+                raise ckpt.Stopped(
+                    f"stopped by a signal at step {self.step}; checkpoint saved in "
+                    f"{self.out / 'checkpoints' / f'step-{self.step}'}; continue with resume=auto"
+                )
         bar.close()
 
     def evaluate(self) -> None:
@@ -340,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ckpt.Stopped as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[pretrain] {exc}", file=sys.stderr)
+        return 3
     return 0
 
 

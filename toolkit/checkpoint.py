@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,3 +115,28 @@ def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool) -> N
         f"output_dir={output_dir} already holds a run; continue it with resume=auto, "
         "start over with overwrite=true (deletes it), or choose another output_dir"
     )
+
+
+class StopRequest:
+    """SIGTERM/SIGUSR1 (cluster preemption, `scancel`, a time limit) ask the run to stop cleanly.
+
+    The handler only sets a flag; the loop checks it once per optimizer step, agreed across
+    ranks (a rank that saw no signal must still stop with the others), saves a checkpoint and
+    exits, so `resume=auto` continues where the run was stopped.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)):
+        self.signal: int | None = None
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+class Stopped(Exception):
+    """Raised after the stop checkpoint is saved; the recipe exits with a non-zero code."""

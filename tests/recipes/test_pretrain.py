@@ -104,3 +104,40 @@ def test_resume_auto_extends_a_finished_run(ddp_run, data_cache):
     assert steps == list(range(1, 9))  # 1-6 kept from the first run, 7-8 appended once
     # keep_last=2: step-3 was pruned once step-8 completed
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-6", "step-8"]
+
+
+def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, data_cache):
+    """Cluster preemption (SIGTERM to the launcher, as SLURM sends it): nothing trained is lost."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from recipe_runner import ROOT, free_port
+
+    out = tmp_path / "preempted"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
+           "--num_processes", "2", "--main_process_port", str(free_port()), "recipes/pretrain.py",
+           "--config", "recipes/configs/pretrain_tiny.yaml", *TINY, "train.max_steps=100000",
+           "checkpoint.every=0", "logging.eval_every=0", f"output_dir={out}"]
+    env = {**os.environ, "LLM_TOOLKIT_CACHE": str(data_cache), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(losses(out)) >= 3:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "stopped by a signal at step" in stderr and "continue with resume=auto" in stderr, stderr[-3000:]
+    saved = [p.name for p in (out / "checkpoints").iterdir()]
+    assert len(saved) == 1 and (out / "checkpoints" / saved[0] / "trainer_state.json").is_file()
+    stopped_at = int(saved[0].split("-")[1])
+    assert stopped_at >= 3
+
+    run_recipe("pretrain", [*TINY, f"train.max_steps={stopped_at + 2}", f"output_dir={out}", "resume=auto",
+                            "logging.eval_every=0"], nproc=2, cache=data_cache)
+    assert sorted(losses(out)) == list(range(1, stopped_at + 3))
