@@ -42,6 +42,7 @@ from toolkit.distributed import (
     check_replicas_in_sync,
     configure_deepspeed,
     describe,
+    exit_process,
     full_model_init,
     offloads_optimizer_to_cpu,
     strategy_name,
@@ -360,4 +361,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

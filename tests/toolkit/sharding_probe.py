@@ -68,4 +68,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from toolkit.distributed import exit_process
+
     main(sys.argv[1])
+    exit_process(0)
