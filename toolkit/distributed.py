@@ -237,14 +237,17 @@ def describe(accelerator: Accelerator) -> str:
 def exit_process(code: int) -> None:
     """End the process with `code` once everything is written and closed.
 
-    DeepSpeed on a CPU machine intermittently aborts at interpreter exit, after all work is
-    done ("terminate called without an active exception", SIGABRT, in a C++ destructor), which
-    turns a finished run into a failed launch (seen in ~2 of 60 ZeRO-3 launches). There, skip
-    the destructors; everywhere else, exit normally.
+    On CPU (gloo), torch tears the process group down during interpreter finalization, where
+    it can deadlock or abort: the DDP Reducer / DeepSpeed engine still holds the gloo group, and
+    its destructor joins a worker thread that needs the GIL the exiting main thread holds
+    (py-spy: `~ProcessGroupGloo` -> `std::thread::join` vs `AsyncAllgatherWork` waiting for the
+    GIL), or destroys it while joinable ("terminate called without an active exception",
+    SIGABRT). Seen in ~3 of 100 CPU launches, always after all work was done. So a multi-process
+    CPU run leaves without running destructors; everything else exits normally.
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    if launched_strategy() == "deepspeed" and not has_gpu():
+    if not has_gpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         os._exit(code)
     sys.exit(code)
 
