@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return 2
     except ckpt.Stopped as exc:
+        recipe.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
         if os.environ.get("RANK", "0") == "0":
             print(f"[pretrain] {exc}", file=sys.stderr)
         return 3

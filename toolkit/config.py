@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -31,6 +32,13 @@ class ConfigError(UserError):
             super().__init__(problems[0])
         else:
             super().__init__(f"{len(problems)} problems in the config:\n  - " + "\n  - ".join(problems))
+
+
+def cache_dir(override: str | None = None) -> Path:
+    """Where the toolkit caches tokenizers, packed data and dequantised models."""
+    if override:
+        return Path(override)
+    return Path(os.environ.get("LLM_TOOLKIT_CACHE", Path.home() / ".cache" / "llm-toolkit"))
 
 
 def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):

@@ -16,7 +16,7 @@ from typing import Literal
 import datasets
 import numpy as np
 
-from toolkit.config import UserError, field
+from toolkit.config import UserError, cache_dir, field
 
 EMBEDDED = "embedded:python-docs"
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -47,8 +47,7 @@ class DataConfig:
         return problems
 
     def resolved_cache_dir(self) -> Path:
-        default = Path(os.environ.get("LLM_TOOLKIT_CACHE", Path.home() / ".cache" / "llm-toolkit"))
-        return Path(self.cache_dir) if self.cache_dir else default
+        return cache_dir(self.cache_dir)
 
 
 def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
