@@ -13,23 +13,17 @@ import torch
 TINY_VOCAB = 300
 
 # Sizes per model_type for `tiny_model`: hidden 64, 4 heads, fp32.
+_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 TINY_SIZES = {
-    "llama": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
-    "qwen2": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
+    "llama": _DECODER,
+    "qwen2": _DECODER,
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
 }
 
