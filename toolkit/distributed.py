@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.config import UserError
 
+ERROR_GRACE_S = 5.0  # how long ranks other than 0 let rank 0 report a shared error first
 DATA_PARALLEL = {
     DistributedType.NO: "single process",
     DistributedType.MULTI_CPU: "DDP",
@@ -89,6 +91,22 @@ def check_deepspeed_config() -> dict | None:
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
     return ds
+
+
+_LIVE_UNTIL_EXIT: list = []
+
+
+def prepare(accelerator: Accelerator, *objects):
+    """`accelerator.prepare`, with what it returns kept alive until the process exits.
+
+    Freeing a DDP model drops its Reducer and with it the gloo process group, while the main
+    thread holds the GIL: that can deadlock (see exit_process). Accelerate keeps only the
+    unwrapped module of a DDP model, so without this the wrapper dies when the function holding
+    it returns, before exit_process can skip destructors.
+    """
+    prepared = accelerator.prepare(*objects)
+    _LIVE_UNTIL_EXIT.append(prepared)
+    return prepared
 
 
 def build_accelerator(
@@ -173,15 +191,12 @@ def full_model_init(accelerator: Accelerator):
         accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
-def check_fsdp_layers(accelerator: Accelerator, model_cfg) -> None:
+def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module) -> None:
     """An FSDP config naming a layer class the model does not have would fail deep inside
-    prepare, after all the data work; check it first, on a memory-free (meta) copy."""
+    prepare; check it first (a pretraining recipe passes a memory-free meta copy)."""
     if accelerator.distributed_type != DistributedType.FSDP:
         return
-    from toolkit.model import meta_model
-
     named = accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap or []
-    model = meta_model(model_cfg)
     present = {type(m).__name__ for m in model.modules()}
     missing = [n for n in named if n not in present]
     if missing:
@@ -234,6 +249,21 @@ def describe(accelerator: Accelerator) -> str:
     )
 
 
+def report_once(line: str) -> None:
+    """Print a recipe's last line (its one-line error, or why it stopped) once per launch, on stderr.
+
+    Every rank normally hits the same bad input at the same place, and the launcher (torchrun's
+    agent) kills all ranks as soon as one exits with an error: had rank 1 exited first, rank 0
+    could be killed before printing anything. So rank 0 prints at once and the other ranks wait
+    a few seconds first; one still alive after that met an error of its own (a file missing on
+    one node only) and prints it with its rank.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(ERROR_GRACE_S)
+    print(line if rank == 0 else f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+
 def exit_process(code: int) -> None:
     """End the process with `code` once everything is written and closed.
 
@@ -244,6 +274,11 @@ def exit_process(code: int) -> None:
     GIL), or destroys it while joinable ("terminate called without an active exception",
     SIGABRT). Seen in ~3 of 100 CPU launches, always after all work was done. So a multi-process
     CPU run leaves without running destructors; everything else exits normally.
+
+    The same deadlock happens earlier if the prepared model is freed when the function holding
+    it returns (py-spy: `~Reducer` -> `~ProcessGroupGloo` waiting on the mutex that the gloo
+    worker holds while `~AsyncAllgatherWork` waits for the GIL), so `prepare` keeps every
+    prepared object alive until this call.
     """
     sys.stdout.flush()
     sys.stderr.flush()

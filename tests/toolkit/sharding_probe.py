@@ -21,7 +21,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.distributed import build_accelerator, configure_deepspeed, full_model_init, strategy_name  # noqa: E402
+from toolkit.distributed import (  # noqa: E402
+    build_accelerator,
+    configure_deepspeed,
+    full_model_init,
+    prepare,
+    strategy_name,
+)
 from toolkit.sharding import GradientMeter, held_bytes  # noqa: E402
 
 MICRO_BATCH, ACCUMULATION, SEQ, VOCAB = 2, 2, 32, 512
@@ -44,7 +50,7 @@ def main(out: str) -> None:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
-    model, optimizer = acc.prepare(model, optimizer)
+    model, optimizer = prepare(acc, model, optimizer)
 
     torch.manual_seed(1 + acc.process_index)
     meter = GradientMeter(acc, model, optimizer)
