@@ -45,12 +45,14 @@ from toolkit.distributed import (
     exit_process,
     full_model_init,
     offloads_optimizer_to_cpu,
+    prepare,
+    report_once,
     strategy_name,
 )
 from toolkit.evaluation import evaluate
 from toolkit.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.hf_folder import save_final_model
-from toolkit.loss import backward_scale, forward_loss_sum
+from toolkit.loss import backward_scale
 from toolkit.metrics import (
     MetricsWriter,
     check_trackers,
@@ -60,11 +62,12 @@ from toolkit.metrics import (
     peak_memory_mb,
     plot_loss,
 )
-from toolkit.model import build_model, check_seq_len, count_parameters, hf_config
+from toolkit.model import build_model, check_seq_len, count_parameters, hf_config, meta_model
 from toolkit.optim import build_optimizer, build_scheduler
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
 from toolkit.recipe_config import PretrainConfig
 from toolkit.sharding import GradientMeter, held_bytes
+from toolkit.step import optimizer_step
 from toolkit.tokenizer import get_tokenizer
 
 
@@ -100,7 +103,7 @@ class PretrainRecipe:
         self.out.mkdir(parents=True, exist_ok=True)
         acc.print(f"[pretrain] {describe(acc)}")
         # Strategy settings that contradict the recipe fail now, before any data work.
-        check_fsdp_layers(acc, cfg.model)
+        check_fsdp_layers(acc, meta_model(cfg.model))
         ds_owned = configure_deepspeed(acc, cfg.train.micro_batch_size, cfg.optim.max_grad_norm)
         if not acc.is_main_process:
             datasets.disable_progress_bars()
@@ -161,10 +164,10 @@ class PretrainRecipe:
             optimizer = build_optimizer(model, cfg.optim, cpu_offload=offloads_optimizer_to_cpu(acc))
         if "scheduler" in ds_owned:
             scheduler = DummyScheduler(optimizer, total_num_steps=cfg.train.max_steps, warmup_num_steps=cfg.optim.warmup_steps)
-            self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+            self.model, self.optimizer, self.scheduler = prepare(acc, model, optimizer, scheduler)
             self.step_scheduler = False  # the DeepSpeed engine steps it
         else:
-            self.model, self.optimizer = acc.prepare(model, optimizer)
+            self.model, self.optimizer = prepare(acc, model, optimizer)
             # Built on the prepared optimizer: ZeRO-3 and FSDP2 rebuild the parameter groups.
             self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
             acc.register_for_checkpointing(self.scheduler)
@@ -193,22 +196,14 @@ class PretrainRecipe:
             global_idx = self.schedule.global_indices(self.step)
             global_targets = int(self.block_targets[global_idx].sum())
             scale = backward_scale(global_targets, acc.num_processes, self.accum)
-            loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
-            grad_norm = None
+            batches = (
+                collate(self.train_blocks[micro], cfg.model.attn_implementation)
+                for micro in self.schedule.micro_batches(self.step)
+            )
             # Once per run, measure the bytes each rank really holds (sharding made visible).
             meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
             with meter or contextlib.nullcontext():
-                for micro in self.schedule.micro_batches(self.step):
-                    batch = {k: v.to(acc.device) for k, v in collate(self.train_blocks[micro], cfg.model.attn_implementation).items()}
-                    with acc.accumulate(self.model):
-                        micro_loss = forward_loss_sum(self.model, batch)
-                        acc.backward(micro_loss * scale)
-                        loss_sum += micro_loss.detach().double()
-                        if acc.sync_gradients:
-                            max_norm = cfg.optim.max_grad_norm or float("inf")
-                            grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
-                        self.optimizer.step()
-                        self.optimizer.zero_grad(set_to_none=True)
+                loss_sum, grad_norm = optimizer_step(acc, self.model, self.optimizer, batches, scale, cfg.optim.max_grad_norm)
             if self.step_scheduler:
                 self.scheduler.step()
             self.step += 1
@@ -350,13 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         recipe.train()
         recipe.cleanup()
     except UserError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
+        report_once(f"error: {exc}")
         return 2
     except ckpt.Stopped as exc:
         recipe.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
-        if os.environ.get("RANK", "0") == "0":
-            print(f"[pretrain] {exc}", file=sys.stderr)
+        report_once(f"[pretrain] {exc}")
         return 3
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import datasets
 import torch
@@ -14,9 +15,18 @@ from toolkit.packing import IGNORE_INDEX, collate
 
 @torch.no_grad()
 def evaluate(
-    accelerator: Accelerator, model, blocks: datasets.Dataset, micro_batch: int, max_blocks: int, attn: str
+    accelerator: Accelerator,
+    model,
+    blocks: datasets.Dataset,
+    micro_batch: int,
+    max_blocks: int,
+    attn: str,
+    collate_fn: Callable[[dict, str], dict[str, torch.Tensor]] = collate,
 ) -> dict[str, float]:
     """Mean token loss over the first `max_blocks` held-out blocks, split across ranks.
+
+    `collate_fn` turns block columns into model inputs with `labels` (packed text by default;
+    `toolkit.chat.collate_chat` for chat blocks, whose labels keep only assistant tokens).
 
     Every rank runs the same number of forwards (sharded models gather weights inside
     forward, so an uneven count would hang); a rank short of blocks repeats one and
@@ -35,7 +45,7 @@ def evaluate(
         idx = idx + [0] * (min(micro_batch, per_rank - start) - real)
         if not idx:
             continue
-        batch = collate(blocks[idx], attn)
+        batch = collate_fn(blocks[idx], attn)
         if real < len(idx):
             batch["labels"][real:] = IGNORE_INDEX
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}

@@ -19,7 +19,7 @@ tags: [llm-toolkit, {model_type}]
 ---
 # {name}
 
-A {model_type} causal language model ({params:,} parameters) trained from scratch with
+A {model_type} causal language model ({params:,} parameters) {origin} with
 llm-toolkit's `{recipe}` recipe.
 
 | | |
@@ -62,17 +62,27 @@ def save_final_model(
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return None
+    unwrapped = accelerator.unwrap_model(model)
+    write_model_folder(unwrapped, tokenizer, out_dir, card_facts, train_config, state_dict)
+    accelerator.wait_for_everyone()
+    return out_dir
+
+
+def write_model_folder(
+    model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict, state_dict: dict | None = None
+) -> Path:
+    """One process: the model (or `state_dict` for it), tokenizer and card, renamed into place."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    unwrapped = accelerator.unwrap_model(model)
-    for key in tied_copies(unwrapped):
-        state_dict.pop(key, None)
-    unwrapped.config.use_cache = True  # inference default; training turned it off
-    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    if getattr(unwrapped, "generation_config", None) is not None:
-        unwrapped.generation_config.save_pretrained(tmp)
+    if state_dict is not None:
+        for key in tied_copies(model):
+            state_dict.pop(key, None)
+    model.config.use_cache = True  # inference default; training turned it off
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    facts = {"name": out_dir.name, **card_facts}
+    facts = {"name": out_dir.name, "origin": "trained from scratch", **card_facts}
     for key in ("eval_loss", "eval_ppl"):
         if isinstance(facts.get(key), float):
             facts[key] = f"{facts[key]:.4f}"
@@ -82,5 +92,4 @@ def save_final_model(
     (tmp / "training_summary.json").write_text(json.dumps(card_facts, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
-    accelerator.wait_for_everyone()
     return out_dir
