@@ -59,32 +59,50 @@ class BaseModelConfig:
         "float32", help="parameter dtype; auto = the checkpoint's own (float32 for a GGUF)"
     )
     attn_implementation: str = field("sdpa", help="sdpa (CPU/GPU) or flash_attention_2 (GPU)")
+    gradient_checkpointing: Literal["none", "full", "every_k"] = field(
+        "none", help="recompute activations in backward: none, full (every layer) or every_k"
+    )
+    gradient_checkpointing_k: int = field(2, help="with every_k: checkpoint every k-th decoder layer")
     gguf_cache: bool = field(
         True, help="keep the dequantised GGUF as a float32 folder in the cache (4 bytes/parameter) for fast reloads"
     )
     cache_dir: str | None = field(None, help="where the dequantised GGUF is kept; default ~/.cache/llm-toolkit")
 
     def validate(self) -> list[str]:
+        problems = []
         if self.gguf_file is not None and not self.gguf_file.strip():
-            return ["gguf_file is empty; leave it out to load path as a Hugging Face folder"]
-        return []
+            problems.append("gguf_file is empty; leave it out to load path as a Hugging Face folder")
+        if self.gradient_checkpointing_k < 1:
+            problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
+        return problems
 
     def resolved_cache_dir(self) -> Path:
         return cache_dir(self.cache_dir)
 
 
-def load_base_model(cfg: BaseModelConfig) -> tuple[torch.nn.Module, object, list[str]]:
+def load_base_model(cfg: BaseModelConfig, quantization=None) -> tuple[torch.nn.Module, object, list[str]]:
     """(model, tokenizer, notes): an ordinary trainable, savable causal LM and lines for the log.
 
     Every rank may call it; under `accelerator.main_process_first()` only the main process
-    parses a GGUF and the others load the copy it cached.
+    parses a GGUF and the others load the copy it cached. `quantization` (a transformers
+    quantization config, e.g. QLoRA's 4-bit) loads the weights quantised on this rank's GPU.
     """
     gguf = resolve_gguf(cfg)
-    if gguf is not None:
+    if gguf is not None and quantization is not None:
+        # quantise the dequantised float copy: a GGUF's own blocks are not bitsandbytes' format
+        cached = _gguf_cache_folder(cfg, gguf)
+        if cached is None:
+            raise UserError("a quantised load of a GGUF base goes through its float copy; set base_model.gguf_cache=true")
+        if not (cached / "config.json").is_file():
+            _load_gguf(cfg, gguf)
+        model, tokenizer = _from_folder(str(cached), cfg, torch.bfloat16, f"the dequantised copy of {gguf.name}", quantization)
+        notes = [f"base model: {gguf.name} (GGUF) from its dequantised copy, quantised by {type(quantization).__name__}"]
+        source = f"base_model.gguf_file={gguf}"
+    elif gguf is not None:
         model, tokenizer, notes = _load_gguf(cfg, gguf)
         source = f"base_model.gguf_file={gguf}"
     else:
-        model, tokenizer = _load_folder(cfg)
+        model, tokenizer = _load_folder(cfg, quantization)
         notes = [f"base model: {cfg.path} ({type(model).__name__}, {_dtype_name(model)})"]
         source = f"base_model.path={cfg.path}"
     _check_tokenizer(tokenizer, model, source)
@@ -228,7 +246,7 @@ def _load_gguf(cfg: BaseModelConfig, gguf: Path) -> tuple[torch.nn.Module, objec
     return model, tokenizer, notes
 
 
-def _load_folder(cfg: BaseModelConfig) -> tuple[torch.nn.Module, object]:
+def _load_folder(cfg: BaseModelConfig, quantization=None) -> tuple[torch.nn.Module, object]:
     p = Path(cfg.path).expanduser()
     if p.is_file():
         raise UserError(
@@ -251,12 +269,17 @@ def _load_folder(cfg: BaseModelConfig) -> tuple[torch.nn.Module, object]:
             "org/name, a run's final/ folder, or leave it empty for SmolLM2-135M-Instruct"
         )
     dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    return _from_folder(cfg.path, cfg, dtype, f"base_model.path={cfg.path}")
+    return _from_folder(cfg.path, cfg, dtype, f"base_model.path={cfg.path}", quantization)
 
 
-def _from_folder(path: str, cfg: BaseModelConfig, dtype, what: str):
+def _from_folder(path: str, cfg: BaseModelConfig, dtype, what: str, quantization=None):
+    extra = {}
+    if quantization is not None:  # bitsandbytes places the quantised weights on this rank's GPU
+        extra = {"quantization_config": quantization, "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=cfg.attn_implementation, **extra
+        )
     except (OSError, ValueError) as exc:
         msg = _first_line(exc)
         if "attn" in msg or "attention" in msg:

@@ -351,3 +351,26 @@ def _flatten(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _looks_like_file(value: str) -> bool:
     return "\n" not in value and "{%" not in value and "{{" not in value
+
+
+def chat_blocks(
+    cfg: ChatDataConfig, tokenizer, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset | None, list[str]]:
+    """(train blocks, held-out blocks or None, lines for the log): whole conversations held out."""
+    from toolkit.corpus import split_documents
+
+    rows = tokenize_conversations(load_chat_records(cfg), tokenizer, cfg.chat_template)
+    train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)
+    train, stats = pack_conversations(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+    notes = [f"train: {stats}"]
+    val = None
+    if val_rows is not None:
+        val, val_stats = pack_conversations(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+        notes.append(f"held-out: {val_stats}")
+    if stats.truncated or stats.dropped:
+        notes.append(
+            f"{stats.truncated + stats.dropped} training conversations are longer than data.seq_len={cfg.seq_len} "
+            f"and were {'truncated' if cfg.overlong == 'truncate' else 'dropped'} (data.overlong={cfg.overlong}); "
+            "raise data.seq_len to keep them whole"
+        )
+    return train, val, notes

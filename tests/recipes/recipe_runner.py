@@ -5,6 +5,7 @@ A plain module (not conftest) so that test files can import it reliably.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -64,3 +65,31 @@ def run_recipe(
         (ROOT / "runs" / "last_failed_launch.log").write_text(proc.stdout + "\n" + proc.stderr)
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def recipe_module(recipe: str):
+    """A recipe script imported as a module, to drive its class in-process (one process only)."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", ROOT / "recipes" / f"{recipe}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A short chat SFT / continued pretraining on the tiny model that the pretraining recipe wrote.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+FT_TINY = [
+    "data.seq_len=128",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=1",
+    "logging.every=1",
+    "logging.eval_every=0",
+    "logging.eval_blocks=4",
+    "logging.trackers=[]",
+    "checkpoint.every=3",
+    "samples.max_new_tokens=0",
+]

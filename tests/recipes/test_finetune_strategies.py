@@ -1,0 +1,95 @@
+"""The fine-tuning recipe under the strategy matrix, on the tiny model the pretraining recipe wrote.
+
+LoRA chat SFT under ZeRO-3 and FSDP2 (2 CPU processes, fp32, gradient accumulation 2) follows the
+1-process loss curve on the same global batches; a full fine-tune (continued pretraining) under
+ZeRO-2 resumed from its step-3 checkpoint ends where the uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from recipe_runner import FT_TINY, run_recipe
+from safetensors.torch import load_file
+
+from toolkit.metrics import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = "finetune_smollm2_lora.yaml"
+
+
+def lora_chat(tiny_base, chatml_file, out) -> list[str]:
+    return [
+        *FT_TINY, f"base_model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
+        "adapter.dropout=0", "adapter.r=8", "train.max_steps=4", f"output_dir={out}",
+    ]
+
+
+def train_losses(out) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def evals(out) -> dict[str, float]:
+    return {r["phase"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "phase" in r}
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tiny_base, chatml_file, data_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ft-lora") / "single"
+    proc = run_recipe("finetune", lora_chat(tiny_base, chatml_file, out), nproc=1, cache=data_cache, config=CONFIG)
+    return out, proc.stdout + proc.stderr
+
+
+def test_lora_chat_run_writes_an_adapter_and_a_merged_model(lora_reference):
+    out, log = lora_reference
+    assert "weights: lora r=8" in log and "trainable of" in log
+    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "adapter" / "adapter_model.safetensors").is_file()
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter), sorted(adapter)[:5]
+    assert (out / "final" / "config.json").is_file() and not any("lora" in k for k in load_file(out / "final" / "model.safetensors"))
+    assert set(evals(out)) == {"before", "after"}
+    losses = train_losses(out)
+    assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_lora_under_sharding_matches_one_process(strategy, lora_reference, tiny_base, chatml_file, data_cache, tmp_path):
+    reference, _ = lora_reference
+    out = tmp_path / strategy
+    run_recipe("finetune", lora_chat(tiny_base, chatml_file, out), nproc=2, cache=data_cache, config=CONFIG,
+               accelerate_config=f"{strategy}.yaml")
+    expected, got = train_losses(reference), train_losses(out)
+    assert len(got) == len(expected) == 4
+    for step, (a, b) in enumerate(zip(expected, got, strict=True), 1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: 1 process {a}, {strategy} {b}"
+    for phase, loss in evals(reference).items():
+        assert abs(evals(out)[phase] - loss) <= 1e-4 * loss, phase
+    # the adapter written from sharded weights equals the 1-process one (by norm: Adam amplifies
+    # the reduction-order noise of 2 ranks in individual elements)
+    ref = load_file(reference / "adapter" / "adapter_model.safetensors")
+    mine = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert set(ref) == set(mine)
+    diff = torch.sqrt(sum(((ref[k] - mine[k]) ** 2).sum() for k in ref))
+    norm = torch.sqrt(sum((ref[k] ** 2).sum() for k in ref))
+    assert diff <= 1e-3 * norm, f"adapter differs by {diff / norm:.2e} of its norm"
+
+
+def test_full_finetune_resumes_from_a_checkpoint(tiny_base, data_cache, tmp_path):
+    """6 steps straight = the same run's step-3 checkpoint resumed for 3 more (bit-equal on CPU)."""
+    common = [*FT_TINY, f"base_model.path={tiny_base}", "adapter.method=full", "data.format=text", "data.seq_len=64",
+              "train.max_steps=6"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_recipe("finetune", [*common, f"output_dir={straight}"], nproc=2, cache=data_cache, config=CONFIG,
+               accelerate_config="zero2.yaml")
+    proc = run_recipe("finetune", [*common, f"output_dir={resumed}", f"resume={straight / 'checkpoints' / 'step-3'}"],
+                      nproc=2, cache=data_cache, config=CONFIG, accelerate_config="zero2.yaml")
+    assert "resumed from" in proc.stdout + proc.stderr and "at step 3" in proc.stdout + proc.stderr
+    assert train_losses(resumed) == train_losses(straight)[3:]
+    summary = json.loads((resumed / "final" / "training_summary.json").read_text())
+    assert summary["step"] == 6 and summary["adapter"] == "full"
+    assert not (resumed / "adapter").exists()
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
