@@ -134,8 +134,11 @@ def save_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path | None:
         return None
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    # peft keeps only the adapter's entries of the full state dict
-    accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    # peft keeps only the adapter's entries of the full state dict; the embeddings are not
+    # trained by a LoRA here, so it need not look for the base's config to decide about them
+    accelerator.unwrap_model(model).save_pretrained(
+        tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False
+    )
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)

