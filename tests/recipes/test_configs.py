@@ -11,7 +11,7 @@ from recipe_runner import ROOT
 
 from toolkit.config import load_config
 from toolkit.model import check_seq_len, hf_config
-from toolkit.recipe_config import PretrainConfig
+from toolkit.recipe_config import FinetuneConfig, PretrainConfig
 
 RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
@@ -20,6 +20,8 @@ ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 def test_the_required_configs_ship():
     names = {p.name for p in RECIPE_CONFIGS}
     assert {"pretrain_tiny.yaml", "pretrain_gpt2_124m.yaml", "pretrain_llama_1b.yaml"} <= names
+    assert {"finetune_smollm2_lora.yaml", "finetune_smollm2_chat_lora.yaml", "finetune_smollm2_full.yaml",
+            "finetune_smollm2_qlora.yaml"} <= names
     assert "ddp.yaml" in {p.name for p in ACCELERATE_CONFIGS}
 
 
@@ -35,6 +37,9 @@ def test_recipe_yaml_validates_and_starts_with_its_launch_line(path: Path):
         check_seq_len(cfg.model, cfg.data.seq_len)
         config = hf_config(cfg.model, cfg.tokenizer.vocab_size, 0, 1)  # the architecture builds
         assert config.model_type == cfg.model.model_type
+    else:
+        cfg = load_config(FinetuneConfig, path)
+        assert cfg.samples.prompts and cfg.train.max_steps > 0
 
 
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
