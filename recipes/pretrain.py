@@ -103,7 +103,7 @@ class PretrainRecipe:
         self.out.mkdir(parents=True, exist_ok=True)
         acc.print(f"[pretrain] {describe(acc)}")
         # Strategy settings that contradict the recipe fail now, before any data work.
-        check_fsdp_layers(acc, meta_model(cfg.model))
+        check_fsdp_layers(acc, lambda: meta_model(cfg.model))
         ds_owned = configure_deepspeed(acc, cfg.train.micro_batch_size, cfg.optim.max_grad_norm)
         if not acc.is_main_process:
             datasets.disable_progress_bars()

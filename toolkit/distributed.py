@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -191,11 +192,15 @@ def full_model_init(accelerator: Accelerator):
         accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
-def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module) -> None:
+def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module | Callable[[], torch.nn.Module]) -> None:
     """An FSDP config naming a layer class the model does not have would fail deep inside
-    prepare; check it first (a pretraining recipe passes a memory-free meta copy)."""
+    prepare; check it first. `model` may be a function building it (the pretraining recipe
+    builds a memory-free meta copy, and only under FSDP: under ZeRO-3 a model constructed
+    while DeepSpeed's config is registered would go through zero.Init)."""
     if accelerator.distributed_type != DistributedType.FSDP:
         return
+    if not isinstance(model, torch.nn.Module):
+        model = model()
     named = accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap or []
     present = {type(m).__name__ for m in model.modules()}
     missing = [n for n in named if n not in present]

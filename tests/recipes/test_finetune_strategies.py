@@ -1,6 +1,6 @@
 """The fine-tuning recipe under the strategy matrix, on the tiny model the pretraining recipe wrote.
 
-LoRA chat SFT under ZeRO-3 and FSDP2 (2 CPU processes, fp32, gradient accumulation 2) follows the
+LoRA chat SFT under DDP, ZeRO-3 and FSDP2 (2 CPU processes, fp32, gradient accumulation 2) follows the
 1-process loss curve on the same global batches; a full fine-tune (continued pretraining) under
 ZeRO-2 resumed from its step-3 checkpoint ends where the uninterrupted run ends.
 """
@@ -55,7 +55,7 @@ def test_lora_chat_run_writes_an_adapter_and_a_merged_model(lora_reference):
     assert len(losses) == 4 and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp"])
 def test_lora_under_sharding_matches_one_process(strategy, lora_reference, tiny_base, chatml_file, data_cache, tmp_path):
     reference, _ = lora_reference
     out = tmp_path / strategy

