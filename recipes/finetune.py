@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from toolkit.adapter import (
 from toolkit.base_model import load_base_model
 from toolkit.batching import BatchSchedule
 from toolkit.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
-from toolkit.config import UserError, load_config, to_dict
+from toolkit.config import UserError, to_dict
 from toolkit.corpus import load_corpus, split_documents
 from toolkit.distributed import (
     build_accelerator,
@@ -60,9 +59,9 @@ from toolkit.distributed import (
     full_model_init,
     offloads_optimizer_to_cpu,
     prepare,
-    report_once,
     strategy_name,
 )
+from toolkit.entry import flat_hparams, run
 from toolkit.evaluation import evaluate
 from toolkit.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.hf_folder import save_final_model, write_model_folder
@@ -218,7 +217,7 @@ class FinetuneRecipe:
 
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", self.step) if acc.is_main_process else None
         if cfg.logging.trackers:
-            acc.init_trackers("tensorboard", config=_flat(to_dict(cfg)))
+            acc.init_trackers("tensorboard", config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(acc.device)
 
         # Held-out loss of the base model, the "before" of the comparison at the end.
@@ -387,36 +386,8 @@ def _before_after(before: dict[str, float], after: dict[str, float]) -> str:
     return "\n".join(f"{a:<12}{b:>12}{c:>12}" for a, b, c in rows)
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    """Tensorboard's hparams take flat scalars only."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "--config" or len(argv) < 2:
-        print("usage: recipes/finetune.py --config recipes/configs/NAME.yaml [key.sub=value ...]", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(FinetuneConfig, argv[1], argv[2:])
-        recipe = FinetuneRecipe(cfg)
-        recipe.setup()
-        recipe.train()
-        recipe.cleanup()
-    except UserError as exc:
-        report_once(f"error: {exc}")
-        return 2
-    except ckpt.Stopped as exc:
-        recipe.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
-        report_once(f"[finetune] {exc}")
-        return 3
-    return 0
+    return run("finetune", FinetuneConfig, FinetuneRecipe, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from tqdm.auto import tqdm
 
 from toolkit import checkpoint as ckpt
 from toolkit.batching import BatchSchedule
-from toolkit.config import UserError, load_config, to_dict
+from toolkit.config import to_dict
 from toolkit.corpus import load_corpus, split_documents
 from toolkit.distributed import (
     build_accelerator,
@@ -46,9 +45,9 @@ from toolkit.distributed import (
     full_model_init,
     offloads_optimizer_to_cpu,
     prepare,
-    report_once,
     strategy_name,
 )
+from toolkit.entry import flat_hparams, run
 from toolkit.evaluation import evaluate
 from toolkit.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.hf_folder import save_final_model
@@ -182,7 +181,7 @@ class PretrainRecipe:
 
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", self.step) if acc.is_main_process else None
         if cfg.logging.trackers:
-            acc.init_trackers("tensorboard", config=_flat(to_dict(cfg)))
+            acc.init_trackers("tensorboard", config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(acc.device)
 
     # ------------------------------------------------------------------ train
@@ -322,36 +321,8 @@ def sample_from(folder: Path, prompt: str, max_new_tokens: int, seed: int) -> st
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    """Tensorboard's hparams take flat scalars only."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "--config" or len(argv) < 2:
-        print("usage: recipes/pretrain.py --config recipes/configs/NAME.yaml [key.sub=value ...]", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(PretrainConfig, argv[1], argv[2:])
-        recipe = PretrainRecipe(cfg)
-        recipe.setup()
-        recipe.train()
-        recipe.cleanup()
-    except UserError as exc:
-        report_once(f"error: {exc}")
-        return 2
-    except ckpt.Stopped as exc:
-        recipe.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
-        report_once(f"[pretrain] {exc}")
-        return 3
-    return 0
+    return run("pretrain", PretrainConfig, PretrainRecipe, argv)
 
 
 if __name__ == "__main__":
