@@ -236,7 +236,12 @@ class PretrainRecipe:
                 window_tokens, window_time = 0, 0.0
             bar.update(1)
 
-            if self.val_blocks is not None and cfg.logging.eval_every and self.step % cfg.logging.eval_every == 0:
+            # The final evaluation runs here, before the last checkpoint: under FSDP2 an evaluation
+            # forward after save_state, with no training step between, leaves the root's
+            # parameters unsharded in storage that cannot be freed, and gathering the final
+            # model then fails ("Trying to resize storage that is not resizable").
+            last = self.step == cfg.train.max_steps
+            if self.val_blocks is not None and (last or cfg.logging.eval_every and self.step % cfg.logging.eval_every == 0):
                 self.evaluate()
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 self.save_checkpoint()

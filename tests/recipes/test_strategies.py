@@ -130,3 +130,14 @@ def test_zero3_offload_path_runs_on_cpu(tmp_path, data_cache, reference):
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
+
+
+def test_fsdp_final_evaluation_after_a_checkpoint_at_the_last_step(tmp_path, data_cache):
+    """Regression: under FSDP2, an evaluation forward between save_state and gathering the final
+    model left storage that could not be freed; the final evaluation now precedes the checkpoint."""
+    out = tmp_path / "fsdp-last"
+    run_recipe("pretrain", [*TINY, "train.max_steps=3", "checkpoint.every=3", "logging.eval_every=0",
+                            f"output_dir={out}"], nproc=2, cache=data_cache, accelerate_config="fsdp.yaml")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3]
+    assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
