@@ -64,7 +64,7 @@ from toolkit.distributed import (
 from toolkit.entry import flat_hparams, run
 from toolkit.evaluation import evaluate
 from toolkit.gradient_checkpointing import apply_gradient_checkpointing
-from toolkit.hf_folder import save_final_model, write_model_folder
+from toolkit.hf_folder import save_final_model, write_model_files, write_model_folder
 from toolkit.loss import backward_scale
 from toolkit.metrics import (
     MetricsWriter,
@@ -313,7 +313,11 @@ class FinetuneRecipe:
             "eval_before": self.eval_before, "samples_before": self.samples_before,
         }
         self.checkpoint_step = self.step
-        folder = ckpt.save_checkpoint(self.accelerator, self.out, state, self.cfg.checkpoint.keep_last)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        folder = ckpt.save_checkpoint(
+            self.accelerator, self.out, state, self.cfg.checkpoint.keep_last,
+            lambda d: write_model_files(unwrapped, self.tokenizer, d, {"base_model.json": to_dict(self.cfg.base_model)}),
+        )
         self.accelerator.print(f"[finetune] checkpoint saved: {folder}")
 
     # ---------------------------------------------------------------- cleanup
@@ -336,7 +340,9 @@ class FinetuneRecipe:
         }
         adapter_dir = final = None
         if cfg.adapter.is_lora:
-            adapter_dir = save_adapter(acc, self.model, self.tokenizer, self.out / "adapter")
+            adapter_dir = save_adapter(
+                acc, self.model, self.tokenizer, self.out / "adapter", to_dict(cfg.base_model)
+            )
         else:
             final = save_final_model(acc, self.model, self.tokenizer, self.out / "final", facts, to_dict(cfg))
         acc.end_training()

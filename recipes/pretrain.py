@@ -50,7 +50,7 @@ from toolkit.distributed import (
 from toolkit.entry import flat_hparams, run
 from toolkit.evaluation import evaluate
 from toolkit.gradient_checkpointing import apply_gradient_checkpointing
-from toolkit.hf_folder import save_final_model
+from toolkit.hf_folder import save_final_model, write_model_files
 from toolkit.loss import backward_scale
 from toolkit.metrics import (
     MetricsWriter,
@@ -271,7 +271,11 @@ class PretrainRecipe:
     def save_checkpoint(self) -> None:
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": self.last_eval, "seed": self.cfg.seed}
         self.checkpoint_step = self.step
-        folder = ckpt.save_checkpoint(self.accelerator, self.out, state, self.cfg.checkpoint.keep_last)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        folder = ckpt.save_checkpoint(
+            self.accelerator, self.out, state, self.cfg.checkpoint.keep_last,
+            lambda d: write_model_files(unwrapped, self.tokenizer, d),
+        )
         self.accelerator.print(f"[pretrain] checkpoint saved: {folder}")
 
     # ---------------------------------------------------------------- cleanup

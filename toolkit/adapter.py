@@ -12,6 +12,7 @@ there is none the recipe stops with a message; it never trains in full precision
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,8 +127,15 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
     )
 
 
-def save_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path | None:
-    """Collective (gathers sharded weights); the main process writes the peft folder atomically."""
+BASE_MODEL_FILE = "base_model.json"  # how the base was loaded (toolkit.base_model.BaseModelConfig)
+
+
+def save_adapter(accelerator, model, tokenizer, out_dir: Path, base_model: dict | None = None) -> Path | None:
+    """Collective (gathers sharded weights); the main process writes the peft folder atomically.
+
+    `base_model` (the run's base_model section) is kept as base_model.json, so that the base
+    can be found again for merging, even when it was a GGUF that peft's own
+    `base_model_name_or_path` cannot load."""
     state_dict = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
@@ -140,6 +148,8 @@ def save_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path | None:
         tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False
     )
     tokenizer.save_pretrained(tmp)
+    if base_model is not None:
+        (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     accelerator.wait_for_everyone()

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,8 +83,21 @@ def read_state(folder: Path) -> dict:
     return json.loads((folder / STATE_FILE).read_text())
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict, keep_last: int) -> Path:
-    """Collective: every rank must call it."""
+MODEL_FILES = "model_files"  # config, tokenizer (and a LoRA's adapter config) beside the weights
+
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    output_dir: Path,
+    state: dict,
+    keep_last: int,
+    model_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Collective: every rank must call it.
+
+    `model_files(folder)` writes what turns the saved weights back into a model without the
+    run (config, tokenizer): recipes/export.py consolidates any checkpoint from it alone.
+    """
     folder = output_dir / "checkpoints" / f"step-{state['step']}"
     if accelerator.is_main_process and folder.exists():
         shutil.rmtree(folder)  # a stale, incomplete save of the same step
@@ -91,6 +105,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict, kee
     accelerator.save_state(str(folder))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if model_files is not None:
+            model_files(folder / MODEL_FILES)
         tmp = folder / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.rename(folder / STATE_FILE)

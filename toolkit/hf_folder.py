@@ -93,3 +93,20 @@ def write_model_folder(
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def write_model_files(model, tokenizer, folder: Path, extra: dict[str, dict] | None = None) -> Path:
+    """What a checkpoint needs to become a model again: the architecture config, generation
+    config and tokenizer; for a peft model the base's config plus the adapter's config.
+    `extra` maps file names to JSON-able dicts (e.g. how the base model was loaded)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    base.config.save_pretrained(folder)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if hasattr(model, "peft_config"):
+        model.peft_config["default"].save_pretrained(folder)
+    for name, content in (extra or {}).items():
+        (folder / name).write_text(json.dumps(content, indent=2))
+    return folder
