@@ -140,10 +140,15 @@ def _load_checkpoint(source: Source, merge_lora: bool):
         ) from None
     del state
     if lora:
-        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig.from_pretrained(str(files)))
-        set_peft_model_state_dict(model, {k.removeprefix("base_model.model."): v for k, v in adapter.items()})
+        result = model.load_state_dict(adapter, strict=False)  # the checkpoint's names are peft's own
+        if result.unexpected_keys or not adapter:
+            raise UserError(
+                f"{source.describe()}: its adapter weights do not fit its adapter_config.json "
+                f"(unexpected {result.unexpected_keys[:3]}); the checkpoint and {MODEL_FILES}/ differ"
+            )
         model = model.merge_and_unload()
         notes.append(f"the checkpoint holds a LoRA model: merged its {len(adapter)} adapter tensors into the base")
     return model.eval(), tokenizer, notes
@@ -172,7 +177,9 @@ def _load_adapter(source: Source, base: str | None, merge_lora: bool):
         base_model = AutoModelForCausalLM.from_pretrained(named, dtype=torch.float32)
         where = named
     merged = PeftModel.from_pretrained(base_model, str(source.path)).merge_and_unload()
-    tokenizer = AutoTokenizer.from_pretrained(source.path)
+    # the recipe saves the tokenizer with the adapter; other adapters use their base's
+    has_tokenizer = (source.path / "tokenizer.json").is_file() or (source.path / "tokenizer_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(source.path if has_tokenizer else where)
     return merged.eval(), tokenizer, [f"source: {source.describe()} on base {where}, merged"]
 
 

@@ -69,19 +69,34 @@ def save_final_model(
 
 
 def write_model_folder(
-    model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict, state_dict: dict | None = None
+    model,
+    tokenizer,
+    out_dir: Path,
+    card_facts: dict,
+    train_config: dict,
+    state_dict: dict | None = None,
+    card: str | None = None,
+    max_shard_size: str = "5GB",
 ) -> Path:
-    """One process: the model (or `state_dict` for it), tokenizer and card, renamed into place."""
+    """One process: the model (or `state_dict` for it), tokenizer and card, renamed into place.
+
+    `card` replaces the training card (README.md); weights above `max_shard_size` are split
+    into shards with an index, as transformers does."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if state_dict is not None:
         for key in tied_copies(model):
             state_dict.pop(key, None)
     model.config.use_cache = True  # inference default; training turned it off
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if card is not None:
+        (tmp / "README.md").write_text(card)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+        return out_dir
     facts = {"name": out_dir.name, "origin": "trained from scratch", **card_facts}
     for key in ("eval_loss", "eval_ppl"):
         if isinstance(facts.get(key), float):

@@ -1,0 +1,169 @@
+"""Export what training produced for inference: a Hugging Face folder, GGUF, or int8/int4.
+
+    python recipes/export.py --from runs/tiny --format gguf --quant q8_0 --output exports/tiny-q8_0.gguf
+    python recipes/export.py --from runs/ft --checkpoint step-300 --format hf --dtype bf16 --merge-lora --output exports/ft-hf
+
+One process, no launcher, no GPU. `--from` takes a run folder (its final/, or --checkpoint
+step-N / latest), any Hugging Face model folder, a checkpoint folder of any strategy (DDP,
+FSDP, ZeRO-1/2/3: gathered with the strategy's own tools), or a LoRA adapter folder (merged
+into its base, found from the adapter or given with --base).
+
+Formats
+- hf: safetensors (sharded above --max-shard-size), config, tokenizer, generation config and a
+  model card with the source, step, dtype and eval loss; --dtype fp32 / bf16 / fp16.
+- gguf: for llama.cpp and Ollama, written with the `gguf` package; --quant f16, q8_0, q4_0, ...;
+  the tokenizer and chat template inside, and an Ollama Modelfile beside it.
+- int8 / int4: weight-only quantised HF folders through transformers' quantization configs.
+
+Every export is reloaded and measured: export_report.md (format, size, held-out perplexity and
+its change against the fp32 source, generation tokens/s) is printed and written beside it.
+Errors (one line, exit code 2): a missing or unrecognised --from, an incomplete or unknown
+checkpoint, an unsupported architecture or quant type, an existing output without --overwrite.
+An export that fails midway leaves nothing under the output's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from toolkit.config import UserError
+from toolkit.consolidate import load_model, resolve_source
+from toolkit.export_report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
+from toolkit.hf_folder import write_model_folder
+
+FORMATS = ("hf", "gguf", "int8", "int4")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+HF_CARD = """---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [llm-toolkit]
+---
+# {name}
+
+Exported by llm-toolkit's `recipes/export.py`.
+
+| | |
+|---|---|
+| source | {source} |
+| step | {step} |
+| dtype | {dtype} |
+| eval loss at training time | {eval_loss} |
+| held-out perplexity (this export) | {ppl} |
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--from", dest="source", required=True, help="run, model, checkpoint or adapter folder")
+    parser.add_argument("--checkpoint", help="with a run folder: step-N or latest (default: its final/)")
+    parser.add_argument("--format", choices=FORMATS, default="hf")
+    parser.add_argument("--quant", default="f16", help="gguf: the tensor type (f16, q8_0, q4_0, ...)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="hf: the weights' dtype")
+    parser.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base (needed for adapters)")
+    parser.add_argument("--base", help="the base model folder of a LoRA adapter, when the adapter does not name it")
+    parser.add_argument("--max-shard-size", default="2GB", help="hf: split safetensors above this size")
+    parser.add_argument("--output", required=True, help="the folder (hf, int8, int4) or .gguf file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--eval-text", help="a text file for the perplexity check (default: held-out CPython docs)")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> Path:
+    """Everything that can be refused before any work is done."""
+    output = Path(args.output)
+    if args.format == "gguf":
+        from toolkit.gguf_export import GGUF_TYPES
+
+        if args.quant not in GGUF_TYPES:
+            raise UserError(f"--quant {args.quant} is not offered for gguf; choose one of {', '.join(GGUF_TYPES)}")
+        if output.suffix != ".gguf":
+            raise UserError(f"--output {output} must end in .gguf for --format gguf")
+    elif args.quant != "f16":
+        raise UserError(f"--quant applies to --format gguf only; for {args.format} leave it out")
+    if output.exists() and not args.overwrite:
+        raise UserError(f"--output {output} exists; choose another path or pass --overwrite to replace it")
+    if args.eval_text and not Path(args.eval_text).is_file():
+        raise UserError(f"--eval-text {args.eval_text} does not exist")
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        output = check_args(args)
+        source = resolve_source(args.source, args.checkpoint)
+        model, tokenizer, notes = load_model(source, args.base, args.merge_lora)
+        for line in notes:
+            print(f"[export] {line}")
+
+        # The fp32 source's perplexity: the reference for every format.
+        eval_text = Path(args.eval_text).read_text() if args.eval_text else None
+        blocks = held_out_ids(tokenizer, eval_text)
+        source_ppl = perplexity(model, blocks)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        facts = {"source": source.describe(), "step": source.facts.get("step", "n/a"),
+                 "eval_loss": _fmt(source.facts.get("eval_loss"))}
+
+        # Write: every format goes to a temporary name and is renamed into place at the end.
+        if args.format == "hf":
+            model = model.to(DTYPES[args.dtype])
+            card = HF_CARD.format(name=output.name, dtype=args.dtype, ppl="see export_report.md", **facts)
+            write_model_folder(model, tokenizer, output, {}, {}, card=card, max_shard_size=args.max_shard_size)
+            exported = _load_hf(output)
+        else:
+            with tempfile.TemporaryDirectory(prefix="export-", dir=output.parent) as tmp:
+                staged = write_model_folder(model, tokenizer, Path(tmp) / "model", {}, {}, card="")
+                if args.format == "gguf":
+                    from toolkit.gguf_export import write_gguf, write_modelfile
+
+                    result = write_gguf(staged, output, args.quant)
+                    notes += list(result[1]) if isinstance(result, tuple) else []
+                    modelfile = write_modelfile(output, staged)
+                    notes.append(f"Ollama: ollama create NAME -f {modelfile}")
+                    exported = _load_gguf(output)
+                else:
+                    from toolkit.quantize import quantize_folder
+
+                    _, quant_notes = quantize_folder(staged, output, args.format)
+                    notes += quant_notes
+                    exported = _load_hf(output)
+
+        report = ExportReport(
+            output=output, fmt=args.format + (f" {args.quant}" if args.format == "gguf" else f" {args.dtype}" if args.format == "hf" else ""),
+            source=source.describe(), size_bytes=size_on_disk(output), source_ppl=source_ppl,
+            export_ppl=perplexity(exported, blocks), tokens_per_s=tokens_per_second(exported, tokenizer), notes=notes,
+        )
+        report_path = output / "export_report.md" if output.is_dir() else output.with_name(output.name + ".export_report.md")
+        report_path.write_text(report.markdown())
+        print(report.markdown())
+        print(f"[export] wrote {output} and {report_path}")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _load_hf(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def _load_gguf(file: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+
+
+def _fmt(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "n/a"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

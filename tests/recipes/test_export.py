@@ -1,0 +1,146 @@
+"""recipes/export.py: every kind of training output becomes one model, and bad input is refused.
+
+Checkpoints of 2-process runs under DDP, FSDP2 and ZeRO-1/2/3 consolidate offline, in this
+process, to the model the run held when it saved them (its final/ folder, gathered from the live
+model at the same step); a LoRA run's checkpoint and a LoRA adapter merge into their base.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from recipe_runner import FT_TINY, TINY, recipe_module, run_recipe
+from transformers import AutoModelForCausalLM
+
+from toolkit.consolidate import load_model, resolve_source
+
+STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+KIND = {"ddp": "ddp", "fsdp": "fsdp", "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
+
+
+@pytest.fixture(scope="module")
+def export():
+    return recipe_module("export")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache) -> dict:
+    root = tmp_path_factory.mktemp("export-runs")
+    for strategy in STRATEGIES:
+        run_recipe("pretrain", [*TINY, "train.max_steps=3", "checkpoint.every=3", "logging.eval_every=0",
+                                f"output_dir={root / strategy}"], nproc=2, cache=data_cache,
+                   accelerate_config=f"{strategy}.yaml")
+    return {s: root / s for s in STRATEGIES}
+
+
+def logits(model, seed: int = 0) -> torch.Tensor:
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_consolidates_to_the_model_it_saved(strategy, runs):
+    source = resolve_source(runs[strategy], "step-3")
+    assert source.kind == KIND[strategy] and source.step == 3
+    model, tokenizer, _ = load_model(source)
+    live = AutoModelForCausalLM.from_pretrained(runs[strategy] / "final")  # gathered from the live model at step 3
+    torch.testing.assert_close(logits(model), logits(live), atol=1e-5, rtol=0)
+    assert tokenizer("def f(x):")["input_ids"] == source_tokenizer(runs[strategy])("def f(x):")["input_ids"]
+
+
+def source_tokenizer(run):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(run / "final")
+
+
+@pytest.mark.distributed
+def test_hf_export_of_a_zero3_checkpoint(export, runs, tmp_path, capsys):
+    out = tmp_path / "z3-hf"
+    code = export.main(["--from", str(runs["zero3"]), "--checkpoint", "step-3", "--format", "hf", "--dtype", "bf16",
+                        "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    card = (out / "README.md").read_text()
+    assert "DeepSpeed ZeRO checkpoint" in card and "| step | 3 |" in card and "| dtype | bf16 |" in card
+    report = (out / "export_report.md").read_text()
+    assert "held-out perplexity (export)" in report and "tokens/s" in report
+
+
+def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, data_cache, tmp_path):
+    out = tmp_path / "lora"
+    run_recipe("finetune", [*FT_TINY, f"base_model.path={tiny_base}", "data.format=chat",
+                            f"data.chat_template={chatml_file}", "train.max_steps=2", "checkpoint.every=2",
+                            f"output_dir={out}"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
+    source = resolve_source(out, "step-2")
+    model, _, notes = load_model(source, merge_lora=True)
+    assert any("merged its" in n for n in notes)
+    torch.testing.assert_close(logits(model), logits(AutoModelForCausalLM.from_pretrained(out / "final")), atol=1e-4, rtol=0)
+    # the adapter folder on the same base gives the same merged model
+    merged, _, _ = load_model(resolve_source(out / "adapter"), merge_lora=True)
+    torch.testing.assert_close(logits(merged), logits(model), atol=1e-4, rtol=0)
+
+
+def test_lora_adapter_merge_equals_base_plus_adapter(tiny_base, tmp_path, export, capsys):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero; a trained adapter does not
+            torch.nn.init.normal_(p, std=0.05)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    expected = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), tmp_path / "adapter"))
+    out = tmp_path / "merged"
+    code = export.main(["--from", str(tmp_path / "adapter"), "--base", str(tiny_base), "--merge-lora", "--format", "hf",
+                        "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(logits(merged), expected, atol=1e-4, rtol=0)
+
+
+def error_line(export, capsys, *args) -> str:
+    code = export.main(list(args))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_bad_input_is_one_line(export, capsys, tmp_path, tiny_base):
+    out = str(tmp_path / "out")
+    assert "--from /nowhere does not exist" in error_line(export, capsys, "--from", "/nowhere", "--output", out)
+    (tmp_path / "junk").mkdir()
+    assert "is not a model, run, checkpoint or adapter folder" in error_line(
+        export, capsys, "--from", str(tmp_path / "junk"), "--output", out)
+    step = tmp_path / "run" / "checkpoints" / "step-4"
+    step.mkdir(parents=True)
+    (step / "random_states_0.pkl").write_bytes(b"")
+    assert "incomplete checkpoint" in error_line(export, capsys, "--from", str(step), "--output", out)
+    (step / "trainer_state.json").write_text('{"step": 4}')
+    assert "checkpoint from an unknown save" in error_line(export, capsys, "--from", str(step), "--output", out)
+    assert "--checkpoint step-9 is not in" in error_line(
+        export, capsys, "--from", str(tmp_path / "run"), "--checkpoint", "step-9", "--output", out)
+    assert "is not offered for gguf; choose one of" in error_line(
+        export, capsys, "--from", str(tiny_base), "--format", "gguf", "--quant", "q3_zz", "--output", out + ".gguf")
+    (tmp_path / "exists").mkdir()
+    assert "exists; choose another path or pass --overwrite" in error_line(
+        export, capsys, "--from", str(tiny_base), "--output", str(tmp_path / "exists"))
+
+
+def test_a_failed_export_leaves_nothing_under_the_output_name(export, tiny_base, tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerBase
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", broken)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"):
+        export.main(["--from", str(tiny_base), "--format", "hf", "--output", str(out)])
+    assert not out.exists()
