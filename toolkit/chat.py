@@ -10,13 +10,14 @@ and mapping character offsets to tokens, so any template works, with or without 
 
 Packed blocks use the layout of `toolkit.packing` (input_ids, position_ids restarting at 0 at
 each conversation, num_tokens) plus `labels`, so `block_causal_mask` keeps conversations apart.
-A conversation is never split across blocks: blocks are filled in order, and one that does not
-fit in the current block starts the next; the tail of each block is padding (its own segment,
-no targets).
+A conversation is never split across blocks: they are placed longest first into the block
+they fill most tightly (best-fit decreasing); the tail of each block is padding (its own
+segment, no targets).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -261,16 +262,7 @@ def pack_conversations(
         )
     src_start, size = offsets[:-1][keep], size[keep]
 
-    # blocks filled in order: a conversation that does not fit starts the next block
-    block = np.empty(size.size, dtype=np.int64)
-    start = np.empty(size.size, dtype=np.int64)
-    b = fill = 0
-    for i, length in enumerate(size.tolist()):
-        if fill + length > seq_len:
-            b, fill = b + 1, 0
-        block[i], start[i] = b, fill
-        fill += length
-    n_blocks = b + 1
+    block, start, n_blocks = _best_fit_decreasing(size, seq_len)
 
     total = int(size.sum())
     conv = np.repeat(np.arange(size.size), size)
@@ -307,6 +299,41 @@ def pack_conversations(
         seq_len=seq_len,
     )
     return datasets.Dataset(table), stats
+
+
+def _best_fit_decreasing(size: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(block, start within it) of each conversation, and the number of blocks.
+
+    Longest first, each into the open block it fills most tightly (best-fit decreasing), so a
+    block's tail is padding only where no remaining conversation fits. Filling blocks in data
+    order instead left a quarter of every block as padding on chat data averaging ~200 tokens
+    in 512-token blocks (bench/chat_packing.py: 75% filled; 98% with this). Conversations are
+    re-ordered, which costs nothing: the training order is shuffled by block anyway.
+    """
+    block = np.empty(size.size, dtype=np.int64)
+    start = np.empty(size.size, dtype=np.int64)
+    room: list[int] = []  # sorted distinct capacities left in open blocks
+    blocks_with: dict[int, list[int]] = {}  # capacity -> open blocks with exactly that much room
+    n_blocks = 0
+    for i in np.argsort(-size, kind="stable").tolist():
+        length = int(size[i])
+        j = bisect.bisect_left(room, length)
+        if j < len(room):  # the tightest open block it fits in
+            capacity = room[j]
+            b = blocks_with[capacity].pop()
+            if not blocks_with[capacity]:
+                room.pop(j)
+        else:
+            b, capacity = n_blocks, seq_len
+            n_blocks += 1
+        block[i], start[i] = b, seq_len - capacity
+        left = capacity - length
+        if left > 0:
+            if not blocks_with.get(left):
+                blocks_with[left] = []
+                bisect.insort(room, left)
+            blocks_with[left].append(b)
+    return block, start, n_blocks
 
 
 def collate_chat(columns: dict, attn_implementation: str) -> dict[str, torch.Tensor]:
