@@ -262,7 +262,7 @@ def pack_conversations(
         )
     src_start, size = offsets[:-1][keep], size[keep]
 
-    block, start, n_blocks = _best_fit_decreasing(size, seq_len)
+    block, start, n_blocks = best_fit_decreasing(size, seq_len)
 
     total = int(size.sum())
     conv = np.repeat(np.arange(size.size), size)
@@ -301,7 +301,7 @@ def pack_conversations(
     return datasets.Dataset(table), stats
 
 
-def _best_fit_decreasing(size: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+def best_fit_decreasing(size: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(block, start within it) of each conversation, and the number of blocks.
 
     Longest first, each into the open block it fills most tightly (best-fit decreasing), so a
