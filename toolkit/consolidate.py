@@ -84,54 +84,75 @@ def load_model(source: Source, base: str | None = None, merge_lora: bool = True)
     return _load_checkpoint(source, merge_lora)
 
 
-def checkpoint_state_dict(source: Source) -> dict[str, torch.Tensor]:
-    """The full float32 state dict of a checkpoint, gathered by its strategy's own tools."""
+def gather_weights(source: Source, into: Path) -> Path:
+    """Write a checkpoint's full float32 weights as safetensors into `into`, gathered by its
+    strategy's own tools, a shard at a time, so that the whole model is never held twice."""
     folder = source.path
-    if source.kind == "ddp":
-        files = sorted(folder.glob("model*.safetensors"))
-        if files:
-            state: dict[str, torch.Tensor] = {}
-            for f in files:
-                state.update(load_file(f))
-            return state
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    if source.kind == "fsdp":
+    if source.kind == "ddp":  # already whole: link the files
+        for f in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json"),
+                  *folder.glob("pytorch_model*.bin")]:
+            (into / f.name).symlink_to(f.resolve())
+    elif source.kind == "fsdp":
         from accelerate.utils import merge_fsdp_weights
 
-        with tempfile.TemporaryDirectory(prefix="merge-fsdp-") as tmp:
-            merge_fsdp_weights(str(_fsdp_model_dir(folder)), tmp, safe_serialization=True)
-            state = {}
-            for f in sorted(Path(tmp).glob("*.safetensors")):
-                state.update(load_file(f))
-            return state
-    if source.kind == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        merge_fsdp_weights(str(_fsdp_model_dir(folder)), str(into), safe_serialization=True)
+    elif source.kind == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
-        # lazy: each parameter is gathered from the partitions when it is read, so the master
-        # weights are never held twice (see bench/export.py for the peak memory)
-        lazy = get_fp32_state_dict_from_zero_checkpoint(str(folder), lazy_mode=True)
-        return {name: value.contiguous() for name, value in lazy.items()}
-    raise ValueError(f"not a checkpoint: {source.kind}")
+        # lazy inside: each shard is gathered from the partitions when it is written. As torch
+        # files: its safetensors writer refuses tied weights (embeddings shared with lm_head)
+        convert_zero_checkpoint_to_fp32_state_dict(str(folder), str(into), max_shard_size="1GB", safe_serialization=False)
+    else:
+        raise ValueError(f"not a checkpoint: {source.kind}")
+    return into
 
 
 def _load_checkpoint(source: Source, merge_lora: bool):
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     files = _model_files(source)
-    config = AutoConfig.from_pretrained(files)
-    tokenizer = AutoTokenizer.from_pretrained(files)
-    state = checkpoint_state_dict(source)
-    notes = [f"source: {source.describe()}, {len(state)} tensors gathered"]
     lora = (files / "adapter_config.json").is_file()  # a LoRA run's checkpoint: base + adapter weights
     if lora and not merge_lora:
         raise UserError(f"{source.describe()} holds a LoRA model; export it with --merge-lora")
-    adapter = {k: state.pop(k) for k in [k for k in state if "lora_" in k]} if lora else {}
-    if lora:  # peft's names -> the base model's own
-        state = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in state.items()}
-    # transformers builds the model on the meta device and loads the tensors into it (buffers such
-    # as rotary frequencies are computed, tied weights tied), so the weights are held once
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    tokenizer = AutoTokenizer.from_pretrained(files)
+    with tempfile.TemporaryDirectory(prefix="consolidate-") as tmp:
+        weights = gather_weights(source, Path(tmp))
+        notes = [f"source: {source.describe()}, weights gathered into {len(list(weights.iterdir()))} file(s)"]
+        if not lora:  # an ordinary HF folder now: transformers loads it shard by shard
+            for f in files.iterdir():
+                if f.is_file() and not (weights / f.name).exists():
+                    (weights / f.name).symlink_to(f.resolve())
+            model = _from_folder(weights, source)
+        else:
+            model, adapter_notes = _merge_lora_checkpoint(weights, files, source)
+            notes += adapter_notes
+    return model.eval(), tokenizer, notes
+
+
+def _from_folder(folder: Path, source: Source, **kwargs):
     try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise UserError(
+            f"{source.describe()} does not load with its config ({str(exc).splitlines()[0][:200]}); "
+            f"the weights and {MODEL_FILES}/ come from different models"
+        ) from None
+
+
+def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
+    """A LoRA run's checkpoint holds the peft model's state: base weights under peft's names
+    plus the adapter. The base is built from its own names, the adapter loaded on top, merged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(weights.glob("*.safetensors")):
+        state.update(load_file(f))
+    for f in sorted(weights.glob("pytorch_model*.bin")):
+        state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    adapter = {k: state.pop(k) for k in [k for k in state if "lora_" in k]}
+    state = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in state.items()}
+    config = AutoConfig.from_pretrained(files)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    try:  # built on the meta device around the tensors (buffers computed, tied weights tied)
         model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32)
     except (RuntimeError, ValueError) as exc:
         raise UserError(
@@ -139,19 +160,15 @@ def _load_checkpoint(source: Source, merge_lora: bool):
             f"the weights and {MODEL_FILES}/ come from different models"
         ) from None
     del state
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig.from_pretrained(str(files)))
-        result = model.load_state_dict(adapter, strict=False)  # the checkpoint's names are peft's own
-        if result.unexpected_keys or not adapter:
-            raise UserError(
-                f"{source.describe()}: its adapter weights do not fit its adapter_config.json "
-                f"(unexpected {result.unexpected_keys[:3]}); the checkpoint and {MODEL_FILES}/ differ"
-            )
-        model = model.merge_and_unload()
-        notes.append(f"the checkpoint holds a LoRA model: merged its {len(adapter)} adapter tensors into the base")
-    return model.eval(), tokenizer, notes
+    model = get_peft_model(model, LoraConfig.from_pretrained(str(files)))
+    result = model.load_state_dict(adapter, strict=False)  # the checkpoint's names are peft's own
+    if result.unexpected_keys or not adapter:
+        raise UserError(
+            f"{source.describe()}: its adapter weights do not fit its adapter_config.json "
+            f"(unexpected {result.unexpected_keys[:3]}); the checkpoint and {MODEL_FILES}/ differ"
+        )
+    model = model.merge_and_unload()
+    return model, [f"the checkpoint holds a LoRA model: merged its {len(adapter)} adapter tensors into the base"]
 
 
 def _load_adapter(source: Source, base: str | None, merge_lora: bool):
