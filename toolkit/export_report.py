@@ -93,7 +93,7 @@ class ExportReport:
             f"| held-out perplexity (source, fp32) | {self.source_ppl:.4f} |",
             f"| held-out perplexity (export) | {self.export_ppl:.4f} |",
             f"| change | {self.ppl_change:+.3%} |",
-            f"| generation speed here | {self.tokens_per_s:.1f} tokens/s |",
+            f"| generation speed here (transformers, CPU) | {self.tokens_per_s:.1f} tokens/s |",
             "",
             f"Perplexity on {EVAL_TOKENS} held-out tokens in blocks of {EVAL_BLOCK}; speed: greedy, "
             "one sequence, this machine.",

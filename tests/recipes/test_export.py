@@ -144,3 +144,29 @@ def test_a_failed_export_leaves_nothing_under_the_output_name(export, tiny_base,
     with pytest.raises(OSError, match="disk full"):
         export.main(["--from", str(tiny_base), "--format", "hf", "--output", str(out)])
     assert not out.exists()
+
+
+@pytest.mark.distributed
+def test_gguf_export_of_a_run_with_report_and_modelfile(export, runs, tmp_path, capsys):
+    import gguf
+
+    out = tmp_path / "tiny-q8_0.gguf"
+    code = export.main(["--from", str(runs["zero2"]), "--format", "gguf", "--quant", "q8_0", "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    reader = gguf.GGUFReader(out)
+    assert reader.get_field("general.architecture").contents() == "llama"
+    assert "\nFROM ./tiny-q8_0.gguf\n" in (tmp_path / "Modelfile").read_text()
+    report = (tmp_path / "tiny-q8_0.gguf.export_report.md").read_text()
+    change = float(report.split("| change | ")[1].split("%")[0])
+    assert abs(change) < 2.0, report  # q8_0 within 2% of the fp32 source
+
+
+def test_gguf_of_an_architecture_the_writer_does_not_support(export, capsys, tmp_path, tiny_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tiny_tokenizer))).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    err = error_line(export, capsys, "--from", str(folder), "--format", "gguf", "--output", str(tmp_path / "g.gguf"))
+    assert "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err
+    assert not (tmp_path / "g.gguf").exists()
