@@ -170,3 +170,18 @@ def test_gguf_of_an_architecture_the_writer_does_not_support(export, capsys, tmp
     err = error_line(export, capsys, "--from", str(folder), "--format", "gguf", "--output", str(tmp_path / "g.gguf"))
     assert "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err
     assert not (tmp_path / "g.gguf").exists()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_weight_only_export_loads_and_generates(scheme, export, tiny_base, tmp_path, capsys):
+    pytest.importorskip("torchao")
+    out = tmp_path / scheme
+    code = export.main(["--from", str(tiny_base), "--format", scheme, "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.quantization_config is not None
+    ids = torch.tensor([[1, 2, 3]])
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == 7
+    report = (out / "export_report.md").read_text()
+    change = float(report.split("| change | ")[1].split("%")[0])
+    assert abs(change) < (2.0 if scheme == "int8" else 15.0), report
