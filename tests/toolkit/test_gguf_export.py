@@ -392,8 +392,9 @@ def test_smollm2_f16_holds_its_tokenizer_and_tied_weights(smollm2, smollm2_f16):
 
 # SmolLM2's float weights are themselves dequantised Q4_1 blocks: q4_0 quantises them a second time,
 # onto a grid offset from theirs (+16.5% here, +22% on other pydoc texts, and llama.cpp itself
-# measures +16.9% on this file), so its bound is wider than the tiny model's.
-SMOLLM2_PPL_TOLERANCE = {"f16": 0.005, "q8_0": 0.02, "q4_0": 0.20}
+# measures +16.9% on this file), so its bound is wider than the issue's 15%; q4_1, the grid the
+# weights came from, is the 4-bit type that meets it (it reproduces the source).
+SMOLLM2_PPL_TOLERANCE = {"f16": 0.005, "q8_0": 0.02, "q4_1": 0.15, "q4_0": 0.20}
 
 
 @pytest.mark.parametrize("quant", list(SMOLLM2_PPL_TOLERANCE))
@@ -409,7 +410,7 @@ def test_smollm2_reloads_with_same_tokens_and_close_perplexity(smollm2, smollm2_
         if quant == "f16"
         else write_gguf(folder, tmp_path / f"smollm2-{quant}.gguf", quant, notes)
     )
-    assert out.stat().st_size < {"f16": 275, "q8_0": 150, "q4_0": 95}[quant] * 2**20
+    assert out.stat().st_size < {"f16": 275, "q8_0": 150, "q4_1": 105, "q4_0": 95}[quant] * 2**20
     reloaded, reloaded_tokenizer, _ = load_base_model(BaseModelConfig(path=str(out), gguf_cache=False))
     chat = tokenizer.apply_chat_template([{"role": "user", "content": SENTENCE}], tokenize=False)
     for text in (SENTENCE, chat):
