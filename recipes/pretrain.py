@@ -28,7 +28,7 @@ from pathlib import Path
 
 import datasets
 import torch
-from accelerate.utils import DummyOptim, DummyScheduler, gather_object
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint as ckpt
@@ -43,8 +43,6 @@ from toolkit.distributed import (
     describe,
     exit_process,
     full_model_init,
-    offloads_optimizer_to_cpu,
-    prepare,
     strategy_name,
 )
 from toolkit.entry import flat_hparams, run
@@ -62,7 +60,7 @@ from toolkit.metrics import (
     plot_loss,
 )
 from toolkit.model import build_model, check_seq_len, count_parameters, hf_config, meta_model
-from toolkit.optim import build_optimizer, build_scheduler
+from toolkit.optim import prepare_optimization
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
 from toolkit.recipe_config import PretrainConfig
 from toolkit.sharding import GradientMeter, held_bytes
@@ -157,20 +155,9 @@ class PretrainRecipe:
         # once per process) and saved through register_for_checkpointing.
         if ds_owned:
             acc.print(f"[pretrain] the DeepSpeed config defines {' and '.join(ds_owned)}: using them instead of the recipe's optim section")
-        if "optimizer" in ds_owned:
-            optimizer = DummyOptim(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-        else:
-            optimizer = build_optimizer(model, cfg.optim, cpu_offload=offloads_optimizer_to_cpu(acc))
-        if "scheduler" in ds_owned:
-            scheduler = DummyScheduler(optimizer, total_num_steps=cfg.train.max_steps, warmup_num_steps=cfg.optim.warmup_steps)
-            self.model, self.optimizer, self.scheduler = prepare(acc, model, optimizer, scheduler)
-            self.step_scheduler = False  # the DeepSpeed engine steps it
-        else:
-            self.model, self.optimizer = prepare(acc, model, optimizer)
-            # Built on the prepared optimizer: ZeRO-3 and FSDP2 rebuild the parameter groups.
-            self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
-            acc.register_for_checkpointing(self.scheduler)
-            self.step_scheduler = True
+        self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
+            acc, model, cfg.optim, cfg.train.max_steps, ds_owned
+        )
 
         if resume_from is not None:
             state = ckpt.load_checkpoint(acc, resume_from)

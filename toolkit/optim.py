@@ -63,3 +63,31 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
     return get_scheduler(
         name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max_steps, scheduler_specific_kwargs=extra
     )
+
+
+def prepare_optimization(accelerator, model: torch.nn.Module, cfg: OptimConfig, max_steps: int, ds_owned: list[str]):
+    """(model, optimizer, scheduler, step_scheduler): everything prepared by Accelerate.
+
+    The recipe's AdamW and schedule, unless a user's DeepSpeed JSON defines its own optimizer or
+    scheduler (`ds_owned`, from configure_deepspeed): then DeepSpeed builds them from Accelerate's
+    placeholders. Our scheduler is built on the prepared optimizer (ZeRO-3 and FSDP2 rebuild the
+    parameter groups), stepped once per optimizer step by the recipe (`step_scheduler`; Accelerate
+    would step it once per process) and saved through register_for_checkpointing.
+    """
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    from toolkit.distributed import offloads_optimizer_to_cpu, prepare
+
+    if "optimizer" in ds_owned:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = DummyOptim(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = build_optimizer(model, cfg, cpu_offload=offloads_optimizer_to_cpu(accelerator))
+    if "scheduler" in ds_owned:
+        scheduler = DummyScheduler(optimizer, total_num_steps=max_steps, warmup_num_steps=cfg.warmup_steps)
+        model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
+        return model, optimizer, scheduler, False  # the DeepSpeed engine steps it
+    model, optimizer = prepare(accelerator, model, optimizer)
+    scheduler = build_scheduler(optimizer, cfg, max_steps)
+    accelerator.register_for_checkpointing(scheduler)
+    return model, optimizer, scheduler, True
