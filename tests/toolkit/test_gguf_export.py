@@ -183,7 +183,8 @@ def test_rows_that_do_not_fill_quant_blocks_fall_back_to_f16(tmp_path, tiny_mode
     out = write_gguf(folder, tmp_path / "odd.gguf", "q4_0", notes)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == types["output.weight"] == "F16"
-    assert types["blk.0.ffn_down.weight"] == "Q4_0" and types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.0.ffn_gate.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.0.ffn_down.weight"] == "Q8_0"  # 96-value rows fill blocks; kept wider under 4-5 bits
     assert any("not a multiple of 32" in n and "f16" in n for n in notes), notes
     reloaded, _ = _reload(out)
     ids = torch.arange(60)[None]
@@ -390,11 +391,11 @@ def test_smollm2_f16_holds_its_tokenizer_and_tied_weights(smollm2, smollm2_f16):
         assert np.array_equal(values, rounded), name
 
 
-# SmolLM2's float weights are themselves dequantised Q4_1 blocks: q4_0 quantises them a second time,
-# onto a grid offset from theirs (+16.5% here, +22% on other pydoc texts, and llama.cpp itself
-# measures +16.9% on this file), so its bound is wider than the issue's 15%; q4_1, the grid the
-# weights came from, is the 4-bit type that meets it (it reproduces the source).
-SMOLLM2_PPL_TOLERANCE = {"f16": 0.005, "q8_0": 0.02, "q4_1": 0.15, "q4_0": 0.20}
+# SmolLM2's float weights are themselves dequantised Q4_1 blocks, so q4_0 quantises them a second time
+# onto another grid: with every matrix at q4_0 that cost +16.5% perplexity (llama.cpp measured +16.9% on
+# the same file); keeping the attention-value and MLP-down matrices at q8_0, as llama.cpp's mixed types
+# do, brings it to +3.2%.
+SMOLLM2_PPL_TOLERANCE = {"f16": 0.005, "q8_0": 0.02, "q4_1": 0.15, "q4_0": 0.15}
 
 
 @pytest.mark.parametrize("quant", list(SMOLLM2_PPL_TOLERANCE))
@@ -410,7 +411,7 @@ def test_smollm2_reloads_with_same_tokens_and_close_perplexity(smollm2, smollm2_
         if quant == "f16"
         else write_gguf(folder, tmp_path / f"smollm2-{quant}.gguf", quant, notes)
     )
-    assert out.stat().st_size < {"f16": 275, "q8_0": 150, "q4_1": 105, "q4_0": 95}[quant] * 2**20
+    assert out.stat().st_size < {"f16": 275, "q8_0": 150, "q4_1": 115, "q4_0": 110}[quant] * 2**20
     reloaded, reloaded_tokenizer, _ = load_base_model(BaseModelConfig(path=str(out), gguf_cache=False))
     chat = tokenizer.apply_chat_template([{"role": "user", "content": SENTENCE}], tokenize=False)
     for text in (SENTENCE, chat):
