@@ -73,7 +73,7 @@ from toolkit.metrics import (
     peak_memory_mb,
     plot_loss,
 )
-from toolkit.model import count_parameters
+from toolkit.model import count_parameters, max_positions
 from toolkit.optim import prepare_optimization
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
 from toolkit.recipe_config import FinetuneConfig
@@ -126,9 +126,11 @@ class FinetuneRecipe:
         for line in notes:
             acc.print(f"[finetune] {line}")
         check_fsdp_layers(acc, model)
-        limit = getattr(model.config, "max_position_embeddings", None)
+        limit = max_positions(model.config)
         if limit is not None and cfg.data.seq_len > limit:
-            raise UserError(f"data.seq_len={cfg.data.seq_len} is larger than the base model's max positions ({limit})")
+            raise UserError(
+                f"data.seq_len={cfg.data.seq_len} is larger than the base model's max positions ({limit}); lower data.seq_len"
+            )
 
         # Data: packed raw text (continued pretraining) or packed chat turns (SFT).
         self.chat_template = None
