@@ -16,6 +16,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors.torch import load_file
@@ -26,12 +27,11 @@ from toolkit.checkpoint import MODEL_FILES, STATE_FILE, complete_checkpoints
 from toolkit.config import UserError
 
 _STEP = re.compile(r"^step-(\d+)$")
-KINDS = ("hf", "adapter", "ddp", "fsdp", "deepspeed")
 
 
 @dataclass
 class Source:
-    kind: str  # one of KINDS
+    kind: Literal["hf", "adapter", "ddp", "fsdp", "deepspeed"]
     path: Path  # the model folder, adapter folder or checkpoint folder
     run_dir: Path | None = None
     step: int | None = None
