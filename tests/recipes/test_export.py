@@ -7,6 +7,7 @@ model at the same step); a LoRA run's checkpoint and a LoRA adapter merge into t
 
 from __future__ import annotations
 
+import installed
 import pytest
 import torch
 from recipe_runner import FT_TINY, TINY, recipe_module, run_recipe
@@ -174,7 +175,7 @@ def test_gguf_of_an_architecture_the_writer_does_not_support(export, capsys, tmp
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_weight_only_export_loads_and_generates(scheme, export, tiny_base, tmp_path, capsys):
-    pytest.importorskip("torchao")
+    installed.module("torchao", "quant")
     out = tmp_path / scheme
     code = export.main(["--from", str(tiny_base), "--format", scheme, "--output", str(out)])
     assert code == 0, capsys.readouterr().err

