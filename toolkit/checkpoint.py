@@ -14,6 +14,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from accelerate import Accelerator
 
@@ -27,6 +28,9 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 class CheckpointConfig:
     every: int = field(100, help="save a checkpoint every N optimizer steps (0 = only at the end)")
     keep_last: int = field(2, help="complete checkpoints to keep; older ones are deleted")
+    final_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        "float32", help="dtype of the weights in final/ and adapter/: the fp32 master weights cast to it, under every strategy"
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -121,16 +125,85 @@ def load_checkpoint(accelerator: Accelerator, folder: Path) -> dict:
     return read_state(folder)
 
 
+# Every top-level entry the recipes write into output_dir (final.tmp and adapter.tmp are the
+# atomic renames of toolkit.hf_folder and toolkit.adapter; tensorboard/ is Accelerate's tracker
+# under project_dir), what a user would miss first. overwrite=true deletes these, nothing else.
+RUN_ENTRIES = (
+    "final", "adapter", "checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "samples.md",
+    "final.tmp", "adapter.tmp",
+)
+
+
+def run_entries(output_dir: Path) -> tuple[list[str], list[str]]:
+    """(the run's own entries in RUN_ENTRIES order, the others sorted) at the top of output_dir.
+
+    Folders end in `/`."""
+    own, foreign = [], []
+    if output_dir.is_dir():
+        for entry in sorted(output_dir.iterdir()):
+            name = entry.name + ("/" if entry.is_dir() else "")
+            (own if entry.name in RUN_ENTRIES else foreign).append(name)
+    own.sort(key=lambda name: RUN_ENTRIES.index(name.rstrip("/")))
+    return own, foreign
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def check_output_dir(output_dir: Path, resume: str | None, overwrite: bool) -> None:
-    """Refuse to mix two runs in one folder: nothing a user trained is lost by accident."""
-    if not output_dir.exists() or not any(output_dir.iterdir()):
+    """Refuse anything that would lose what is in output_dir; every rank, before any work.
+
+    A run's own outputs are replaced only by newer outputs of the same run (resume from its
+    newest complete checkpoint, or overwrite=true), and nothing else is ever deleted.
+    """
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"output_dir={output_dir} is a file, not a folder; choose another output_dir")
+    own, foreign = run_entries(output_dir)
+    if not own and not foreign:
+        return  # missing or empty: a fresh start
+    resumable = bool(complete_checkpoints(output_dir))
+    if resume and resume != "auto":
+        return  # an explicit checkpoint: resolve_resume checks it
+    if resume == "auto" and resumable:
         return
-    if resume or overwrite:
+    if foreign:
+        hint = "continue the run there with resume=auto, or " if own and resumable else ""
+        raise UserError(
+            f"output_dir={output_dir} holds files that are not a toolkit run ({_few(foreign)}); "
+            f"the toolkit will not delete them or start a run among them; {hint}choose another output_dir"
+        )
+    if overwrite:
         return
+    if resume == "auto":
+        raise UserError(
+            f"output_dir={output_dir} holds a run ({_few(own)}) but no complete checkpoint to continue "
+            "from, so resume=auto would start over and replace it; start that run over with "
+            "overwrite=true (deletes it), or choose another output_dir"
+        )
+    hint = "continue it with resume=auto, " if resumable else ""
     raise UserError(
-        f"output_dir={output_dir} already holds a run; continue it with resume=auto, "
+        f"output_dir={output_dir} already holds a run ({_few(own)}); {hint}"
         "start over with overwrite=true (deletes it), or choose another output_dir"
     )
+
+
+def remove_run(output_dir: Path) -> None:
+    """overwrite=true, main process only, after check_output_dir: delete the run's own entries.
+
+    Entry by entry rather than the whole folder, so that nothing the toolkit did not write can
+    go with it, even a file that appeared after the check.
+    """
+    if not output_dir.is_dir():
+        return
+    for entry in output_dir.iterdir():
+        if entry.name not in RUN_ENTRIES:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 class StopRequest:
