@@ -19,14 +19,14 @@ Features
 
 Errors (one line, exit code 2): everything the pretraining recipe refuses, plus a missing base
 model or GGUF, chat records without `messages` or with an unknown role, a tokenizer without a
-chat template, LoRA target modules that match no layer, QLoRA without a CUDA GPU.
+chat template, LoRA target modules that match no layer, QLoRA without a CUDA GPU. Ranks that
+fall out of step: one line per rank, exit code 4, as in pretraining.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -56,7 +56,7 @@ from toolkit.distributed import (
     configure_deepspeed,
     describe,
     exit_process,
-    full_model_init,
+    outside_training,
     strategy_name,
 )
 from toolkit.entry import flat_hparams, run
@@ -108,10 +108,11 @@ class FinetuneRecipe:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.accum = cfg.train.accumulation_steps(world)
         self.accelerator = acc = build_accelerator(
-            cfg.train.mixed_precision, self.accum, str(self.out), cfg.logging.trackers
+            cfg.train.mixed_precision, self.accum, str(self.out), cfg.logging.trackers,
+            cfg.train.collective_timeout_s,
         )
-        if cfg.overwrite and acc.is_main_process and self.out.exists():
-            shutil.rmtree(self.out)
+        if cfg.overwrite and acc.is_main_process:
+            ckpt.remove_run(self.out)  # only its own entries: check_output_dir refused anything else
         acc.wait_for_everyone()
         self.out.mkdir(parents=True, exist_ok=True)
         acc.print(f"[finetune] {describe(acc)}")
@@ -121,7 +122,7 @@ class FinetuneRecipe:
 
         # Base model: whole on every rank (the strategy shards it at prepare). The main process
         # goes first so that a GGUF is parsed once and the other ranks read its cached copy.
-        with acc.main_process_first(), full_model_init(acc):
+        with acc.main_process_first(), outside_training(acc):
             model, self.tokenizer, notes = load_base_model(cfg.base_model, quantization_config(cfg.adapter))
         for line in notes:
             acc.print(f"[finetune] {line}")
@@ -330,22 +331,26 @@ class FinetuneRecipe:
         adapter_dir = final = None
         if cfg.adapter.is_lora:
             adapter_dir = save_adapter(
-                acc, self.model, self.tokenizer, self.out / "adapter", to_dict(cfg.base_model)
+                acc, self.model, self.tokenizer, self.out / "adapter", to_dict(cfg.base_model), cfg.checkpoint.final_dtype
             )
         else:
-            final = save_final_model(acc, self.model, self.tokenizer, self.out / "final", facts, to_dict(cfg))
+            final = save_final_model(
+                acc, self.model, self.tokenizer, self.out / "final", facts, to_dict(cfg), cfg.checkpoint.final_dtype
+            )
         acc.end_training()
         if not acc.is_main_process:
             return
         self.metrics.close()
 
         # The deliverable is reloaded as an inference user would (whole, in this process only:
-        # full_model_init keeps ZeRO-3 from partitioning it), and the samples come from it.
-        with full_model_init(acc):
+        # outside_training keeps ZeRO-3 from partitioning it), and the samples come from it.
+        with outside_training(acc):
             if adapter_dir is not None and cfg.adapter.merge:
                 base_model, _, _ = load_base_model(cfg.base_model)  # full precision, also after QLoRA
                 merged = merge(base_model, adapter_dir)
-                final = write_model_folder(merged, self.tokenizer, self.out / "final", facts, to_dict(cfg))
+                final = write_model_folder(
+                    merged, self.tokenizer, self.out / "final", facts, to_dict(cfg), dtype=cfg.checkpoint.final_dtype
+                )
             trained = _reload(final, adapter_dir, cfg)
         plot = plot_loss(self.out / "metrics.jsonl", self.out / "loss.png")
         print()

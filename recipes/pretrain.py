@@ -14,15 +14,16 @@ Features
 
 Errors (one line, exit code 2): unknown/misspelled or mistyped config keys, missing data path,
 empty corpus, seq_len over the model's max positions, batch sizes that do not divide, an
-output_dir that holds another run, an incomplete checkpoint, an attention kind that cannot
-keep packed documents apart.
+output_dir that holds another run or files that are not a run, resume=auto on a run with no
+complete checkpoint, an incomplete checkpoint, an attention kind that cannot keep packed
+documents apart. Ranks that fall out of step (a collective waits past
+train.collective_timeout_s): one line per rank, exit code 4.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from toolkit.distributed import (
     configure_deepspeed,
     describe,
     exit_process,
-    full_model_init,
+    outside_training,
     strategy_name,
 )
 from toolkit.entry import flat_hparams, run
@@ -63,6 +64,7 @@ from toolkit.model import build_model, check_seq_len, count_parameters, hf_confi
 from toolkit.optim import prepare_optimization
 from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
 from toolkit.recipe_config import PretrainConfig
+from toolkit.samples import sample_folder
 from toolkit.sharding import GradientMeter, held_bytes
 from toolkit.step import optimizer_step
 from toolkit.tokenizer import get_tokenizer
@@ -92,10 +94,11 @@ class PretrainRecipe:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.accum = cfg.train.accumulation_steps(world)
         self.accelerator = acc = build_accelerator(
-            cfg.train.mixed_precision, self.accum, str(self.out), cfg.logging.trackers
+            cfg.train.mixed_precision, self.accum, str(self.out), cfg.logging.trackers,
+            cfg.train.collective_timeout_s,
         )
-        if cfg.overwrite and acc.is_main_process and self.out.exists():
-            shutil.rmtree(self.out)
+        if cfg.overwrite and acc.is_main_process:
+            ckpt.remove_run(self.out)  # only its own entries: check_output_dir refused anything else
         acc.wait_for_everyone()
         self.out.mkdir(parents=True, exist_ok=True)
         acc.print(f"[pretrain] {describe(acc)}")
@@ -137,7 +140,7 @@ class PretrainRecipe:
 
         # Model: random init from the config, seeded identically on every rank.
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
-        with full_model_init(acc):
+        with outside_training(acc):
             model = build_model(cfg.model, config, cfg.seed)
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         self.n_params = count_parameters(model)
@@ -280,7 +283,9 @@ class PretrainRecipe:
             "recipe": "pretrain", "model_type": cfg.model.model_type, "params": self.n_params,
             "step": self.step, "tokens": self.tokens_seen, "strategy": strategy_name(acc), **self.last_eval,
         }
-        final = save_final_model(acc, self.model, self.tokenizer, self.out / "final", facts, to_dict(cfg))
+        final = save_final_model(
+            acc, self.model, self.tokenizer, self.out / "final", facts, to_dict(cfg), cfg.checkpoint.final_dtype
+        )
         acc.end_training()
         if not acc.is_main_process:
             return
@@ -292,7 +297,9 @@ class PretrainRecipe:
         if cfg.logging.trackers:
             print(f"tensorboard : tensorboard --logdir {self.out / 'tensorboard'}")
         if cfg.sample.max_new_tokens:
-            print(f"sample      : {sample_from(final, cfg.sample.prompt, cfg.sample.max_new_tokens, cfg.seed)!r}")
+            with outside_training(acc):  # a fresh load, not one partitioned by ZeRO-3's leftover config
+                text = sample_folder(final, cfg.sample.prompt, cfg.sample.max_new_tokens, cfg.seed)
+            print(f"sample      : {text!r}")
 
     def _log(self, record: dict) -> None:
         if self.metrics is not None:
@@ -300,21 +307,6 @@ class PretrainRecipe:
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.cfg.logging.trackers:
             self.accelerator.log(scalars, step=record["step"])
-
-
-def sample_from(folder: Path, prompt: str, max_new_tokens: int, seed: int) -> str:
-    """Generate from the saved folder, which also proves that it loads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    inputs = tokenizer(prompt, return_tensors="pt")
-    torch.manual_seed(seed)
-    out = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=50,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 
 from toolkit.config import UserError, field
+from toolkit.distributed import master_weights
+from toolkit.hf_folder import DTYPES
 
 # The attention and MLP projections of LLaMA/Mistral/Qwen2 (GPT-2 names them c_attn, c_proj, c_fc).
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -130,13 +132,16 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
 BASE_MODEL_FILE = "base_model.json"  # how the base was loaded (toolkit.base_model.BaseModelConfig)
 
 
-def save_adapter(accelerator, model, tokenizer, out_dir: Path, base_model: dict | None = None) -> Path | None:
+def save_adapter(
+    accelerator, model, tokenizer, out_dir: Path, base_model: dict | None = None, dtype: str = "float32"
+) -> Path | None:
     """Collective (gathers sharded weights); the main process writes the peft folder atomically.
 
-    `base_model` (the run's base_model section) is kept as base_model.json, so that the base
-    can be found again for merging, even when it was a GGUF that peft's own
-    `base_model_name_or_path` cannot load."""
-    state_dict = accelerator.get_state_dict(model)
+    The adapter weights are the fp32 master weights cast to `dtype`, the same under every
+    strategy (see toolkit.distributed.master_weights). `base_model` (the run's base_model
+    section) is kept as base_model.json, so that the base can be found again for merging, even
+    when it was a GGUF that peft's own `base_model_name_or_path` cannot load."""
+    state_dict = master_weights(accelerator, model)
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return None
@@ -144,6 +149,8 @@ def save_adapter(accelerator, model, tokenizer, out_dir: Path, base_model: dict 
     shutil.rmtree(tmp, ignore_errors=True)
     # peft keeps only the adapter's entries of the full state dict; the embeddings are not
     # trained by a LoRA here, so it need not look for the base's config to decide about them
+    target = DTYPES[dtype]
+    state_dict = {k: v.to(target) if v.is_floating_point() else v for k, v in state_dict.items()}
     accelerator.unwrap_model(model).save_pretrained(
         tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False
     )

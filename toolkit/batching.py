@@ -23,12 +23,17 @@ class TrainConfig:
     global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
     micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
-        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU"
+        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU; bf16 also trains on CPU (slowly)"
+    )
+    collective_timeout_s: int = field(
+        1800,
+        help="seconds a rank waits in a collective (all-reduce, barrier) before the run fails with an error "
+        "naming the rank and the wait; raise it if rank 0 alone prepares a very large corpus",
     )
 
     def validate(self) -> list[str]:
         problems = []
-        for name in ("max_steps", "global_batch_size", "micro_batch_size"):
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         return problems

@@ -24,9 +24,12 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -58,9 +61,9 @@ def launched_strategy() -> str:
 
 def resolve_mixed_precision(choice: str) -> str:
     if choice != "auto":
-        if choice != "no" and not has_gpu():
+        if choice == "fp16" and not has_gpu():
             raise UserError(
-                f"train.mixed_precision={choice} needs a GPU; this machine has none (use auto or no, which train in fp32)"
+                f"train.mixed_precision={choice} needs a GPU; this machine has none (use auto or no for fp32, or bf16)"
             )
         return choice
     if has_gpu() and torch.cuda.is_bf16_supported():
@@ -110,21 +113,47 @@ def prepare(accelerator: Accelerator, *objects):
     return prepared
 
 
+_COLLECTIVE_TIMEOUT_S: int | None = None
+
+
+def set_collective_timeout(seconds: int) -> timedelta:
+    """How long any collective may wait before it fails, for the default group and all later ones.
+
+    The launch's process group gets it through Accelerate; groups that DeepSpeed and FSDP create
+    later with `new_group` take torch's per-backend default instead (30 min for gloo, 10 for
+    NCCL), read from module globals of distributed_c10d: those are set here too. A run whose
+    ranks fall out of step then stops with an error (see toolkit.entry) rather than sleeping.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    global _COLLECTIVE_TIMEOUT_S
+    _COLLECTIVE_TIMEOUT_S = seconds
+    timeout = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
 def build_accelerator(
-    mixed_precision: str, accumulation_steps: int, project_dir: str, trackers: list[str] | None = None
+    mixed_precision: str, accumulation_steps: int, project_dir: str, trackers: list[str] | None = None,
+    timeout_s: int = 1800,
 ) -> Accelerator:
+    """The Accelerator for the launched strategy; `timeout_s` bounds every collective (see set_collective_timeout)."""
     strategy = launched_strategy()
     check_deepspeed_config()
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    timeout = set_collective_timeout(timeout_s)
     kwargs: dict = {}
     if not has_gpu():
         if strategy == "deepspeed":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         else:
             kwargs["cpu"] = True
             if multi:  # single process: no process group at all
-                kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+                kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
+    elif multi:
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timeout)]
     accelerator = Accelerator(
         mixed_precision=resolve_mixed_precision(mixed_precision),
         gradient_accumulation_steps=accumulation_steps,
@@ -170,26 +199,40 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, max_grad_nor
     return [block for block in ("optimizer", "scheduler") if block in ds]
 
 
+# Launch variables with which transformers' from_pretrained loads weights on rank 0 only (the
+# other ranks' stay on the meta device, to be filled by FSDP's sync_module_states at prepare).
+FSDP_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
 @contextlib.contextmanager
-def full_model_init(accelerator: Accelerator):
-    """Build the model whole on every rank, identically seeded, whatever the strategy.
+def outside_training(accelerator: Accelerator):
+    """Build, load and generate in here as in a new single process, whatever the strategy.
 
-    Accelerate registers its DeepSpeed config with transformers even with zero3_init_flag off,
-    so under ZeRO-3 `from_config` would construct the model inside `deepspeed.zero.Init`:
-    partitioned at birth, with another random init than every other strategy gets. Building it
-    whole costs host RAM for the full model once and makes the init identical everywhere;
-    `prepare` partitions it right after.
+    Training leaves process-wide state that transformers reads, and only some ranks may be in
+    here (rank 0 generating samples, reloading what it wrote):
+    - Accelerate registers its DeepSpeed config with transformers (a module-global reference)
+      even with zero3_init_flag off. While it is set under ZeRO-3, `from_config` and
+      `from_pretrained` build the model inside `deepspeed.zero.Init`: partitioned (with another
+      random init than every other strategy gets) and checked against the training batch sizes
+      ("train_batch_size is not equal to micro_batch_per_gpu * ..."); and `generate` syncs every
+      decoding step with the other ranks, an all-reduce that hangs when one rank generates alone.
+    - FSDP with cpu_ram_efficient_loading: `from_pretrained` fills the weights on rank 0 only.
+
+    So the reference and those variables are set aside in here and restored on the way out.
+    Building a model whole costs host RAM for the full model once; `prepare` shards it right after.
     """
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        yield
-        return
-    from transformers.integrations import unset_hf_deepspeed_config
+    saved_env = {k: os.environ.pop(k) for k in FSDP_LOADING_ENV if k in os.environ}
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if deepspeed:
+        from transformers.integrations import unset_hf_deepspeed_config
 
-    unset_hf_deepspeed_config()
+        unset_hf_deepspeed_config()
     try:
         yield
     finally:
-        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+        os.environ.update(saved_env)
+        if deepspeed:
+            accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
 def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module | Callable[[], torch.nn.Module]) -> None:
@@ -210,6 +253,42 @@ def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module | Callabl
             f"the FSDP config wraps {', '.join(missing)}, which this {type(model).__name__} does not have; "
             f"its decoder layer class is {', '.join(layers)} (or leave fsdp_transformer_layer_cls_to_wrap out)"
         )
+
+
+def master_weights(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The trained weights in float32, the same under every strategy: on the main process, None elsewhere.
+
+    Collective. Mixed precision keeps fp32 master weights, but where depends on the strategy:
+    DDP and FSDP2 train the fp32 parameters themselves (autocast or FSDP's mixed-precision policy
+    casts copies for compute), while DeepSpeed's bf16/fp16 modes turn the parameters into 16-bit
+    copies and keep the fp32 masters partitioned in its optimizer, and Accelerate's
+    `get_state_dict` returns those 16-bit copies. So under DeepSpeed each trained parameter's
+    master is assembled (`safe_get_full_fp32_param`), and a frozen one (a LoRA's base), which has
+    no master, is gathered as it is.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        state_dict = accelerator.get_state_dict(model)
+        if not accelerator.is_main_process:
+            return None
+        return {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = accelerator.unwrap_model(model)
+    params = dict(module.named_parameters(remove_duplicate=False))  # tied names map to one parameter
+    out = {}
+    for name, value in module.state_dict().items():  # under ZeRO-3 the values are empty partitions
+        param = params.get(name)
+        if param is None:  # a buffer: whole on every rank
+            full = value
+        else:
+            full = safe_get_full_fp32_param(param) if param.requires_grad else None
+            if full is None:
+                with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+                    full = param.detach().clone()
+        if accelerator.is_main_process:
+            out[name] = full.float().cpu() if full.is_floating_point() else full.cpu()
+    return out if accelerator.is_main_process else None
 
 
 def offloads_optimizer_to_cpu(accelerator: Accelerator) -> bool:
@@ -267,6 +346,57 @@ def report_once(line: str) -> None:
     if rank != 0:
         time.sleep(ERROR_GRACE_S)
     print(line if rank == 0 else f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+
+def collective_failure(exc: BaseException, step: int | None = None) -> str | None:
+    """One line for an error raised inside a collective (timed out, or a peer gone); None for any other error.
+
+    Names this rank, the collective, where the recipe was (innermost frame in recipes/ or
+    toolkit/) and the step, so that a run whose ranks fell out of step says what it waited for.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    comm = [f for f in frames if _COMM_FILES.search(f.filename.replace(os.sep, "/"))]
+    if not isinstance(exc, torch.distributed.DistError) and not (
+        isinstance(exc, RuntimeError) and (comm or _COMM_ERRORS.search(str(exc)))
+    ):
+        return None
+    ops = [f.name for f in comm if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")]
+    ddp = [f.name for f in comm if f.filename.endswith("parallel/distributed.py")]
+    op = ops[-1] if ops else f"DDP's {ddp[-1].strip('_')}" if ddp else "a collective"
+    ours = [f for f in frames if _is_ours(f.filename)]
+    where = f" in {_relative(ours[-1].filename)}:{ours[-1].lineno} ({ours[-1].name})" if ours else ""
+    at_step = f" after step {step}" if step is not None else ""
+    rank = int(os.environ.get("RANK", "0"))
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "Timed out" in detail or "timed out" in detail or "Timeout" in detail:
+        limit = f" {_COLLECTIVE_TIMEOUT_S} s (train.collective_timeout_s)" if _COLLECTIVE_TIMEOUT_S else ""
+        what = (
+            f"waited{limit} in {op}{where}{at_step} for ranks that never joined: the ranks fell out of step "
+            "(one skipped this collective or is stuck elsewhere); see the other ranks' errors"
+        )
+    else:
+        what = f"{op}{where}{at_step} failed because another rank stopped or lost its connection; see that rank's error"
+    return f"[rank {rank}] {what} ({_short(detail)})"
+
+
+def _is_ours(filename: str) -> bool:
+    path = Path(filename).resolve()
+    return path.is_relative_to(_PACKAGE_ROOT / "toolkit") or path.is_relative_to(_PACKAGE_ROOT / "recipes")
+
+
+def _relative(filename: str) -> str:
+    return str(Path(filename).resolve().relative_to(_PACKAGE_ROOT))
+
+
+def _short(detail: str) -> str:
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", detail)  # gloo's "[/path/to/pair.cc:553]" prefix
+    return detail if len(detail) <= 160 else detail[:157] + "..."
+
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+# Where collectives are entered (torch's c10d, DDP, DeepSpeed's comm) and what their failures say.
+_COMM_FILES = re.compile(r"torch/distributed/|torch/nn/parallel/distributed\.py|deepspeed/comm/")
+_COMM_ERRORS = re.compile(r"gloo|NCCL|[Tt]imed out|Connection (closed|reset) by peer")
 
 
 def exit_process(code: int) -> None:

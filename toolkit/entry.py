@@ -1,7 +1,9 @@
 """A recipe's command line: `--config FILE key=value ...` -> setup, train, cleanup, exit code.
 
 Exit codes: 0 done, 2 bad input (one `error:` line on stderr, from rank 0 only), 3 stopped by
-a signal after saving a checkpoint (resume=auto continues).
+a signal after saving a checkpoint (resume=auto continues), 4 a collective failed: the ranks
+fell out of step and one waited past train.collective_timeout_s, or a peer died (one `error:`
+line per rank, naming the rank, the collective, where and at which step).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import sys
 
 from toolkit.checkpoint import Stopped
 from toolkit.config import UserError, load_config
-from toolkit.distributed import report_once
+from toolkit.distributed import collective_failure, report_once
 
 
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
@@ -31,6 +33,12 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
         recipe.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
         report_once(f"[{name}] {exc}")
         return 3
+    except Exception as exc:
+        line = collective_failure(exc, getattr(recipe, "step", None))
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        return 4
     return 0
 
 

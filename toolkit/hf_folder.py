@@ -1,6 +1,8 @@
 """The final model as one Hugging Face folder: safetensors, config, tokenizer, model card.
 
 Written to a temporary sibling and renamed into place, so `final/` is either complete or absent.
+Its weights are the fp32 master weights cast to one dtype (`checkpoint.final_dtype`, float32
+by default) under every strategy, so that swapping DDP for ZeRO-3 never changes the artifact.
 """
 
 from __future__ import annotations
@@ -9,8 +11,13 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 import yaml
 from accelerate import Accelerator
+
+from toolkit.distributed import master_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CARD = """---
 library_name: transformers
@@ -29,6 +36,7 @@ llm-toolkit's `{recipe}` recipe.
 | final held-out loss | {eval_loss} |
 | final held-out perplexity | {eval_ppl} |
 | strategy | {strategy} |
+| weights | {weights} |
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,15 +63,16 @@ def tied_copies(model) -> list[str]:
 
 
 def save_final_model(
-    accelerator: Accelerator, model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict
+    accelerator: Accelerator, model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict,
+    dtype: str = "float32",
 ) -> Path | None:
-    """Collective (gathers sharded weights); only the main process writes."""
-    state_dict = accelerator.get_state_dict(model)
+    """Collective (gathers sharded weights); only the main process writes, in `dtype`."""
+    state_dict = master_weights(accelerator, model)
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return None
     unwrapped = accelerator.unwrap_model(model)
-    write_model_folder(unwrapped, tokenizer, out_dir, card_facts, train_config, state_dict)
+    write_model_folder(unwrapped, tokenizer, out_dir, card_facts, train_config, state_dict, dtype=dtype)
     accelerator.wait_for_everyone()
     return out_dir
 
@@ -77,18 +86,28 @@ def write_model_folder(
     state_dict: dict | None = None,
     card: str | None = None,
     max_shard_size: str = "5GB",
+    dtype: str | None = None,
 ) -> Path:
     """One process: the model (or `state_dict` for it), tokenizer and card, renamed into place.
 
     `card` replaces the training card (README.md); weights above `max_shard_size` are split
-    into shards with an index, as transformers does."""
+    into shards with an index, as transformers does. `dtype` casts the floating-point weights
+    (and says so in config.json); None keeps them as they are."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    if dtype is not None:
+        state_dict = {
+            k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
+            for k, v in (state_dict if state_dict is not None else model.state_dict()).items()
+        }
     if state_dict is not None:
         for key in tied_copies(model):
             state_dict.pop(key, None)
     model.config.use_cache = True  # inference default; training turned it off
     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+    if dtype is not None:  # save_pretrained wrote the dtype of the live parameters (16-bit under DeepSpeed)
+        model.config.dtype = dtype
+        model.config.save_pretrained(tmp)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -98,6 +117,9 @@ def write_model_folder(
         tmp.rename(out_dir)
         return out_dir
     facts = {"name": out_dir.name, "origin": "trained from scratch", **card_facts}
+    facts.setdefault(
+        "weights", f"{dtype}, cast from the fp32 master weights (the same under every strategy)" if dtype else "as trained"
+    )
     for key in ("eval_loss", "eval_ppl"):
         if isinstance(facts.get(key), float):
             facts[key] = f"{facts[key]:.4f}"

@@ -12,9 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+LAUNCH_TIMEOUT_S = 600  # one launch; the slowest (SmolLM2 under ZeRO-3, 2 CPU processes) takes ~3 min
 
 # A very small LLaMA and short run, so that a 2-process launch takes seconds on 2 CPU cores.
 TINY = [
@@ -46,25 +48,36 @@ def free_port() -> int:
 def run_recipe(
     recipe: str, overrides: list[str], nproc: int, cache: Path, config: str = "pretrain_tiny.yaml",
     accelerate_config: str = "ddp.yaml", check: bool = True, env: dict[str, str] | None = None,
+    timeout: float = LAUNCH_TIMEOUT_S, script: list[str] | None = None, launch: bool = False,
+    launch_args: list[str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """1 process: plain `python`; more: `accelerate launch` with its own port."""
-    script = [f"recipes/{recipe}.py", "--config", f"recipes/configs/{config}", *overrides]
-    if nproc == 1:
+    """1 process: plain `python` (unless `launch`); more: `accelerate launch` with its own port.
+
+    `launch_args` go to `accelerate launch` before the script. `script` replaces `recipes/{recipe}.py` (e.g. a test-only wrapper). A launch still running
+    after `timeout` seconds is killed with all its ranks and fails the test: a hang never
+    stalls the suite.
+    """
+    script = [*(script or [f"recipes/{recipe}.py"]), "--config", f"recipes/configs/{config}", *overrides]
+    if nproc == 1 and not launch:
         cmd = [sys.executable, *script]
     else:
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", accelerate_config if "/" in accelerate_config else f"accelerate_configs/{accelerate_config}",
-            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *script,
+            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *(launch_args or []), *script,
         ]
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = launching.run(cmd, timeout, cwd=ROOT, env=env)
     if check and proc.returncode != 0:
-        (ROOT / "runs").mkdir(exist_ok=True)
-        (ROOT / "runs" / "last_failed_launch.log").write_text(proc.stdout + "\n" + proc.stderr)
+        _keep_log(proc.stdout, proc.stderr)
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def _keep_log(stdout: str, stderr: str) -> None:
+    (ROOT / "runs").mkdir(exist_ok=True)
+    (ROOT / "runs" / "last_failed_launch.log").write_text(stdout + "\n" + stderr)
 
 
 def recipe_module(recipe: str):

@@ -114,6 +114,7 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, data_ca
     import sys
     import time
 
+    import launching
     from recipe_runner import ROOT, free_port
 
     out = tmp_path / "preempted"
@@ -122,15 +123,19 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, data_ca
            "--config", "recipes/configs/pretrain_tiny.yaml", *TINY, "train.max_steps=100000",
            "checkpoint.every=0", "logging.eval_every=0", f"output_dir={out}"]
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(data_cache), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launching.start(cmd, cwd=ROOT, env=env)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if (out / "metrics.jsonl").exists() and len(losses(out)) >= 3:
             break
         time.sleep(0.5)
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    if proc.poll() is not None or len(losses(out)) < 3:
+        pytest.fail(f"no 3 steps within 300 s: {launching.kill_all(proc)[1][-3000:]}")
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 120 s after SIGTERM: {launching.kill_all(proc)[1][-3000:]}")
     assert proc.returncode != 0
     assert "stopped by a signal at step" in stderr and "continue with resume=auto" in stderr, stderr[-3000:]
     saved = [p.name for p in (out / "checkpoints").iterdir()]

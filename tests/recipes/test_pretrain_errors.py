@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from recipe_runner import ROOT, TINY, run_recipe
+
+from toolkit.checkpoint import run_entries
+from toolkit.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,7 @@ CASES = {
     "seq_len over max positions": (["data.seq_len=512", "model.config.max_position_embeddings=256"], "data.seq_len=512 is larger than the model's max positions (256)"),
     "batch sizes do not divide": (["train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size=10 is not divisible by train.micro_batch_size=4"),
     "eager attention with packing": (["model.attn_implementation=eager"], "cannot keep packed documents apart"),
-    "bf16 on a CPU": (["train.mixed_precision=bf16"], "train.mixed_precision=bf16 needs a GPU"),
+    "fp16 on a CPU": (["train.mixed_precision=fp16"], "train.mixed_precision=fp16 needs a GPU"),
     "tracker not installed": (["logging.trackers=[tensorboard,wandb]"], "logging.trackers has wandb, but the wandb package is not installed"),
 }
 
@@ -48,8 +53,9 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_bad_config_gives_one_line(pretrain, capsys, monkeypatch, tmp_path, name):
     overrides, message = CASES[name]
-    if name == "tracker not installed" and importlib.util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here")
+    if name == "tracker not installed":  # wandb is absent here whether or not this machine has it
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, **k: None if n == "wandb" else real(n, *a, **k))
     err = run_main(pretrain, capsys, monkeypatch, tmp_path, *overrides)
     assert message in err
 
@@ -79,8 +85,68 @@ def test_output_dir_of_another_run_is_not_overwritten(pretrain, capsys, monkeypa
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}")
-    assert "already holds a run" in err and "resume=auto" in err and "overwrite=true" in err
+    assert "already holds a run (metrics.jsonl)" in err and "overwrite=true" in err
+    assert "resume=auto" not in err  # no complete checkpoint: it would be refused too
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(pretrain, data_cache, tmp_path_factory) -> Path:
+    """A finished 4-step run with its tensorboard logs, checkpointed only at the end."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
+        argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, "train.max_steps=4",
+                "checkpoint.every=0", "logging.trackers=[tensorboard]", f"output_dir={out}"]
+        assert pretrain.main(argv) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    return out
+
+
+def test_resume_auto_does_not_restart_a_finished_run_without_checkpoints(pretrain, capsys, monkeypatch, tmp_path,
+                                                                          finished_run):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    shutil.rmtree(out / "checkpoints")
+    before = files(out)
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}", "train.max_steps=3", "resume=auto")
+    assert err.startswith(f"error: output_dir={out} holds a run (final/, metrics.jsonl, tensorboard/ and 1 more)")
+    assert "no complete checkpoint" in err and "overwrite=true" in err, err
+    assert files(out) == before  # final/ and metrics.jsonl byte for byte
+
+
+def test_overwrite_never_deletes_files_that_are_not_a_run(pretrain, capsys, monkeypatch, tmp_path):
+    out = tmp_path / "thesis"
+    (out / "figures").mkdir(parents=True)
+    (out / "figures" / "plot.pdf").write_bytes(b"%PDF")
+    (out / "thesis.tex").write_text("\\documentclass{article}")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    before = files(out)
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}", "overwrite=true")
+    assert err == (
+        f"error: output_dir={out} holds files that are not a toolkit run (figures/, thesis.tex); the toolkit "
+        "will not delete them or start a run among them; choose another output_dir"
+    )
+    assert files(out) == before and sorted(p.name for p in out.iterdir()) == ["figures", "metrics.jsonl", "thesis.tex"]
+
+
+def test_overwrite_starts_a_finished_run_over(pretrain, capsys, monkeypatch, tmp_path, data_cache, finished_run):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    # everything a finished run leaves is the toolkit's own, so overwrite=true may delete it
+    assert run_entries(out) == (["final/", "checkpoints/", "metrics.jsonl", "tensorboard/", "loss.png"], [])
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
+    argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, "train.max_steps=2",
+            "checkpoint.every=0", f"output_dir={out}", "overwrite=true"]
+    assert pretrain.main(argv) == 0, capsys.readouterr().err[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert json.loads((out / "final" / "training_summary.json").read_text())["step"] == 2
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-2"]
+    assert not (out / "tensorboard").exists()  # the old run's logs went with it (no tracker this time)
 
 
 def test_incomplete_checkpoint_is_refused(pretrain, capsys, monkeypatch, tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import Accelerator
-from recipe_runner import TINY, run_recipe
+from recipe_runner import ROOT, TINY, run_recipe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,3 +141,50 @@ def test_fsdp_final_evaluation_after_a_checkpoint_at_the_last_step(tmp_path, dat
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "eval_loss" in r] == [3]
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
+
+
+# -------------------------------------------------------------- final/ under mixed precision
+# DDP and FSDP2 train fp32 parameters under bf16 autocast; DeepSpeed turns the parameters into
+# bf16 copies and keeps fp32 masters in its optimizer. final/ must not depend on that.
+BF16 = [*TINY, "train.max_steps=3", "train.mixed_precision=bf16", "logging.eval_every=0", "checkpoint.every=0"]
+
+
+@pytest.fixture(scope="module")
+def bf16_finals(tmp_path_factory, data_cache):
+    finals = {}
+    for strategy in ("ddp", "fsdp", "zero2", "zero3"):
+        out = tmp_path_factory.mktemp(f"bf16-{strategy}") / "run"
+        proc = run_recipe("pretrain", [*BF16, f"output_dir={out}"], nproc=2, cache=data_cache,
+                          accelerate_config=f"{strategy}.yaml")
+        assert "precision=bf16" in proc.stdout + proc.stderr
+        finals[strategy] = out / "final"
+    return finals
+
+
+def test_final_folder_has_one_dtype_and_the_same_tensors_under_every_strategy(bf16_finals):
+    import json
+
+    from transformers import AutoConfig
+
+    from toolkit.model import build_model
+
+    weights = {s: load_file(str(f / "model.safetensors")) for s, f in bf16_finals.items()}
+    for strategy, tensors in weights.items():
+        assert {t.dtype for t in tensors.values()} == {torch.float32}, strategy
+        assert json.loads((bf16_finals[strategy] / "config.json").read_text())["dtype"] == "float32", strategy
+        assert "float32, cast from the fp32 master weights" in (bf16_finals[strategy] / "README.md").read_text()
+    # the weights every run started from (the recipe seeds the init identically everywhere)
+    cfg = load_config(PretrainConfig, str(ROOT / "recipes/configs/pretrain_tiny.yaml"), BF16)
+    init = build_model(cfg.model, AutoConfig.from_pretrained(bf16_finals["ddp"]), cfg.seed).state_dict()
+    ref = weights["ddp"]
+    moved = sum(((ref[k] - init[k]) ** 2).sum() for k in ref).sqrt()
+    for strategy, tensors in weights.items():
+        assert tensors.keys() == ref.keys(), strategy
+        # bf16 compute rounds differently per strategy (autocast on fp32 parameters vs bf16
+        # parameters with fp32 masters): the same weights up to that rounding, i.e. a small
+        # fraction of what training changed; a 16-bit final/ or another run would be far off
+        ratio = float(sum(((tensors[k] - ref[k]) ** 2).sum() for k in ref).sqrt() / moved)
+        print(f"final/ under {strategy}: distance to DDP's = {ratio:.4f} x the distance DDP's moved from the init")
+        assert ratio < 0.15, (strategy, ratio)
+    # within one family the numerics are the same: ZeRO-2 and ZeRO-3 agree to fp32 rounding
+    assert max((weights["zero2"][k] - weights["zero3"][k]).abs().max().item() for k in ref) < 1e-5

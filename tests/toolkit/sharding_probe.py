@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 2 \\
         tests/toolkit/sharding_probe.py OUT.json
 
-Builds and prepares the model as recipes/pretrain.py does (build_accelerator, full_model_init,
+Builds and prepares the model as recipes/pretrain.py does (build_accelerator, outside_training,
 configure_deepspeed, AdamW, prepare), runs one step of 2 micro-batches under
 `accelerator.accumulate` inside a GradientMeter, and rank 0 writes every rank's
 toolkit.sharding.held_bytes to OUT.json.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from toolkit.distributed import (  # noqa: E402
     build_accelerator,
     configure_deepspeed,
-    full_model_init,
+    outside_training,
     prepare,
     strategy_name,
 )
@@ -42,7 +42,7 @@ def main(out: str) -> None:
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
     )
-    with full_model_init(acc):
+    with outside_training(acc):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())

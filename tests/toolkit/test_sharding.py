@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 
 pytestmark = pytest.mark.distributed
@@ -45,7 +45,7 @@ def launch(strategy: str, out: Path) -> dict:
         "--num_processes", str(NPROC), "--main_process_port", str(free_port()), str(PROBE), str(out),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = launching.run(cmd, 600, cwd=ROOT, env=env)
     if proc.returncode != 0 or not out.is_file():
         pytest.fail(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-8000:]}"

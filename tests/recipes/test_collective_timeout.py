@@ -1,0 +1,39 @@
+"""A run whose ranks fall out of step stops within train.collective_timeout_s, saying so.
+
+The fault is test-only (tests/recipes/desync_launch.py): rank 1 skips the per-step loss
+all-reduce of step 2 and trains on. Before the timeout existed, both ranks slept for torch's
+default 30 minutes; now each rank exits with one line naming itself, the collective and where.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from recipe_runner import TINY, run_recipe
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 20
+
+
+def test_desynchronised_ranks_fail_within_the_timeout(tmp_path, data_cache):
+    start = time.monotonic()
+    proc = run_recipe(
+        "pretrain", [*TINY, "train.max_steps=6", f"train.collective_timeout_s={TIMEOUT_S}", f"output_dir={tmp_path}"],
+        nproc=2, cache=data_cache, check=False, timeout=240,
+        script=["tests/recipes/desync_launch.py", "pretrain"],
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    # start-up (~15 s) + the timeout + the other rank's exit; far from torch's default 30 minutes
+    assert elapsed < TIMEOUT_S + 90, f"took {elapsed:.0f} s"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: [rank")]
+    assert errors, proc.stderr[-4000:]
+    waited = [e for e in errors if f"waited {TIMEOUT_S} s (train.collective_timeout_s)" in e]
+    assert waited, errors  # at least the rank left waiting names the wait
+    assert any("the ranks fell out of step" in e and "after step 2" in e for e in waited), waited
+    assert any("error: [rank 0] waited" in e and "all_reduce in recipes/pretrain.py" in e for e in errors) or any(
+        "error: [rank 1]" in e for e in errors
+    ), errors
+    assert "exitcode  : 4" in proc.stderr  # the recipe's exit code for a failed collective, not a crash (1)
