@@ -354,12 +354,15 @@ def collective_failure(exc: BaseException, step: int | None = None) -> str | Non
     Names this rank, the collective, where the recipe was (innermost frame in recipes/ or
     toolkit/) and the step, so that a run whose ranks fell out of step says what it waited for.
     """
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    timed_out = _TIMED_OUT.search(detail) is not None
+    peer_lost = _PEER_LOST.search(detail) is not None
+    # judged by what the error says, not by where it was raised: a bug inside FSDP or DDP code
+    # must keep its traceback
+    if not (timed_out or peer_lost or isinstance(exc, torch.distributed.DistError)):
+        return None
     frames = traceback.extract_tb(exc.__traceback__)
     comm = [f for f in frames if _COMM_FILES.search(f.filename.replace(os.sep, "/"))]
-    if not isinstance(exc, torch.distributed.DistError) and not (
-        isinstance(exc, RuntimeError) and (comm or _COMM_ERRORS.search(str(exc)))
-    ):
-        return None
     ops = [f.name for f in comm if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")]
     ddp = [f.name for f in comm if f.filename.endswith("parallel/distributed.py")]
     op = ops[-1] if ops else f"DDP's {ddp[-1].strip('_')}" if ddp else "a collective"
@@ -367,15 +370,16 @@ def collective_failure(exc: BaseException, step: int | None = None) -> str | Non
     where = f" in {_relative(ours[-1].filename)}:{ours[-1].lineno} ({ours[-1].name})" if ours else ""
     at_step = f" after step {step}" if step is not None else ""
     rank = int(os.environ.get("RANK", "0"))
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "Timed out" in detail or "timed out" in detail or "Timeout" in detail:
+    if timed_out:
         limit = f" {_COLLECTIVE_TIMEOUT_S} s (train.collective_timeout_s)" if _COLLECTIVE_TIMEOUT_S else ""
         what = (
             f"waited{limit} in {op}{where}{at_step} for ranks that never joined: the ranks fell out of step "
             "(one skipped this collective or is stuck elsewhere); see the other ranks' errors"
         )
-    else:
+    elif peer_lost:
         what = f"{op}{where}{at_step} failed because another rank stopped or lost its connection; see that rank's error"
+    else:
+        what = f"{op}{where}{at_step} failed in the communication backend"
     return f"[rank {rank}] {what} ({_short(detail)})"
 
 
@@ -394,9 +398,12 @@ def _short(detail: str) -> str:
 
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-# Where collectives are entered (torch's c10d, DDP, DeepSpeed's comm) and what their failures say.
+# Where collectives are entered (torch's c10d, DDP, DeepSpeed's comm) and what their failures say
+# (gloo: "Timed out waiting 20000ms for recv operation", "Connection closed by peer"; NCCL's
+# watchdog: "Watchdog caught collective operation timeout").
 _COMM_FILES = re.compile(r"torch/distributed/|torch/nn/parallel/distributed\.py|deepspeed/comm/")
-_COMM_ERRORS = re.compile(r"gloo|NCCL|[Tt]imed out|Connection (closed|reset) by peer")
+_TIMED_OUT = re.compile(r"[Tt]imed out|operation timeout|Timeout")
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|[Bb]roken pipe")
 
 
 def exit_process(code: int) -> None:

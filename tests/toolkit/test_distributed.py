@@ -14,6 +14,14 @@ def _raised(exc: BaseException) -> BaseException:
         return caught
 
 
+def _raised_from(call) -> BaseException:
+    try:
+        call()
+    except BaseException as caught:
+        return caught
+    raise AssertionError("did not raise")
+
+
 def test_a_timed_out_collective_names_the_rank_the_wait_and_the_step(monkeypatch):
     import torch.distributed.distributed_c10d as c10d
 
@@ -37,4 +45,9 @@ def test_a_lost_peer_is_not_called_a_timeout():
 
 def test_an_ordinary_error_is_left_alone():
     assert collective_failure(_raised(RuntimeError("mat1 and mat2 shapes cannot be multiplied")), step=1) is None
+    # raised inside FSDP's code (the frame's file is FSDP's), but a bug, not a wait: it keeps its traceback
+    import torch.distributed.fsdp as fsdp
+
+    bug = compile("raise RuntimeError('Trying to resize storage that is not resizable')", fsdp.__file__, "exec")
+    assert collective_failure(_raised_from(lambda: exec(bug)), step=1) is None
     assert collective_failure(_raised(ValueError("bad value")), step=1) is None
