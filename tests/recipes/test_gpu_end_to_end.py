@@ -82,8 +82,9 @@ def test_finetune_from_a_gpu_trained_base(method, gpu_base, tmp_path, data_cache
         pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: bash ../shared/gpu/prepare.sh --qlora")
     out = tmp_path / method
     overrides = [
-        f"base_model.path={gpu_base}", "data.format=text", "data.seq_len=64", "train.max_steps=6",
-        "train.global_batch_size=8", "train.micro_batch_size=4", "logging.trackers=[]", "logging.eval_blocks=8",
+        f"base_model.path={gpu_base}", "data.format=text", "data.seq_len=64", "train.max_steps=12",
+        "train.global_batch_size=8", "train.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=1",
+        "logging.trackers=[]", "logging.eval_blocks=8",
         "samples.max_new_tokens=8", "checkpoint.every=3", f"output_dir={out}",
     ]
     proc = launch("finetune", overrides, data_cache, config=FINETUNES[method])
