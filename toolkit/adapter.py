@@ -22,7 +22,6 @@ import torch
 
 from toolkit.config import UserError, field
 from toolkit.distributed import master_weights
-from toolkit.hf_folder import DTYPES
 
 # The attention and MLP projections of LLaMA/Mistral/Qwen2 (GPT-2 names them c_attn, c_proj, c_fc).
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -149,7 +148,7 @@ def save_adapter(
     shutil.rmtree(tmp, ignore_errors=True)
     # peft keeps only the adapter's entries of the full state dict; the embeddings are not
     # trained by a LoRA here, so it need not look for the base's config to decide about them
-    target = DTYPES[dtype]
+    target = getattr(torch, dtype)  # a torch dtype's name (checkpoint.final_dtype)
     state_dict = {k: v.to(target) if v.is_floating_point() else v for k, v in state_dict.items()}
     accelerator.unwrap_model(model).save_pretrained(
         tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False

@@ -17,8 +17,6 @@ from accelerate import Accelerator
 
 from toolkit.distributed import master_weights
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 CARD = """---
 library_name: transformers
 pipeline_tag: text-generation
@@ -95,9 +93,9 @@ def write_model_folder(
     (and says so in config.json); None keeps them as they are."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if dtype is not None:
+    if dtype is not None:  # a torch dtype's name (checkpoint.final_dtype)
         state_dict = {
-            k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
+            k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
             for k, v in (state_dict if state_dict is not None else model.state_dict()).items()
         }
     if state_dict is not None:
