@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 
 import pytest
+
+
+def free_port() -> int:
+    """A free TCP port for one launch's rendezvous, so that launches never share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start(cmd: list[str], **kwargs) -> subprocess.Popen:

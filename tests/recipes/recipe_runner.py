@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,12 +38,6 @@ TINY = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_recipe(
     recipe: str, overrides: list[str], nproc: int, cache: Path, config: str = "pretrain_tiny.yaml",
     accelerate_config: str = "ddp.yaml", check: bool = True, env: dict[str, str] | None = None,
@@ -64,7 +57,7 @@ def run_recipe(
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", accelerate_config if "/" in accelerate_config else f"accelerate_configs/{accelerate_config}",
-            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *(launch_args or []), *script,
+            "--num_processes", str(nproc), "--main_process_port", str(launching.free_port()), *(launch_args or []), *script,
         ]
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}

@@ -33,7 +33,6 @@ def test_desynchronised_ranks_fail_within_the_timeout(tmp_path, data_cache):
     waited = [e for e in errors if f"waited {TIMEOUT_S} s (train.collective_timeout_s)" in e]
     assert waited, errors  # at least the rank left waiting names the wait
     assert any("the ranks fell out of step" in e and "after step 2" in e for e in waited), waited
-    assert any("error: [rank 0] waited" in e and "all_reduce in recipes/pretrain.py" in e for e in errors) or any(
-        "error: [rank 1]" in e for e in errors
-    ), errors
+    # every rank says where it was: the recipe or toolkit line that entered the collective
+    assert all(" in recipes/" in e or " in toolkit/" in e for e in errors), errors
     assert "exitcode  : 4" in proc.stderr  # the recipe's exit code for a failed collective, not a crash (1)

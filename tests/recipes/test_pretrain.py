@@ -115,11 +115,11 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, data_ca
     import time
 
     import launching
-    from recipe_runner import ROOT, free_port
+    from recipe_runner import ROOT
 
     out = tmp_path / "preempted"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
-           "--num_processes", "2", "--main_process_port", str(free_port()), "recipes/pretrain.py",
+           "--num_processes", "2", "--main_process_port", str(launching.free_port()), "recipes/pretrain.py",
            "--config", "recipes/configs/pretrain_tiny.yaml", *TINY, "train.max_steps=100000",
            "checkpoint.every=0", "logging.eval_every=0", f"output_dir={out}"]
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(data_cache), "OMP_NUM_THREADS": "1"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -32,17 +31,11 @@ SHARDED = {  # what each strategy must hold at most 0.55x of DDP's (and, to be r
 NPROC = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(strategy: str, out: Path) -> dict:
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", f"accelerate_configs/{strategy}.yaml",
-        "--num_processes", str(NPROC), "--main_process_port", str(free_port()), str(PROBE), str(out),
+        "--num_processes", str(NPROC), "--main_process_port", str(launching.free_port()), str(PROBE), str(out),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = launching.run(cmd, 600, cwd=ROOT, env=env)
