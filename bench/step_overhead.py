@@ -63,10 +63,10 @@ def worker(side: str, config: str, out: str, cache: str, steps: int) -> dict:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from toolkit.batching import BatchSchedule
+    from toolkit.data.batching import BatchSchedule
     from toolkit.config import load_config
-    from toolkit.packing import collate, column
-    from toolkit.recipe_config import PretrainConfig
+    from toolkit.data.packing import collate, column
+    from toolkit.training.recipe_config import PretrainConfig
 
     spec = importlib.util.spec_from_file_location("pretrain_recipe", ROOT / "recipes" / "pretrain.py")
     module = importlib.util.module_from_spec(spec)

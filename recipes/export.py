@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from toolkit.config import UserError
-from toolkit.consolidate import load_model, resolve_source
-from toolkit.export_report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
-from toolkit.hf_folder import write_model_folder
+from toolkit.export.consolidate import load_model, resolve_source
+from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
+from toolkit.export.hf_folder import write_model_folder
 
 FORMATS = ("hf", "gguf", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,7 +78,7 @@ def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be refused before any work is done."""
     output = Path(args.output)
     if args.format == "gguf":
-        from toolkit.gguf_export import GGUF_TYPES
+        from toolkit.export.gguf import GGUF_TYPES
 
         if args.quant not in GGUF_TYPES:
             raise UserError(f"--quant {args.quant} is not offered for gguf; choose one of {', '.join(GGUF_TYPES)}")
@@ -120,14 +120,14 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="export-", dir=output.parent) as tmp:
                 staged = write_model_folder(model, tokenizer, Path(tmp) / "model", {}, {}, card="")
                 if args.format == "gguf":
-                    from toolkit.gguf_export import write_gguf, write_modelfile
+                    from toolkit.export.gguf import write_gguf, write_modelfile
 
                     write_gguf(staged, output, args.quant, notes)
                     modelfile = write_modelfile(output, staged)
                     notes.append(f"Ollama: ollama create NAME -f {modelfile}")
                     exported = _load_gguf(output)
                 else:
-                    from toolkit.quantize import quantize_folder
+                    from toolkit.export.quantize import quantize_folder
 
                     _, quant_notes = quantize_folder(staged, output, args.format)
                     notes += quant_notes
@@ -157,7 +157,7 @@ def _load_hf(folder: Path):
 def _load_gguf(file: Path):
     """Through transformers' GGUF loader (dequantising, so the perplexity shows the quantisation
     error), with the file's metadata parsed once and no cached copy kept."""
-    from toolkit.base_model import BaseModelConfig, load_base_model
+    from toolkit.models.base_model import BaseModelConfig, load_base_model
 
     model, _, _ = load_base_model(BaseModelConfig(path=str(file), gguf_cache=False))
     return model.eval()

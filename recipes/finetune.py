@@ -35,8 +35,8 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint as ckpt
-from toolkit.adapter import (
+from toolkit.training import checkpoint as ckpt
+from toolkit.models.adapter import (
     apply_adapter,
     check_qlora_device,
     load_with_adapter,
@@ -44,12 +44,12 @@ from toolkit.adapter import (
     quantization_config,
     save_adapter,
 )
-from toolkit.base_model import load_base_model
-from toolkit.batching import BatchSchedule
-from toolkit.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
+from toolkit.models.base_model import load_base_model
+from toolkit.data.batching import BatchSchedule
+from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
 from toolkit.config import UserError, to_dict
-from toolkit.corpus import load_corpus, split_documents
-from toolkit.distributed import (
+from toolkit.data.corpus import load_corpus, split_documents
+from toolkit.strategy.distributed import (
     build_accelerator,
     check_fsdp_layers,
     check_replicas_in_sync,
@@ -59,12 +59,12 @@ from toolkit.distributed import (
     outside_training,
     strategy_name,
 )
-from toolkit.entry import flat_hparams, run
-from toolkit.evaluation import evaluate
-from toolkit.gradient_checkpointing import apply_gradient_checkpointing
-from toolkit.hf_folder import save_final_model, write_model_files, write_model_folder
-from toolkit.loss import backward_scale
-from toolkit.metrics import (
+from toolkit.training.entry import flat_hparams, run
+from toolkit.training.evaluation import evaluate
+from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
+from toolkit.export.hf_folder import save_final_model, write_model_files, write_model_folder
+from toolkit.training.loss import backward_scale
+from toolkit.training.metrics import (
     MetricsWriter,
     check_trackers,
     estimate_mfu,
@@ -73,13 +73,13 @@ from toolkit.metrics import (
     peak_memory_mb,
     plot_loss,
 )
-from toolkit.model import count_parameters, max_positions
-from toolkit.optim import prepare_optimization
-from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
-from toolkit.recipe_config import FinetuneConfig
-from toolkit.samples import generate, write_samples
-from toolkit.sharding import GradientMeter, held_bytes
-from toolkit.step import optimizer_step
+from toolkit.models.scratch import count_parameters, max_positions
+from toolkit.training.optim import prepare_optimization
+from toolkit.data.packing import check_attention, collate, column, packed_dataset, target_counts
+from toolkit.training.recipe_config import FinetuneConfig
+from toolkit.training.samples import generate, write_samples
+from toolkit.strategy.sharding import GradientMeter, held_bytes
+from toolkit.training.step import optimizer_step
 
 
 class FinetuneRecipe:

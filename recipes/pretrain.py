@@ -32,11 +32,11 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint as ckpt
-from toolkit.batching import BatchSchedule
+from toolkit.training import checkpoint as ckpt
+from toolkit.data.batching import BatchSchedule
 from toolkit.config import to_dict
-from toolkit.corpus import load_corpus, split_documents
-from toolkit.distributed import (
+from toolkit.data.corpus import load_corpus, split_documents
+from toolkit.strategy.distributed import (
     build_accelerator,
     check_fsdp_layers,
     check_replicas_in_sync,
@@ -46,12 +46,12 @@ from toolkit.distributed import (
     outside_training,
     strategy_name,
 )
-from toolkit.entry import flat_hparams, run
-from toolkit.evaluation import evaluate
-from toolkit.gradient_checkpointing import apply_gradient_checkpointing
-from toolkit.hf_folder import save_final_model, write_model_files
-from toolkit.loss import backward_scale
-from toolkit.metrics import (
+from toolkit.training.entry import flat_hparams, run
+from toolkit.training.evaluation import evaluate
+from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
+from toolkit.export.hf_folder import save_final_model, write_model_files
+from toolkit.training.loss import backward_scale
+from toolkit.training.metrics import (
     MetricsWriter,
     check_trackers,
     estimate_mfu,
@@ -60,14 +60,14 @@ from toolkit.metrics import (
     peak_memory_mb,
     plot_loss,
 )
-from toolkit.model import build_model, check_seq_len, count_parameters, hf_config, meta_model
-from toolkit.optim import prepare_optimization
-from toolkit.packing import check_attention, collate, column, packed_dataset, target_counts
-from toolkit.recipe_config import PretrainConfig
-from toolkit.samples import sample_folder
-from toolkit.sharding import GradientMeter, held_bytes
-from toolkit.step import optimizer_step
-from toolkit.tokenizer import get_tokenizer
+from toolkit.models.scratch import build_model, check_seq_len, count_parameters, hf_config, meta_model
+from toolkit.training.optim import prepare_optimization
+from toolkit.data.packing import check_attention, collate, column, packed_dataset, target_counts
+from toolkit.training.recipe_config import PretrainConfig
+from toolkit.training.samples import sample_folder
+from toolkit.strategy.sharding import GradientMeter, held_bytes
+from toolkit.training.step import optimizer_step
+from toolkit.data.tokenizer import get_tokenizer
 
 
 class PretrainRecipe:

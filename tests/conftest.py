@@ -42,7 +42,7 @@ def tiny_texts() -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_texts):
     """A byte-level BPE of TINY_VOCAB tokens trained with the toolkit on the pydoc texts."""
-    from toolkit.tokenizer import train_bpe
+    from toolkit.data.tokenizer import train_bpe
 
     return train_bpe(datasets.Dataset.from_dict({"text": tiny_texts}), TINY_VOCAB)
 
@@ -50,7 +50,7 @@ def tiny_tokenizer(tiny_texts):
 def build_tiny_model(model_type: str = "llama", seed: int = 0, attn: str = "sdpa", tokenizer=None, **sizes):
     """A randomly initialised fp32 causal LM configured as the recipe does (use_cache off, EOS/PAD ids).
 
-    Built with transformers directly rather than toolkit.model so that these fixtures do not
+    Built with transformers directly rather than toolkit.models.scratch so that these fixtures do not
     follow signature changes there.
     """
     from transformers import AutoConfig, AutoModelForCausalLM

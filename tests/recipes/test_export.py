@@ -13,7 +13,7 @@ import torch
 from recipe_runner import FT_TINY, TINY, recipe_module, run_recipe
 from transformers import AutoModelForCausalLM
 
-from toolkit.consolidate import load_model, resolve_source
+from toolkit.export.consolidate import load_model, resolve_source
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 KIND = {"ddp": "ddp", "fsdp": "fsdp", "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}

@@ -12,11 +12,11 @@ import torch
 from recipe_runner import ROOT, recipe_module
 from transformers import AutoModelForCausalLM
 
-from toolkit.adapter import load_with_adapter
-from toolkit.base_model import load_base_model
+from toolkit.models.adapter import load_with_adapter
+from toolkit.models.base_model import load_base_model
 from toolkit.config import load_config
-from toolkit.metrics import read_metrics
-from toolkit.recipe_config import FinetuneConfig
+from toolkit.training.metrics import read_metrics
+from toolkit.training.recipe_config import FinetuneConfig
 
 SMOL_LORA = [  # continued pretraining on the CPython docs: a few steps of 4 x 64 tokens
     "data.seq_len=64",

@@ -11,7 +11,7 @@ import torch
 from recipe_runner import run_recipe
 from transformers import AutoModelForCausalLM
 
-from toolkit.metrics import read_metrics
+from toolkit.training.metrics import read_metrics
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,7 +14,7 @@ import torch
 from recipe_runner import FT_TINY, run_recipe
 from safetensors.torch import load_file
 
-from toolkit.metrics import read_metrics
+from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 

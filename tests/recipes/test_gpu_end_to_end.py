@@ -18,8 +18,8 @@ from recipe_runner import ROOT, TINY, run_recipe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.checkpoint import complete_checkpoints
-from toolkit.metrics import read_metrics
+from toolkit.training.checkpoint import complete_checkpoints
+from toolkit.training.metrics import read_metrics
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,7 +9,7 @@ from recipe_runner import TINY, run_recipe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.metrics import read_metrics
+from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from recipe_runner import ROOT, TINY, run_recipe
 
-from toolkit.checkpoint import run_entries
-from toolkit.metrics import read_metrics
+from toolkit.training.checkpoint import run_entries
+from toolkit.training.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_incomplete_checkpoint_is_refused(pretrain, capsys, monkeypatch, tmp_pat
     err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={tmp_path / 'new'}", f"resume={partial}")
     assert "is an incomplete checkpoint" in err
     # resume=auto skips it: an interrupted save is never resumed from
-    from toolkit.checkpoint import resolve_resume
+    from toolkit.training.checkpoint import resolve_resume
 
     assert resolve_resume("auto", tmp_path / "run") is None
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from recipe_runner import run_recipe
 
-from toolkit.checkpoint import complete_checkpoints
-from toolkit.metrics import read_metrics
+from toolkit.training.checkpoint import complete_checkpoints
+from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 

@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config import load_config
-from toolkit.corpus import load_corpus, split_documents
-from toolkit.evaluation import evaluate
-from toolkit.metrics import read_metrics
-from toolkit.packing import packed_dataset
-from toolkit.recipe_config import PretrainConfig
+from toolkit.data.corpus import load_corpus, split_documents
+from toolkit.training.evaluation import evaluate
+from toolkit.training.metrics import read_metrics
+from toolkit.data.packing import packed_dataset
+from toolkit.training.recipe_config import PretrainConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -166,7 +166,7 @@ def test_final_folder_has_one_dtype_and_the_same_tensors_under_every_strategy(bf
 
     from transformers import AutoConfig
 
-    from toolkit.model import build_model
+    from toolkit.models.scratch import build_model
 
     weights = {s: load_file(str(f / "model.safetensors")) for s, f in bf16_finals.items()}
     for strategy, tensors in weights.items():

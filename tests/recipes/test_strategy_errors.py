@@ -8,7 +8,7 @@ import pytest
 import yaml
 from recipe_runner import ROOT, TINY, run_recipe
 
-from toolkit.metrics import read_metrics
+from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 

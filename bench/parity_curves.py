@@ -1,0 +1,141 @@
+"""Record the parity matrix's curves, or compare them with a recording; print one table.
+
+    python bench/parity_curves.py --save runs/parity-before.json      # before a change to the loop
+    python bench/parity_curves.py --compare runs/parity-before.json   # after it: bit-equal or not
+
+A change that should not change behaviour (a refactor of the loop, the strategy setup or the
+checkpoints) must leave every number a run logs bit-identical on CPU. This launches the runs of
+the strategy matrix the way tests/recipes/test_strategies.py and test_finetune_strategies.py do
+(tiny LLaMA, fp32, 2 CPU processes for each strategy, accumulation 2, gradient checkpointing,
+evaluation and checkpoints on) plus the fine-tunes on the tiny base the pretraining wrote, and
+keeps every logged record except wall-clock figures (tokens/s, MFU, peak memory): losses,
+learning rates, gradient norms, held-out losses, bytes held per rank and the bit-level parameter
+digests at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = {"tokens_per_s", "mfu", "peak_memory"}
+
+TINY = [
+    "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "tokenizer.vocab_size=512",
+    "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
+    "logging.every=1", "logging.eval_every=3", "logging.eval_blocks=8", "logging.trackers=[]", "checkpoint.every=3",
+]
+FT_TINY = [
+    "data.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=3e-3",
+    "optim.warmup_steps=1", "logging.every=1", "logging.eval_every=2", "logging.eval_blocks=4", "logging.trackers=[]",
+    "checkpoint.every=3",
+]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(recipe: str, config: str, overrides: list[str], strategy: str | None, env: dict) -> None:
+    script = [f"recipes/{recipe}.py", "--config", f"recipes/configs/{config}", *overrides]
+    if strategy is None:
+        cmd = [sys.executable, *script]
+    else:
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
+            "--num_processes", "2", "--main_process_port", str(free_port()), *script,
+        ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+
+
+def records(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def record_all(work: Path, only: set[str] | None) -> dict[str, list[dict]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LLM_TOOLKIT_CACHE": str(work / "cache"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    chatml = work / "chatml.jinja"
+    chatml.write_text(CHATML)
+    base = work / "base"
+    launch("pretrain", "pretrain_tiny.yaml", [*TINY, "train.max_steps=4", "checkpoint.every=0",
+                                              "sample.max_new_tokens=0", f"output_dir={base}"], None, env)
+    pre = [*TINY, "train.max_steps=6", "sample.max_new_tokens=0"]
+    lora = [*FT_TINY, f"base_model.path={base / 'final'}", "data.format=chat", f"data.chat_template={chatml}",
+            "adapter.dropout=0", "adapter.r=8", "train.max_steps=4", "samples.max_new_tokens=0"]
+    full = [*FT_TINY, f"base_model.path={base / 'final'}", "adapter.method=full", "train.max_steps=4",
+            "samples.max_new_tokens=0"]
+    runs = {
+        "pretrain 1 process": ("pretrain", "pretrain_tiny.yaml", pre, None),
+        **{f"pretrain {s}": ("pretrain", "pretrain_tiny.yaml", [*pre, "model.gradient_checkpointing=full"], s)
+           for s in ("ddp", "fsdp", "zero1", "zero2", "zero3")},
+        "finetune lora chat 1 process": ("finetune", "finetune_smollm2_lora.yaml", lora, None),
+        **{f"finetune lora chat {s}": ("finetune", "finetune_smollm2_lora.yaml", lora, s) for s in ("ddp", "zero3", "fsdp")},
+        "finetune full text zero2": ("finetune", "finetune_smollm2_lora.yaml", full, "zero2"),
+    }
+    found = {}
+    for name, (recipe, config, overrides, strategy) in runs.items():
+        if only and not any(word in name for word in only):
+            continue
+        out = work / name.replace(" ", "-")
+        print(f"  {name} ...", file=sys.stderr, flush=True)
+        launch(recipe, config, [*overrides, f"output_dir={out}"], strategy, env)
+        found[name] = records(out)
+    return found
+
+
+def first_difference(a: list[dict], b: list[dict]) -> str:
+    if len(a) != len(b):
+        return f"{len(a)} records against {len(b)}"
+    for ra, rb in zip(a, b):
+        if ra != rb:
+            keys = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
+            return f"step {ra.get('step')}: " + ", ".join(f"{k} {ra.get(k)!r} -> {rb.get(k)!r}" for k in keys)
+    return ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--save", type=Path, help="write the recorded curves to this JSON file")
+    what.add_argument("--compare", type=Path, help="record again and compare with this JSON file")
+    parser.add_argument("--only", default="", help="comma-separated words: record only runs whose name has one")
+    args = parser.parse_args()
+    only = {w for w in args.only.split(",") if w} or None
+    with tempfile.TemporaryDirectory() as tmp:
+        now = record_all(Path(tmp), only)
+    if args.save:
+        args.save.parent.mkdir(parents=True, exist_ok=True)
+        args.save.write_text(json.dumps(now, indent=1))
+        print(f"{'run':<32}{'records':>8}")
+        for name, rows in now.items():
+            print(f"{name:<32}{len(rows):>8}")
+        return
+    before = json.loads(args.compare.read_text())
+    print(f"{'run':<32}{'records':>8}  bit-equal")
+    failed = 0
+    for name, rows in now.items():
+        diff = first_difference(before[name], rows) if name in before else "not in the recording"
+        failed += bool(diff)
+        print(f"{name:<32}{len(rows):>8}  {'yes' if not diff else 'NO: ' + diff}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The tokenizer: a byte-level BPE trained on the corpus, saved, and loaded back by path."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+
+from toolkit.config import UserError
+from toolkit.data.tokenizer import TokenizerConfig, get_tokenizer, load_tokenizer, train_bpe
+
+TEXT = "def main():\n    print('héllo, wörld')  # ünïcode and emoji 🙂\n"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    from pydoc_data.topics import topics
+
+    return datasets.Dataset.from_dict({"text": [topics[k] for k in sorted(topics)][:20]})
+
+
+def test_trained_bpe_round_trips_any_text_and_has_the_asked_size(corpus):
+    tok = train_bpe(corpus, vocab_size=600)
+    assert len(tok) == 600
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == TEXT  # byte-level: nothing is <unk>, even unseen characters
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token_id != tok.eos_token_id
+
+
+def test_saved_tokenizer_loads_by_path_with_the_same_ids(corpus, tmp_path):
+    tok = train_bpe(corpus, vocab_size=600)
+    tok.save_pretrained(tmp_path / "tok")
+    loaded = get_tokenizer(TokenizerConfig(path=str(tmp_path / "tok")), corpus, tmp_path / "unused")
+    assert loaded(TEXT)["input_ids"] == tok(TEXT)["input_ids"]
+    assert not (tmp_path / "unused").exists()
+
+
+def test_training_happens_once_per_cache_key(corpus, tmp_path, monkeypatch):
+    cfg = TokenizerConfig(vocab_size=600)
+    first = get_tokenizer(cfg, corpus, tmp_path / "tok-key")
+    monkeypatch.setattr("toolkit.data.tokenizer.train_bpe", lambda *a, **k: pytest.fail("trained twice"))
+    again = get_tokenizer(cfg, corpus, tmp_path / "tok-key")
+    assert again(TEXT)["input_ids"] == first(TEXT)["input_ids"]
+
+
+def test_missing_tokenizer_path_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="tokenizer.path=.*could not be loaded"):
+        load_tokenizer(str(tmp_path / "nope"))

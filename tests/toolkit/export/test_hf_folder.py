@@ -1,0 +1,36 @@
+"""final/ as one Hugging Face folder: the dtype rule, tied weights written once, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from toolkit.export.hf_folder import write_model_folder
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_weights_are_cast_to_final_dtype_and_say_so(dtype, tiny_model, tiny_tokenizer, tmp_path):
+    model = tiny_model(tokenizer=tiny_tokenizer, tie_word_embeddings=True)
+    out = write_model_folder(model, tiny_tokenizer, tmp_path / "final", {"params": 1, "step": 2, "tokens": 3,
+                             "recipe": "pretrain", "model_type": "llama", "strategy": "DDP"}, {}, dtype=dtype)
+    weights = load_file(str(out / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {getattr(torch, dtype)}
+    assert json.loads((out / "config.json").read_text())["dtype"] == dtype
+    assert f"| weights | {dtype}, cast from the fp32 master weights" in (out / "README.md").read_text()
+    assert "lm_head.weight" not in weights  # tied to the embeddings: stored once
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert reloaded.dtype == getattr(torch, dtype)
+    for name, p in model.state_dict().items():  # the values are the source's, rounded to the dtype
+        torch.testing.assert_close(reloaded.state_dict()[name], p.to(getattr(torch, dtype)), rtol=0, atol=0)
+    assert not (tmp_path / "final.tmp").exists()
+
+
+def test_without_a_dtype_the_weights_stay_as_they_are(tiny_model, tiny_tokenizer, tmp_path):
+    model = tiny_model(tokenizer=tiny_tokenizer).to(torch.bfloat16)
+    out = write_model_folder(model, tiny_tokenizer, tmp_path / "export", {}, {}, card="# export\n")
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    assert (out / "README.md").read_text() == "# export\n"

@@ -1,0 +1,80 @@
+"""Worker for test_sharding.py: one optimizer step of a tiny LLaMA, then each rank's held bytes.
+
+    accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 2 \\
+        tests/toolkit/strategy/sharding_probe.py OUT.json
+
+Builds and prepares the model as recipes/pretrain.py does (build_accelerator, outside_training,
+configure_deepspeed, AdamW, prepare), runs one step of 2 micro-batches under
+`accelerator.accumulate` inside a GradientMeter, and rank 0 writes every rank's
+toolkit.strategy.sharding.held_bytes to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from toolkit.strategy.distributed import (  # noqa: E402
+    build_accelerator,
+    configure_deepspeed,
+    outside_training,
+    prepare,
+    strategy_name,
+)
+from toolkit.strategy.sharding import GradientMeter, held_bytes  # noqa: E402
+
+MICRO_BATCH, ACCUMULATION, SEQ, VOCAB = 2, 2, 32, 512
+
+
+def main(out: str) -> None:
+    from accelerate.utils import gather_object
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    acc = build_accelerator("no", ACCUMULATION, tempfile.mkdtemp(prefix="sharding-probe-"))
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
+    )
+    with outside_training(acc):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    configure_deepspeed(acc, MICRO_BATCH, 1.0)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
+    model, optimizer = prepare(acc, model, optimizer)
+
+    torch.manual_seed(1 + acc.process_index)
+    meter = GradientMeter(acc, model, optimizer)
+    with meter:
+        for _ in range(ACCUMULATION):
+            ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), device=acc.device)
+            with acc.accumulate(model):
+                loss = model(input_ids=ids, labels=ids).loss
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    held = held_bytes(acc, model, optimizer, meter)
+    ranks = gather_object([held])
+    if acc.is_main_process:
+        Path(out).write_text(json.dumps({
+            "strategy": strategy_name(acc), "world_size": acc.num_processes, "n_params": n_params, "ranks": ranks,
+        }))
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    from toolkit.strategy.distributed import exit_process
+
+    main(sys.argv[1])
+    exit_process(0)

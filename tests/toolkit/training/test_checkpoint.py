@@ -1,0 +1,130 @@
+"""What a flag may do to output_dir: a run's own outputs are replaced only by newer outputs of the
+same run (resume from its newest complete checkpoint, or overwrite=true), nothing else is deleted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from toolkit.training.checkpoint import RUN_ENTRIES, STATE_FILE, check_output_dir, remove_run, run_entries
+from toolkit.config import UserError
+
+
+def finished_run(folder: Path, checkpoint: str | None = "complete") -> Path:
+    """What a finished pretraining run leaves; its checkpoint complete, interrupted or gone."""
+    (folder / "final").mkdir(parents=True)
+    (folder / "final" / "model.safetensors").write_bytes(b"weights")
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (folder / "loss.png").write_bytes(b"png")
+    if checkpoint is not None:
+        step = folder / "checkpoints" / "step-4"
+        step.mkdir(parents=True)
+        (step / "model.safetensors").write_bytes(b"weights")
+        if checkpoint == "complete":
+            (step / STATE_FILE).write_text('{"step": 4}')
+    return folder
+
+
+def refusal(output_dir: Path, resume: str | None = None, overwrite: bool = False) -> str:
+    with pytest.raises(UserError) as info:
+        check_output_dir(output_dir, resume, overwrite)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("resume, overwrite", [(None, False), ("auto", False), (None, True)])
+def test_a_missing_or_empty_folder_is_a_fresh_start(tmp_path, resume, overwrite):
+    check_output_dir(tmp_path / "missing", resume, overwrite)
+    check_output_dir(tmp_path, resume, overwrite)
+
+
+def test_resume_auto_refuses_a_run_without_a_complete_checkpoint(tmp_path):
+    for name, checkpoint in (("deleted", None), ("interrupted", "incomplete")):
+        run = finished_run(tmp_path / name, checkpoint)
+        message = refusal(run, resume="auto")
+        assert message.startswith(f"output_dir={run} holds a run (")
+        assert "final/" in message and "metrics.jsonl" in message
+        assert "no complete checkpoint to continue from" in message
+        assert "overwrite=true" in message and "another output_dir" in message
+
+
+def test_resume_auto_continues_a_run_with_a_complete_checkpoint(tmp_path):
+    check_output_dir(finished_run(tmp_path / "run"), "auto", False)
+
+
+def test_no_flag_refuses_a_run_and_offers_what_works(tmp_path):
+    resumable = refusal(finished_run(tmp_path / "resumable"))
+    assert "already holds a run (final/, checkpoints/, metrics.jsonl and 1 more)" in resumable
+    assert "continue it with resume=auto" in resumable and "overwrite=true" in resumable
+    not_resumable = refusal(finished_run(tmp_path / "finished", checkpoint=None))
+    assert "already holds a run" in not_resumable and "overwrite=true" in not_resumable
+    assert "resume=auto" not in not_resumable  # it would be refused
+
+
+def test_overwrite_accepts_a_folder_of_run_entries_only(tmp_path):
+    check_output_dir(finished_run(tmp_path / "run", checkpoint="incomplete"), None, True)
+    every = tmp_path / "every"
+    every.mkdir()
+    for name in RUN_ENTRIES:
+        (every / name).mkdir()
+    check_output_dir(every, None, True)
+
+
+@pytest.mark.parametrize("resume, overwrite", [(None, True), ("auto", False), (None, False)])
+def test_foreign_files_are_never_a_run(tmp_path, resume, overwrite):
+    folder = tmp_path / "thesis"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("\\documentclass{article}")
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')  # a name the toolkit uses, still not a run
+    message = refusal(folder, resume, overwrite)
+    assert message == (
+        f"output_dir={folder} holds files that are not a toolkit run (thesis.tex); the toolkit will "
+        "not delete them or start a run among them; choose another output_dir"
+    )
+    assert "already holds a run" not in message and "overwrite=true" not in message
+
+
+def test_foreign_entries_are_named_a_few_then_counted(tmp_path):
+    run = finished_run(tmp_path / "run")
+    for name in ("a.txt", "b.txt", "c.txt", "d.txt"):
+        (run / name).write_text(name)
+    (run / "notes").mkdir()
+    message = refusal(run, overwrite=True)
+    assert "(a.txt, b.txt, c.txt and 2 more)" in message
+    # the run itself can still be continued: resume=auto writes beside the user's files
+    check_output_dir(run, "auto", False)
+    assert "continue the run there with resume=auto" in refusal(run)
+
+
+def test_a_file_is_not_an_output_dir(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert refusal(tmp_path / "notes.txt", overwrite=True).endswith("is a file, not a folder; choose another output_dir")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_an_explicit_checkpoint_is_left_to_resolve_resume(tmp_path):
+    check_output_dir(finished_run(tmp_path / "run"), str(tmp_path / "run" / "checkpoints" / "step-4"), False)
+
+
+def test_run_entries_sorts_own_from_foreign(tmp_path):
+    run = finished_run(tmp_path / "run")
+    (run / "thesis.tex").write_text("x")
+    assert run_entries(run) == (["final/", "checkpoints/", "metrics.jsonl", "loss.png"], ["thesis.tex"])
+    assert run_entries(tmp_path / "missing") == ([], [])
+
+
+def test_remove_run_deletes_only_the_runs_own_entries(tmp_path):
+    run = finished_run(tmp_path / "run")
+    (run / "final.tmp").mkdir()
+    (run / "thesis.tex").write_text("mine")  # appeared after check_output_dir: still kept
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    (run / "tensorboard").symlink_to(elsewhere, target_is_directory=True)
+    remove_run(run)
+    assert sorted(p.name for p in run.iterdir()) == ["thesis.tex"]
+    assert (run / "thesis.tex").read_text() == "mine"
+    assert (elsewhere / "keep.txt").read_text() == "keep"  # the link went, not what it points to
+    remove_run(tmp_path / "missing")

@@ -1,0 +1,403 @@
+"""Chat SFT data: records -> messages -> (input_ids, labels) -> packed blocks.
+
+A conversation is rendered with the tokenizer's chat template (or one from the config) and
+only the assistant's own output is a target: each assistant message's content and the token
+that ends its turn (`<|im_end|>` in ChatML, `<|eot_id|>` in Llama 3, `</s>` in Zephyr). System
+and user turns, role headers and template boilerplate get label -100. The assistant spans are
+found by rendering the conversation up to each assistant message (with the generation prompt)
+and mapping character offsets to tokens, so any template works, with or without a
+`{% generation %}` block.
+
+Packed blocks use the layout of `toolkit.data.packing` (input_ids, position_ids restarting at 0 at
+each conversation, num_tokens) plus `labels`, so `block_causal_mask` keeps conversations apart.
+A conversation is never split across blocks: they are placed longest first into the block
+they fill most tightly (best-fit decreasing); the tail of each block is padding (its own
+segment, no targets).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import datasets
+import jinja2
+import numpy as np
+import pyarrow as pa
+import torch
+
+from toolkit.config import UserError, field
+from toolkit.data.packing import IGNORE_INDEX, MASKED_ATTENTION, block_causal_mask
+
+ROLES = ("system", "user", "assistant")
+EMBEDDED = "embedded:python-chats"
+
+
+@dataclass
+class ChatDataConfig:
+    path: str | None = field(
+        None,
+        help="jsonl/json file of chat records (`messages`, or `instruction`/`input`/`output`); "
+        "empty = the embedded Python Q&A set",
+    )
+    seq_len: int = field(512, help="tokens per packed block; a conversation never spans two blocks")
+    overlong: Literal["truncate", "drop"] = field(
+        "truncate", help="a conversation longer than seq_len: truncate (keep its start) or drop it"
+    )
+    chat_template: str | None = field(
+        None, help="Jinja chat template (the text, or a .jinja file) used instead of the tokenizer's"
+    )
+    val_fraction: float = field(0.1, help="fraction of conversations held out for evaluation (0 = no eval)")
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.seq_len < 16:
+            problems.append(f"seq_len={self.seq_len} is too short; use at least 16 tokens")
+        if not 0 <= self.val_fraction < 1:
+            problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
+        if self.chat_template and _looks_like_file(self.chat_template) and not Path(self.chat_template).is_file():
+            problems.append(f"chat_template={self.chat_template} does not exist; give a .jinja file or the template text")
+        return problems
+
+
+def load_chat_records(cfg: ChatDataConfig) -> list[dict]:
+    """Raw records from a jsonl/json file, or the embedded set when no path is given."""
+    if not cfg.path:
+        from toolkit.data.python_chats import PYTHON_CHATS
+
+        return [dict(r) for r in PYTHON_CHATS]
+    path = Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise UserError(f"data.path={cfg.path} does not exist; give a .jsonl or .json file of chat records")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"data.path={cfg.path} line {number} is not valid JSON: {exc.msg}") from None
+    elif path.suffix.lower() == ".json":
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"data.path={cfg.path} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
+        if not isinstance(records, list):
+            raise UserError(f"data.path={cfg.path} must hold a JSON list of records, found {type(records).__name__}")
+    else:
+        raise UserError(f"data.path={cfg.path} has suffix {path.suffix or '(none)'}; use .jsonl or .json")
+    if not records:
+        raise UserError(f"data.path={cfg.path} holds no records")
+    return records
+
+
+def to_messages(record: dict, index: int) -> list[dict[str, str]]:
+    """One record -> `[{"role", "content"}, ...]`; `index` names the record in errors."""
+    if not isinstance(record, dict):
+        raise UserError(f"record {index} is a {type(record).__name__}, not a mapping with `messages` or `instruction`")
+    if record.get("messages") is not None:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise UserError(f"record {index}: `messages` must be a non-empty list of role/content mappings")
+        out = []
+        for j, m in enumerate(messages):
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ROLES:
+                raise UserError(
+                    f"record {index}: message {j} has role {role!r}; use one of {', '.join(ROLES)}"
+                )
+            if not isinstance(m.get("content"), str):
+                raise UserError(f"record {index}: message {j} ({role}) has no text `content`")
+            out.append({"role": role, "content": m["content"]})
+    elif record.get("instruction") is not None and record.get("output") is not None:
+        user = str(record["instruction"])
+        if record.get("input"):
+            user = f"{user}\n\n{record['input']}"
+        out = [{"role": "user", "content": user}, {"role": "assistant", "content": str(record["output"])}]
+    else:
+        raise UserError(
+            f"record {index} has keys {sorted(record)}; a chat record needs `messages` (a list of role/content) "
+            "or `instruction` and `output` (and optionally `input`)"
+        )
+    if not any(m["role"] == "assistant" for m in out):
+        raise UserError(f"record {index} has no assistant message, so nothing to learn from; add one or remove it")
+    return out
+
+
+def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
+    """The template to render with: the override (text or file), else the tokenizer's."""
+    if chat_template:
+        if _looks_like_file(chat_template):
+            return Path(chat_template).read_text(encoding="utf-8")
+        return chat_template
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # several named templates: the default one
+        own = own.get("default")
+    if not own:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise UserError(
+            f"tokenizer {name} has no chat template; set data.chat_template to a Jinja template (text or .jinja file)"
+        )
+    return own
+
+
+def render_conversation(
+    tokenizer, messages: list[dict[str, str]], chat_template: str | None = None
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels): labels are the ids on assistant output (content + turn end), -100 elsewhere."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError("chat SFT needs a fast tokenizer (character offsets); load one with use_fast=True")
+    template = chat_template_for(tokenizer, chat_template)
+
+    def render(msgs: list[dict[str, str]], generation_prompt: bool = False) -> str:
+        if not msgs:
+            return ""
+        try:
+            return tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
+            )
+        except jinja2.TemplateError as exc:  # e.g. raise_exception("roles must alternate")
+            raise UserError(f"the chat template rejected the conversation: {exc}") from None
+
+    full = render(messages)
+    spans = []  # [start, end) characters of each assistant output, and where its turn ends
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        through = render(messages[: k + 1])
+        before = render(messages[:k], generation_prompt=True)
+        if not full.startswith(before):  # a template whose generation prompt is not how turns begin
+            before = render(messages[:k])
+        if not full.startswith(through) or not full.startswith(before):
+            raise UserError(
+                f"the chat template renders the turns before assistant message {k} differently once later turns "
+                "follow (e.g. it rewrites history), so its tokens cannot be located; set data.chat_template"
+            )
+        content = message["content"]
+        start = through.find(content, len(before))
+        if start < 0 and content.strip() != content:  # templates that trim the content
+            content = content.strip()
+            start = through.find(content, len(before))
+        if start < 0:
+            raise UserError(
+                f"the chat template does not render assistant message {k} verbatim ({message['content'][:40]!r}), "
+                "so its tokens cannot be located; set data.chat_template"
+            )
+        spans.append((start, start + len(content), len(through)))
+
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    labels = [IGNORE_INDEX] * len(ids)
+    for start, end, turn_end in spans:
+        # the turn ends at the first special token after the content, if the turn's text has one
+        for (s, e), tid in zip(offsets, ids, strict=True):
+            if s >= end and e <= turn_end and e > s and tid in special:
+                end = e
+                break
+        for i, (s, e) in enumerate(offsets):
+            if s < end and e > start:
+                labels[i] = ids[i]
+    return list(ids), labels
+
+
+def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: str | None = None) -> datasets.Dataset:
+    """Records -> dataset of `input_ids` and `labels` (one row per conversation)."""
+    chat_template = chat_template_for(tokenizer, chat_template)  # fails once, not per record
+    rows = []
+    for i, record in enumerate(records):
+        messages = to_messages(record, i)
+        try:
+            rows.append(render_conversation(tokenizer, messages, chat_template))
+        except UserError as exc:
+            raise UserError(f"record {i}: {exc}") from None
+    return datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
+
+
+@dataclass
+class PackStats:
+    conversations: int
+    kept: int
+    truncated: int
+    dropped: int
+    blocks: int
+    tokens: int
+    targets: int
+    seq_len: int
+
+    def __str__(self) -> str:
+        fill = self.tokens / max(1, self.blocks * self.seq_len)
+        return (
+            f"packed {self.kept} of {self.conversations} conversations into {self.blocks} blocks of {self.seq_len} "
+            f"tokens ({fill:.0%} filled, {self.targets} target tokens); {self.truncated} truncated to seq_len, "
+            f"{self.dropped} dropped (longer than seq_len, or no target left)"
+        )
+
+
+def pack_conversations(
+    rows, seq_len: int, pad_id: int, overlong: Literal["truncate", "drop"] = "truncate"
+) -> tuple[datasets.Dataset, PackStats]:
+    """Conversations (a dataset with `input_ids`/`labels`, or (ids, labels) pairs) -> packed blocks."""
+    flat_ids, flat_labels, offsets = _flatten(rows)
+    lengths = np.diff(offsets)
+    n = lengths.size
+    if n == 0:
+        raise UserError("there are no conversations to pack; check data.path")
+    too_long = lengths > seq_len
+    size = np.minimum(lengths, seq_len) if overlong == "truncate" else lengths
+    # targets each conversation keeps (its first token is never one: nothing before it predicts it)
+    cum = np.concatenate([[0], np.cumsum(flat_labels != IGNORE_INDEX)])
+    first = np.minimum(offsets[:-1] + 1, offsets[:-1] + size)
+    targets = cum[offsets[:-1] + size] - cum[first]
+    keep = (targets > 0) & ((overlong == "truncate") | ~too_long)
+    if not keep.any():
+        raise UserError(
+            f"no conversation fits data.seq_len={seq_len} with a target left ({int(too_long.sum())} of {n} are "
+            "longer); raise data.seq_len or set data.overlong=truncate"
+        )
+    src_start, size = offsets[:-1][keep], size[keep]
+
+    block, start, n_blocks = best_fit_decreasing(size, seq_len)
+
+    total = int(size.sum())
+    conv = np.repeat(np.arange(size.size), size)
+    within = np.arange(total) - np.repeat(np.cumsum(size) - size, size)
+    src = src_start[conv] + within
+    dst = block[conv] * seq_len + start[conv] + within
+    used = np.bincount(block, weights=size, minlength=n_blocks).astype(np.int64)
+
+    index = np.arange(n_blocks * seq_len)
+    input_ids = np.full(index.size, pad_id, dtype=np.int32)
+    labels = np.full(index.size, IGNORE_INDEX, dtype=np.int32)
+    position_ids = (index % seq_len - used[index // seq_len]).astype(np.int32)  # the padding tail: 0, 1, ...
+    input_ids[dst] = flat_ids[src]
+    labels[dst] = flat_labels[src]
+    labels[dst[within == 0]] = IGNORE_INDEX
+    position_ids[dst] = within
+
+    table = pa.table(
+        {
+            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(input_ids), seq_len),
+            "position_ids": pa.FixedSizeListArray.from_arrays(pa.array(position_ids), seq_len),
+            "labels": pa.FixedSizeListArray.from_arrays(pa.array(labels), seq_len),
+            "num_tokens": pa.array(used.astype(np.int32)),
+        }
+    )
+    stats = PackStats(
+        conversations=n,
+        kept=int(keep.sum()),
+        truncated=int((too_long & keep).sum()),
+        dropped=int((~keep).sum()),
+        blocks=n_blocks,
+        tokens=total,
+        targets=int(targets[keep].sum()),
+        seq_len=seq_len,
+    )
+    return datasets.Dataset(table), stats
+
+
+def best_fit_decreasing(size: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(block, start within it) of each conversation, and the number of blocks.
+
+    Longest first, each into the open block it fills most tightly (best-fit decreasing), so a
+    block's tail is padding only where no remaining conversation fits. Filling blocks in data
+    order instead left a quarter of every block as padding on chat data averaging ~200 tokens
+    in 512-token blocks (bench/chat_packing.py: 75% filled; 98% with this). Conversations are
+    re-ordered, which costs nothing: the training order is shuffled by block anyway.
+    """
+    block = np.empty(size.size, dtype=np.int64)
+    start = np.empty(size.size, dtype=np.int64)
+    room: list[int] = []  # sorted distinct capacities left in open blocks
+    blocks_with: dict[int, list[int]] = {}  # capacity -> open blocks with exactly that much room
+    n_blocks = 0
+    for i in np.argsort(-size, kind="stable").tolist():
+        length = int(size[i])
+        j = bisect.bisect_left(room, length)
+        if j < len(room):  # the tightest open block it fits in
+            capacity = room[j]
+            b = blocks_with[capacity].pop()
+            if not blocks_with[capacity]:
+                room.pop(j)
+        else:
+            b, capacity = n_blocks, seq_len
+            n_blocks += 1
+        block[i], start[i] = b, seq_len - capacity
+        left = capacity - length
+        if left > 0:
+            if not blocks_with.get(left):
+                blocks_with[left] = []
+                bisect.insort(room, left)
+            blocks_with[left].append(b)
+    return block, start, n_blocks
+
+
+def collate_chat(columns: dict, attn_implementation: str) -> dict[str, torch.Tensor]:
+    """Columns of packed chat blocks (`blocks[indices]`) -> model inputs with the SFT labels."""
+    position_ids = torch.as_tensor(np.asarray(columns["position_ids"]), dtype=torch.long)
+    batch = {
+        "input_ids": torch.as_tensor(np.asarray(columns["input_ids"]), dtype=torch.long),
+        "position_ids": position_ids,
+        "labels": torch.as_tensor(np.asarray(columns["labels"]), dtype=torch.long),
+    }
+    if attn_implementation in MASKED_ATTENTION:
+        batch["attention_mask"] = block_causal_mask(position_ids)
+    return batch
+
+
+def chat_target_counts(blocks: datasets.Dataset) -> np.ndarray:
+    """Number of loss targets per block (what the loss is normalised by)."""
+    labels = blocks.select_columns(["labels"]).with_format("numpy")[:]["labels"]
+    return (labels[:, 1:] != IGNORE_INDEX).sum(axis=1).astype(np.int64)
+
+
+def _flatten(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if isinstance(rows, datasets.Dataset):
+        if len(rows) == 0:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(1, np.int64)
+        table = rows.with_format("arrow")[:]  # honours select/shuffle, like packing.pack_documents
+        ids_col, labels_col = (table.column(c).combine_chunks() for c in ("input_ids", "labels"))
+        offsets = ids_col.offsets.to_numpy().astype(np.int64)
+        ids = ids_col.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+        labels = labels_col.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+        if not np.array_equal(labels_col.offsets.to_numpy(), offsets):
+            raise UserError("each conversation needs as many labels as input_ids")
+        return ids, labels, offsets
+    pairs = list(rows)
+    if any(len(ids) != len(lab) for ids, lab in pairs):
+        raise UserError("each conversation needs as many labels as input_ids")
+    offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in pairs], dtype=np.int64)]).astype(np.int64)
+    ids = np.fromiter((t for x, _ in pairs for t in x), dtype=np.int32, count=int(offsets[-1]))
+    labels = np.fromiter((t for _, y in pairs for t in y), dtype=np.int32, count=int(offsets[-1]))
+    return ids, labels, offsets
+
+
+def _looks_like_file(value: str) -> bool:
+    return "\n" not in value and "{%" not in value and "{{" not in value
+
+
+def chat_blocks(
+    cfg: ChatDataConfig, tokenizer, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset | None, list[str]]:
+    """(train blocks, held-out blocks or None, lines for the log): whole conversations held out."""
+    from toolkit.data.corpus import split_documents
+
+    rows = tokenize_conversations(load_chat_records(cfg), tokenizer, cfg.chat_template)
+    train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)
+    train, stats = pack_conversations(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+    notes = [f"train: {stats}"]
+    val = None
+    if val_rows is not None:
+        val, val_stats = pack_conversations(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+        notes.append(f"held-out: {val_stats}")
+    if stats.truncated or stats.dropped:
+        notes.append(
+            f"{stats.truncated + stats.dropped} training conversations are longer than data.seq_len={cfg.seq_len} "
+            f"and were {'truncated' if cfg.overlong == 'truncate' else 'dropped'} (data.overlong={cfg.overlong}); "
+            "raise data.seq_len to keep them whole"
+        )
+    return train, val, notes

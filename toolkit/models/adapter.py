@@ -1,0 +1,174 @@
+"""Which weights a fine-tune trains: all of them, a LoRA adapter, or a LoRA on a 4-bit base (QLoRA).
+
+LoRA comes from peft. The adapter is added before `accelerator.prepare`, on the whole model,
+so DDP, FSDP2 and ZeRO-3 see an ordinary module with some parameters frozen: FSDP2 shards
+frozen and trainable parameters alike, ZeRO-3 partitions the frozen base and builds its
+optimizer over the adapter only, and nothing peft-specific happens inside the strategy.
+
+QLoRA loads the base through bitsandbytes' 4-bit NF4 kernels, which need a CUDA GPU. Where
+there is none the recipe stops with a message; it never trains in full precision instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from toolkit.config import UserError, field
+from toolkit.strategy.distributed import master_weights
+
+# The attention and MLP projections of LLaMA/Mistral/Qwen2 (GPT-2 names them c_attn, c_proj, c_fc).
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class AdapterConfig:
+    method: Literal["full", "lora", "qlora"] = field(
+        "lora", help="full = train every weight; lora = train a LoRA adapter (peft); qlora = LoRA on a 4-bit base (CUDA)"
+    )
+    r: int = field(16, help="LoRA rank")
+    alpha: float = field(32, help="LoRA alpha (the update is scaled by alpha / r)")
+    dropout: float = field(0.05, help="dropout on the LoRA input")
+    target_modules: list[str] = field(
+        default_factory=lambda: list(DEFAULT_TARGETS),
+        help="module names (last name part) that get a LoRA, or [all-linear]",
+    )
+    merge: bool = field(True, help="also write the base with the adapter merged in, as final/ (LoRA/QLoRA)")
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.r < 1:
+            problems.append(f"r={self.r} must be at least 1")
+        if self.alpha <= 0:
+            problems.append(f"alpha={self.alpha} must be positive")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            problems.append("target_modules is empty; name the projections to adapt, or use [all-linear]")
+        return problems
+
+    @property
+    def is_lora(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+
+def check_qlora_device(cfg: AdapterConfig) -> None:
+    """QLoRA needs bitsandbytes' 4-bit CUDA kernels; say so before any work is done."""
+    if cfg.method != "qlora":
+        return
+    if not torch.cuda.is_available():
+        raise UserError(
+            "adapter.method=qlora needs a CUDA GPU (bitsandbytes 4-bit kernels) and this machine has none; "
+            "use adapter.method=lora, which trains the same adapter on a full-precision base"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("adapter.method=qlora needs bitsandbytes; pip install bitsandbytes")
+
+
+def quantization_config(cfg: AdapterConfig):
+    """The 4-bit NF4 load of the QLoRA paper (double quantisation, bf16 compute); None otherwise."""
+    if cfg.method != "qlora":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """Last name parts of the model's linear layers (what target_modules can name)."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Conv1D", "Linear4bit", "Linear8bitLt"):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.Module, str]:
+    """The model to train and a line for the log (trainable parameter count)."""
+    if not cfg.is_lora:
+        n = sum(p.numel() for p in model.parameters())
+        return model, f"weights: full fine-tune, {n:,} trainable parameters"
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.target_modules != ["all-linear"]:
+        present = linear_names(model)
+        missing = [t for t in cfg.target_modules if t not in present]
+        if missing:
+            raise UserError(
+                f"adapter.target_modules {missing} match no layer of this {type(model).__name__}; "
+                f"its linear layers are {', '.join(present)} (or use [all-linear])"
+            )
+    if cfg.method == "qlora":
+        # fp32 norms and an input hook so that checkpointed activations still get gradients
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    lora = LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules="all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    trainable, total = model.get_nb_trainable_parameters()
+    return model, (
+        f"weights: {cfg.method} r={cfg.r} alpha={cfg.alpha:g} on {', '.join(cfg.target_modules)}: "
+        f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
+    )
+
+
+BASE_MODEL_FILE = "base_model.json"  # how the base was loaded (toolkit.models.base_model.BaseModelConfig)
+
+
+def save_adapter(
+    accelerator, model, tokenizer, out_dir: Path, base_model: dict | None = None, dtype: str = "float32"
+) -> Path | None:
+    """Collective (gathers sharded weights); the main process writes the peft folder atomically.
+
+    The adapter weights are the fp32 master weights cast to `dtype`, the same under every
+    strategy (see toolkit.strategy.distributed.master_weights). `base_model` (the run's base_model
+    section) is kept as base_model.json, so that the base can be found again for merging, even
+    when it was a GGUF that peft's own `base_model_name_or_path` cannot load."""
+    state_dict = master_weights(accelerator, model)
+    if not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return None
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # peft keeps only the adapter's entries of the full state dict; the embeddings are not
+    # trained by a LoRA here, so it need not look for the base's config to decide about them
+    target = getattr(torch, dtype)  # a torch dtype's name (checkpoint.final_dtype)
+    state_dict = {k: v.to(target) if v.is_floating_point() else v for k, v in state_dict.items()}
+    accelerator.unwrap_model(model).save_pretrained(
+        tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False
+    )
+    tokenizer.save_pretrained(tmp)
+    if base_model is not None:
+        (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    accelerator.wait_for_everyone()
+    return out_dir
+
+
+def load_with_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """The base with the saved adapter on top (what an inference user does with the folder)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def merge(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """An ordinary transformers model with the adapter's update added into the base weights."""
+    return load_with_adapter(base, adapter_dir).merge_and_unload()

@@ -1,0 +1,57 @@
+"""Held-out loss and perplexity, identical whatever the number of processes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import datasets
+import torch
+from accelerate import Accelerator
+
+from toolkit.training.loss import forward_loss_sum
+from toolkit.data.packing import IGNORE_INDEX, collate
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator: Accelerator,
+    model,
+    blocks: datasets.Dataset,
+    micro_batch: int,
+    max_blocks: int,
+    attn: str,
+    collate_fn: Callable[[dict, str], dict[str, torch.Tensor]] = collate,
+) -> dict[str, float]:
+    """Mean token loss over the first `max_blocks` held-out blocks, split across ranks.
+
+    `collate_fn` turns block columns into model inputs with `labels` (packed text by default;
+    `toolkit.data.chat.collate_chat` for chat blocks, whose labels keep only assistant tokens).
+
+    Every rank runs the same number of forwards (sharded models gather weights inside
+    forward, so an uneven count would hang); a rank short of blocks repeats one and
+    zeroes its weight.
+    """
+    n = len(blocks) if max_blocks == 0 else min(max_blocks, len(blocks))
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_rank = math.ceil(n / world)
+    mine = list(range(rank, n, world))
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    targets = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for start in range(0, per_rank, micro_batch):
+        idx = mine[start : start + micro_batch]
+        real = len(idx)
+        idx = idx + [0] * (min(micro_batch, per_rank - start) - real)
+        if not idx:
+            continue
+        batch = collate_fn(blocks[idx], attn)
+        if real < len(idx):
+            batch["labels"][real:] = IGNORE_INDEX
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        loss_sum += forward_loss_sum(model, batch).double()
+        targets += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    model.train()
+    total = accelerator.reduce(torch.stack([loss_sum, targets]), reduction="sum")
+    loss = (total[0] / total[1].clamp(min=1)).item()
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}

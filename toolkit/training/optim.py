@@ -1,0 +1,93 @@
+"""AdamW with decoupled weight decay and a warmup + cosine/linear learning-rate schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers import get_scheduler
+
+from toolkit.config import field
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(1e-3, help="peak learning rate")
+    min_lr_ratio: float = field(0.1, help="cosine: final learning rate as a fraction of the peak")
+    warmup_steps: int = field(0, help="linear warmup steps from 0 to the peak")
+    schedule: Literal["cosine", "linear", "constant"] = field("cosine", help="decay after warmup: cosine (to min_lr_ratio), linear (to 0), constant")
+    weight_decay: float = field(0.1, help="AdamW weight decay (not applied to norms and biases)")
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], help="AdamW betas")
+    eps: float = field(1e-8, help="AdamW epsilon")
+    max_grad_norm: float = field(1.0, help="clip the global gradient norm to this (0 = no clipping)")
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.lr <= 0:
+            problems.append(f"lr={self.lr} must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            problems.append(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.warmup_steps < 0:
+            problems.append(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            problems.append(f"betas={self.betas} must be two numbers in [0, 1)")
+        if self.max_grad_norm < 0:
+            problems.append(f"max_grad_norm={self.max_grad_norm} must be >= 0")
+        return problems
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, cpu_offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW; with DeepSpeed optimizer offload on a GPU machine, DeepSpeed's CPU AdamW (same
+    update), because DeepSpeed refuses a torch optimizer for offloaded state (it would be slow)."""
+    # Matrices decay; vectors (norm gains, biases) do not, as in GPT-2/LLaMA training.
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if cpu_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
+    """transformers' schedules: cosine decays to min_lr_ratio x peak, linear to 0."""
+    name = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}[cfg.schedule]
+    extra = {"min_lr_rate": cfg.min_lr_ratio} if cfg.schedule == "cosine" else None
+    return get_scheduler(
+        name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max_steps, scheduler_specific_kwargs=extra
+    )
+
+
+def prepare_optimization(accelerator, model: torch.nn.Module, cfg: OptimConfig, max_steps: int, ds_owned: list[str]):
+    """(model, optimizer, scheduler, step_scheduler): everything prepared by Accelerate.
+
+    The recipe's AdamW and schedule, unless a user's DeepSpeed JSON defines its own optimizer or
+    scheduler (`ds_owned`, from configure_deepspeed): then DeepSpeed builds them from Accelerate's
+    placeholders. Our scheduler is built on the prepared optimizer (ZeRO-3 and FSDP2 rebuild the
+    parameter groups), stepped once per optimizer step by the recipe (`step_scheduler`; Accelerate
+    would step it once per process) and saved through register_for_checkpointing.
+    """
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    from toolkit.strategy.distributed import offloads_optimizer_to_cpu, prepare
+
+    if "optimizer" in ds_owned:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = DummyOptim(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = build_optimizer(model, cfg, cpu_offload=offloads_optimizer_to_cpu(accelerator))
+    if "scheduler" in ds_owned:
+        scheduler = DummyScheduler(optimizer, total_num_steps=max_steps, warmup_num_steps=cfg.warmup_steps)
+        model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
+        return model, optimizer, scheduler, False  # the DeepSpeed engine steps it
+    model, optimizer = prepare(accelerator, model, optimizer)
+    scheduler = build_scheduler(optimizer, cfg, max_steps)
+    accelerator.register_for_checkpointing(scheduler)
+    return model, optimizer, scheduler, True

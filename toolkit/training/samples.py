@@ -1,0 +1,84 @@
+"""Generations for the prompts of a run's YAML, before and after training, into samples.md.
+
+Greedy decoding, so that a difference between before and after is the training's doing and
+not the sampler's. In chat mode each prompt is one user turn rendered with the chat template.
+
+Generation here is always one process's own business: a whole model, `synced_gpus=False`.
+transformers would otherwise turn on its cross-rank sync (an all-reduce per decoding step)
+whenever ZeRO-3 is configured or the module is FSDP-managed, and a rank generating alone then
+waits forever for ranks that are elsewhere. A sharded model is refused instead of hanging.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def check_whole(model: torch.nn.Module) -> None:
+    """Generation in one process needs every weight here, not a ZeRO-3 partition or FSDP shard."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_id") or hasattr(p, "to_local"):
+            raise RuntimeError(
+                f"cannot generate from a sharded model in one process ({name} is a ZeRO-3/FSDP shard); "
+                "generate before prepare or from the saved folder (toolkit.training.samples.sample_folder)"
+            )
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_template: str | None = None) -> list[str]:
+    """The continuation of each prompt (prompt text not repeated); chat_template = render as a user turn."""
+    check_whole(model)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    outputs = []
+    for prompt in prompts:
+        if chat_template is not None:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True,
+                chat_template=chat_template,
+            )
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        else:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=False,
+        )
+        outputs.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+    model.train(was_training)
+    return outputs
+
+
+@torch.no_grad()
+def sample_folder(folder: Path, prompt: str, max_new_tokens: int, seed: int) -> str:
+    """A sampled continuation from a saved HF folder (which also proves that it loads).
+
+    Call it inside `toolkit.strategy.distributed.outside_training` when training ran in this process.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    check_whole(model)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    torch.manual_seed(seed)
+    out = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=50,
+        pad_token_id=tokenizer.pad_token_id, synced_gpus=False,
+    )
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def write_samples(path: Path, prompts: list[str], before: list[str], after: list[str], header: str) -> Path:
+    lines = [f"# Samples: {header}", "", "Greedy decoding; the same prompts before and after training.", ""]
+    for i, (prompt, b, a) in enumerate(zip(prompts, before, after, strict=True), 1):
+        lines += [f"## {i}. {prompt}", "", "**before**", "", _quote(b), "", "**after**", "", _quote(a), ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _quote(text: str) -> str:
+    return "\n".join(f"> {line}" for line in (text or "(nothing)").splitlines()) or "> (nothing)"
