@@ -57,7 +57,6 @@ import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from toolkit.models.base_model import BaseModelConfig, load_base_model  # noqa: E402
 from toolkit.data.chat import (  # noqa: E402
     ChatDataConfig,
     best_fit_decreasing,
@@ -67,8 +66,9 @@ from toolkit.data.chat import (  # noqa: E402
     to_messages,
     tokenize_conversations,
 )
-from toolkit.training.loss import forward_loss_sum  # noqa: E402
 from toolkit.data.packing import IGNORE_INDEX  # noqa: E402
+from toolkit.models.base_model import BaseModelConfig, load_base_model  # noqa: E402
+from toolkit.training.loss import forward_loss_sum  # noqa: E402
 
 
 def multi_turn_mix(records: list[dict], n: int, p: float, seed: int) -> list[dict]:

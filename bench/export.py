@@ -24,13 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 RUNS = {
-    "tiny": ["recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml", "sample.max_new_tokens=0",
+    "tiny": ["recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml", "samples.max_new_tokens=0",
              "train.global_batch_size=2", "train.micro_batch_size=1"],
     "smollm2": ["recipes/finetune.py", "--config", "recipes/configs/finetune_smollm2_full.yaml", "data.format=text", "data.seq_len=32",
                 "train.global_batch_size=2", "train.micro_batch_size=1", "samples.max_new_tokens=0",
                 "data.val_fraction=0"],
 }
-COMMON = ["train.max_steps=1", "checkpoint.every=1", "logging.trackers=[]", "logging.eval_every=0"]
+COMMON = ["train.max_steps=1", "checkpoint.every=1", "logging.trackers=[]", "eval.every=0"]
 
 PROBE = """
 import json, resource, sys, time

@@ -10,7 +10,8 @@ the strategy matrix the way tests/recipes/test_strategies.py and test_finetune_s
 evaluation and checkpoints on) plus the fine-tunes on the tiny base the pretraining wrote, and
 keeps every logged record except wall-clock figures (tokens/s, MFU, peak memory): losses,
 learning rates, gradient norms, held-out losses, bytes held per rank and the bit-level parameter
-digests at the end.
+digests at the end. Values of the keys both recordings have must be equal; a key that one has
+and the other lacks (a new label) is listed, not failed.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
     "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "tokenizer.vocab_size=512",
     "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
-    "logging.every=1", "logging.eval_every=3", "logging.eval_blocks=8", "logging.trackers=[]", "checkpoint.every=3",
+    "logging.every=1", "eval.every=3", "eval.blocks=8", "logging.trackers=[]", "checkpoint.every=3",
 ]
 FT_TINY = [
     "data.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=3e-3",
-    "optim.warmup_steps=1", "logging.every=1", "logging.eval_every=2", "logging.eval_blocks=4", "logging.trackers=[]",
+    "optim.warmup_steps=1", "logging.every=1", "eval.every=2", "eval.blocks=4", "logging.trackers=[]",
     "checkpoint.every=3",
 ]
 CHATML = (
@@ -75,11 +76,11 @@ def record_all(work: Path, only: set[str] | None) -> dict[str, list[dict]]:
     chatml.write_text(CHATML)
     base = work / "base"
     launch("pretrain", "pretrain_tiny.yaml", [*TINY, "train.max_steps=4", "checkpoint.every=0",
-                                              "sample.max_new_tokens=0", f"output_dir={base}"], None, env)
-    pre = [*TINY, "train.max_steps=6", "sample.max_new_tokens=0"]
-    lora = [*FT_TINY, f"base_model.path={base / 'final'}", "data.format=chat", f"data.chat_template={chatml}",
+                                              "samples.max_new_tokens=0", f"output_dir={base}"], None, env)
+    pre = [*TINY, "train.max_steps=6", "samples.max_new_tokens=0"]
+    lora = [*FT_TINY, f"model.path={base / 'final'}", "data.format=chat", f"data.chat_template={chatml}",
             "adapter.dropout=0", "adapter.r=8", "train.max_steps=4", "samples.max_new_tokens=0"]
-    full = [*FT_TINY, f"base_model.path={base / 'final'}", "adapter.method=full", "train.max_steps=4",
+    full = [*FT_TINY, f"model.path={base / 'final'}", "adapter.method=full", "train.max_steps=4",
             "samples.max_new_tokens=0"]
     runs = {
         "pretrain 1 process": ("pretrain", "pretrain_tiny.yaml", pre, None),
@@ -100,14 +101,17 @@ def record_all(work: Path, only: set[str] | None) -> dict[str, list[dict]]:
     return found
 
 
-def first_difference(a: list[dict], b: list[dict]) -> str:
+def first_difference(a: list[dict], b: list[dict]) -> tuple[str, set[str]]:
+    """(the first value that differs, or ""; keys one recording has and the other lacks)."""
     if len(a) != len(b):
-        return f"{len(a)} records against {len(b)}"
-    for ra, rb in zip(a, b):
-        if ra != rb:
-            keys = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
-            return f"step {ra.get('step')}: " + ", ".join(f"{k} {ra.get(k)!r} -> {rb.get(k)!r}" for k in keys)
-    return ""
+        return f"{len(a)} records against {len(b)}", set()
+    changed_keys: set[str] = set()
+    for ra, rb in zip(a, b, strict=True):
+        changed_keys |= set(ra) ^ set(rb)
+        shared = sorted(k for k in set(ra) & set(rb) if ra[k] != rb[k])
+        if shared:
+            return f"step {ra.get('step')}: " + ", ".join(f"{k} {ra[k]!r} -> {rb[k]!r}" for k in shared), changed_keys
+    return "", changed_keys
 
 
 def main() -> None:
@@ -128,12 +132,12 @@ def main() -> None:
             print(f"{name:<32}{len(rows):>8}")
         return
     before = json.loads(args.compare.read_text())
-    print(f"{'run':<32}{'records':>8}  bit-equal")
+    print(f"{'run':<32}{'records':>8}  {'bit-equal':<10}keys added or removed")
     failed = 0
     for name, rows in now.items():
-        diff = first_difference(before[name], rows) if name in before else "not in the recording"
+        diff, keys = first_difference(before[name], rows) if name in before else ("not in the recording", set())
         failed += bool(diff)
-        print(f"{name:<32}{len(rows):>8}  {'yes' if not diff else 'NO: ' + diff}")
+        print(f"{name:<32}{len(rows):>8}  {'yes' if not diff else 'NO: ' + diff:<10}{', '.join(sorted(keys)) or '-'}")
     sys.exit(1 if failed else 0)
 
 

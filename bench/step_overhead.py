@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WC = ("wall", "cpu")
 QUIET = [
     "logging.every=1",
-    "logging.eval_every=0",
+    "eval.every=0",
     "checkpoint.every=0",
-    "sample.max_new_tokens=0",
+    "samples.max_new_tokens=0",
     "logging.trackers=[]",
 ]
 
@@ -63,8 +63,8 @@ def worker(side: str, config: str, out: str, cache: str, steps: int) -> dict:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from toolkit.data.batching import BatchSchedule
     from toolkit.config import load_config
+    from toolkit.data.batching import BatchSchedule
     from toolkit.data.packing import collate, column
     from toolkit.training.recipe_config import PretrainConfig
 

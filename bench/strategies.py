@@ -38,8 +38,8 @@ def run(strategy: str, steps: int, nproc: int, extra: list[str], workdir: Path) 
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
         "--num_processes", str(nproc), "--main_process_port", str(free_port()),
         "recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml", f"output_dir={out}",
-        f"train.max_steps={steps}", "logging.every=1", "logging.eval_every=0", "logging.trackers=[]",
-        "checkpoint.every=0", "data.val_fraction=0", "sample.max_new_tokens=0", *extra,
+        f"train.max_steps={steps}", "logging.every=1", "eval.every=0", "logging.trackers=[]",
+        "checkpoint.every=0", "data.val_fraction=0", "samples.max_new_tokens=0", *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

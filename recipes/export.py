@@ -33,8 +33,8 @@ import torch
 
 from toolkit.config import UserError
 from toolkit.export.consolidate import load_model, resolve_source
-from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
 from toolkit.export.hf_folder import write_model_folder
+from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
 
 FORMATS = ("hf", "gguf", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -77,8 +77,13 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:
-    """Read `path` (YAML), apply overrides, build and validate `cls`."""
+def load_config(
+    cls: type[T], path: str | Path | None, overrides: list[str] | None = None, notes: list[str] | None = None
+) -> T:
+    """Read `path` (YAML), apply overrides, build and validate `cls`.
+
+    Keys renamed in `cls.RENAMED` still work for one release: they are moved to their new
+    name, and `notes` (when given) gets one deprecation line for each."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -92,14 +97,52 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
             raise ConfigError([f"{path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
         if not isinstance(raw, dict):
             raise ConfigError([f"{path} must hold a mapping of keys, found {type(raw).__name__}"])
-    raw = merge(raw, parse_overrides(overrides or []))
     problems: list[str] = []
+    over = parse_overrides(overrides or [])
+    renamed = getattr(cls, "RENAMED", {})
+    # renamed in the file and in the overrides separately, so that an override wins either way
+    lines = apply_renames(raw, renamed, problems) + apply_renames(over, renamed, problems)
+    if notes is not None:
+        notes.extend(dict.fromkeys(lines))
+    raw = merge(raw, over)
     cfg = _build(cls, raw, "", problems)
     if cfg is not None:  # range checks too, so that one run reports every problem
         problems.extend(p for p in validate_tree(cfg) if p not in problems)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def apply_renames(raw: dict[str, Any], renamed: dict[str, Any], problems: list[str]) -> list[str]:
+    """Move old keys of `raw` to their new names, in place; one deprecation line per key moved.
+
+    `renamed` maps an old dotted key (a leaf or a whole section) to its new dotted key, or to
+    (new key, function converting the old value)."""
+    lines = []
+    for old, target in renamed.items():
+        new, convert = target if isinstance(target, tuple) else (target, None)
+        *old_parents, old_leaf = old.split(".")
+        chain = [raw]
+        for part in old_parents:
+            chain.append(chain[-1].get(part) if isinstance(chain[-1], dict) else None)
+        if not isinstance(chain[-1], dict) or old_leaf not in chain[-1]:
+            continue
+        value = chain[-1].pop(old_leaf)
+        for parent, part in reversed(list(zip(chain[:-1], old_parents, strict=True))):
+            if parent[part] == {}:
+                del parent[part]  # a section left empty by the move (e.g. all of `sample:`)
+        if convert is not None:
+            value = convert(value)
+        *new_parents, new_leaf = new.split(".")
+        dest = raw
+        for part in new_parents:
+            dest = dest.setdefault(part, {})
+        if new_leaf in dest and not (isinstance(dest[new_leaf], dict) and isinstance(value, dict)):
+            problems.append(f"{old} and {new} are the same setting (renamed to {new}); keep only {new}")
+            continue
+        dest[new_leaf] = merge(value, dest[new_leaf]) if new_leaf in dest else value
+        lines.append(f"deprecated: the config key {old} is now {new}; the old name stops working in the next release")
+    return lines
 
 
 def validate_tree(cfg: Any, prefix: str = "") -> list[str]:

@@ -30,11 +30,11 @@ TINY = [
     "train.micro_batch_size=2",
     "optim.warmup_steps=2",
     "logging.every=1",
-    "logging.eval_every=3",
-    "logging.eval_blocks=8",
+    "eval.every=3",
+    "eval.blocks=8",
     "logging.trackers=[]",
     "checkpoint.every=3",
-    "sample.max_new_tokens=0",
+    "samples.max_new_tokens=0",
 ]
 
 
@@ -93,8 +93,8 @@ FT_TINY = [
     "optim.lr=3e-3",
     "optim.warmup_steps=1",
     "logging.every=1",
-    "logging.eval_every=0",
-    "logging.eval_blocks=4",
+    "eval.every=0",
+    "eval.blocks=4",
     "logging.trackers=[]",
     "checkpoint.every=3",
     "samples.max_new_tokens=0",

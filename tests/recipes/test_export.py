@@ -28,7 +28,7 @@ def export():
 def runs(tmp_path_factory, data_cache) -> dict:
     root = tmp_path_factory.mktemp("export-runs")
     for strategy in STRATEGIES:
-        run_recipe("pretrain", [*TINY, "train.max_steps=3", "checkpoint.every=3", "logging.eval_every=0",
+        run_recipe("pretrain", [*TINY, "train.max_steps=3", "checkpoint.every=3", "eval.every=0",
                                 f"output_dir={root / strategy}"], nproc=2, cache=data_cache,
                    accelerate_config=f"{strategy}.yaml")
     return {s: root / s for s in STRATEGIES}
@@ -73,7 +73,7 @@ def test_hf_export_of_a_zero3_checkpoint(export, runs, tmp_path, capsys):
 
 def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, data_cache, tmp_path):
     out = tmp_path / "lora"
-    run_recipe("finetune", [*FT_TINY, f"base_model.path={tiny_base}", "data.format=chat",
+    run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
                             f"data.chat_template={chatml_file}", "train.max_steps=2", "checkpoint.every=2",
                             f"output_dir={out}"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
     source = resolve_source(out, "step-2")

@@ -12,9 +12,9 @@ import torch
 from recipe_runner import ROOT, recipe_module
 from transformers import AutoModelForCausalLM
 
+from toolkit.config import load_config
 from toolkit.models.adapter import load_with_adapter
 from toolkit.models.base_model import load_base_model
-from toolkit.config import load_config
 from toolkit.training.metrics import read_metrics
 from toolkit.training.recipe_config import FinetuneConfig
 
@@ -27,7 +27,7 @@ SMOL_LORA = [  # continued pretraining on the CPython docs: a few steps of 4 x 6
     "optim.warmup_steps=0",
     "adapter.r=8",
     "logging.every=1",
-    "logging.eval_blocks=8",
+    "eval.blocks=8",
     "logging.trackers=[]",
     "checkpoint.every=0",
     "samples.prompts=[The with statement]",
@@ -72,7 +72,7 @@ def test_lora_steps_lower_the_held_out_loss(smol_run):
 
 def test_adapter_reloads_onto_the_base_with_the_same_logits(smol_run):
     out, recipe, inputs, live_logits = smol_run
-    base, _, _ = load_base_model(recipe.cfg.base_model)
+    base, _, _ = load_base_model(recipe.cfg.model)
     reloaded = load_with_adapter(base, out / "adapter")
     with torch.no_grad():
         logits = reloaded(**inputs).logits

@@ -50,24 +50,24 @@ def write_jsonl(path, records) -> str:
 
 
 def test_base_model_path_missing(finetune, capsys, tmp_path):
-    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tmp_path / 'nowhere'}")
-    assert "base_model.path=" in err and "does not exist" in err
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tmp_path / 'nowhere'}")
+    assert "model.path=" in err and "does not exist" in err
 
 
 def test_gguf_file_missing(finetune, capsys, tmp_path):
-    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tmp_path}", "base_model.gguf_file=model.gguf")
-    assert "base_model.gguf_file=model.gguf does not exist" in err
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tmp_path}", "model.gguf_file=model.gguf")
+    assert "model.gguf_file=model.gguf does not exist" in err
 
 
 def test_gguf_file_that_is_not_gguf(finetune, capsys, tmp_path):
     (tmp_path / "model.gguf").write_text("not a gguf")
-    err = one_error(finetune, capsys, tmp_path, f"base_model.gguf_file={tmp_path / 'model.gguf'}")
+    err = one_error(finetune, capsys, tmp_path, f"model.gguf_file={tmp_path / 'model.gguf'}")
     assert "is not a GGUF file" in err
 
 
 def test_chat_records_without_messages(finetune, capsys, tmp_path, tiny_base, chatml_file):
     data = write_jsonl(tmp_path / "chat.jsonl", [{"text": "hello"}] * 4)
-    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tiny_base}", "data.format=chat",
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat",
                     f"data.path={data}", f"data.chat_template={chatml_file}")
     assert "record 0 has keys ['text']" in err and "`messages`" in err
 
@@ -75,18 +75,18 @@ def test_chat_records_without_messages(finetune, capsys, tmp_path, tiny_base, ch
 def test_chat_message_with_an_unknown_role(finetune, capsys, tmp_path, tiny_base, chatml_file):
     record = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}
     data = write_jsonl(tmp_path / "chat.jsonl", [record] * 4)
-    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tiny_base}", "data.format=chat",
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat",
                     f"data.path={data}", f"data.chat_template={chatml_file}")
     assert "message 1 has role 'bot'" in err and "system, user, assistant" in err
 
 
 def test_tokenizer_without_chat_template(finetune, capsys, tmp_path, tiny_base):
-    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tiny_base}", "data.format=chat")
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat")
     assert "has no chat template; set data.chat_template" in err
 
 
 def test_lora_targets_that_match_nothing(finetune, capsys, tmp_path, tiny_base):
-    err = one_error(finetune, capsys, tmp_path, f"base_model.path={tiny_base}", "adapter.target_modules=[c_attn,q_proj]")
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "adapter.target_modules=[c_attn,q_proj]")
     assert "adapter.target_modules ['c_attn'] match no layer of this LlamaForCausalLM" in err
     assert "q_proj" in err and "down_proj" in err  # what exists
 
@@ -100,7 +100,7 @@ def test_overlong_conversations_are_counted_in_the_log(finetune, capsys, tmp_pat
     short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
     long = {"messages": [{"role": "user", "content": "Explain"}, {"role": "assistant", "content": "word " * 200}]}
     data = write_jsonl(tmp_path / "chat.jsonl", [short] * 6 + [long] * 2)
-    common = [f"base_model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
+    common = [f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
               f"data.path={data}", "data.seq_len=64", "data.val_fraction=0", "train.global_batch_size=2"]
     code, out, err = run(finetune, capsys, tmp_path, *common, "data.overlong=drop")
     assert code == 0, err[-2000:]

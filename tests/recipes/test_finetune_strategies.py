@@ -23,7 +23,7 @@ CONFIG = "finetune_smollm2_lora.yaml"
 
 def lora_chat(tiny_base, chatml_file, out) -> list[str]:
     return [
-        *FT_TINY, f"base_model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
+        *FT_TINY, f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
         "adapter.dropout=0", "adapter.r=8", "train.max_steps=4", f"output_dir={out}",
     ]
 
@@ -79,7 +79,7 @@ def test_lora_under_sharding_matches_one_process(strategy, lora_reference, tiny_
 
 def test_full_finetune_resumes_from_a_checkpoint(tiny_base, data_cache, tmp_path):
     """6 steps straight = the same run's step-3 checkpoint resumed for 3 more (bit-equal on CPU)."""
-    common = [*FT_TINY, f"base_model.path={tiny_base}", "adapter.method=full", "data.format=text", "data.seq_len=64",
+    common = [*FT_TINY, f"model.path={tiny_base}", "adapter.method=full", "data.format=text", "data.seq_len=64",
               "train.max_steps=6"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_recipe("finetune", [*common, f"output_dir={straight}"], nproc=2, cache=data_cache, config=CONFIG,

@@ -18,7 +18,7 @@ from recipe_runner import ROOT, TINY, run_recipe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.training.checkpoint import complete_checkpoints
+from toolkit.run_dir import RunDir
 from toolkit.training.metrics import read_metrics
 
 pytestmark = [
@@ -29,7 +29,7 @@ pytestmark = [
 # every shipped accelerate config, at world size 1 (the multinode one on this single node)
 CONFIGS = sorted(p.name for p in (ROOT / "accelerate_configs").glob("*.yaml"))
 SINGLE_NODE = ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1"]
-PRETRAIN = [*TINY, "train.mixed_precision=bf16", "train.max_steps=6", "checkpoint.every=3", "sample.max_new_tokens=16"]
+PRETRAIN = [*TINY, "train.mixed_precision=bf16", "train.max_steps=6", "checkpoint.every=3", "samples.max_new_tokens=16"]
 
 
 def launch(recipe: str, overrides: list[str], cache, accelerate_config: str = "ddp.yaml", config: str | None = None):
@@ -47,7 +47,7 @@ def test_pretrain_trains_checkpoints_resumes_and_samples(accelerate_config, tmp_
     print(log[-3000:])  # shown with pytest -s: the record for docs/gpu.md
     assert "world_size=1" in log and "precision=bf16" in log and "device=cuda" in log, log[-3000:]
     assert "sample      : " in proc.stdout
-    assert [p.name for p in complete_checkpoints(out)] == ["step-3", "step-6"]
+    assert [p.name for p in RunDir(out).complete_checkpoints()] == ["step-3", "step-6"]
     final = out / "final"
     weights = load_file(str(final / "model.safetensors"))
     assert {t.dtype for t in weights.values()} == {torch.float32}  # fp32 masters, whatever the strategy
@@ -65,7 +65,7 @@ def test_pretrain_trains_checkpoints_resumes_and_samples(accelerate_config, tmp_
 def gpu_base(tmp_path_factory, data_cache):
     """A tiny LLaMA pretrained on the GPU: the base of the fine-tunes below."""
     out = tmp_path_factory.mktemp("gpu-base") / "run"
-    launch("pretrain", [*PRETRAIN, "train.max_steps=20", "sample.max_new_tokens=0", f"output_dir={out}"], data_cache)
+    launch("pretrain", [*PRETRAIN, "train.max_steps=20", "samples.max_new_tokens=0", f"output_dir={out}"], data_cache)
     return out / "final"
 
 
@@ -82,9 +82,9 @@ def test_finetune_from_a_gpu_trained_base(method, gpu_base, tmp_path, data_cache
         pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: bash ../shared/gpu/prepare.sh --qlora")
     out = tmp_path / method
     overrides = [
-        f"base_model.path={gpu_base}", "data.format=text", "data.seq_len=64", "train.max_steps=12",
+        f"model.path={gpu_base}", "data.format=text", "data.seq_len=64", "train.max_steps=12",
         "train.global_batch_size=8", "train.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=1",
-        "logging.trackers=[]", "logging.eval_blocks=8",
+        "logging.trackers=[]", "eval.blocks=8",
         "samples.max_new_tokens=8", "checkpoint.every=3", f"output_dir={out}",
     ]
     proc = launch("finetune", overrides, data_cache, config=FINETUNES[method])

@@ -121,7 +121,7 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, data_ca
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
            "--num_processes", "2", "--main_process_port", str(launching.free_port()), "recipes/pretrain.py",
            "--config", "recipes/configs/pretrain_tiny.yaml", *TINY, "train.max_steps=100000",
-           "checkpoint.every=0", "logging.eval_every=0", f"output_dir={out}"]
+           "checkpoint.every=0", "eval.every=0", f"output_dir={out}"]
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(data_cache), "OMP_NUM_THREADS": "1"}
     proc = launching.start(cmd, cwd=ROOT, env=env)
     deadline = time.time() + 300
@@ -144,5 +144,5 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, data_ca
     assert stopped_at >= 3
 
     run_recipe("pretrain", [*TINY, f"train.max_steps={stopped_at + 2}", f"output_dir={out}", "resume=auto",
-                            "logging.eval_every=0"], nproc=2, cache=data_cache)
+                            "eval.every=0"], nproc=2, cache=data_cache)
     assert sorted(losses(out)) == list(range(1, stopped_at + 3))

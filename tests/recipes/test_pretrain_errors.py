@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from recipe_runner import ROOT, TINY, run_recipe
 
-from toolkit.training.checkpoint import run_entries
+from toolkit.run_dir import RunDir
 from toolkit.training.metrics import read_metrics
 
 
@@ -138,7 +138,7 @@ def test_overwrite_starts_a_finished_run_over(pretrain, capsys, monkeypatch, tmp
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     # everything a finished run leaves is the toolkit's own, so overwrite=true may delete it
-    assert run_entries(out) == (["final/", "checkpoints/", "metrics.jsonl", "tensorboard/", "loss.png"], [])
+    assert RunDir(out).entries() == (["final/", "checkpoints/", "metrics.jsonl", "tensorboard/", "loss.png"], [])
     monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
     argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, "train.max_steps=2",
             "checkpoint.every=0", f"output_dir={out}", "overwrite=true"]
@@ -156,9 +156,8 @@ def test_incomplete_checkpoint_is_refused(pretrain, capsys, monkeypatch, tmp_pat
     err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={tmp_path / 'new'}", f"resume={partial}")
     assert "is an incomplete checkpoint" in err
     # resume=auto skips it: an interrupted save is never resumed from
-    from toolkit.training.checkpoint import resolve_resume
 
-    assert resolve_resume("auto", tmp_path / "run") is None
+    assert RunDir(tmp_path / "run").resolve_resume("auto") is None
 
 
 @pytest.mark.distributed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from recipe_runner import run_recipe
 
-from toolkit.training.checkpoint import complete_checkpoints
+from toolkit.run_dir import RunDir
 from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
@@ -27,7 +27,7 @@ def test_pretrain_tiny_as_shipped(strategy, tmp_path, data_cache):
     assert "sample      : 'The for statement" in proc.stdout, proc.stdout[-2000:]
     assert "held-out loss" in proc.stdout + proc.stderr
     assert (out / "final" / "model.safetensors").is_file()
-    assert [p.name for p in complete_checkpoints(out)] == ["step-6"]
+    assert [p.name for p in RunDir(out).complete_checkpoints()] == ["step-6"]
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [5, 6]
 
@@ -43,4 +43,4 @@ def test_finetune_smollm2_lora_as_shipped(strategy, tmp_path, data_cache):
     assert "The with statement" in samples and "A generator function" in samples
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "final" / "model.safetensors").is_file()  # merge: true
-    assert [p.name for p in complete_checkpoints(out)] == ["step-1"]
+    assert [p.name for p in RunDir(out).complete_checkpoints()] == ["step-1"]

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config import load_config
 from toolkit.data.corpus import load_corpus, split_documents
+from toolkit.data.packing import packed_dataset
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import read_metrics
-from toolkit.data.packing import packed_dataset
 from toolkit.training.recipe_config import PretrainConfig
 
 pytestmark = pytest.mark.distributed
@@ -104,7 +104,7 @@ def test_consolidated_final_model_reproduces_the_live_model(strategy, runs, data
     val = packed_dataset(val_docs, tokenizer, cfg.data.seq_len, data_cache,
                          f"{source}-seed{cfg.seed}-val{cfg.data.val_fraction}-val").with_format("numpy")
     model = AutoModelForCausalLM.from_pretrained(out / "final", attn_implementation="sdpa").eval()
-    reloaded = evaluate(Accelerator(cpu=True), model, val, 2, cfg.logging.eval_blocks, "sdpa")
+    reloaded = evaluate(Accelerator(cpu=True), model, val, 2, cfg.eval.blocks, "sdpa")
     assert reloaded["eval_loss"] == pytest.approx(live["eval_loss"], rel=1e-6)
 
 
@@ -136,7 +136,7 @@ def test_fsdp_final_evaluation_after_a_checkpoint_at_the_last_step(tmp_path, dat
     """Regression: under FSDP2, an evaluation forward between save_state and gathering the final
     model left storage that could not be freed; the final evaluation now precedes the checkpoint."""
     out = tmp_path / "fsdp-last"
-    run_recipe("pretrain", [*TINY, "train.max_steps=3", "checkpoint.every=3", "logging.eval_every=0",
+    run_recipe("pretrain", [*TINY, "train.max_steps=3", "checkpoint.every=3", "eval.every=0",
                             f"output_dir={out}"], nproc=2, cache=data_cache, accelerate_config="fsdp.yaml")
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "eval_loss" in r] == [3]
@@ -146,7 +146,7 @@ def test_fsdp_final_evaluation_after_a_checkpoint_at_the_last_step(tmp_path, dat
 # -------------------------------------------------------------- final/ under mixed precision
 # DDP and FSDP2 train fp32 parameters under bf16 autocast; DeepSpeed turns the parameters into
 # bf16 copies and keeps fp32 masters in its optimizer. final/ must not depend on that.
-BF16 = [*TINY, "train.max_steps=3", "train.mixed_precision=bf16", "logging.eval_every=0", "checkpoint.every=0"]
+BF16 = [*TINY, "train.max_steps=3", "train.mixed_precision=bf16", "eval.every=0", "checkpoint.every=0"]
 
 
 @pytest.fixture(scope="module")

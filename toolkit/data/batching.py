@@ -8,46 +8,10 @@ the global batch) is known on every rank without a collective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import numpy as np
 import torch
 
-from toolkit.config import UserError, field
-
-
-@dataclass
-class TrainConfig:
-    max_steps: int = field(200, help="optimizer steps to train")
-    global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
-    micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
-        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU; bf16 also trains on CPU (slowly)"
-    )
-    collective_timeout_s: int = field(
-        1800,
-        help="seconds a rank waits in a collective (all-reduce, barrier) before the run fails with an error "
-        "naming the rank and the wait; raise it if rank 0 alone prepares a very large corpus",
-    )
-
-    def validate(self) -> list[str]:
-        problems = []
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be at least 1")
-        return problems
-
-    def accumulation_steps(self, world_size: int) -> int:
-        per_step = self.micro_batch_size * world_size
-        if self.global_batch_size % per_step:
-            multiple = per_step
-            raise UserError(
-                f"train.global_batch_size={self.global_batch_size} is not divisible by "
-                f"train.micro_batch_size={self.micro_batch_size} x {world_size} process(es) = {per_step}; "
-                f"use a multiple of {multiple} or change train.micro_batch_size"
-            )
-        return self.global_batch_size // per_step
+from toolkit.config import UserError
 
 
 class BatchSchedule:

@@ -121,6 +121,21 @@ def packed_dataset(
     return datasets.load_from_disk(str(target))
 
 
+def packed_splits(train_docs: datasets.Dataset, val_docs: datasets.Dataset | None, tokenizer, cfg, source: str, seed: int):
+    """(train blocks, held-out blocks or None) of a split corpus, packed once into the cache.
+
+    `cfg` is the recipe's data section (seq_len, val_fraction, num_proc, cache_dir); the cache
+    key names the corpus, the split seed and the held-out fraction."""
+    cache = cfg.resolved_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    split_key = f"{source}-seed{seed}-val{cfg.val_fraction}"
+    train = packed_dataset(train_docs, tokenizer, cfg.seq_len, cache, f"{split_key}-train", cfg.num_proc)
+    val = None
+    if val_docs is not None:
+        val = packed_dataset(val_docs, tokenizer, cfg.seq_len, cache, f"{split_key}-val", cfg.num_proc)
+    return train, val
+
+
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, L) position ids -> (B, 1, L, L) boolean mask: causal, and only within a document."""
     segment = torch.cumsum(position_ids == 0, dim=1)

@@ -3,16 +3,14 @@
 Sources: a Hugging Face model folder (a run's final/, or any other); a run folder (its final/,
 or a checkpoint chosen by name); a training checkpoint of any strategy; a LoRA adapter folder
 with its base. A checkpoint's weights are gathered by the tools its strategy ships, never by
-hand: DeepSpeed's `zero_to_fp32` for ZeRO-1/2/3 (fp32 master weights from the optimizer
-partitions), Accelerate's `merge_fsdp_weights` for FSDP's sharded (DCP) state dict, and plain
-safetensors for DDP/single-process saves. The architecture and tokenizer come from the
+hand (toolkit.strategy.saved knows each strategy's files): DeepSpeed's `zero_to_fp32` for
+ZeRO-1/2/3, Accelerate's `merge_fsdp_weights` for FSDP, plain safetensors for DDP. The architecture and tokenizer come from the
 checkpoint's `model_files/` (written beside every checkpoint), or from the run's final/.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +20,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.models.adapter import BASE_MODEL_FILE
-from toolkit.training.checkpoint import MODEL_FILES, STATE_FILE, complete_checkpoints
 from toolkit.config import UserError
-
-_STEP = re.compile(r"^step-(\d+)$")
+from toolkit.models.adapter import BASE_MODEL_FILE
+from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState, checkpoint_step, is_complete
+from toolkit.strategy.saved import gather_full_weights, saved_by
 
 
 @dataclass
@@ -57,17 +54,19 @@ def resolve_source(path: str | Path, checkpoint: str | None = None) -> Source:
         if not _has_weights(p):
             raise UserError(f"--from {path} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
         return Source("hf", p, facts=_summary(p))
-    if (p / "final" / "config.json").is_file():
-        return Source("hf", p / "final", run_dir=p, facts=_summary(p / "final"))
-    if (p / "adapter" / "adapter_config.json").is_file():
-        return Source("adapter", p / "adapter", run_dir=p, facts=_summary(p))
-    if (p / "checkpoints").is_dir():
-        done = complete_checkpoints(p)
-        if not done:
+    run = RunDir(p)
+    if (run.final / "config.json").is_file():
+        return Source("hf", run.final, run_dir=p, facts=_summary(run.final))
+    if (run.adapter / "adapter_config.json").is_file():
+        return Source("adapter", run.adapter, run_dir=p, facts=_summary(p))
+    if run.checkpoints.is_dir():
+        latest = run.latest_checkpoint()
+        if latest is None:
             raise UserError(f"--from {path} is a run with neither final/ nor a complete checkpoint; nothing to export")
-        return _checkpoint_source(done[-1], p)
-    if _STEP.match(p.name) or (p / STATE_FILE).is_file() or any(p.glob("random_states*")):
-        return _checkpoint_source(p, p.parent.parent if p.parent.name == "checkpoints" else None)
+        return _checkpoint_source(latest, p)
+    if checkpoint_step(p) is not None or is_complete(p) or any(p.glob("random_states*")):
+        owner = RunDir.of_checkpoint(p)
+        return _checkpoint_source(p, owner.root if owner else None)
     raise UserError(
         f"--from {path} is not a model, run, checkpoint or adapter folder (no config.json, final/, checkpoints/, "
         "trainer_state.json or adapter_config.json)"
@@ -85,26 +84,10 @@ def load_model(source: Source, base: str | None = None, merge_lora: bool = True)
 
 
 def gather_weights(source: Source, into: Path) -> Path:
-    """Write a checkpoint's full float32 weights as safetensors into `into`, gathered by its
-    strategy's own tools, a shard at a time, so that the whole model is never held twice."""
-    folder = source.path
-    if source.kind == "ddp":  # already whole: link the files
-        for f in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json"),
-                  *folder.glob("pytorch_model*.bin")]:
-            (into / f.name).symlink_to(f.resolve())
-    elif source.kind == "fsdp":
-        from accelerate.utils import merge_fsdp_weights
-
-        merge_fsdp_weights(str(_fsdp_model_dir(folder)), str(into), safe_serialization=True)
-    elif source.kind == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
-
-        # lazy inside: each shard is gathered from the partitions when it is written. As torch
-        # files: its safetensors writer refuses tied weights (embeddings shared with lm_head)
-        convert_zero_checkpoint_to_fp32_state_dict(str(folder), str(into), max_shard_size="1GB", safe_serialization=False)
-    else:
+    """Write a checkpoint's full float32 weights into `into`, gathered by its strategy's own tools."""
+    if source.kind not in ("ddp", "fsdp", "deepspeed"):
         raise ValueError(f"not a checkpoint: {source.kind}")
-    return into
+    return gather_full_weights(source.kind, source.path, into)
 
 
 def _load_checkpoint(source: Source, merge_lora: bool):
@@ -213,43 +196,34 @@ def _model_files(source: Source) -> Path:
 
 
 def _checkpoint_source(folder: Path, run_dir: Path | None) -> Source:
-    if not (folder / STATE_FILE).is_file():
+    if not is_complete(folder):
         raise UserError(
             f"{folder} is an incomplete checkpoint (no {STATE_FILE}: its save was interrupted); export an earlier one"
         )
-    state = json.loads((folder / STATE_FILE).read_text())
-    facts = {"step": state.get("step"), **state.get("last_eval", {})}
-    if (folder / "latest").is_file() and any(folder.glob("*/zero_pp_rank_*")) or any(folder.glob("*/*model_states.pt")):
-        kind = "deepspeed"
-    elif _fsdp_model_dir(folder) is not None:
-        kind = "fsdp"
-    elif any(folder.glob("model*.safetensors")) or (folder / "pytorch_model.bin").is_file():
-        kind = "ddp"
-    else:
+    state = TrainerState.read(folder)
+    facts = {"step": state.step, **state.last_eval}
+    kind = saved_by(folder)
+    if kind is None:
         present = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
         raise UserError(
             f"{folder} is a checkpoint from an unknown save (it holds {present}); expected model.safetensors (DDP), "
             "pytorch_model_fsdp_0/ (FSDP) or a DeepSpeed `latest` + zero_pp_rank_* files"
         )
-    return Source(kind, folder, run_dir=run_dir, step=state.get("step"), facts=facts)
+    return Source(kind, folder, run_dir=run_dir, step=state.step, facts=facts)
 
 
-def _run_checkpoint(run: Path, name: str) -> Path:
-    folder = run / "checkpoints" / name if (run / "checkpoints").is_dir() else run / name
+def _run_checkpoint(path: Path, name: str) -> Path:
+    run = RunDir(path)
+    folder = run.checkpoints / name if run.checkpoints.is_dir() else path / name
     if name == "latest":
-        done = complete_checkpoints(run)
-        if not done:
-            raise UserError(f"--from {run} has no complete checkpoint for --checkpoint latest")
-        return done[-1]
+        latest = run.latest_checkpoint()
+        if latest is None:
+            raise UserError(f"--from {path} has no complete checkpoint for --checkpoint latest")
+        return latest
     if not folder.is_dir():
-        have = [p.name for p in complete_checkpoints(run)]
-        raise UserError(f"--checkpoint {name} is not in {run}/checkpoints; it has {', '.join(have) or 'none'}")
+        have = [p.name for p in run.complete_checkpoints()]
+        raise UserError(f"--checkpoint {name} is not in {path}/checkpoints; it has {', '.join(have) or 'none'}")
     return folder
-
-
-def _fsdp_model_dir(folder: Path) -> Path | None:
-    found = sorted(folder.glob("pytorch_model_fsdp_*"))
-    return found[0] if found else None
 
 
 def _has_weights(folder: Path) -> bool:

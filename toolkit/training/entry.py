@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from toolkit.training.checkpoint import Stopped
 from toolkit.config import UserError, load_config
-from toolkit.strategy.distributed import collective_failure, report_once
+from toolkit.strategy.distributed import collective_failure, is_launch_main, report_once
+from toolkit.training.trainer import Stopped
 
 
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
@@ -22,7 +22,12 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
         return 2
     recipe = None
     try:
-        recipe = recipe_class(load_config(config_class, argv[1], argv[2:]))
+        notes: list[str] = []
+        cfg = load_config(config_class, argv[1], argv[2:], notes)
+        if is_launch_main():
+            for line in notes:
+                print(f"[{name}] {line}", file=sys.stderr, flush=True)
+        recipe = recipe_class(cfg)
         recipe.setup()
         recipe.train()
         recipe.cleanup()
@@ -30,24 +35,14 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
         report_once(f"error: {exc}")
         return 2
     except Stopped as exc:
-        recipe.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
+        recipe.trainer.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
         report_once(f"[{name}] {exc}")
         return 3
     except Exception as exc:
-        line = collective_failure(exc, getattr(recipe, "step", None))
+        trainer = getattr(recipe, "trainer", None)
+        line = collective_failure(exc, trainer.step if trainer is not None else None)
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr, flush=True)
         return 4
     return 0
-
-
-def flat_hparams(tree: dict, prefix: str = "") -> dict:
-    """A nested config as the flat scalars that tensorboard's hparams take."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat_hparams(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return out

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import datasets
 import torch
 from accelerate import Accelerator
 
-from toolkit.training.loss import forward_loss_sum
+from toolkit.config import field
 from toolkit.data.packing import IGNORE_INDEX, collate
+from toolkit.training.loss import forward_loss_sum
+
+
+@dataclass
+class EvalConfig:
+    every: int = field(50, help="held-out loss and perplexity every N optimizer steps (0 = only at the end)")
+    blocks: int = field(64, help="held-out blocks per evaluation, the same on any number of processes (0 = all)")
+
+    def validate(self) -> list[str]:
+        return [f"{name}={getattr(self, name)} must be >= 0" for name in ("every", "blocks") if getattr(self, name) < 0]
 
 
 @torch.no_grad()

@@ -37,9 +37,9 @@ class OptimConfig:
         return problems
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, cpu_offload: bool = False) -> torch.optim.Optimizer:
-    """AdamW; with DeepSpeed optimizer offload on a GPU machine, DeepSpeed's CPU AdamW (same
-    update), because DeepSpeed refuses a torch optimizer for offloaded state (it would be slow)."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, adamw=torch.optim.AdamW) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; `adamw` is the class the strategy asks for
+    (`Strategy.adamw()`: DeepSpeed's CPU AdamW when it offloads optimizer state, the same update)."""
     # Matrices decay; vectors (norm gains, biases) do not, as in GPT-2/LLaMA training.
     decay, no_decay = [], []
     for p in model.parameters():
@@ -49,11 +49,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, cpu_offload: bool 
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    if cpu_offload:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    return adamw(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
@@ -65,29 +61,25 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
     )
 
 
-def prepare_optimization(accelerator, model: torch.nn.Module, cfg: OptimConfig, max_steps: int, ds_owned: list[str]):
-    """(model, optimizer, scheduler, step_scheduler): everything prepared by Accelerate.
+def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max_steps: int):
+    """(model, optimizer, scheduler, step_scheduler): everything prepared by the strategy.
 
     The recipe's AdamW and schedule, unless a user's DeepSpeed JSON defines its own optimizer or
-    scheduler (`ds_owned`, from configure_deepspeed): then DeepSpeed builds them from Accelerate's
-    placeholders. Our scheduler is built on the prepared optimizer (ZeRO-3 and FSDP2 rebuild the
-    parameter groups), stepped once per optimizer step by the recipe (`step_scheduler`; Accelerate
-    would step it once per process) and saved through register_for_checkpointing.
+    scheduler (`strategy.ds_owned`): then DeepSpeed builds them from placeholders. Our scheduler
+    is built on the prepared optimizer (ZeRO-3 and FSDP2 rebuild the parameter groups), stepped
+    once per optimizer step by the trainer (`step_scheduler`; Accelerate would step it once per
+    process) and saved through register_for_checkpointing.
     """
-    from accelerate.utils import DummyOptim, DummyScheduler
-
-    from toolkit.strategy.distributed import offloads_optimizer_to_cpu, prepare
-
-    if "optimizer" in ds_owned:
+    if "optimizer" in strategy.ds_owned:
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = DummyOptim(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = strategy.placeholder_optimizer(trainable, cfg.lr, cfg.weight_decay)
     else:
-        optimizer = build_optimizer(model, cfg, cpu_offload=offloads_optimizer_to_cpu(accelerator))
-    if "scheduler" in ds_owned:
-        scheduler = DummyScheduler(optimizer, total_num_steps=max_steps, warmup_num_steps=cfg.warmup_steps)
-        model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
+        optimizer = build_optimizer(model, cfg, strategy.adamw())
+    if "scheduler" in strategy.ds_owned:
+        scheduler = strategy.placeholder_scheduler(optimizer, max_steps, cfg.warmup_steps)
+        model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
         return model, optimizer, scheduler, False  # the DeepSpeed engine steps it
-    model, optimizer = prepare(accelerator, model, optimizer)
+    model, optimizer = strategy.prepare(model, optimizer)
     scheduler = build_scheduler(optimizer, cfg, max_steps)
-    accelerator.register_for_checkpointing(scheduler)
+    strategy.accelerator.register_for_checkpointing(scheduler)
     return model, optimizer, scheduler, True

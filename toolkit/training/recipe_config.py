@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
+from toolkit.config import field
+from toolkit.data.chat import ChatDataConfig
+from toolkit.data.corpus import DataConfig
+from toolkit.data.tokenizer import TokenizerConfig
 from toolkit.models.adapter import AdapterConfig
 from toolkit.models.base_model import BaseModelConfig
-from toolkit.data.batching import TrainConfig
-from toolkit.data.chat import ChatDataConfig
-from toolkit.training.checkpoint import CheckpointConfig
-from toolkit.config import field
-from toolkit.data.corpus import DataConfig
-from toolkit.training.metrics import LoggingConfig
 from toolkit.models.scratch import ModelConfig
+from toolkit.training.checkpoint import CheckpointConfig
+from toolkit.training.evaluation import EvalConfig
+from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
-from toolkit.data.tokenizer import TokenizerConfig
+from toolkit.training.samples import SamplesConfig
+from toolkit.training.trainer import TrainConfig
 
-
-@dataclass
-class SampleConfig:
-    prompt: str = field("The", help="prompt for the sample generated at the end of training")
-    max_new_tokens: int = field(40, help="tokens to generate for the sample (0 = no sample)")
-
-    def validate(self) -> list[str]:
-        return [] if self.max_new_tokens >= 0 else [f"max_new_tokens={self.max_new_tokens} must be >= 0"]
+# Keys renamed in 0.2 (one name per concept across the recipes); the old ones work for one release.
+EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval.blocks"}
 
 
 @dataclass
@@ -39,8 +35,17 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig, help="steps, batch sizes, precision")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, help="checkpoint cadence")
-    logging: LoggingConfig = field(default_factory=LoggingConfig, help="metrics and evaluation")
-    sample: SampleConfig = field(default_factory=SampleConfig, help="generation at the end")
+    logging: LoggingConfig = field(default_factory=LoggingConfig, help="metrics and trackers")
+    eval: EvalConfig = field(default_factory=EvalConfig, help="held-out evaluation cadence and size")
+    samples: SamplesConfig = field(
+        default_factory=lambda: SamplesConfig(max_new_tokens=40), help="generations from final/ at the end"
+    )
+
+    RENAMED: ClassVar[dict] = {
+        "sample.prompt": ("samples.prompts", lambda prompt: [prompt]),
+        "sample.max_new_tokens": "samples.max_new_tokens",
+        **EVAL_RENAMED,
+    }
 
     def validate(self) -> list[str]:
         if self.resume and self.overwrite:
@@ -76,30 +81,22 @@ class FinetuneDataConfig(DataConfig):
 
 
 @dataclass
-class SamplesConfig:
-    prompts: list[str] = field(
-        default_factory=lambda: ["The"], help="prompts generated from before and after training, into samples.md"
-    )
-    max_new_tokens: int = field(48, help="tokens generated per prompt (greedy); 0 = no samples")
-
-    def validate(self) -> list[str]:
-        return [] if self.max_new_tokens >= 0 else [f"max_new_tokens={self.max_new_tokens} must be >= 0"]
-
-
-@dataclass
 class FinetuneConfig:
     output_dir: str = field("runs/finetune", help="where checkpoints, metrics, samples, adapter/ and final/ go")
     seed: int = field(1234, help="seed for LoRA init, data order and dropout")
     resume: str | None = field(None, help="auto (newest complete checkpoint in output_dir) or a checkpoint folder")
     overwrite: bool = field(False, help="delete an existing run in output_dir and start over")
-    base_model: BaseModelConfig = field(default_factory=BaseModelConfig, help="the pretrained model to adapt")
+    model: BaseModelConfig = field(default_factory=BaseModelConfig, help="the pretrained model to adapt")
     adapter: AdapterConfig = field(default_factory=AdapterConfig, help="full, LoRA or QLoRA")
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig, help="domain text or chat records")
     train: TrainConfig = field(default_factory=TrainConfig, help="steps, batch sizes, precision")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, help="checkpoint cadence")
-    logging: LoggingConfig = field(default_factory=LoggingConfig, help="metrics and evaluation")
-    samples: SamplesConfig = field(default_factory=SamplesConfig, help="generations before and after")
+    logging: LoggingConfig = field(default_factory=LoggingConfig, help="metrics and trackers")
+    eval: EvalConfig = field(default_factory=EvalConfig, help="held-out evaluation cadence and size")
+    samples: SamplesConfig = field(default_factory=SamplesConfig, help="generations before and after, into samples.md")
+
+    RENAMED: ClassVar[dict] = {"base_model": "model", **EVAL_RENAMED}
 
     def validate(self) -> list[str]:
         if self.resume and self.overwrite:

@@ -11,19 +11,25 @@ waits forever for ranks that are elsewhere. A sharded model is refused instead o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from toolkit.config import field
+from toolkit.strategy.distributed import check_whole
 
-def check_whole(model: torch.nn.Module) -> None:
-    """Generation in one process needs every weight here, not a ZeRO-3 partition or FSDP shard."""
-    for name, p in model.named_parameters():
-        if hasattr(p, "ds_id") or hasattr(p, "to_local"):
-            raise RuntimeError(
-                f"cannot generate from a sharded model in one process ({name} is a ZeRO-3/FSDP shard); "
-                "generate before prepare or from the saved folder (toolkit.training.samples.sample_folder)"
-            )
+
+@dataclass
+class SamplesConfig:
+    prompts: list[str] = field(
+        default_factory=lambda: ["The"],
+        help="prompts to generate from: pretraining samples from final/, fine-tuning compares before and after in samples.md",
+    )
+    max_new_tokens: int = field(48, help="tokens generated per prompt; 0 = no samples")
+
+    def validate(self) -> list[str]:
+        return [] if self.max_new_tokens >= 0 else [f"max_new_tokens={self.max_new_tokens} must be >= 0"]
 
 
 @torch.no_grad()

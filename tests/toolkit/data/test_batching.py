@@ -1,12 +1,13 @@
-"""BatchSchedule / TrainConfig: which blocks each rank trains on, and batch-size validation."""
+"""BatchSchedule / accumulation_steps: which blocks each rank trains on, and batch-size validation."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from toolkit.data.batching import BatchSchedule, TrainConfig
 from toolkit.config import UserError
+from toolkit.data.batching import BatchSchedule
+from toolkit.strategy.distributed import accumulation_steps
 
 N_BLOCKS, GLOBAL, MICRO, SEED = 103, 8, 2, 1234  # 103 % 8 != 0: a remainder is left out each epoch
 
@@ -69,9 +70,8 @@ def test_deterministic_for_a_seed():
     [(10, 4, 1), (12, 4, 2), (6, 4, 1)],
 )
 def test_accumulation_steps_refuses_sizes_that_do_not_divide(global_batch, micro, world):
-    cfg = TrainConfig(global_batch_size=global_batch, micro_batch_size=micro)
     with pytest.raises(UserError) as info:
-        cfg.accumulation_steps(world)
+        accumulation_steps(global_batch, micro, world)
     message = str(info.value)
     assert f"global_batch_size={global_batch}" in message
     assert f"micro_batch_size={micro}" in message
@@ -83,7 +83,7 @@ def test_accumulation_steps_refuses_sizes_that_do_not_divide(global_batch, micro
 )
 def test_accumulation_steps(global_batch, micro, world, accum):
     assert (
-        TrainConfig(global_batch_size=global_batch, micro_batch_size=micro).accumulation_steps(world) == accum
+        accumulation_steps(global_batch, micro, world) == accum
     )
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from toolkit.config import ConfigError, UserError, load_config
 from toolkit.data.chat import (
     ChatDataConfig,
     chat_target_counts,
@@ -20,10 +21,9 @@ from toolkit.data.chat import (
     to_messages,
     tokenize_conversations,
 )
-from toolkit.config import ConfigError, UserError, load_config
-from toolkit.training.loss import token_loss_sum
 from toolkit.data.packing import IGNORE_INDEX, column
 from toolkit.data.python_chats import PYTHON_CHATS
+from toolkit.training.loss import token_loss_sum
 
 # Meta-Llama-3-8B-Instruct's template, verbatim: BOS, headers, `| trim` on the content, <|eot_id|>.
 LLAMA3_TEMPLATE = (

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from toolkit.data import packing
 from toolkit.config import UserError
+from toolkit.data import packing
 from toolkit.data.packing import (
     IGNORE_INDEX,
     block_causal_mask,

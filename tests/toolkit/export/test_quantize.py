@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from toolkit.export import quantize
 from toolkit.config import UserError
+from toolkit.export import quantize
 from toolkit.export.quantize import DEVICES, HF_QUANTS, check_device, devices, quantize_folder
 
 TOLERANCE = {"int8": 0.02, "int4": 0.15}

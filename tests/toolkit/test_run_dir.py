@@ -1,4 +1,4 @@
-"""What a flag may do to output_dir: a run's own outputs are replaced only by newer outputs of the
+"""The run folder contract. What a flag may do to output_dir: a run's own outputs are replaced only by newer outputs of the
 same run (resume from its newest complete checkpoint, or overwrite=true), nothing else is deleted."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.training.checkpoint import RUN_ENTRIES, STATE_FILE, check_output_dir, remove_run, run_entries
 from toolkit.config import UserError
+from toolkit.run_dir import STATE_FILE, RunDir, TrainerState, checkpoint_step
 
 
 def finished_run(folder: Path, checkpoint: str | None = "complete") -> Path:
@@ -28,7 +28,7 @@ def finished_run(folder: Path, checkpoint: str | None = "complete") -> Path:
 
 def refusal(output_dir: Path, resume: str | None = None, overwrite: bool = False) -> str:
     with pytest.raises(UserError) as info:
-        check_output_dir(output_dir, resume, overwrite)
+        RunDir(output_dir).check(resume, overwrite)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -36,8 +36,8 @@ def refusal(output_dir: Path, resume: str | None = None, overwrite: bool = False
 
 @pytest.mark.parametrize("resume, overwrite", [(None, False), ("auto", False), (None, True)])
 def test_a_missing_or_empty_folder_is_a_fresh_start(tmp_path, resume, overwrite):
-    check_output_dir(tmp_path / "missing", resume, overwrite)
-    check_output_dir(tmp_path, resume, overwrite)
+    RunDir(tmp_path / "missing").check(resume, overwrite)
+    RunDir(tmp_path).check(resume, overwrite)
 
 
 def test_resume_auto_refuses_a_run_without_a_complete_checkpoint(tmp_path):
@@ -51,7 +51,7 @@ def test_resume_auto_refuses_a_run_without_a_complete_checkpoint(tmp_path):
 
 
 def test_resume_auto_continues_a_run_with_a_complete_checkpoint(tmp_path):
-    check_output_dir(finished_run(tmp_path / "run"), "auto", False)
+    RunDir(finished_run(tmp_path / "run")).check("auto", False)
 
 
 def test_no_flag_refuses_a_run_and_offers_what_works(tmp_path):
@@ -64,12 +64,12 @@ def test_no_flag_refuses_a_run_and_offers_what_works(tmp_path):
 
 
 def test_overwrite_accepts_a_folder_of_run_entries_only(tmp_path):
-    check_output_dir(finished_run(tmp_path / "run", checkpoint="incomplete"), None, True)
+    RunDir(finished_run(tmp_path / "run", checkpoint="incomplete")).check(None, True)
     every = tmp_path / "every"
     every.mkdir()
-    for name in RUN_ENTRIES:
+    for name in RunDir.ENTRIES:
         (every / name).mkdir()
-    check_output_dir(every, None, True)
+    RunDir(every).check(None, True)
 
 
 @pytest.mark.parametrize("resume, overwrite", [(None, True), ("auto", False), (None, False)])
@@ -94,7 +94,7 @@ def test_foreign_entries_are_named_a_few_then_counted(tmp_path):
     message = refusal(run, overwrite=True)
     assert "(a.txt, b.txt, c.txt and 2 more)" in message
     # the run itself can still be continued: resume=auto writes beside the user's files
-    check_output_dir(run, "auto", False)
+    RunDir(run).check("auto", False)
     assert "continue the run there with resume=auto" in refusal(run)
 
 
@@ -105,14 +105,14 @@ def test_a_file_is_not_an_output_dir(tmp_path):
 
 
 def test_an_explicit_checkpoint_is_left_to_resolve_resume(tmp_path):
-    check_output_dir(finished_run(tmp_path / "run"), str(tmp_path / "run" / "checkpoints" / "step-4"), False)
+    RunDir(finished_run(tmp_path / "run")).check(str(tmp_path / "run" / "checkpoints" / "step-4"), False)
 
 
 def test_run_entries_sorts_own_from_foreign(tmp_path):
     run = finished_run(tmp_path / "run")
     (run / "thesis.tex").write_text("x")
-    assert run_entries(run) == (["final/", "checkpoints/", "metrics.jsonl", "loss.png"], ["thesis.tex"])
-    assert run_entries(tmp_path / "missing") == ([], [])
+    assert RunDir(run).entries() == (["final/", "checkpoints/", "metrics.jsonl", "loss.png"], ["thesis.tex"])
+    assert RunDir(tmp_path / "missing").entries() == ([], [])
 
 
 def test_remove_run_deletes_only_the_runs_own_entries(tmp_path):
@@ -123,8 +123,47 @@ def test_remove_run_deletes_only_the_runs_own_entries(tmp_path):
     elsewhere.mkdir()
     (elsewhere / "keep.txt").write_text("keep")
     (run / "tensorboard").symlink_to(elsewhere, target_is_directory=True)
-    remove_run(run)
+    RunDir(run).remove_own()
     assert sorted(p.name for p in run.iterdir()) == ["thesis.tex"]
     assert (run / "thesis.tex").read_text() == "mine"
     assert (elsewhere / "keep.txt").read_text() == "keep"  # the link went, not what it points to
-    remove_run(tmp_path / "missing")
+    RunDir(tmp_path / "missing").remove_own()
+
+
+def test_one_reader_and_one_writer_for_the_trainer_state(tmp_path):
+    state = TrainerState(step=7, tokens_seen=3584, seed=1, last_eval={"eval_loss": 2.5, "eval_ppl": 12.18},
+                         eval_before={"eval_loss": 3.0, "eval_ppl": 20.08}, samples_before=["a", "b"])
+    state.write(tmp_path)
+    assert not (tmp_path / (STATE_FILE + ".tmp")).exists()  # renamed into place
+    assert TrainerState.read(tmp_path) == state
+    # a state written before the typed contract (pretraining had no eval_before / samples_before) still reads
+    (tmp_path / STATE_FILE).write_text('{"step": 4, "tokens_seen": 10, "last_eval": {}, "seed": 3, "extra": 1}')
+    assert TrainerState.read(tmp_path) == TrainerState(step=4, tokens_seen=10, seed=3)
+
+
+def test_checkpoints_are_found_by_step_number_and_completeness(tmp_path):
+    run = RunDir(tmp_path / "run")
+    for step, complete in ((10, True), (9, True), (11, False)):
+        folder = run.checkpoint(step)
+        folder.mkdir(parents=True)
+        if complete:
+            TrainerState(step=step).write(folder)
+    (run.checkpoints / "step-x").mkdir()
+    assert [p.name for p in run.complete_checkpoints()] == ["step-9", "step-10"]  # numeric order, not text
+    assert run.latest_checkpoint() == run.checkpoint(10)
+    assert run.resolve_resume("auto") == run.checkpoint(10)
+    assert run.resolve_resume(None) is None
+    assert checkpoint_step(run.checkpoint(12)) == 12 and checkpoint_step(run.checkpoints / "step-x") is None
+    assert RunDir.of_checkpoint(run.checkpoint(10)) == run
+    assert RunDir.of_checkpoint(tmp_path) is None
+    with pytest.raises(UserError, match="incomplete checkpoint"):
+        run.resolve_resume(str(run.checkpoint(11)))
+    with pytest.raises(UserError, match="is not a folder"):
+        run.resolve_resume(str(tmp_path / "nowhere"))
+
+
+def test_the_paths_a_run_writes(tmp_path):
+    run = RunDir(tmp_path)
+    named = [run.final, run.adapter, run.checkpoints, run.metrics, run.tensorboard, run.loss_plot, run.samples]
+    assert {p.name for p in named} <= set(RunDir.ENTRIES)  # overwrite=true may delete each of them
+    assert run.checkpoint(3) == tmp_path / "checkpoints" / "step-3"

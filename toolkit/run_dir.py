@@ -1,0 +1,228 @@
+"""The run folder: where a run's outputs live, and the state a checkpoint carries.
+
+One contract, used by the trainer, the recipes, checkpoints, the HF-folder writer and export:
+
+    runs/NAME/                    RunDir(root)
+      checkpoints/step-N/         .checkpoint(N): the strategy's save_state files, plus
+        model_files/              MODEL_FILES: config + tokenizer (+ adapter config), so a
+                                  checkpoint exports without its run
+        trainer_state.json        STATE_FILE: a TrainerState; written last, so its presence
+                                  means "complete" (a crash mid-save leaves none)
+      final/  adapter/            .final, .adapter: the deliverables
+      metrics.jsonl  loss.png  samples.md  tensorboard/
+
+Nothing else in the toolkit spells these names or parses `step-N`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.config import UserError
+
+STATE_FILE = "trainer_state.json"
+MODEL_FILES = "model_files"  # config, tokenizer (and a LoRA's adapter config) beside the weights
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_step(folder: Path) -> int | None:
+    """N for a folder named step-N, else None."""
+    m = _STEP_DIR.match(folder.name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / STATE_FILE).is_file()
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds besides the strategy's tensors: where the run was, and what it measured.
+
+    The data position needs no field: the batch order is a function of (seed, step)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    seed: int | None = None
+    last_eval: dict[str, float] = field(default_factory=dict)  # the newest held-out loss and perplexity
+    eval_before: dict[str, float] = field(default_factory=dict)  # fine-tuning: the base model's, for the comparison
+    samples_before: list[str] = field(default_factory=list)  # fine-tuning: the base model's generations
+
+    def write(self, folder: Path) -> None:
+        """Atomically, so that a reader sees the whole state or none (the completeness marker)."""
+        tmp = folder / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        tmp.rename(folder / STATE_FILE)
+
+    @classmethod
+    def read(cls, folder: Path) -> TrainerState:
+        saved = json.loads((folder / STATE_FILE).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in saved.items() if k in known})
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    # Every top-level entry the toolkit writes (final.tmp and adapter.tmp are the atomic
+    # renames of final/ and adapter/; tensorboard/ is Accelerate's tracker under project_dir).
+    # overwrite=true deletes these, nothing else.
+    ENTRIES = (
+        "final", "adapter", "checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "samples.md",
+        "final.tmp", "adapter.tmp",
+    )
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def final(self) -> Path:
+        return self.root / "final"
+
+    @property
+    def adapter(self) -> Path:
+        return self.root / "adapter"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.root / "loss.png"
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples.md"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        found = []
+        if self.checkpoints.is_dir():
+            for child in self.checkpoints.iterdir():
+                step = checkpoint_step(child)
+                if step is not None and is_complete(child):
+                    found.append((step, child))
+        return [p for _, p in sorted(found)]
+
+    def latest_checkpoint(self) -> Path | None:
+        done = self.complete_checkpoints()
+        return done[-1] if done else None
+
+    @classmethod
+    def of_checkpoint(cls, folder: Path) -> RunDir | None:
+        """The run a checkpoints/step-N folder belongs to, if it sits in one."""
+        return cls(folder.parent.parent) if folder.parent.name == "checkpoints" else None
+
+    # ------------------------------------------------------------- what may be replaced
+    def entries(self) -> tuple[list[str], list[str]]:
+        """(the run's own entries in ENTRIES order, the others sorted) at the top of the folder.
+
+        Folders end in `/`."""
+        own, foreign = [], []
+        if self.root.is_dir():
+            for entry in sorted(self.root.iterdir()):
+                name = entry.name + ("/" if entry.is_dir() else "")
+                (own if entry.name in self.ENTRIES else foreign).append(name)
+        own.sort(key=lambda name: self.ENTRIES.index(name.rstrip("/")))
+        return own, foreign
+
+    def check(self, resume: str | None, overwrite: bool) -> None:
+        """Refuse anything that would lose what is in the folder; every rank, before any work.
+
+        A run's own outputs are replaced only by newer outputs of the same run (resume from its
+        newest complete checkpoint, or overwrite=true), and nothing else is ever deleted.
+        """
+        out = self.root
+        if out.exists() and not out.is_dir():
+            raise UserError(f"output_dir={out} is a file, not a folder; choose another output_dir")
+        own, foreign = self.entries()
+        if not own and not foreign:
+            return  # missing or empty: a fresh start
+        resumable = bool(self.complete_checkpoints())
+        if resume and resume != "auto":
+            return  # an explicit checkpoint: resolve_resume checks it
+        if resume == "auto" and resumable:
+            return
+        if foreign:
+            hint = "continue the run there with resume=auto, or " if own and resumable else ""
+            raise UserError(
+                f"output_dir={out} holds files that are not a toolkit run ({_few(foreign)}); "
+                f"the toolkit will not delete them or start a run among them; {hint}choose another output_dir"
+            )
+        if overwrite:
+            return
+        if resume == "auto":
+            raise UserError(
+                f"output_dir={out} holds a run ({_few(own)}) but no complete checkpoint to continue "
+                "from, so resume=auto would start over and replace it; start that run over with "
+                "overwrite=true (deletes it), or choose another output_dir"
+            )
+        hint = "continue it with resume=auto, " if resumable else ""
+        raise UserError(
+            f"output_dir={out} already holds a run ({_few(own)}); {hint}"
+            "start over with overwrite=true (deletes it), or choose another output_dir"
+        )
+
+    def remove_own(self) -> None:
+        """overwrite=true, main process only, after check(): delete the run's own entries.
+
+        Entry by entry rather than the whole folder, so that nothing the toolkit did not write can
+        go with it, even a file that appeared after the check.
+        """
+        if not self.root.is_dir():
+            return
+        for entry in self.root.iterdir():
+            if entry.name not in self.ENTRIES:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+    def resolve_resume(self, resume: str | None) -> Path | None:
+        """`None` -> fresh start; `auto` -> newest complete checkpoint (or fresh); a path -> that one."""
+        if not resume:
+            return None
+        if resume == "auto":
+            return self.latest_checkpoint()
+        path = Path(resume)
+        if not path.is_dir():
+            raise UserError(f"resume={resume} is not a folder; give a checkpoints/step-N folder or resume=auto")
+        if not is_complete(path) and not _looks_like_checkpoint(path):
+            raise UserError(
+                f"resume={resume} is not a training checkpoint (no optimizer or RNG state); give a "
+                "checkpoints/step-N folder of a run, or resume=auto"
+            )
+        if not is_complete(path):
+            raise UserError(
+                f"resume={resume} is an incomplete checkpoint (no {STATE_FILE}; the save was interrupted); "
+                f"resume from an earlier one or use resume=auto"
+            )
+        return path
+
+
+def _looks_like_checkpoint(folder: Path) -> bool:
+    return checkpoint_step(folder) is not None or any(folder.glob("optimizer*")) or any(folder.glob("random_states*"))
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -1,0 +1,327 @@
+"""The training loop every recipe runs: explicit, top to bottom, no callbacks.
+
+    trainer = Trainer("pretrain", cfg)              # checks output_dir, launches the strategy
+    ... the recipe loads or builds its tokenizer, data and model ...
+    trainer.use_data(train, val, collate, counts)   # the batch schedule
+    trainer.prepare(model, tokenizer, ...)          # optimizer and schedule, resume, metrics
+    trainer.fit()                                   # steps, evaluation, checkpoints, stop signals
+    trainer.finish()                                # last evaluation and checkpoint, replica check
+    ... the recipe writes its deliverable (final/, adapter/) ...
+    trainer.close()                                 # trackers flushed, metrics closed, loss plot
+
+The trainer owns what is the same for every recipe: the step (toolkit.training.step), the loss
+normaliser, accumulation, the evaluation / checkpoint / stop cadence, resume, metrics and
+signal handling. A recipe supplies what differs: the model and tokenizer, the packed blocks
+with their collate, and what it delivers at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+import torch
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from toolkit.config import field, to_dict
+from toolkit.data.batching import BatchSchedule
+from toolkit.data.packing import check_attention, column
+from toolkit.export.hf_folder import write_model_files
+from toolkit.run_dir import RunDir, TrainerState
+from toolkit.strategy.distributed import Strategy
+from toolkit.strategy.sharding import GradientMeter, held_bytes
+from toolkit.training.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.training.evaluation import evaluate
+from toolkit.training.loss import backward_scale
+from toolkit.training.metrics import (
+    MetricsWriter,
+    check_trackers,
+    estimate_mfu,
+    flat_hparams,
+    peak_flops,
+    peak_memory_mb,
+    plot_loss,
+)
+from toolkit.training.optim import prepare_optimization
+from toolkit.training.step import optimizer_step
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = field(200, help="optimizer steps to train")
+    global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
+    micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
+        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU; bf16 also trains on CPU (slowly)"
+    )
+    collective_timeout_s: int = field(
+        1800,
+        help="seconds a rank waits in a collective (all-reduce, barrier) before the run fails with an error "
+        "naming the rank and the wait; raise it if rank 0 alone prepares a very large corpus",
+    )
+
+    def validate(self) -> list[str]:
+        problems = []
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        return problems
+
+
+class StopRequest:
+    """SIGTERM/SIGUSR1 (cluster preemption, `scancel`, a time limit) ask the run to stop cleanly.
+
+    The handler only sets a flag; the loop checks it once per optimizer step, agreed across
+    ranks (a rank that saw no signal must still stop with the others), saves a checkpoint and
+    exits, so `resume=auto` continues where the run was stopped.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)):
+        self.signal: int | None = None
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+class Stopped(Exception):
+    """Raised after the stop checkpoint is saved; the recipe exits with a non-zero code."""
+
+
+class Trainer:
+    """One run's loop. `cfg` is a recipe config with output_dir, seed, resume, overwrite and the
+    sections model (attn_implementation), train, optim, checkpoint, logging and eval."""
+
+    def __init__(self, name: str, cfg: Any):
+        self.name, self.cfg = name, cfg
+        self.stop = StopRequest()
+        check_attention(cfg.model.attn_implementation)
+        check_trackers(cfg.logging.trackers)
+        self.run = RunDir(cfg.output_dir)
+        self.run.check(cfg.resume, cfg.overwrite)
+        self.resume_from = self.run.resolve_resume(cfg.resume)
+
+        # The strategy, world size and backend come from the accelerate config file.
+        t = cfg.train
+        self.strategy = strategy = Strategy.launch(
+            mixed_precision=t.mixed_precision, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
+            max_grad_norm=cfg.optim.max_grad_norm, project_dir=str(self.run.root), trackers=cfg.logging.trackers,
+            timeout_s=t.collective_timeout_s,
+        )
+        self.accelerator = strategy.accelerator
+        if cfg.overwrite and strategy.is_main:
+            self.run.remove_own()  # only its own entries: check() refused anything else
+        self.accelerator.wait_for_everyone()
+        self.run.root.mkdir(parents=True, exist_ok=True)
+        self.print(strategy.describe())
+        if not strategy.is_main:
+            datasets.disable_progress_bars()
+
+        self.state = TrainerState(seed=cfg.seed)
+        self.eval_step = self.checkpoint_step = -1
+        self.measured = False
+        self.metrics: MetricsWriter | None = None
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def resumed(self) -> bool:
+        return self.resume_from is not None
+
+    def print(self, line: str) -> None:
+        self.strategy.print(f"[{self.name}] {line}")
+
+    # ------------------------------------------------------------------ setup
+    def use_data(
+        self, train: datasets.Dataset, val: datasets.Dataset | None, collate: Callable, target_counts: Callable
+    ) -> BatchSchedule:
+        """Packed blocks, their collate (blocks -> model inputs with labels) and per-block target counts."""
+        cfg = self.cfg
+        self.train_blocks = train.with_format("numpy")
+        self.val_blocks = val
+        self.collate = collate
+        self.block_targets = target_counts(self.train_blocks)
+        self.block_tokens = column(self.train_blocks, "num_tokens").astype("int64")
+        self.schedule = BatchSchedule(
+            len(self.train_blocks), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+            self.strategy.world_size, self.strategy.rank, cfg.seed,
+        )
+        return self.schedule
+
+    def prepare(
+        self, model: torch.nn.Module, tokenizer, n_params: int, flops_token: float,
+        model_files: dict[str, dict] | None = None,
+    ) -> None:
+        """Optimizer and schedule over the trainable weights, prepared by the strategy; then resume.
+
+        `model_files` are extra JSON files for each checkpoint's model_files/ (e.g. base_model.json)."""
+        cfg = self.cfg
+        self.tokenizer, self.n_params, self.flops_token = tokenizer, n_params, flops_token
+        self.model_files = model_files or {}
+        # The recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON defines its own.
+        if self.strategy.ds_owned:
+            owned = " and ".join(self.strategy.ds_owned)
+            self.print(f"the DeepSpeed config defines {owned}: using them instead of the recipe's optim section")
+        self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
+            self.strategy, model, cfg.optim, cfg.train.max_steps
+        )
+        if self.resume_from is not None:
+            self.state = load_checkpoint(self.strategy, self.resume_from)
+            self.checkpoint_step = self.step
+            self.print(f"resumed from {self.resume_from} at step {self.step}")
+        if self.strategy.is_main:
+            self.metrics = MetricsWriter(self.run.metrics, self.step)
+        if cfg.logging.trackers:
+            self.accelerator.init_trackers("tensorboard", config=flat_hparams(to_dict(cfg)))
+        self.peak = peak_flops(self.strategy.device)
+
+    # ------------------------------------------------------------------ train
+    def fit(self) -> None:
+        cfg, acc, state = self.cfg, self.accelerator, self.state
+        attn = cfg.model.attn_implementation
+        bar = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not acc.is_main_process, desc=self.name)
+        window_tokens, window_time = 0, 0.0
+        while state.step < cfg.train.max_steps:
+            t0 = time.perf_counter()
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
+            global_idx = self.schedule.global_indices(state.step)
+            global_targets = int(self.block_targets[global_idx].sum())
+            scale = backward_scale(global_targets, acc.num_processes, self.strategy.accumulation)
+            batches = (self.collate(self.train_blocks[m], attn) for m in self.schedule.micro_batches(state.step))
+            # Once per run, measure the bytes each rank really holds (sharding made visible).
+            meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
+            with meter or contextlib.nullcontext():
+                loss_sum, grad_norm = optimizer_step(acc, self.model, self.optimizer, batches, scale, cfg.optim.max_grad_norm)
+            if self.step_scheduler:
+                self.scheduler.step()
+            state.step += 1
+            step_tokens = int(self.block_tokens[global_idx].sum())
+            state.tokens_seen += step_tokens
+            # One all-reduce for the global loss and for "did any rank get a stop signal".
+            stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
+            totals = acc.reduce(torch.stack([loss_sum, stop_flag]), reduction="sum")
+            loss = totals[0].item() / max(1, global_targets)
+            window_tokens += step_tokens
+            window_time += time.perf_counter() - t0
+            if meter is not None:
+                self.measured = True
+                held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
+                self.log({"step": state.step, "held_bytes": held})
+
+            if state.step % cfg.logging.every == 0 or state.step == cfg.train.max_steps:
+                tps = window_tokens / max(window_time, 1e-9)
+                self.log({
+                    "step": state.step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "tokens": state.tokens_seen,
+                    "tokens_per_s": tps,
+                    "mfu": estimate_mfu(tps, self.flops_token, acc.num_processes, self.peak),
+                    "epoch": self.schedule.epoch(state.step),
+                })
+                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+                window_tokens, window_time = 0, 0.0
+            bar.update(1)
+
+            # The final evaluation runs here, before the last checkpoint: under FSDP2 an evaluation
+            # forward after save_state, with no training step between, leaves the root's
+            # parameters unsharded in storage that cannot be freed, and gathering the final
+            # model then fails ("Trying to resize storage that is not resizable").
+            last = state.step == cfg.train.max_steps
+            if self.val_blocks is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0):
+                state.last_eval = self.evaluate("after" if last else "train")
+            if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
+                self.save_checkpoint()
+            if totals[1].item() > 0:
+                bar.close()
+                folder = self.save_checkpoint() if self.checkpoint_step != state.step else self.run.checkpoint(state.step)
+                raise Stopped(f"stopped by a signal at step {state.step}; checkpoint saved in {folder}; continue with resume=auto")
+        bar.close()
+
+    def evaluate(self, phase: str) -> dict[str, float]:
+        """Held-out loss and perplexity (collective); `phase` is before, train or after training."""
+        cfg = self.cfg
+        result = evaluate(
+            self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
+            cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
+        )
+        self.eval_step = self.step
+        self.log({"step": self.step, "phase": phase, **result})
+        self.print(
+            f"step {self.step} ({phase}): held-out loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}"
+        )
+        return result
+
+    def save_checkpoint(self) -> Path:
+        self.checkpoint_step = self.step
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        folder = save_checkpoint(
+            self.strategy, self.run, self.state, self.cfg.checkpoint.keep_last,
+            lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files),
+        )
+        self.print(f"checkpoint saved: {folder}")
+        return folder
+
+    # ---------------------------------------------------------------- the end
+    def finish(self) -> None:
+        """Collective: the last evaluation and checkpoint (so that resume=auto can always extend
+        the run), then the replica check and every rank's peak memory."""
+        if self.val_blocks is not None and self.eval_step != self.step:
+            self.state.last_eval = self.evaluate("after")
+        if self.checkpoint_step != self.step:
+            self.save_checkpoint()
+        digests = self.strategy.check_replicas_in_sync(self.model)
+        memory = gather_object([peak_memory_mb(self.strategy.device)])
+        self.log({"step": self.step, "parameter_digests": digests, "peak_memory": memory})
+
+    def facts(self, model_type: str) -> dict:
+        """What every model card says about the run."""
+        return {
+            "recipe": self.name, "model_type": model_type, "params": self.n_params, "step": self.step,
+            "tokens": self.state.tokens_seen, "strategy": self.strategy.name, **self.state.last_eval,
+        }
+
+    def close(self) -> Path | None:
+        """Flush the trackers and close metrics.jsonl; on the main process, plot the loss curve."""
+        self.accelerator.end_training()
+        if self.metrics is None:
+            return None
+        self.metrics.close()
+        self.metrics = None
+        return plot_loss(self.run.metrics, self.run.loss_plot)
+
+    def log(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.cfg.logging.trackers:
+            self.accelerator.log(scalars, step=record["step"])
+
+
+def model_size(model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
+    """(parameters, training FLOPs per token) of a model about to train, for the card and MFU."""
+    from toolkit.models.scratch import count_parameters
+    from toolkit.training.metrics import flops_per_token
+
+    n_params = count_parameters(model)
+    flops = flops_per_token(
+        count_parameters(model, exclude_embeddings=True), model.config.num_hidden_layers,
+        model.config.hidden_size, seq_len,
+    )
+    return n_params, flops
+
