@@ -212,6 +212,10 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
         problems.extend(sub)
         return value
     if origin is typing.Literal:
+        if isinstance(value, bool) and not any(isinstance(a, bool) for a in args):
+            # YAML 1.1 reads no/off/yes/on as booleans: `mixed_precision: no` means the string
+            spelled = [a for a in args if str(a).lower() in (("yes", "on", "true") if value else ("no", "off", "false"))]
+            value = spelled[0] if spelled else value
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint_txt = f"; did you mean {close[0]}?" if close else ""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.training.loss import token_loss_sum
+from toolkit.models.loss import token_loss_sum
 
 EVAL_TOKENS = 2048  # held-out tokens per perplexity measurement
 EVAL_BLOCK = 256

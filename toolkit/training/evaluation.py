@@ -12,7 +12,7 @@ from accelerate import Accelerator
 
 from toolkit.config import field
 from toolkit.data.packing import IGNORE_INDEX, collate
-from toolkit.training.loss import forward_loss_sum
+from toolkit.models.loss import forward_loss_sum
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One optimizer step over a rank's micro-batches, with gradient accumulation.
 
 Shared by the recipes so that every one of them normalises the loss the same way: each
-micro-batch's summed token loss is scaled by `toolkit.training.loss.backward_scale` (target tokens of
+micro-batch's summed token loss is scaled by `toolkit.models.loss.backward_scale` (target tokens of
 the whole global batch), Accelerate decides when gradients are synchronised and the optimizer
 really steps, and clipping happens once, on the accumulated gradient.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from accelerate import Accelerator
 
-from toolkit.training.loss import forward_loss_sum
+from toolkit.models.loss import forward_loss_sum
 
 
 def optimizer_step(

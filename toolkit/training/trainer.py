@@ -34,12 +34,12 @@ from toolkit.config import field, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.packing import check_attention, column
 from toolkit.export.hf_folder import write_model_files
+from toolkit.models.loss import backward_scale
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.training.evaluation import evaluate
-from toolkit.training.loss import backward_scale
 from toolkit.training.metrics import (
     MetricsWriter,
     check_trackers,

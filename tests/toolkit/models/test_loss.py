@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from toolkit.data.packing import IGNORE_INDEX, collate, pack_documents, target_counts, tokenize_documents
-from toolkit.training.loss import backward_scale, forward_loss_sum, token_loss_sum
+from toolkit.models.loss import backward_scale, forward_loss_sum, token_loss_sum
 
 SEQ_LEN = 32
 MICRO = 2

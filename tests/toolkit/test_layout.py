@@ -1,0 +1,83 @@
+"""The architecture, checked: imports point down the layers, and strategy facts live in one package.
+
+    config, run_dir      contracts: validated config, the run folder and its TrainerState
+    data                 corpus, tokenizer, packing, chat, batch schedule
+    models               build from scratch, load a base, adapters, loss, gradient checkpointing
+    strategy             the Strategy object and every DDP/FSDP/DeepSpeed quirk
+    export               HF folder, consolidate, GGUF, quantize, report
+    training             the trainer loop, step, optimizer, checkpoints, metrics, evaluation, samples
+
+The tests read the source (ast), so they fail on the commit that breaks a rule, not on the run
+that later trips over it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = [{"config", "run_dir"}, {"data"}, {"models"}, {"strategy"}, {"export"}, {"training"}]
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def toolkit_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("toolkit."):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("toolkit.")}
+    return found
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / "toolkit").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if len(parts) > 1 and parts[-1] != "__init__":
+            out[".".join(parts)] = path
+    return out
+
+
+def test_every_module_sits_in_a_layer():
+    for name in modules():
+        layer(name)  # StopIteration names a module outside LAYERS
+
+
+def test_imports_only_point_down_the_layers():
+    upward = []
+    for name, path in modules().items():
+        for target in toolkit_imports(path):
+            if layer(target) > layer(name):
+                upward.append(f"{name} imports {target}")
+    assert not upward, upward
+
+
+def test_only_the_strategy_package_knows_the_launcher_and_deepspeed():
+    """Nothing outside toolkit/strategy reads WORLD_SIZE/RANK, imports deepspeed or branches on the
+    distributed type: the rest asks the Strategy object."""
+    banned = ("WORLD_SIZE", '"RANK"', "LOCAL_RANK", "import deepspeed", "from deepspeed", "DistributedType",
+              "distributed_type")
+    offenders = []
+    for path in [*sorted((ROOT / "toolkit").rglob("*.py")), *sorted((ROOT / "recipes").glob("*.py"))]:
+        if path.is_relative_to(ROOT / "toolkit" / "strategy"):
+            continue
+        text = path.read_text()
+        offenders += [f"{path.relative_to(ROOT)}: {word}" for word in banned if word in text]
+    assert not offenders, offenders
+
+
+def test_tests_mirror_the_toolkit_layout():
+    """Each toolkit module has its test file at the mirrored path (tests/toolkit/<package>/test_<module>.py)."""
+    missing = []
+    for path in modules().values():
+        rel = path.relative_to(ROOT / "toolkit")
+        test = ROOT / "tests" / "toolkit" / rel.parent / f"test_{rel.name}"
+        if not test.is_file():
+            missing.append(str(test.relative_to(ROOT)))
+    assert not missing, missing

@@ -1,0 +1,70 @@
+"""The recipes' config trees: one name per concept, and the renamed keys still working for a release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from toolkit.config import ConfigError, load_config
+from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
+
+CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load_with_no_deprecated_key(path):
+    cls = PretrainConfig if path.name.startswith("pretrain") else FinetuneConfig
+    notes: list[str] = []
+    cfg = load_config(cls, path, [], notes)
+    assert notes == []
+    assert cfg.eval.every >= 0 and cfg.samples.max_new_tokens >= 0
+
+
+def test_both_recipes_name_the_shared_sections_alike():
+    shared = {"output_dir", "seed", "resume", "overwrite", "model", "data", "train", "optim", "checkpoint", "logging",
+              "eval", "samples"}
+    pre = set(PretrainConfig.__dataclass_fields__)
+    fine = set(FinetuneConfig.__dataclass_fields__)
+    assert shared <= pre and shared <= fine
+    for section in ("train", "optim", "checkpoint", "logging", "eval", "samples"):
+        assert type(getattr(PretrainConfig(), section)) is type(getattr(FinetuneConfig(), section)), section
+    for key in ("attn_implementation", "gradient_checkpointing", "gradient_checkpointing_k"):
+        assert key in PretrainConfig().model.__dataclass_fields__ and key in FinetuneConfig().model.__dataclass_fields__
+
+
+def test_old_pretraining_keys_move_to_their_new_names_with_one_line_each(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("logging:\n  every: 2\n  eval_every: 7\n  eval_blocks: 3\nsample:\n  prompt: Once\n  max_new_tokens: 5\n")
+    notes: list[str] = []
+    cfg = load_config(PretrainConfig, old, [], notes)
+    assert (cfg.logging.every, cfg.eval.every, cfg.eval.blocks) == (2, 7, 3)
+    assert cfg.samples.prompts == ["Once"] and cfg.samples.max_new_tokens == 5
+    assert len(notes) == 4 and all("\n" not in n and n.startswith("deprecated: the config key ") for n in notes)
+    assert "sample.prompt is now samples.prompts" in " ".join(notes)
+
+
+def test_old_finetune_section_name_and_overrides(tmp_path):
+    notes: list[str] = []
+    cfg = load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_lora.yaml",
+                      ["base_model.path=/models/x", "base_model.gradient_checkpointing=full", "logging.eval_every=9"], notes)
+    assert cfg.model.path == "/models/x" and cfg.model.gradient_checkpointing == "full" and cfg.model.dtype == "float32"
+    assert cfg.eval.every == 9  # an old-name override still wins over the file's new key
+    assert sorted(notes) == sorted([
+        "deprecated: the config key base_model is now model; the old name stops working in the next release",
+        "deprecated: the config key logging.eval_every is now eval.every; the old name stops working in the next release",
+    ])
+
+
+def test_the_same_setting_under_both_names_in_one_place_is_refused(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text("logging:\n  eval_every: 7\neval:\n  every: 8\n")
+    with pytest.raises(ConfigError, match="logging.eval_every and eval.every are the same setting"):
+        load_config(PretrainConfig, both, [])
+
+
+def test_yaml_no_is_the_string_no_for_a_choice():
+    """YAML 1.1 reads `no` as false; train.mixed_precision=no must still mean fp32."""
+    assert load_config(PretrainConfig, None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    with pytest.raises(ConfigError, match="train.mixed_precision=True is not one of"):
+        load_config(PretrainConfig, None, ["train.mixed_precision=yes"])

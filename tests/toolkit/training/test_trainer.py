@@ -1,0 +1,91 @@
+"""The shared loop, driven in one process as a recipe drives it: steps, checkpoints, evaluation,
+a stop signal, and a resume that continues bit-exactly where the stop left off."""
+
+from __future__ import annotations
+
+import signal
+
+import datasets
+import pytest
+from accelerate.state import AcceleratorState
+
+from toolkit.config import load_config
+from toolkit.data.packing import collate, packed_dataset, target_counts
+from toolkit.run_dir import RunDir, TrainerState
+from toolkit.training.metrics import read_metrics
+from toolkit.training.recipe_config import PretrainConfig
+from toolkit.training.trainer import Stopped, Trainer, model_size
+
+SETTINGS = [
+    "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2", "train.mixed_precision=no",
+    "optim.warmup_steps=1", "logging.every=1", "logging.trackers=[]", "eval.blocks=4",
+]
+
+
+@pytest.fixture(scope="module")
+def blocks(tiny_texts, tiny_tokenizer, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("packed")
+    train = packed_dataset(datasets.Dataset.from_dict({"text": tiny_texts[:12]}), tiny_tokenizer, 64, cache, "train")
+    val = packed_dataset(datasets.Dataset.from_dict({"text": tiny_texts[12:14]}), tiny_tokenizer, 64, cache, "val")
+    return train, val
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Each Trainer builds its own Accelerator, as each launch does."""
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def start(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
+    cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={out}", *overrides])
+    trainer = Trainer("unit", cfg)
+    trainer.use_data(*blocks, collate, target_counts)
+    model = tiny_model("llama", seed=0, tokenizer=tokenizer)
+    trainer.prepare(model, tokenizer, *model_size(model, 64))
+    return trainer
+
+
+def losses(run: RunDir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run.metrics) if "loss" in r}
+
+
+def test_a_run_trains_evaluates_and_checkpoints_on_its_cadence(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model,
+                    "train.max_steps=4", "checkpoint.every=3", "checkpoint.keep_last=1", "eval.every=2")
+    trainer.fit()
+    trainer.finish()
+    plot = trainer.close()
+    run = trainer.run
+    records = read_metrics(run.metrics)
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert [(r["step"], r["phase"]) for r in records if "eval_loss" in r] == [(2, "train"), (4, "after")]
+    assert "held_bytes" in records[0] and "parameter_digests" in records[-1]
+    assert [p.name for p in run.complete_checkpoints()] == ["step-4"]  # step-3, then the last one; keep_last=1
+    state = TrainerState.read(run.checkpoint(4))
+    assert state.step == 4 and state.tokens_seen > 0 and state.last_eval["eval_loss"] == records[-2]["eval_loss"]
+    assert (run.checkpoint(4) / "model_files" / "config.json").is_file()
+    assert plot == run.loss_plot and plot.is_file()
+    assert trainer.facts("llama")["step"] == 4 and trainer.facts("llama")["strategy"] == "single process"
+
+
+def test_a_stop_signal_saves_a_checkpoint_and_resume_continues_bit_exactly(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    whole = start(tmp_path / "whole", blocks, tiny_tokenizer, tiny_model, "train.max_steps=3", "checkpoint.every=0")
+    whole.fit()
+    whole.close()
+
+    stopped = start(tmp_path / "stopped", blocks, tiny_tokenizer, tiny_model, "train.max_steps=3", "checkpoint.every=0")
+    stopped.stop._handle(signal.SIGTERM, None)  # what a SIGTERM during step 1 does
+    with pytest.raises(Stopped, match="stopped by a signal at step 1; checkpoint saved in .*step-1; continue with resume=auto"):
+        stopped.fit()
+    stopped.close()
+    assert [p.name for p in stopped.run.complete_checkpoints()] == ["step-1"]
+
+    AcceleratorState._reset_state(True)
+    resumed = start(tmp_path / "stopped", blocks, tiny_tokenizer, tiny_model,
+                    "train.max_steps=3", "checkpoint.every=0", "resume=auto")
+    assert resumed.resumed and resumed.step == 1
+    resumed.fit()
+    resumed.close()
+    assert losses(resumed.run) == losses(whole.run)  # the same floats, step 1 from before the stop
