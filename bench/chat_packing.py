@@ -28,7 +28,7 @@ padding, so both modes compute the loss of the same conversations (their loss pe
 agree; the script checks it). Padded-to-seq_len computes as many micro-batches as packing (same
 shape), over the first conversations of the sample only. Each mode does one untimed warm-up
 micro-batch (its first); then every micro-batch of every mode is timed: forward, the summed token
-loss (`toolkit.training.loss.forward_loss_sum`) divided by the sample's target count, backward. The modes'
+loss (`toolkit.models.loss.forward_loss_sum`) divided by the sample's target count, backward. The modes'
 micro-batches are interleaved (the machine is shared: a change in load hits all modes alike), and
 with `--rounds` > 1 each micro-batch's best time is kept. Throughput is per wall second; CPU s is
 given beside it. No optimizer step is timed (a fixed cost per step, which favours packing further).
@@ -68,7 +68,7 @@ from toolkit.data.chat import (  # noqa: E402
 )
 from toolkit.data.packing import IGNORE_INDEX  # noqa: E402
 from toolkit.models.base_model import BaseModelConfig, load_base_model  # noqa: E402
-from toolkit.training.loss import forward_loss_sum  # noqa: E402
+from toolkit.models.loss import forward_loss_sum  # noqa: E402
 
 
 def multi_turn_mix(records: list[dict], n: int, p: float, seed: int) -> list[dict]:

@@ -23,7 +23,7 @@ from toolkit.data.chat import (
 )
 from toolkit.data.packing import IGNORE_INDEX, column
 from toolkit.data.python_chats import PYTHON_CHATS
-from toolkit.training.loss import token_loss_sum
+from toolkit.models.loss import token_loss_sum
 
 # Meta-Llama-3-8B-Instruct's template, verbatim: BOS, headers, `| trim` on the content, <|eot_id|>.
 LLAMA3_TEMPLATE = (
