@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from toolkit.strategy.distributed import collective_failure, set_collective_timeout
@@ -51,3 +54,97 @@ def test_an_ordinary_error_is_left_alone():
     bug = compile("raise RuntimeError('Trying to resize storage that is not resizable')", fsdp.__file__, "exec")
     assert collective_failure(_raised_from(lambda: exec(bug)), step=1) is None
     assert collective_failure(_raised(ValueError("bad value")), step=1) is None
+
+
+# ---------------------------------------------------------------- one process: what Strategy says
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """`Strategy.launch` as a recipe calls it, in this one CPU process (no launcher environment)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from toolkit.strategy.distributed import Strategy
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("WORLD_SIZE", "RANK", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP",
+                     "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
+            mp.delenv(name, raising=False)
+        # launch sets the process-wide collective timeout (torch's defaults too): restored afterwards
+        import torch.distributed.distributed_c10d as c10d
+
+        import toolkit.strategy.distributed as distributed
+
+        for module, name in [(c10d, "default_pg_timeout"), (c10d, "default_pg_nccl_timeout"),
+                             (distributed, "_COLLECTIVE_TIMEOUT_S")]:
+            mp.setattr(module, name, getattr(module, name))
+        yield Strategy.launch(
+            mixed_precision="no", global_batch=4, micro_batch=2, max_grad_norm=1.0,
+            project_dir=str(tmp_path_factory.mktemp("run")), trackers=[], timeout_s=60,
+        )
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_one_process_is_the_single_strategy(single):
+    assert single.kind == "single" and single.name == "single process"
+    assert (single.world_size, single.rank, single.is_main) == (1, 0, True)
+    assert single.accumulation == 2 and single.accelerator.gradient_accumulation_steps == 2
+    assert single.is_replicated is True
+    assert single.zero_stage is None and single.ds_owned == ()
+    assert single.offloads_optimizer is False
+    assert single.device == torch.device("cpu")
+
+
+def test_the_first_log_line_says_what_is_in_force(single):
+    line = single.describe()
+    assert line.startswith("strategy=single process world_size=1 ")
+    assert "precision=fp32" in line and "device=cpu" in line and line.endswith("grad_accum=2")
+
+
+def test_adamw_is_torchs_own_on_cpu(single):
+    assert single.adamw() is torch.optim.AdamW
+
+
+def test_outside_training_sets_the_fsdp_loading_variables_aside_and_restores_them(single, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "1")
+    with single.outside_training():
+        assert "ACCELERATE_USE_FSDP" not in os.environ
+        assert "FSDP_CPU_RAM_EFFICIENT_LOADING" not in os.environ
+        model = torch.nn.Linear(2, 2)  # building works in here
+    assert model(torch.ones(1, 2)).shape == (1, 2)
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true" and os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "1"
+    with pytest.raises(KeyError), single.outside_training():  # restored on the way out of an error too
+        raise KeyError("boom")
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+
+
+def test_check_whole_refuses_a_zero3_partition_and_passes_a_whole_model(tiny_model):
+    from toolkit.strategy.distributed import check_whole
+
+    model = tiny_model("llama")
+    check_whole(model)  # a plain model: every weight is here
+    model.lm_head.weight.ds_id = 7  # what ZeRO-3 puts on each partitioned parameter
+    with pytest.raises(RuntimeError, match=r"lm_head\.weight is a ZeRO-3/FSDP shard"):
+        check_whole(model)
+
+
+def test_check_whole_refuses_an_fsdp2_dtensor():
+    from toolkit.strategy.distributed import check_whole
+
+    model = torch.nn.Linear(2, 2)
+    model.bias.to_local = lambda: model.bias  # FSDP2 parameters are DTensors, which have to_local()
+    with pytest.raises(RuntimeError, match="bias"):
+        check_whole(model)
+
+
+@pytest.mark.parametrize("rank, main", [(None, True), ("0", True), ("1", False), ("3", False)])
+def test_is_launch_main_follows_the_launchers_rank(monkeypatch, rank, main):
+    from toolkit.strategy.distributed import is_launch_main
+
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    assert is_launch_main() is main

@@ -1,0 +1,213 @@
+"""Where training text comes from: the embedded default, local files, folders and globs, and the
+held-out split. Every wrong path must end in one clear UserError, never a datasets traceback."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from toolkit.config import UserError
+from toolkit.data.corpus import EMBEDDED, DataConfig, load_corpus, split_documents
+
+TEXT = "first para line1\nline2\n\nsecond para\n\n\n\nthird\n"
+
+
+def corpus(path, **kwargs) -> tuple[list[str], str]:
+    ds, fingerprint = load_corpus(DataConfig(path=str(path), **kwargs))
+    assert ds.column_names == ["text"]
+    return list(ds["text"]), fingerprint
+
+
+# the embedded default
+
+
+def test_the_default_is_the_pydoc_topics(tiny_texts):
+    ds, fingerprint = load_corpus(DataConfig())
+    assert ds.column_names == ["text"]
+    assert list(ds["text"]) == [t for t in tiny_texts if t.strip()]
+    assert len(ds) > 50
+    assert load_corpus(DataConfig(path=""))[1] == fingerprint  # empty = the default too
+    assert len(fingerprint) == 16 and fingerprint != EMBEDDED
+
+
+# local files
+
+
+def test_a_text_file_split_by_paragraph_line_or_document(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text(TEXT)
+    by_paragraph, fp_paragraph = corpus(f)
+    assert [t.strip() for t in by_paragraph] == ["first para line1\nline2", "second para", "third"]
+    by_line, fp_line = corpus(f, sample_by="line")
+    assert by_line == ["first para line1", "line2", "second para", "third"]  # blank lines dropped
+    by_document, fp_document = corpus(f, sample_by="document")
+    assert by_document == [TEXT]
+    assert len({fp_paragraph, fp_line, fp_document}) == 3  # the split is part of the cache key
+
+
+def test_the_fingerprint_is_stable_and_follows_the_file(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text(TEXT)
+    _, first = corpus(f)
+    assert corpus(f)[1] == first
+    f.write_text(TEXT + "\nfourth, longer paragraph\n")
+    texts, changed = corpus(f)
+    assert changed != first
+    assert texts[-1].strip() == "fourth, longer paragraph"
+
+
+def test_a_folder_reads_its_text_files_recursively_and_ignores_others(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("from b\n")
+    (tmp_path / "a.md").write_text("from a\n")
+    (tmp_path / "sub" / "c.txt").write_text("from c\n")
+    (tmp_path / "notes.csv").write_text("x,y\n")  # not a corpus type: skipped
+    texts, _ = corpus(tmp_path)
+    assert [t.strip() for t in texts] == ["from a", "from b", "from c"]  # sorted by path
+
+
+def test_a_glob_reads_only_what_it_matches(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("from a\n")
+    (tmp_path / "b.txt").write_text("from b\n")
+    (tmp_path / "sub" / "c.txt").write_text("from c\n")
+    assert [t.strip() for t in corpus(tmp_path / "*.txt")[0]] == ["from a", "from b"]
+    assert [t.strip() for t in corpus(f"{tmp_path}/**/*.txt")[0]] == ["from a", "from b", "from c"]
+    assert [t.strip() for t in corpus(tmp_path / "sub" / "?.txt")[0]] == ["from c"]
+
+
+def test_jsonl_with_another_text_column_is_renamed(tmp_path):
+    rows = [{"body": "doc one", "id": 1}, {"body": "  ", "id": 2}, {"body": "doc three", "id": 3}]
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts, _ = corpus(f, text_column="body")
+    assert texts == ["doc one", "doc three"]  # the blank document is dropped, other columns too
+
+
+# mistakes
+
+
+@pytest.mark.parametrize("path", ["./no/such/dir", "missing.txt", "nohubid", "~/no-such-file-here.txt"])
+def test_a_missing_path_says_what_to_give(path):
+    with pytest.raises(UserError, match=rf"data.path={path} does not exist; give a file, a folder, a glob"):
+        load_corpus(DataConfig(path=path))
+
+
+def test_an_absolute_missing_path(tmp_path):
+    path = str(tmp_path / "gone" / "corpus")
+    with pytest.raises(UserError, match="does not exist"):
+        load_corpus(DataConfig(path=path))
+
+
+def test_a_glob_matching_nothing(tmp_path):
+    with pytest.raises(UserError, match=r"matches no files"):
+        load_corpus(DataConfig(path=str(tmp_path / "*.txt")))
+
+
+def test_a_folder_without_corpus_files(tmp_path):
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match=r"is a folder with no .*\.txt.* files"):
+        load_corpus(DataConfig(path=str(tmp_path)))
+
+
+def test_files_of_mixed_kinds(tmp_path):
+    (tmp_path / "a.txt").write_text("x\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "y"}\n')
+    with pytest.raises(UserError, match=r"holds files of types \['.jsonl', '.txt'\]; use one of"):
+        load_corpus(DataConfig(path=str(tmp_path)))
+
+
+def test_an_unsupported_file_type(tmp_path):
+    f = tmp_path / "table.csv"
+    f.write_text("text\nhello\n")
+    with pytest.raises(UserError, match=r"holds files of types \['.csv'\]"):
+        load_corpus(DataConfig(path=str(f)))
+
+
+def test_all_files_empty(tmp_path):
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.txt").write_text("")
+    with pytest.raises(UserError, match=r"holds no text \(all 2 file\(s\) are empty\)"):
+        load_corpus(DataConfig(path=str(tmp_path)))
+
+
+def test_only_whitespace_is_an_empty_corpus(tmp_path):
+    f = tmp_path / "blank.txt"
+    f.write_text("   \n\n \n\t\n")
+    with pytest.raises(UserError, match=r"holds no text \(0 non-empty documents\)"):
+        load_corpus(DataConfig(path=str(f)))
+
+
+def test_a_missing_text_column_lists_the_columns(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    f.write_text('{"content": "x", "id": 1}\n')
+    with pytest.raises(
+        UserError, match=r"data.text_column=text is not in .*; its columns are \['content', 'id'\]"
+    ):
+        load_corpus(DataConfig(path=str(f)))
+
+
+def test_unreadable_json_is_a_user_error(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    f.write_text('{"text": "ok"}\nnot json at all\n')
+    with pytest.raises(UserError, match=rf"could not read data.path={f} as json"):
+        load_corpus(DataConfig(path=str(f)))
+
+
+def test_data_config_validate():
+    assert DataConfig().validate() == []
+    assert DataConfig(val_fraction=1.0, seq_len=4, num_proc=0).validate() == [
+        "val_fraction=1.0 must be in [0, 1)",
+        "seq_len=4 is too short; use at least 8 tokens",
+        "num_proc=0 must be at least 1",
+    ]
+    assert DataConfig(val_fraction=-0.1).validate() == ["val_fraction=-0.1 must be in [0, 1)"]
+
+
+def test_resolved_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(tmp_path / "env"))
+    assert DataConfig().resolved_cache_dir() == tmp_path / "env"
+    assert DataConfig(cache_dir=str(tmp_path / "mine")).resolved_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("LLM_TOOLKIT_CACHE")
+    assert DataConfig().resolved_cache_dir().parts[-2:] == (".cache", "llm-toolkit")
+
+
+# split_documents
+
+
+def numbered(n: int) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(n)]})
+
+
+def test_split_holds_out_whole_documents_deterministically():
+    ds = numbered(40)
+    train, val = split_documents(ds, 0.1, seed=1234)
+    train_texts, val_texts = list(train["text"]), list(val["text"])
+    assert len(val_texts) == 4 and len(train_texts) == 36
+    assert sorted(train_texts + val_texts) == sorted(ds["text"])  # a partition: nothing lost or shared
+    assert train_texts == sorted(train_texts, key=lambda t: int(t.split()[1]))  # corpus order kept
+    again_train, again_val = split_documents(ds, 0.1, seed=1234)
+    assert list(again_val["text"]) == val_texts and list(again_train["text"]) == train_texts
+    other_val = [tuple(split_documents(ds, 0.1, seed=s)[1]["text"]) for s in range(5)]
+    assert len(set(other_val)) > 1  # the seed matters
+
+
+@pytest.mark.parametrize("n, fraction, n_val", [(40, 0.05, 2), (10, 0.01, 1), (7, 0.5, 4), (2, 0.5, 1)])
+def test_split_sizes_round_and_keep_at_least_one(n, fraction, n_val):
+    train, val = split_documents(numbered(n), fraction, seed=0)
+    assert (len(train), len(val)) == (n - n_val, n_val)
+
+
+def test_no_validation_fraction_keeps_everything():
+    ds = numbered(5)
+    train, val = split_documents(ds, 0, seed=0)
+    assert val is None and train is ds
+
+
+def test_a_single_document_cannot_be_split():
+    with pytest.raises(
+        UserError, match=r"the corpus has 1 document\(s\); cannot hold out 5% .* data.val_fraction=0"
+    ):
+        split_documents(numbered(1), 0.05, seed=0)

@@ -1,0 +1,277 @@
+"""What `recipes/export.py --from PATH [--checkpoint NAME]` points at, and the model it loads.
+
+Folders are laid out by hand as training writes them: an HF folder (save_pretrained), a run with
+final/, and DDP/single-process checkpoints (model.safetensors + trainer_state.json + model_files/).
+Every wrong path must end in one UserError that says what is there and what to give instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from toolkit.config import UserError
+from toolkit.export.consolidate import load_model, resolve_source
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, tiny_tokenizer):
+    return tiny_model("llama", seed=3, tokenizer=tiny_tokenizer)
+
+
+def save_hf(model, tokenizer, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_checkpoint(
+    model, tokenizer, folder: Path, step: int, complete: bool = True, eval_loss: float = 3.0
+) -> Path:
+    """What a DDP/one-process checkpoint holds: the weights, model_files/, and trainer_state.json last."""
+    folder.mkdir(parents=True)
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+        str(folder / "model.safetensors"),
+    )
+    model.config.save_pretrained(folder / "model_files")
+    tokenizer.save_pretrained(folder / "model_files")
+    if complete:
+        state = {
+            "step": step,
+            "tokens_seen": 1000 * step,
+            "last_eval": {"eval_loss": eval_loss, "eval_ppl": 20.0},
+        }
+        (folder / "trainer_state.json").write_text(json.dumps(state))
+    return folder
+
+
+def perturbed(model, seed: int):
+    """The same architecture with other weights, so that a test can tell which checkpoint loaded."""
+    other = type(model)(model.config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return other
+
+
+def assert_same_weights(loaded, expected):
+    got, want = loaded.state_dict(), expected.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == torch.float32, name
+        assert torch.equal(got[name], want[name]), name
+
+
+# Hugging Face folders and runs with final/
+
+
+def test_an_hf_folder_loads_as_it_was_saved(model, tiny_tokenizer, tmp_path):
+    folder = save_hf(model, tiny_tokenizer, tmp_path / "hf")
+    source = resolve_source(folder)
+    assert (source.kind, source.path, source.run_dir, source.step) == ("hf", folder, None, None)
+    assert source.describe() == f"Hugging Face model folder {folder}"
+    loaded, tokenizer, notes = load_model(source)
+    assert not loaded.training
+    assert_same_weights(loaded, model)
+    assert tokenizer("def f(x):")["input_ids"] == tiny_tokenizer("def f(x):")["input_ids"]
+    assert notes == [f"source: {source.describe()}"]
+
+
+def test_a_run_folder_exports_its_final(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    save_hf(model, tiny_tokenizer, run / "final")
+    summary = {"step": 40, "eval_loss": 2.5}
+    (run / "final" / "training_summary.json").write_text(json.dumps(summary))
+    # a complete checkpoint too: final/ is what a finished run delivers, so it wins
+    save_checkpoint(perturbed(model, 1), tiny_tokenizer, run / "checkpoints" / "step-40", 40)
+    source = resolve_source(run)
+    assert (source.kind, source.path, source.run_dir) == ("hf", run / "final", run)
+    assert source.facts == summary
+    assert_same_weights(load_model(source)[0], model)
+
+
+def test_a_config_without_weights(model, tmp_path):
+    model.config.save_pretrained(tmp_path / "half")
+    with pytest.raises(
+        UserError, match=r"has a config.json but no weights \(\*.safetensors or pytorch_model\*.bin\)"
+    ):
+        resolve_source(tmp_path / "half")
+
+
+def test_a_path_that_does_not_exist(tmp_path):
+    with pytest.raises(
+        UserError, match=rf"--from {tmp_path}/nope does not exist; give a run folder, a model folder"
+    ):
+        resolve_source(tmp_path / "nope")
+
+
+def test_a_folder_that_is_nothing_exportable(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(UserError, match=r"is not a model, run, checkpoint or adapter folder"):
+        resolve_source(tmp_path)
+
+
+# checkpoints
+
+
+def test_a_ddp_checkpoint_loads_identical_weights(model, tiny_tokenizer, tmp_path):
+    folder = save_checkpoint(
+        model, tiny_tokenizer, tmp_path / "run" / "checkpoints" / "step-20", 20, eval_loss=2.75
+    )
+    source = resolve_source(folder)
+    assert (source.kind, source.path, source.step, source.run_dir) == ("ddp", folder, 20, tmp_path / "run")
+    assert source.facts["step"] == 20 and source.facts["eval_loss"] == 2.75
+    loaded, tokenizer, notes = load_model(source)
+    assert not loaded.training and type(loaded) is type(model)
+    assert_same_weights(loaded, model)
+    assert tokenizer.eos_token_id == tiny_tokenizer.eos_token_id and len(tokenizer) == len(tiny_tokenizer)
+    assert notes[0].startswith(f"source: {source.describe()}")
+    with torch.no_grad():
+        ids = torch.tensor([[5, 6, 7, 8]])
+        torch.testing.assert_close(
+            loaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=0, atol=0
+        )
+
+
+def test_a_run_without_final_exports_its_newest_complete_checkpoint(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    save_checkpoint(perturbed(model, 1), tiny_tokenizer, run / "checkpoints" / "step-9", 9)
+    # step-10 is the newest by number, though not by name
+    save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-10", 10)
+    save_checkpoint(perturbed(model, 2), tiny_tokenizer, run / "checkpoints" / "step-11", 11, complete=False)
+    source = resolve_source(run)
+    assert (source.kind, source.path, source.step, source.run_dir) == (
+        "ddp",
+        run / "checkpoints" / "step-10",
+        10,
+        run,
+    )
+    assert_same_weights(load_model(source)[0], model)
+    assert resolve_source(run, checkpoint="latest").path == run / "checkpoints" / "step-10"
+
+
+def test_a_checkpoint_chosen_by_name(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    old = perturbed(model, 1)
+    save_checkpoint(old, tiny_tokenizer, run / "checkpoints" / "step-5", 5)
+    save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-10", 10)
+    source = resolve_source(run, checkpoint="step-5")
+    assert (source.path, source.step, source.run_dir) == (run / "checkpoints" / "step-5", 5, run)
+    assert_same_weights(load_model(source)[0], old)
+
+
+def test_a_checkpoint_without_trainer_state_is_incomplete(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-5", 5)
+    folder = save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-10", 10, complete=False)
+    for args in [(folder,), (run, "step-10")]:
+        with pytest.raises(UserError) as excinfo:
+            resolve_source(*args)
+        message = str(excinfo.value)
+        assert message.startswith(f"{folder} is an incomplete checkpoint (no trainer_state.json")
+        assert "export an earlier one" in message
+
+
+def test_a_checkpoint_name_that_is_not_there_lists_what_is(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-10", 10)
+    save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-2", 2)
+    save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-30", 30, complete=False)
+    with pytest.raises(UserError) as excinfo:
+        resolve_source(run, checkpoint="step-99")
+    # only complete checkpoints are offered, oldest first
+    assert str(excinfo.value) == f"--checkpoint step-99 is not in {run}/checkpoints; it has step-2, step-10"
+
+
+def test_a_run_with_no_complete_checkpoint(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-10", 10, complete=False)
+    with pytest.raises(
+        UserError, match=r"is a run with neither final/ nor a complete checkpoint; nothing to export"
+    ):
+        resolve_source(run)
+    with pytest.raises(UserError, match=r"has no complete checkpoint for --checkpoint latest"):
+        resolve_source(run, checkpoint="latest")
+    with pytest.raises(UserError, match=r"it has none$"):
+        resolve_source(run, checkpoint="step-3")
+
+
+def test_a_checkpoint_of_an_unknown_save(tmp_path):
+    folder = tmp_path / "step-3"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    (folder / "weights.npz").write_bytes(b"")
+    with pytest.raises(
+        UserError, match=r"is a checkpoint from an unknown save \(it holds trainer_state.json, weights.npz\)"
+    ):
+        resolve_source(folder)
+
+
+def test_a_checkpoint_without_model_files_or_final(model, tiny_tokenizer, tmp_path):
+    folder = save_checkpoint(model, tiny_tokenizer, tmp_path / "lone" / "step-4", 4)
+    for f in (folder / "model_files").iterdir():
+        f.unlink()
+    (folder / "model_files").rmdir()
+    source = resolve_source(folder)
+    assert source.kind == "ddp" and source.run_dir is None
+    with pytest.raises(UserError, match=r"has no model_files/ .* export the run's final/ instead"):
+        load_model(source)
+
+
+# LoRA adapters
+
+
+def test_an_adapter_folder_merges_onto_the_given_base(model, tiny_tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base_dir = save_hf(model, tiny_tokenizer, tmp_path / "base")
+    base = type(model).from_pretrained(base_dir)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.05)  # B starts at zero: make the adapter change something
+    peft_model.save_pretrained(tmp_path / "adapter")
+    source = resolve_source(tmp_path / "adapter")
+    assert (source.kind, source.path) == ("adapter", tmp_path / "adapter")
+
+    with pytest.raises(UserError, match=r"is a LoRA adapter; export the merged model with --merge-lora"):
+        load_model(source, base=str(base_dir), merge_lora=False)
+    merged, _, notes = load_model(source, base=str(base_dir))
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = peft_model.eval()(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-5)
+        assert (expected - model.eval()(input_ids=ids).logits).abs().max() > 1e-3
+    assert notes == [f"source: {source.describe()} on base {base_dir}, merged"]
+
+
+def test_an_adapter_finds_its_base_by_name_or_asks_for_it(model, tiny_tokenizer, tmp_path):
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    base_dir = save_hf(model, tiny_tokenizer, tmp_path / "base")
+    peft_model = get_peft_model(
+        type(model).from_pretrained(base_dir), LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    peft_model.save_pretrained(tmp_path / "adapter")
+    named = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str(base_dir)
+    source = resolve_source(tmp_path / "adapter")
+    merged, _, notes = load_model(source)  # the base peft recorded, still on disk
+    assert notes == [f"source: {source.describe()} on base {base_dir}, merged"]
+    assert_same_weights(merged, model)  # a fresh LoRA's B is zero: merging changes nothing
+
+    shutil.rmtree(base_dir)
+    with pytest.raises(
+        UserError, match=rf"is a LoRA adapter whose base is unknown or absent \({base_dir}\); give --base"
+    ):
+        load_model(source)

@@ -1,0 +1,167 @@
+"""One optimizer step over micro-batches (step.optimizer_step + loss.backward_scale) with a real
+Accelerator accumulating 2 micro-batches: the update must be the one full-batch step on the mean
+token loss over all target tokens, however unevenly the targets fall into micro-batches."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from toolkit.data.packing import IGNORE_INDEX, collate, pack_documents, target_counts, tokenize_documents
+from toolkit.models.loss import backward_scale
+from toolkit.training.step import optimizer_step
+
+SEQ_LEN = 32
+ACCUM = 2
+LR = 0.5
+INIT_RANGE = 0.2  # token losses that differ, so a wrong weighting of micro-batches shows
+
+
+@pytest.fixture(autouse=True)
+def _reset_accelerate(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def data(tiny_texts, tiny_tokenizer):
+    """Two global batches of 4 blocks, each split into 2 micro-batches with very different target counts."""
+    texts = [tiny_texts[2][:400], *"abcdefghijklmnopqrstuvwxyz0123456789", tiny_texts[4][:350], "the end."]
+    tokenized = tokenize_documents(datasets.Dataset.from_dict({"text": texts}), tiny_tokenizer)
+    blocks = pack_documents(tokenized, SEQ_LEN, tiny_tokenizer.pad_token_id).with_format("numpy")
+    counts = target_counts(blocks)
+    order = np.argsort(counts, kind="stable")
+    steps = []
+    for few, many in [(order[0:2], order[-2:]), (order[2:4], order[-4:-2])]:
+        micro = [collate(blocks[list(few)], "sdpa"), collate(blocks[list(many)], "sdpa")]
+        full = collate(blocks[[*few, *many]], "sdpa")
+        steps.append(
+            dict(
+                micro=micro,
+                full=full,
+                targets=int(counts[[*few, *many]].sum()),
+                micro_targets=[int(counts[few].sum()), int(counts[many].sum())],
+            )
+        )
+    return steps
+
+
+@pytest.fixture
+def make_model(tiny_model, tiny_tokenizer):
+    return lambda: tiny_model("llama", seed=0, tokenizer=tiny_tokenizer, initializer_range=INIT_RANGE)
+
+
+def hand_token_losses(model, batch) -> torch.Tensor:
+    """Every target's next-token loss, written out: logits at t predict the label at t + 1."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    keep = labels != IGNORE_INDEX
+    return F.cross_entropy(logits[keep], labels[keep], reduction="none")
+
+
+def reference_steps(make_model, steps, optimizer_cls, max_grad_norm: float | None):
+    """Plain PyTorch, no Accelerate: one full batch per step, loss = mean over its target tokens."""
+    model = make_model().train()
+    optimizer = optimizer_cls(model.parameters())
+    losses, norms, grads = [], [], []
+    for step in steps:
+        token_losses = hand_token_losses(model, step["full"])
+        assert token_losses.numel() == step["targets"]
+        token_losses.mean().backward()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(token_losses.double().sum().item())
+    return model, optimizer, losses, norms, grads
+
+
+def toolkit_steps(make_model, steps, optimizer_cls, max_grad_norm: float | None):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, optimizer_cls(model.parameters()))
+    model.train()
+    losses, norms = [], []
+    for step in steps:
+        scale = backward_scale(step["targets"], accelerator.num_processes, ACCUM)
+        loss_sum, grad_norm = optimizer_step(
+            accelerator, model, optimizer, step["micro"], scale, max_grad_norm
+        )
+        assert loss_sum.dtype == torch.float64
+        losses.append(loss_sum.item())
+        norms.append(grad_norm)
+    return accelerator.unwrap_model(model), optimizer, losses, norms
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+def assert_same_weights(actual, expected):
+    a, e = dict(actual.named_parameters()), dict(expected.named_parameters())
+    assert a.keys() == e.keys()
+    for name in e:
+        assert torch.allclose(a[name], e[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_micro_batches_are_uneven(data):
+    for step in data:
+        few, many = step["micro_targets"]
+        assert few + many == step["targets"]
+        assert many >= 1.2 * few, step["micro_targets"]  # a mean of micro-batch means would be off
+
+
+def test_accumulated_step_equals_one_full_batch_step(make_model, data):
+    step = data[0]
+    ref_model, _, ref_losses, ref_norms, ref_grads = reference_steps(make_model, [step], sgd, None)
+    model, _, losses, norms = toolkit_steps(make_model, [step], sgd, None)
+    assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
+    assert norms[0] is not None and float(norms[0]) == pytest.approx(float(ref_norms[0]), rel=1e-5)
+    assert_same_weights(model, ref_model)
+    # SGD: the weights moved by exactly -lr * (the full-batch gradient)
+    initial = dict(make_model().named_parameters())
+    for name, p in model.named_parameters():
+        grad = (initial[name] - p) / LR
+        assert torch.allclose(grad, ref_grads[0][name], rtol=1e-4, atol=1e-6), name
+    assert any(g.abs().max() > 1e-3 for g in ref_grads[0].values())  # and the gradient is not ~0
+
+
+def test_loss_sum_is_the_sum_of_token_losses(make_model, data):
+    step = data[0]
+    model = make_model().train()
+    with torch.no_grad():
+        per_micro = [hand_token_losses(model, b).double().sum().item() for b in step["micro"]]
+    _, _, losses, _ = toolkit_steps(make_model, [step], sgd, None)
+    assert losses[0] == pytest.approx(sum(per_micro), rel=1e-6)
+    # the mean token loss is loss_sum / targets, not the mean of the two micro-batch means
+    mean = losses[0] / step["targets"]
+    naive = sum(s / n for s, n in zip(per_micro, step["micro_targets"], strict=True)) / ACCUM
+    assert abs(mean - naive) > 1e-3 * mean
+
+
+def test_two_steps_with_clipping_and_adamw(make_model, data):
+    """Two optimizer steps of 2 micro-batches each: AdamW stepped exactly twice, gradients clipped
+    once per step on the accumulated gradient, the same weights as two clipped full-batch steps."""
+
+    def adamw(params):
+        # eps well above the float32 noise of a near-zero gradient entry: with the default 1e-8 Adam
+        # turns that noise into a full-size step (m / sqrt(v) ~ sign), on both paths alike
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+    max_norm = 0.05
+    ref_model, ref_opt, ref_losses, ref_norms, _ = reference_steps(make_model, data, adamw, max_norm)
+    assert all(float(n) > max_norm for n in ref_norms)  # clipping really happens
+    model, optimizer, losses, norms = toolkit_steps(make_model, data, adamw, max_norm)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert [float(n) for n in norms] == pytest.approx([float(n) for n in ref_norms], rel=1e-4)
+    steps = {int(s["step"]) for s in optimizer.optimizer.state.values()}
+    assert steps == {2}
+    assert_same_weights(model, ref_model)
