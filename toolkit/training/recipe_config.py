@@ -24,19 +24,31 @@ EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval
 
 
 @dataclass
-class PretrainConfig:
-    output_dir: str = field("runs/pretrain", help="where checkpoints, metrics, plots and final/ go")
+class RunConfig:
+    """The sections every recipe has, named alike: where the run goes and how the shared loop runs."""
+
+    output_dir: str = field("runs/run", help="where checkpoints, metrics, plots and the deliverables go")
     seed: int = field(1234, help="seed for init, data order and dropout")
     resume: str | None = field(None, help="auto (newest complete checkpoint in output_dir) or a checkpoint folder")
     overwrite: bool = field(False, help="delete an existing run in output_dir and start over")
-    model: ModelConfig = field(default_factory=ModelConfig, help="architecture")
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, help="tokenizer")
-    data: DataConfig = field(default_factory=DataConfig, help="corpus and packing")
     train: TrainConfig = field(default_factory=TrainConfig, help="steps, batch sizes, precision")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, help="checkpoint cadence")
     logging: LoggingConfig = field(default_factory=LoggingConfig, help="metrics and trackers")
     eval: EvalConfig = field(default_factory=EvalConfig, help="held-out evaluation cadence and size")
+
+    def validate(self) -> list[str]:
+        if self.resume and self.overwrite:
+            return ["resume and overwrite=true contradict each other; choose one"]
+        return []
+
+
+@dataclass
+class PretrainConfig(RunConfig):
+    output_dir: str = field("runs/pretrain", help="where checkpoints, metrics, plots and final/ go")
+    model: ModelConfig = field(default_factory=ModelConfig, help="architecture")
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, help="tokenizer")
+    data: DataConfig = field(default_factory=DataConfig, help="corpus and packing")
     samples: SamplesConfig = field(
         default_factory=lambda: SamplesConfig(max_new_tokens=40), help="generations from final/ at the end"
     )
@@ -46,11 +58,6 @@ class PretrainConfig:
         "sample.max_new_tokens": "samples.max_new_tokens",
         **EVAL_RENAMED,
     }
-
-    def validate(self) -> list[str]:
-        if self.resume and self.overwrite:
-            return ["resume and overwrite=true contradict each other; choose one"]
-        return []
 
 
 @dataclass
@@ -81,24 +88,11 @@ class FinetuneDataConfig(DataConfig):
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(RunConfig):
     output_dir: str = field("runs/finetune", help="where checkpoints, metrics, samples, adapter/ and final/ go")
-    seed: int = field(1234, help="seed for LoRA init, data order and dropout")
-    resume: str | None = field(None, help="auto (newest complete checkpoint in output_dir) or a checkpoint folder")
-    overwrite: bool = field(False, help="delete an existing run in output_dir and start over")
     model: BaseModelConfig = field(default_factory=BaseModelConfig, help="the pretrained model to adapt")
     adapter: AdapterConfig = field(default_factory=AdapterConfig, help="full, LoRA or QLoRA")
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig, help="domain text or chat records")
-    train: TrainConfig = field(default_factory=TrainConfig, help="steps, batch sizes, precision")
-    optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, help="checkpoint cadence")
-    logging: LoggingConfig = field(default_factory=LoggingConfig, help="metrics and trackers")
-    eval: EvalConfig = field(default_factory=EvalConfig, help="held-out evaluation cadence and size")
     samples: SamplesConfig = field(default_factory=SamplesConfig, help="generations before and after, into samples.md")
 
     RENAMED: ClassVar[dict] = {"base_model": "model", **EVAL_RENAMED}
-
-    def validate(self) -> list[str]:
-        if self.resume and self.overwrite:
-            return ["resume and overwrite=true contradict each other; choose one"]
-        return []
