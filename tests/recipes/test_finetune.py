@@ -45,9 +45,10 @@ def smol_run(tmp_path_factory, monkeypatch_module, smollm2_gguf_path):
     recipe.setup()
     recipe.train()
     recipe.cleanup()
-    batch = recipe.collate(recipe.val_blocks.with_format("numpy")[:2], "sdpa")
+    trainer = recipe.trainer
+    batch = trainer.collate(trainer.val_blocks.with_format("numpy")[:2], "sdpa")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    live = recipe.accelerator.unwrap_model(recipe.model).eval()
+    live = trainer.accelerator.unwrap_model(trainer.model).eval()
     with torch.no_grad():
         live_logits = live(**inputs).logits
     yield out, recipe, inputs, live_logits
@@ -67,7 +68,7 @@ def test_lora_steps_lower_the_held_out_loss(smol_run):
     out, recipe, _, _ = smol_run
     phases = {r["phase"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "phase" in r}
     assert phases["after"] < phases["before"] - 0.01, phases
-    assert recipe.eval_before["eval_loss"] == phases["before"]
+    assert recipe.trainer.state.eval_before["eval_loss"] == phases["before"]
 
 
 def test_adapter_reloads_onto_the_base_with_the_same_logits(smol_run):
