@@ -35,6 +35,7 @@ from toolkit.data.batching import BatchSchedule
 from toolkit.data.packing import check_attention, column
 from toolkit.export.hf_folder import write_model_files
 from toolkit.models.loss import backward_scale
+from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
@@ -45,6 +46,7 @@ from toolkit.training.metrics import (
     check_trackers,
     estimate_mfu,
     flat_hparams,
+    flops_per_token,
     peak_flops,
     peak_memory_mb,
     plot_loss,
@@ -315,9 +317,6 @@ class Trainer:
 
 def model_size(model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
     """(parameters, training FLOPs per token) of a model about to train, for the card and MFU."""
-    from toolkit.models.scratch import count_parameters
-    from toolkit.training.metrics import flops_per_token
-
     n_params = count_parameters(model)
     flops = flops_per_token(
         count_parameters(model, exclude_embeddings=True), model.config.num_hidden_layers,
