@@ -11,13 +11,29 @@ from toolkit.config import field
 
 @dataclass
 class ComputeConfig:
-    attn_implementation: str = field("sdpa", help="sdpa (CPU/GPU) or flash_attention_2 (GPU)")
+    attn_implementation: str = field(
+        "sdpa",
+        help="sdpa (CPU/GPU), flex_attention (a compiled document BlockMask; fastest with model.compile on GPUs) "
+        "or flash_attention_2 (GPU, when installed)",
+    )
     gradient_checkpointing: Literal["none", "full", "every_k"] = field(
         "none", help="recompute activations in the backward: none, full (every layer) or every_k"
     )
     gradient_checkpointing_k: int = field(2, help="with every_k: checkpoint every k-th decoder layer")
+    compile: bool = field(
+        False, help="torch.compile each decoder layer in place (regional compilation); the first steps compile"
+    )
+    loss: Literal["full", "chunked"] = field(
+        "full",
+        help="full: fp32 logits of the whole micro-batch at once; chunked: the output projection and "
+        "cross-entropy loss_chunk_tokens at a time, never holding the (tokens x vocab) logits",
+    )
+    loss_chunk_tokens: int = field(4096, help="with loss=chunked: tokens per chunk")
 
     def validate(self) -> list[str]:
+        problems = []
         if self.gradient_checkpointing_k < 1:
-            return [f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1"]
-        return []
+            problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
+        if self.loss_chunk_tokens < 1:
+            problems.append(f"loss_chunk_tokens={self.loss_chunk_tokens} must be at least 1")
+        return problems

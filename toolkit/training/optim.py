@@ -21,6 +21,9 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95], help="AdamW betas")
     eps: float = field(1e-8, help="AdamW epsilon")
     max_grad_norm: float = field(1.0, help="clip the global gradient norm to this (0 = no clipping)")
+    fused: Literal["auto", "true", "false"] = field(
+        "auto", help="torch's fused AdamW kernel: auto = on CUDA, where it is fastest; true/false to force"
+    )
 
     def validate(self) -> list[str]:
         problems = []
