@@ -9,7 +9,8 @@ and mapping character offsets to tokens, so any template works, with or without 
 `{% generation %}` block.
 
 Packed blocks use the layout of `toolkit.data.packing` (input_ids, position_ids restarting at 0 at
-each conversation, num_tokens) plus `labels`, so `block_causal_mask` keeps conversations apart.
+each conversation, num_tokens) plus `labels`, so attention keeps conversations apart the same way
+(`toolkit.data.packing.attention_inputs`).
 A conversation is never split across blocks: they are placed longest first into the block
 they fill most tightly (best-fit decreasing); the tail of each block is padding (its own
 segment, no targets).
@@ -31,7 +32,7 @@ import pyarrow as pa
 import torch
 
 from toolkit.config import UserError, field
-from toolkit.data.packing import IGNORE_INDEX, MASKED_ATTENTION, block_causal_mask
+from toolkit.data.packing import IGNORE_INDEX, attention_inputs
 
 ROLES = ("system", "user", "assistant")
 EMBEDDED = "embedded:python-chats"
@@ -344,9 +345,7 @@ def collate_chat(columns: dict, attn_implementation: str) -> dict[str, torch.Ten
         "position_ids": position_ids,
         "labels": torch.as_tensor(np.asarray(columns["labels"]), dtype=torch.long),
     }
-    if attn_implementation in MASKED_ATTENTION:
-        batch["attention_mask"] = block_causal_mask(position_ids)
-    return batch
+    return attention_inputs(batch, attn_implementation)
 
 
 def chat_target_counts(blocks: datasets.Dataset) -> np.ndarray:

@@ -2,11 +2,19 @@
 
 Each document becomes `tokens + [EOS]`; documents are laid end to end and cut every `seq_len`
 tokens. Every block carries `position_ids` that restart at 0 where a document starts (and at
-the start of each block), which is all a model needs to keep attention inside documents:
+the start of each block), which is all a model needs to keep attention inside documents, told
+in the way each attention implementation reads it (`attention_inputs`):
 
 - sdpa: `block_causal_mask` turns position ids into a 4-D boolean block-diagonal causal mask.
-  Position ids alone are NOT enough under sdpa/eager (measured: logit error 0.41).
-- flash_attention_2/3: transformers reads the boundaries from `position_ids` (varlen path).
+  Position ids alone are NOT enough under sdpa/eager when the model keeps a KV cache
+  (measured: logit error 0.41).
+- flex_attention: transformers reads the boundaries from `position_ids` and builds a document
+  BlockMask (sparse: blocks across documents are skipped, not computed and masked). Only when
+  the forward runs without a KV cache, which is why `toolkit.models.loss` passes `use_cache=False`.
+- flash_attention_2/3: transformers' varlen path reads the boundaries from `position_ids`, but
+  only for a batch of one row; with more rows it silently runs plain causal attention over each
+  row. The micro-batch is therefore flattened into one row of B x seq_len tokens (each block
+  starts a document, so the rows stay apart too).
 
 Nothing is dropped: the last block is padded, and padding is a separate segment that no real
 token attends to and no loss is computed on (`num_tokens` says where real tokens end).
@@ -28,15 +36,16 @@ from toolkit.config import UserError
 IGNORE_INDEX = -100
 PACKING_VERSION = "1"
 # Attention implementations that can keep packed documents apart, and how they are told.
-MASKED_ATTENTION = {"sdpa"}
-VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3"}
+MASKED_ATTENTION = {"sdpa"}  # a 4-D boolean mask
+POSITION_ATTENTION = {"flex_attention"}  # position ids, one row per block
+VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3"}  # position ids, the blocks in one row
 
 
 def check_attention(attn_implementation: str) -> None:
-    if attn_implementation not in MASKED_ATTENTION | VARLEN_ATTENTION:
+    if attn_implementation not in MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION:
         raise UserError(
             f"model.attn_implementation={attn_implementation} cannot keep packed documents apart "
-            "(eager ignores boolean 4-D masks, measured logit error 0.48); use sdpa, or "
+            "(eager ignores boolean 4-D masks, measured logit error 0.48); use sdpa, flex_attention, or "
             "flash_attention_2 on GPU"
         )
 
@@ -183,8 +192,18 @@ def collate(columns: dict, attn_implementation: str) -> dict[str, torch.Tensor]:
         "position_ids": position_ids,
         "labels": labels_for(input_ids, position_ids, num_tokens),
     }
+    return attention_inputs(batch, attn_implementation)
+
+
+def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str) -> dict[str, torch.Tensor]:
+    """A collated batch (input_ids, position_ids, labels; B x L) as the attention kind needs it."""
     if attn_implementation in MASKED_ATTENTION:
-        batch["attention_mask"] = block_causal_mask(position_ids)
+        batch["attention_mask"] = block_causal_mask(batch["position_ids"])
+    elif attn_implementation in VARLEN_ATTENTION:
+        # A row's first label is never a target (the shift drops it); ignoring it keeps the last
+        # token of one row from predicting the first of the next once the rows are one.
+        batch["labels"][:, 0] = IGNORE_INDEX
+        batch = {k: v.reshape(1, -1) for k, v in batch.items()}
     return batch
 
 

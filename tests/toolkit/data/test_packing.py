@@ -125,30 +125,41 @@ def test_pack_respects_selection_and_chunks(tiny_tokenizer, docs):
 
 
 # ---------------------------------------------------------------------------------- isolation
+def forward_logits(model, batch):
+    """The model's logits for a collated batch, called as toolkit.models.loss calls it (no KV cache)."""
+    return model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+
+
 def segments(position_ids: torch.Tensor, num_tokens: int):
     """(start, end) of each run of real tokens whose position ids count up from 0."""
     starts = [i for i in range(num_tokens) if position_ids[i] == 0] + [num_tokens]
     return list(zip(starts[:-1], starts[1:], strict=True))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen2"])
-def test_packed_document_logits_equal_alone(model_type, packed, tiny_tokenizer, tiny_model):
+@pytest.mark.parametrize(
+    "model_type, attn",
+    [("llama", "sdpa"), ("gpt2", "sdpa"), ("qwen2", "sdpa"), ("llama", "flex_attention"), ("qwen2", "flex_attention")],
+)
+def test_packed_document_logits_equal_alone(model_type, attn, packed, tiny_tokenizer, tiny_model):
+    """Every document's logits equal those of the document run alone, under each attention kind
+    as the toolkit feeds it (flex_attention: forward only, torch has no CPU backward for it)."""
     model = tiny_model(model_type, tokenizer=tiny_tokenizer).eval()
     # the blocks that hold several documents (some of them the tail of a split one), and the padded last
     pos, n_real = column(packed, "position_ids"), column(packed, "num_tokens")
     rows = [i for i in range(len(packed)) if (pos[i, : n_real[i]] == 0).sum() > 1] + [len(packed) - 1]
-    batch = collate(packed[rows], "sdpa")
-    assert batch["attention_mask"].shape == (len(rows), 1, SEQ_LEN, SEQ_LEN)
+    batch = collate(packed[rows], attn)
+    if attn == "sdpa":
+        assert batch["attention_mask"].shape == (len(rows), 1, SEQ_LEN, SEQ_LEN)
+    else:
+        assert "attention_mask" not in batch
+        model.set_attn_implementation(attn)
     # Control: a causal mask that ignores document boundaries (what a broken block_causal_mask
     # would give). transformers 5 infers packing from position_ids when no mask is passed, so
     # "no mask" is not a usable control here; an explicit causal-only mask is.
     causal_only = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril().expand(len(rows), 1, SEQ_LEN, SEQ_LEN)
     with torch.no_grad():
-        masked = model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            attention_mask=batch["attention_mask"],
-        ).logits
+        masked = forward_logits(model, batch)
+        model.set_attn_implementation("sdpa")
         unmasked = model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=causal_only
         ).logits
@@ -231,8 +242,46 @@ def test_check_attention_refuses_eager():
 
 def test_collate_builds_mask_only_for_sdpa(packed):
     assert "attention_mask" in collate(packed[[0, 1]], "sdpa")
+    flex = collate(packed[[0, 1]], "flex_attention")
+    assert "attention_mask" not in flex and flex["position_ids"].shape == (2, SEQ_LEN)
     flash = collate(packed[[0, 1]], "flash_attention_2")
     assert "attention_mask" not in flash and "position_ids" in flash
+
+
+def test_varlen_rows_never_predict_across_their_border():
+    """Chat labels need not ignore a block's first token; once rows are one, it must be ignored,
+    or the last token of a row would learn to predict the next row's first."""
+    ids = torch.arange(12).reshape(3, 4)
+    batch = packing.attention_inputs(
+        {"input_ids": ids, "position_ids": torch.arange(4).repeat(3, 1), "labels": ids.clone()}, "flash_attention_2"
+    )
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, 1, 2, 3, IGNORE_INDEX, 5, 6, 7, IGNORE_INDEX, 9, 10, 11]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3] * 3]
+
+
+def test_varlen_batch_is_one_row_with_the_same_loss(packed, tiny_tokenizer, tiny_model):
+    """transformers' flash varlen path reads document boundaries from position ids only for a
+    batch of one row; the blocks are flattened into one, and that changes no target and no loss.
+    (flash-attention needs CUDA: here the flattened row goes through sdpa with the mask that its
+    own position ids give, which is what varlen attention computes.)"""
+    from toolkit.models.loss import token_loss_sum
+
+    rows = list(range(min(4, len(packed))))
+    flat = collate(packed[rows], "flash_attention_2")
+    assert {k: tuple(v.shape) for k, v in flat.items()} == {k: (1, len(rows) * SEQ_LEN) for k in flat}
+    per_row = collate(packed[rows], "sdpa")
+    model = tiny_model("llama", tokenizer=tiny_tokenizer).eval()
+    with torch.no_grad():
+        flat_logits = model(
+            input_ids=flat["input_ids"], position_ids=flat["position_ids"],
+            attention_mask=block_causal_mask(flat["position_ids"]),
+        ).logits
+        row_logits = forward_logits(model, per_row)
+    torch.testing.assert_close(flat_logits.reshape(row_logits.shape), row_logits, atol=1e-5, rtol=0)
+    assert (flat["labels"] != IGNORE_INDEX).sum() == (per_row["labels"][:, 1:] != IGNORE_INDEX).sum()
+    torch.testing.assert_close(
+        token_loss_sum(flat_logits, flat["labels"]), token_loss_sum(row_logits, per_row["labels"]), rtol=1e-6, atol=0
+    )
 
 
 # -------------------------------------------------------------------------------------- cache
