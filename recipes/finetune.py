@@ -46,6 +46,7 @@ from toolkit.models.adapter import (
     quantization_config,
 )
 from toolkit.models.base_model import load_base_model
+from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import max_positions
 from toolkit.strategy.distributed import exit_process
@@ -113,6 +114,8 @@ class FinetuneRecipe:
         torch.manual_seed(cfg.seed)
         model, weights_note = apply_adapter(model, cfg.adapter)
         trainer.print(weights_note)
+        if cfg.model.compile:  # after the adapter, so that the compiled layers hold its modules
+            compile_layers(model)
         trainer.prepare(model, self.tokenizer, n_params, flops_token, {"base_model.json": to_dict(cfg.model)})
 
         # Held-out loss of the base model, the "before" of the comparison at the end.

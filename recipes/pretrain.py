@@ -30,6 +30,7 @@ from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.packing import collate, packed_splits, target_counts
 from toolkit.data.tokenizer import get_tokenizer
 from toolkit.export.hf_folder import save_final_model
+from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import build_model, check_seq_len, hf_config, meta_model
 from toolkit.strategy.distributed import exit_process
@@ -71,6 +72,8 @@ class PretrainRecipe:
         with strategy.outside_training():
             model = build_model(cfg.model, config, cfg.seed)
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
+        if cfg.model.compile:
+            compile_layers(model)
         n_params, flops_token = model_size(model, cfg.data.seq_len)
         trainer.print(
             f"model: {cfg.model.model_type}, {n_params:,} parameters, "

@@ -60,10 +60,10 @@ def check_trackers(trackers: list[str]) -> None:
             )
 
 
-def flops_per_token(n_params_no_embed: int, n_layers: int, hidden: int, seq_len: int) -> float:
+def flops_per_token(n_matmul_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token, as in PaLM (appendix B) and nanoGPT: 6N for the weight matmuls
     plus 12 * layers * seq_len * hidden for the attention scores and values (forward + backward)."""
-    return 6 * n_params_no_embed + 12 * n_layers * seq_len * hidden
+    return 6 * n_matmul_params + 12 * n_layers * seq_len * hidden
 
 
 def peak_flops(device: torch.device) -> float | None:

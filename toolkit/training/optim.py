@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,6 +56,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, adamw=torch.optim.
     return adamw(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
+def use_fused(fused: str, device: torch.device) -> bool:
+    """torch's fused AdamW: one kernel for all parameters instead of a few per tensor list. The
+    same update up to rounding; `auto` takes it on CUDA only, so CPU runs keep their exact numbers."""
+    return fused == "true" or (fused == "auto" and device.type == "cuda")
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
     """transformers' schedules: cosine decays to min_lr_ratio x peak, linear to 0."""
     name = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}[cfg.schedule]
@@ -77,7 +84,10 @@ def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = strategy.placeholder_optimizer(trainable, cfg.lr, cfg.weight_decay)
     else:
-        optimizer = build_optimizer(model, cfg, strategy.adamw())
+        adamw = strategy.adamw()
+        if adamw is torch.optim.AdamW and use_fused(cfg.fused, strategy.accelerator.device):
+            adamw = functools.partial(torch.optim.AdamW, fused=True)
+        optimizer = build_optimizer(model, cfg, adamw)
     if "scheduler" in strategy.ds_owned:
         scheduler = strategy.placeholder_scheduler(optimizer, max_steps, cfg.warmup_steps)
         model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)

@@ -30,7 +30,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from toolkit.config import field, to_dict
+from toolkit.config import UserError, field, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.packing import check_attention, column
 from toolkit.export.hf_folder import write_model_files
@@ -123,6 +123,11 @@ class Trainer:
             timeout_s=t.collective_timeout_s,
         )
         self.accelerator = strategy.accelerator
+        if cfg.model.attn_implementation == "flex_attention" and self.accelerator.device.type == "cpu":
+            raise UserError(
+                "model.attn_implementation=flex_attention trains only on GPUs (torch has no CPU backward for "
+                "it); use sdpa on CPU"
+            )
         if cfg.overwrite and strategy.is_main:
             self.run.remove_own()  # only its own entries: check() refused anything else
         self.accelerator.wait_for_everyone()
@@ -316,11 +321,16 @@ class Trainer:
 
 
 def model_size(model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
-    """(parameters, training FLOPs per token) of a model about to train, for the card and MFU."""
+    """(parameters, training FLOPs per token) of a model about to train, for the card and MFU.
+
+    The FLOPs count every weight that multiplies: the input embedding is a lookup and does not,
+    but a tied output head is the same matrix used as a matmul over the vocabulary, and counts
+    (leaving it out read SmolLM2's MFU ~20 % low, the 1B config's ~6 %).
+    """
     n_params = count_parameters(model)
-    flops = flops_per_token(
-        count_parameters(model, exclude_embeddings=True), model.config.num_hidden_layers,
-        model.config.hidden_size, seq_len,
-    )
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied_head = head is not None and embedding is not None and head.weight is embedding.weight
+    n_matmul = count_parameters(model, exclude_embeddings=True) + (head.weight.numel() if tied_head else 0)
+    flops = flops_per_token(n_matmul, model.config.num_hidden_layers, model.config.hidden_size, seq_len)
     return n_params, flops
 

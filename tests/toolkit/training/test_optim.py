@@ -4,6 +4,7 @@ optimizer + scheduler of a real single-process Strategy (registered for checkpoi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -252,3 +253,35 @@ def test_the_scheduler_position_survives_save_and_load_state(strategy, tmp_path)
     assert scheduler.last_epoch == 3
     _step(model, optimizer, scheduler)  # resumes where it stopped
     assert optimizer.param_groups[0]["lr"] == pytest.approx(LR * 4 / WARMUP)
+
+
+@pytest.mark.parametrize("fused, expected", [("auto", None), ("false", None), ("true", True)])
+def test_fused_adamw_is_taken_on_cuda_or_when_asked(strategy, fused, expected):
+    """auto leaves CPU runs on the default (foreach) kernel, so their numbers stay exactly as they were."""
+    assert strategy.accelerator.device.type == "cpu"
+    _, optimizer, _, _ = prepare_optimization(strategy, Tiny(), OptimConfig(lr=LR, fused=fused), MAX_STEPS)
+    assert optimizer.optimizer.defaults["fused"] is expected
+
+
+def test_use_fused_on_each_device():
+    from toolkit.training.optim import use_fused
+
+    assert use_fused("auto", torch.device("cuda")) and not use_fused("auto", torch.device("cpu"))
+    assert use_fused("true", torch.device("cpu")) and not use_fused("false", torch.device("cuda"))
+
+
+def test_the_fused_kernel_gives_the_same_update_up_to_rounding():
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)]
+    models[1].load_state_dict(models[0].state_dict())
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    optimizers = [build_optimizer(models[0], cfg), build_optimizer(models[1], cfg, functools.partial(torch.optim.AdamW, fused=True))]
+    x = torch.randn(4, 16)
+    for _ in range(5):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert optimizers[1].defaults["fused"] is True

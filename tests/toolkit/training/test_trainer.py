@@ -9,7 +9,7 @@ import datasets
 import pytest
 from accelerate.state import AcceleratorState
 
-from toolkit.config import load_config
+from toolkit.config import UserError, load_config
 from toolkit.data.packing import collate, packed_dataset, target_counts
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.training.metrics import read_metrics
@@ -89,3 +89,26 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues_bit_exactly(tmp_p
     resumed.fit()
     resumed.close()
     assert losses(resumed.run) == losses(whole.run)  # the same floats, step 1 from before the stop
+
+
+def test_model_size_counts_a_tied_output_head_as_a_matmul(tiny_model):
+    """The input embedding is a lookup (no FLOPs); the output head multiplies, tied to it or not."""
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    tied = tiny_model("llama", seed=0, tie_word_embeddings=True, **sizes)
+    untied = tiny_model("llama", seed=0, tie_word_embeddings=False, **sizes)
+    head = tied.config.vocab_size * 64
+    n_tied, flops_tied = model_size(tied, 128)
+    n_untied, flops_untied = model_size(untied, 128)
+    assert n_untied - n_tied == head  # the tied model stores the matrix once
+    assert flops_tied == flops_untied  # but both multiply by it in every forward
+    layers = sum(p.numel() for p in tied.model.layers.parameters()) + 64  # + the final norm
+    assert flops_tied == 6 * (layers + head) + 12 * 2 * 128 * 64
+
+
+def test_flex_attention_is_refused_on_cpu_before_anything_is_written(tmp_path):
+    cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={tmp_path / 'run'}",
+                                             "model.attn_implementation=flex_attention"])
+    with pytest.raises(UserError, match="flex_attention trains only on GPUs.*use sdpa on CPU"):
+        Trainer("unit", cfg)
+    assert not (tmp_path / "run").exists()

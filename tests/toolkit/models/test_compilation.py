@@ -1,0 +1,74 @@
+"""Regional compilation: the same loss and gradients as eager, compiled layer by layer in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from toolkit.config import UserError
+from toolkit.data.packing import block_causal_mask, labels_for
+from toolkit.models.compilation import compile_layers, decoder_layers
+from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
+from toolkit.models.loss import token_loss_sum
+
+SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+def packed_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """Two rows of 64 tokens holding documents of 20/30/14 and 5/59 tokens."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 64), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(20), torch.arange(30), torch.arange(14)]),
+                       torch.cat([torch.arange(5), torch.arange(59)])])
+    return {
+        "input_ids": ids, "position_ids": pos, "attention_mask": block_causal_mask(pos),
+        "labels": labels_for(ids, pos, torch.tensor([64, 64])),
+    }
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    loss = token_loss_sum(model(**inputs, use_cache=False).logits, batch["labels"])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_compiled_layers_give_eager_loss_and_gradients(tiny_model, checkpointing):
+    eager = tiny_model("llama", seed=0, **SIZES).train()
+    compiled = tiny_model("llama", seed=0, **SIZES).train()
+    for model in (eager, compiled):
+        apply_gradient_checkpointing(model, checkpointing)
+    names_before = list(compiled.state_dict())
+    assert compile_layers(compiled) == SIZES["num_hidden_layers"]
+    # in place: same classes and parameter names, so checkpoints and FSDP wrapping see one model
+    assert list(compiled.state_dict()) == names_before
+    assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in decoder_layers(compiled))
+
+    batch = packed_batch(eager.config.vocab_size)
+    graphs_before = counters["stats"]["unique_graphs"]
+    ref_loss, ref_grads = loss_and_grads(eager, batch)
+    loss, grads = loss_and_grads(compiled, batch)
+    assert counters["stats"]["unique_graphs"] > graphs_before  # dynamo really compiled the layers
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # one compiled graph serves every layer: a second step compiles nothing new
+    graphs = counters["stats"]["unique_graphs"]
+    loss_and_grads(compiled, batch)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_decoder_layers_found_through_a_peft_wrapper(tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("llama", seed=0, **SIZES), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert len(decoder_layers(model)) == SIZES["num_hidden_layers"]
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    with pytest.raises(UserError, match="model.compile=false"):
+        compile_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))

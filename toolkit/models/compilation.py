@@ -1,0 +1,41 @@
+"""Regional compilation: `torch.compile` each decoder layer in place (`model.compile: true`).
+
+Compiling the repeated layer rather than the whole model, as Accelerate's `compile_regions`
+and torchtitan do, compiles one graph that every layer reuses (compile time of one layer, not
+of the model), and leaves the embedding, the mask construction and the output head eager, so
+that the chunked loss (which swaps the head's forward per call) never recompiles.
+
+In place (`module.compile()`), not `torch.compile(module)`: the layer keeps its class and its
+parameter names, so checkpoints, FSDP's layer wrapping and DeepSpeed's hooks see the same model
+with and without compilation. It runs before the strategy wraps the model; compilation itself
+happens at the first forward, when every wrapper's hooks are in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.config import UserError
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated decoder layers (the classes transformers keeps whole: `_no_split_modules`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    return [m for m in base.modules() if type(m).__name__ in names]
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """Compile every decoder layer in place; returns how many."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise UserError(
+            f"model.compile=true: {type(model).__name__} names no decoder layer class to compile "
+            "(transformers' _no_split_modules); set model.compile=false"
+        )
+    # As Accelerate does for compiled layers under activation checkpointing: the recompute in the
+    # backward must not replay the forward's Python side effects.
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    for layer in layers:
+        layer.compile()
+    return len(layers)
