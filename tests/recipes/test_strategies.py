@@ -90,6 +90,28 @@ def test_loss_curve_and_weights_match_one_process(strategy, runs, reference):
         assert (a[name] - b[name]).abs().max() <= 1e-3, (strategy, name)
 
 
+@pytest.mark.parametrize("strategy", sorted(SHARDED))
+def test_chunked_loss_gives_the_default_curve(strategy, runs, tmp_path, data_cache):
+    """model.loss=chunked where the output head's weight is sharded: the loss is computed inside the
+    head's forward, while ZeRO-3/FSDP2 hold it gathered. Same training and held-out losses as the
+    default run; 50-token chunks do not divide a micro-batch's 128 tokens."""
+    default, _ = runs(strategy)
+    out = tmp_path / "chunked"
+    run_recipe("pretrain", [*RUN, "model.loss=chunked", "model.loss_chunk_tokens=50", f"output_dir={out}"],
+               nproc=2, cache=data_cache, accelerate_config=f"{strategy}.yaml")
+    ref, got = losses(default), losses(out)
+    assert sorted(got) == sorted(ref) == list(range(1, 7))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), (strategy, step)
+    # runs are bit-reproducible (test_resume_is_bit_exact): equal bits would mean the full path ran
+    assert got != ref, "model.loss=chunked reproduced the default losses bit for bit: was it used?"
+    evals = [{r["step"]: r["eval_loss"] for r in read_metrics(o / "metrics.jsonl") if "eval_loss" in r}
+             for o in (default, out)]
+    assert sorted(evals[1]) == sorted(evals[0]) == [3, 6]
+    for step in evals[0]:
+        assert evals[1][step] == pytest.approx(evals[0][step], rel=1e-4), (strategy, step)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_consolidated_final_model_reproduces_the_live_model(strategy, runs, data_cache, monkeypatch):
     """The held-out loss the sharded live model measured at the end is what the saved folder gives."""

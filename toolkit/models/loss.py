@@ -4,13 +4,19 @@ Averaging per micro-batch and then over micro-batches/ranks (what transformers d
 #34191 was fixed) weights a token in a short micro-batch more than one in a long micro-batch.
 Here every micro-batch contributes its *sum* of token losses, divided by the number of target
 tokens in the entire global batch, so accumulation and data parallelism change nothing.
+
+model.loss=chunked (`forward_loss_sum(..., chunk_tokens)`) computes the same sum and gradients
+inside the output head's forward, a chunk of tokens at a time, without the full logits.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
+from toolkit.config import UserError
 from toolkit.data.packing import IGNORE_INDEX
 
 
@@ -36,7 +42,168 @@ def backward_scale(global_targets: int, world_size: int, accumulation_steps: int
     return world_size * accumulation_steps / max(1, global_targets)
 
 
-def forward_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0) -> torch.Tensor:
+    """This micro-batch's summed token loss (a 0-d fp32 tensor to backward).
+
+    `chunk_tokens` 0: from the model's full logits; > 0 (model.loss=chunked): computed inside the
+    output head `chunk_tokens` tokens at a time, with the same value and gradients.
+    """
     labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return token_loss_sum(model(**inputs).logits, labels)
+    # No KV cache: training never reads one, and with one transformers stops reading document
+    # boundaries from position ids (flex_attention would then let documents see each other).
+    inputs = {k: v for k, v in batch.items() if k != "labels"} | {"use_cache": False}
+    if chunk_tokens <= 0:
+        return token_loss_sum(model(**inputs).logits, labels)
+    with loss_in_head(model, labels, chunk_tokens) as returned:
+        loss = model(**inputs).logits
+    if len(returned) != 1 or loss.dim() != 0:
+        raise RuntimeError(
+            f"model.loss=chunked: {type(model).__name__}'s forward called its output head {len(returned)} times "
+            f"and returned logits of shape {tuple(loss.shape)}, not the loss the head computed; use model.loss=full"
+        )
+    return loss
+
+
+# ------------------------------------------------------------------ model.loss=chunked
+# The full path holds the micro-batch's logits in fp32 (tokens x vocab x 4 bytes: 2.1 GB for
+# 8 x 2048 tokens and a 32k vocabulary) plus their bf16 copy and their gradient. The chunked
+# path runs the output projection and the cross-entropy a chunk of tokens at a time and keeps
+# only what the backward needs: d(loss)/d(hidden) (tokens x hidden) and d(loss)/d(weight).
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """sum_t CE(hidden_t @ W.T + b, target_t) and, in the same pass, its gradients.
+
+    The gradients are computed in the forward (the backward only scales them by the incoming
+    scalar), so the weight is needed only while the head's forward runs: exactly when ZeRO-3
+    and FSDP have gathered it through their module hooks.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int, needs: tuple[bool, bool, bool]):
+        device = hidden.device.type
+        # what F.linear would compute in: the autocast dtype (bf16 on GPUs) or the weight's own;
+        # the weight is cast once here, not per chunk (autocast caches no casts with grad off)
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        x = hidden.reshape(-1, hidden.shape[-1])
+        valid = targets.reshape(-1) != IGNORE_INDEX
+        safe = targets.reshape(-1).masked_fill(~valid, 0)  # any class: an ignored row is zeroed below
+        rows = torch.arange(min(chunk_tokens, x.shape[0]), device=x.device)
+        need_x, need_w, need_b = needs
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        sums = []
+        for start in range(0, x.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            x_c = x[start:end].to(dtype)
+            valid_c, safe_c = valid[start:end], safe[start:end]
+            logp = F.linear(x_c, w, b).float()
+            logp -= torch.logsumexp(logp, dim=-1, keepdim=True)  # in place: one (chunk x vocab) fp32 buffer
+            sums.append(-(logp.gather(1, safe_c[:, None]).squeeze(1) * valid_c).sum())
+            if not (need_x or need_w or need_b):
+                continue
+            # d(sum of CE)/d(logits) = softmax - onehot(target); an ignored target adds nothing
+            grad = logp.exp_()
+            grad[rows[: grad.shape[0]], safe_c] -= 1.0
+            grad *= valid_c[:, None]
+            # rounded to the compute dtype as autograd would hand it to linear's backward
+            g = grad.to(dtype)
+            del logp, grad
+            if need_x:
+                grad_x[start:end] = g @ w
+            if need_w:
+                if g.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), x_c)
+                else:
+                    grad_w += g.t() @ x_c
+            if need_b:
+                grad_b += g.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(
+            None if grad_x is None else grad_x.view_as(hidden),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+        )
+        # pairwise summation of the chunk sums: with chunk_tokens=1, adding thousands of scalars
+        # one by one in fp32 would drift from the full path's sum
+        return torch.stack(sums).sum() if sums else hidden.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = [None if g is None else g * grad_out for g in ctx.saved_tensors]
+        return *grads, None, None, None
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """`F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction="sum")` (targets already
+    shifted, IGNORE_INDEX skipped), never holding more than `chunk_tokens` rows of logits."""
+    grad_on = torch.is_grad_enabled()
+    needs = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,  # a frozen head (LoRA) gets no (vocab x hidden) gradient
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk_tokens, needs)
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The output projection of a (possibly DDP/DeepSpeed-wrapped, compiled or peft) causal LM."""
+    inner = model
+    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DeepSpeed's engine
+        inner = inner.module
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile's wrapper
+    if hasattr(inner, "get_base_model"):  # peft
+        inner = inner.get_base_model()
+    name = type(inner).__name__
+    cap = getattr(getattr(inner, "config", None), "final_logit_softcapping", None)
+    if cap:
+        raise UserError(
+            f"model.loss=chunked: {name} caps its logits (final_logit_softcapping={cap}) after the output "
+            "head, which the chunked loss would skip; use model.loss=full"
+        )
+    head = inner.get_output_embeddings()
+    # isinstance, not type(): FSDP2 turns the class into a subclass when it shards the head
+    if not isinstance(head, torch.nn.Linear):
+        raise UserError(
+            f"model.loss=chunked computes the loss inside the output head, which must be a plain Linear; "
+            f"{name}'s is {type(head).__name__} (an adapter on lm_head?); use model.loss=full or leave the "
+            "output head out of adapter.target_modules"
+        )
+    return head
+
+
+@contextlib.contextmanager
+def loss_in_head(model: torch.nn.Module, labels: torch.Tensor, chunk_tokens: int):
+    """For one forward of `model`: its output head returns the summed token loss instead of logits.
+
+    The instance `forward` is replaced, not the class's: the module's hooks still run around it
+    (ZeRO-3 gathers the weight before, FSDP2 unshards it before and reshards it after), and
+    `head.weight` is read at call time, when it is the gathered/unsharded parameter. Yields the
+    list of losses the head returned, for the caller to check it ran exactly once.
+    """
+    head = output_head(model)
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    returned: list[torch.Tensor] = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:-1] != targets.shape:
+            raise ValueError(
+                f"model.loss=chunked: the output head got hidden states {tuple(hidden.shape)} for labels "
+                f"{tuple(targets.shape)}; the model must project every position (logits_to_keep=0)"
+            )
+        returned.append(linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_tokens))
+        return returned[-1]
+
+    own = head.__dict__.get("forward")  # a forward already set on the instance (accelerate hooks do that)
+    head.forward = forward
+    try:
+        yield returned
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own

@@ -33,11 +33,13 @@ def evaluate(
     max_blocks: int,
     attn: str,
     collate_fn: Callable[[dict, str], dict[str, torch.Tensor]] = collate,
+    loss_chunk_tokens: int = 0,
 ) -> dict[str, float]:
     """Mean token loss over the first `max_blocks` held-out blocks, split across ranks.
 
     `collate_fn` turns block columns into model inputs with `labels` (packed text by default;
     `toolkit.data.chat.collate_chat` for chat blocks, whose labels keep only assistant tokens).
+    `loss_chunk_tokens` > 0 computes the loss without the full logits (model.loss=chunked).
 
     Every rank runs the same number of forwards (sharded models gather weights inside
     forward, so an uneven count would hang); a rank short of blocks repeats one and
@@ -60,7 +62,7 @@ def evaluate(
         if real < len(idx):
             batch["labels"][real:] = IGNORE_INDEX
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        loss_sum += forward_loss_sum(model, batch).double()
+        loss_sum += forward_loss_sum(model, batch, loss_chunk_tokens).double()
         targets += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     model.train()
     total = accelerator.reduce(torch.stack([loss_sum, targets]), reduction="sum")

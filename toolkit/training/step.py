@@ -23,14 +23,18 @@ def optimizer_step(
     micro_batches: Iterable[dict[str, torch.Tensor]],
     scale: float,
     max_grad_norm: float,
+    loss_chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(this rank's summed token loss as float64, the pre-clipping gradient norm or None)."""
+    """(this rank's summed token loss as float64, the pre-clipping gradient norm or None).
+
+    `loss_chunk_tokens` > 0: the loss is computed that many tokens at a time (model.loss=chunked).
+    """
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     grad_norm = None
     for batch in micro_batches:
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         with accelerator.accumulate(model):
-            micro_loss = forward_loss_sum(model, batch)
+            micro_loss = forward_loss_sum(model, batch, loss_chunk_tokens)
             accelerator.backward(micro_loss * scale)
             loss_sum += micro_loss.detach().double()
             if accelerator.sync_gradients:

@@ -34,7 +34,7 @@ from toolkit.config import UserError, field, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.packing import check_attention, column
 from toolkit.export.hf_folder import write_model_files
-from toolkit.models.loss import backward_scale
+from toolkit.models.loss import backward_scale, output_head
 from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
@@ -179,6 +179,8 @@ class Trainer:
         cfg = self.cfg
         self.tokenizer, self.n_params, self.flops_token = tokenizer, n_params, flops_token
         self.model_files = model_files or {}
+        if cfg.model.loss == "chunked":
+            output_head(model)  # a head the chunked loss cannot replace is refused before any step
         # The recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON defines its own.
         if self.strategy.ds_owned:
             owned = " and ".join(self.strategy.ds_owned)
@@ -212,7 +214,10 @@ class Trainer:
             # Once per run, measure the bytes each rank really holds (sharding made visible).
             meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
             with meter or contextlib.nullcontext():
-                loss_sum, grad_norm = optimizer_step(acc, self.model, self.optimizer, batches, scale, cfg.optim.max_grad_norm)
+                loss_sum, grad_norm = optimizer_step(
+                    acc, self.model, self.optimizer, batches, scale, cfg.optim.max_grad_norm,
+                    cfg.model.loss_chunk_tokens if cfg.model.loss == "chunked" else 0,
+                )
             if self.step_scheduler:
                 self.scheduler.step()
             state.step += 1
@@ -266,6 +271,7 @@ class Trainer:
         result = evaluate(
             self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
             cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
+            cfg.model.loss_chunk_tokens if cfg.model.loss == "chunked" else 0,
         )
         self.eval_step = self.step
         self.log({"step": self.step, "phase": phase, **result})

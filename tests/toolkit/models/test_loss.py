@@ -8,15 +8,21 @@ which is exactly where averaging per micro-batch (transformers issue #34191) goe
 
 from __future__ import annotations
 
+import math
+
 import datasets
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from toolkit.config import UserError
 from toolkit.data.packing import IGNORE_INDEX, collate, pack_documents, target_counts, tokenize_documents
-from toolkit.models.loss import backward_scale, forward_loss_sum, token_loss_sum
+from toolkit.models.loss import backward_scale, forward_loss_sum, linear_cross_entropy_sum, token_loss_sum
 
 SEQ_LEN = 32
 MICRO = 2
@@ -159,3 +165,267 @@ def test_token_loss_sum_is_shifted_sum():
         if labels[b, t] != IGNORE_INDEX
     )
     torch.testing.assert_close(token_loss_sum(logits, labels), expected)
+
+
+# ------------------------------------------------------------------ model.loss=chunked
+# The same loss and gradients as the full path, computed inside the output head a chunk of
+# tokens at a time. The batch is setup["full"]: 8 packed blocks x 32 = 256 tokens, with ignored
+# targets (document starts, padding) in places.
+
+CHUNKS = [1, 7, 100, 10_000]  # one token; not dividing 256; not dividing, 3 chunks; one chunk larger than all
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}, "qwen2": {}}
+
+
+class OutputShapes(TorchDispatchMode):
+    """Records (op, output shape) of every tensor an aten op produces, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.seen.append((func.__name__, tuple(t.shape)))
+        return out
+
+
+@pytest.fixture(scope="module")
+def chunk_models(tiny_model, tiny_tokenizer):
+    """Factory: the same initial weights every call; LLaMA and Qwen2 untied (their default), GPT-2 tied."""
+
+    def make(model_type: str):
+        model = tiny_model(
+            model_type,
+            seed=0,
+            tokenizer=tiny_tokenizer,
+            initializer_range=INIT_RANGE,
+            **NO_DROPOUT[model_type],
+        )
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert tied == (model_type == "gpt2")
+        return model
+
+    return make
+
+
+def loss_and_grads(model, batch, chunk_tokens: int, targets: int):
+    """The summed loss and the gradients of loss/targets (the per-token mean the recipe trains on)."""
+    model.zero_grad(set_to_none=True)
+    loss = forward_loss_sum(model, batch, chunk_tokens)
+    (loss / targets).backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(actual: dict, expected: dict, atol_of_max: float = 4e-6):
+    """rtol 1e-5, and an atol of 4e-6 x the tensor's largest entry (~1e-7 absolute here): fp32
+    reduction-order noise. The full path's own, splitting the batch in two halves, is up to 5e-7
+    of it; the chunked path's measured up to 1.4e-6 (1.2-1.9e-7 absolute)."""
+    assert actual.keys() == expected.keys()
+    for name, ref in expected.items():
+        torch.testing.assert_close(
+            actual[name], ref, rtol=1e-5, atol=atol_of_max * ref.abs().max().item(), msg=name
+        )
+
+
+@pytest.fixture(scope="module")
+def full_reference(setup, chunk_models):
+    """Per model type: (model, the full path's loss and gradients) on setup["full"]."""
+    assert (setup["full"]["labels"][:, 1:] == IGNORE_INDEX).sum() > 10  # ignored targets among the real ones
+    cache = {}
+
+    def get(model_type: str):
+        if model_type not in cache:
+            model = chunk_models(model_type).train()
+            cache[model_type] = (model, *loss_and_grads(model, setup["full"], 0, setup["global_targets"]))
+        return cache[model_type]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("model_type", "chunk_tokens"),
+    # chunk size 1 (256 chunks, the slow case) on LLaMA only; Qwen2 is LLaMA's forward with biases
+    [*[("llama", c) for c in CHUNKS], *[("gpt2", c) for c in CHUNKS[1:]], ("qwen2", 7)],
+)
+def test_chunked_loss_and_gradients_equal_the_full_path(model_type, chunk_tokens, setup, full_reference):
+    model, loss_ref, grads_ref = full_reference(model_type)
+    loss, grads = loss_and_grads(model, setup["full"], chunk_tokens, setup["global_targets"])
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
+    assert_same_grads(grads, grads_ref)
+
+
+def test_linear_cross_entropy_sum_with_a_bias_and_a_frozen_weight():
+    """The head's bias (none of the models above has one) and a weight that does not require grad."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 11, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g)
+    bias = torch.randn(50, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 11), generator=g)
+    targets[0, :4] = targets[2, -1] = IGNORE_INDEX
+    expected = F.cross_entropy(
+        F.linear(hidden, weight, bias).flatten(0, 1), targets.flatten(), reduction="sum"
+    )
+    grads_ref = torch.autograd.grad(expected * 0.3, (hidden, bias))
+    loss = linear_cross_entropy_sum(hidden, weight, bias, targets, 4)
+    grads = torch.autograd.grad(loss * 0.3, (hidden, bias))
+    torch.testing.assert_close(loss, expected)
+    for actual, ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(actual, ref)
+
+
+def test_chunked_lora_trains_the_adapter_alone_with_the_same_gradients(setup, make_model):
+    from peft import LoraConfig, get_peft_model
+
+    # init_lora_weights=False: a zero B would give A a zero gradient, which any path matches
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(make_model(), lora).train()
+    assert not model.get_output_embeddings().weight.requires_grad
+    loss_ref, grads_ref = loss_and_grads(model, setup["full"], 0, setup["global_targets"])
+    assert grads_ref and all("lora_" in n for n in grads_ref)
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    with OutputShapes() as shapes:
+        loss, grads = loss_and_grads(model, setup["full"], 7, setup["global_targets"])
+    assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
+    assert_same_grads(grads, grads_ref)
+    # the frozen head's (vocab x hidden) gradient is never computed
+    assert (vocab, hidden) not in {shape for _, shape in shapes.seen}
+
+
+def test_chunked_loss_under_bf16_autocast(setup, chunk_models):
+    """Each chunk's logits are the same bf16 matmul rows as the full logits', so the loss agrees to
+    within one bf16 rounding (2**-8 relative; measured ~1e-7). The gradients carry bf16 rounding
+    either way (1-4% from fp32's here), and the chunked ones are no further from fp32's."""
+    targets = setup["global_targets"]
+    model = chunk_models("llama").train()
+    _, grads_fp32 = loss_and_grads(model, setup["full"], 0, targets)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_full, grads_full = loss_and_grads(model, setup["full"], 0, targets)
+        loss, grads = loss_and_grads(model, setup["full"], 7, targets)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(loss_full.item(), rel=2**-8)
+
+    def distance(a: dict, b: dict) -> float:
+        return torch.cat([(a[n] - b[n]).flatten() for n in b]).norm().item()
+
+    assert distance(grads, grads_fp32) <= 1.1 * distance(grads_full, grads_fp32)
+
+
+def gradient_matmuls(shapes: OutputShapes, chunk_tokens: int, vocab: int, hidden: int) -> int:
+    """Matmul outputs of the chunked backward's shapes: d(hidden) chunks and d(weight)."""
+    mm = [shape for op, shape in shapes.seen if op.startswith(("mm", "addmm"))]
+    return sum(
+        1 for s in mm if s == (vocab, hidden) or (len(s) == 2 and s[0] <= chunk_tokens and s[1] == hidden)
+    )
+
+
+def test_chunked_evaluation_gives_the_same_loss_without_gradient_work(setup, chunk_models):
+    model = chunk_models("gpt2").eval()
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    with torch.no_grad():
+        expected = forward_loss_sum(model, setup["full"])
+        with OutputShapes() as shapes:
+            loss = forward_loss_sum(model, setup["full"], 7)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert gradient_matmuls(shapes, 7, vocab, hidden) == 0
+    # parameters that do not require grad, with grad mode on: the same, and nothing to backward
+    model.requires_grad_(False)
+    with OutputShapes() as shapes:
+        loss = forward_loss_sum(model, setup["full"], 7)
+    assert not loss.requires_grad
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert gradient_matmuls(shapes, 7, vocab, hidden) == 0
+    # control: training does that work, in the forward: per chunk (37) a d(hidden) and a d(weight) matmul
+    model.requires_grad_(True).train()
+    with OutputShapes() as shapes:
+        forward_loss_sum(model, setup["full"], 7)
+    assert gradient_matmuls(shapes, 7, vocab, hidden) == 2 * 37
+
+
+def test_chunked_path_never_holds_the_full_logits(setup, make_model):
+    """Fails if the chunked path fell back to full logits: no op, forward or backward, outputs more
+    than one chunk of rows over the vocabulary; the full path does (the control)."""
+    model = make_model().train()
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    tokens = setup["full"]["labels"].numel()
+
+    def record(chunk_tokens: int) -> list[tuple[str, tuple[int, ...]]]:
+        with OutputShapes() as shapes:
+            forward_loss_sum(model, setup["full"], chunk_tokens).backward()
+        return shapes.seen
+
+    def vocab_rows(seen) -> list[int]:
+        # (hidden, vocab) is the weight's transpose, which F.linear makes: no logits
+        return [math.prod(s[:-1]) for _, s in seen if s and s[-1] == vocab and s != (hidden, vocab)]
+
+    chunked = record(7)
+    assert max(vocab_rows(chunked)) == 7
+    # one projection matmul per chunk (36 of 7 rows, the last of 4), and none in the backward
+    projections = [shape for op, shape in chunked if op.startswith(("mm", "addmm")) and shape[-1] == vocab]
+    assert len(projections) == math.ceil(tokens / 7)
+    assert max(vocab_rows(record(0))) == tokens
+
+
+class Wrapper(torch.nn.Module):
+    """Stands in for DDP / DeepSpeed's engine: the model under `.module`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, **kwargs):
+        return self.module(**kwargs)
+
+
+def test_head_forward_is_restored_after_the_call_and_after_an_error(setup, make_model):
+    model = make_model().eval()
+    head = model.get_output_embeddings()
+    ids = setup["full"]["input_ids"][:2]
+    generated = model.generate(ids[:, :5], max_new_tokens=4, do_sample=False)
+
+    forward_loss_sum(Wrapper(model), setup["full"], 7)
+    assert "forward" not in vars(head)
+    assert model(input_ids=ids).logits.shape == (*ids.shape, head.weight.shape[0])
+    assert torch.equal(model.generate(ids[:, :5], max_new_tokens=4, do_sample=False), generated)
+
+    def fail(module, args):
+        raise RuntimeError("boom inside the forward")
+
+    hook = head.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        forward_loss_sum(model, setup["full"], 7)
+    hook.remove()
+    assert "forward" not in vars(head)
+    assert model(input_ids=ids).logits.shape == (*ids.shape, head.weight.shape[0])
+
+    # a forward already set on the instance (accelerate's hooks do that) is put back as it was
+    own = head.forward
+    head.forward = own
+    forward_loss_sum(model, setup["full"], 7)
+    assert vars(head)["forward"] is own
+
+
+def test_chunked_refuses_an_adapter_on_the_output_head(setup, make_model):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_model(), LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(UserError, match="must be a plain Linear.*model.loss=full"):
+        forward_loss_sum(model, setup["full"], 7)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 50])
+def test_flex_attention_loss_equals_the_masked_sdpa_loss(setup, make_model, chunk_tokens):
+    """flex_attention reads document boundaries from position ids only without a KV cache; the
+    model's config asks for one here (as a model loaded for inference does), so this fails unless
+    forward_loss_sum turns it off. Forward only: torch has no CPU backward for flex_attention."""
+    model = make_model().eval()
+    model.config.use_cache = True
+    blocks = setup["full"]
+    flex_batch = {k: v for k, v in blocks.items() if k != "attention_mask"}  # what collate gives flex
+    with torch.no_grad():
+        masked = forward_loss_sum(model, blocks, chunk_tokens)
+        model.set_attn_implementation("flex_attention")
+        flex = forward_loss_sum(model, flex_batch, chunk_tokens)
+    torch.testing.assert_close(flex, masked, rtol=1e-5, atol=0)
