@@ -76,7 +76,9 @@ def worker(side: str, config: str, out: str, cache: str, steps: int) -> dict:
     recipe.setup()
     cfg = recipe.cfg
     if side == "recipe":
-        module.time = clock = CpuClock()
+        import toolkit.training.trainer as trainer_module  # the loop that times each step
+
+        trainer_module.time = clock = CpuClock()
         recipe.train()
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
         rows = [r for r in map(json.loads, lines) if "tokens_per_s" in r]
@@ -88,7 +90,7 @@ def worker(side: str, config: str, out: str, cache: str, steps: int) -> dict:
         return {"wall": wall, "cpu": cpu, "tokens": tokens, "loss1": rows[0]["loss"]}
 
     # The bare loop: the recipe's initial model, blocks and batch order, nothing else.
-    reference = recipe.accelerator.unwrap_model(recipe.model)
+    reference = recipe.trainer.accelerator.unwrap_model(recipe.trainer.model)
     torch.manual_seed(cfg.model.init_seed if cfg.model.init_seed is not None else cfg.seed)
     config = copy.deepcopy(reference.config)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.model.attn_implementation)
@@ -96,7 +98,7 @@ def worker(side: str, config: str, out: str, cache: str, steps: int) -> dict:
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items()), (
         "model differs from the recipe's"
     )
-    blocks, attn, t = recipe.train_blocks, cfg.model.attn_implementation, cfg.train
+    blocks, attn, t = recipe.trainer.train_blocks, cfg.model.attn_implementation, cfg.train
     del recipe, reference, ref
     accelerator = Accelerator(gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size, cpu=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)

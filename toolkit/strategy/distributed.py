@@ -24,6 +24,7 @@ silently trains unsharded or unsynchronised:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -237,6 +238,30 @@ def outside_training(accelerator: Accelerator):
         os.environ.update(saved_env)
         if deepspeed:
             accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def keep_freed_memory() -> bool:
+    """CPU runs: keep freed memory in the process for the next step (glibc only; False elsewhere).
+
+    torch's CPU tensors come from malloc. By default glibc hands memory at the top of the heap
+    back to the OS on free and maps large blocks afresh, so every step faults the same pages in
+    again, zero-filled; how often depends on the process's heap history, not on the loop. Measured
+    with bench/step_overhead.py (tiny config, 1 thread): 16-31k minor page faults per step in the
+    recipe against 8-12k in the bare loop, +10 % step time; with trimming off, none on either side
+    and 0.0 % overhead. The cost: a CPU process's resident memory stays at its peak. CUDA memory
+    has its own caching allocator and is not affected.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc's <malloc.h>
+    never = 2**31 - 1
+    return bool(
+        libc.mallopt(m_trim_threshold, never)
+        and libc.mallopt(m_top_pad, 64 << 20)
+        and libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest: blocks up to 32 MB reuse the heap
+    )
 
 
 def check_fsdp_layers(accelerator: Accelerator, model: torch.nn.Module | Callable[[], torch.nn.Module]) -> None:
@@ -510,6 +535,8 @@ class Strategy:
         world = world_size()
         accumulation = accumulation_steps(global_batch, micro_batch, world)
         accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
+        if accelerator.device.type == "cpu":
+            keep_freed_memory()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
         return cls(accelerator, world, accumulation, tuple(owned))
 
