@@ -102,6 +102,34 @@ class Stopped(Exception):
     """Raised after the stop checkpoint is saved; the recipe exits with a non-zero code."""
 
 
+class HostCopy:
+    """A few numbers of a device tensor, copied to the host without waiting for the device.
+
+    On CUDA the copy goes to pinned memory behind an event; `get` waits for that event only,
+    not for whatever the device was given afterwards. On the CPU the values are there at once.
+    """
+
+    def __init__(self, values: torch.Tensor):
+        self.event = None
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values
+
+    @property
+    def immediate(self) -> bool:
+        """Whether `get` never waits (the same on every rank, unlike asking the event)."""
+        return self.event is None
+
+    def get(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 class Trainer:
     """One run's loop. `cfg` is a recipe config with output_dir, seed, resume, overwrite and the
     sections model (attn_implementation), train, optim, checkpoint, logging and eval."""
@@ -204,6 +232,7 @@ class Trainer:
         attn = cfg.model.attn_implementation
         bar = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not acc.is_main_process, desc=self.name)
         window_tokens, window_time = 0, 0.0
+        previous: HostCopy | None = None
         while state.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
@@ -223,10 +252,17 @@ class Trainer:
             state.step += 1
             step_tokens = int(self.block_tokens[global_idx].sum())
             state.tokens_seen += step_tokens
-            # One all-reduce for the global loss and for "did any rank get a stop signal".
+            # One all-reduce for the global loss and for "did any rank get a stop signal", read on
+            # the host only where a value is needed: waiting for it each step would leave the GPU
+            # idle while the host prepares the next step.
             stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
-            totals = acc.reduce(torch.stack([loss_sum, stop_flag]), reduction="sum")
-            loss = totals[0].item() / max(1, global_targets)
+            totals = HostCopy(acc.reduce(torch.stack([loss_sum, stop_flag]), reduction="sum"))
+            last = state.step == cfg.train.max_steps
+            log_now = state.step % cfg.logging.every == 0 or last
+            eval_now = self.val_blocks is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
+            save_now = bool(cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
+            # Inside the timed window, so that tokens/s counts the device's work, not its queueing.
+            values = totals.get() if log_now or eval_now or save_now or totals.immediate else None
             window_tokens += step_tokens
             window_time += time.perf_counter() - t0
             if meter is not None:
@@ -234,7 +270,8 @@ class Trainer:
                 held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
                 self.log({"step": state.step, "held_bytes": held})
 
-            if state.step % cfg.logging.every == 0 or state.step == cfg.train.max_steps:
+            if log_now:
+                loss = values[0] / max(1, global_targets)
                 tps = window_tokens / max(window_time, 1e-9)
                 self.log({
                     "step": state.step,
@@ -254,12 +291,15 @@ class Trainer:
             # forward after save_state, with no training step between, leaves the root's
             # parameters unsharded in storage that cannot be freed, and gathering the final
             # model then fails ("Trying to resize storage that is not resizable").
-            last = state.step == cfg.train.max_steps
-            if self.val_blocks is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0):
+            if eval_now:
                 state.last_eval = self.evaluate("after" if last else "train")
-            if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
+            if save_now:
                 self.save_checkpoint()
-            if totals[1].item() > 0:
+            # A signal is seen in this step's values where they were read, else in the previous
+            # step's, which arrived while this step ran: every rank stops at the same step.
+            flags = values if values is not None else previous.get() if previous is not None else [0.0, 0.0]
+            previous = totals
+            if flags[1] > 0:
                 bar.close()
                 folder = self.save_checkpoint() if self.checkpoint_step != state.step else self.run.checkpoint(state.step)
                 raise Stopped(f"stopped by a signal at step {state.step}; checkpoint saved in {folder}; continue with resume=auto")

@@ -7,6 +7,7 @@ import signal
 
 import datasets
 import pytest
+import torch
 from accelerate.state import AcceleratorState
 
 from toolkit.config import UserError, load_config
@@ -112,3 +113,24 @@ def test_flex_attention_is_refused_on_cpu_before_anything_is_written(tmp_path):
     with pytest.raises(UserError, match="flex_attention trains only on GPUs.*use sdpa on CPU"):
         Trainer("unit", cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_host_copy_on_cpu_is_immediate():
+    from toolkit.training.trainer import HostCopy
+
+    copy = HostCopy(torch.tensor([3.5, 1.0], dtype=torch.float64))
+    assert copy.immediate and copy.get() == [3.5, 1.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_copy_on_cuda_arrives_without_a_device_wide_wait():
+    from toolkit.training.trainer import HostCopy
+
+    values = torch.tensor([2.0, 0.0], dtype=torch.float64, device="cuda")
+    copy = HostCopy(values)
+    big = torch.randn(8192, 8192, device="cuda")
+    for _ in range(20):  # queued after the copy: get() must not wait for these
+        big = big @ big / 8192
+    assert not copy.immediate and copy.get() == [2.0, 0.0]
+    assert not torch.cuda.current_stream().query()  # the matmuls are still running
+    torch.cuda.synchronize()
