@@ -180,3 +180,21 @@ def test_cpu_runs_keep_freed_memory_instead_of_faulting_it_back_in():
     }
     assert faults["default"] > 15 * 4000  # the control: at least one block faults in again every time
     assert faults["keep"] < 100
+
+
+@pytest.mark.parametrize("precision, param_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_fsdp2_reduces_gradients_in_fp32_under_mixed_precision(precision, param_dtype):
+    """What Accelerate sets for FSDP2 under bf16 on a GPU (params and reduction in bf16), then ours."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from toolkit.strategy.distributed import reduce_gradients_in_fp32
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision(precision)
+    assert plugin.mixed_precision_policy.reduce_dtype == param_dtype  # Accelerate's own choice
+    reduce_gradients_in_fp32(plugin)
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (param_dtype, torch.float32, param_dtype)
+    plain = FullyShardedDataParallelPlugin(fsdp_version=2)  # fp32: no policy, nothing to change
+    reduce_gradients_in_fp32(plain)
+    assert plain.mixed_precision_policy is None
