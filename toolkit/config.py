@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -246,14 +247,19 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
         problems.append(f"{key} must be an integer, found {value!r}")
         return value
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        problems.append(f"{key} must be a number, found {value!r}")
+        if number is not None and math.isfinite(number):
+            return number
+        # nan and inf are numbers to float() but no setting means them: lr=inf trained NaN weights
+        what = "a finite number" if number is not None else "a number"
+        problems.append(f"{key} must be {what}, found {value!r}")
         return value
     if hint is str:
         if isinstance(value, str):
