@@ -50,6 +50,7 @@ class TrainerState:
     tokens_seen: int = 0
     seed: int | None = None
     last_eval: dict[str, float] = field(default_factory=dict)  # the newest held-out loss and perplexity
+    eval_step: int = -1  # the step last_eval was measured at: a resumed run does not measure it twice
     eval_before: dict[str, float] = field(default_factory=dict)  # fine-tuning: the base model's, for the comparison
     samples_before: list[str] = field(default_factory=list)  # fine-tuning: the base model's generations
 

@@ -94,14 +94,28 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; on resume, drops lines past the resumed step."""
+    """Appends one JSON object per line; on resume, drops lines past the resumed step, and a
+    last line torn by a hard kill (it would otherwise make every later read fail)."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
+        self._kept: list[dict] = []
         if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and record.get("step", 0) <= resume_step:
+                    kept.append(line)
+                    self._kept.append(record)
             path.write_text("".join(line + "\n" for line in kept))
         self._file = path.open("a")
+
+    def has(self, step: int, key: str) -> bool:
+        """Whether a kept record of `step` holds `key` (what a resumed run must not write twice)."""
+        return any(r.get("step") == step and key in r for r in self._kept)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

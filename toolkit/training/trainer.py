@@ -218,7 +218,7 @@ class Trainer:
         )
         if self.resume_from is not None:
             self.state = load_checkpoint(self.strategy, self.resume_from)
-            self.checkpoint_step = self.step
+            self.checkpoint_step, self.eval_step = self.step, self.state.eval_step
             self.print(f"resumed from {self.resume_from} at step {self.step}")
         if self.strategy.is_main:
             self.metrics = MetricsWriter(self.run.metrics, self.step)
@@ -313,7 +313,7 @@ class Trainer:
             cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
             cfg.model.loss_chunk_tokens if cfg.model.loss == "chunked" else 0,
         )
-        self.eval_step = self.step
+        self.eval_step = self.state.eval_step = self.step
         self.log({"step": self.step, "phase": phase, **result})
         self.print(
             f"step {self.step} ({phase}): held-out loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}"
@@ -340,7 +340,8 @@ class Trainer:
             self.save_checkpoint()
         digests = self.strategy.check_replicas_in_sync(self.model)
         memory = gather_object([peak_memory_mb(self.strategy.device)])
-        self.log({"step": self.step, "parameter_digests": digests, "peak_memory": memory})
+        if self.metrics is None or not self.metrics.has(self.step, "parameter_digests"):  # a finished run re-run
+            self.log({"step": self.step, "parameter_digests": digests, "peak_memory": memory})
 
     def facts(self, model_type: str) -> dict:
         """What every model card says about the run."""

@@ -181,3 +181,26 @@ def test_plot_loss_with_train_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write_steps(path, [1, 2, 3])
     assert plot_loss(path, tmp_path / "train.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_resume_drops_a_line_torn_by_a_hard_kill(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_steps(path, [1, 2, 3])
+    with path.open("a") as f:
+        f.write('{"step": 4, "loss": 6.')  # SIGKILL in the middle of a write
+    writer = MetricsWriter(path, resume_step=3)
+    writer.write({"step": 4, "loss": 6.0})
+    writer.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+
+
+def test_a_resumed_writer_knows_what_its_kept_records_hold(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_steps(path, [1, 2])
+    MetricsWriter(path, None).close()
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 2, "parameter_digests": ["ab"]}) + "\n")
+    writer = MetricsWriter(path, resume_step=2)
+    assert writer.has(2, "parameter_digests") and writer.has(1, "loss")
+    assert not writer.has(1, "parameter_digests") and not writer.has(3, "loss")
+    writer.close()

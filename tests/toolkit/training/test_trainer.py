@@ -134,3 +134,23 @@ def test_host_copy_on_cuda_arrives_without_a_device_wide_wait():
     assert not copy.immediate and copy.get() == [2.0, 0.0]
     assert not torch.cuda.current_stream().query()  # the matmuls are still running
     torch.cuda.synchronize()
+
+
+def test_rerunning_a_finished_run_adds_no_duplicate_rows(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    """quickstart-style `resume=auto` on a run that already reached max_steps: nothing is measured twice."""
+    first = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=0")
+    first.fit()
+    first.finish()
+    first.close()
+    before = read_metrics(first.run.metrics)
+    assert sum("eval_loss" in r for r in before) == 1 and sum("parameter_digests" in r for r in before) == 1
+
+    AcceleratorState._reset_state(True)
+    again = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model,
+                  "train.max_steps=2", "checkpoint.every=0", "resume=auto")
+    assert again.resumed and again.step == 2
+    again.fit()
+    again.finish()
+    again.close()
+    assert read_metrics(again.run.metrics) == before
+    assert again.state.last_eval == first.state.last_eval
