@@ -88,6 +88,13 @@ def check_args(args: argparse.Namespace) -> Path:
         raise UserError(f"--quant applies to --format gguf only; for {args.format} leave it out")
     if output.exists() and not args.overwrite:
         raise UserError(f"--output {output} exists; choose another path or pass --overwrite to replace it")
+    if args.format == "gguf":
+        from toolkit.export.gguf import modelfile_path
+
+        if modelfile_path(output).exists() and not args.overwrite:
+            raise UserError(
+                f"{modelfile_path(output)} exists; choose another --output or pass --overwrite to replace it"
+            )
     if args.eval_text and not Path(args.eval_text).is_file():
         raise UserError(f"--eval-text {args.eval_text} does not exist")
     return output

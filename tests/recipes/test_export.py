@@ -132,6 +132,9 @@ def test_bad_input_is_one_line(export, capsys, tmp_path, tiny_base):
     (tmp_path / "exists").mkdir()
     assert "exists; choose another path or pass --overwrite" in error_line(
         export, capsys, "--from", str(tiny_base), "--output", str(tmp_path / "exists"))
+    (tmp_path / "model.Modelfile").write_text("FROM ./model.gguf\n")  # from an export whose .gguf was moved
+    assert "model.Modelfile exists; choose another --output or pass --overwrite" in error_line(
+        export, capsys, "--from", str(tiny_base), "--format", "gguf", "--output", str(tmp_path / "model.gguf"))
 
 
 def test_a_failed_export_leaves_nothing_under_the_output_name(export, tiny_base, tmp_path, monkeypatch):
@@ -156,7 +159,7 @@ def test_gguf_export_of_a_run_with_report_and_modelfile(export, runs, tmp_path, 
     assert code == 0, capsys.readouterr().err
     reader = gguf.GGUFReader(out)
     assert reader.get_field("general.architecture").contents() == "llama"
-    assert "\nFROM ./tiny-q8_0.gguf\n" in (tmp_path / "Modelfile").read_text()
+    assert "\nFROM ./tiny-q8_0.gguf\n" in (tmp_path / "tiny-q8_0.Modelfile").read_text()
     report = (tmp_path / "tiny-q8_0.gguf.export_report.md").read_text()
     change = float(report.split("| change | ")[1].split("%")[0])
     assert abs(change) < 2.0, report  # q8_0 within 2% of the fp32 source

@@ -64,7 +64,11 @@ SUPPORTED_ARCHITECTURES: dict[str, object] = (
     if gguf is not None
     else {}
 )
-MODELFILE = "Modelfile"
+MODELFILE = ".Modelfile"  # after the gguf's stem: two exports into one folder keep one each
+
+
+def modelfile_path(gguf_file: Path) -> Path:
+    return gguf_file.with_name(gguf_file.stem + MODELFILE)
 
 # transformers' tokenizer.json pre-tokenizers -> llama.cpp's `tokenizer.ggml.pre` names
 _GPT2_BYTE_LEVEL = "gpt-2"
@@ -117,7 +121,8 @@ def write_gguf(model_dir: Path, out_file: Path, quant: str = "f16", notes: list[
 
 
 def write_modelfile(gguf_file: Path, tokenizer_dir: Path) -> Path:
-    """An Ollama `Modelfile` beside `gguf_file`: `ollama create NAME -f Modelfile` then `ollama run NAME`.
+    """An Ollama Modelfile beside `gguf_file`, `<stem>.Modelfile`: `ollama create NAME -f <stem>.Modelfile`,
+    then `ollama run NAME`.
 
     A ChatML chat template (`<|im_start|>role ... <|im_end|>`, as SmolLM2 and Qwen use) becomes the
     equivalent Go TEMPLATE, its built-in default system prompt a SYSTEM line, and `<|im_end|>` a stop
@@ -137,7 +142,8 @@ def write_modelfile(gguf_file: Path, tokenizer_dir: Path) -> Path:
     template = _chat_template(tokenizer) or ""
     if not isinstance(template, str):
         template = next((t["template"] for t in template if t["name"] == "default"), "")
-    lines = [f"# Ollama: ollama create {gguf_file.stem} -f {MODELFILE}", f"FROM ./{gguf_file.name}"]
+    path = modelfile_path(gguf_file)
+    lines = [f"# Ollama: ollama create {gguf_file.stem} -f {path.name}", f"FROM ./{gguf_file.name}"]
     stops = []
     if "<|im_start|>" in template and "<|im_end|>" in template:
         lines.append(
@@ -156,7 +162,6 @@ def write_modelfile(gguf_file: Path, tokenizer_dir: Path) -> Path:
     if tokenizer.eos_token and tokenizer.eos_token not in stops:
         stops.append(tokenizer.eos_token)
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
-    path = gguf_file.with_name(MODELFILE)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 

@@ -260,12 +260,18 @@ def test_modelfile_for_chatml_and_for_no_template(tiny, tmp_path, tiny_model, ti
     folder = tiny[0]
     out = write_gguf(folder, tmp_path / "chat" / "tiny.gguf", "q8_0")
     text = write_modelfile(out, folder).read_text()
-    assert (tmp_path / "chat" / "Modelfile").is_file()
+    assert (tmp_path / "chat" / "tiny.Modelfile").is_file()
+    assert text.startswith("# Ollama: ollama create tiny -f tiny.Modelfile\n")
     assert "FROM ./tiny.gguf\n" in text
     assert 'TEMPLATE """{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>' in text
     assert '<|im_start|>assistant\n{{ .Response }}<|im_end|>\n"""' in text
     assert 'PARAMETER stop "<|im_end|>"' in text and 'PARAMETER stop "<|endoftext|>"' in text
     assert "SYSTEM" not in text  # this template has no built-in system prompt
+
+    # a second export into the same folder keeps the first one's Modelfile
+    second = write_modelfile(write_gguf(folder, tmp_path / "chat" / "tiny-f16.gguf", "f16"), folder)
+    assert second.name == "tiny-f16.Modelfile" and "FROM ./tiny-f16.gguf\n" in second.read_text()
+    assert (tmp_path / "chat" / "tiny.Modelfile").read_text() == text
 
     plain = _save(tiny_model("llama", tokenizer=tiny_tokenizer), tiny_tokenizer, tmp_path / "plain")
     out = write_gguf(plain, tmp_path / "plain.gguf", "f16")
