@@ -1,0 +1,74 @@
+"""A checkpoint's manifest: every file's size and CRC-32, written with it, checked before a resume.
+
+A checkpoint can be damaged after it was written: a truncated copy, a flipped bit on a disk, a
+rank file deleted by hand. Loading such a folder either fails deep inside torch with a message
+that names no file, or, worse, succeeds: one flipped exponent bit in model.safetensors trained on
+with a dead model (loss ln(vocab), gradient norm 0) while rotation deleted the good checkpoints.
+
+CRC-32 (zlib, C speed, several GB/s per core; the files are hashed in parallel threads) finds any
+truncation, any burst error and every flipped bit; it is not meant to resist forgery. The sizes
+alone are checked first, so a truncated file is named without reading anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20
+
+
+def crc32(path: Path) -> str:
+    value = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
+def _files(folder: Path, skip: set[str]) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in skip)
+
+
+def write_manifest(folder: Path, skip: tuple[str, ...] = ()) -> Path:
+    """Record every file under `folder` (but `skip` and the manifest itself); atomically."""
+    files = _files(folder, {MANIFEST, *skip})
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # zlib releases the GIL
+        sums = list(pool.map(crc32, files))
+    entries = {
+        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": s} for p, s in zip(files, sums, strict=True)
+    }
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"version": 1, "files": entries}, indent=1))
+    tmp.rename(folder / MANIFEST)
+    return folder / MANIFEST
+
+
+def check_manifest(folder: Path) -> str | None:
+    """None if every recorded file is there with its size and CRC-32 (or the checkpoint predates
+    manifests); otherwise one line naming the first damaged file and what is wrong with it."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        entries = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{path} is not a readable manifest"
+    for name, entry in entries.items():  # sizes first: cheap, and they name a truncation at once
+        file = folder / name
+        if not file.is_file():
+            return f"{file} is missing"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            return f"{file} has {size:,} bytes, {entry['size']:,} were written (truncated or replaced)"
+    names = list(entries)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        sums = list(pool.map(crc32, [folder / n for n in names]))
+    for name, value in zip(names, sums, strict=True):
+        if value != entries[name]["crc32"]:
+            return f"{folder / name} does not match its checksum (crc32 {value}, written {entries[name]['crc32']})"
+    return None
