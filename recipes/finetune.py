@@ -22,9 +22,9 @@ pretraining recipe; this file loads the base, packs text or chat data, applies t
 compares before with after.
 
 Errors (one line, exit code 2): everything the pretraining recipe refuses, plus a missing base
-model or GGUF, chat records without `messages` or with an unknown role, a tokenizer without a
-chat template, LoRA target modules that match no layer, QLoRA without a CUDA GPU. Ranks that
-fall out of step: one line per rank, exit code 4, as in pretraining.
+model or GGUF, chat records that are not UTF-8, lack `messages` or have an unknown role, a
+tokenizer without a chat template, LoRA target modules that match no layer, QLoRA without a CUDA
+GPU. Ranks that fall out of step: one line per rank, exit code 4, as in pretraining.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ The loop, checkpoints, resume and metrics are toolkit.training.trainer's, shared
 fine-tuning recipe; this file builds the tokenizer, the packed corpus and a fresh model.
 
 Errors (one line, exit code 2): unknown/misspelled or mistyped config keys, missing data path,
-empty corpus, seq_len over the model's max positions, batch sizes that do not divide, an
-output_dir that holds another run or files that are not a run, resume=auto on a run with no
-complete checkpoint, an incomplete checkpoint, an attention kind that cannot keep packed
+empty corpus, data that is not UTF-8, seq_len over the model's max positions, batch sizes that
+do not divide, an output_dir that cannot be created or written, or that holds another run or
+files that are not a run, resume=auto on a run with no complete checkpoint, an incomplete
+checkpoint, a checkpoint of another model shape, an attention kind that cannot keep packed
 documents apart. Ranks that fall out of step (a collective waits past
 train.collective_timeout_s): one line per rank, exit code 4.
 """

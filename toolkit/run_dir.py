@@ -20,6 +20,7 @@ import dataclasses
 import json
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,6 +155,7 @@ class RunDir:
         out = self.root
         if out.exists() and not out.is_dir():
             raise UserError(f"output_dir={out} is a file, not a folder; choose another output_dir")
+        self.check_writable()
         own, foreign = self.entries()
         if not own and not foreign:
             return  # missing or empty: a fresh start
@@ -181,6 +183,27 @@ class RunDir:
             f"output_dir={out} already holds a run ({_few(own)}); {hint}"
             "start over with overwrite=true (deletes it), or choose another output_dir"
         )
+
+    def check_writable(self) -> None:
+        """Refuse a folder that cannot be created or written, before the launch and any data work
+        (the trainer creates it only after the launch). Leaves nothing behind: a temporary file
+        (unnamed where the OS allows) in the folder, or in its nearest existing parent, asks the
+        OS itself, which also answers for root, read-only mounts and /proc, where permission bits
+        say nothing."""
+        out = self.root
+        probe = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+        if not probe.is_dir():
+            raise UserError(f"output_dir={out} cannot be created: {probe} is a file, not a folder; choose another output_dir")
+        try:
+            with tempfile.TemporaryFile(dir=probe):
+                pass
+        except OSError as exc:
+            if probe == out:
+                raise UserError(f"output_dir={out} is not writable ({exc.strerror}); choose a writable output_dir") from None
+            raise UserError(
+                f"output_dir={out} cannot be created: {probe} does not accept new entries ({exc.strerror}); "
+                "choose a writable output_dir"
+            ) from None
 
     def remove_own(self) -> None:
         """overwrite=true, main process only, after check(): delete the run's own entries.

@@ -80,6 +80,18 @@ def test_chat_message_with_an_unknown_role(finetune, capsys, tmp_path, tiny_base
     assert "message 1 has role 'bot'" in err and "system, user, assistant" in err
 
 
+def test_chat_data_that_is_not_utf8(finetune, capsys, tmp_path, tiny_base, chatml_file):
+    record = {"messages": [{"role": "user", "content": "caf\u00e9?"}, {"role": "assistant", "content": "yes"}]}
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes((json.dumps(record, ensure_ascii=False) + "\n").encode("latin-1"))  # é is byte 0xe9
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat",
+                    f"data.path={data}", f"data.chat_template={chatml_file}")
+    assert err == (
+        f"error: data.path={data} is not UTF-8 text (byte 0xe9 at offset 46, line 1); re-encode it as UTF-8, "
+        "e.g. iconv -f latin1 -t utf-8"
+    )
+
+
 def test_tokenizer_without_chat_template(finetune, capsys, tmp_path, tiny_base):
     err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat")
     assert "has no chat template; set data.chat_template" in err

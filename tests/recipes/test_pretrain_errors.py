@@ -80,6 +80,28 @@ def test_empty_corpus(pretrain, capsys, monkeypatch, tmp_path):
     assert "holds no text (0 non-empty documents)" in err
 
 
+def test_text_data_that_is_not_utf8(pretrain, capsys, monkeypatch, tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_bytes("A first paragraph.\n\nA caf\u00e9 paragraph.\n".encode("latin-1"))  # é is byte 0xe9
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"data.path={data}")
+    assert err == (
+        f"error: data.path={data} is not UTF-8 text (byte 0xe9 at offset 25, line 3); re-encode it as UTF-8, "
+        "e.g. iconv -f latin1 -t utf-8"
+    )
+
+
+@pytest.mark.parametrize("where", ["/proc", "a file"])
+def test_output_dir_that_cannot_be_created(pretrain, capsys, monkeypatch, tmp_path, where):
+    if where == "/proc":  # the OS refuses; root passes permission bits, so /proc stands for any unwritable place
+        out, reason = "/proc/x", "/proc does not accept new entries (No such file or directory); choose a writable output_dir"
+    else:
+        (tmp_path / "notes.txt").write_text("mine")
+        out, reason = tmp_path / "notes.txt" / "run", f"{tmp_path / 'notes.txt'} is a file, not a folder; choose another output_dir"
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}")
+    assert err == f"error: output_dir={out} cannot be created: {reason}"
+    assert not (tmp_path / "cache").exists()  # refused before any data work
+
+
 def test_output_dir_of_another_run_is_not_overwritten(pretrain, capsys, monkeypatch, tmp_path):
     out = tmp_path / "previous"
     out.mkdir()
@@ -117,6 +139,18 @@ def test_resume_auto_does_not_restart_a_finished_run_without_checkpoints(pretrai
     assert err.startswith(f"error: output_dir={out} holds a run (final/, metrics.jsonl, tensorboard/ and 1 more)")
     assert "no complete checkpoint" in err and "overwrite=true" in err, err
     assert files(out) == before  # final/ and metrics.jsonl byte for byte
+
+
+def test_resume_with_another_model_shape(pretrain, capsys, monkeypatch, tmp_path, finished_run):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}", "train.max_steps=6", "resume=auto",
+                   "model.config.hidden_size=128")
+    assert err == (
+        f"error: checkpoint {out / 'checkpoints' / 'step-4'} holds a different model: model.embed_tokens.weight is "
+        "[512, 64] there and [512, 128] in this run; resume with the model settings it was saved with, or start a "
+        "new output_dir"
+    )
 
 
 def test_overwrite_never_deletes_files_that_are_not_a_run(pretrain, capsys, monkeypatch, tmp_path):

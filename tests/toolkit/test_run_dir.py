@@ -104,6 +104,22 @@ def test_a_file_is_not_an_output_dir(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_an_output_dir_that_cannot_be_created_is_refused_before_any_work(tmp_path):
+    """The OS answers (root passes permission bits, so /proc stands for an unwritable place);
+    nothing is left behind."""
+    assert refusal(Path("/proc/x/run")) == (
+        "output_dir=/proc/x/run cannot be created: /proc does not accept new entries (No such file or directory); "
+        "choose a writable output_dir"
+    )
+    (tmp_path / "notes.txt").write_text("mine")
+    assert refusal(tmp_path / "notes.txt" / "run") == (
+        f"output_dir={tmp_path / 'notes.txt' / 'run'} cannot be created: {tmp_path / 'notes.txt'} is a file, not a "
+        "folder; choose another output_dir"
+    )
+    RunDir(tmp_path / "new" / "run").check(None, False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 def test_an_explicit_checkpoint_is_left_to_resolve_resume(tmp_path):
     RunDir(finished_run(tmp_path / "run")).check(str(tmp_path / "run" / "checkpoints" / "step-4"), False)
 

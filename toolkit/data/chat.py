@@ -32,6 +32,7 @@ import pyarrow as pa
 import torch
 
 from toolkit.config import UserError, field
+from toolkit.data.corpus import read_utf8
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
 
 ROLES = ("system", "user", "assistant")
@@ -74,7 +75,7 @@ def load_chat_records(cfg: ChatDataConfig) -> list[dict]:
     path = Path(cfg.path).expanduser()
     if not path.is_file():
         raise UserError(f"data.path={cfg.path} does not exist; give a .jsonl or .json file of chat records")
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path, f"data.path={cfg.path}")
     if path.suffix.lower() == ".jsonl":
         records = []
         for number, line in enumerate(text.splitlines(), 1):

@@ -6,6 +6,7 @@ The embedded default is the Python language documentation that ships inside ever
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import os
@@ -76,6 +77,8 @@ def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
             ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         except datasets.exceptions.DatasetGenerationError as exc:
             cause = exc.__cause__ or exc
+            if isinstance(cause, UnicodeDecodeError):  # the text builder decodes as it reads
+                raise _not_utf8(cfg.path, files, cause) from None
             raise UserError(f"could not read data.path={cfg.path} as {builder}: {cause}") from None
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         fingerprint = _hash(builder, cfg.sample_by, cfg.text_column, repr(stats))
@@ -97,7 +100,12 @@ def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
     ds = ds.select_columns([cfg.text_column])
     if cfg.text_column != "text":
         ds = ds.rename_column(cfg.text_column, "text")
-    return _non_empty(ds, cfg.path), fingerprint
+    try:
+        return _non_empty(ds, cfg.path), fingerprint
+    except UnicodeDecodeError as exc:  # the json builder stores the bytes unchecked; the first read decodes them
+        if files is None:
+            raise
+        raise _not_utf8(cfg.path, files, exc) from None
 
 
 def split_documents(ds: datasets.Dataset, val_fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
@@ -130,6 +138,49 @@ def _local_files(path: str) -> list[str] | None:
             raise UserError(f"data.path={path} matches no files")
         return files
     return None
+
+
+def utf8_problem(path: Path, chunk_bytes: int = 1 << 20) -> str | None:
+    """Where a file stops being UTF-8 ("byte 0xe9 at offset 325, line 4"), or None if it is UTF-8.
+
+    Read in chunks, so that a large corpus costs no more memory than a small one."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = newlines = 0  # of the bytes before this chunk
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            pending = len(decoder.getstate()[0])  # the start of a character cut by the chunk boundary
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                data = exc.object  # the pending bytes + this chunk
+                line = newlines + data[: exc.start].count(b"\n") + 1
+                return f"byte 0x{data[exc.start]:02x} at offset {offset - pending + exc.start}, line {line}"
+            if not chunk:
+                return None
+            offset += len(chunk)
+            newlines += chunk.count(b"\n")
+
+
+def read_utf8(path: Path, name: str) -> str:
+    """A whole file's text; when it is not UTF-8, one line naming `name` and where it breaks."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8_error(name, utf8_problem(path) or exc.reason) from None
+
+
+def _not_utf8_error(name: str, where: str) -> UserError:
+    return UserError(f"{name} is not UTF-8 text ({where}); re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8")
+
+
+def _not_utf8(source: str, files: list[str], exc: UnicodeDecodeError) -> UserError:
+    """The first of `files` that is not UTF-8, named with where it breaks."""
+    for f in files:
+        if Path(f).suffix.lower() != ".parquet" and (where := utf8_problem(Path(f))) is not None:
+            name = f"data.path={source}" if len(files) == 1 else f"data.path={source}: {f}"
+            return _not_utf8_error(name, where)
+    return _not_utf8_error(f"data.path={source}", exc.reason)
 
 
 def _non_empty(ds: datasets.Dataset, source: str) -> datasets.Dataset:

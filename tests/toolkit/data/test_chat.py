@@ -188,6 +188,18 @@ def test_jsonl_records(tmp_path):
     assert load_chat_records(ChatDataConfig(path=str(path))) == [{"instruction": "a", "output": "b"}]
 
 
+def test_chat_records_that_are_not_utf8_name_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    good = '{"instruction": "a", "output": "b"}\n'
+    path.write_bytes((good + '{"instruction": "caf\u00e9", "output": "b"}\n').encode("latin-1"))  # é is 0xe9
+    with pytest.raises(UserError) as info:
+        load_chat_records(ChatDataConfig(path=str(path)))
+    assert str(info.value) == (
+        f"data.path={path} is not UTF-8 text (byte 0xe9 at offset {len(good) + 20}, line 2); "
+        "re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8"
+    )
+
+
 # --- packing -------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import datasets
 import pytest
 
 from toolkit.config import UserError
-from toolkit.data.corpus import EMBEDDED, DataConfig, load_corpus, split_documents
+from toolkit.data.corpus import EMBEDDED, DataConfig, load_corpus, split_documents, utf8_problem
 
 TEXT = "first para line1\nline2\n\nsecond para\n\n\n\nthird\n"
 
@@ -154,6 +154,39 @@ def test_unreadable_json_is_a_user_error(tmp_path):
     f.write_text('{"text": "ok"}\nnot json at all\n')
     with pytest.raises(UserError, match=rf"could not read data.path={f} as json"):
         load_corpus(DataConfig(path=str(f)))
+
+
+LATIN1_TXT = "first paragraph\n\ncaf\u00e9 au lait\n".encode("latin-1")  # é is 0xe9: offset 20, line 3
+LATIN1_JSONL = b'{"text": "first"}\n\n{"text": "caf\xe9"}\n'  # offset 32, line 3
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "folder"])
+def test_text_that_is_not_utf8_names_the_file_and_the_byte(tmp_path, kind):
+    """The text builder fails as it reads, the json builder only when the text is first used:
+    either way one line, with the file and where it breaks."""
+    f = tmp_path / ("docs.jsonl" if kind == "jsonl" else "docs.txt")
+    f.write_bytes(LATIN1_JSONL if kind == "jsonl" else LATIN1_TXT)
+    path, name = f, f"data.path={f}"
+    if kind == "folder":
+        (tmp_path / "a.txt").write_text("fine\n")  # read first, and valid
+        path, name = tmp_path, f"data.path={tmp_path}: {f}"
+    offset = 32 if kind == "jsonl" else 20
+    with pytest.raises(UserError) as info:
+        load_corpus(DataConfig(path=str(path)))
+    assert str(info.value) == (
+        f"{name} is not UTF-8 text (byte 0xe9 at offset {offset}, line 3); re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8"
+    )
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 1 << 20])
+def test_utf8_problem_finds_the_first_bad_byte_across_chunk_boundaries(tmp_path, chunk_bytes):
+    f = tmp_path / "a.txt"
+    f.write_bytes("a\u00e9\u4e2d\n\U0001f600\n".encode() + b"\xe4\xb8" + b"x\n\xff")
+    assert utf8_problem(f, chunk_bytes) == "byte 0xe4 at offset 12, line 3"  # a lead byte without its tail
+    f.write_bytes("a\u00e9\u4e2d\n".encode() + b"\xe4\xb8")  # cut off at the end
+    assert utf8_problem(f, chunk_bytes) == "byte 0xe4 at offset 7, line 2"
+    f.write_bytes("a\u00e9\u4e2d\n".encode())
+    assert utf8_problem(f, chunk_bytes) is None
 
 
 def test_data_config_validate():
