@@ -17,7 +17,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"config", "run_dir"}, {"data"}, {"models"}, {"strategy"}, {"export"}, {"training"}]
+LAYERS = [{"config", "run_dir", "manifest"}, {"data"}, {"models"}, {"strategy"}, {"export"}, {"training"}]
 
 
 def layer(module: str) -> int:

@@ -2,18 +2,25 @@
 
 A checkpoint is complete only once its TrainerState (`trainer_state.json`) is written, after
 every rank has finished its part of `save_state`; a folder without it (a crash mid-save) is
-never resumed from and never counts towards `keep_last` (see toolkit.run_dir).
+never resumed from and never counts towards `keep_last` (see toolkit.run_dir). Just before it,
+the manifest records every file's size and CRC-32 (toolkit.manifest), checked before a resume.
 """
 
 from __future__ import annotations
 
+import copy
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from toolkit.config import field
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from toolkit.config import UserError, field
+from toolkit.manifest import check_manifest, write_manifest
 from toolkit.run_dir import MODEL_FILES, RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 
@@ -57,6 +64,7 @@ def save_checkpoint(
     if acc.is_main_process:
         if model_files is not None:
             model_files(folder / MODEL_FILES)
+        write_manifest(folder)  # before the state file: a complete checkpoint always has one
         state.write(folder)
         for old in run.complete_checkpoints()[:-keep_last]:
             shutil.rmtree(old)
@@ -65,5 +73,131 @@ def save_checkpoint(
 
 
 def load_checkpoint(strategy: Strategy, folder: Path) -> TrainerState:
-    strategy.accelerator.load_state(str(folder))
+    """Collective. A checkpoint of another model shape is refused with one line, before loading.
+
+    The shapes are compared from the configs (the checkpoint's model_files/ and the live model's),
+    which reads the same under every strategy and on every rank; a size mismatch that still
+    reaches the strategy's loader is translated the same way."""
+    acc = strategy.accelerator
+    # outside_training: the meta models are built as in a single process (under ZeRO-3 too)
+    with strategy.outside_training():
+        for model in acc._models:  # the prepared models: the trainer hands over only the strategy
+            check_same_model(folder, acc.unwrap_model(model))
+    try:
+        acc.load_state(str(folder))
+    except RuntimeError as exc:
+        found = _first_mismatch_in(str(exc))
+        if found is None:
+            raise
+        raise UserError(_different_model(folder, found)) from None
     return TrainerState.read(folder)
+
+
+def check_same_model(folder: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint whose model_files/ config (and adapter config) give other parameter
+    shapes than `model`'s; nothing to compare for a checkpoint without them or a model without a config."""
+    files = folder / MODEL_FILES
+    lora = hasattr(model, "peft_config")
+    base = model.get_base_model() if lora else model
+    if not (files / "config.json").is_file() or not isinstance(getattr(base, "config", None), PretrainedConfig):
+        return
+    saved_adapter = None
+    if (files / "adapter_config.json").is_file():
+        from peft import PeftConfig
+
+        saved_adapter = PeftConfig.from_pretrained(str(files))
+    saved = _shapes(AutoConfig.from_pretrained(files), saved_adapter)
+    live = _shapes(base.config, model.peft_config["default"] if lora else None)
+    found = _first_mismatch(saved, live)
+    if found is not None:
+        raise UserError(_different_model(folder, found))
+
+
+def _shapes(config: PretrainedConfig, adapter) -> dict[str, list[int]]:
+    """Parameter name -> shape of the model a config (and adapter config) builds; on the meta
+    device, so nothing is allocated whatever the model's size."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):  # QLoRA: compare the float architecture
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        if adapter is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, copy.deepcopy(adapter))
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def _first_mismatch(saved: dict[str, list[int]], live: dict[str, list[int]]) -> tuple[str, str, str] | None:
+    """(parameter, its shape in the checkpoint, in this model), in the live model's order."""
+    for name, shape in live.items():
+        if name not in saved:
+            return name, "absent", str(shape)
+        if saved[name] != shape:
+            return name, str(saved[name]), str(shape)
+    extra = next((name for name in saved if name not in live), None)
+    return None if extra is None else (extra, str(saved[extra]), "absent")
+
+
+_SIZE = re.compile(
+    r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from checkpoint, "
+    r"the shape in current model is torch\.Size\((\[[^\]]*\])\)"
+)
+_MISSING = re.compile(r'Missing key\(s\) in state_dict: "([^"]+)"')
+_UNEXPECTED = re.compile(r'Unexpected key\(s\) in state_dict: "([^"]+)"')
+
+
+def _first_mismatch_in(error: str) -> tuple[str, str, str] | None:
+    """The first parameter that torch's load_state_dict refused, from its error text."""
+    if m := _SIZE.search(error):
+        return m.group(1), m.group(2), m.group(3)
+    if m := _MISSING.search(error):
+        return m.group(1), "absent", "present"
+    if m := _UNEXPECTED.search(error):
+        return m.group(1), "present", "absent"
+    return None
+
+
+def _different_model(folder: Path, found: tuple[str, str, str]) -> str:
+    name, saved, live = found
+    return (
+        f"checkpoint {folder} holds a different model: {name} is {saved} there and {live} in this run; "
+        "resume with the model settings it was saved with, or start a new output_dir"
+    )
+
+
+def intact_checkpoint(
+    strategy: Strategy, run: RunDir, chosen: Path, auto: bool, say: Callable[[str], None] = print
+) -> Path:
+    """Collective: the checkpoint to resume from once its manifest is checked (on the main process;
+    every rank gets the same verdict).
+
+    resume=auto falls back to the newest older checkpoint that is intact, saying so, and moves
+    each damaged one aside (`step-N.damaged`: kept for a post-mortem, out of rotation, never
+    resumed from); resume=PATH stops in one line that names the damaged file.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    verdict: list = [None, None]  # [folder to resume from, or the one-line error]
+    if strategy.is_main:
+        candidates = [chosen] + ([c for c in reversed(run.complete_checkpoints()) if c != chosen] if auto else [])
+        problems = []
+        for folder in candidates:
+            problem = check_manifest(folder)
+            if problem is None:
+                verdict[0] = str(folder)
+                break
+            problems.append(problem)
+            if not auto:
+                break
+            aside = folder.with_name(folder.name + ".damaged")
+            folder.rename(aside)
+            say(f"checkpoint {folder.name} is damaged ({problem}); moved to {aside.name}, trying the one before")
+        if verdict[0] is None:
+            where = f"resume={chosen}" if not auto else f"resume=auto: no intact checkpoint in {run.checkpoints}"
+            verdict[1] = f"{where}: {problems[0]}"
+    if strategy.world_size > 1:
+        broadcast_object_list(verdict)
+    if verdict[1] is not None:
+        raise UserError(verdict[1] + "; resume from an intact checkpoint or start a new output_dir")
+    return Path(verdict[0])

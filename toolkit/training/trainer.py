@@ -39,7 +39,7 @@ from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
-from toolkit.training.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.training.checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import (
     MetricsWriter,
@@ -217,6 +217,9 @@ class Trainer:
             self.strategy, model, cfg.optim, cfg.train.max_steps
         )
         if self.resume_from is not None:
+            self.resume_from = intact_checkpoint(
+                self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
+            )
             self.state = load_checkpoint(self.strategy, self.resume_from)
             self.checkpoint_step, self.eval_step = self.step, self.state.eval_step
             self.print(f"resumed from {self.resume_from} at step {self.step}")

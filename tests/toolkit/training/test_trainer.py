@@ -154,3 +154,37 @@ def test_rerunning_a_finished_run_adds_no_duplicate_rows(tmp_path, blocks, tiny_
     again.close()
     assert read_metrics(again.run.metrics) == before
     assert again.state.last_eval == first.state.last_eval
+
+
+def test_a_damaged_checkpoint_is_moved_aside_and_resume_auto_falls_back(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    """One flipped bit in the newest model.safetensors (it used to train on with a dead model):
+    resume=auto names it, moves it aside, resumes from the one before and retrains the same steps."""
+    whole = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model,
+                  "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=2", "eval.every=0")
+    whole.fit()
+    whole.close()
+    curve = losses(whole.run)
+    newest = whole.run.checkpoint(4) / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    newest.write_bytes(bytes(data))
+
+    AcceleratorState._reset_state(True)
+    cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={tmp_path / 'run'}", "train.max_steps=4",
+                                             "checkpoint.every=2", "checkpoint.keep_last=2", "eval.every=0",
+                                             f"resume={newest.parent}"])
+    by_path = Trainer("unit", cfg)
+    by_path.use_data(*blocks, collate, target_counts)
+    model = tiny_model("llama", seed=0, tokenizer=tiny_tokenizer)
+    with pytest.raises(UserError, match=r"resume=.*step-4: .*step-4/model.safetensors does not match its checksum"):
+        by_path.prepare(model, tiny_tokenizer, *model_size(model, 64))
+
+    AcceleratorState._reset_state(True)
+    resumed = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "checkpoint.every=2",
+                    "checkpoint.keep_last=2", "eval.every=0", "resume=auto")
+    assert resumed.step == 2
+    assert (resumed.run.checkpoints / "step-4.damaged" / "model.safetensors").is_file()  # kept, out of rotation
+    resumed.fit()
+    resumed.close()
+    assert losses(resumed.run) == curve  # steps 3 and 4 retrained to the same floats
+    assert [p.name for p in resumed.run.complete_checkpoints()] == ["step-2", "step-4"]
