@@ -135,7 +135,7 @@ def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
     """The template to render with: the override (text or file), else the tokenizer's."""
     if chat_template:
         if _looks_like_file(chat_template):
-            return Path(chat_template).read_text(encoding="utf-8")
+            return read_utf8(Path(chat_template), f"chat_template={chat_template}")
         return chat_template
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):  # several named templates: the default one
