@@ -40,6 +40,8 @@ def fresh_accelerator_state():
 
 
 def start(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
+    """A fresh Trainer, as a new launch builds one (a test may start several in turn)."""
+    AcceleratorState._reset_state(True)
     cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={out}", *overrides])
     trainer = Trainer("unit", cfg)
     trainer.use_data(*blocks, collate, target_counts)
@@ -83,7 +85,6 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues_bit_exactly(tmp_p
     stopped.close()
     assert [p.name for p in stopped.run.complete_checkpoints()] == ["step-1"]
 
-    AcceleratorState._reset_state(True)
     resumed = start(tmp_path / "stopped", blocks, tiny_tokenizer, tiny_model,
                     "train.max_steps=3", "checkpoint.every=0", "resume=auto")
     assert resumed.resumed and resumed.step == 1
@@ -145,7 +146,6 @@ def test_rerunning_a_finished_run_adds_no_duplicate_rows(tmp_path, blocks, tiny_
     before = read_metrics(first.run.metrics)
     assert sum("eval_loss" in r for r in before) == 1 and sum("parameter_digests" in r for r in before) == 1
 
-    AcceleratorState._reset_state(True)
     again = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model,
                   "train.max_steps=2", "checkpoint.every=0", "resume=auto")
     assert again.resumed and again.step == 2
@@ -179,7 +179,6 @@ def test_a_damaged_checkpoint_is_moved_aside_and_resume_auto_falls_back(tmp_path
     with pytest.raises(UserError, match=r"resume=.*step-4: .*step-4/model.safetensors does not match its checksum"):
         by_path.prepare(model, tiny_tokenizer, *model_size(model, 64))
 
-    AcceleratorState._reset_state(True)
     resumed = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "checkpoint.every=2",
                     "checkpoint.keep_last=2", "eval.every=0", "resume=auto")
     assert resumed.step == 2
