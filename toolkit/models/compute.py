@@ -30,6 +30,11 @@ class ComputeConfig:
     )
     loss_chunk_tokens: int = field(4096, help="with loss=chunked: tokens per chunk")
 
+    @property
+    def chunk_tokens(self) -> int:
+        """What toolkit.models.loss.forward_loss_sum takes: 0 for the full path, else the chunk size."""
+        return self.loss_chunk_tokens if self.loss == "chunked" else 0
+
     def validate(self) -> list[str]:
         problems = []
         if self.gradient_checkpointing_k < 1:

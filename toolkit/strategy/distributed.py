@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import json
 import os
@@ -186,8 +187,6 @@ def reduce_gradients_in_fp32(fsdp_plugin) -> None:
     bf16 (8 significant bits) at every step. fp32 reduction is torchtitan's default as well; it
     doubles the reduce-scatter's bytes, small next to a step's compute.
     """
-    import dataclasses
-
     policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
     if dataclasses.is_dataclass(policy) and getattr(policy, "reduce_dtype", None) in (torch.bfloat16, torch.float16):
         fsdp_plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)

@@ -207,7 +207,7 @@ class Trainer:
         cfg = self.cfg
         self.tokenizer, self.n_params, self.flops_token = tokenizer, n_params, flops_token
         self.model_files = model_files or {}
-        if cfg.model.loss == "chunked":
+        if cfg.model.chunk_tokens:
             output_head(model)  # a head the chunked loss cannot replace is refused before any step
         # The recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON defines its own.
         if self.strategy.ds_owned:
@@ -248,7 +248,7 @@ class Trainer:
             with meter or contextlib.nullcontext():
                 loss_sum, grad_norm = optimizer_step(
                     acc, self.model, self.optimizer, batches, scale, cfg.optim.max_grad_norm,
-                    cfg.model.loss_chunk_tokens if cfg.model.loss == "chunked" else 0,
+                    cfg.model.chunk_tokens,
                 )
             if self.step_scheduler:
                 self.scheduler.step()
@@ -314,7 +314,7 @@ class Trainer:
         result = evaluate(
             self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
             cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
-            cfg.model.loss_chunk_tokens if cfg.model.loss == "chunked" else 0,
+            cfg.model.chunk_tokens,
         )
         self.eval_step = self.state.eval_step = self.step
         self.log({"step": self.step, "phase": phase, **result})

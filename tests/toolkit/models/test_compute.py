@@ -79,3 +79,9 @@ def test_each_model_section_loads_the_compute_keys_from_overrides(section):
     assert (cfg.attn_implementation, cfg.gradient_checkpointing, cfg.gradient_checkpointing_k) == ("eager", "every_k", 3)
     with pytest.raises(ConfigError, match="gradient_checkpointing_k=0 must be at least 1"):
         load_config(section, None, ["gradient_checkpointing_k=0"])
+
+
+def test_chunk_tokens_is_zero_unless_the_loss_is_chunked():
+    assert ComputeConfig().chunk_tokens == 0
+    assert ComputeConfig(loss="chunked", loss_chunk_tokens=512).chunk_tokens == 512
+    assert ComputeConfig(loss="full", loss_chunk_tokens=512).chunk_tokens == 0

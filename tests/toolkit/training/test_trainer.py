@@ -169,15 +169,9 @@ def test_a_damaged_checkpoint_is_moved_aside_and_resume_auto_falls_back(tmp_path
     data[len(data) // 2] ^= 0x40
     newest.write_bytes(bytes(data))
 
-    AcceleratorState._reset_state(True)
-    cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={tmp_path / 'run'}", "train.max_steps=4",
-                                             "checkpoint.every=2", "checkpoint.keep_last=2", "eval.every=0",
-                                             f"resume={newest.parent}"])
-    by_path = Trainer("unit", cfg)
-    by_path.use_data(*blocks, collate, target_counts)
-    model = tiny_model("llama", seed=0, tokenizer=tiny_tokenizer)
     with pytest.raises(UserError, match=r"resume=.*step-4: .*step-4/model.safetensors does not match its checksum"):
-        by_path.prepare(model, tiny_tokenizer, *model_size(model, 64))
+        start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "checkpoint.every=2",
+              "checkpoint.keep_last=2", "eval.every=0", f"resume={newest.parent}")
 
     resumed = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "checkpoint.every=2",
                     "checkpoint.keep_last=2", "eval.every=0", "resume=auto")
