@@ -75,12 +75,12 @@ class RunDir:
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root))
 
-    # Every top-level entry the toolkit writes (final.tmp and adapter.tmp are the atomic
-    # renames of final/ and adapter/; tensorboard/ is Accelerate's tracker under project_dir).
+    # Every top-level entry the toolkit writes (final.tmp/.old and adapter.tmp/.old are left by
+    # replace_folder when a crash interrupts it; tensorboard/ is Accelerate's tracker under project_dir).
     # overwrite=true deletes these, nothing else.
     ENTRIES = (
         "final", "adapter", "checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "samples.md",
-        "final.tmp", "adapter.tmp",
+        "final.tmp", "adapter.tmp", "final.old", "adapter.old",
     )
 
     @property
@@ -241,6 +241,20 @@ class RunDir:
                 f"resume from an earlier one or use resume=auto"
             )
         return path
+
+
+def replace_folder(new: Path, target: Path) -> Path:
+    """Put the finished folder `new` at `target` with renames only, so that a crash at any moment
+    leaves `target` whole (the old one or the new one) or absent, never half deleted; a previous
+    `target` goes to `target.old` first and is deleted last."""
+    old = target.with_name(target.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if target.exists():
+        target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+    return target
 
 
 def _looks_like_checkpoint(folder: Path) -> bool:

@@ -1,6 +1,7 @@
 """The final model as one Hugging Face folder: safetensors, config, tokenizer, model card.
 
-Written to a temporary sibling and renamed into place, so `final/` is either complete or absent.
+Written to a temporary sibling and renamed into place (`run_dir.replace_folder`), so `final/` is
+always either the whole previous folder, the whole new one, or absent.
 Its weights are the fp32 master weights cast to one dtype (`checkpoint.final_dtype`, float32
 by default) under every strategy, so that swapping DDP for ZeRO-3 never changes the artifact.
 """
@@ -14,7 +15,9 @@ from pathlib import Path
 import torch
 import yaml
 
+from toolkit.faults import kill_point
 from toolkit.models.adapter import BASE_MODEL_FILE
+from toolkit.run_dir import replace_folder
 from toolkit.strategy.distributed import Strategy
 
 CARD = """---
@@ -109,11 +112,10 @@ def write_model_folder(
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    kill_point("final")
     if card is not None:
         (tmp / "README.md").write_text(card)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-        return out_dir
+        return replace_folder(tmp, out_dir)
     facts = {"name": out_dir.name, "origin": "trained from scratch", **card_facts}
     facts.setdefault(
         "weights", f"{dtype}, cast from the fp32 master weights (the same under every strategy)" if dtype else "as trained"
@@ -125,9 +127,7 @@ def write_model_folder(
     facts.setdefault("eval_ppl", "n/a")
     (tmp / "README.md").write_text(CARD.format(config=yaml.safe_dump(train_config, sort_keys=False), **facts))
     (tmp / "training_summary.json").write_text(json.dumps(card_facts, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
-    return out_dir
+    return replace_folder(tmp, out_dir)
 
 
 def write_model_files(model, tokenizer, folder: Path, extra: dict[str, dict] | None = None) -> Path:
@@ -172,7 +172,6 @@ def save_adapter(
     tokenizer.save_pretrained(tmp)
     if base_model is not None:
         (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    replace_folder(tmp, out_dir)
     strategy.accelerator.wait_for_everyone()
     return out_dir

@@ -41,6 +41,7 @@ import torch
 from packaging.version import Version
 
 from toolkit.config import UserError
+from toolkit.run_dir import replace_folder
 
 TORCHAO_MIN = "0.16"  # Int8Tensor (int8 weight-only) is safetensors-serialisable from 0.16
 INSTALL = "pip install 'llm-toolkit[quant]' (or pip install 'torchao>=0.16')"
@@ -133,8 +134,7 @@ def quantize_folder(model_dir: Path, out_dir: Path, scheme: str) -> tuple[Path, 
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
+        replace_folder(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir, _notes(s, model, quantised, kept, int8_fallback, model_dir, out_dir)

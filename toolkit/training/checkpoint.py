@@ -20,9 +20,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from toolkit.config import UserError, field
+from toolkit.faults import kill_point
 from toolkit.manifest import check_manifest, write_manifest
 from toolkit.run_dir import MODEL_FILES, RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
+
+DELETING = ".deleting"  # suffix of a pruned checkpoint on its way out
 
 
 @dataclass
@@ -56,18 +59,29 @@ def save_checkpoint(
     """
     acc = strategy.accelerator
     folder = run.checkpoint(state.step)
-    if acc.is_main_process and folder.exists():
-        shutil.rmtree(folder)  # a stale, incomplete save of the same step
+    kill_point("save.start", state.step)
+    if acc.is_main_process:
+        if folder.exists():
+            shutil.rmtree(folder)  # a stale, incomplete save of the same step
+        for leftover in run.checkpoints.glob(f"*{DELETING}"):
+            shutil.rmtree(leftover)  # a prune that a crash interrupted
     acc.wait_for_everyone()
     acc.save_state(str(folder))
+    kill_point("save.rank_files", state.step)
     acc.wait_for_everyone()
     if acc.is_main_process:
         if model_files is not None:
             model_files(folder / MODEL_FILES)
         write_manifest(folder)  # before the state file: a complete checkpoint always has one
+        kill_point("save.manifest", state.step)
         state.write(folder)
+        kill_point("save.state_file", state.step)
         for old in run.complete_checkpoints()[:-keep_last]:
-            shutil.rmtree(old)
+            # Out of rotation in one rename, then deleted: a crash mid-delete leaves a folder
+            # that is plainly not a checkpoint, never a step-N that lost some of its files.
+            going = old.rename(old.with_name(old.name + DELETING))
+            kill_point("prune", state.step)
+            shutil.rmtree(going)
     acc.wait_for_everyone()
     return folder
 

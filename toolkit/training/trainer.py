@@ -34,6 +34,7 @@ from toolkit.config import UserError, field, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.packing import check_attention, column
 from toolkit.export.hf_folder import write_model_files
+from toolkit.faults import kill_point, killing_batches, model_kill_points
 from toolkit.models.loss import backward_scale, output_head
 from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
@@ -245,11 +246,12 @@ class Trainer:
             batches = (self.collate(self.train_blocks[m], attn) for m in self.schedule.micro_batches(state.step))
             # Once per run, measure the bytes each rank really holds (sharding made visible).
             meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
-            with meter or contextlib.nullcontext():
+            with meter or contextlib.nullcontext(), model_kill_points(acc.unwrap_model(self.model), state.step + 1):
                 loss_sum, grad_norm = optimizer_step(
-                    acc, self.model, self.optimizer, batches, scale, cfg.optim.max_grad_norm,
-                    cfg.model.chunk_tokens,
+                    acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
+                    cfg.optim.max_grad_norm, cfg.model.chunk_tokens,
                 )
+            kill_point("after_optimizer", state.step + 1)
             if self.step_scheduler:
                 self.scheduler.step()
             state.step += 1
@@ -311,11 +313,12 @@ class Trainer:
     def evaluate(self, phase: str) -> dict[str, float]:
         """Held-out loss and perplexity (collective); `phase` is before, train or after training."""
         cfg = self.cfg
-        result = evaluate(
-            self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
-            cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
-            cfg.model.chunk_tokens,
-        )
+        with model_kill_points(self.accelerator.unwrap_model(self.model), self.step, "eval"):
+            result = evaluate(
+                self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
+                cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
+                cfg.model.chunk_tokens,
+            )
         self.eval_step = self.state.eval_step = self.step
         self.log({"step": self.step, "phase": phase, **result})
         self.print(

@@ -1,0 +1,114 @@
+"""Deterministic hard kills for the fault-tolerance harness; only tests and bench/kill_soak.py set them.
+
+    LLM_TOOLKIT_KILL="backward@4/1,save.rank_files@6/0,final/0"   point[@step][/rank], comma separated
+    LLM_TOOLKIT_KILL_LOG=/path/kills.log                          required with it
+
+At a named point, at that step, the named rank sends itself SIGKILL: no handler, no flush, no
+cleanup, as the kernel's OOM killer or a lost node would. Each kill fires once: its line is
+appended to the log (and fsynced) before the signal, and a kill already in the log never fires
+again, so a relaunch (or an elastic restart under `--max_restarts`) runs on past it.
+
+The points, where the step is the optimizer step being trained (1-based) or the checkpoint's
+(no step: the first time the point is reached; no rank: rank 0):
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+ENV, LOG_ENV = "LLM_TOOLKIT_KILL", "LLM_TOOLKIT_KILL_LOG"
+
+POINTS = {
+    "forward": "after the first micro-batch's forward, before its backward",
+    "backward": "inside the backward, once the decoder layers' gradients are computed",
+    "between_micro_batches": "after the first micro-batch's backward, before the second one's forward",
+    "after_optimizer": "after the optimizer step, before the step counter moves",
+    "eval": "inside an evaluation, after its first forward",
+    "save.start": "before the strategy's save_state",
+    "save.rank_files": "after this rank wrote its part of save_state, before the others finish",
+    "save.manifest": "after the manifest, before the state file (the checkpoint is not complete)",
+    "save.state_file": "after the state file, before old checkpoints are pruned",
+    "prune": "between moving an old checkpoint out of rotation and deleting it",
+    "final": "while final/ is written: its weights are in the temporary folder, not yet renamed",
+}
+__doc__ += "\n".join(f"    {name:<22} {where}" for name, where in POINTS.items()) + "\n"
+
+
+def _planned() -> list[tuple[str, str, int | None, int]]:
+    """(the kill as written, point, step or None for any, rank) for each planned kill."""
+    spec = os.environ.get(ENV, "").strip()
+    if not spec:
+        return []
+    if not os.environ.get(LOG_ENV):
+        raise RuntimeError(f"{ENV} is set without {LOG_ENV}: the kills would fire again after every restart")
+    kills = []
+    for item in spec.split(","):
+        item = item.strip()
+        head, _, rank = item.partition("/")
+        point, _, step = head.partition("@")
+        if point not in POINTS:
+            raise RuntimeError(f"{ENV}: unknown kill point {point!r}; the points are {', '.join(POINTS)}")
+        kills.append((item, point, int(step) if step else None, int(rank or 0)))
+    return kills
+
+
+def _armed(point: str, step: int | None) -> str | None:
+    """The planned kill this rank is to die of at `point` of `step`, unless it already fired."""
+    if ENV not in os.environ:
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    log = Path(os.environ.get(LOG_ENV, ""))
+    fired = log.read_text().split() if log.is_file() else []
+    for item, p, s, r in _planned():
+        if p == point and r == rank and (s is None or s == step) and item not in fired:
+            return item
+    return None
+
+
+def armed(point: str, step: int | None = None) -> bool:
+    return _armed(point, step) is not None
+
+
+def kill_point(point: str, step: int | None = None) -> None:
+    """Die here if a kill is planned at this point and step, for this rank, and has not fired yet."""
+    item = _armed(point, step)
+    if item is not None:
+        with open(os.environ[LOG_ENV], "a") as log:
+            log.write(item + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killing_batches(batches: Iterable, step: int) -> Iterator:
+    """The micro-batches of one step, with the `between_micro_batches` point after the first."""
+    for i, batch in enumerate(batches):
+        if i == 1:
+            kill_point("between_micro_batches", step)
+        yield batch
+
+
+@contextlib.contextmanager
+def model_kill_points(model, step: int, point_forward: str = "forward"):
+    """Hooks for the points inside a forward or backward of `model` (an unwrapped HF model)."""
+    handles = []
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if armed(point_forward, step) and embedding is not None:
+        handles.append(model.register_forward_hook(lambda *_: kill_point(point_forward, step)))
+    if point_forward == "forward" and armed("backward", step) and embedding is not None:
+        # The embedding's output is the last tensor the backward reaches: every decoder layer's
+        # gradient exists, the optimizer has not stepped, and DDP's buckets may be in flight.
+        def on_output(module, inputs, output):
+            if output.requires_grad:
+                output.register_hook(lambda grad: kill_point("backward", step))
+
+        handles.append(embedding.register_forward_hook(on_output))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
