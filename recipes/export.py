@@ -18,13 +18,16 @@ Formats
 Every export is reloaded and measured: export_report.md (format, size, held-out perplexity and
 its change against the fp32 source, generation tokens/s) is printed and written beside it.
 Errors (one line, exit code 2): a missing or unrecognised --from, an incomplete or unknown
-checkpoint, an unsupported architecture or quant type, an existing output without --overwrite.
+checkpoint, an unsupported architecture or quant type, an existing output without --overwrite,
+an output that cannot be created, a flag of another format, --base for a source that is not an
+adapter, an --eval-text that is not UTF-8 or too short; argparse's own refusals too.
 An export that fails midway leaves nothing under the output's name.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from toolkit.config import UserError
+from toolkit.data.corpus import read_utf8
 from toolkit.export.consolidate import load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
@@ -58,13 +62,19 @@ Exported by llm-toolkit's `recipes/export.py`.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # argparse prints its whole usage block first; one line, as every other refusal
+        raise UserError(f"{message}; see python recipes/export.py --help")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="source", required=True, help="run, model, checkpoint or adapter folder")
     parser.add_argument("--checkpoint", help="with a run folder: step-N or latest (default: its final/)")
     parser.add_argument("--format", choices=FORMATS, default="hf")
     parser.add_argument("--quant", default="f16", help="gguf: the tensor type (f16, q8_0, q4_0, ...)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="hf: the weights' dtype")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="hf: the weights' dtype (default fp32)")
     parser.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base (needed for adapters)")
     parser.add_argument("--base", help="the base model folder of a LoRA adapter, when the adapter does not name it")
     parser.add_argument("--max-shard-size", default="2GB", help="hf: split safetensors above this size")
@@ -86,6 +96,13 @@ def check_args(args: argparse.Namespace) -> Path:
             raise UserError(f"--output {output} must end in .gguf for --format gguf")
     elif args.quant != "f16":
         raise UserError(f"--quant applies to --format gguf only; for {args.format} leave it out")
+    if args.dtype is not None and args.format != "hf":
+        raise UserError(f"--dtype applies to --format hf only; for {args.format} leave it out")
+    args.dtype = args.dtype or "fp32"
+    if not re.fullmatch(r"\d+(\.\d*)?\s*[KMGT]B", args.max_shard_size, re.IGNORECASE):
+        raise UserError(f"--max-shard-size {args.max_shard_size} is not a size; write it like 500MB or 2GB")
+    if args.base and not Path(args.base).is_dir():
+        raise UserError(f"--base {args.base} is not a folder; give the base model folder of the LoRA adapter")
     if output.exists() and not args.overwrite:
         raise UserError(f"--output {output} exists; choose another path or pass --overwrite to replace it")
     if args.format == "gguf":
@@ -97,21 +114,37 @@ def check_args(args: argparse.Namespace) -> Path:
             )
     if args.eval_text and not Path(args.eval_text).is_file():
         raise UserError(f"--eval-text {args.eval_text} does not exist")
+    # the nearest folder that exists must take new entries: the OS answers (root passes permission bits)
+    probe = next((p for p in output.absolute().parents if p.exists()), Path("."))
+    if not probe.is_dir():
+        raise UserError(f"--output {output} cannot be created: {probe} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise UserError(f"--output {output} cannot be created: {probe} does not accept new entries ({exc.strerror})") from None
     return output
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         output = check_args(args)
         source = resolve_source(args.source, args.checkpoint)
+        if args.base and source.kind != "adapter":
+            raise UserError(f"--base applies to a LoRA adapter folder; {source.describe()} is not one, leave --base out")
         model, tokenizer, notes = load_model(source, args.base, args.merge_lora)
+        if args.merge_lora and source.kind == "hf":
+            notes.append(f"--merge-lora: {source.describe()} is a full model; there was nothing to merge")
         for line in notes:
             print(f"[export] {line}")
 
         # The fp32 source's perplexity: the reference for every format.
-        eval_text = Path(args.eval_text).read_text() if args.eval_text else None
-        blocks = held_out_ids(tokenizer, eval_text)
+        eval_text = read_utf8(Path(args.eval_text), f"--eval-text {args.eval_text}") if args.eval_text else None
+        try:
+            blocks = held_out_ids(tokenizer, eval_text)
+        except ValueError as exc:  # too short to measure a perplexity on
+            raise UserError(f"--eval-text {args.eval_text}: {exc}; give a longer text") from None
         source_ppl = perplexity(model, blocks)
         output.parent.mkdir(parents=True, exist_ok=True)
         facts = {"source": source.describe(), "step": source.facts.get("step", "n/a"),

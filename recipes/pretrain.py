@@ -15,8 +15,10 @@ Features
 The loop, checkpoints, resume and metrics are toolkit.training.trainer's, shared with the
 fine-tuning recipe; this file builds the tokenizer, the packed corpus and a fresh model.
 
-Errors (one line, exit code 2): unknown/misspelled or mistyped config keys, missing data path,
-empty corpus, data that is not UTF-8, seq_len over the model's max positions, batch sizes that
+Errors (one line, exit code 2; docs/faults.md lists them with their tests): unknown/misspelled or
+mistyped config keys, a model_type with no causal LM, missing or unreadable data path, empty
+corpus, data that is not UTF-8 text, a text column that is not strings, a hub id while offline,
+seq_len over the model's max positions, batch sizes that
 do not divide, an output_dir that cannot be created or written, or that holds another run or
 files that are not a run, resume=auto on a run with no complete checkpoint, an incomplete
 checkpoint, a checkpoint of another model shape, an attention kind that cannot keep packed
@@ -54,14 +56,17 @@ class PretrainRecipe:
         strategy.check_fsdp_layers(lambda: meta_model(cfg.model))
 
         # Data: the main process trains the tokenizer and packs into the cache; the others then read it.
+        data_notes: list[str] = []
         with strategy.accelerator.main_process_first():
-            corpus, source = load_corpus(cfg.data)
+            corpus, source = load_corpus(cfg.data, data_notes)
             train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
             tok_key = f"{source}-v{cfg.tokenizer.vocab_size}-f{cfg.tokenizer.min_frequency}"
             tok_dir = cfg.data.resolved_cache_dir() / f"tokenizer-{tok_key}"
             self.tokenizer = get_tokenizer(cfg.tokenizer, train_docs, tok_dir)
             train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
         schedule = trainer.use_data(train, val, collate, target_counts)
+        for line in data_notes:
+            trainer.print(f"data: {line}")
         trainer.print(
             f"data: {len(train_docs)} train / {len(val_docs or [])} held-out documents -> "
             f"{len(train)} blocks of {cfg.data.seq_len} tokens "

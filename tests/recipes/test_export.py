@@ -137,6 +137,69 @@ def test_bad_input_is_one_line(export, capsys, tmp_path, tiny_base):
         export, capsys, "--from", str(tiny_base), "--format", "gguf", "--output", str(tmp_path / "model.gguf"))
 
 
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, tiny_model, tiny_tokenizer):
+    """A small Hugging Face folder, so that these refusals need no pretraining run."""
+    folder = tmp_path_factory.mktemp("export-flags") / "model"
+    tiny_model(tokenizer=tiny_tokenizer).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+# every wrong flag: argv after --from MODEL (or the whole argv when it starts with no --from), and the line
+FLAGS = {
+    "unknown format": (["--format", "onnx", "--output", "{out}"],
+                       "argument --format: invalid choice: 'onnx' (choose from 'hf', 'gguf', 'int8', 'int4'); "
+                       "see python recipes/export.py --help"),
+    "unknown dtype": (["--dtype", "int3", "--output", "{out}"], "argument --dtype: invalid choice: 'int3'"),
+    "no --from": ([None, "--output", "{out}"], "the following arguments are required: --from; see python recipes/export.py --help"),
+    "no --output": ([], "the following arguments are required: --output"),
+    "gguf output without .gguf": (["--format", "gguf", "--output", "{out}"], "--output {out} must end in .gguf for --format gguf"),
+    "quant without gguf": (["--quant", "q8_0", "--output", "{out}"], "--quant applies to --format gguf only; for hf leave it out"),
+    "dtype without hf": (["--format", "gguf", "--dtype", "bf16", "--output", "{out}.gguf"],
+                         "--dtype applies to --format hf only; for gguf leave it out"),
+    "shard size that is not a size": (["--max-shard-size", "lots", "--output", "{out}"],
+                                      "--max-shard-size lots is not a size; write it like 500MB or 2GB"),
+    "base that does not exist": (["--merge-lora", "--base", "/nowhere", "--output", "{out}"],
+                                 "--base /nowhere is not a folder; give the base model folder of the LoRA adapter"),
+    "base of a model that is not an adapter": (["--base", "{model}", "--output", "{out}"],
+                                               "--base applies to a LoRA adapter folder; Hugging Face model folder {model} "
+                                               "is not one, leave --base out"),
+    "eval text missing": (["--eval-text", "/nowhere.txt", "--output", "{out}"], "--eval-text /nowhere.txt does not exist"),
+    "eval text not UTF-8": (["--eval-text", "{tmp}/latin1.txt", "--output", "{out}"],
+                            "--eval-text {tmp}/latin1.txt is not UTF-8 text (byte 0xe9 at offset 3, line 1); re-encode it "
+                            "as UTF-8, e.g. iconv -f latin1 -t utf-8"),
+    "eval text too short": (["--eval-text", "{tmp}/short.txt", "--output", "{out}"],
+                            "--eval-text {tmp}/short.txt: the held-out text has 2 tokens; it needs at least 256; give a "
+                            "longer text"),
+    "output under /proc": (["--output", "/proc/x/model"],
+                           "--output /proc/x/model cannot be created: /proc does not accept new entries (No such file or "
+                           "directory)"),
+    "output under a file": (["--output", "{tmp}/latin1.txt/model"],
+                            "--output {tmp}/latin1.txt/model cannot be created: {tmp}/latin1.txt is a file, not a folder"),
+}
+
+
+@pytest.mark.parametrize("case", FLAGS)
+def test_every_wrong_flag_is_one_line(export, capsys, tmp_path, model_folder, case):
+    """argparse's own refusals included: one `error:` line and exit code 2, not its usage block."""
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
+    (tmp_path / "short.txt").write_text("hi")
+    args, expected = FLAGS[case]
+    fill = {"out": str(tmp_path / "out"), "model": str(model_folder), "tmp": str(tmp_path)}
+    argv = args[1:] if args[:1] == [None] else ["--from", str(model_folder), *args]
+    err = error_line(export, capsys, *(a.format(**fill) for a in argv))
+    assert err.startswith("error: " + expected.format(**fill)), err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.gguf").exists()
+
+
+def test_merge_lora_on_a_full_model_says_there_was_nothing_to_merge(export, capsys, tmp_path, model_folder):
+    assert export.main(["--from", str(model_folder), "--merge-lora", "--output", str(tmp_path / "out")]) == 0
+    assert f"--merge-lora: Hugging Face model folder {model_folder} is a full model; there was nothing to merge" in (
+        capsys.readouterr().out
+    )
+
+
 def test_a_failed_export_leaves_nothing_under_the_output_name(export, tiny_base, tmp_path, monkeypatch):
     from transformers import PreTrainedTokenizerBase
 

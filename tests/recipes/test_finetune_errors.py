@@ -65,6 +65,16 @@ def test_gguf_file_that_is_not_gguf(finetune, capsys, tmp_path):
     assert "is not a GGUF file" in err
 
 
+def test_base_model_of_an_architecture_without_a_causal_lm(finetune, capsys, tmp_path):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)).save_pretrained(
+        tmp_path / "t5")
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tmp_path / 't5'}")
+    assert err.startswith(f"error: model.path={tmp_path / 't5'} could not be loaded (Unrecognized configuration class")
+    assert "AutoModelForCausalLM" in err
+
+
 def test_chat_records_without_messages(finetune, capsys, tmp_path, tiny_base, chatml_file):
     data = write_jsonl(tmp_path / "chat.jsonl", [{"text": "hello"}] * 4)
     err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -47,6 +48,10 @@ CASES = {
     "eager attention with packing": (["model.attn_implementation=eager"], "cannot keep packed documents apart"),
     "fp16 on a CPU": (["train.mixed_precision=fp16"], "train.mixed_precision=fp16 needs a GPU"),
     "tracker not installed": (["logging.trackers=[tensorboard,wandb]"], "logging.trackers has wandb, but the wandb package is not installed"),
+    "out of range": (["train.max_steps=-1"], "train.max_steps=-1 must be at least 1"),
+    "non-finite number": (["optim.lr=nan"], "optim.lr must be a finite number, found 'nan'"),
+    "architecture without a causal LM": (["model.model_type=t5"], "model.model_type=t5 has no causal LM in transformers (it "
+                                         "is not a text decoder); use one that has, e.g. llama, gpt2, qwen2, mistral"),
 }
 
 
@@ -88,6 +93,92 @@ def test_text_data_that_is_not_utf8(pretrain, capsys, monkeypatch, tmp_path):
         f"error: data.path={data} is not UTF-8 text (byte 0xe9 at offset 25, line 3); re-encode it as UTF-8, "
         "e.g. iconv -f latin1 -t utf-8"
     )
+
+
+def bad_data(tmp_path: Path, kind: str) -> tuple[str, str]:
+    """(data.path, the error line) for data the recipe cannot train on."""
+    if kind == "binary file":
+        path = tmp_path / "corpus.txt"
+        path.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))  # a gzip archive named .txt
+        return str(path), f"{path} is not UTF-8 text (byte 0x8b at offset 1, line 1)"
+    if kind == "jsonl with a wrong schema":
+        path = tmp_path / "docs.jsonl"
+        path.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(4)))  # used to end in AttributeError
+        return str(path), f"data.path={path}: record 0 has text=0 (int), not text; set data.text_column to a column of strings"
+    if kind == "jsonl without the text column":
+        path = tmp_path / "docs.jsonl"
+        path.write_text(json.dumps({"body": "a document"}) + "\n")
+        return str(path), f"data.text_column=text is not in {path}; its columns are ['body']"
+    if kind == "one 10 MB document":
+        path = tmp_path / "book.jsonl"
+        path.write_text(json.dumps({"text": "word " * 2_000_000}) + "\n")
+        return str(path), "the corpus has 1 document(s); cannot hold out 5% for validation and still train; add text or set data.val_fraction=0"
+    if kind == "a pipe":  # would block a reader for ever; root reads past permission bits, so this stands for unreadable
+        path = tmp_path / "corpus.txt"
+        os.mkfifo(path)
+        return str(path), f"data.path={path} is a pipe, socket or device, not a file or folder; give a file, a folder or a glob"
+    if kind == "a broken symlink":
+        path = tmp_path / "corpus.txt"
+        path.symlink_to(tmp_path / "moved-away.txt")
+        return str(path), f"data.path={path} is a broken symlink, not a file or folder; give a file, a folder or a glob"
+    if kind == "a folder of binary files":
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "weights").write_bytes(b"\x00\x01\x02")
+        return str(tmp_path / "data"), "and none of its 1 file(s) without an extension is UTF-8 text"
+    assert kind == "a hub id while offline"
+    return "org/corpus", "data.path=org/corpus is read as a hub dataset id, but the Hub cannot be reached"
+
+
+DATA = ["binary file", "jsonl with a wrong schema", "jsonl without the text column", "one 10 MB document", "a pipe",
+        "a broken symlink", "a folder of binary files", "a hub id while offline"]
+
+
+@pytest.mark.parametrize("kind", DATA)
+def test_data_it_cannot_train_on(pretrain, capsys, monkeypatch, tmp_path, kind):
+    if kind == "a hub id while offline":  # what a machine without network meets, without waiting for retries
+        import datasets.config
+        import huggingface_hub.constants
+
+        monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    path, message = bad_data(tmp_path, kind)
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"data.path={path}")
+    assert message in err, err
+
+
+def test_a_folder_of_license_style_files_trains(pretrain, capsys, monkeypatch, tmp_path):
+    """Files without an extension are read as plain text; the binary ones are skipped and counted."""
+    from pydoc_data.topics import topics
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i, key in enumerate(sorted(topics)[:40]):
+        (folder / f"TOPIC{i:02d}").write_text(topics[key])
+    (folder / "core").write_bytes(b"\x7fELF\x02\x01\x01\x00")  # a core dump beside them
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(tmp_path / "cache"))
+    argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, "train.max_steps=2",
+            "checkpoint.every=0", "eval.every=0", f"data.path={folder}", f"output_dir={tmp_path / 'run'}"]
+    assert pretrain.main(argv) == 0, capsys.readouterr().err[-3000:]
+    out = capsys.readouterr()
+    assert (f"data: data.path={folder}: read 40 file(s) without an extension as plain text; skipped 1 that are "
+            f"binary or not UTF-8 (first: {folder / 'core'}: a NUL byte at offset 7)") in out.out + out.err
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2]
+
+
+@pytest.mark.parametrize("kind", ["a file", "a missing path", "a folder that is not a checkpoint"])
+def test_resume_from_something_that_is_not_a_checkpoint(pretrain, capsys, monkeypatch, tmp_path, kind):
+    path = {"a file": tmp_path / "notes.txt", "a missing path": tmp_path / "gone" / "step-3",
+            "a folder that is not a checkpoint": tmp_path / "figures"}[kind]
+    if kind == "a file":
+        path.write_text("mine")
+    elif kind == "a folder that is not a checkpoint":
+        path.mkdir()
+        (path / "plot.pdf").write_bytes(b"%PDF")
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"resume={path}")
+    if kind == "a folder that is not a checkpoint":
+        assert err.startswith(f"error: resume={path} is not a training checkpoint (no optimizer or RNG state)"), err
+    else:
+        assert err == f"error: resume={path} is not a folder; give a checkpoints/step-N folder or resume=auto"
 
 
 @pytest.mark.parametrize("where", ["/proc", "a file"])

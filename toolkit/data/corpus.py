@@ -25,7 +25,10 @@ _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", "
 
 @dataclass
 class DataConfig:
-    path: str | None = field(None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs")
+    path: str | None = field(
+        None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs. A folder "
+        "with none of those reads its files without an extension (LICENSE-style) as text, skipping binary ones"
+    )
     text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data")
     sample_by: Literal["document", "paragraph", "line"] = field(
         "paragraph", help="how plain-text files split into documents"
@@ -51,8 +54,11 @@ class DataConfig:
         return cache_dir(self.cache_dir)
 
 
-def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
-    """Return (dataset with one `text` column of non-empty documents, fingerprint of the source)."""
+def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datasets.Dataset, str]:
+    """Return (dataset with one `text` column of non-empty documents, fingerprint of the source).
+
+    `notes` (when given) gets a line when files without an extension were read as plain text,
+    saying how many were skipped as binary."""
     if not cfg.path:
         from pydoc_data.topics import topics
 
@@ -60,14 +66,17 @@ def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
         ds = datasets.Dataset.from_dict({"text": texts})
         return _non_empty(ds, EMBEDDED), _hash(EMBEDDED, *texts)
 
-    files = _local_files(cfg.path)
+    try:
+        files = _local_files(cfg.path, notes if notes is not None else [])
+    except PermissionError as exc:  # a folder on the way that this user may not enter
+        raise UserError(f"data.path={cfg.path} cannot be read: {exc.strerror}: {exc.filename}; check its permissions") from None
     if files is not None:
         exts = {Path(f).suffix.lower() for f in files}
-        builders = {_BUILDERS.get(e) for e in exts}
+        builders = {_BUILDERS.get(e, "text" if e == "" else None) for e in exts}  # no extension: plain text
         if None in builders or len(builders) != 1:
+            kinds = sorted(e or "(no extension)" for e in exts)
             raise UserError(
-                f"data.path={cfg.path} holds files of types {sorted(exts)}; use one of "
-                f"{sorted(_BUILDERS)} (all of one kind)"
+                f"data.path={cfg.path} holds files of types {kinds}; use one of {sorted(_BUILDERS)} (all of one kind)"
             )
         builder = builders.pop()
         if all(os.path.getsize(f) == 0 for f in files):
@@ -75,20 +84,31 @@ def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
         kwargs = {"sample_by": cfg.sample_by} if builder == "text" else {}
         try:
             ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
-        except datasets.exceptions.DatasetGenerationError as exc:
-            cause = exc.__cause__ or exc
+        except Exception as exc:  # datasets' own error, or a binary file's failed gzip/zip extraction (zlib.error)
+            cause = (exc.__cause__ or exc) if isinstance(exc, datasets.exceptions.DatasetGenerationError) else exc
             if isinstance(cause, UnicodeDecodeError):  # the text builder decodes as it reads
                 raise _not_utf8(cfg.path, files, cause) from None
+            if builder != "parquet" and (error := _first_not_utf8(cfg.path, files)) is not None:
+                raise error from None  # what is wrong with the file, rather than where datasets tripped on it
             raise UserError(f"could not read data.path={cfg.path} as {builder}: {cause}") from None
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         fingerprint = _hash(builder, cfg.sample_by, cfg.text_column, repr(stats))
     else:
+        local = Path(cfg.path).expanduser()
+        if os.path.lexists(local):  # there, but neither a file nor a folder: reading a pipe would wait for ever
+            what = "a broken symlink" if local.is_symlink() and not local.exists() else "a pipe, socket or device"
+            raise UserError(f"data.path={cfg.path} is {what}, not a file or folder; give a file, a folder or a glob")
         if Path(cfg.path).suffix or "/" not in cfg.path or cfg.path.startswith((".", "/", "~")):
             raise UserError(
                 f"data.path={cfg.path} does not exist; give a file, a folder, a glob, or a hub id like org/name"
             )
         try:
             ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
+        except ConnectionError as exc:  # offline, or HF_HUB_OFFLINE=1 and the dataset was never cached
+            raise UserError(
+                f"data.path={cfg.path} is read as a hub dataset id, but the Hub cannot be reached ({exc}); "
+                "give a local file, folder or glob, or load it once with a network (it is then cached)"
+            ) from None
         except Exception as exc:  # the hub client raises many types; say what we tried
             raise UserError(f"could not load hub dataset data.path={cfg.path} split={cfg.split}: {exc}") from None
         fingerprint = _hash(cfg.path, str(cfg.name), cfg.split, cfg.text_column, ds._fingerprint)
@@ -101,7 +121,7 @@ def load_corpus(cfg: DataConfig) -> tuple[datasets.Dataset, str]:
     if cfg.text_column != "text":
         ds = ds.rename_column(cfg.text_column, "text")
     try:
-        return _non_empty(ds, cfg.path), fingerprint
+        return _non_empty(ds, cfg.path, cfg.text_column), fingerprint
     except UnicodeDecodeError as exc:  # the json builder stores the bytes unchecked; the first read decodes them
         if files is None:
             raise
@@ -123,20 +143,86 @@ def split_documents(ds: datasets.Dataset, val_fraction: float, seed: int) -> tup
     return ds.select(np.sort(order[n_val:])), ds.select(np.sort(order[:n_val]))
 
 
-def _local_files(path: str) -> list[str] | None:
+def _local_files(path: str, notes: list[str]) -> list[str] | None:
     p = Path(path).expanduser()
     if p.is_file():
+        try:
+            why = None if p.suffix else _binary(p)
+        except OSError as exc:
+            raise UserError(f"data.path={path} cannot be read ({exc.strerror or exc}); check its permissions") from None
+        if why is not None:
+            raise UserError(f"data.path={path} is a binary file ({why}), not text; give a text, jsonl or parquet file")
         return [str(p)]
     if p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix.lower() in _BUILDERS)
+        if not os.access(p, os.R_OK | os.X_OK):  # rglob would find nothing and say nothing
+            raise PermissionError(13, "Permission denied", str(p))
+        found = sorted(f for f in p.rglob("*") if f.is_file())
+        files = [str(f) for f in found if f.suffix.lower() in _BUILDERS]
+        if files:
+            return files
+        # LICENSE-style files are read only from a folder with no corpus files, so that a README
+        # beside .jsonl data never changes what a run reads. Hidden ones (.git/config) never are.
+        bare = [f for f in found if not f.suffix and not any(s.startswith(".") for s in f.relative_to(p).parts)]
+        kinds = "/".join(sorted(_BUILDERS))
+        if not bare:
+            raise UserError(f"data.path={path} is a folder with no {kinds} files and no text files without an extension")
+        files, skipped = _plain_text(bare)
         if not files:
-            raise UserError(f"data.path={path} is a folder with no {'/'.join(sorted(_BUILDERS))} files")
+            raise UserError(
+                f"data.path={path} is a folder with no {kinds} files, and none of its {len(bare)} file(s) without "
+                f"an extension is UTF-8 text ({skipped[0]}); give a folder of text, jsonl or parquet files"
+            )
+        notes.append(_plain_text_note(path, files, skipped))
         return files
     if any(ch in path for ch in "*?["):
-        files = sorted(f for f in glob.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(f))
+        matched = sorted(Path(f) for f in glob.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(f))
+        bare = [f for f in matched if not f.suffix]
+        files, skipped = _plain_text(bare) if bare else ([], [])
+        if bare:
+            notes.append(_plain_text_note(path, files, skipped))
+        if bare and not files and len(bare) == len(matched):
+            raise UserError(
+                f"data.path={path} matches {len(bare)} file(s) without an extension and none is UTF-8 text "
+                f"({skipped[0]}); give text, jsonl or parquet files"
+            )
+        files = sorted([str(f) for f in matched if f.suffix] + files)
         if not files:
             raise UserError(f"data.path={path} matches no files")
         return files
+    return None
+
+
+def _plain_text(candidates: list[Path]) -> tuple[list[str], list[str]]:
+    """Files without an extension split into (those that are UTF-8 text, "file: why" for the others)."""
+    text, skipped = [], []
+    for f in candidates:
+        try:
+            why = _binary(f) or utf8_problem(f)
+        except OSError as exc:  # unreadable: skipped and named, like a binary file
+            why = exc.strerror or str(exc)
+        if why is None:
+            text.append(str(f))
+        else:
+            skipped.append(f"{f}: {why}")
+    return text, skipped
+
+
+def _plain_text_note(path: str, files: list[str], skipped: list[str]) -> str:
+    note = f"data.path={path}: read {len(files)} file(s) without an extension as plain text"
+    if skipped:
+        note += f"; skipped {len(skipped)} that are binary or not UTF-8 (first: {skipped[0]})"
+    return note
+
+
+def _binary(path: Path, chunk_bytes: int = 1 << 20) -> str | None:
+    """Where a file holds a NUL byte ("a NUL byte at offset 8"), or None: valid UTF-8 allows
+    NUL, but no text file has one, and nearly every executable, archive or image does."""
+    offset = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            if (i := chunk.find(b"\0")) >= 0:
+                return f"a NUL byte at offset {offset + i}"
+            offset += len(chunk)
     return None
 
 
@@ -176,15 +262,32 @@ def _not_utf8_error(name: str, where: str) -> UserError:
 
 def _not_utf8(source: str, files: list[str], exc: UnicodeDecodeError) -> UserError:
     """The first of `files` that is not UTF-8, named with where it breaks."""
+    return _first_not_utf8(source, files) or _not_utf8_error(f"data.path={source}", exc.reason)
+
+
+def _first_not_utf8(source: str, files: list[str]) -> UserError | None:
     for f in files:
-        if Path(f).suffix.lower() != ".parquet" and (where := utf8_problem(Path(f))) is not None:
+        try:
+            where = None if Path(f).suffix.lower() == ".parquet" else utf8_problem(Path(f))
+        except OSError:  # unreadable: the caller's error says so
+            continue
+        if where is not None:
             name = f"data.path={source}" if len(files) == 1 else f"data.path={source}: {f}"
             return _not_utf8_error(name, where)
-    return _not_utf8_error(f"data.path={source}", exc.reason)
+    return None
 
 
-def _non_empty(ds: datasets.Dataset, source: str) -> datasets.Dataset:
-    ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
+def _non_empty(ds: datasets.Dataset, source: str, column: str = "text") -> datasets.Dataset:
+    def keep(batch: dict, indices: list[int]) -> list[bool]:
+        for text, i in zip(batch["text"], indices, strict=True):
+            if text is not None and not isinstance(text, str):  # a number, list or mapping: json keeps its type
+                raise UserError(
+                    f"data.path={source}: record {i} has {column}={text!r:.60} ({type(text).__name__}), not text; "
+                    "set data.text_column to a column of strings"
+                )
+        return [bool(t and t.strip()) for t in batch["text"]]
+
+    ds = ds.filter(keep, batched=True, with_indices=True)
     if len(ds) == 0:
         raise UserError(f"data.path={source} holds no text (0 non-empty documents)")
     return ds

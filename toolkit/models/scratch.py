@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from toolkit.config import UserError, field
 from toolkit.models.compute import ComputeConfig
@@ -26,6 +27,12 @@ class ModelConfig(ComputeConfig):
             close = difflib.get_close_matches(self.model_type, list(CONFIG_MAPPING), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             problems.append(f"model_type={self.model_type} is not a transformers model type{hint}")
+        elif self.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            # caught here, before any data work: transformers' own error lists ~190 classes
+            problems.append(
+                f"model_type={self.model_type} has no causal LM in transformers (it is not a text decoder); "
+                "use one that has, e.g. llama, gpt2, qwen2, mistral"
+            )
         else:
             problems += [f"config.{p}" for p in _unknown_config_keys(self.model_type, self.config)]
         return problems

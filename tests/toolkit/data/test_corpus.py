@@ -4,6 +4,10 @@ held-out split. Every wrong path must end in one clear UserError, never a datase
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import datasets
 import pytest
@@ -78,6 +82,78 @@ def test_a_glob_reads_only_what_it_matches(tmp_path):
     assert [t.strip() for t in corpus(tmp_path / "sub" / "?.txt")[0]] == ["from c"]
 
 
+def license_folder(root):
+    """LICENSE-style files, and files without an extension that are not text."""
+    (root / "sub").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "LICENSE").write_text("MIT License\n\nPermission is granted.\n")
+    (root / "sub" / "NOTICE").write_text("Notice paragraph\n")
+    (root / ".git" / "config").write_text("[core]\n")  # hidden: never corpus text
+    (root / "blob").write_bytes(b"\x7fELF\x02\x01\x00\x00")  # valid UTF-8, but a NUL byte
+    (root / "LATIN1").write_bytes("caf\u00e9\n".encode("latin-1"))
+    return root
+
+
+def test_a_folder_of_files_without_an_extension_is_read_and_packed_as_plain_text(tmp_path, tiny_tokenizer):
+    from toolkit.data.packing import packed_splits
+
+    folder = license_folder(tmp_path / "licenses")
+    notes = []
+    ds, source = load_corpus(DataConfig(path=str(folder)), notes)
+    assert [t.strip() for t in ds["text"]] == ["MIT License", "Permission is granted.", "Notice paragraph"]
+    assert notes == [
+        f"data.path={folder}: read 2 file(s) without an extension as plain text; skipped 2 that are binary or "
+        f"not UTF-8 (first: {folder / 'LATIN1'}: byte 0xe9 at offset 3, line 1)"
+    ]
+    cfg = DataConfig(path=str(folder), seq_len=16, val_fraction=0, cache_dir=str(tmp_path / "cache"))
+    train, _ = packed_splits(ds, None, tiny_tokenizer, cfg, source, seed=0)
+    packed = tiny_tokenizer.decode([i for row in train["input_ids"] for i in row])
+    assert "MIT License" in packed and "Notice paragraph" in packed and "[core]" not in packed
+
+
+def test_files_without_an_extension_beside_corpus_files_are_ignored(tmp_path):
+    (tmp_path / "docs.jsonl").write_text('{"text": "a record"}\n')
+    (tmp_path / "README").write_text("about this data set\n")  # read before, it would mix kinds
+    notes = []
+    assert load_corpus(DataConfig(path=str(tmp_path)), notes)[0]["text"] == ["a record"]
+    assert notes == []
+
+
+def test_a_glob_skips_the_binary_files_without_an_extension_it_matches(tmp_path):
+    license_folder(tmp_path)
+    (tmp_path / "a.txt").write_text("from a\n")
+    notes = []
+    texts = [t.strip() for t in load_corpus(DataConfig(path=str(tmp_path / "*")), notes)[0]["text"]]
+    assert texts == ["MIT License", "Permission is granted.", "from a"]  # sorted by path
+    assert "read 1 file(s) without an extension as plain text; skipped 2" in notes[0]
+
+
+def test_one_file_without_an_extension(tmp_path):
+    (tmp_path / "LICENSE").write_text("MIT License\n")
+    assert corpus(tmp_path / "LICENSE")[0] == ["MIT License\n"]
+    (tmp_path / "blob").write_bytes(b"MZ\x90\x00")
+    with pytest.raises(UserError) as info:
+        load_corpus(DataConfig(path=str(tmp_path / "blob")))
+    assert str(info.value) == (
+        f"data.path={tmp_path / 'blob'} is a binary file (a NUL byte at offset 3), not text; give a text, jsonl or "
+        "parquet file"
+    )
+
+
+def test_a_folder_of_only_binary_files_without_an_extension(tmp_path):
+    (tmp_path / "a").write_bytes(b"\x00\x01")
+    (tmp_path / "b").write_bytes(b"\xff\xfe")
+    with pytest.raises(UserError) as info:
+        load_corpus(DataConfig(path=str(tmp_path)))
+    assert str(info.value) == (
+        f"data.path={tmp_path} is a folder with no .json/.jsonl/.md/.parquet/.text/.txt files, and none of its 2 "
+        f"file(s) without an extension is UTF-8 text ({tmp_path / 'a'}: a NUL byte at offset 0); give a folder of "
+        "text, jsonl or parquet files"
+    )
+    with pytest.raises(UserError, match=r"matches 2 file\(s\) without an extension and none is UTF-8 text"):
+        load_corpus(DataConfig(path=str(tmp_path / "*")))
+
+
 def test_jsonl_with_another_text_column_is_renamed(tmp_path):
     rows = [{"body": "doc one", "id": 1}, {"body": "  ", "id": 2}, {"body": "doc three", "id": 3}]
     f = tmp_path / "docs.jsonl"
@@ -138,6 +214,106 @@ def test_only_whitespace_is_an_empty_corpus(tmp_path):
     f.write_text("   \n\n \n\t\n")
     with pytest.raises(UserError, match=r"holds no text \(0 non-empty documents\)"):
         load_corpus(DataConfig(path=str(f)))
+
+
+def load_error_as_nobody(path, cache: Path) -> str:
+    """load_corpus's error for `path`, asked by a user without root's pass through permission bits:
+    this process when it is not root, else a forked child that has become `nobody` (uid 65534) and
+    keeps datasets' cache in `cache` (root's own is closed to it)."""
+    if os.geteuid() != 0:
+        with pytest.raises(UserError) as info:
+            load_corpus(DataConfig(path=str(path)))
+        return f"UserError: {info.value}"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports through the pipe and never returns into pytest
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            datasets.config.HF_DATASETS_CACHE = cache
+            load_corpus(DataConfig(path=str(path)))
+            message = "no error"
+        except BaseException as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as answer:
+        return answer.read()
+
+
+def test_a_folder_this_user_may_not_read(tmp_path):
+    """Before: a folder it may not list was 'a folder with no ... files', a file in a folder it may not
+    enter a PermissionError traceback."""
+    shared = Path(tempfile.mkdtemp(prefix="corpus-permissions-", dir="/tmp"))  # others may enter /tmp, not tmp_path
+    try:
+        shared.chmod(0o755)
+        cache = shared / "cache"
+        cache.mkdir(mode=0o777)
+        cache.chmod(0o777)
+        locked = shared / "locked"
+        locked.mkdir()
+        (locked / "a.txt").write_text("a document\n")
+        locked.chmod(0o700 if os.geteuid() == 0 else 0o000)  # root owns it: nobody may not read it
+        assert load_error_as_nobody(locked, cache) == (
+            f"UserError: data.path={locked} cannot be read: Permission denied: {locked}; check its permissions"
+        )
+        assert load_error_as_nobody(locked / "a.txt", cache) == (
+            f"UserError: data.path={locked / 'a.txt'} cannot be read: Permission denied: {locked / 'a.txt'}; check its "
+            "permissions"
+        )
+        private = shared / "private.txt"  # in a folder anyone may read
+        private.write_text("a document\n")
+        private.chmod(0o600 if os.geteuid() == 0 else 0o000)
+        assert load_error_as_nobody(private, cache) == (
+            f"UserError: could not read data.path={private} as text: [Errno 13] Permission denied: '{private}'"
+        )
+    finally:
+        (shared / "locked").chmod(0o700)
+        shutil.rmtree(shared)
+
+
+def test_a_pipe_or_a_broken_symlink_is_not_a_missing_path(tmp_path):
+    os.mkfifo(tmp_path / "pipe.txt")  # opening it would wait for a writer for ever
+    with pytest.raises(UserError, match=r"pipe.txt is a pipe, socket or device, not a file or folder"):
+        load_corpus(DataConfig(path=str(tmp_path / "pipe.txt")))
+    (tmp_path / "link.txt").symlink_to(tmp_path / "moved.txt")
+    with pytest.raises(UserError, match=r"link.txt is a broken symlink, not a file or folder"):
+        load_corpus(DataConfig(path=str(tmp_path / "link.txt")))
+
+
+@pytest.mark.parametrize("value", [3, ["a", "b"], {"a": "b"}])
+def test_a_text_column_that_is_not_strings(tmp_path, value):
+    """Before: an AttributeError traceback from the empty-document filter."""
+    f = tmp_path / "docs.jsonl"
+    f.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+    with pytest.raises(UserError) as info:
+        load_corpus(DataConfig(path=str(f)))
+    assert str(info.value) == (
+        f"data.path={f}: record 1 has text={value!r} ({type(value).__name__}), not text; set data.text_column to a "
+        "column of strings"
+    )
+
+
+def test_a_binary_file_named_txt_that_looks_compressed(tmp_path):
+    """datasets unpacks gzip by its magic bytes; a broken one used to end in a zlib.error traceback."""
+    f = tmp_path / "corpus.txt"
+    f.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))
+    with pytest.raises(UserError, match=r"corpus.txt is not UTF-8 text \(byte 0x8b at offset 1, line 1\)"):
+        load_corpus(DataConfig(path=str(f)))
+
+
+def test_a_hub_id_while_offline_says_so(monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError) as info:
+        load_corpus(DataConfig(path="org/corpus"))
+    assert str(info.value).startswith("data.path=org/corpus is read as a hub dataset id, but the Hub cannot be reached (")
+    assert str(info.value).endswith("give a local file, folder or glob, or load it once with a network (it is then cached)")
 
 
 def test_a_missing_text_column_lists_the_columns(tmp_path):

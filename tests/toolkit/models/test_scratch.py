@@ -48,6 +48,15 @@ def test_an_unknown_model_type_gets_a_suggestion():
     ]
 
 
+@pytest.mark.parametrize("model_type", ["t5", "vit"])
+def test_a_model_type_without_a_causal_lm_is_refused_before_any_work(model_type):
+    """transformers refuses it only when the model is built, after the data work, in ~190 lines."""
+    assert ModelConfig(model_type=model_type).validate() == [
+        f"model_type={model_type} has no causal LM in transformers (it is not a text decoder); use one that has, "
+        "e.g. llama, gpt2, qwen2, mistral"
+    ]
+
+
 def test_unknown_config_keys_are_each_named():
     problems = llama(hidden_sizee=3, zzqq=1).validate()
     assert problems == [
