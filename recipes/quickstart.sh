@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash recipes/install.sh
-PY=${PYTHON:-python3}
-"$PY" -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 2 \
+# launch.sh: accelerate launch with the recipe's exit code and one line for a user error
+bash recipes/launch.sh --config_file accelerate_configs/ddp.yaml --num_processes 2 \
   recipes/pretrain.py --config recipes/configs/pretrain_tiny.yaml resume=auto "$@"

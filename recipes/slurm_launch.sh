@@ -17,8 +17,10 @@ MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 PORT=${MAIN_PORT:-29500}
 
 # srun starts one task per node; each computes its own machine_rank from SLURM_NODEID.
+# recipes/launch.sh is `accelerate launch` that exits with the recipe's code (2 bad input, 3 stopped
+# after a checkpoint: requeue and it resumes) and passes SIGTERM/SIGUSR1 on to the ranks.
 srun --kill-on-bad-exit=1 bash -c "
-  python -m accelerate.commands.launch --config_file $CONFIG \
+  exec bash recipes/launch.sh --config_file $CONFIG \
     --num_machines $NNODES --num_processes $((NNODES * GPUS_PER_NODE)) \
     --machine_rank \$SLURM_NODEID --main_process_ip $MAIN_IP --main_process_port $PORT \
     $* resume=auto

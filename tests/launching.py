@@ -28,8 +28,23 @@ def start(cmd: list[str], **kwargs) -> subprocess.Popen:
 
 
 def kill_all(child: subprocess.Popen) -> tuple[str, str]:
-    """SIGKILL the launcher and all its ranks; what they wrote so far."""
+    """SIGKILL the launcher and all its ranks; what they wrote so far.
+
+    torchrun starts each rank in a session of its own, out of reach of the launcher's process
+    group: the ranks are found as the launcher's descendants, and killed one by one.
+    """
+    import psutil
+
+    try:
+        ranks = psutil.Process(child.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
     os.killpg(child.pid, signal.SIGKILL)
+    for rank in ranks:
+        try:
+            rank.kill()
+        except psutil.NoSuchProcess:
+            pass
     return child.communicate()
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -160,6 +161,8 @@ def build_accelerator(
                 kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
     elif multi:
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timeout)]
+    if multi:
+        join_restarted_group("nccl" if has_gpu() else "gloo", timeout)
     accelerator = Accelerator(
         mixed_precision=resolve_mixed_precision(mixed_precision),
         gradient_accumulation_steps=accumulation_steps,
@@ -177,6 +180,29 @@ def build_accelerator(
         accelerator.state.distributed_type = DistributedType.FSDP
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return accelerator
+
+
+def join_restarted_group(backend: str, timeout: timedelta) -> None:
+    """After an elastic restart (`--max_restarts`), the process group on its own key prefix.
+
+    torchrun hands the restarted ranks the store its agent kept from the first attempt, keys and
+    all (TORCHELASTIC_USE_AGENT_STORE), and init_process_group adds no per-attempt prefix: the new
+    ranks read their dead predecessors' addresses from it and fail to connect ("Connection
+    refused" in gloo's connectFullMesh, torch 2.13). Under a prefix named after the attempt they
+    meet only each other. Accelerate then finds the group initialised and keeps it."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or torch.distributed.is_initialized():
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=rank == 0 and not agent_store, timeout=timeout,
+    )
+    torch.distributed.init_process_group(
+        backend, store=torch.distributed.PrefixStore(f"llm-toolkit/attempt-{attempt}", store),
+        rank=rank, world_size=world, timeout=timeout,
+    )
 
 
 def reduce_gradients_in_fp32(fsdp_plugin) -> None:
@@ -383,19 +409,82 @@ def is_launch_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def report_once(line: str) -> None:
-    """Print a recipe's last line (its one-line error, or why it stopped) once per launch, on stderr.
+def report_once(line: str, code: int) -> None:
+    """Print a recipe's one-line error once per launch, on stderr; `code` is the exit code it goes with.
 
     Every rank normally hits the same bad input at the same place, and the launcher (torchrun's
     agent) kills all ranks as soon as one exits with an error: had rank 1 exited first, rank 0
-    could be killed before printing anything. So rank 0 prints at once and the other ranks wait
-    a few seconds first; one still alive after that met an error of its own (a file missing on
-    one node only) and prints it with its rank.
+    could be killed before printing anything. So rank 0 reports at once and the other ranks give
+    it a few seconds first; one that then finds no report met an error of its own (a file
+    missing on one node only) and reports it with its rank.
+
+    Under torchrun the report is also recorded in the launch's store (held by torchrun's agent,
+    so it outlives the rank): the first rank to record it prints, the others stay quiet, and
+    ranks whose collectives fail because the reporting rank exited stay quiet too
+    (`reported_verdict`). Some errors are met by one rank only: rank 0 reads and packs the data
+    while the others wait in a barrier, which fails with "Connection reset by peer" once rank 0
+    exits. Without a store (a launch by other means) the other ranks wait, then print.
     """
     rank = int(os.environ.get("RANK", "0"))
+    if _first_to_report(code, rank):
+        print(line if rank == 0 else f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+
+def reported_verdict() -> int | None:
+    """The exit code another rank reported with `report_once` in this launch, or None.
+
+    A rank whose collective failed because its peer exited after a user error ends with that
+    code and says nothing: the peer's line is the run's one line.
+    """
+    store = _launch_store()
+    try:
+        if store is None or not store.check([_verdict_key()]):
+            return None
+        code, rank = store.get(_verdict_key()).decode().split()
+    except RuntimeError:  # the store went away with the launch: nothing known
+        return None
+    return int(code) if int(rank) != int(os.environ.get("RANK", "0")) else None
+
+
+def _first_to_report(code: int, rank: int) -> bool:
+    """Whether this rank's report is the launch's one (rank 0's, unless it has none within the grace)."""
+    store = _launch_store()
+    if store is not None:
+        try:
+            if rank != 0:
+                deadline = time.monotonic() + ERROR_GRACE_S
+                while time.monotonic() < deadline and not store.check([_verdict_key()]):
+                    time.sleep(0.1)
+            mine = f"{code} {rank}"
+            # compare_set with "" sets the key only where it is absent: exactly one rank reports
+            return store.compare_set(_verdict_key(), "", mine).decode() == mine
+        except RuntimeError:  # the store went away with the launch: report as without one
+            pass
     if rank != 0:
         time.sleep(ERROR_GRACE_S)
-    print(line if rank == 0 else f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+    return True
+
+
+@functools.cache
+def _launch_store():
+    """torchrun's key-value store, where the ranks of a launch agree on its one error line; None elsewhere.
+
+    torchrun's agent holds it (TORCHELASTIC_USE_AGENT_STORE) for the whole launch, and it exists
+    before any process group, so ranks reach it in config errors and after a peer has exited.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=10)
+        )
+    except (RuntimeError, KeyError, ValueError):  # agent gone or variables missing: report as without a store
+        return None
+
+
+def _verdict_key() -> str:
+    # per restart: a launch with --max_restarts starts its ranks again against the same store
+    return f"llm_toolkit/verdict/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def collective_failure(exc: BaseException, step: int | None = None) -> str | None:

@@ -1,9 +1,19 @@
 """A recipe's command line: `--config FILE key=value ...` -> setup, train, cleanup, exit code.
 
-Exit codes: 0 done, 2 bad input (one `error:` line on stderr, from rank 0 only), 3 stopped by
+Exit codes: 0 done, 2 bad input (one `error:` line on stderr for the whole launch), 3 stopped by
 a signal after saving a checkpoint (resume=auto continues), 4 a collective failed: the ranks
 fell out of step and one waited past train.collective_timeout_s, or a peer died (one `error:`
 line per rank, naming the rank, the collective, where and at which step).
+
+A user error met by one rank only (rank 0 reads the data while the others wait in a barrier)
+is still one line: the rank records it in torchrun's store before exiting, and the ranks whose
+collectives then fail exit with its code, silently (toolkit.strategy.distributed.report_once).
+
+These are each rank's codes. `accelerate launch` (torchrun) turns any of them into exit code 1
+and a 25-40 line ChildFailedError report, and it SIGKILLs ranks still saving their stop
+checkpoint 30 s after a SIGTERM. Launch with `bash recipes/launch.sh` instead (the same
+arguments) for the recipe's code, the one line alone, SIGTERM/SIGUSR1 passed on to the ranks
+with no time limit, and a missing --config_file refused in one line (toolkit.strategy.launcher).
 """
 
 from __future__ import annotations
@@ -11,14 +21,14 @@ from __future__ import annotations
 import sys
 
 from toolkit.config import UserError, load_config
-from toolkit.strategy.distributed import collective_failure, is_launch_main, report_once
+from toolkit.strategy.distributed import collective_failure, is_launch_main, report_once, reported_verdict
 from toolkit.training.trainer import Stopped
 
 
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "--config" or len(argv) < 2:
-        print(f"usage: recipes/{name}.py --config recipes/configs/NAME.yaml [key.sub=value ...]", file=sys.stderr)
+        report_once(f"usage: recipes/{name}.py --config recipes/configs/NAME.yaml [key.sub=value ...]", 2)
         return 2
     recipe = None
     try:
@@ -32,17 +42,21 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
         recipe.train()
         recipe.cleanup()
     except UserError as exc:
-        report_once(f"error: {exc}")
+        report_once(f"error: {exc}", 2)
         return 2
     except Stopped as exc:
         recipe.trainer.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
-        report_once(f"[{name}] {exc}")
+        if is_launch_main():  # every rank stops at the same step (the flag is all-reduced): one line says it
+            print(f"[{name}] {exc}", file=sys.stderr, flush=True)
         return 3
     except Exception as exc:
         trainer = getattr(recipe, "trainer", None)
         line = collective_failure(exc, trainer.step if trainer is not None else None)
         if line is None:
             raise
+        verdict = reported_verdict()
+        if verdict is not None:  # a peer exited after a user error; its line is the run's one line
+            return verdict
         print(f"error: {line}", file=sys.stderr, flush=True)
         return 4
     return 0

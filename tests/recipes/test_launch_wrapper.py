@@ -1,0 +1,139 @@
+"""recipes/launch.sh: `accelerate launch` that exits with the recipe's code and shows a user error as one line.
+
+Plain `accelerate launch` exits 1 for every failure, after torchrun's ChildFailedError report
+(the last test here shows what it still does and what the ranks now do under it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import launching
+import pytest
+from recipe_runner import ROOT, TINY, run_recipe
+
+from toolkit.training.metrics import read_metrics
+
+
+def wrapper(accelerate_config: str, overrides: list[str], cache) -> list[str]:
+    return [
+        "bash", "recipes/launch.sh", "--config_file", f"accelerate_configs/{accelerate_config}", "--num_processes", "2",
+        "--main_process_port", str(launching.free_port()),
+        "recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml", *TINY, *overrides,
+    ]
+
+
+def environment(cache) -> dict[str, str]:
+    return {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHON": sys.executable}
+
+
+def launch(cmd: list[str], cache) -> subprocess.CompletedProcess:
+    return launching.run(cmd, 300, cwd=ROOT, env=environment(cache))
+
+
+def the_one_error(proc: subprocess.CompletedProcess) -> str:
+    """The launch's only `error:` line, wherever a progress bar left it; and no launcher report."""
+    out = proc.stdout + proc.stderr
+    errors = re.findall(r"error: .*", out)
+    assert len(errors) == 1, out[-6000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-6000:]
+    return errors[0]
+
+
+def test_a_missing_accelerate_config_is_one_line():
+    proc = launching.run(["bash", "recipes/launch.sh", "--config_file", "accelerate_configs/zero4.yaml",
+                          "recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml"],
+                         120, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr == (
+        "error: --config_file accelerate_configs/zero4.yaml does not exist (paths are relative to where you "
+        "launch); did you mean accelerate_configs/zero3.yaml?\n"
+    )
+
+
+@pytest.mark.distributed
+def test_bad_input_exits_2_with_one_line(tmp_path, data_cache):
+    proc = launch(wrapper("ddp.yaml", ["train.max_stepz=3", f"output_dir={tmp_path}"], data_cache), data_cache)
+    assert proc.returncode == 2, proc.stderr[-6000:]
+    assert the_one_error(proc) == "error: unknown key train.max_stepz; did you mean train.max_steps?"
+
+
+@pytest.mark.distributed
+def test_a_data_error_seen_by_rank_0_only_is_one_line(tmp_path, data_cache):
+    """Rank 0 reads the corpus while rank 1 waits in a barrier, which breaks when rank 0 exits."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    proc = launch(wrapper("zero3.yaml", [f"data.path={empty}", f"output_dir={tmp_path / 'run'}"], data_cache), data_cache)
+    assert proc.returncode == 2, proc.stderr[-6000:]
+    assert the_one_error(proc) == f"error: data.path={empty} holds no text (all 1 file(s) are empty)"
+
+
+@pytest.mark.distributed
+def test_a_crash_keeps_its_traceback_and_torchruns_report(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text('import os, time\nif os.environ["RANK"] == "0":\n    raise RuntimeError("boom")\ntime.sleep(60)\n')
+    proc = launching.run(["bash", "recipes/launch.sh", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes",
+                          "2", "--main_process_port", str(launching.free_port()), str(script)],
+                         120, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 1
+    assert "RuntimeError: boom" in proc.stderr and "ChildFailedError" in proc.stderr
+    assert "closing signal SIGTERM" in proc.stderr  # torchrun's own lines, held back, shown after all
+
+
+def losses(out) -> list[int]:
+    return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.distributed
+def test_sigterm_stops_after_a_checkpoint_with_code_3_and_resume_continues(tmp_path, data_cache):
+    """What SLURM does at preemption or a time limit: SIGTERM to the launcher."""
+    out = tmp_path / "preempted"
+    cmd = wrapper("ddp.yaml", ["train.max_steps=100000", "checkpoint.every=0", "eval.every=0", f"output_dir={out}"],
+                  data_cache)
+    proc = launching.start(cmd, cwd=ROOT, env=environment(data_cache))
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(losses(out)) >= 3:
+            break
+        time.sleep(0.5)
+    if proc.poll() is not None or len(losses(out)) < 3:
+        pytest.fail(f"no 3 steps within 300 s: {launching.kill_all(proc)[1][-3000:]}")
+    proc.send_signal(signal.SIGTERM)  # bash exec'd the launcher: this is its process
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 120 s after SIGTERM: {launching.kill_all(proc)[1][-3000:]}")
+    assert proc.returncode == 3, stderr[-6000:]
+    stops = re.findall(r"stopped by a signal at step \d+.*", stderr)
+    assert len(stops) == 1 and stops[0].endswith("continue with resume=auto"), stderr[-6000:]  # rank 0's line only
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr and "SignalException" not in stderr
+    saved = [p.name for p in (out / "checkpoints").iterdir()]
+    assert len(saved) == 1 and (out / "checkpoints" / saved[0] / "trainer_state.json").is_file()
+    stopped_at = int(saved[0].split("-")[1])
+
+    resumed = launch(wrapper("ddp.yaml", [f"train.max_steps={stopped_at + 2}", "eval.every=0", f"output_dir={out}",
+                                          "resume=auto"], data_cache), data_cache)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert sorted(losses(out)) == list(range(1, stopped_at + 3))
+
+
+@pytest.mark.distributed
+def test_plain_accelerate_launch_shows_a_rank_0_data_error_as_one_error_line(tmp_path, data_cache):
+    """Without the wrapper the launcher still exits 1 and prints its report below the line; the
+    ranks themselves agree: rank 1, whose barrier broke, exits with rank 0's code 2, silently."""
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(b"\x00\x01\xff\xfe not text")
+    proc = run_recipe("pretrain", [*TINY, f"data.path={data}", f"output_dir={tmp_path / 'run'}"], nproc=2,
+                      cache=data_cache, check=False)
+    assert proc.returncode == 1  # accelerate launch passes no rank's code through
+    errors = re.findall(r"error: .*", proc.stdout + proc.stderr)
+    assert errors == [f"error: data.path={data} is not UTF-8 text (byte 0xff at offset 2, line 1); re-encode it "
+                      "as UTF-8, e.g. iconv -f latin1 -t utf-8"], proc.stderr[-6000:]
+    assert sorted(re.findall(r"exitcode\s+: (-?\d+)", proc.stderr)) == ["2", "2"], proc.stderr[-6000:]

@@ -1,0 +1,98 @@
+"""The launcher's decisions, without a launch (the launches are in tests/recipes/test_launch_wrapper.py)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from toolkit.strategy.launcher import HeldLog, missing_file, verdict
+
+ROOT = Path(__file__).resolve().parents[3]
+TERM, KILL, USR1 = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1)
+
+CASES = {
+    # the ranks' codes as torchrun reports them (negative: ended by that signal), the stop signal
+    # this launcher forwarded, and the launch's code (None: a crash, torchrun's report is shown)
+    "bad input, the other rank ended by torchrun": ({0: 2, 1: -TERM}, None, 2),
+    "bad input on rank 0, rank 1 followed it quietly": ({0: 2, 1: 2}, None, 2),
+    "bad input on one rank, the others' collectives failed": ({0: 4, 1: 2, 2: 4}, None, 2),
+    "stopped by a signal": ({0: 3, 1: 3}, TERM, 3),
+    "a collective failed": ({0: 4, 1: -TERM}, None, 4),
+    "a traceback": ({0: 1, 1: -TERM}, None, None),
+    "a traceback beside a recipe's code": ({0: 2, 1: 1}, None, None),
+    "killed by the OOM killer": ({0: -KILL, 1: 4}, None, None),
+    "stopped while starting, before the handler": ({0: -USR1, 1: -USR1}, USR1, 128 + USR1),
+    "SIGTERM from elsewhere while starting": ({0: -TERM, 1: -TERM}, None, None),
+    "one process, bad input": ({0: 2}, None, 2),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_launch_exits_with_the_recipes_code_unless_a_rank_crashed(name):
+    codes, forwarded, expected = CASES[name]
+    assert verdict(codes, forwarded) == expected
+
+
+def launch_args(*argv: str):
+    from accelerate.commands.launch import launch_command_parser
+
+    return launch_command_parser().parse_args(list(argv))
+
+
+def test_missing_files_are_named_with_the_nearest_shipped_config(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert missing_file(launch_args("--config_file", "accelerate_configs/zero3.yaml", "recipes/pretrain.py")) is None
+    assert missing_file(launch_args("--config_file", "accelerate_configs/zero4.yaml", "recipes/pretrain.py")) == (
+        "--config_file accelerate_configs/zero4.yaml does not exist (paths are relative to where you launch); "
+        "did you mean accelerate_configs/zero3.yaml?"
+    )
+    assert missing_file(launch_args("--config_file", "elsewhere/ddp.yaml", "recipes/pretrain.py")).endswith(
+        "the shipped ones are in accelerate_configs/"
+    )
+    assert missing_file(launch_args("recipes/pretrian.py")) == (
+        "recipes/pretrian.py does not exist (paths are relative to where you launch)"
+    )
+
+
+def test_torchruns_exit_warnings_are_held_back_until_released(caplog):
+    logger = logging.getLogger("toolkit.test.elastic")
+    with caplog.at_level(logging.WARNING):
+        held = HeldLog(logger)
+        logger.warning("Sending process %s closing signal %s", 123, "SIGTERM")
+        assert caplog.records == []
+        held.release()  # a crash: shown after all
+        assert [r.getMessage() for r in caplog.records] == ["Sending process 123 closing signal SIGTERM"]
+        logger.warning("after")
+        assert len(caplog.records) == 2
+
+
+FORWARDING = textwrap.dedent("""
+    import signal, subprocess, sys, os, time
+    from toolkit.strategy.launcher import StopForwarder
+    stop = StopForwarder()
+    # a rank: stops on SIGUSR1 with the recipe's code 3
+    rank = subprocess.Popen([sys.executable, "-c",
+        "import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: sys.exit(3)); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    rank.stdout.readline()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    print(rank.wait(timeout=30), stop.signal)
+""")
+
+
+def test_a_stop_signal_to_the_launcher_reaches_its_ranks():
+    done = subprocess.run([sys.executable, "-c", FORWARDING], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["3", str(USR1)], done.stderr
+
+
+def test_a_stop_signal_before_any_rank_started_ends_the_launch():
+    code = "from toolkit.strategy.launcher import StopForwarder; import os, signal, time\n" \
+           "StopForwarder(); os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + TERM, done.stderr

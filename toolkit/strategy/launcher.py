@@ -1,0 +1,171 @@
+"""`accelerate launch` that exits with the recipe's own code: what `recipes/launch.sh` runs.
+
+    bash recipes/launch.sh --config_file accelerate_configs/zero3.yaml --num_processes 2 \\
+        recipes/pretrain.py --config recipes/configs/pretrain_tiny.yaml
+
+Same arguments as `accelerate launch`, run in this process (accelerate's own `launch_command`),
+with four differences:
+
+- The exit code is the recipe's (toolkit.training.entry: 2 bad input, 3 stopped by a signal
+  with a checkpoint saved, 4 a collective failed, 5 the loss diverged). torchrun reports any
+  failed rank by raising ChildFailedError, which `accelerate launch` turns into a traceback, a
+  25-40 line report and exit code 1. Here the ranks' codes are read from that error: when every
+  rank that failed exited with one of these codes, or was ended by the launcher after that
+  (SIGTERM), the launch exits with that code and shows only the recipe's one line. Anything else
+  (a traceback, a rank killed by the OOM killer) is a crash: torchrun's report is shown as usual.
+- A missing --config_file or script is refused in one line (exit 2) before anything starts.
+- SIGTERM and SIGUSR1 (preemption, `scancel`, a time limit) are forwarded to the ranks, which
+  save a checkpoint at the end of the step and exit with 3; the launcher waits for them as for
+  any exit. torchrun would instead forward SIGTERM itself and SIGKILL the ranks 30 s later
+  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), whether or not the step and checkpoint were done, then end
+  with a SignalException traceback and exit code 1; SIGUSR1 it does not handle at all: the
+  launcher dies and the ranks train on, orphaned. Leaving both signals to us needs torch >= 2.9
+  (torchrun's signals_to_handle, set through PET_SIGNALS_TO_HANDLE); with an older torch,
+  torchrun takes SIGTERM as before and the code is 143.
+- torchrun's warnings about the ranks' exits ("Sending process ... closing signal SIGTERM",
+  "failed (exitcode: 2)") are held back, and shown only for a crash.
+
+What flags could not do: `accelerate launch --quiet` only affects one-process and DeepSpeed
+multi-node (pdsh) launches, where it replaces the traceback by exit code 1; `--debug` only adds
+a rich traceback (ACCELERATE_ENABLE_RICH=1), and then the failed launch exits 0 (measured). torchrun's
+`--tee`, `--log_dir` (both passed on by accelerate) and `--redirects` (PET_REDIRECTS) copy or move
+the ranks' output into files; the launcher's own report and exit code stay as they are, and
+`--local-ranks-filter` would hide rank 1's crash tracebacks with its duplicate lines. Nothing
+passes a rank's exit code through.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+# entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
+# peers' collectives fail (4), and a rank stops (3) only when every rank does
+RECIPE_CODES = (2, 4, 5, 3)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # its warnings are all about ranks' exits
+
+
+def main(argv: list[str] | None = None) -> int:
+    from accelerate.commands import launch as accelerate_launch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = accelerate_launch.launch_command_parser().parse_args(argv)
+    problem = missing_file(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return 2
+    os.environ["PET_SIGNALS_TO_HANDLE"] = ",".join(
+        s for s in os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
+        if s.strip() not in {sig.name for sig in STOP_SIGNALS}
+    )
+    # with --debug and ACCELERATE_ENABLE_RICH=1, accelerate prints a failed launch's traceback and
+    # returns as if all went well (exit 0); it must raise for the ranks' codes to be read
+    accelerate_launch.is_rich_available = lambda: False
+    stop = StopForwarder()
+    held = HeldLog(logging.getLogger(ELASTIC_LOGGER))
+    try:
+        accelerate_launch.launch_command(args)
+    except ChildFailedError as exc:
+        code = verdict({rank: failure.exitcode for rank, failure in exc.failures.items()}, stop.signal)
+        if code is None:
+            held.release()
+            raise
+        return code
+    except subprocess.CalledProcessError as exc:  # one process, or DeepSpeed's multi-node launcher
+        code = verdict({0: exc.returncode}, stop.signal)
+        if code is None:
+            raise
+        return code
+    except SignalException as exc:  # SIGINT/SIGHUP/SIGQUIT: torchrun has ended the ranks with it
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def missing_file(args) -> str | None:
+    """The launch's config file or script, when it does not exist: accelerate would raise a traceback."""
+    if args.config_file is not None and not Path(args.config_file).is_file():
+        given = Path(args.config_file)
+        shipped = sorted(p.name for p in given.parent.glob("*.yaml")) if given.parent.is_dir() else []
+        close = difflib.get_close_matches(given.name, shipped, n=1)
+        hint = (
+            f"did you mean {given.parent / close[0]}?" if close
+            else f"{given.parent}/ has {', '.join(shipped)}" if shipped
+            else "the shipped ones are in accelerate_configs/"
+        )
+        return f"--config_file {args.config_file} does not exist (paths are relative to where you launch); {hint}"
+    if not (args.module or args.no_python) and not Path(args.training_script).is_file():
+        return f"{args.training_script} does not exist (paths are relative to where you launch)"
+    return None
+
+
+def verdict(codes: dict[int, int], forwarded: int | None) -> int | None:
+    """The launch's exit code from its failed ranks' codes; None for a crash (torchrun's report stays).
+
+    A negative code is a rank ended by a signal: SIGTERM is what torchrun sends the other ranks
+    once one has exited, so it hides nothing; SIGKILL or SIGSEGV are the crash itself.
+    `forwarded` is the stop signal this launcher passed on: ranks that had no handler for it yet
+    (still starting) die of it, and the launch ends as a process killed by it would (128 + n).
+    """
+    recipe = [c for c in codes.values() if c in RECIPE_CODES]
+    ended = [c for c in codes.values() if c not in RECIPE_CODES]
+    if recipe and all(c == -signal.SIGTERM for c in ended):
+        return min(recipe, key=RECIPE_CODES.index)
+    if forwarded is not None and codes and all(c == -forwarded for c in codes.values()):
+        return 128 + forwarded
+    return None
+
+
+class StopForwarder:
+    """Passes SIGTERM/SIGUSR1 on to the ranks (this process's children), and the launch goes on.
+
+    Each rank saves a checkpoint at the end of its step and exits with 3; the launcher sees those
+    exits as it sees any other. `signal` is the last one forwarded.
+    """
+
+    def __init__(self):
+        self.signal: int | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._forward)
+
+    def _forward(self, signum, frame) -> None:
+        import psutil
+
+        self.signal = signum
+        ranks = psutil.Process().children()
+        if not ranks:  # none started yet: end here (torchrun's cleanup stops any it is starting)
+            sys.exit(128 + signum)
+        for rank in ranks:
+            try:
+                rank.send_signal(signum)
+            except psutil.NoSuchProcess:  # exited meanwhile
+                pass
+
+
+class HeldLog(logging.Filter):
+    """Holds a logger's records back until `release`; without it they are dropped."""
+
+    def __init__(self, logger: logging.Logger):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.logger = logger
+        logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def release(self) -> None:
+        self.logger.removeFilter(self)
+        for record in self.records:
+            self.logger.handle(record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
