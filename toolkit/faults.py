@@ -15,12 +15,17 @@ The points, where the step is the optimizer step being trained (1-based) or the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import torch
+
 ENV, LOG_ENV = "LLM_TOOLKIT_KILL", "LLM_TOOLKIT_KILL_LOG"
+# The same points (those that write: save.*, final) fail a write instead: LLM_TOOLKIT_FAIL="save.rank_files@4/1=ENOSPC"
+FAIL_ENV = "LLM_TOOLKIT_FAIL"
 
 POINTS = {
     "forward": "after the first micro-batch's forward, before its backward",
@@ -38,35 +43,43 @@ POINTS = {
 __doc__ += "\n".join(f"    {name:<22} {where}" for name, where in POINTS.items()) + "\n"
 
 
-def _planned() -> list[tuple[str, str, int | None, int]]:
-    """(the kill as written, point, step or None for any, rank) for each planned kill."""
-    spec = os.environ.get(ENV, "").strip()
+def _planned(env: str = ENV) -> list[tuple[str, str, int | None, int, str]]:
+    """(the item as written, point, step or None for any, rank, errno name) for each planned fault."""
+    spec = os.environ.get(env, "").strip()
     if not spec:
         return []
     if not os.environ.get(LOG_ENV):
-        raise RuntimeError(f"{ENV} is set without {LOG_ENV}: the kills would fire again after every restart")
-    kills = []
+        raise RuntimeError(f"{env} is set without {LOG_ENV}: the faults would fire again after every restart")
+    planned = []
     for item in spec.split(","):
         item = item.strip()
-        head, _, rank = item.partition("/")
+        where, _, error = item.partition("=")
+        head, _, rank = where.partition("/")
         point, _, step = head.partition("@")
         if point not in POINTS:
-            raise RuntimeError(f"{ENV}: unknown kill point {point!r}; the points are {', '.join(POINTS)}")
-        kills.append((item, point, int(step) if step else None, int(rank or 0)))
-    return kills
+            raise RuntimeError(f"{env}: unknown point {point!r}; the points are {', '.join(POINTS)}")
+        planned.append((item, point, int(step) if step else None, int(rank or 0), error or "ENOSPC"))
+    return planned
 
 
-def _armed(point: str, step: int | None) -> str | None:
-    """The planned kill this rank is to die of at `point` of `step`, unless it already fired."""
-    if ENV not in os.environ:
+def _armed(point: str, step: int | None, env: str = ENV) -> tuple[str, str] | None:
+    """(the planned item, its errno name) this rank is to fire at `point` of `step`, unless it already fired."""
+    if env not in os.environ:
         return None
-    rank = int(os.environ.get("RANK", "0"))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     log = Path(os.environ.get(LOG_ENV, ""))
     fired = log.read_text().split() if log.is_file() else []
-    for item, p, s, r in _planned():
+    for item, p, s, r, error in _planned(env):
         if p == point and r == rank and (s is None or s == step) and item not in fired:
-            return item
+            return item, error
     return None
+
+
+def _fire(item: str) -> None:
+    with open(os.environ[LOG_ENV], "a") as log:
+        log.write(item + "\n")
+        log.flush()
+        os.fsync(log.fileno())
 
 
 def armed(point: str, step: int | None = None) -> bool:
@@ -75,13 +88,19 @@ def armed(point: str, step: int | None = None) -> bool:
 
 def kill_point(point: str, step: int | None = None) -> None:
     """Die here if a kill is planned at this point and step, for this rank, and has not fired yet."""
-    item = _armed(point, step)
-    if item is not None:
-        with open(os.environ[LOG_ENV], "a") as log:
-            log.write(item + "\n")
-            log.flush()
-            os.fsync(log.fileno())
+    found = _armed(point, step)
+    if found is not None:
+        _fire(found[0])
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_point(point: str, step: int | None, path: Path) -> None:
+    """Raise the OSError a full disk (or EIO, EACCES...) gives for `path`, if one is planned here."""
+    found = _armed(point, step, FAIL_ENV)
+    if found is not None:
+        _fire(found[0])
+        code = getattr(errno, found[1])
+        raise OSError(code, os.strerror(code), str(path))
 
 
 def killing_batches(batches: Iterable, step: int) -> Iterator:

@@ -27,6 +27,7 @@ from pathlib import Path
 from toolkit.config import UserError
 
 STATE_FILE = "trainer_state.json"
+PRUNED = ".deleting"  # step-N.deleting: out of rotation, on its way out (a crash may leave it)
 MODEL_FILES = "model_files"  # config, tokenizer (and a LoRA's adapter config) beside the weights
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -54,6 +55,10 @@ class TrainerState:
     eval_step: int = -1  # the step last_eval was measured at: a resumed run does not measure it twice
     eval_before: dict[str, float] = field(default_factory=dict)  # fine-tuning: the base model's, for the comparison
     samples_before: list[str] = field(default_factory=list)  # fine-tuning: the base model's generations
+    manifest_crc32: str = ""  # the checkpoint's manifest.json: binds this state to the files beside it
+    # why this checkpoint may hold a diverged model ("" = it passed its checks): saved right after
+    # a skipped non-finite step, or with non-finite weights; rotation keeps the newest that passed
+    suspect: str = ""
 
     def write(self, folder: Path) -> None:
         """Atomically, so that a reader sees the whole state or none (the completeness marker)."""
@@ -124,6 +129,12 @@ class RunDir:
                     found.append((step, child))
         return [p for _, p in sorted(found)]
 
+    def drop_pruned(self) -> None:
+        """Main process: finish the deletions of pruned checkpoints that a crash interrupted."""
+        if self.checkpoints.is_dir():
+            for leftover in self.checkpoints.glob(f"step-*{PRUNED}"):
+                shutil.rmtree(leftover)
+
     def latest_checkpoint(self) -> Path | None:
         done = self.complete_checkpoints()
         return done[-1] if done else None
@@ -170,7 +181,7 @@ class RunDir:
                 f"output_dir={out} holds files that are not a toolkit run ({_few(foreign)}); "
                 f"the toolkit will not delete them or start a run among them; {hint}choose another output_dir"
             )
-        if overwrite:
+        if overwrite or resume == "auto" and self.died_before_first_checkpoint():
             return
         if resume == "auto":
             raise UserError(
@@ -183,6 +194,14 @@ class RunDir:
             f"output_dir={out} already holds a run ({_few(own)}); {hint}"
             "start over with overwrite=true (deletes it), or choose another output_dir"
         )
+
+    def died_before_first_checkpoint(self) -> bool:
+        """The folder holds only what a run writes before its first complete checkpoint (metrics,
+        trackers, an interrupted save): nothing a fresh start would lose, so resume=auto starts it
+        over. A deliverable (final/, adapter/) without a checkpoint is never replaced this way."""
+        own, foreign = self.entries()
+        delivered = {"final/", "adapter/", "final.old/", "adapter.old/"}
+        return bool(own) and not foreign and not self.complete_checkpoints() and not delivered & set(own)
 
     def check_writable(self) -> None:
         """Refuse a folder that cannot be created or written, before the launch and any data work

@@ -8,6 +8,8 @@ together change nothing.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -21,6 +23,9 @@ from toolkit.data.packing import packed_dataset
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import read_metrics
 from toolkit.training.recipe_config import PretrainConfig
+
+sys.path.insert(0, str(ROOT / "bench"))
+import kill_soak  # noqa: E402  (the hard-kill harness, bench/kill_soak.py)
 
 pytestmark = pytest.mark.distributed
 
@@ -130,7 +135,37 @@ def test_consolidated_final_model_reproduces_the_live_model(strategy, runs, data
     assert reloaded["eval_loss"] == pytest.approx(live["eval_loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+# Three hard kills per strategy, 12 points in all, each kind at least once (toolkit.faults). The
+# steps: checkpoints at 2, 4 and 6 with keep_last=1 (so pruning at 4 and 6), evaluations at 3 and 6.
+KILLS = {
+    "ddp": ["forward@1/1", "save.rank_files@2/1", "prune@4/0"],
+    "fsdp": ["backward@3/0", "save.manifest@4/0", "final/0"],
+    "zero2": ["between_micro_batches@2/1", "eval@3/1", "save.state_file@6/0"],
+    "zero3": ["after_optimizer@3/0", "save.start@4/1", "backward@5/1"],
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(KILLS))
+def test_hard_kills_come_back_bit_exact_by_elastic_restarts(strategy, runs, tmp_path, data_cache):
+    """The soak harness (bench/kill_soak.py) in its small deterministic form: one launch with
+    `--max_restarts`, resume=auto, three SIGKILLs of one rank. torchrun restarts the ranks after
+    each, they resume from the newest complete checkpoint (never a partial one), and the run ends
+    with the uninterrupted run's losses and final weights, bit for bit, nothing lost."""
+    reference, _ = runs(strategy)
+    overrides = [*RUN, *kill_soak.SAVES, "resume=auto", "train.collective_timeout_s=120"]
+    out, log = tmp_path / "run", tmp_path / "kills.log"
+    proc = kill_soak.launch(strategy, out, overrides, data_cache, KILLS[strategy], log, restarts=3)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert log.read_text().split() == KILLS[strategy], "each kill fires once, in order"
+    expected = [kill_soak.expected_resume(kill, overrides) for kill in KILLS[strategy]]
+    assert kill_soak.resumed_steps(output) == [step for step in expected if step], output[-6000:]
+    assert kill_soak.compare(out, reference) == []
+    assert kill_soak.audit(out, newest_saved=6) == []
+    assert not list((out / "checkpoints").glob("*.deleting")), "an interrupted prune was not finished"
+
+
+@pytest.mark.parametrize("strategy", ["zero1"])  # the other strategies: the hard-kill test above
 def test_resume_is_bit_exact(strategy, runs, tmp_path, data_cache):
     straight, _ = runs(strategy)
     out = tmp_path / "resumed"

@@ -20,12 +20,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from toolkit.config import UserError, field
-from toolkit.faults import kill_point
-from toolkit.manifest import check_manifest, write_manifest
-from toolkit.run_dir import MODEL_FILES, RunDir, TrainerState
+from toolkit.faults import fail_point, kill_point
+from toolkit.manifest import MANIFEST, check_manifest, crc32, write_manifest
+from toolkit.run_dir import MODEL_FILES, PRUNED, STATE_FILE, RunDir, TrainerState, checkpoint_step
 from toolkit.strategy.distributed import Strategy
-
-DELETING = ".deleting"  # suffix of a pruned checkpoint on its way out
 
 
 @dataclass
@@ -34,6 +32,10 @@ class CheckpointConfig:
     keep_last: int = field(2, help="complete checkpoints to keep; older ones are deleted")
     final_dtype: Literal["float32", "bfloat16", "float16"] = field(
         "float32", help="dtype of the weights in final/ and adapter/: the fp32 master weights cast to it, under every strategy"
+    )
+    on_save_error: Literal["stop", "continue"] = field(
+        "stop", help="when a checkpoint cannot be written (disk full, I/O error): stop the run (exit 5; resume=auto "
+        "continues from the previous checkpoint once there is room) or train on and try again at the next save"
     )
 
     def validate(self) -> list[str]:
@@ -51,6 +53,7 @@ def save_checkpoint(
     state: TrainerState,
     keep_last: int,
     model_files: Callable[[Path], None] | None = None,
+    say: Callable[[str], None] = print,
 ) -> Path:
     """Collective: every rank must call it.
 
@@ -63,27 +66,111 @@ def save_checkpoint(
     if acc.is_main_process:
         if folder.exists():
             shutil.rmtree(folder)  # a stale, incomplete save of the same step
-        for leftover in run.checkpoints.glob(f"*{DELETING}"):
-            shutil.rmtree(leftover)  # a prune that a crash interrupted
+        run.drop_pruned()
+    previous = run.latest_checkpoint()
+    if acc.is_main_process and previous is not None:
+        warn_low_space(folder, previous, say)
     acc.wait_for_everyone()
-    acc.save_state(str(folder))
+    # A write that fails (disk full, I/O error, permission) on any rank fails the save on every
+    # rank: the partial folder goes, the previous checkpoint was never touched, and the trainer
+    # stops or goes on as checkpoint.on_save_error says.
+    failure = None
+    try:
+        acc.save_state(str(folder))
+        fail_point("save.rank_files", state.step, folder)
+    except (OSError, RuntimeError) as exc:
+        failure = _write_failure(exc, strategy.rank, folder)
     kill_point("save.rank_files", state.step)
-    acc.wait_for_everyone()
+    failure = _first(strategy, failure)
+    if failure is None and acc.is_main_process:
+        try:
+            if model_files is not None:
+                model_files(folder / MODEL_FILES)
+            fail_point("save.manifest", state.step, folder / MANIFEST)
+            # The manifest before the state file (a complete checkpoint always has one), and its
+            # checksum in the state: a state file copied in from another checkpoint is told apart.
+            state.manifest_crc32 = crc32(write_manifest(folder))
+            kill_point("save.manifest", state.step)
+            state.write(folder)
+        except (OSError, RuntimeError) as exc:
+            failure = _write_failure(exc, strategy.rank, folder)
+    failure = _first(strategy, failure)
+    if failure is not None:
+        if acc.is_main_process:
+            written = _bytes(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            needed = _bytes(previous) if previous is not None else written
+            failure += f"; a checkpoint needs about {_size(needed)}, {_size(_free(folder))} is free there"
+            failure += f"; {previous.name} is intact" if previous is not None else "; no earlier checkpoint exists"
+        failure = _first(strategy, failure if acc.is_main_process else None)
+        raise SaveFailed(f"checkpoint {folder.name} could not be written: {failure}")
     if acc.is_main_process:
-        if model_files is not None:
-            model_files(folder / MODEL_FILES)
-        write_manifest(folder)  # before the state file: a complete checkpoint always has one
-        kill_point("save.manifest", state.step)
-        state.write(folder)
         kill_point("save.state_file", state.step)
-        for old in run.complete_checkpoints()[:-keep_last]:
+        done = run.complete_checkpoints()
+        # never the newest one that passed its checks: after a skipped non-finite step or with
+        # non-finite weights, the last keep_last saves may all hold a model that diverged
+        passed = [c for c in done if not TrainerState.read(c).suspect][-1:]
+        for old in [c for c in done[:-keep_last] if c not in passed]:
             # Out of rotation in one rename, then deleted: a crash mid-delete leaves a folder
             # that is plainly not a checkpoint, never a step-N that lost some of its files.
-            going = old.rename(old.with_name(old.name + DELETING))
+            going = old.rename(old.with_name(old.name + PRUNED))
             kill_point("prune", state.step)
             shutil.rmtree(going)
     acc.wait_for_everyone()
     return folder
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written; its partial folder is gone and the previous one is intact."""
+
+
+def _write_failure(exc: Exception, rank: int, folder: Path) -> str:
+    """One line for a failed write; anything else is re-raised. torch.save reports a full disk
+    as a RuntimeError from its zip writer ("unexpected pos ..."), not as an OSError."""
+    if isinstance(exc, OSError):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return f"rank {rank}{where}: {exc.strerror or exc}"
+    text = str(exc)
+    if "inline_container" not in text and "write" not in text.lower():
+        raise exc
+    full = " (the disk is full)" if _free(folder) == 0 else ""
+    return f"rank {rank} writing into {folder}: {text.splitlines()[0][:200]}{full}"
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _first(strategy: Strategy, failure: str | None) -> str | None:
+    """Collective: the first rank's failure, the same verdict on every rank."""
+    if strategy.world_size == 1:
+        return failure
+    from accelerate.utils import gather_object
+
+    return next((f for f in gather_object([failure]) if f is not None), None)
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def _free(folder: Path) -> int:
+    """Free bytes on the filesystem that holds `folder` (or its nearest existing parent)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def warn_low_space(folder: Path, previous: Path, say: Callable[[str], None]) -> None:
+    """Before a save: say so when the disk has less room than the previous checkpoint took (a
+    save of the same model needs as much), while there is still time to free some."""
+    needed, free = _bytes(previous), _free(folder)
+    if free < needed:
+        say(f"warning: {_size(free)} free for checkpoint {folder.name}, the previous one took {_size(needed)}: "
+            "it will likely fail; free space or lower checkpoint.keep_last")
 
 
 def load_checkpoint(strategy: Strategy, folder: Path) -> TrainerState:
@@ -194,10 +281,11 @@ def intact_checkpoint(
 
     verdict: list = [None, None]  # [folder to resume from, or the one-line error]
     if strategy.is_main:
+        run.drop_pruned()
         candidates = [chosen] + ([c for c in reversed(run.complete_checkpoints()) if c != chosen] if auto else [])
         problems = []
         for folder in candidates:
-            problem = check_manifest(folder)
+            problem = check_manifest(folder) or check_state_file(folder)
             if problem is None:
                 verdict[0] = str(folder)
                 break
@@ -215,3 +303,20 @@ def intact_checkpoint(
     if verdict[1] is not None:
         raise UserError(verdict[1] + "; resume from an intact checkpoint or start a new output_dir")
     return Path(verdict[0])
+
+
+def check_state_file(folder: Path) -> str | None:
+    """None if the checkpoint's trainer_state.json is its own: readable, of the folder's step, and
+    naming the checksum of the manifest beside it (checkpoints older than that field pass on the step)."""
+    path = folder / STATE_FILE
+    try:
+        state = TrainerState.read(folder)
+    except (OSError, ValueError, TypeError) as exc:
+        return f"{path} is not a readable trainer state ({exc})"
+    step = checkpoint_step(folder)
+    if step is not None and state.step != step:
+        return f"{path} is of step {state.step}, not {step}: a state file from another checkpoint"
+    manifest = folder / MANIFEST
+    if state.manifest_crc32 and manifest.is_file() and crc32(manifest) != state.manifest_crc32:
+        return f"{path} belongs to another checkpoint (it names another manifest than {manifest})"
+    return None

@@ -3,7 +3,10 @@
 Exit codes: 0 done, 2 bad input (one `error:` line on stderr for the whole launch), 3 stopped by
 a signal after saving a checkpoint (resume=auto continues), 4 a collective failed: the ranks
 fell out of step and one waited past train.collective_timeout_s, or a peer died (one `error:`
-line per rank, naming the rank, the collective, where and at which step).
+line per rank, naming the rank, the collective, where and at which step), 5 the run could not
+go on and says why in one line: the loss or gradients stayed non-finite (train.on_nonfinite,
+train.max_nonfinite_skips) or a checkpoint could not be written (checkpoint.on_save_error=stop);
+the previous checkpoint is intact and resume=auto continues once the cause is fixed.
 
 A user error met by one rank only (rank 0 reads the data while the others wait in a barrier)
 is still one line: the rank records it in torchrun's store before exiting, and the ranks whose
@@ -22,7 +25,7 @@ import sys
 
 from toolkit.config import UserError, load_config
 from toolkit.strategy.distributed import collective_failure, is_launch_main, report_once, reported_verdict
-from toolkit.training.trainer import Stopped
+from toolkit.training.trainer import Diverged, SaveStopped, Stopped
 
 
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
@@ -44,6 +47,11 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
     except UserError as exc:
         report_once(f"error: {exc}", 2)
         return 2
+    except (Diverged, SaveStopped) as exc:  # raised on every rank at the same step: one line says it
+        recipe.trainer.accelerator.end_training()
+        if is_launch_main():
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 5
     except Stopped as exc:
         recipe.trainer.accelerator.end_training()  # flush the trackers; the checkpoint is already saved
         if is_launch_main():  # every rank stops at the same step (the flag is all-reduced): one line says it

@@ -4,6 +4,12 @@ Shared by the recipes so that every one of them normalises the loss the same way
 micro-batch's summed token loss is scaled by `toolkit.models.loss.backward_scale` (target tokens of
 the whole global batch), Accelerate decides when gradients are synchronised and the optimizer
 really steps, and clipping happens once, on the accumulated gradient.
+
+Before the optimizer steps, every rank learns whether any rank's loss or the gradients hold a
+NaN or inf, and if so none steps (the trainer then skips the batch or stops the run). This is
+one all-reduce of two flags and, on CUDA, one host sync per step: the decision to step is taken
+on the host. (A device-side skip exists only for torch's fused AdamW, `found_inf`; DeepSpeed's
+optimizers and the schedule still need the answer on the host.)
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from toolkit.models.loss import forward_loss_sum
+from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite
 
 
 def optimizer_step(
@@ -24,21 +31,51 @@ def optimizer_step(
     scale: float,
     max_grad_norm: float,
     loss_chunk_tokens: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(this rank's summed token loss as float64, the pre-clipping gradient norm or None).
+) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
+    """(this rank's summed token loss as float64, the pre-clipping gradient norm or None, what was
+    not finite).
 
+    The third value is None when the optimizer stepped; "loss" (a rank's loss was NaN/inf) or
+    "grad" (the gradients were) when it did not: weights and optimizer state are untouched and
+    the gradients cleared, the same on every rank.
     `loss_chunk_tokens` > 0: the loss is computed that many tokens at a time (model.loss=chunked).
     """
+    engine = engine_of(accelerator)
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    grad_norm = None
+    grad_norm = nonfinite = None
     for batch in micro_batches:
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         with accelerator.accumulate(model):
             micro_loss = forward_loss_sum(model, batch, loss_chunk_tokens)
-            accelerator.backward(micro_loss * scale)
             loss_sum += micro_loss.detach().double()
+            if engine is not None:
+                # accelerator.backward would run engine.step() too, before anything could be checked
+                engine_backward(engine, micro_loss * scale, accelerator.sync_gradients)
+                if accelerator.sync_gradients:
+                    (loss_bad,) = _any_nonfinite(accelerator, loss_sum)
+                    nonfinite = engine_step_unless_nonfinite(engine, loss_bad)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+                continue
+            accelerator.backward(micro_loss * scale)
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
-            optimizer.step()
+                # the norm is of the reduced gradients (the same on every rank); the losses are each rank's
+                norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+                # fp16: an overflowing gradient is the loss scaler's business (it skips and lowers the scale)
+                norm = norm if accelerator.scaler is None else torch.zeros(())
+                loss_bad, grads_bad = _any_nonfinite(accelerator, loss_sum, norm)
+                nonfinite = "loss" if loss_bad else "grad" if grads_bad else None
+                if nonfinite is None:
+                    optimizer.step()
+                elif accelerator.scaler is not None:
+                    accelerator.scaler.update()  # closes the unscale_ that clipping did, without a step
             optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    return loss_sum, grad_norm, nonfinite
+
+
+def _any_nonfinite(accelerator: Accelerator, *values: torch.Tensor) -> list[bool]:
+    """For each 0-d value, whether it is NaN or inf on any rank: one all-reduce, read on the host."""
+    found = (~torch.isfinite(torch.stack([v.to(accelerator.device, torch.float64) for v in values]))).double()
+    if accelerator.num_processes > 1:
+        found = accelerator.reduce(found, reduction="sum")
+    return [v > 0 for v in found.tolist()]

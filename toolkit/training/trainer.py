@@ -40,7 +40,7 @@ from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
-from toolkit.training.checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint
+from toolkit.training.checkpoint import SaveFailed, intact_checkpoint, load_checkpoint, save_checkpoint
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import (
     MetricsWriter,
@@ -52,6 +52,7 @@ from toolkit.training.metrics import (
     peak_memory_mb,
     plot_loss,
 )
+from toolkit.training.nonfinite import dead_model, injected, nonfinite_weight
 from toolkit.training.optim import prepare_optimization
 from toolkit.training.step import optimizer_step
 
@@ -69,10 +70,19 @@ class TrainConfig:
         help="seconds a rank waits in a collective (all-reduce, barrier) before the run fails with an error "
         "naming the rank and the wait; raise it if rank 0 alone prepares a very large corpus",
     )
+    on_nonfinite: Literal["skip", "abort"] = field(
+        "skip",
+        help="a NaN or inf loss or gradient on any rank, found before the optimizer step: skip = drop that "
+        "batch (weights, optimizer state and schedule untouched), abort = stop the run (exit code 5)",
+    )
+    max_nonfinite_skips: int = field(
+        3, help="with on_nonfinite=skip, stop the run (exit code 5) after this many skipped steps in a row: "
+        "then it is the model that diverged, not one bad batch",
+    )
 
     def validate(self) -> list[str]:
         problems = []
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s"):
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s", "max_nonfinite_skips"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         return problems
@@ -99,8 +109,19 @@ class StopRequest:
         return self.signal is not None
 
 
+class SaveStopped(Exception):
+    """A checkpoint could not be written and checkpoint.on_save_error=stop: raised on every rank;
+    the previous checkpoint is intact. The message is the run's one `error:` line."""
+
+
 class Stopped(Exception):
     """Raised after the stop checkpoint is saved; the recipe exits with a non-zero code."""
+
+
+class Diverged(Exception):
+    """A NaN/inf loss or gradient with train.on_nonfinite=abort, or train.max_nonfinite_skips
+    skipped steps in a row; raised on every rank at the same step, before that step's update.
+    The message is the run's one `error:` line."""
 
 
 class HostCopy:
@@ -157,7 +178,11 @@ class Trainer:
                 "model.attn_implementation=flex_attention trains only on GPUs (torch has no CPU backward for "
                 "it); use sdpa on CPU"
             )
-        if cfg.overwrite and strategy.is_main:
+        restart = cfg.resume == "auto" and self.resume_from is None and self.run.died_before_first_checkpoint()
+        if restart:
+            self.print(f"resume=auto: {self.run.root} has no complete checkpoint yet (the run stopped before "
+                       "its first one); starting it over")
+        if (cfg.overwrite or restart) and strategy.is_main:
             self.run.remove_own()  # only its own entries: check() refused anything else
         self.accelerator.wait_for_everyone()
         self.run.root.mkdir(parents=True, exist_ok=True)
@@ -169,6 +194,8 @@ class Trainer:
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
         self.metrics: MetricsWriter | None = None
+        self.nonfinite_in_a_row = 0  # skipped steps since the last one that trained
+        self.dead_check_pending = False  # set by a resume: the first step that trains is checked
 
     @property
     def step(self) -> int:
@@ -207,6 +234,7 @@ class Trainer:
         `model_files` are extra JSON files for each checkpoint's model_files/ (e.g. base_model.json)."""
         cfg = self.cfg
         self.tokenizer, self.n_params, self.flops_token = tokenizer, n_params, flops_token
+        self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)  # for the dead-model check
         self.model_files = model_files or {}
         if cfg.model.chunk_tokens:
             output_head(model)  # a head the chunked loss cannot replace is refused before any step
@@ -222,8 +250,15 @@ class Trainer:
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
             )
             self.state = load_checkpoint(self.strategy, self.resume_from)
+            bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
+            if bad is not None:
+                raise UserError(
+                    f"checkpoint {self.resume_from} holds non-finite weights ({bad} has NaN or inf); resume from "
+                    "an earlier checkpoint with resume=PATH, or start a new output_dir"
+                )
             self.checkpoint_step, self.eval_step = self.step, self.state.eval_step
             self.print(f"resumed from {self.resume_from} at step {self.step}")
+            self.dead_check_pending = True
         if self.strategy.is_main:
             self.metrics = MetricsWriter(self.run.metrics, self.step)
         if cfg.logging.trackers:
@@ -246,17 +281,23 @@ class Trainer:
             batches = (self.collate(self.train_blocks[m], attn) for m in self.schedule.micro_batches(state.step))
             # Once per run, measure the bytes each rank really holds (sharding made visible).
             meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
-            with meter or contextlib.nullcontext(), model_kill_points(acc.unwrap_model(self.model), state.step + 1):
-                loss_sum, grad_norm = optimizer_step(
+            with (
+                meter or contextlib.nullcontext(),
+                model_kill_points(acc.unwrap_model(self.model), state.step + 1),
+                injected(acc.unwrap_model(self.model), state.step + 1),
+            ):
+                loss_sum, grad_norm, nonfinite = optimizer_step(
                     acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
                     cfg.optim.max_grad_norm, cfg.model.chunk_tokens,
                 )
             kill_point("after_optimizer", state.step + 1)
-            if self.step_scheduler:
+            if self.step_scheduler and nonfinite is None:  # a skipped step leaves the schedule where it was
                 self.scheduler.step()
             state.step += 1
             step_tokens = int(self.block_tokens[global_idx].sum())
-            state.tokens_seen += step_tokens
+            if nonfinite is None:
+                state.tokens_seen += step_tokens
+                self.nonfinite_in_a_row = 0
             # One all-reduce for the global loss and for "did any rank get a stop signal", read on
             # the host only where a value is needed: waiting for it each step would leave the GPU
             # idle while the host prepares the next step.
@@ -267,7 +308,8 @@ class Trainer:
             eval_now = self.val_blocks is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
             save_now = bool(cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
             # Inside the timed window, so that tokens/s counts the device's work, not its queueing.
-            values = totals.get() if log_now or eval_now or save_now or totals.immediate else None
+            needed = log_now or eval_now or save_now or self.dead_check_pending
+            values = totals.get() if needed or totals.immediate else None
             window_tokens += step_tokens
             window_time += time.perf_counter() - t0
             if meter is not None:
@@ -275,7 +317,9 @@ class Trainer:
                 held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
                 self.log({"step": state.step, "held_bytes": held})
 
-            if log_now:
+            if nonfinite is not None:
+                self.skip_or_abort(nonfinite, bar)
+            elif log_now:
                 loss = values[0] / max(1, global_targets)
                 tps = window_tokens / max(window_time, 1e-9)
                 self.log({
@@ -291,6 +335,9 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
                 window_tokens, window_time = 0, 0.0
             bar.update(1)
+            if self.dead_check_pending and nonfinite is None:
+                self.dead_check_pending = False
+                self.check_alive(values[0] / max(1, global_targets), grad_norm, bar)
 
             # The final evaluation runs here, before the last checkpoint: under FSDP2 an evaluation
             # forward after save_state, with no training step between, leaves the root's
@@ -307,8 +354,47 @@ class Trainer:
             if flags[1] > 0:
                 bar.close()
                 folder = self.save_checkpoint() if self.checkpoint_step != state.step else self.run.checkpoint(state.step)
-                raise Stopped(f"stopped by a signal at step {state.step}; checkpoint saved in {folder}; continue with resume=auto")
+                saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
+                raise Stopped(f"stopped by a signal at step {state.step}; {saved}; continue with resume=auto")
         bar.close()
+
+    def skip_or_abort(self, found: str, bar) -> None:
+        """A step whose loss or gradients were not finite on some rank was not applied (on any rank):
+        log it, and stop the run where the config says so (Diverged, on every rank alike)."""
+        t = self.cfg.train
+        self.nonfinite_in_a_row += 1
+        k = self.nonfinite_in_a_row
+        abort = t.on_nonfinite == "abort" or k >= t.max_nonfinite_skips
+        self.log({"step": self.step, "nonfinite": found, "action": "abort" if abort else "skip", "in_a_row": k})
+        what = "loss" if found == "loss" else "gradients"
+        if not abort:
+            self.print(
+                f"step {self.step}: non-finite {what} (NaN or inf); batch skipped, weights and optimizer unchanged "
+                f"({k} in a row; {t.max_nonfinite_skips} in a row stop the run)"
+            )
+            return
+        bar.close()
+        why = "train.on_nonfinite=abort" if t.on_nonfinite == "abort" else (
+            f"{k} steps in a row, train.max_nonfinite_skips={t.max_nonfinite_skips}"
+        )
+        passed = [c for c in self.run.complete_checkpoints() if not TrainerState.read(c).suspect]
+        then = f"resume from the last good checkpoint with resume={passed[-1]}" if passed else "start over"
+        raise Diverged(
+            f"non-finite {what} (NaN or inf) at step {self.step} ({why}); the run diverged and that step was not "
+            f"applied: lower optim.lr or check the data of step {self.step}, then {then}"
+        )
+
+    def check_alive(self, loss: float, grad_norm, bar) -> None:
+        """The first step after a resume: a model that guesses uniformly and gets no gradient at all
+        is garbage loaded from the checkpoint (finite weights pass every other check)."""
+        if self.vocab_size and dead_model(loss, grad_norm, self.vocab_size):
+            bar.close()
+            raise UserError(
+                f"checkpoint {self.resume_from} holds a dead model: the first step after resuming gave a loss of "
+                f"{loss:.4f}, ln(vocabulary {self.vocab_size}) = uniform guessing, and a gradient norm of exactly 0 "
+                "(its weights are garbage, e.g. a flipped exponent bit); resume from an earlier checkpoint with "
+                "resume=PATH, or start a new output_dir"
+            )
 
     def evaluate(self, phase: str) -> dict[str, float]:
         """Held-out loss and perplexity (collective); `phase` is before, train or after training."""
@@ -326,13 +412,29 @@ class Trainer:
         )
         return result
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Collective; None when the save failed and checkpoint.on_save_error=continue."""
         self.checkpoint_step = self.step
         unwrapped = self.accelerator.unwrap_model(self.model)
-        folder = save_checkpoint(
-            self.strategy, self.run, self.state, self.cfg.checkpoint.keep_last,
-            lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files),
+        # a checkpoint that may hold a diverged model is marked, so that rotation keeps an older one
+        bad = nonfinite_weight(self.accelerator, unwrapped)
+        self.state.suspect = (
+            f"non-finite weights ({bad})" if bad is not None
+            else f"saved right after {self.nonfinite_in_a_row} skipped non-finite step(s)" if self.nonfinite_in_a_row
+            else ""
         )
+        try:
+            folder = save_checkpoint(
+                self.strategy, self.run, self.state, self.cfg.checkpoint.keep_last,
+                lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files), self.print,
+            )
+        except SaveFailed as exc:
+            self.checkpoint_step = -1  # the step has no checkpoint: finish() and a stop try again
+            self.log({"step": self.step, "checkpoint_error": str(exc)})
+            if self.cfg.checkpoint.on_save_error == "stop":
+                raise SaveStopped(f"{exc}; free space, then continue with resume=auto") from None
+            self.print(f"warning: {exc}; training goes on (checkpoint.on_save_error=continue)")
+            return None
         self.print(f"checkpoint saved: {folder}")
         return folder
 

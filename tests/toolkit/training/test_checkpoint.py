@@ -8,6 +8,7 @@ import torch
 from accelerate.state import AcceleratorState
 
 from toolkit.config import UserError
+from toolkit.manifest import MANIFEST, crc32
 from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.training.checkpoint import CheckpointConfig, load_checkpoint, save_checkpoint
@@ -44,7 +45,8 @@ def test_a_checkpoint_round_trips_weights_and_state_and_keeps_the_last_k(tmp_pat
     with torch.no_grad():
         model.weight.zero_()
     state = load_checkpoint(strategy, run.checkpoint(3))
-    assert state == TrainerState(step=3, tokens_seen=30)
+    assert state.manifest_crc32 == crc32(run.checkpoint(3) / MANIFEST)  # bound to the files beside it
+    assert state == TrainerState(step=3, tokens_seen=30, manifest_crc32=state.manifest_crc32)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
 
 
@@ -104,3 +106,16 @@ def test_a_size_mismatch_the_configs_cannot_see_is_translated_too(tmp_path, stra
         f"checkpoint {folder} holds a different model: weight is [3, 4] there and [5, 4] in this run; resume with "
         "the model settings it was saved with, or start a new output_dir"
     )
+
+
+def test_rotation_never_prunes_the_newest_checkpoint_that_passed(tmp_path, strategy):
+    """keep_last=1: suspect checkpoints (saved after a skipped non-finite step, or with non-finite
+    weights) are kept beside the last good one, until a newer good one replaces it."""
+    strategy.prepare(torch.nn.Linear(2, 2))
+    run = RunDir(tmp_path / "run")
+    kept = []
+    for step, suspect in ((1, ""), (2, "saved right after 1 skipped non-finite step(s)"), (3, "non-finite weights (w)"),
+                          (4, "")):
+        save_checkpoint(strategy, run, TrainerState(step=step, suspect=suspect), keep_last=1)
+        kept.append([p.name for p in run.complete_checkpoints()])
+    assert kept == [["step-1"], ["step-1", "step-2"], ["step-1", "step-3"], ["step-4"]]

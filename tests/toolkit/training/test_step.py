@@ -92,9 +92,10 @@ def toolkit_steps(make_model, steps, optimizer_cls, max_grad_norm: float | None)
     losses, norms = [], []
     for step in steps:
         scale = backward_scale(step["targets"], accelerator.num_processes, ACCUM)
-        loss_sum, grad_norm = optimizer_step(
+        loss_sum, grad_norm, nonfinite = optimizer_step(
             accelerator, model, optimizer, step["micro"], scale, max_grad_norm
         )
+        assert nonfinite is None
         assert loss_sum.dtype == torch.float64
         losses.append(loss_sum.item())
         norms.append(grad_norm)
@@ -165,3 +166,43 @@ def test_two_steps_with_clipping_and_adamw(make_model, data):
     steps = {int(s["step"]) for s in optimizer.optimizer.state.values()}
     assert steps == {2}
     assert_same_weights(model, ref_model)
+
+
+@pytest.mark.parametrize(("injected_kind", "found"), [("batch", "loss"), ("loss", "loss"), ("grad", "grad")])
+def test_a_nonfinite_loss_or_gradient_is_not_stepped(make_model, data, monkeypatch, injected_kind, found):
+    """One good AdamW step, then one whose loss and/or gradients are NaN (the test-only injection):
+    it is reported, and weights, Adam's moments and step count are exactly as before it, with the
+    gradients cleared; the step after it trains again."""
+    from toolkit.training.nonfinite import ENV, injected
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model.train()
+    monkeypatch.setenv(ENV, f"{injected_kind}@2")
+
+    def step(number: int, batch: dict):
+        scale = backward_scale(batch["targets"], accelerator.num_processes, ACCUM)
+        with injected(model, number):
+            return optimizer_step(accelerator, model, optimizer, batch["micro"], scale, 1.0)
+
+    assert step(1, data[0])[2] is None
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {k: {n: v.clone() for n, v in s.items()} for k, s in optimizer.optimizer.state.items()}
+
+    loss_sum, grad_norm, nonfinite = step(2, data[1])
+    assert nonfinite == found
+    assert bool(torch.isfinite(loss_sum)) == (injected_kind == "grad")
+    if injected_kind == "loss":
+        assert torch.isfinite(grad_norm)  # found by the loss alone
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+        assert p.grad is None, name
+    assert optimizer.optimizer.state.keys() == state.keys()
+    for key, saved in state.items():
+        for name, value in saved.items():
+            assert torch.equal(optimizer.optimizer.state[key][name], value), name
+
+    assert step(3, data[1])[2] is None
+    assert {int(s["step"]) for s in optimizer.optimizer.state.values()} == {2}
+    assert any(not torch.equal(p, weights[n]) for n, p in model.named_parameters())

@@ -12,10 +12,11 @@ from accelerate.state import AcceleratorState
 
 from toolkit.config import UserError, load_config
 from toolkit.data.packing import collate, packed_dataset, target_counts
+from toolkit.manifest import check_manifest
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.training.metrics import read_metrics
 from toolkit.training.recipe_config import PretrainConfig
-from toolkit.training.trainer import Stopped, Trainer, model_size
+from toolkit.training.trainer import SaveStopped, Stopped, Trainer, model_size
 
 SETTINGS = [
     "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2", "train.mixed_precision=no",
@@ -181,3 +182,92 @@ def test_a_damaged_checkpoint_is_moved_aside_and_resume_auto_falls_back(tmp_path
     resumed.close()
     assert losses(resumed.run) == curve  # steps 3 and 4 retrained to the same floats
     assert [p.name for p in resumed.run.complete_checkpoints()] == ["step-2", "step-4"]
+
+
+def test_a_state_file_from_another_run_is_told_apart(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    """Two runs' step-2 checkpoints have the same step: the state file names the manifest beside it,
+    so one copied over the other is refused (resume=PATH) or set aside (resume=auto)."""
+    runs = []
+    for name, seed in (("a", 0), ("b", 1)):
+        trainer = start(tmp_path / name, blocks, tiny_tokenizer, tiny_model, "train.max_steps=2",
+                        "checkpoint.every=2", "eval.every=0", f"seed={seed}")
+        trainer.fit()
+        trainer.close()
+        runs.append(trainer.run)
+    a, b = (run.checkpoint(2) for run in runs)
+    (a / "trainer_state.json").write_bytes((b / "trainer_state.json").read_bytes())
+    with pytest.raises(UserError, match=r"step-2/trainer_state.json belongs to another checkpoint"):
+        start(tmp_path / "a", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", f"resume={a}")
+
+    # a state file of another step, e.g. step-4's renamed to step-2 by hand
+    state = TrainerState.read(b)
+    state.step = 4
+    state.write(b)
+    with pytest.raises(UserError, match=r"resume=auto: no intact checkpoint .*trainer_state.json is of step 4, not 2"):
+        start(tmp_path / "b", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "resume=auto")
+    assert (runs[1].checkpoints / "step-2.damaged").is_dir()
+
+
+def test_resume_auto_starts_over_a_run_killed_before_its_first_checkpoint(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    """What a kill in the first steps leaves (metrics, an interrupted save) is nothing a fresh start
+    loses: resume=auto starts over instead of refusing, as an elastic restart needs."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-2").mkdir(parents=True)  # interrupted: no state file
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 6.0}\n')
+    trainer = start(out, blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=2",
+                    "eval.every=0", "resume=auto")
+    assert not trainer.resumed
+    assert not (out / "metrics.jsonl").exists() or read_metrics(out / "metrics.jsonl") == []
+    trainer.fit()
+    trainer.close()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert [p.name for p in trainer.run.complete_checkpoints()] == ["step-2"]
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_save_that_hits_a_full_disk_keeps_the_previous_checkpoint(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                   monkeypatch, policy):
+    """ENOSPC injected while step-4's files are written (toolkit.faults): the partial step-4 is
+    removed, step-2 is untouched, the error names the file, the need and the free space; the run
+    stops (resume=auto continues from step-2) or trains on and saves step-6, as configured."""
+    monkeypatch.setenv("LLM_TOOLKIT_FAIL", "save.manifest@4/0=ENOSPC")
+    monkeypatch.setenv("LLM_TOOLKIT_KILL_LOG", str(tmp_path / "faults.log"))
+    settings = ["train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=3", "eval.every=0",
+                f"checkpoint.on_save_error={policy}"]
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, *settings)
+    if policy == "stop":
+        with pytest.raises(SaveStopped) as info:
+            trainer.fit()
+        message = str(info.value)
+        assert "checkpoint step-4 could not be written: rank 0 writing" in message
+        assert "No space left on device" in message and "is free there" in message
+        assert "step-2 is intact" in message and "resume=auto" in message
+        trainer.close()
+        assert [p.name for p in trainer.run.checkpoints.iterdir()] == ["step-2"]
+    else:
+        trainer.fit()
+        trainer.close()
+        assert [p.name for p in trainer.run.complete_checkpoints()] == ["step-2", "step-6"]
+        assert not trainer.run.checkpoint(4).exists()
+    rows = [r for r in read_metrics(trainer.run.metrics) if "checkpoint_error" in r]
+    assert [r["step"] for r in rows] == [4]
+    assert check_manifest(trainer.run.checkpoint(2)) is None
+    if policy == "stop":
+        assert start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, *settings, "resume=auto").step == 2
+
+
+def test_low_disk_space_is_said_before_the_save(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch, capsys):
+    import shutil as shutil_module
+
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "checkpoint.every=2",
+                    "eval.every=0")
+    real = shutil_module.disk_usage
+
+    def nearly_full(path):  # less room than one checkpoint, once the first exists
+        usage = real(path)
+        return usage._replace(free=1000) if trainer.run.latest_checkpoint() is not None else usage
+
+    monkeypatch.setattr("toolkit.training.checkpoint.shutil.disk_usage", nearly_full)
+    trainer.fit()
+    trainer.close()
+    assert "warning: 1,000 bytes free for checkpoint step-4, the previous one took" in capsys.readouterr().out

@@ -1,0 +1,237 @@
+"""NaN and inf in the shared loop, driven in one process: a skipped step changes nothing and the
+data moves on, skips in a row or on_nonfinite=abort stop the run, a resume refuses non-finite or
+dead weights, and rotation keeps the last checkpoint that passed its checks."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file, save_file
+
+from toolkit.config import ConfigError, UserError, load_config
+from toolkit.data.packing import collate, packed_dataset, target_counts
+from toolkit.manifest import crc32, write_manifest
+from toolkit.models.loss import forward_loss_sum
+from toolkit.run_dir import STATE_FILE, TrainerState
+from toolkit.training.metrics import read_metrics
+from toolkit.training.nonfinite import ENV, dead_model
+from toolkit.training.recipe_config import PretrainConfig
+from toolkit.training.trainer import Diverged, Trainer, model_size
+
+SETTINGS = [
+    "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2", "train.mixed_precision=no",
+    "optim.warmup_steps=1", "logging.every=1", "logging.trackers=[]", "eval.blocks=4", "eval.every=0",
+    "checkpoint.every=0",
+]
+
+
+@pytest.fixture(scope="module")
+def blocks(tiny_texts, tiny_tokenizer, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("packed")
+    train = packed_dataset(datasets.Dataset.from_dict({"text": tiny_texts[:12]}), tiny_tokenizer, 64, cache, "train")
+    return train, None
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def start(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
+    """A fresh Trainer, as a new launch builds one."""
+    AcceleratorState._reset_state(True)
+    cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={out}", *overrides])
+    trainer = Trainer("unit", cfg)
+    trainer.use_data(*blocks, collate, target_counts)
+    model = tiny_model("llama", seed=0, tokenizer=tokenizer)
+    trainer.prepare(model, tokenizer, *model_size(model, 64))
+    return trainer
+
+
+def train_to(trainer: Trainer, step: int) -> None:
+    trainer.cfg.train.max_steps = step
+    trainer.fit()
+
+
+def snapshot(trainer: Trainer) -> dict:
+    return {
+        "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "optimizer": {k: {n: v.clone() for n, v in s.items()} for k, s in trainer.optimizer.optimizer.state.items()},
+        "scheduler": dict(trainer.scheduler.state_dict()),
+        "lr": trainer.optimizer.param_groups[0]["lr"],
+    }
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["weights"].keys() == b["weights"].keys()
+    for name, value in a["weights"].items():
+        assert torch.equal(value, b["weights"][name]), name
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    for key, state in a["optimizer"].items():
+        for name, value in state.items():
+            assert torch.equal(value, b["optimizer"][key][name]), name
+    assert a["scheduler"] == b["scheduler"] and a["lr"] == b["lr"]
+
+
+def rows(trainer: Trainer, key: str) -> list[dict]:
+    return [r for r in read_metrics(trainer.run.metrics) if key in r]
+
+
+def test_a_skipped_step_changes_nothing_and_the_next_batch_trains(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                   monkeypatch, capsys):
+    monkeypatch.setenv(ENV, "batch@2")
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=3")
+    train_to(trainer, 1)
+    before = snapshot(trainer)
+    assert before["optimizer"]  # Adam has moments and a step count to keep
+    train_to(trainer, 2)
+    assert trainer.step == 2
+    assert_same(snapshot(trainer), before)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert "step 2: non-finite loss (NaN or inf); batch skipped" in capsys.readouterr().out
+
+    # the next step trains on its own batch (step 3's), not step 2's again, from the weights before the skip
+    with torch.no_grad():
+        micro = [collate(trainer.train_blocks[m], "sdpa") for m in trainer.schedule.micro_batches(2)]
+        expected = sum(forward_loss_sum(trainer.model, b).double().item() for b in micro)
+        expected /= int(trainer.block_targets[trainer.schedule.global_indices(2)].sum())
+    train_to(trainer, 3)
+    trainer.close()
+    assert rows(trainer, "nonfinite") == [{"step": 2, "nonfinite": "loss", "action": "skip", "in_a_row": 1}]
+    losses = {r["step"]: r for r in rows(trainer, "loss")}
+    assert sorted(losses) == [1, 3]
+    assert losses[3]["loss"] == pytest.approx(expected, rel=1e-6)
+    assert losses[3]["lr"] == before["lr"]  # the rate step 2 would have trained with: the schedule did not move
+    step3 = int(trainer.block_tokens[trainer.schedule.global_indices(2)].sum())
+    assert losses[3]["tokens"] == losses[1]["tokens"] + step3  # the skipped batch was not trained on
+    assert not any(not torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_skips_in_a_row_stop_the_run(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch):
+    """A skip, a good step (the count starts again), then 2 in a row with max_nonfinite_skips=2."""
+    monkeypatch.setenv(ENV, "grad@2,grad@4,grad@5")
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=6",
+                    "train.max_nonfinite_skips=2", "checkpoint.every=3")
+    with pytest.raises(Diverged) as stop:
+        trainer.fit()
+    trainer.close()
+    assert str(stop.value) == (
+        "non-finite gradients (NaN or inf) at step 5 (2 steps in a row, train.max_nonfinite_skips=2); the run "
+        "diverged and that step was not applied: lower optim.lr or check the data of step 5, then resume from the "
+        f"last good checkpoint with resume={trainer.run.checkpoint(3)}"
+    )
+    assert rows(trainer, "nonfinite") == [
+        {"step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
+        {"step": 4, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
+        {"step": 5, "nonfinite": "grad", "action": "abort", "in_a_row": 2},
+    ]
+    assert [r["step"] for r in rows(trainer, "loss")] == [1, 3]
+
+
+def test_on_nonfinite_abort_stops_at_the_first_before_the_update(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                monkeypatch):
+    monkeypatch.setenv(ENV, "loss@2")
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=3",
+                    "train.on_nonfinite=abort")
+    train_to(trainer, 1)
+    before = snapshot(trainer)
+    with pytest.raises(Diverged, match=r"^non-finite loss \(NaN or inf\) at step 2 \(train.on_nonfinite=abort\); .* "
+                                       r"then start over$"):
+        train_to(trainer, 3)
+    trainer.close()
+    assert_same(snapshot(trainer), before)
+    assert rows(trainer, "nonfinite") == [{"step": 2, "nonfinite": "loss", "action": "abort", "in_a_row": 1}]
+
+
+def test_config_checks_the_nonfinite_keys(tmp_path):
+    with pytest.raises(ConfigError) as bad:
+        load_config(PretrainConfig, None, [f"output_dir={tmp_path}", "train.max_nonfinite_skips=0",
+                                           "train.on_nonfinite=ignore"])
+    assert bad.value.problems == [
+        "train.on_nonfinite='ignore' is not one of skip, abort",
+        "train.max_nonfinite_skips=0 must be at least 1",
+    ]
+    cfg = load_config(PretrainConfig, None, [f"output_dir={tmp_path}"])
+    assert (cfg.train.on_nonfinite, cfg.train.max_nonfinite_skips) == ("skip", 3)
+
+
+def rewrite_weights(folder, change) -> None:
+    """Change a checkpoint's model.safetensors and re-write its manifest (and the state's record of
+    it), so that only the weight checks can tell."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    state = TrainerState.read(folder)
+    state.manifest_crc32 = crc32(write_manifest(folder, skip=(STATE_FILE,)))  # as a save writes it: state last
+    state.write(folder)
+
+
+def test_a_resume_refuses_non_finite_weights(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    first = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=2")
+    first.fit()
+    first.close()
+    folder = first.run.checkpoint(2)
+    rewrite_weights(folder, lambda t: t["model.norm.weight"].__setitem__(5, math.inf))
+    with pytest.raises(UserError) as refused:
+        start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "resume=auto")
+    assert str(refused.value) == (
+        f"checkpoint {folder} holds non-finite weights (model.norm.weight has NaN or inf); resume from an earlier "
+        "checkpoint with resume=PATH, or start a new output_dir"
+    )
+
+
+def test_a_resume_stops_on_a_dead_model_after_its_first_step(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    """All-zero weights are finite, but predict uniformly (loss ln 300) and get no gradient at all."""
+    first = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=2")
+    first.fit()
+    first.close()
+    folder = first.run.checkpoint(2)
+    rewrite_weights(folder, lambda t: [v.zero_() for v in t.values()])
+    resumed = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "resume=auto")
+    with pytest.raises(UserError) as stopped:
+        resumed.fit()
+    resumed.close()
+    assert str(stopped.value) == (
+        f"checkpoint {folder} holds a dead model: the first step after resuming gave a loss of {math.log(300):.4f}, "
+        "ln(vocabulary 300) = uniform guessing, and a gradient norm of exactly 0 (its weights are garbage, e.g. a "
+        "flipped exponent bit); resume from an earlier checkpoint with resume=PATH, or start a new output_dir"
+    )
+    assert resumed.step == 3 and [p.name for p in resumed.run.complete_checkpoints()] == ["step-2"]
+
+
+def test_dead_model_needs_both_uniform_loss_and_no_gradient():
+    uniform = math.log(300)
+    assert dead_model(uniform * (1 + 5e-4), 0.0, 300)
+    assert not dead_model(uniform * (1 + 5e-3), 0.0, 300)  # learning something
+    assert not dead_model(uniform, 1e-12, 300)  # a gradient: it can still train
+    assert not dead_model(uniform, None, 300)
+
+
+def test_rotation_keeps_the_last_checkpoint_that_passed(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch):
+    """keep_last=1: the checkpoint saved right after a skipped step does not push out the good one
+    before it, nor does one with non-finite weights; the next good checkpoint does."""
+    monkeypatch.setenv(ENV, "batch@3")
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4",
+                    "checkpoint.every=1", "checkpoint.keep_last=1")
+    run = trainer.run
+    train_to(trainer, 3)
+    assert [p.name for p in run.complete_checkpoints()] == ["step-2", "step-3"]
+    assert TrainerState.read(run.checkpoint(2)).suspect == ""
+    assert TrainerState.read(run.checkpoint(3)).suspect == "saved right after 1 skipped non-finite step(s)"
+    train_to(trainer, 4)
+    assert [p.name for p in run.complete_checkpoints()] == ["step-4"]
+
+    with torch.no_grad():
+        trainer.accelerator.unwrap_model(trainer.model).model.norm.weight[0] = math.nan
+    trainer.state.step = 5  # as if step 5 had put a NaN into the weights
+    trainer.save_checkpoint()
+    trainer.close()
+    assert [p.name for p in run.complete_checkpoints()] == ["step-4", "step-5"]
+    assert TrainerState.read(run.checkpoint(5)).suspect == "non-finite weights (model.norm.weight)"
