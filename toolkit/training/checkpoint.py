@@ -184,6 +184,11 @@ def load_checkpoint(strategy: Strategy, folder: Path) -> TrainerState:
     with strategy.outside_training():
         for model in acc._models:  # the prepared models: the trainer hands over only the strategy
             check_same_model(folder, acc.unwrap_model(model))
+    # Accelerate unpickles registered objects (our LR schedule) with weights_only=False, which
+    # runs whatever code a tampered file names; for this load they are read as plain numbers.
+    import accelerate.accelerator as accelerator_module
+
+    real, accelerator_module.load_custom_state = accelerator_module.load_custom_state, _load_numbers_only
     try:
         acc.load_state(str(folder))
     except RuntimeError as exc:
@@ -191,7 +196,24 @@ def load_checkpoint(strategy: Strategy, folder: Path) -> TrainerState:
         if found is None:
             raise
         raise UserError(_different_model(folder, found)) from None
+    finally:
+        accelerator_module.load_custom_state = real
     return TrainerState.read(folder)
+
+
+def _load_numbers_only(obj, path: str, index: int = 0) -> None:
+    """accelerate.checkpointing.load_custom_state, refusing any pickled object beyond tensors,
+    numbers, strings and containers."""
+    import pickle
+
+    file = Path(path) / f"custom_checkpoint_{index}.pkl"
+    try:
+        obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+    except pickle.UnpicklingError as exc:
+        raise UserError(
+            f"{file} holds pickled objects beyond tensors and numbers ({str(exc).splitlines()[0][:120]}); "
+            "the toolkit never unpickles those: resume from a checkpoint the toolkit wrote"
+        ) from None
 
 
 def check_same_model(folder: Path, model: torch.nn.Module) -> None:

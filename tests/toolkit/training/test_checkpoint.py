@@ -119,3 +119,28 @@ def test_rotation_never_prunes_the_newest_checkpoint_that_passed(tmp_path, strat
         save_checkpoint(strategy, run, TrainerState(step=step, suspect=suspect), keep_last=1)
         kept.append([p.name for p in run.complete_checkpoints()])
     assert kept == [["step-1"], ["step-1", "step-2"], ["step-1", "step-3"], ["step-4"]]
+
+
+class _Payload:
+    """What a tampered pickle carries: unpickling it would run code."""
+
+    def __reduce__(self):
+        return (print, ("code ran while unpickling",))
+
+
+def test_a_checkpoint_never_unpickles_more_than_numbers(tmp_path, strategy, capsys):
+    """Accelerate loads registered objects (the LR schedule) with weights_only=False; the toolkit
+    loads them itself, as numbers, and refuses a file that names code."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule_object = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    model, optimizer = strategy.prepare(model, optimizer)
+    strategy.accelerator.register_for_checkpointing(schedule_object)
+    folder = save_checkpoint(strategy, RunDir(tmp_path / "run"), TrainerState(step=1), keep_last=1)
+    schedule = folder / "custom_checkpoint_0.pkl"
+    assert schedule.is_file()
+    load_checkpoint(strategy, folder)  # the real one: plain numbers
+    torch.save({"last_epoch": _Payload()}, schedule)
+    with pytest.raises(UserError, match=r"custom_checkpoint_0.pkl holds pickled objects beyond tensors and numbers"):
+        load_checkpoint(strategy, folder)
+    assert "code ran" not in capsys.readouterr().out
