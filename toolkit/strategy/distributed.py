@@ -251,6 +251,44 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, max_grad_nor
 FSDP_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
 
 
+# DeepSpeed's own classes inside its checkpoint files: an enum, the loss scaler's attributes and a
+# dataclass of offsets. Allowed by name, they are rebuilt as data; nothing they name runs code.
+DEEPSPEED_CHECKPOINT_CLASSES = (
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+@contextlib.contextmanager
+def numbers_only_loading():
+    """DeepSpeed's checkpoint files read with torch's weights_only unpickler (DeepSpeed itself passes
+    weights_only=False, which runs whatever code a tampered file names): tensors, numbers, strings,
+    containers and DEEPSPEED_CHECKPOINT_CLASSES only; anything else raises pickle.UnpicklingError."""
+    try:
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    except ImportError:
+        yield
+        return
+    import importlib
+
+    allowed = []
+    for name in DEEPSPEED_CHECKPOINT_CLASSES:
+        module, _, attr = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attr))
+    real = TorchCheckpointEngine.load
+
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    TorchCheckpointEngine.load = load
+    try:
+        yield
+    finally:
+        TorchCheckpointEngine.load = real
+
+
 @contextlib.contextmanager
 def outside_training(accelerator: Accelerator):
     """Build, load and generate in here as in a new single process, whatever the strategy.

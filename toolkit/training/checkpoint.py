@@ -9,6 +9,7 @@ the manifest records every file's size and CRC-32 (toolkit.manifest), checked be
 from __future__ import annotations
 
 import copy
+import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from toolkit.config import UserError, field
 from toolkit.faults import fail_point, kill_point
 from toolkit.manifest import MANIFEST, check_manifest, crc32, write_manifest
 from toolkit.run_dir import MODEL_FILES, PRUNED, STATE_FILE, RunDir, TrainerState, checkpoint_step
-from toolkit.strategy.distributed import Strategy
+from toolkit.strategy.distributed import Strategy, numbers_only_loading
 
 
 @dataclass
@@ -190,7 +191,10 @@ def load_checkpoint(strategy: Strategy, folder: Path) -> TrainerState:
 
     real, accelerator_module.load_custom_state = accelerator_module.load_custom_state, _load_numbers_only
     try:
-        acc.load_state(str(folder))
+        with numbers_only_loading():  # DeepSpeed's own files likewise
+            acc.load_state(str(folder))
+    except pickle.UnpicklingError as exc:
+        raise UserError(_not_only_numbers(folder, exc)) from None
     except RuntimeError as exc:
         found = _first_mismatch_in(str(exc))
         if found is None:
@@ -204,16 +208,20 @@ def load_checkpoint(strategy: Strategy, folder: Path) -> TrainerState:
 def _load_numbers_only(obj, path: str, index: int = 0) -> None:
     """accelerate.checkpointing.load_custom_state, refusing any pickled object beyond tensors,
     numbers, strings and containers."""
-    import pickle
-
     file = Path(path) / f"custom_checkpoint_{index}.pkl"
     try:
         obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
     except pickle.UnpicklingError as exc:
-        raise UserError(
-            f"{file} holds pickled objects beyond tensors and numbers ({str(exc).splitlines()[0][:120]}); "
-            "the toolkit never unpickles those: resume from a checkpoint the toolkit wrote"
-        ) from None
+        raise UserError(_not_only_numbers(file, exc)) from None
+
+
+def _not_only_numbers(where: Path, exc: Exception) -> str:
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    what = f" ({found.group(1)})" if found else ""
+    return (
+        f"{where} holds pickled objects beyond tensors and numbers{what}; the toolkit never unpickles "
+        "those (they can run code): resume from a checkpoint the toolkit wrote"
+    )
 
 
 def check_same_model(folder: Path, model: torch.nn.Module) -> None:
