@@ -1,6 +1,6 @@
 """Sharding is real: per-rank bytes held, measured from the live tensors, at 2 ranks.
 
-Each strategy runs tests/toolkit/strategy/sharding_probe.py under `accelerate launch` (one optimizer step
+Each strategy runs tests/toolkit/strategy/sharding_probe.py under `accelerate launch` (conftest.py's `sharding_probe`) (one optimizer step
 of a tiny LLaMA, 2 micro-batches) and reports toolkit.strategy.sharding.held_bytes for every rank. Against
 DDP: ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 and FSDP2 also the
 parameters (each <= 0.55x DDP's). `pytest -s` prints the table.
@@ -8,18 +8,10 @@ parameters (each <= 0.55x DDP's). `pytest -s` prints the table.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-from pathlib import Path
-
-import launching
 import pytest
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[3]
-PROBE = Path(__file__).with_name("sharding_probe.py")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 COLUMNS = ("params", "grads", "grads_peak", "optimizer", "master")
 SHARDED = {  # what each strategy must hold at most 0.55x of DDP's (and, to be real, at least 0.45x)
@@ -29,21 +21,6 @@ SHARDED = {  # what each strategy must hold at most 0.55x of DDP's (and, to be r
     "fsdp": ("params", "grads", "optimizer"),
 }
 NPROC = 2
-
-
-def launch(strategy: str, out: Path) -> dict:
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", f"accelerate_configs/{strategy}.yaml",
-        "--num_processes", str(NPROC), "--main_process_port", str(launching.free_port()), str(PROBE), str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = launching.run(cmd, 600, cwd=ROOT, env=env)
-    if proc.returncode != 0 or not out.is_file():
-        pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-8000:]}"
-        )
-    return json.loads(out.read_text())
 
 
 def per_rank_max(result: dict) -> dict[str, int]:
@@ -68,9 +45,8 @@ def table(results: dict[str, dict]) -> str:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[str, dict]:
-    folder = tmp_path_factory.mktemp("sharding")
-    results = {s: launch(s, folder / f"{s}.json") for s in STRATEGIES}
+def measured(sharding_probe) -> dict[str, dict]:
+    results = {s: sharding_probe(s, NPROC) for s in STRATEGIES}
     print("\n" + table(results))
     return results
 

@@ -1,0 +1,198 @@
+"""Which strategy, checkpointing and micro-batch fit a run on your GPUs, before you launch it.
+
+    python recipes/plan.py --config recipes/configs/pretrain_llama_1b.yaml --gpus 8 --gpu-memory 80GB
+    python recipes/plan.py --config recipes/configs/finetune_smollm2_lora.yaml --gpus 1 --gpu-memory 24GB --json
+
+Reads the recipe YAML and key=value overrides as the recipe does, builds the model on the meta
+device (no weights, no GPU) and, for every accelerate config in accelerate_configs/ x gradient
+checkpointing (none / every_k / full) x micro-batch, estimates the per-GPU peak broken into
+parameters, gradients, optimizer state (fp32 masters included), activations, logits and loss,
+and communication/gathering buffers (toolkit.strategy.memory; docs/memory.md has the formulas).
+`fits` means the peak plus the CUDA context and allocator slack stays under (1 - headroom) of the
+GPU's memory. It then names the fastest row that fits and prints its launch line. The global
+batch stays the recipe's: a micro-batch is listed only if it divides it at that GPU count.
+
+Errors (one line, exit code 2): an unreadable config or override, a --gpu-memory that is not a
+size, a model the planner does not model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from toolkit.config import UserError, load_config  # noqa: E402
+from toolkit.strategy.memory import Run, StrategyFacts, estimate, rank_key, read_strategy  # noqa: E402
+from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+CHECKPOINTING = ("none", "every_k", "full")
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB|TB)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UserError(f"--gpu-memory {text!r} is not a size; write e.g. 80GB, 24GiB or 40960MiB")
+    unit = (m.group(2) or "GB").lower()
+    return int(float(m.group(1)) * {"gb": 1e9, "gib": 2**30, "mb": 1e6, "mib": 2**20, "tb": 1e12}[unit])
+
+
+def load_recipe_config(path: str, overrides: list[str]):
+    """(recipe name, its validated config): a YAML with an adapter section is a fine-tune."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--config {path} does not exist; give a YAML from recipes/configs/")
+    raw = yaml.safe_load(file.read_text()) or {}
+    finetune = "adapter" in raw or any(o.startswith("adapter.") for o in overrides)
+    cls = FinetuneConfig if finetune else PretrainConfig
+    return ("finetune" if finetune else "pretrain"), load_config(cls, file, overrides)
+
+
+def meta_model(recipe: str, cfg) -> tuple[torch.nn.Module, torch.dtype, bool]:
+    """(the model on the meta device, its weights' dtype, whether its base is 4-bit)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if recipe == "pretrain":
+        from toolkit.models.scratch import hf_config
+
+        vocab = cfg.model.config.get("vocab_size", cfg.tokenizer.vocab_size)
+        config = hf_config(cfg.model, vocab, 0, None)
+        dtype, quantized = torch.float32, False
+    else:
+        from toolkit.models.base_model import resolve_gguf
+
+        gguf = resolve_gguf(cfg.model)
+        if gguf is not None:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        else:
+            config = AutoConfig.from_pretrained(cfg.model.path)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
+        quantized = cfg.adapter.method == "qlora"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if recipe == "finetune" and cfg.adapter.is_lora:
+        from peft import LoraConfig, get_peft_model
+
+        a = cfg.adapter
+        targets = "all-linear" if a.target_modules == ["all-linear"] else a.target_modules
+        model = get_peft_model(model, LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets))
+    return model, dtype, quantized
+
+
+def strategies(folder: Path, hidden: int) -> list[StrategyFacts]:
+    """Every single-node accelerate config (multi-node ones lay memory out as their single-node twin)."""
+    found = []
+    for path in sorted(folder.glob("*.yaml")):
+        if int((yaml.safe_load(path.read_text()) or {}).get("num_machines", 1)) > 1:
+            continue
+        found.append(read_strategy(path, hidden))
+    return found
+
+
+def plan(args) -> tuple[list[dict], dict | None, str]:
+    recipe, cfg = load_recipe_config(args.config, args.overrides)
+    model, dtype, quantized = meta_model(recipe, cfg)
+    hidden = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.hidden_size
+    t, m = cfg.train, cfg.model
+    precision = {"auto": "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
+    budget = args.gpu_memory * (1 - args.headroom)
+    micro = [int(x) for x in args.micro_batch.split(",")] if args.micro_batch else MICRO_BATCHES
+    rows = []
+    for facts in strategies(ROOT / "accelerate_configs", hidden):
+        for ckpt in CHECKPOINTING:
+            for mb in micro:
+                if t.global_batch_size % (mb * args.gpus):
+                    continue
+                run = Run(
+                    facts, args.gpus, mb, cfg.data.seq_len, accumulation=t.global_batch_size // (mb * args.gpus),
+                    checkpointing=ckpt, every_k=m.gradient_checkpointing_k, precision=precision, param_dtype=dtype,
+                    attention=m.attn_implementation, loss_chunk_tokens=m.chunk_tokens, quantized_base=quantized,
+                    fused_adam=cfg.optim.fused != "false",
+                )
+                est = estimate(model, run)
+                offload = facts.offload_optimizer or facts.offload_params
+                rows.append({
+                    "strategy": facts.name, "gradient_checkpointing": ckpt, "micro_batch_size": mb,
+                    "accumulation": run.accumulation, **{f"{k}_bytes": v for k, v in est.parts.items()},
+                    "peak_bytes": est.peak_bytes, "reserve_bytes": est.reserve_bytes, "peak_at": est.moment,
+                    "fits": est.peak_bytes + est.reserve_bytes <= budget,
+                    "relative_step_time": round(rank_key(facts.name, ckpt, m.gradient_checkpointing_k, mb, offload), 3),
+                })
+    if not rows:
+        raise UserError(
+            f"no micro-batch in {micro} divides train.global_batch_size={t.global_batch_size} over {args.gpus} GPUs"
+        )
+    fitting = [r for r in rows if r["fits"]]
+    best = min(fitting, key=lambda r: (r["relative_step_time"], r["peak_bytes"])) if fitting else None
+    return rows, best, recipe
+
+
+def launch_line(best: dict, recipe: str, args) -> str:
+    extra = "".join(f" {o}" for o in args.overrides if not o.startswith(("train.micro_batch_size=", "model.gradient_checkpointing=")))
+    return (
+        f"accelerate launch --config_file accelerate_configs/{best['strategy']}.yaml --num_processes {args.gpus} "
+        f"recipes/{recipe}.py --config {args.config} train.micro_batch_size={best['micro_batch_size']} "
+        f"model.gradient_checkpointing={best['gradient_checkpointing']}{extra}"
+    )
+
+
+def table(rows: list[dict], args) -> str:
+    gb = 1e9
+    head = (f"{'strategy':<14}{'ckpt':<9}{'mb':>3}{'params':>8}{'grads':>8}{'optim':>8}{'master':>8}{'activ':>8}"
+            f"{'logits':>8}{'buffers':>8}{'peak':>8}{'+rsv':>7}  fits")
+    lines = [f"per-GPU memory (GB = 1e9 bytes), {args.gpus} GPU(s) of {args.gpu_memory / gb:.0f} GB, "
+             f"headroom {args.headroom:.0%}", head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['strategy']:<14}{r['gradient_checkpointing']:<9}{r['micro_batch_size']:>3}"
+            + "".join(f"{r[k + '_bytes'] / gb:>8.1f}" for k in ("params", "grads", "optimizer", "master", "activations", "logits_loss", "buffers"))
+            + f"{r['peak_bytes'] / gb:>8.1f}{r['reserve_bytes'] / gb:>7.1f}  {'yes' if r['fits'] else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="a recipe YAML from recipes/configs/")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs the run will use (its world size)")
+    parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
+    parser.add_argument("--headroom", type=float, default=0.1, help="share of the GPU's memory kept free (0-0.9)")
+    parser.add_argument("--micro-batch", default="", help="comma-separated micro-batch sizes to list (default 1..32)")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, as for the recipe")
+    args = parser.parse_args(argv)
+    try:
+        args.gpu_memory = parse_size(args.gpu_memory)
+        if args.gpus < 1 or not 0 <= args.headroom < 0.9:
+            raise UserError(f"--gpus {args.gpus} must be at least 1 and --headroom {args.headroom} in [0, 0.9)")
+        rows, best, recipe = plan(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(table(rows, args))
+    if best is None:
+        smallest = min(rows, key=lambda r: r["peak_bytes"])
+        print(f"\nnothing fits: the smallest is {smallest['strategy']} / {smallest['gradient_checkpointing']} / "
+              f"micro-batch {smallest['micro_batch_size']} at {smallest['peak_bytes'] / 1e9:.1f} GB per GPU; "
+              "add GPUs, shorten data.seq_len or train a LoRA")
+        return 0
+    print(f"\nfastest that fits: {best['strategy']}, gradient checkpointing {best['gradient_checkpointing']}, "
+          f"micro-batch {best['micro_batch_size']} ({best['peak_bytes'] / 1e9:.1f} GB peak per GPU)")
+    print(launch_line(best, recipe, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The sharding probe's results, launched once per (strategy, process count) for the whole session:
+tests/toolkit/strategy/test_sharding.py and test_memory.py read the same runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import launching
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+PROBE = Path(__file__).with_name("sharding_probe.py")
+
+
+@pytest.fixture(scope="session")
+def sharding_probe(tmp_path_factory) -> Callable[[str, int], dict]:
+    """probe(strategy, nproc) -> {"strategy", "world_size", "n_params", "ranks": [held_bytes of each rank]}."""
+    folder = tmp_path_factory.mktemp("sharding")
+    results: dict[tuple[str, int], dict] = {}
+
+    def probe(strategy: str, nproc: int) -> dict:
+        if (strategy, nproc) not in results:
+            out = folder / f"{strategy}-{nproc}.json"
+            cmd = [
+                sys.executable, "-m", "accelerate.commands.launch",
+                "--config_file", f"accelerate_configs/{strategy}.yaml", "--num_processes", str(nproc),
+                "--main_process_port", str(launching.free_port()), str(PROBE), str(out),
+            ]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            proc = launching.run(cmd, 600, cwd=ROOT, env=env)
+            if proc.returncode != 0 or not out.is_file():
+                pytest.fail(
+                    f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
+                    f"--- stderr\n{proc.stderr[-8000:]}"
+                )
+            results[strategy, nproc] = json.loads(out.read_text())
+        return results[strategy, nproc]
+
+    return probe

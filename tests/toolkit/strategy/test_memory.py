@@ -1,0 +1,172 @@
+"""The memory model against what is really allocated.
+
+- Model state: per-rank bytes of parameters, gradients, optimizer state and fp32 masters, from
+  the live tensors of a real launch (conftest.py's sharding probe, every strategy at 2 and 3
+  ranks), equal to the estimate within 1 %.
+- Activations: what one decoder layer saves for backward, counted by autograd's
+  saved_tensors_hooks on CPU, equal to the per-token formula (fp32, autocast over fp32 weights,
+  weights cast to bf16; two shapes, grouped KV heads).
+- GPU peaks measured on an H100 (tests/toolkit/strategy/gpu_memory_points.json): within 15 %.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from toolkit.config import UserError, load_config
+from toolkit.models.scratch import hf_config
+from toolkit.strategy.memory import (
+    Run,
+    Shapes,
+    StrategyFacts,
+    estimate,
+    layer_bytes_per_token,
+    model_tensors,
+    read_strategy,
+    state_bytes,
+)
+from toolkit.training.recipe_config import PretrainConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+POINTS = json.loads(Path(__file__).with_name("gpu_memory_points.json").read_text())
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+def probe_model() -> torch.nn.Module:
+    """tests/toolkit/strategy/sharding_probe.py's model, on the meta device."""
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_model_state_per_rank_equals_the_live_tensors(sharding_probe, strategy, nproc):
+    measured = sharding_probe(strategy, nproc)
+    run = Run(read_strategy(ROOT / f"accelerate_configs/{strategy}.yaml", 128), nproc, 2, 32, precision="fp32")
+    estimated = state_bytes(model_tensors(probe_model()), run)
+    for key in ("params", "grads", "optimizer", "master"):
+        real = max(rank[key] for rank in measured["ranks"])
+        assert estimated[key] == pytest.approx(real, rel=0.01, abs=8), f"{strategy}@{nproc} {key}: {estimated[key]} vs {real}"
+
+
+def saved_by_one_layer(config: LlamaConfig, mode: str, batch: int, seq: int) -> int:
+    """Bytes autograd keeps for backward inside decoder layer 1 (parameters excluded; rotary
+    cos/sin, which every layer shares, excluded)."""
+    dtype = torch.bfloat16 if mode == "bf16 weights" else torch.float32
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, tuple[int, tuple]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = (storage.nbytes(), tuple(t.shape))
+        return t
+
+    layer = model.model.layers[1]
+    forward = layer.forward
+
+    def hooked(*args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return forward(*args, **kwargs)
+
+    layer.forward = hooked
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    with autocast:
+        model.model(input_ids=torch.randint(0, config.vocab_size, (batch, seq)))
+    weights = {tuple(p.shape) for p in layer.parameters()} | {tuple(p.shape)[::-1] for p in layer.parameters()}  # autocast's casts
+    rotary = (1, 1, seq, config.hidden_size // config.num_attention_heads)
+    return sum(n for n, shape in kept.values() if shape not in weights and shape != rotary)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
+@pytest.mark.parametrize("sizes", [(256, 1024, 4, 2), (192, 512, 6, 3)])
+def test_saved_activations_per_layer_equal_the_formula(mode, sizes):
+    hidden, inter, heads, kv = sizes
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv, max_position_embeddings=64, use_cache=False,
+    )
+    batch, seq = 3, 40
+    measured = saved_by_one_layer(config, mode, batch, seq)
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16")
+    assert layer_bytes_per_token(shapes, run) * batch * seq == measured
+
+
+def llama_1b() -> torch.nn.Module:
+    cfg = load_config(PretrainConfig, ROOT / "recipes/configs/pretrain_llama_1b.yaml", [])
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(cfg.model, cfg.tokenizer.vocab_size, 0, None))
+
+
+@pytest.mark.parametrize("point", POINTS["points"], ids=lambda p: f"{p['strategy']}-mb{p['micro_batch']}-{p['checkpointing']}")
+def test_gpu_peaks_within_15_percent(point):
+    model = llama_1b()
+    facts = read_strategy(ROOT / f"accelerate_configs/{point['strategy']}.yaml", model.config.hidden_size)
+    run = Run(
+        facts, point["world"], point["micro_batch"], point["seq_len"], accumulation=point["accumulation"],
+        checkpointing=point["checkpointing"], attention=point["attention"], loss_chunk_tokens=point["loss_chunk_tokens"],
+    )
+    est = estimate(model, run)
+    measured = point["max_memory_allocated_mb"] * 1e6
+    assert abs(est.peak_bytes / measured - 1) <= 0.15, f"{est.peak_bytes / 1e6:,.0f} MB estimated ({est.parts}), {measured / 1e6:,.0f} measured"
+
+
+def test_the_shipped_configs_read_as_their_strategies():
+    facts = {p.stem: read_strategy(p, 2048) for p in (ROOT / "accelerate_configs").glob("*.yaml")}
+    assert facts["ddp"].kind == "ddp" and facts["fsdp"].kind == "fsdp"
+    assert [facts[f"zero{n}"].zero_stage for n in (1, 2, 3)] == [1, 2, 3]
+    assert facts["zero3"].reduce_bucket == 2048 * 2048, "Accelerate fills reduce_bucket_size=auto with hidden^2"
+    assert facts["zero3"].persistence_threshold == 10 * 2048
+    assert facts["zero3_offload"].offload_optimizer and not facts["zero3"].offload_optimizer
+
+
+def test_sharding_divides_what_a_rank_holds():
+    """At 8 ranks ZeRO-3 and FSDP2 hold 1/8 of every part of their 1-rank layout; ZeRO-1 of the optimizer's only."""
+    tensors = model_tensors(llama_1b())
+
+    def held(strategy: str, world: int) -> dict[str, int]:
+        facts = read_strategy(ROOT / f"accelerate_configs/{strategy}.yaml", 2048)
+        return state_bytes(tensors, Run(facts, world, 8, 2048, precision="fp32"))
+
+    for strategy in ("zero3", "fsdp"):
+        one, eight = held(strategy, 1), held(strategy, 8)
+        for key in ("params", "grads", "optimizer", "master"):
+            assert eight[key] == pytest.approx(one[key] / 8, rel=0.01), f"{strategy} {key}"
+    one, eight = held("zero1", 1), held("zero1", 8)
+    assert eight["params"] == one["params"] and eight["optimizer"] == pytest.approx(one["optimizer"] / 8, rel=0.01)
+
+
+def test_checkpointing_and_micro_batch_move_the_peak_the_right_way():
+    model = llama_1b()
+    facts = read_strategy(ROOT / "accelerate_configs/ddp.yaml", 2048)
+
+    def peak(ckpt: str, mb: int) -> int:
+        return estimate(model, Run(facts, 1, mb, 2048, accumulation=2, checkpointing=ckpt)).peak_bytes
+
+    assert peak("full", 8) < peak("every_k", 8) < peak("none", 8)
+    assert peak("none", 4) < peak("none", 8)
+
+
+def test_an_architecture_it_does_not_model_is_refused():
+    from transformers import GPT2Config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=64, n_head=4))
+    with pytest.raises(UserError, match="LLaMA-style"):
+        Shapes.of(model)

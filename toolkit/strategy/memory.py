@@ -1,0 +1,425 @@
+"""Per-GPU memory of a training run, estimated from the model's shapes before anything is allocated.
+
+    model = meta model (no weights); facts = read_strategy("accelerate_configs/zero3.yaml", hidden)
+    est = estimate(model, Run(facts, world=8, micro_batch=8, seq_len=2048, checkpointing="full", ...))
+    est.peak_bytes, est.parts          # what the largest rank allocates at its peak, and why
+
+docs/memory.md gives every formula. In short, a rank holds:
+
+- model state, tensor by tensor, as each strategy lays it out: DDP whole; FSDP2 a dim-0 shard of
+  every parameter; ZeRO-1/2 flat groups padded to 2 x world elements and cut into world parts
+  (optimizer state, fp32 masters; ZeRO-2 also gradients); ZeRO-3 each parameter cut into
+  ceil(numel / world) elements, small ones (stage3_param_persistence_threshold) also kept whole.
+  These are exact: tests compare them with the bytes of the live tensors at 2 and 3 ranks.
+- activations saved for backward, per token and decoder layer, from the shapes (hidden h, MLP i,
+  query and key/value widths, heads) and the dtypes: the residual stream (fp32 under autocast
+  with fp32 weights, the compute dtype when the strategy casts the weights), the compute dtype
+  of matmuls, and which tensors autograd keeps (counted on CPU with saved_tensors_hooks in a test).
+  Checkpointed layers keep only their input; backward recomputes one layer at a time.
+- logits and loss buffers: the full path's (tokens x vocab) fp32 copies, or the chunked loss's
+  one chunk plus its hidden and weight gradients.
+- communication and gathering buffers: DDP's reducer buckets (a second copy of the gradients),
+  ZeRO's reduce bucket, ZeRO-3's gathered layer and prefetch bucket, FSDP2's unsharded layer(s).
+
+The peak is the largest of three moments of a step: the end of a forward (everything saved, the
+loss computed), the backward of the last layer (its activations recomputed, gradients arriving)
+and the optimizer step. With gradient accumulation the gradients of earlier micro-batches are
+held through every later forward. `reserve_bytes` (CUDA context and allocator slack) is kept
+apart: `peak_bytes` is comparable with `torch.cuda.max_memory_allocated`.
+
+Modelled decoders: LLaMA-style (llama, mistral, qwen2, qwen3: RMSNorm, rotary attention with
+grouped KV heads, SwiGLU MLP). Compilation is not modelled: the eager estimate is an upper bound
+of a compiled layer's saved activations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import yaml
+
+from toolkit.config import UserError
+
+LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
+STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1}  # see rank_key
+CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
+ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
+
+
+@dataclass
+class StrategyFacts:
+    """What decides the memory layout, read from an accelerate config (and its DeepSpeed JSON)."""
+
+    name: str  # the config's file stem: ddp, fsdp, zero1, ...
+    kind: Literal["ddp", "fsdp", "deepspeed"]
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    reduce_bucket: int = 0  # elements
+    prefetch_bucket: int = 0  # elements (ZeRO-3)
+    persistence_threshold: int = 0  # elements (ZeRO-3): parameters this small are also kept whole
+    overlap_comm: bool = False
+    reshard_after_forward: bool = True  # FSDP2
+
+
+def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
+    """An accelerate config file -> StrategyFacts; DeepSpeed "auto" sizes as Accelerate fills them."""
+    path = Path(path)
+    cfg = yaml.safe_load(path.read_text()) or {}
+    kind = cfg.get("distributed_type", "NO")
+    if kind == "FSDP":
+        fsdp = cfg.get("fsdp_config") or {}
+        if str(fsdp.get("fsdp_version", 1)) != "2":
+            raise UserError(f"{path}: the planner models FSDP2 (fsdp_version: 2)")
+        return StrategyFacts(
+            path.stem, "fsdp", offload_params=bool(fsdp.get("fsdp_offload_params", False)),
+            reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
+        )
+    if kind == "DEEPSPEED":
+        ds = cfg.get("deepspeed_config") or {}
+        file = ds.get("deepspeed_config_file")
+        if not file:
+            raise UserError(f"{path}: the planner needs a deepspeed_config_file")
+        json_path = Path(file) if Path(file).is_absolute() else path.parent.parent / file
+        zero = json.loads(json_path.read_text()).get("zero_optimization", {})
+        h2 = hidden_size * hidden_size
+
+        def size(key: str, auto: float) -> int:
+            value = zero.get(key, auto)
+            return int(auto if value == "auto" else value)
+
+        def offloaded(key: str) -> bool:
+            return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
+
+        return StrategyFacts(
+            path.stem, "deepspeed", zero_stage=int(zero.get("stage", 0)),
+            offload_optimizer=offloaded("offload_optimizer"), offload_params=offloaded("offload_param"),
+            reduce_bucket=size("reduce_bucket_size", h2 if zero.get("reduce_bucket_size") == "auto" else 5e8),
+            prefetch_bucket=size("stage3_prefetch_bucket_size", 0.9 * h2 if zero.get("stage3_prefetch_bucket_size") == "auto" else 5e7),
+            persistence_threshold=size("stage3_param_persistence_threshold", 10 * hidden_size if zero.get("stage3_param_persistence_threshold") == "auto" else 1e5),
+            overlap_comm=bool(zero.get("overlap_comm", False)),
+        )
+    return StrategyFacts(path.stem, "ddp")
+
+
+@dataclass
+class Run:
+    strategy: StrategyFacts
+    world: int
+    micro_batch: int
+    seq_len: int
+    accumulation: int = 1
+    checkpointing: Literal["none", "full", "every_k"] = "none"
+    every_k: int = 2
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # the compute dtype (autocast or cast weights)
+    param_dtype: torch.dtype = torch.float32  # the model's own weights (a fine-tune may load bf16)
+    attention: str = "sdpa"  # sdpa | flash_attention_2 | flex_attention | eager
+    loss_chunk_tokens: int = 0  # 0 = full logits; > 0 = model.loss=chunked
+    packed_documents: bool = True  # sdpa/eager build a (batch, 1, seq, seq) mask from the document positions
+    quantized_base: bool = False  # QLoRA: frozen linear weights in 4-bit NF4 with double quantisation
+    fused_adam: bool = True  # torch's fused AdamW (CUDA): no temporaries beside the state
+
+    def __post_init__(self):
+        if self.world < 1 or self.micro_batch < 1 or self.seq_len < 1 or self.accumulation < 1:
+            raise UserError(f"world={self.world}, micro_batch={self.micro_batch}, seq_len={self.seq_len} must be positive")
+
+
+@dataclass
+class Estimate:
+    parts: dict[str, int]  # params, grads, optimizer, master, activations, logits_loss, buffers: at the peak
+    peak_bytes: int
+    moment: str  # which moment of the step is the peak
+    reserve_bytes: int
+    held: dict[str, int] = field(default_factory=dict)  # model state of the largest rank, as held_bytes measures it
+
+
+# ---------------------------------------------------------------------------- model state
+@dataclass
+class _Tensor:
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool
+    quantized: bool  # QLoRA's 4-bit base weight
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def model_tensors(model: torch.nn.Module, quantized_base: bool = False) -> list[_Tensor]:
+    """Every parameter once (tied weights once), in the optimizer's order: decay (matrices) first."""
+    out = []
+    for name, p in model.named_parameters():
+        linear_in_layer = p.ndim == 2 and ".layers." in name and "lora_" not in name
+        out.append(_Tensor(name, tuple(p.shape), p.requires_grad, quantized_base and linear_in_layer and not p.requires_grad))
+    return out
+
+
+def _groups(tensors: list[_Tensor]) -> list[list[_Tensor]]:
+    """toolkit.training.optim's parameter groups: trainable matrices (decay), then vectors."""
+    trainable = [t for t in tensors if t.trainable]
+    return [g for g in ([t for t in trainable if len(t.shape) >= 2], [t for t in trainable if len(t.shape) < 2]) if g]
+
+
+def state_bytes(tensors: list[_Tensor], run: Run) -> dict[str, int]:
+    """The largest rank's params, grads (at the accumulation boundary), optimizer state and fp32
+    master weights, in the terms of toolkit.strategy.sharding.held_bytes."""
+    s, w = run.strategy, run.world
+    pb = torch.finfo(run.param_dtype).bits // 8
+    if s.kind == "deepspeed" and run.precision != "fp32":
+        pb = 2  # DeepSpeed's bf16/fp16 mode turns the module's weights to 16 bits; fp32 masters apart
+    gb = pb  # gradients come in the weights' dtype
+    step = 4  # torch AdamW's step: one fp32 scalar per state-holding tensor
+    groups = _groups(tensors)
+
+    def stored(t: _Tensor, numel: int | None = None) -> float:
+        n = t.numel if numel is None else numel
+        return n * 0.516 if t.quantized else n * (2 if run.quantized_base and not t.trainable else pb)
+
+    if s.kind == "ddp" or (s.kind == "deepspeed" and s.zero_stage == 0):
+        train = sum(t.numel for g in groups for t in g)
+        n_state = sum(len(g) for g in groups)
+        return {
+            "params": int(sum(stored(t) for t in tensors)),
+            "grads": train * gb,
+            "optimizer": 8 * train + step * n_state,
+            "master": 0,
+        }
+    if s.kind == "fsdp":
+        def shard(t: _Tensor) -> int:  # rank 0 holds the first ceil(dim0 / world) rows
+            rows = min(math.ceil(t.shape[0] / w), t.shape[0]) if t.shape else 1
+            return t.numel // max(1, t.shape[0]) * rows if t.shape else 1
+
+        train = [t for g in groups for t in g]
+        return {
+            "params": int(sum(stored(t, shard(t)) for t in tensors)),
+            "grads": sum(shard(t) for t in train) * gb,
+            "optimizer": sum(8 * shard(t) + step for t in train),
+            "master": 0,
+        }
+    if s.zero_stage in (1, 2):
+        # stage_1_and_2.py: each group flattened, padded to a multiple of 2 x world, cut in world parts
+        parts = [math.ceil(sum(t.numel for t in g) / (2 * w)) * 2 for g in groups]
+        part = sum(parts)
+        full_grads = sum(t.numel for g in groups for t in g) * gb
+        return {
+            "params": int(sum(stored(t) for t in tensors)),
+            "grads": part * gb,  # measured at the boundary: ZeRO-1 has reduced them into its partition too
+            "optimizer": 0 if s.offload_optimizer else 8 * part + step * len(parts),
+            "master": 0 if s.offload_optimizer else 4 * part,
+            "grads_peak": full_grads if s.zero_stage == 1 else part * gb,
+        }
+    # ZeRO-3: every parameter partitioned; the small ones (persistence threshold) also whole
+    def part3(t: _Tensor) -> int:
+        return math.ceil(t.numel / w)
+
+    train = [t for g in groups for t in g]
+    persisted = sum(stored(t) for t in tensors if t.numel <= s.persistence_threshold)
+    partitions = sum(stored(t, part3(t)) for t in tensors)
+    master = sum(part3(t) for t in train)
+    return {
+        "params": 0 if s.offload_params else int(partitions + persisted),
+        "grads": master * gb,
+        "optimizer": 0 if s.offload_optimizer else 8 * master + step * len(groups),
+        "master": 0 if s.offload_optimizer else 4 * master,
+    }
+
+
+# ---------------------------------------------------------------------------- activations
+@dataclass
+class Shapes:
+    """A LLaMA-style decoder's sizes (what its saved activations depend on)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layer_params: int  # one decoder layer's parameters (what FSDP2 / ZeRO-3 gather at once)
+    lora: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # adapted linear -> (in, rank, out)
+    lora_dropout: bool = False
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Shapes:
+        config = getattr(model, "config", None)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = getattr(base, "config", config)
+        if getattr(config, "model_type", None) not in LLAMA_STYLE:
+            raise UserError(
+                f"the memory planner models LLaMA-style decoders ({', '.join(LLAMA_STYLE)}); "
+                f"model_type {getattr(config, 'model_type', None)!r} is not modelled yet"
+            )
+        heads = config.num_attention_heads
+        layer = base.model.layers[0]
+        lora, dropout = {}, False
+        for name, module in layer.named_modules():
+            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+                a = module.lora_A["default"]
+                lora[name.rsplit(".", 1)[-1]] = (a.in_features, a.out_features, module.base_layer.out_features)
+                drop = module.lora_dropout["default"]
+                dropout = dropout or isinstance(drop, torch.nn.Dropout)
+        return cls(
+            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+            heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
+            layer_params=sum(p.numel() for p in layer.parameters()), lora=lora, lora_dropout=dropout,
+        )
+
+
+def dtypes(run: Run) -> tuple[int, int, bool]:
+    """(bytes of the residual stream, bytes of matmul inputs, whether autocast casts each input).
+
+    Autocast over fp32 weights (DDP, a single GPU) keeps an fp32 residual stream and casts every
+    matmul's input on its own; FSDP2 (param_dtype) and DeepSpeed (bf16 mode) cast the weights
+    instead, so the whole stream is in the compute dtype."""
+    if run.precision == "fp32":
+        return 4, 4, False
+    weights_cast = run.strategy.kind in ("fsdp", "deepspeed") or run.param_dtype != torch.float32
+    return (2, 2, False) if weights_cast else (4, 2, True)
+
+
+def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
+    """Bytes one decoder layer saves for backward per token (sequence-length terms folded in).
+
+    RMSNorm: its fp32 input, 1/rms, the normalised x in the stream's dtype, and the output the
+    projections read (one copy per projection under autocast). Attention (sdpa, flash, flex):
+    q, k, v, out and the log-sum-exp; eager also the (heads x seq) probabilities in fp32 and in
+    the compute dtype, and k, v repeated to every query head. SwiGLU: gate, silu(gate), up and
+    their product. LoRA: the rank-r activations (and the dropout's copy of the input)."""
+    h, i, r = shapes.hidden, shapes.intermediate, run
+    q, kv = shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim
+    rb, cb, casts = dtypes(r)
+    lora = shapes.lora
+
+    def norm(consumers: int) -> float:
+        kept_output = consumers * cb * h if casts else (rb * h if consumers else 0)
+        return 4 * h + 4 + rb * h + kept_output
+
+    attention = cb * (2 * q + 2 * kv) + 4 * shapes.heads
+    if run.attention == "eager":
+        attention = cb * 4 * q + (4 + cb) * shapes.heads * run.seq_len
+    mlp = 4 * cb * i
+    if not lora:
+        return norm(3) + attention + norm(2) + mlp
+    # LoRA: a frozen projection keeps no input (there is no weight gradient); its adapter keeps
+    # the input (or the dropout's copy and mask) and its rank-r activation
+    adapters = sum(cb * rank + ((cb + 1) * d_in if shapes.lora_dropout else 0) for d_in, rank, _ in lora.values())
+    own = [n for n in lora if not shapes.lora_dropout]
+    return (
+        norm(sum(n in own for n in ("q_proj", "k_proj", "v_proj"))) + attention
+        + norm(sum(n in own for n in ("gate_proj", "up_proj"))) + mlp + adapters
+    )
+
+
+def activation_bytes(shapes: Shapes, run: Run) -> dict[str, int]:
+    """Saved activations of one micro-batch, split into what stays until backward and what backward adds."""
+    tokens = run.micro_batch * run.seq_len
+    rb, cb, casts = dtypes(run)
+    per_layer = layer_bytes_per_token(shapes, run) * tokens
+    ckpt = {"none": 0, "full": shapes.layers, "every_k": math.ceil(shapes.layers / max(1, run.every_k))}[run.checkpointing]
+    kept = shapes.layers - ckpt
+    saved = kept * per_layer + ckpt * rb * shapes.hidden * tokens
+    # rotary cos/sin (shared by the layers), the token ids, the packed-document mask of sdpa/eager
+    shared = 2 * run.seq_len * shapes.head_dim * rb + 8 * tokens
+    if run.packed_documents and run.attention in ("sdpa", "eager"):
+        shared += run.micro_batch * run.seq_len * run.seq_len
+    casts_kept = cb * shapes.layer_params * kept if casts else 0  # autocast's weight copies, saved by the matmuls
+    recompute = per_layer + (cb * shapes.layer_params if casts else 0) if ckpt else 0
+    # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through it
+    transient = tokens * (2 * rb * shapes.hidden + 2 * cb * shapes.intermediate)
+    return {"saved": int(saved + shared + casts_kept), "recompute": int(recompute), "transient": int(transient)}
+
+
+def loss_bytes(shapes: Shapes, run: Run, head_trainable: bool) -> dict[str, int]:
+    """The output head and the loss: at the end of the forward, and what stays for backward."""
+    tokens = run.micro_batch * run.seq_len
+    rb, cb, casts = dtypes(run)
+    h, v = shapes.hidden, shapes.vocab
+    final_norm = tokens * (4 * h + 4 + rb * h)
+    if run.loss_chunk_tokens <= 0:
+        # logits in the compute dtype, their fp32 copy and log-softmax (saved); backward: two fp32 gradients
+        head_input = tokens * cb * h if casts else 0
+        forward = tokens * v * (cb + 4 + 4)
+        return {"forward": final_norm + head_input + forward, "kept": final_norm + head_input + tokens * v * 4,
+                "backward": tokens * v * 12}
+    chunk = min(run.loss_chunk_tokens, tokens)
+    kept = tokens * h * rb + (4 * v * h if head_trainable else 0)  # d(loss)/d(hidden) and the head's fp32 gradient
+    weight_cast = cb * v * h if casts else 0
+    return {"forward": final_norm + kept + weight_cast + chunk * v * (2 * cb + 4), "kept": final_norm + kept, "backward": 0}
+
+
+# ---------------------------------------------------------------------------- the estimate
+def estimate(model: torch.nn.Module, run: Run) -> Estimate:
+    """Per-GPU peak of one training step of `model` (built on the meta device) under `run`."""
+    tensors = model_tensors(model, run.quantized_base)
+    shapes = Shapes.of(model)
+    held = state_bytes(tensors, run)
+    s, w = run.strategy, run.world
+    acts = activation_bytes(shapes, run)
+    head = next((t for t in tensors if t.shape == (shapes.vocab, shapes.hidden)), None)
+    loss = loss_bytes(shapes, run, head is not None and head.trainable)
+    rb, cb, _ = dtypes(run)
+    grads_full = held["grads"]
+    # between micro-batches ZeRO-1 keeps whole gradients, reduced into its partition only at the boundary
+    grads_held = held.get("grads_peak", grads_full) if run.accumulation > 1 else 0
+    layer = shapes.layer_params
+    # buffers that communication and gathering keep
+    buffers_fwd = buffers_bwd = 0
+    static_buffers = 0
+    if s.kind == "ddp" and w > 1:
+        static_buffers = sum(t.numel for t in tensors if t.trainable) * (torch.finfo(run.param_dtype).bits // 8)
+    elif s.kind == "fsdp":
+        gathered = (1 if s.reshard_after_forward else shapes.layers) * layer * cb + layer * cb  # this layer + the prefetched next
+        buffers_fwd = gathered
+        buffers_bwd = gathered + layer * (cb + 4)  # unsharded gradients and their fp32 reduce-scatter input
+    elif s.kind == "deepspeed":
+        bucket = s.reduce_bucket * cb * (2 if s.overlap_comm else 1)
+        buffers_bwd = bucket
+        if s.zero_stage == 3:
+            buffers_fwd = layer * cb + s.prefetch_bucket * cb
+            buffers_bwd += buffers_fwd
+    moments = {
+        "forward": {"grads": grads_held, "activations": acts["saved"], "logits_loss": loss["forward"], "buffers": buffers_fwd},
+        "loss backward": {
+            "grads": grads_held, "activations": acts["saved"], "logits_loss": loss["kept"] + loss["backward"],
+            "buffers": buffers_bwd,
+        },
+        "last layer's backward": {
+            "grads": max(grads_held, _head_grad(head, shapes)),
+            "activations": acts["saved"] + acts["recompute"] + acts["transient"], "logits_loss": 0, "buffers": buffers_bwd,
+        },
+        "optimizer step": {
+            "grads": grads_full + (held["master"] if s.kind == "deepspeed" else 0),  # ZeRO: + the fp32 gradient partition
+            "activations": 0, "logits_loss": 0, "buffers": 0,
+        },
+    }
+    if not run.fused_adam and s.kind in ("ddp", "fsdp"):
+        moments["optimizer step"]["buffers"] = held["optimizer"] // 2  # foreach AdamW's sqrt(v) temporaries
+    moment, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    parts = {"params": held["params"], "optimizer": held["optimizer"], "master": held["master"], **parts}
+    held = {k: v for k, v in held.items() if k != "grads_peak"}
+    parts["buffers"] += static_buffers
+    peak = sum(parts.values())
+    reserve = CUDA_CONTEXT + int(ALLOCATOR_SLACK * peak)
+    return Estimate(parts=parts, peak_bytes=peak, moment=moment, reserve_bytes=reserve, held=held)
+
+
+def _head_grad(head: _Tensor | None, shapes: Shapes) -> int:
+    """The first gradient backward makes: the output head's (fp32), before any layer's."""
+    return 4 * head.numel if head is not None and head.trainable else 0
+
+
+def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, offload: bool) -> float:
+    """Relative step time, for ranking what fits (a heuristic, not a measurement): recomputation
+    costs about one more forward (a third of forward + backward) per checkpointed layer share;
+    sharded parameters are gathered every layer (ZeRO-3, FSDP2); offload moves the optimizer to
+    the CPU; DeepSpeed's engine adds a little per step; a small micro-batch leaves the GPU underused."""
+    recompute = {"none": 0.0, "full": 1 / 3, "every_k": 1 / (3 * max(1, every_k))}[checkpointing]
+    return (1 + recompute) * STRATEGY_SPEED.get(strategy, 1.1) * (2.0 if offload else 1.0) * (1 + 0.5 / micro_batch)
