@@ -89,8 +89,9 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
         zero = json.loads(json_path.read_text()).get("zero_optimization", {})
         h2 = hidden_size * hidden_size
 
-        def size(key: str, auto: float) -> int:
-            value = zero.get(key, auto)
+        def size(key: str, auto: float, default: float) -> int:
+            """A DeepSpeed size: Accelerate's fill for "auto", DeepSpeed's default when absent."""
+            value = zero.get(key, default)
             return int(auto if value == "auto" else value)
 
         def offloaded(key: str) -> bool:
@@ -99,9 +100,9 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
         return StrategyFacts(
             path.stem, "deepspeed", zero_stage=int(zero.get("stage", 0)),
             offload_optimizer=offloaded("offload_optimizer"), offload_params=offloaded("offload_param"),
-            reduce_bucket=size("reduce_bucket_size", h2 if zero.get("reduce_bucket_size") == "auto" else 5e8),
-            prefetch_bucket=size("stage3_prefetch_bucket_size", 0.9 * h2 if zero.get("stage3_prefetch_bucket_size") == "auto" else 5e7),
-            persistence_threshold=size("stage3_param_persistence_threshold", 10 * hidden_size if zero.get("stage3_param_persistence_threshold") == "auto" else 1e5),
+            reduce_bucket=size("reduce_bucket_size", h2, 5e8),
+            prefetch_bucket=size("stage3_prefetch_bucket_size", 0.9 * h2, 5e7),
+            persistence_threshold=size("stage3_param_persistence_threshold", 10 * hidden_size, 1e5),
             overlap_comm=bool(zero.get("overlap_comm", False)),
         )
     return StrategyFacts(path.stem, "ddp")
@@ -392,7 +393,7 @@ def estimate(model: torch.nn.Module, run: Run) -> Estimate:
             "buffers": buffers_bwd,
         },
         "last layer's backward": {
-            "grads": max(grads_held, _head_grad(head, shapes)),
+            "grads": max(grads_held, _head_grad(head)),
             "activations": acts["saved"] + acts["recompute"] + acts["transient"], "logits_loss": 0, "buffers": buffers_bwd,
         },
         "optimizer step": {
@@ -411,7 +412,7 @@ def estimate(model: torch.nn.Module, run: Run) -> Estimate:
     return Estimate(parts=parts, peak_bytes=peak, moment=moment, reserve_bytes=reserve, held=held)
 
 
-def _head_grad(head: _Tensor | None, shapes: Shapes) -> int:
+def _head_grad(head: _Tensor | None) -> int:
     """The first gradient backward makes: the output head's (fp32), before any layer's."""
     return 4 * head.numel if head is not None and head.trainable else 0
 
