@@ -8,6 +8,9 @@ One contract, used by the trainer, the recipes, checkpoints, the HF-folder write
                                   checkpoint exports without its run
         trainer_state.json        STATE_FILE: a TrainerState; written last, so its presence
                                   means "complete" (a crash mid-save leaves none)
+      checkpoints/step-N.converted/  converted_state(step-N): that checkpoint's state by parameter
+                                  name, made when a run resumed it under another strategy or world
+                                  size; never a checkpoint itself, deleted with step-N
       final/  adapter/            .final, .adapter: the deliverables
       metrics.jsonl  loss.png  samples.md  tensorboard/
 
@@ -28,6 +31,7 @@ from toolkit.config import UserError
 
 STATE_FILE = "trainer_state.json"
 PRUNED = ".deleting"  # step-N.deleting: out of rotation, on its way out (a crash may leave it)
+CONVERTED = ".converted"  # step-N.converted: step-N's state by parameter name, for another strategy
 MODEL_FILES = "model_files"  # config, tokenizer (and a LoRA's adapter config) beside the weights
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -40,6 +44,12 @@ def checkpoint_step(folder: Path) -> int | None:
 
 def is_complete(folder: Path) -> bool:
     return (folder / STATE_FILE).is_file()
+
+
+def converted_state(folder: Path) -> Path:
+    """Where checkpoint `folder`'s state by parameter name is kept once it was converted to resume
+    under another strategy or world size: beside it, named so that nothing takes it for a checkpoint."""
+    return folder.with_name(folder.name + CONVERTED)
 
 
 @dataclass
@@ -59,6 +69,10 @@ class TrainerState:
     # why this checkpoint may hold a diverged model ("" = it passed its checks): saved right after
     # a skipped non-finite step, or with non-finite weights; rotation keeps the newest that passed
     suspect: str = ""
+    # what wrote the checkpoint's files ("" / 0 in checkpoints older than these fields): a resume
+    # under another strategy or world size converts them (toolkit.strategy.consolidated)
+    strategy: str = ""  # e.g. "DeepSpeed ZeRO-2", "FSDP2", "DDP", "single process"
+    world_size: int = 0
 
     def write(self, folder: Path) -> None:
         """Atomically, so that a reader sees the whole state or none (the completeness marker)."""

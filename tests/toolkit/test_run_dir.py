@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.config import UserError
-from toolkit.run_dir import STATE_FILE, RunDir, TrainerState, checkpoint_step
+from toolkit.run_dir import STATE_FILE, RunDir, TrainerState, checkpoint_step, converted_state
 
 
 def finished_run(folder: Path, checkpoint: str | None = "complete") -> Path:
@@ -183,3 +183,20 @@ def test_the_paths_a_run_writes(tmp_path):
     named = [run.final, run.adapter, run.checkpoints, run.metrics, run.tensorboard, run.loss_plot, run.samples]
     assert {p.name for p in named} <= set(RunDir.ENTRIES)  # overwrite=true may delete each of them
     assert run.checkpoint(3) == tmp_path / "checkpoints" / "step-3"
+
+
+def test_a_checkpoints_conversion_is_beside_it_and_never_a_checkpoint(tmp_path):
+    """step-N.converted holds step-N's state by parameter name (a resume under another strategy made it):
+    not a checkpoint for resume=auto or rotation, even with a state file inside."""
+    run = RunDir(tmp_path / "run")
+    folder = run.checkpoint(4)
+    folder.mkdir(parents=True)
+    TrainerState(step=4).write(folder)
+    converted = converted_state(folder)
+    assert converted == run.checkpoints / "step-4.converted"
+    converted.mkdir()
+    TrainerState(step=5).write(converted)
+    (run.checkpoints / "step-5.converted.tmp").mkdir()  # one interrupted before its rename
+    assert run.complete_checkpoints() == [folder] and run.latest_checkpoint() == folder
+    assert checkpoint_step(converted) is None
+    assert TrainerState(strategy="DeepSpeed ZeRO-2", world_size=2).strategy == "DeepSpeed ZeRO-2"

@@ -4,7 +4,7 @@ Sources: a Hugging Face model folder (a run's final/, or any other); a run folde
 or a checkpoint chosen by name); a training checkpoint of any strategy; a LoRA adapter folder
 with its base. A checkpoint's weights are gathered by the tools its strategy ships, never by
 hand (toolkit.strategy.saved knows each strategy's files): DeepSpeed's `zero_to_fp32` for
-ZeRO-1/2/3, Accelerate's `merge_fsdp_weights` for FSDP, plain safetensors for DDP. The architecture and tokenizer come from the
+ZeRO-1/2/3, torch's `dcp_to_torch_save` for FSDP (what Accelerate's `merge_fsdp_weights` wraps), plain safetensors for DDP. The architecture and tokenizer come from the
 checkpoint's `model_files/` (written beside every checkpoint), or from the run's final/.
 """
 

@@ -18,7 +18,8 @@ silently trains unsharded or unsynchronised:
 - FSDP: Accelerate applies FSDP only on GPU-like devices; on CPU the config would do nothing.
   torch's FSDP2 `fully_shard` does shard and train on CPU over gloo, so after creating the
   Accelerator on CPU we set its distributed type to FSDP and give it the plugin from the
-  launch environment; `prepare` then takes Accelerate's own FSDP2 path.
+  launch environment; `prepare` then takes Accelerate's own FSDP2 path. A launch of one process
+  gets it too (over a gloo group of one), as it does on a GPU.
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ def build_accelerator(
     strategy = launched_strategy()
     check_deepspeed_config()
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # FSDP2 under a launcher (torchrun's MASTER_ADDR), even of one process: on a GPU Accelerate
+    # applies FSDP to one process too, and a checkpoint must move between FSDP2 at any world size
+    fsdp_on_cpu = strategy == "fsdp" and not has_gpu() and (multi or "MASTER_ADDR" in os.environ)
     timeout = set_collective_timeout(timeout_s)
     kwargs: dict = {}
     if not has_gpu():
@@ -157,7 +161,7 @@ def build_accelerator(
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         else:
             kwargs["cpu"] = True
-            if multi:  # single process: no process group at all
+            if multi or fsdp_on_cpu:  # one plain process: no process group at all
                 kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
     elif multi:
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timeout)]
@@ -172,7 +176,7 @@ def build_accelerator(
     )
     if accelerator.distributed_type == DistributedType.FSDP:
         reduce_gradients_in_fp32(accelerator.state.fsdp_plugin)
-    if strategy == "fsdp" and not has_gpu() and multi:
+    if fsdp_on_cpu:
         from accelerate.state import PartialState
         from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -260,6 +264,17 @@ DEEPSPEED_CHECKPOINT_CLASSES = (
 )
 
 
+def deepspeed_checkpoint_classes() -> list[type]:
+    """DEEPSPEED_CHECKPOINT_CLASSES as classes, for torch.serialization.safe_globals."""
+    import importlib
+
+    allowed = []
+    for name in DEEPSPEED_CHECKPOINT_CLASSES:
+        module, _, attr = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attr))
+    return allowed
+
+
 @contextlib.contextmanager
 def numbers_only_loading():
     """DeepSpeed's checkpoint files read with torch's weights_only unpickler (DeepSpeed itself passes
@@ -270,12 +285,7 @@ def numbers_only_loading():
     except ImportError:
         yield
         return
-    import importlib
-
-    allowed = []
-    for name in DEEPSPEED_CHECKPOINT_CLASSES:
-        module, _, attr = name.rpartition(".")
-        allowed.append(getattr(importlib.import_module(module), attr))
+    allowed = deepspeed_checkpoint_classes()
     real = TorchCheckpointEngine.load
 
     def load(self, path: str, map_location=None):
@@ -767,3 +777,72 @@ class Strategy:
     def device_map(self) -> dict[str, int]:
         """Where a quantised (QLoRA) base loads: this rank's own GPU."""
         return {"": self.accelerator.local_process_index}
+
+    # ------------------------------------------- resuming under another strategy or world size
+    @property
+    def layout(self) -> str:
+        """The file layout this launch's checkpoints have (toolkit.strategy.saved.layout_of)."""
+        from toolkit.strategy.saved import layout_of
+
+        return layout_of(self.name)
+
+    def resumes_natively(self, saved) -> bool:
+        """Whether Accelerate's load_state reads a checkpoint `saved` (a SavedLayout) as it is.
+
+        Measured on CPU: DDP's files (the whole model, an optimizer keyed by parameter order) are the
+        same for any number of processes, and torch.distributed.checkpoint reshards FSDP2's DCP files
+        to any number on load; DeepSpeed's ZeRO partitions fit only the stage and world size that
+        wrote them. Anything else goes through the state by parameter name (toolkit.strategy.consolidated)."""
+        if saved.layout != self.layout:
+            return False
+        return self.layout in ("ddp", "fsdp2") or saved.world_size in (0, self.world_size)
+
+    def optimizer_parameter_names(self) -> list[list[str]] | None:
+        """DDP / one process: the parameter names of the optimizer's groups, in the order that
+        optimizer.bin numbers them (saved beside it: saved.OPTIMIZER_NAMES). None elsewhere: FSDP2 and
+        DeepSpeed checkpoints name their parameters themselves."""
+        acc = self.accelerator
+        if self.kind not in ("single", "ddp") or len(acc._models) != 1 or len(acc._optimizers) != 1:
+            return None
+        from toolkit.strategy.consolidated import parameter_names
+
+        names = parameter_names(acc.unwrap_model(acc._models[0]))
+        optimizer = getattr(acc._optimizers[0], "optimizer", acc._optimizers[0])
+        return [[names[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
+
+    def converted_checkpoint(self, folder: Path) -> tuple[Path, bool]:
+        """Collective: checkpoint `folder`'s state by parameter name, made by the main process alone
+        (or found made before: the bool) while the others wait; a UserError is raised on every rank."""
+        from accelerate.utils import broadcast_object_list
+
+        from toolkit.strategy.consolidated import cached_conversion
+
+        verdict: list = [None, None, False]  # [converted folder, error line, found made before]
+        if self.is_main:
+            try:
+                found, cached = cached_conversion(folder)
+                verdict = [str(found), None, cached]
+            except UserError as exc:
+                verdict = [None, str(exc), False]
+        if self.world_size > 1:
+            broadcast_object_list(verdict)
+        if verdict[1] is not None:
+            raise UserError(verdict[1])
+        return Path(verdict[0]), verdict[2]
+
+    def load_consolidated(self, folder: Path) -> None:
+        """Collective: a converted checkpoint (toolkit.strategy.consolidated) into the prepared model
+        and optimizer, with this strategy's own setters (toolkit.strategy.consolidated_loading)."""
+        from toolkit.strategy import consolidated_loading as load
+        from toolkit.strategy.consolidated import ConsolidatedState
+
+        acc = self.accelerator
+        state = ConsolidatedState(folder)
+        if self.kind == "deepspeed":
+            load.load_into_deepspeed(acc.deepspeed_engine_wrapped.engine, state)
+            return
+        model, optimizer = acc.unwrap_model(acc._models[0]), acc._optimizers[0].optimizer
+        if self.kind == "fsdp":
+            load.load_into_fsdp(model, optimizer, state)
+        else:
+            load.load_into_ddp(model, optimizer, state)

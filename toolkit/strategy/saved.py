@@ -2,17 +2,106 @@
 gathered back into one model by the tools that strategy ships (never by hand).
 
 - DDP / one process: `model.safetensors` (or shards with an index): already whole.
-- FSDP: a sharded (DCP) state dict in `pytorch_model_fsdp_0/`: Accelerate's `merge_fsdp_weights`.
+- FSDP: a sharded (DCP) state dict in `pytorch_model_fsdp_0/`: torch's `dcp_to_torch_save` (what
+  Accelerate's `merge_fsdp_weights` wraps, without its barrier of every rank).
 - DeepSpeed ZeRO-1/2/3: `latest` plus `*/zero_pp_rank_*` / `*/*model_states.pt`: DeepSpeed's
   `zero_to_fp32`, which rebuilds the fp32 master weights from the optimizer partitions.
+
+Every strategy also writes one `random_states_<rank>.pkl` per process, and DDP / one process
+`optimizer.bin`, whose Adam state is keyed by integer ids; the toolkit records beside it which
+parameter each id is (OPTIMIZER_NAMES), so that the state can move to another strategy.
+
+`saved_layout` says which strategy and world size wrote a checkpoint: recorded in its
+trainer_state.json, or, for checkpoints older than that record, read from its files.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
+
+from toolkit.run_dir import TrainerState, is_complete
+
 SavedBy = Literal["ddp", "fsdp", "deepspeed"]
+OPTIMIZER_NAMES = "optimizer_param_names.json"  # DDP / one process: the parameter names of optimizer.bin's ids
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """Which strategy's files a checkpoint holds, and for how many processes (0 = not known)."""
+
+    strategy: str  # a Strategy.name: "single process", "DDP", "FSDP2", "DeepSpeed ZeRO-2", ...
+    world_size: int
+
+    @property
+    def layout(self) -> str:
+        return layout_of(self.strategy)
+
+    def describe(self) -> str:
+        if self.strategy == "single process":
+            return "one process"
+        processes = f" on {self.world_size} process{'es' if self.world_size != 1 else ''}" if self.world_size else ""
+        return f"{self.strategy}{processes}"
+
+
+def layout_of(strategy: str) -> str:
+    """The file layout a strategy's save_state writes: ddp (DDP and one process alike), fsdp1,
+    fsdp2, or zero0..zero3 (offload changes nothing in the files)."""
+    zero = re.match(r"DeepSpeed ZeRO-(\d)", strategy)
+    if zero:
+        return f"zero{zero.group(1)}"
+    if strategy.startswith("FSDP"):
+        return "fsdp1" if strategy == "FSDP1" else "fsdp2"
+    return "ddp"
+
+
+def saved_layout(folder: Path) -> SavedLayout | None:
+    """The strategy and world size that wrote checkpoint `folder`; None if its files are no strategy's."""
+    if is_complete(folder):
+        state = TrainerState.read(folder)
+        if state.strategy:
+            return SavedLayout(state.strategy, state.world_size)
+    kind = saved_by(folder)
+    if kind is None:
+        return None
+    world = len(list(folder.glob("random_states_*.pkl")))
+    if kind == "ddp":
+        return SavedLayout("single process" if world == 1 else "DDP", world)
+    if kind == "fsdp":
+        return SavedLayout("FSDP2", world)  # Accelerate's FSDP version here (its DCP files do not say)
+    stage = deepspeed_config(folder).get("zero_optimization", {}).get("stage", 0)
+    return SavedLayout(f"DeepSpeed ZeRO-{stage}", world)
+
+
+def deepspeed_tag_folder(folder: Path) -> Path:
+    """The folder of a DeepSpeed save that holds its rank files (named in `latest`)."""
+    if (folder / "latest").is_file():
+        return folder / (folder / "latest").read_text().strip()
+    found = sorted(folder.glob("*/*model_states.pt"))
+    return found[0].parent if found else folder
+
+
+def deepspeed_config(folder: Path) -> dict:
+    """The DeepSpeed config a DeepSpeed checkpoint was trained with (kept in its model states files)."""
+    from toolkit.strategy.distributed import deepspeed_checkpoint_classes
+
+    files = sorted(deepspeed_tag_folder(folder).glob("*model_states.pt"))
+    if not files:
+        return {}
+    # mmap: the file holds the module's weights too, which are not read
+    with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
+        return torch.load(files[0], map_location="cpu", weights_only=True, mmap=True).get("ds_config", {})
+
+
+def read_optimizer_names(folder: Path) -> list[list[str]] | None:
+    """DDP / one process: the parameter names of optimizer.bin's ids, group by group; None if not recorded."""
+    path = folder / OPTIMIZER_NAMES
+    return json.loads(path.read_text())["groups"] if path.is_file() else None
 
 
 def saved_by(folder: Path) -> SavedBy | None:
@@ -34,9 +123,19 @@ def gather_full_weights(kind: SavedBy, folder: Path, into: Path) -> Path:
                   *folder.glob("pytorch_model*.bin")]:
             (into / f.name).symlink_to(f.resolve())
     elif kind == "fsdp":
-        from accelerate.utils import merge_fsdp_weights
+        # torch's own DCP reader, in this process alone. Accelerate's merge_fsdp_weights wraps the
+        # same call but ends in a barrier of every rank: a main process converting a checkpoint by
+        # itself inside a launched run (toolkit.strategy.consolidated) would wait there for ever.
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        merge_fsdp_weights(str(_fsdp_model_dir(folder)), str(into), safe_serialization=True)
+        whole = into / "dcp_model.pt"
+        dcp_to_torch_save(str(_fsdp_model_dir(folder)), str(whole))
+        state = torch.load(whole, map_location="cpu", weights_only=True, mmap=True)
+        state = state["model"] if set(state) == {"model"} else state  # Accelerate saves {"model": ...}
+        save_file({k: v.contiguous() for k, v in state.items()}, into / "model.safetensors", metadata={"format": "pt"})
+        del state
+        whole.unlink()
     elif kind == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 

@@ -8,9 +8,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import datasets
 import pytest
+from unprivileged import error_as_nobody
 
 from toolkit.config import UserError
 from toolkit.data.corpus import EMBEDDED, DataConfig, load_corpus, split_documents, utf8_problem
@@ -217,30 +219,14 @@ def test_only_whitespace_is_an_empty_corpus(tmp_path):
 
 
 def load_error_as_nobody(path, cache: Path) -> str:
-    """load_corpus's error for `path`, asked by a user without root's pass through permission bits:
-    this process when it is not root, else a forked child that has become `nobody` (uid 65534) and
+    """load_corpus's error for `path` as a user without root's pass through permission bits, who
     keeps datasets' cache in `cache` (root's own is closed to it)."""
-    if os.geteuid() != 0:
-        with pytest.raises(UserError) as info:
+
+    def load():
+        with mock.patch.object(datasets.config, "HF_DATASETS_CACHE", cache):
             load_corpus(DataConfig(path=str(path)))
-        return f"UserError: {info.value}"
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child reports through the pipe and never returns into pytest
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            datasets.config.HF_DATASETS_CACHE = cache
-            load_corpus(DataConfig(path=str(path)))
-            message = "no error"
-        except BaseException as exc:
-            message = f"{type(exc).__name__}: {exc}"
-        os.write(write, message.encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read) as answer:
-        return answer.read()
+
+    return error_as_nobody(load)
 
 
 def test_a_folder_this_user_may_not_read(tmp_path):

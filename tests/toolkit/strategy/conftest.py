@@ -1,5 +1,6 @@
-"""The sharding probe's results, launched once per (strategy, process count) for the whole session:
-tests/toolkit/strategy/test_sharding.py and test_memory.py read the same runs."""
+"""Fixtures shared by the strategy tests: the sharding probe's results, launched once per (strategy,
+process count) for the whole session (test_sharding.py and test_memory.py read the same runs), and
+a real one-process checkpoint (test_consolidated.py and test_consolidated_loading.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import launching
 import pytest
+from accelerate.state import AcceleratorState, GradientState
+from one_process_checkpoints import saved_checkpoint
 
 ROOT = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).with_name("sharding_probe.py")
@@ -41,3 +44,17 @@ def sharding_probe(tmp_path_factory) -> Callable[[str, int], dict]:
         return results[strategy, nproc]
 
     return probe
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's process-wide state dropped after the test, so the next one launches anew."""
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def one_process_checkpoint(tmp_path, tiny_model, fresh_accelerate):
+    """(checkpoint folder, the model and optimizer that wrote it) after 2 steps, one process."""
+    return saved_checkpoint(tmp_path, tiny_model)

@@ -11,7 +11,16 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file, save_file
 
-from toolkit.strategy.saved import gather_full_weights, saved_by
+from toolkit.run_dir import TrainerState
+from toolkit.strategy.saved import (
+    OPTIMIZER_NAMES,
+    SavedLayout,
+    gather_full_weights,
+    layout_of,
+    read_optimizer_names,
+    saved_by,
+    saved_layout,
+)
 
 # what Accelerate's save_state writes besides the model, whatever the strategy
 ACCELERATE_EXTRAS = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")
@@ -127,6 +136,7 @@ def test_fsdp_sharded_weights_are_merged_into_one_safetensors(tmp_path):
     into.mkdir()
     gather_full_weights("fsdp", folder, into)
     torch.testing.assert_close(load_file(str(into / "model.safetensors")), _weights(1))
+    assert sorted(p.name for p in into.iterdir()) == ["model.safetensors"]  # torch's whole-state file is gone
 
 
 def test_a_real_single_process_save_state_is_recognised_and_gathered(tmp_path):
@@ -146,3 +156,49 @@ def test_a_real_single_process_save_state_is_recognised_and_gathered(tmp_path):
 def test_an_unknown_kind_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a checkpoint kind: zero3"):
         gather_full_weights("zero3", tmp_path, tmp_path / "full")
+
+
+# ------------------------------------------------------------------ saved_layout
+
+
+@pytest.mark.parametrize(("strategy", "layout"), [
+    ("single process", "ddp"), ("DDP", "ddp"), ("FSDP2", "fsdp2"), ("FSDP1", "fsdp1"), ("DeepSpeed ZeRO-1", "zero1"),
+    ("DeepSpeed ZeRO-3 (offload optimizer+param)", "zero3"),
+])
+def test_the_file_layout_of_each_strategy(strategy, layout):
+    """DDP and one process write the same files; offload changes nothing in DeepSpeed's."""
+    assert layout_of(strategy) == layout
+
+
+def test_the_layout_a_checkpoint_records(tmp_path):
+    TrainerState(step=3, strategy="DeepSpeed ZeRO-2", world_size=2).write(tmp_path)
+    saved = saved_layout(tmp_path)
+    assert saved == SavedLayout("DeepSpeed ZeRO-2", 2) and saved.layout == "zero2"
+    assert saved.describe() == "DeepSpeed ZeRO-2 on 2 processes"
+    assert SavedLayout("single process", 1).describe() == "one process"
+    assert SavedLayout("FSDP2", 1).describe() == "FSDP2 on 1 process"
+
+
+def test_the_layout_of_an_older_checkpoint_is_read_from_its_files(tmp_path):
+    """Before trainer_state.json recorded it: the kind from the files, the world size from the random
+    states (one per rank), DeepSpeed's stage from the config in its model states."""
+    ddp = _touch(tmp_path / "ddp", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl")
+    TrainerState(step=3).write(ddp)
+    assert saved_layout(ddp) == SavedLayout("DDP", 2)
+    one = _touch(tmp_path / "one", "model.safetensors", "optimizer.bin", "random_states_0.pkl")
+    assert saved_layout(one) == SavedLayout("single process", 1)
+    fsdp = _touch(tmp_path / "fsdp", "pytorch_model_fsdp_0/.metadata", *(f"random_states_{r}.pkl" for r in range(3)))
+    assert saved_layout(fsdp) == SavedLayout("FSDP2", 3)
+    zero = _touch(tmp_path / "zero", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt", "random_states_0.pkl",
+                  "random_states_1.pkl")
+    (zero / "latest").write_text("pytorch_model")
+    torch.save({"ds_config": {"zero_optimization": {"stage": 1}}, "module": {}},
+               zero / "pytorch_model" / "mp_rank_00_model_states.pt")
+    assert saved_layout(zero) == SavedLayout("DeepSpeed ZeRO-1", 2)
+    assert saved_layout(_touch(tmp_path / "none", "notes.txt")) is None
+
+
+def test_the_names_of_optimizer_bin_are_read_back(tmp_path):
+    assert read_optimizer_names(tmp_path) is None  # a checkpoint older than the record
+    (tmp_path / OPTIMIZER_NAMES).write_text('{"groups": [["a.weight"], ["a.bias"]]}')
+    assert read_optimizer_names(tmp_path) == [["a.weight"], ["a.bias"]]
