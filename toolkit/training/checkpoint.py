@@ -9,6 +9,7 @@ the manifest records every file's size and CRC-32 (toolkit.manifest), checked be
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 import re
 import shutil
@@ -23,8 +24,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from toolkit.config import UserError, field
 from toolkit.faults import fail_point, kill_point
 from toolkit.manifest import MANIFEST, check_manifest, crc32, write_manifest
-from toolkit.run_dir import MODEL_FILES, PRUNED, STATE_FILE, RunDir, TrainerState, checkpoint_step
+from toolkit.run_dir import (
+    MODEL_FILES,
+    PRUNED,
+    STATE_FILE,
+    RunDir,
+    TrainerState,
+    checkpoint_step,
+    converted_state,
+)
 from toolkit.strategy.distributed import Strategy, numbers_only_loading
+from toolkit.strategy.saved import OPTIMIZER_NAMES, SavedLayout, saved_layout
 
 
 @dataclass
@@ -63,10 +73,14 @@ def save_checkpoint(
     """
     acc = strategy.accelerator
     folder = run.checkpoint(state.step)
+    # what wrote the files: a resume under another strategy or world size converts them
+    state.strategy, state.world_size = strategy.name, strategy.world_size
+    optimizer_names = strategy.optimizer_parameter_names()
     kill_point("save.start", state.step)
     if acc.is_main_process:
         if folder.exists():
             shutil.rmtree(folder)  # a stale, incomplete save of the same step
+        shutil.rmtree(converted_state(folder), ignore_errors=True)  # made from a checkpoint of this step before
         run.drop_pruned()
     previous = run.latest_checkpoint()
     if acc.is_main_process and previous is not None:
@@ -87,6 +101,8 @@ def save_checkpoint(
         try:
             if model_files is not None:
                 model_files(folder / MODEL_FILES)
+            if optimizer_names is not None:  # optimizer.bin numbers its parameters; say which is which
+                (folder / OPTIMIZER_NAMES).write_text(json.dumps({"groups": optimizer_names}))
             fail_point("save.manifest", state.step, folder / MANIFEST)
             # The manifest before the state file (a complete checkpoint always has one), and its
             # checksum in the state: a state file copied in from another checkpoint is told apart.
@@ -117,6 +133,9 @@ def save_checkpoint(
             going = old.rename(old.with_name(old.name + PRUNED))
             kill_point("prune", state.step)
             shutil.rmtree(going)
+            converted = converted_state(old)  # its state by parameter name goes with it, the same way
+            if converted.exists():
+                shutil.rmtree(converted.rename(converted.with_name(converted.name + PRUNED)))
     acc.wait_for_everyone()
     return folder
 
@@ -174,17 +193,37 @@ def warn_low_space(folder: Path, previous: Path, say: Callable[[str], None]) -> 
             "it will likely fail; free space or lower checkpoint.keep_last")
 
 
-def load_checkpoint(strategy: Strategy, folder: Path) -> TrainerState:
+def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None] = print) -> TrainerState:
     """Collective. A checkpoint of another model shape is refused with one line, before loading.
 
     The shapes are compared from the configs (the checkpoint's model_files/ and the live model's),
     which reads the same under every strategy and on every rank; a size mismatch that still
-    reaches the strategy's loader is translated the same way."""
+    reaches the strategy's loader is translated the same way.
+
+    A checkpoint of another strategy or world size that Accelerate cannot load as it is (see
+    Strategy.resumes_natively) is converted to its state by parameter name and loaded from that
+    (toolkit.strategy.consolidated), with one line saying so."""
     acc = strategy.accelerator
     # outside_training: the meta models are built as in a single process (under ZeRO-3 too)
     with strategy.outside_training():
         for model in acc._models:  # the prepared models: the trainer hands over only the strategy
             check_same_model(folder, acc.unwrap_model(model))
+    saved = saved_layout(folder)
+    if saved is not None and not strategy.resumes_natively(saved):
+        _load_converted(strategy, folder, saved, say)
+    else:
+        _load_native(strategy, folder)
+    state = TrainerState.read(folder)
+    # Accelerate counts micro-batches to know which one closes an optimizer step, and load_state
+    # restores the count of the run that saved: with another accumulation (another world size)
+    # the steps would close on the wrong micro-batch (measured: FSDP2 from 2 processes to 1 went
+    # off the curve at the first step). Every optimizer step is `accumulation` micro-batches.
+    acc.step = state.step * strategy.accumulation
+    return state
+
+
+def _load_native(strategy: Strategy, folder: Path) -> None:
+    acc = strategy.accelerator
     # Accelerate unpickles registered objects (our LR schedule) with weights_only=False, which
     # runs whatever code a tampered file names; for this load they are read as plain numbers.
     import accelerate.accelerator as accelerator_module
@@ -202,15 +241,86 @@ def load_checkpoint(strategy: Strategy, folder: Path) -> TrainerState:
         raise UserError(_different_model(folder, found)) from None
     finally:
         accelerator_module.load_custom_state = real
-    return TrainerState.read(folder)
+
+
+def _load_converted(strategy: Strategy, folder: Path, saved: SavedLayout, say: Callable[[str], None]) -> None:
+    """Weights and Adam state from the checkpoint's state by parameter name; the LR schedule and the
+    random states (of the ranks that exist in both) from the checkpoint itself."""
+    acc = strategy.accelerator
+    here = SavedLayout(strategy.name, strategy.world_size).describe()
+    if strategy.ds_owned:
+        raise UserError(
+            f"checkpoint {folder} was saved under {saved.describe()}; resuming it under {here} needs a conversion, "
+            f"and this launch's DeepSpeed JSON defines its own {' and '.join(strategy.ds_owned)}, whose state the "
+            f"conversion cannot fill: remove them from the JSON, or resume under {saved.describe()}"
+        )
+    converted, cached = strategy.converted_checkpoint(folder)
+    strategy.load_consolidated(converted)
+    for index, obj in enumerate(acc._custom_objects):  # the LR schedule
+        saved_state = _numbers(folder / f"custom_checkpoint_{index}.pkl")
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            _load_schedule(obj, saved_state, folder)
+        else:
+            obj.load_state_dict(saved_state)
+    _restore_random_states(folder / f"random_states_{strategy.rank}.pkl")
+    how = f"reused its conversion {converted.name}" if cached else f"converted it into {converted.name}"
+    say(f"checkpoint {folder.name} was saved under {saved.describe()}, this run is {here}: {how} (weights and "
+        "Adam state by parameter name) and loaded it")
+
+
+def _load_schedule(schedule: torch.optim.lr_scheduler.LRScheduler, saved: dict, folder: Path) -> None:
+    """The saved schedule onto this run's parameter groups, and the rate of the next step into each
+    group (a native load takes it from the optimizer's saved groups).
+
+    A schedule keeps one rate (and one rate function) per parameter group of the run that saved it,
+    and strategies do not agree on empty groups: DeepSpeed drops the recipe's no-decay group when it
+    is empty (LoRA, whose adapter weights are all matrices), torch keeps it. The recipe gives every
+    group the same rate and schedule, so the saved values are then one value, given to every group."""
+    groups = schedule.optimizer.param_groups
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = saved.get(key)
+        if not isinstance(values, list) or len(values) == len(groups):
+            continue
+        if any(value != values[0] for value in values):
+            raise UserError(
+                f"checkpoint {folder} has a learning rate for each of {len(values)} parameter groups and this run "
+                f"has {len(groups)}, with different rates: they cannot be matched; resume it under the strategy "
+                "it was saved with"
+            )
+        saved[key] = [values[0]] * len(groups)
+    schedule.load_state_dict(saved)
+    for group, lr in zip(groups, schedule.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
+def _restore_random_states(file: Path) -> None:
+    """This rank's random generators as the rank of the same number left them, where it existed
+    (dropout is the only consumer: the batch order is a function of the seed and step)."""
+    if not file.is_file():
+        return
+    import random
+
+    import numpy as np
+    from accelerate.utils import load
+
+    states = load(file)  # weights_only, numpy's state allowed
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
 
 
 def _load_numbers_only(obj, path: str, index: int = 0) -> None:
     """accelerate.checkpointing.load_custom_state, refusing any pickled object beyond tensors,
     numbers, strings and containers."""
-    file = Path(path) / f"custom_checkpoint_{index}.pkl"
+    obj.load_state_dict(_numbers(Path(path) / f"custom_checkpoint_{index}.pkl"))
+
+
+def _numbers(file: Path):
+    """A torch file's contents, refused in one line if it pickles anything beyond numbers."""
     try:
-        obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UserError(_not_only_numbers(file, exc)) from None
 

@@ -249,7 +249,7 @@ class Trainer:
             self.resume_from = intact_checkpoint(
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
             )
-            self.state = load_checkpoint(self.strategy, self.resume_from)
+            self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
             bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
             if bad is not None:
                 raise UserError(
