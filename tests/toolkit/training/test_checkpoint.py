@@ -3,15 +3,24 @@ when it counts as complete, and how many are kept."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 from accelerate.state import AcceleratorState
 
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, crc32
-from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState
+from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState, converted_state
 from toolkit.strategy.distributed import Strategy
-from toolkit.training.checkpoint import CheckpointConfig, load_checkpoint, save_checkpoint
+from toolkit.strategy.saved import OPTIMIZER_NAMES
+from toolkit.training.checkpoint import (
+    CheckpointConfig,
+    _load_schedule,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 @pytest.fixture
@@ -46,8 +55,11 @@ def test_a_checkpoint_round_trips_weights_and_state_and_keeps_the_last_k(tmp_pat
         model.weight.zero_()
     state = load_checkpoint(strategy, run.checkpoint(3))
     assert state.manifest_crc32 == crc32(run.checkpoint(3) / MANIFEST)  # bound to the files beside it
-    assert state == TrainerState(step=3, tokens_seen=30, manifest_crc32=state.manifest_crc32)
+    assert state == TrainerState(step=3, tokens_seen=30, manifest_crc32=state.manifest_crc32,
+                                 strategy="single process", world_size=1)  # what wrote the files
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    # optimizer.bin numbers the parameters; the checkpoint says which is which (a conversion needs it)
+    assert json.loads((run.checkpoint(3) / OPTIMIZER_NAMES).read_text()) == {"groups": [["weight", "bias"]]}
 
 
 def test_a_stale_incomplete_save_of_the_same_step_is_replaced(tmp_path, strategy):
@@ -59,6 +71,83 @@ def test_a_stale_incomplete_save_of_the_same_step_is_replaced(tmp_path, strategy
     save_checkpoint(strategy, run, TrainerState(step=5), keep_last=1)
     assert not (stale / "leftover.bin").exists() and TrainerState.read(stale).step == 5
     del model
+
+
+def test_a_checkpoints_conversion_goes_with_it(tmp_path, strategy):
+    """step-N.converted (its state by parameter name, made by a resume under another strategy) is pruned
+    with step-N, and a new save of step N drops the conversion of the old one."""
+    strategy.prepare(torch.nn.Linear(2, 2))
+    run = RunDir(tmp_path / "run")
+    for step in (1, 2):
+        save_checkpoint(strategy, run, TrainerState(step=step), keep_last=1)
+        converted_state(run.checkpoint(step)).mkdir()
+        (converted_state(run.checkpoint(step)) / "optimizer.json").write_text("{}")
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-2", "step-2.converted"]
+    assert [p.name for p in run.complete_checkpoints()] == ["step-2"]
+    save_checkpoint(strategy, run, TrainerState(step=2, tokens_seen=5), keep_last=1)
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-2"]
+
+
+def test_a_resume_counts_the_micro_batches_of_this_run(tmp_path):
+    """Accelerate closes an optimizer step on every `accumulation`-th micro-batch, counting from the
+    count the checkpoint restores: the count is that of this run's accumulation, whatever the saving
+    run's (another world size), so that the first step after the resume closes where it should."""
+    AcceleratorState._reset_state(True)
+    saving = Strategy.launch(mixed_precision="no", global_batch=6, micro_batch=2, max_grad_norm=1.0,
+                             project_dir=str(tmp_path), trackers=[], timeout_s=60)
+    saving.prepare(torch.nn.Linear(2, 2))
+    saving.accelerator.step = 9  # 3 steps of 3 micro-batches
+    folder = save_checkpoint(saving, RunDir(tmp_path / "run"), TrainerState(step=3), keep_last=1)
+    AcceleratorState._reset_state(True)
+    resuming = Strategy.launch(mixed_precision="no", global_batch=6, micro_batch=1, max_grad_norm=1.0,
+                               project_dir=str(tmp_path), trackers=[], timeout_s=60)
+    resuming.prepare(torch.nn.Linear(2, 2))
+    load_checkpoint(resuming, folder)
+    assert resuming.accumulation == 6 and resuming.accelerator.step == 18
+
+
+def test_a_conversion_into_a_deepspeed_json_that_owns_the_optimizer_is_refused(tmp_path, strategy):
+    """A checkpoint of another strategy resumed where the DeepSpeed JSON defines its own optimizer or
+    scheduler: their state is DeepSpeed's, which a conversion cannot fill."""
+    strategy.prepare(torch.nn.Linear(2, 2))
+    folder = save_checkpoint(strategy, RunDir(tmp_path / "run"), TrainerState(step=1), keep_last=1)
+    state = TrainerState.read(folder)
+    state.strategy, state.world_size = "FSDP2", 2  # as an FSDP2 run on 2 processes records it
+    state.write(folder)
+    owning = dataclasses.replace(strategy, ds_owned=("optimizer", "scheduler"))
+    with pytest.raises(UserError) as info:
+        load_checkpoint(owning, folder)
+    assert str(info.value) == (
+        f"checkpoint {folder} was saved under FSDP2 on 2 processes; resuming it under one process needs a conversion, "
+        "and this launch's DeepSpeed JSON defines its own optimizer and scheduler, whose state the conversion cannot "
+        "fill: remove them from the JSON, or resume under FSDP2 on 2 processes"
+    )
+    assert not converted_state(folder).exists()
+
+
+def test_a_converted_resume_fits_the_schedule_to_this_runs_parameter_groups(tmp_path):
+    """DeepSpeed drops an empty parameter group that torch keeps (LoRA's no-decay group): one saved rate
+    goes to every group; rates that differ between groups cannot be matched and are refused."""
+    def schedule(groups: int, last: list[float]):
+        params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(groups)]
+        optimizer = torch.optim.AdamW([{"params": [p]} for p in params], lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda step: 0.5] * groups)
+        state = sched.state_dict()
+        state["_last_lr"], state["base_lrs"] = last, [1.0] * len(last)
+        return sched, state
+
+    two_groups, _ = schedule(2, [0.5, 0.5])
+    _, saved_by_one = schedule(1, [0.25])
+    _load_schedule(two_groups, saved_by_one, tmp_path)
+    assert [g["lr"] for g in two_groups.optimizer.param_groups] == [0.25, 0.25]
+    one_group, _ = schedule(1, [0.5])
+    _, saved_by_two = schedule(2, [0.25, 0.125])
+    with pytest.raises(UserError) as info:
+        _load_schedule(one_group, saved_by_two, tmp_path)
+    assert str(info.value) == (
+        f"checkpoint {tmp_path} has a learning rate for each of 2 parameter groups and this run has 1, with different "
+        "rates: they cannot be matched; resume it under the strategy it was saved with"
+    )
 
 
 def relaunch(tmp_path) -> Strategy:
@@ -144,3 +233,4 @@ def test_a_checkpoint_never_unpickles_more_than_numbers(tmp_path, strategy, caps
     with pytest.raises(UserError, match=r"custom_checkpoint_0.pkl holds pickled objects beyond tensors and numbers"):
         load_checkpoint(strategy, folder)
     assert "code ran" not in capsys.readouterr().out
+
