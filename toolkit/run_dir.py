@@ -73,6 +73,9 @@ class TrainerState:
     # under another strategy or world size converts them (toolkit.strategy.consolidated)
     strategy: str = ""  # e.g. "DeepSpeed ZeRO-2", "FSDP2", "DDP", "single process"
     world_size: int = 0
+    # sequences per optimizer step (0 in older checkpoints): the data position is a function of
+    # (seed, step, global batch), so a resume must keep it
+    global_batch_size: int = 0
 
     def write(self, folder: Path) -> None:
         """Atomically, so that a reader sees the whole state or none (the completeness marker)."""

@@ -193,6 +193,20 @@ def warn_low_space(folder: Path, previous: Path, say: Callable[[str], None]) -> 
             "it will likely fail; free space or lower checkpoint.keep_last")
 
 
+def check_same_data_order(folder: Path, seed: int, global_batch_size: int) -> None:
+    """The batch order is a function of (seed, step, global batch): a resume with another seed or
+    global batch would read other sequences than the interrupted run, so it is refused in one line.
+    Everything else a strategy splits (processes, micro-batches, accumulation) may change."""
+    saved = TrainerState.read(folder)
+    for key, was, now in (("seed", saved.seed, seed), ("train.global_batch_size", saved.global_batch_size or None,
+                                                       global_batch_size)):
+        if was is not None and was != now:
+            raise UserError(
+                f"checkpoint {folder} was trained with {key}={was} and this run has {key}={now}: the data "
+                f"position would not carry over; resume with {key}={was} (or start a new output_dir)"
+            )
+
+
 def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None] = print) -> TrainerState:
     """Collective. A checkpoint of another model shape is refused with one line, before loading.
 

@@ -40,7 +40,13 @@ from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
-from toolkit.training.checkpoint import SaveFailed, intact_checkpoint, load_checkpoint, save_checkpoint
+from toolkit.training.checkpoint import (
+    SaveFailed,
+    check_same_data_order,
+    intact_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import (
     MetricsWriter,
@@ -190,7 +196,7 @@ class Trainer:
         if not strategy.is_main:
             datasets.disable_progress_bars()
 
-        self.state = TrainerState(seed=cfg.seed)
+        self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size)
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
         self.metrics: MetricsWriter | None = None
@@ -249,7 +255,9 @@ class Trainer:
             self.resume_from = intact_checkpoint(
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
             )
+            check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size)
             self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
+            self.state.global_batch_size = cfg.train.global_batch_size  # a checkpoint older than the field
             bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
             if bad is not None:
                 raise UserError(
