@@ -1,8 +1,10 @@
-"""AdamW with decoupled weight decay and a warmup + cosine/linear learning-rate schedule."""
+"""AdamW with decoupled weight decay, a warmup + cosine/linear learning-rate schedule, and the
+peak rate scaled with the global batch when asked (optim.lr_scaling)."""
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +27,11 @@ class OptimConfig:
     fused: Literal["auto", "true", "false"] = field(
         "auto", help="torch's fused AdamW kernel: auto = on CUDA, where it is fastest; true/false to force"
     )
+    lr_scaling: Literal["none", "linear", "sqrt"] = field(
+        "none", help="scale lr with train.global_batch_size from lr_reference_batch: linear (lr x B/B_ref, "
+        "as for SGD) or sqrt (lr x sqrt(B/B_ref), the usual rule for Adam); none = lr as written"
+    )
+    lr_reference_batch: int = field(0, help="the global batch size lr was tuned at (needed by lr_scaling)")
 
     def validate(self) -> list[str]:
         problems = []
@@ -38,12 +45,27 @@ class OptimConfig:
             problems.append(f"betas={self.betas} must be two numbers in [0, 1)")
         if self.max_grad_norm < 0:
             problems.append(f"max_grad_norm={self.max_grad_norm} must be >= 0")
+        if self.lr_reference_batch < 0:
+            problems.append(f"lr_reference_batch={self.lr_reference_batch} must be >= 0")
+        elif self.lr_scaling != "none" and self.lr_reference_batch == 0:
+            problems.append(f"lr_reference_batch=0 must be the global batch size lr was tuned at, since "
+                            f"lr_scaling={self.lr_scaling} scales lr from it")
         return problems
 
+    def peak_lr(self, global_batch: int) -> float:
+        """The peak learning rate at `global_batch` sequences per step: lr, scaled by lr_scaling."""
+        if self.lr_scaling == "none":
+            return self.lr
+        ratio = global_batch / self.lr_reference_batch
+        return self.lr * (ratio if self.lr_scaling == "linear" else math.sqrt(ratio))
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, adamw=torch.optim.AdamW) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; `adamw` is the class the strategy asks for
-    (`Strategy.adamw()`: DeepSpeed's CPU AdamW when it offloads optimizer state, the same update)."""
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, adamw=torch.optim.AdamW, lr: float | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters at peak rate `lr` (cfg.lr when None); `adamw` is the class
+    the strategy asks for (`Strategy.adamw()`: DeepSpeed's CPU AdamW when it offloads optimizer
+    state, the same update)."""
     # Matrices decay; vectors (norm gains, biases) do not, as in GPT-2/LLaMA training.
     decay, no_decay = [], []
     for p in model.parameters():
@@ -53,7 +75,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, adamw=torch.optim.
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return adamw(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    return adamw(groups, lr=cfg.lr if lr is None else lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def use_fused(fused: str, device: torch.device) -> bool:
@@ -71,8 +93,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
     )
 
 
-def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max_steps: int):
-    """(model, optimizer, scheduler, step_scheduler): everything prepared by the strategy.
+def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max_steps: int, global_batch: int):
+    """(model, optimizer, scheduler, step_scheduler): everything prepared by the strategy, at the
+    peak rate for `global_batch` (OptimConfig.peak_lr).
 
     The recipe's AdamW and schedule, unless a user's DeepSpeed JSON defines its own optimizer or
     scheduler (`strategy.ds_owned`): then DeepSpeed builds them from placeholders. Our scheduler
@@ -80,14 +103,15 @@ def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max
     once per optimizer step by the trainer (`step_scheduler`; Accelerate would step it once per
     process) and saved through register_for_checkpointing.
     """
+    lr = cfg.peak_lr(global_batch)
     if "optimizer" in strategy.ds_owned:
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = strategy.placeholder_optimizer(trainable, cfg.lr, cfg.weight_decay)
+        optimizer = strategy.placeholder_optimizer(trainable, lr, cfg.weight_decay)
     else:
         adamw = strategy.adamw()
         if adamw is torch.optim.AdamW and use_fused(cfg.fused, strategy.accelerator.device):
             adamw = functools.partial(torch.optim.AdamW, fused=True)
-        optimizer = build_optimizer(model, cfg, adamw)
+        optimizer = build_optimizer(model, cfg, adamw, lr)
     if "scheduler" in strategy.ds_owned:
         scheduler = strategy.placeholder_scheduler(optimizer, max_steps, cfg.warmup_steps)
         model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)

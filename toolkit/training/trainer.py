@@ -248,8 +248,14 @@ class Trainer:
         if self.strategy.ds_owned:
             owned = " and ".join(self.strategy.ds_owned)
             self.print(f"the DeepSpeed config defines {owned}: using them instead of the recipe's optim section")
+        if cfg.optim.lr_scaling != "none":
+            self.print(
+                f"optim.lr={cfg.optim.lr:g} was tuned at a global batch of {cfg.optim.lr_reference_batch}; scaled "
+                f"{cfg.optim.lr_scaling} to train.global_batch_size={cfg.train.global_batch_size}: peak lr "
+                f"{cfg.optim.peak_lr(cfg.train.global_batch_size):g}"
+            )
         self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
-            self.strategy, model, cfg.optim, cfg.train.max_steps
+            self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
         )
         if self.resume_from is not None:
             self.resume_from = intact_checkpoint(

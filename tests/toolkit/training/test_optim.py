@@ -60,6 +60,8 @@ def test_the_defaults_are_valid():
         (dict(betas=[0.9, 1.0]), "betas=[0.9, 1.0]"),
         (dict(betas=[-0.1, 0.9]), "betas=[-0.1, 0.9]"),
         (dict(max_grad_norm=-1.0), "max_grad_norm=-1.0"),
+        (dict(lr_reference_batch=-8), "lr_reference_batch=-8"),
+        (dict(lr_scaling="sqrt"), "lr_reference_batch=0"),
     ],
 )
 def test_each_bad_value_is_one_problem_naming_the_key_and_value(kwargs, names):
@@ -200,6 +202,19 @@ def test_without_warmup_the_first_step_trains_at_the_peak():
     assert _lrs(OptimConfig(lr=LR, warmup_steps=0, schedule="cosine"))[0] == pytest.approx(LR)
 
 
+# ------------------------------------------------------------------ OptimConfig.peak_lr
+
+
+@pytest.mark.parametrize(("scaling", "global_batch", "expected"), [
+    ("none", 1024, 3e-4),
+    ("linear", 1024, 1.2e-3), ("linear", 128, 1.5e-4), ("linear", 256, 3e-4),
+    ("sqrt", 1024, 6e-4), ("sqrt", 512, 3e-4 * 2 ** 0.5), ("sqrt", 64, 1.5e-4),
+])
+def test_the_peak_rate_scales_with_the_global_batch_from_the_reference(scaling, global_batch, expected):
+    cfg = OptimConfig(lr=3e-4, lr_scaling=scaling, lr_reference_batch=256 if scaling != "none" else 0)
+    assert cfg.peak_lr(global_batch) == pytest.approx(expected, rel=1e-12)
+
+
 # ------------------------------------------------------------------ prepare_optimization
 
 
@@ -229,7 +244,7 @@ def _step(model, optimizer, scheduler) -> None:
 def test_prepare_optimization_steps_our_scheduler_and_registers_it(strategy):
     assert strategy.kind == "single" and strategy.accumulation == 2
     cfg = OptimConfig(lr=LR, warmup_steps=WARMUP, weight_decay=0.05)
-    model, optimizer, scheduler, step_scheduler = prepare_optimization(strategy, Tiny(), cfg, MAX_STEPS)
+    model, optimizer, scheduler, step_scheduler = prepare_optimization(strategy, Tiny(), cfg, MAX_STEPS, 4)
     assert step_scheduler is True  # no DeepSpeed engine to step it: the trainer does
     assert any(obj is scheduler for obj in strategy.accelerator._custom_objects)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
@@ -241,7 +256,7 @@ def test_prepare_optimization_steps_our_scheduler_and_registers_it(strategy):
 
 def test_the_scheduler_position_survives_save_and_load_state(strategy, tmp_path):
     cfg = OptimConfig(lr=LR, warmup_steps=WARMUP)
-    model, optimizer, scheduler, _ = prepare_optimization(strategy, Tiny(), cfg, MAX_STEPS)
+    model, optimizer, scheduler, _ = prepare_optimization(strategy, Tiny(), cfg, MAX_STEPS, 4)
     for _ in range(3):
         _step(model, optimizer, scheduler)
     saved_lr = optimizer.param_groups[0]["lr"]
@@ -259,7 +274,7 @@ def test_the_scheduler_position_survives_save_and_load_state(strategy, tmp_path)
 def test_fused_adamw_is_taken_on_cuda_or_when_asked(strategy, fused, expected):
     """auto leaves CPU runs on the default (foreach) kernel, so their numbers stay exactly as they were."""
     assert strategy.accelerator.device.type == "cpu"
-    _, optimizer, _, _ = prepare_optimization(strategy, Tiny(), OptimConfig(lr=LR, fused=fused), MAX_STEPS)
+    _, optimizer, _, _ = prepare_optimization(strategy, Tiny(), OptimConfig(lr=LR, fused=fused), MAX_STEPS, 4)
     assert optimizer.optimizer.defaults["fused"] is expected
 
 
@@ -285,3 +300,13 @@ def test_the_fused_kernel_gives_the_same_update_up_to_rounding():
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert optimizers[1].defaults["fused"] is True
+
+
+def test_prepare_optimization_trains_at_the_scaled_peak(strategy):
+    """A global batch of 4 with lr tuned at 1: linear scaling trains at 4 x lr from the first step (no
+    warmup), and the schedule decays from there."""
+    cfg = OptimConfig(lr=LR, schedule="constant", lr_scaling="linear", lr_reference_batch=1)
+    model, optimizer, scheduler, _ = prepare_optimization(strategy, Tiny(), cfg, MAX_STEPS, 4)
+    assert [g["lr"] for g in optimizer.optimizer.param_groups] == [pytest.approx(4 * LR)] * 2
+    _step(model, optimizer, scheduler)
+    assert scheduler.get_last_lr() == [pytest.approx(4 * LR)] * 2

@@ -271,3 +271,18 @@ def test_low_disk_space_is_said_before_the_save(tmp_path, blocks, tiny_tokenizer
     trainer.fit()
     trainer.close()
     assert "warning: 1,000 bytes free for checkpoint step-4, the previous one took" in capsys.readouterr().out
+
+
+def test_the_learning_rate_is_scaled_with_the_global_batch_when_asked(tmp_path, blocks, tiny_tokenizer, tiny_model, capsys):
+    """optim.lr tuned at a global batch of 1, a run of 4 with sqrt scaling: every logged rate is twice
+    the unscaled run's (warmup and decay scale with the peak), and the run says so once."""
+    rates = {}
+    for name, scaling in (("plain", []), ("scaled", ["optim.lr_scaling=sqrt", "optim.lr_reference_batch=1"])):
+        trainer = start(tmp_path / name, blocks, tiny_tokenizer, tiny_model, "train.max_steps=3", "eval.every=0",
+                        "checkpoint.every=0", "optim.lr=1e-3", *scaling)
+        trainer.fit()
+        trainer.close()
+        rates[name] = [r["lr"] for r in read_metrics(trainer.run.metrics) if "lr" in r]
+    assert len(rates["plain"]) == 3 and rates["scaled"] == pytest.approx([2 * lr for lr in rates["plain"]], rel=1e-12)
+    assert capsys.readouterr().out.count(
+        "optim.lr=0.001 was tuned at a global batch of 1; scaled sqrt to train.global_batch_size=4: peak lr 0.002") == 1
