@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import re
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,10 @@ class ModelConfig(ComputeConfig):
     config: dict[str, Any] = field(default_factory=dict, help="architecture sizes passed to the transformers config")
     init_seed: int | None = field(None, help="seed for the random init; default: the run's seed")
 
+    def __post_init__(self):
+        if self.model_type in CONFIG_MAPPING:
+            self.config = _floats_where_expected(self.model_type, self.config)
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.model_type not in CONFIG_MAPPING:
@@ -34,7 +41,8 @@ class ModelConfig(ComputeConfig):
                 "use one that has, e.g. llama, gpt2, qwen2, mistral"
             )
         else:
-            problems += [f"config.{p}" for p in _unknown_config_keys(self.model_type, self.config)]
+            unknown = _unknown_config_keys(self.model_type, self.config)
+            problems += [f"config.{p}" for p in unknown] or _wrong_types(self.model_type, self.config)
         return problems
 
 
@@ -93,6 +101,34 @@ def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = False) -
         if emb is not None:
             total -= emb.weight.numel()
     return total
+
+
+def _floats_where_expected(model_type: str, values: dict[str, Any]) -> dict[str, Any]:
+    """YAML and overrides read `0` or `1` as an int, and transformers' configs are strict dataclasses
+    that refuse an int for a float field (router_aux_loss_coef=0, rope_theta=10000): made floats."""
+    cls = CONFIG_MAPPING[model_type]
+    if not dataclasses.is_dataclass(cls):
+        return values
+    expected = {f.name: f.type for f in dataclasses.fields(cls)}
+
+    def wants_float(kind) -> bool:
+        return kind is float or (isinstance(kind, types.UnionType) and float in kind.__args__ and int not in kind.__args__)
+
+    return {key: float(value) if wants_float(expected.get(key)) and type(value) is int else value
+            for key, value in values.items()}
+
+
+def _wrong_types(model_type: str, values: dict[str, Any]) -> list[str]:
+    """A value of the wrong type for the transformers config, as one problem instead of its traceback."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        AutoConfig.for_model(model_type, **values)
+    except (StrictDataclassError, TypeError, ValueError) as exc:
+        named = re.search(r"for field '(\w+)'", str(exc))
+        where = f"config.{named.group(1)}" if named else "config"
+        return [f"{where}: {str(exc.__cause__ or exc).splitlines()[-1].strip()}"]
+    return []
 
 
 def _unknown_config_keys(model_type: str, sizes: dict[str, Any]) -> list[str]:

@@ -75,6 +75,22 @@ def test_attribute_map_aliases_are_known_keys():
     )
 
 
+def test_an_integer_where_transformers_wants_a_float_is_made_one():
+    """An override reads `router_aux_loss_coef=0` as an int; transformers' strict config refused it
+    with a traceback."""
+    cfg = ModelConfig(model_type="qwen3_moe", config={"router_aux_loss_coef": 0, "num_experts": 4})
+    assert cfg.config == {"router_aux_loss_coef": 0.0, "num_experts": 4}
+    assert type(cfg.config["router_aux_loss_coef"]) is float and type(cfg.config["num_experts"]) is int
+    assert cfg.validate() == []
+    assert hf_config(cfg, vocab_size=VOCAB, eos_id=0, pad_id=None).router_aux_loss_coef == 0.0
+
+
+def test_a_value_of_the_wrong_type_is_one_problem():
+    assert ModelConfig(model_type="llama", config={"hidden_size": "wide"}).validate() == [
+        "config.hidden_size: Field 'hidden_size' expected int, got str (value: 'wide')"
+    ]
+
+
 def test_all_problems_are_reported_together():
     problems = ModelConfig(model_type="lama", config={"x": 1}, gradient_checkpointing_k=0).validate()
     assert sorted(problems) == [
