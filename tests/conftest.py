@@ -27,6 +27,8 @@ _DECODER = dict(
 TINY_SIZES = {
     "llama": _DECODER,
     "qwen2": _DECODER,
+    "qwen3_moe": {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "decoder_sparse_step": 1},
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
 }
 

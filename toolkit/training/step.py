@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from toolkit.models.loss import forward_loss_sum
+from toolkit.models.router import RouterLoss
 from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite
 
 
@@ -31,46 +32,59 @@ def optimizer_step(
     scale: float,
     max_grad_norm: float,
     loss_chunk_tokens: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
+    router: RouterLoss | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, str | None, torch.Tensor]:
     """(this rank's summed token loss as float64, the pre-clipping gradient norm or None, what was
-    not finite).
+    not finite, this rank's summed router loss as float64).
 
     The third value is None when the optimizer stepped; "loss" (a rank's loss was NaN/inf) or
     "grad" (the gradients were) when it did not: weights and optimizer state are untouched and
     the gradients cleared, the same on every rank.
     `loss_chunk_tokens` > 0: the loss is computed that many tokens at a time (model.loss=chunked).
+    `router` (a mixture of experts, toolkit.models.router): each micro-batch's router loss joins
+    its loss with weight router.coef, so that the gradient is of the mean over all ranks'
+    micro-batches (the backward's division by ranks x accumulation does the averaging); the
+    fourth value sums the unweighted router losses (zero for a model without routers).
     """
     engine = engine_of(accelerator)
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    router_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     grad_norm = nonfinite = None
     for batch in micro_batches:
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         with accelerator.accumulate(model):
-            micro_loss = forward_loss_sum(model, batch, loss_chunk_tokens)
-            loss_sum += micro_loss.detach().double()
+            if router is not None:
+                router.start()
+            token_sum = forward_loss_sum(model, batch, loss_chunk_tokens)
+            micro_loss = token_sum * scale
+            if router is not None:
+                router_loss = router.loss()
+                router_sum += router_loss.detach().double()
+                micro_loss = micro_loss + router.coef * router_loss
+            loss_sum += token_sum.detach().double()
             if engine is not None:
                 # accelerator.backward would run engine.step() too, before anything could be checked
-                engine_backward(engine, micro_loss * scale, accelerator.sync_gradients)
+                engine_backward(engine, micro_loss, accelerator.sync_gradients)
                 if accelerator.sync_gradients:
-                    (loss_bad,) = _any_nonfinite(accelerator, loss_sum)
+                    (loss_bad,) = _any_nonfinite(accelerator, loss_sum + router_sum)
                     nonfinite = engine_step_unless_nonfinite(engine, loss_bad)
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
                 continue
-            accelerator.backward(micro_loss * scale)
+            accelerator.backward(micro_loss)
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
                 # the norm is of the reduced gradients (the same on every rank); the losses are each rank's
                 norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
                 # fp16: an overflowing gradient is the loss scaler's business (it skips and lowers the scale)
                 norm = norm if accelerator.scaler is None else torch.zeros(())
-                loss_bad, grads_bad = _any_nonfinite(accelerator, loss_sum, norm)
+                loss_bad, grads_bad = _any_nonfinite(accelerator, loss_sum + router_sum, norm)
                 nonfinite = "loss" if loss_bad else "grad" if grads_bad else None
                 if nonfinite is None:
                     optimizer.step()
                 elif accelerator.scaler is not None:
                     accelerator.scaler.update()  # closes the unscale_ that clipping did, without a step
             optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, nonfinite
+    return loss_sum, grad_norm, nonfinite, router_sum
 
 
 def _any_nonfinite(accelerator: Accelerator, *values: torch.Tensor) -> list[bool]:

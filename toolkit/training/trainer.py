@@ -36,6 +36,7 @@ from toolkit.data.packing import check_attention, column
 from toolkit.export.hf_folder import write_model_files
 from toolkit.faults import kill_point, killing_batches, model_kill_points
 from toolkit.models.loss import backward_scale, output_head
+from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
@@ -241,6 +242,7 @@ class Trainer:
         cfg = self.cfg
         self.tokenizer, self.n_params, self.flops_token = tokenizer, n_params, flops_token
         self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)  # for the dead-model check
+        self.router = RouterLoss.of(model)  # a mixture of experts: its routers' loss joins the objective
         self.model_files = model_files or {}
         if cfg.model.chunk_tokens:
             output_head(model)  # a head the chunked loss cannot replace is refused before any step
@@ -292,6 +294,7 @@ class Trainer:
             global_idx = self.schedule.global_indices(state.step)
             global_targets = int(self.block_targets[global_idx].sum())
             scale = backward_scale(global_targets, acc.num_processes, self.strategy.accumulation)
+            micro_batches = acc.num_processes * self.strategy.accumulation
             batches = (self.collate(self.train_blocks[m], attn) for m in self.schedule.micro_batches(state.step))
             # Once per run, measure the bytes each rank really holds (sharding made visible).
             meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
@@ -300,9 +303,9 @@ class Trainer:
                 model_kill_points(acc.unwrap_model(self.model), state.step + 1),
                 injected(acc.unwrap_model(self.model), state.step + 1),
             ):
-                loss_sum, grad_norm, nonfinite = optimizer_step(
+                loss_sum, grad_norm, nonfinite, router_sum = optimizer_step(
                     acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
-                    cfg.optim.max_grad_norm, cfg.model.chunk_tokens,
+                    cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router,
                 )
             kill_point("after_optimizer", state.step + 1)
             if self.step_scheduler and nonfinite is None:  # a skipped step leaves the schedule where it was
@@ -316,7 +319,7 @@ class Trainer:
             # the host only where a value is needed: waiting for it each step would leave the GPU
             # idle while the host prepares the next step.
             stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
-            totals = HostCopy(acc.reduce(torch.stack([loss_sum, stop_flag]), reduction="sum"))
+            totals = HostCopy(acc.reduce(torch.stack([loss_sum, stop_flag, router_sum]), reduction="sum"))
             last = state.step == cfg.train.max_steps
             log_now = state.step % cfg.logging.every == 0 or last
             eval_now = self.val_blocks is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
@@ -345,6 +348,8 @@ class Trainer:
                     "tokens_per_s": tps,
                     "mfu": estimate_mfu(tps, self.flops_token, acc.num_processes, self.peak),
                     "epoch": self.schedule.epoch(state.step),
+                    # a mixture of experts: the routers' load-balancing loss, mean over every micro-batch
+                    **({} if self.router is None else {"router_aux_loss": values[2] / micro_batches}),
                 })
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
                 window_tokens, window_time = 0, 0.0

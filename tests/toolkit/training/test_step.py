@@ -4,6 +4,8 @@ token loss over all target tokens, however unevenly the targets fall into micro-
 
 from __future__ import annotations
 
+import sys
+
 import datasets
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from toolkit.data.packing import IGNORE_INDEX, collate, pack_documents, target_counts, tokenize_documents
 from toolkit.models.loss import backward_scale
+from toolkit.models.router import RouterLoss
 from toolkit.training.step import optimizer_step
 
 SEQ_LEN = 32
@@ -92,7 +95,7 @@ def toolkit_steps(make_model, steps, optimizer_cls, max_grad_norm: float | None)
     losses, norms = [], []
     for step in steps:
         scale = backward_scale(step["targets"], accelerator.num_processes, ACCUM)
-        loss_sum, grad_norm, nonfinite = optimizer_step(
+        loss_sum, grad_norm, nonfinite, _ = optimizer_step(
             accelerator, model, optimizer, step["micro"], scale, max_grad_norm
         )
         assert nonfinite is None
@@ -190,7 +193,7 @@ def test_a_nonfinite_loss_or_gradient_is_not_stepped(make_model, data, monkeypat
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = {k: {n: v.clone() for n, v in s.items()} for k, s in optimizer.optimizer.state.items()}
 
-    loss_sum, grad_norm, nonfinite = step(2, data[1])
+    loss_sum, grad_norm, nonfinite, _ = step(2, data[1])
     assert nonfinite == found
     assert bool(torch.isfinite(loss_sum)) == (injected_kind == "grad")
     if injected_kind == "loss":
@@ -206,3 +209,37 @@ def test_a_nonfinite_loss_or_gradient_is_not_stepped(make_model, data, monkeypat
     assert step(3, data[1])[2] is None
     assert {int(s["step"]) for s in optimizer.optimizer.state.values()} == {2}
     assert any(not torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
+def test_a_moe_router_loss_is_weighted_once_per_global_batch(data, tiny_model, tiny_tokenizer):
+    """A mixture of experts: the step's gradient is that of the mean token loss over the global batch
+    plus router_aux_loss_coef x the mean of the micro-batches' router losses, whatever the accumulation
+    (the reference: plain autograd, the router logits from the base model, transformers' own loss)."""
+    coef = 0.5  # large, so that a wrong weighting of the router loss shows in the update
+
+    def make():
+        return tiny_model("qwen3_moe", seed=0, tokenizer=tiny_tokenizer, initializer_range=INIT_RANGE,
+                          router_aux_loss_coef=coef)
+
+    step = data[0]
+    reference = make().train()
+    aux_fn = sys.modules[type(reference).__module__].load_balancing_loss_func
+    routers = []
+    for micro in step["micro"]:
+        inputs = {k: v for k, v in micro.items() if k != "labels"}
+        logits = reference.model(**inputs, output_router_logits=True).router_logits
+        routers.append(aux_fn(logits, 4, 2, None))
+    objective = hand_token_losses(reference, step["full"]).mean() + coef * torch.stack(routers).mean()
+    objective.backward()
+    torch.optim.SGD(reference.parameters(), lr=LR).step()
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    model = make()
+    router = RouterLoss.of(model)
+    model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
+    model.train()
+    scale = backward_scale(step["targets"], accelerator.num_processes, ACCUM)
+    _, _, nonfinite, router_sum = optimizer_step(accelerator, model, optimizer, step["micro"], scale, 0.0, 0, router)
+    assert nonfinite is None
+    assert router_sum.item() == pytest.approx(sum(r.item() for r in routers), rel=1e-6)
+    assert_same_weights(accelerator.unwrap_model(model), reference)
