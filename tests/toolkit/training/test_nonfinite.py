@@ -6,34 +6,28 @@ from __future__ import annotations
 
 import math
 
-import datasets
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from one_process_trainer import packed_blocks, start_trainer
 from safetensors.torch import load_file, save_file
 
 from toolkit.config import ConfigError, UserError, load_config
-from toolkit.data.packing import collate, packed_dataset, target_counts
+from toolkit.data.packing import collate
 from toolkit.manifest import crc32, write_manifest
 from toolkit.models.loss import forward_loss_sum
 from toolkit.run_dir import STATE_FILE, TrainerState
 from toolkit.training.metrics import read_metrics
 from toolkit.training.nonfinite import ENV, dead_model
 from toolkit.training.recipe_config import PretrainConfig
-from toolkit.training.trainer import Diverged, Trainer, model_size
+from toolkit.training.trainer import Diverged, Trainer
 
-SETTINGS = [
-    "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2", "train.mixed_precision=no",
-    "optim.warmup_steps=1", "logging.every=1", "logging.trackers=[]", "eval.blocks=4", "eval.every=0",
-    "checkpoint.every=0",
-]
+OFF = ["eval.every=0", "checkpoint.every=0"]  # what these tests leave out unless they say
 
 
 @pytest.fixture(scope="module")
 def blocks(tiny_texts, tiny_tokenizer, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("packed")
-    train = packed_dataset(datasets.Dataset.from_dict({"text": tiny_texts[:12]}), tiny_tokenizer, 64, cache, "train")
-    return train, None
+    return packed_blocks(tiny_texts, tiny_tokenizer, tmp_path_factory.mktemp("packed"), held_out=False)
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +38,7 @@ def fresh_accelerator_state():
 
 
 def start(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
-    """A fresh Trainer, as a new launch builds one."""
-    AcceleratorState._reset_state(True)
-    cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={out}", *overrides])
-    trainer = Trainer("unit", cfg)
-    trainer.use_data(*blocks, collate, target_counts)
-    model = tiny_model("llama", seed=0, tokenizer=tokenizer)
-    trainer.prepare(model, tokenizer, *model_size(model, 64))
-    return trainer
+    return start_trainer(out, blocks, tokenizer, tiny_model, *OFF, *overrides)
 
 
 def train_to(trainer: Trainer, step: int) -> None:

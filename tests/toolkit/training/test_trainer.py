@@ -5,31 +5,22 @@ from __future__ import annotations
 
 import signal
 
-import datasets
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from one_process_trainer import SETTINGS, packed_blocks, start_trainer
 
 from toolkit.config import UserError, load_config
-from toolkit.data.packing import collate, packed_dataset, target_counts
 from toolkit.manifest import check_manifest
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.training.metrics import read_metrics
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.trainer import SaveStopped, Stopped, Trainer, model_size
 
-SETTINGS = [
-    "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2", "train.mixed_precision=no",
-    "optim.warmup_steps=1", "logging.every=1", "logging.trackers=[]", "eval.blocks=4",
-]
-
 
 @pytest.fixture(scope="module")
 def blocks(tiny_texts, tiny_tokenizer, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("packed")
-    train = packed_dataset(datasets.Dataset.from_dict({"text": tiny_texts[:12]}), tiny_tokenizer, 64, cache, "train")
-    val = packed_dataset(datasets.Dataset.from_dict({"text": tiny_texts[12:14]}), tiny_tokenizer, 64, cache, "val")
-    return train, val
+    return packed_blocks(tiny_texts, tiny_tokenizer, tmp_path_factory.mktemp("packed"), held_out=True)
 
 
 @pytest.fixture(autouse=True)
@@ -40,15 +31,7 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state(True)
 
 
-def start(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
-    """A fresh Trainer, as a new launch builds one (a test may start several in turn)."""
-    AcceleratorState._reset_state(True)
-    cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={out}", *overrides])
-    trainer = Trainer("unit", cfg)
-    trainer.use_data(*blocks, collate, target_counts)
-    model = tiny_model("llama", seed=0, tokenizer=tokenizer)
-    trainer.prepare(model, tokenizer, *model_size(model, 64))
-    return trainer
+start = start_trainer
 
 
 def losses(run: RunDir) -> dict[int, float]:
