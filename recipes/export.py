@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.base and source.kind != "adapter":
             raise UserError(f"--base applies to a LoRA adapter folder; {source.describe()} is not one, leave --base out")
         model, tokenizer, notes = load_model(source, args.base, args.merge_lora)
+        if args.format == "gguf":  # an architecture llama.cpp cannot run is refused before any work
+            from toolkit.export.gguf import gguf_architecture
+
+            gguf_architecture(model.config, source.describe())
         if args.merge_lora and source.kind == "hf":
             notes.append(f"--merge-lora: {source.describe()} is a full model; there was nothing to merge")
         for line in notes:

@@ -182,19 +182,25 @@ def _read_config(model_dir: Path) -> tuple[object, object]:
         config = AutoConfig.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{model_dir}/config.json could not be read ({_first_line(exc)})") from None
+    return config, gguf_architecture(config, str(model_dir))
+
+
+def gguf_architecture(config, where: str):
+    """The llama.cpp architecture a transformers config exports as, or a UserError naming `where`
+    (checked before any work: the export stages the model first)."""
     by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # for a config without architectures
     found = (getattr(config, "architectures", None) or [by_type.get(config.model_type, config.model_type)])[0]
     if found not in SUPPORTED_ARCHITECTURES:
         raise UserError(
-            f"{model_dir} holds a {found}; GGUF export supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{where} holds a {found}; GGUF export supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise UserError(f"{model_dir} uses rope scaling {rope_type!r}; GGUF export writes only default rope")
+        raise UserError(f"{where} uses rope scaling {rope_type!r}; GGUF export writes only default rope")
     if getattr(config, "use_sliding_window", False):
-        raise UserError(f"{model_dir} uses sliding-window attention, which llama.cpp's qwen2 does not run")
-    return config, SUPPORTED_ARCHITECTURES[found]
+        raise UserError(f"{where} uses sliding-window attention, which llama.cpp's qwen2 does not run")
+    return SUPPORTED_ARCHITECTURES[found]
 
 
 def _read_vocab(model_dir: Path, n_vocab: int) -> dict:
