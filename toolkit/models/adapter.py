@@ -117,7 +117,12 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
         bias="none",
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, lora)
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:  # peft's refusals of this config on this model, as one line
+        hint = ("set adapter.dropout=0: peft's LoRA on a mixture of experts' expert weights (all-linear takes them "
+                "too) has no dropout" if "lora_dropout" in str(exc) else "change the adapter section")
+        raise UserError(f"peft cannot put this LoRA on {type(model).__name__} ({str(exc).strip()}); {hint}") from None
     trainable, total = model.get_nb_trainable_parameters()
     return model, (
         f"weights: {cfg.method} r={cfg.r} alpha={cfg.alpha:g} on {', '.join(cfg.target_modules)}: "

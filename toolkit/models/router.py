@@ -48,8 +48,9 @@ class RouterLoss:
             return None
         recorder = next((spec for m in model.modules()
                          if (spec := (getattr(type(m), "_can_record_outputs", None) or {}).get("router_logits"))), None)
-        causal_lm = next((m for m in model.modules() if getattr(m, "config", None) is config), model)
-        loss_fn = getattr(sys.modules[type(causal_lm).__module__], "load_balancing_loss_func", None)
+        # the model's own modeling module holds it (not a wrapper's, e.g. peft's PeftModel)
+        loss_fn = next((fn for m in model.modules()
+                        if (fn := getattr(sys.modules.get(type(m).__module__), "load_balancing_loss_func", None))), None)
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
         top_k = getattr(config, "num_experts_per_tok", None)
         router = getattr(recorder, "target_class", recorder)

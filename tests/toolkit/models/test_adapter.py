@@ -182,3 +182,25 @@ def test_merge_and_load_with_adapter_round_trip(base, tmp_path):
     assert set(merged.state_dict()) == set(base().state_dict())
     with torch.no_grad():
         torch.testing.assert_close(merged.eval()(input_ids=x).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_on_a_mixture_of_experts_takes_its_experts_and_refuses_dropout_in_one_line(tiny_model):
+    """all-linear on a MoE takes the experts' 3-D weights too, which peft wraps without dropout: its
+    ValueError was a traceback. With dropout 0 the adapter goes on, experts included, and the router
+    loss is still found through peft's wrapper."""
+    from toolkit.models.router import RouterLoss
+
+    with pytest.raises(UserError) as info:
+        apply_adapter(tiny_model("qwen3_moe"), AdapterConfig(method="lora", target_modules=["all-linear"], dropout=0.1))
+    assert str(info.value) == (
+        "peft cannot put this LoRA on Qwen3MoeForCausalLM (lora.ParamWrapper does not work with lora_dropout != 0.); "
+        "set adapter.dropout=0: peft's LoRA on a mixture of experts' expert weights (all-linear takes them too) has "
+        "no dropout"
+    )
+    model, _ = apply_adapter(tiny_model("qwen3_moe"), AdapterConfig(method="lora", target_modules=["all-linear"],
+                                                                    dropout=0.0))
+    assert any("experts" in name and "lora" in name for name, p in model.named_parameters() if p.requires_grad)
+    router = RouterLoss.of(model)
+    router.start()
+    model(input_ids=torch.arange(16).reshape(2, 8), use_cache=False)
+    assert torch.isfinite(router.loss())
