@@ -1,0 +1,70 @@
+"""Tensor parallelism: a causal LM's layers split over `tp` ranks by transformers' own plan.
+
+The engine is transformers' distributed API (DistributedConfig, the model's `base_model_tp_plan`,
+`prepare_distribute_model` + `maybe_distribute_model`): weights become DTensors, attention split by
+heads, the MLP's first matrices by columns and its last by rows, the embedding by rows. Accelerate's
+ParallelismConfig is not used: it refuses CPU processes, and its FSDP2 + TP branch imports a class
+transformers 5.23 no longer has (docs/parallelism.md, "Which engine each will use").
+
+The split slices each rank's own copy of the weights (no broadcast), so every rank must build the
+model from the same seed, as the recipes do.
+
+What cannot be split is refused in one line before anything is built (`problems`): a model without a
+plan, and head counts or MLP widths that the tp degree does not divide (transformers would cut a
+head in two and compute garbage, not fail).
+
+The strategy that trains with it (data parallel over the tp groups, checkpoints, final/) is being
+built in issue 13; this module is its model side.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from toolkit.config import UserError
+
+# the sizes a tensor-parallel plan cuts into tp equal parts, per config attribute
+_SPLIT = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def problems(config: PretrainedConfig, tp: int) -> list[str]:
+    """Why `config`'s model cannot be split over `tp` ranks (empty when it can)."""
+    if tp < 1:
+        return [f"tp={tp} must be at least 1"]
+    if tp == 1:
+        return []
+    found = []
+    if not getattr(config, "base_model_tp_plan", None):
+        found.append(f"model_type={config.model_type} has no tensor-parallel plan in transformers; "
+                     "use a LLaMA, Qwen2/3 or Mistral model, or FSDP2/ZeRO-3 to shard it")
+    for name in _SPLIT:
+        size = getattr(config, name, None)
+        if isinstance(size, int) and size % tp:
+            found.append(f"model.config.{name}={size} is not divisible by tp={tp}: each rank must hold whole "
+                         f"{'heads' if 'heads' in name else 'columns'}; pick a tp that divides it")
+    return found
+
+
+def split(model: torch.nn.Module, tp: int) -> torch.nn.Module:
+    """`model` (built from the same seed on every rank, process group started) with its layers split
+    over `tp` ranks; refused in one line if it cannot be."""
+    found = problems(model.config, tp)
+    if found:
+        raise UserError(found[0])
+    if tp == 1:
+        return model
+    from transformers.distributed import DistributedConfig
+
+    config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(tp_size=tp))
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is model.get_input_embeddings().weight
+    if tied:
+        # transformers 5.23 looks the plan's lm_head.weight up among named_parameters(), which lists a
+        # tied weight once, under the embedding's name (KeyError): untied for the split, tied again after
+        # (the embedding and the head are both cut by vocabulary rows, so the halves match)
+        output.weight = torch.nn.Parameter(output.weight.detach().clone())
+    model = type(model).maybe_distribute_model(model, config, mesh)
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return model
