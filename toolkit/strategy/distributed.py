@@ -39,12 +39,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.config import UserError
+
+T = TypeVar("T")
 
 ERROR_GRACE_S = 5.0  # how long ranks other than 0 let rank 0 report a shared error first
 DATA_PARALLEL = {
@@ -810,25 +813,29 @@ class Strategy:
         optimizer = getattr(acc._optimizers[0], "optimizer", acc._optimizers[0])
         return [[names[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
 
-    def converted_checkpoint(self, folder: Path) -> tuple[Path, bool]:
-        """Collective: checkpoint `folder`'s state by parameter name, made by the main process alone
-        (or found made before: the bool) while the others wait; a UserError is raised on every rank."""
+    def on_main(self, compute: Callable[[], T]) -> T:
+        """Collective: `compute()` run by the main process alone while the others wait, its value (or
+        its UserError, raised) on every rank. The value must pickle."""
         from accelerate.utils import broadcast_object_list
 
-        from toolkit.strategy.consolidated import cached_conversion
-
-        verdict: list = [None, None, False]  # [converted folder, error line, found made before]
+        verdict: list = [None, None]  # [value, error line]
         if self.is_main:
             try:
-                found, cached = cached_conversion(folder)
-                verdict = [str(found), None, cached]
+                verdict[0] = compute()
             except UserError as exc:
-                verdict = [None, str(exc), False]
+                verdict[1] = str(exc)
         if self.world_size > 1:
             broadcast_object_list(verdict)
         if verdict[1] is not None:
             raise UserError(verdict[1])
-        return Path(verdict[0]), verdict[2]
+        return verdict[0]
+
+    def converted_checkpoint(self, folder: Path) -> tuple[Path, bool]:
+        """Collective: checkpoint `folder`'s state by parameter name, made by the main process alone
+        (or found made before: the bool) while the others wait; a UserError is raised on every rank."""
+        from toolkit.strategy.consolidated import cached_conversion
+
+        return self.on_main(lambda: cached_conversion(folder))
 
     def load_consolidated(self, folder: Path) -> None:
         """Collective: a converted checkpoint (toolkit.strategy.consolidated) into the prepared model

@@ -431,32 +431,25 @@ def intact_checkpoint(
     each damaged one aside (`step-N.damaged`: kept for a post-mortem, out of rotation, never
     resumed from); resume=PATH stops in one line that names the damaged file.
     """
-    from accelerate.utils import broadcast_object_list
 
-    verdict: list = [None, None]  # [folder to resume from, or the one-line error]
-    if strategy.is_main:
+    def choose() -> Path:
         run.drop_pruned()
         candidates = [chosen] + ([c for c in reversed(run.complete_checkpoints()) if c != chosen] if auto else [])
         problems = []
         for folder in candidates:
             problem = check_manifest(folder) or check_state_file(folder)
             if problem is None:
-                verdict[0] = str(folder)
-                break
+                return folder
             problems.append(problem)
             if not auto:
                 break
             aside = folder.with_name(folder.name + ".damaged")
             folder.rename(aside)
             say(f"checkpoint {folder.name} is damaged ({problem}); moved to {aside.name}, trying the one before")
-        if verdict[0] is None:
-            where = f"resume={chosen}" if not auto else f"resume=auto: no intact checkpoint in {run.checkpoints}"
-            verdict[1] = f"{where}: {problems[0]}"
-    if strategy.world_size > 1:
-        broadcast_object_list(verdict)
-    if verdict[1] is not None:
-        raise UserError(verdict[1] + "; resume from an intact checkpoint or start a new output_dir")
-    return Path(verdict[0])
+        where = f"resume={chosen}" if not auto else f"resume=auto: no intact checkpoint in {run.checkpoints}"
+        raise UserError(f"{where}: {problems[0]}; resume from an intact checkpoint or start a new output_dir")
+
+    return strategy.on_main(choose)
 
 
 def check_state_file(folder: Path) -> str | None:
