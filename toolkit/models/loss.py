@@ -27,9 +27,21 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     copies the whole (batch x seq x vocab) tensor, forward and backward (measured: +6% step time
     on the tiny model; hundreds of MB per micro-batch with a 50k+ vocabulary).
     """
-    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return target_loss_sum(logits, F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX))
+
+
+def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropies of each position's logits against its target (already the next token)."""
     flat_logits = logits.reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(flat_logits, shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(flat_logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def targets_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each position's target: `shift_labels` where a batch has them (context parallel shifts before it
+    splits a sequence), else its `labels` shifted by one."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def backward_scale(global_targets: int, world_size: int, accumulation_steps: int) -> float:
@@ -48,13 +60,13 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
     `chunk_tokens` 0: from the model's full logits; > 0 (model.loss=chunked): computed inside the
     output head `chunk_tokens` tokens at a time, with the same value and gradients.
     """
-    labels = batch["labels"]
+    targets = targets_of(batch)
     # No KV cache: training never reads one, and with one transformers stops reading document
     # boundaries from position ids (flex_attention would then let documents see each other).
-    inputs = {k: v for k, v in batch.items() if k != "labels"} | {"use_cache": False}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")} | {"use_cache": False}
     if chunk_tokens <= 0:
-        return token_loss_sum(model(**inputs).logits, labels)
-    with loss_in_head(model, labels, chunk_tokens) as returned:
+        return target_loss_sum(model(**inputs).logits, targets)
+    with loss_in_head(model, targets, chunk_tokens) as returned:
         loss = model(**inputs).logits
     if len(returned) != 1 or loss.dim() != 0:
         raise RuntimeError(
@@ -177,7 +189,7 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def loss_in_head(model: torch.nn.Module, labels: torch.Tensor, chunk_tokens: int):
+def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int):
     """For one forward of `model`: its output head returns the summed token loss instead of logits.
 
     The instance `forward` is replaced, not the class's: the module's hooks still run around it
@@ -186,7 +198,6 @@ def loss_in_head(model: torch.nn.Module, labels: torch.Tensor, chunk_tokens: int
     list of losses the head returned, for the caller to check it ran exactly once.
     """
     head = output_head(model)
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     returned: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from accelerate import Accelerator
 
 from toolkit.config import field
 from toolkit.data.packing import IGNORE_INDEX, collate
-from toolkit.models.loss import forward_loss_sum
+from toolkit.models.loss import forward_loss_sum, targets_of
 
 
 @dataclass
@@ -34,19 +34,24 @@ def evaluate(
     attn: str,
     collate_fn: Callable[[dict, str], dict[str, torch.Tensor]] = collate,
     loss_chunk_tokens: int = 0,
+    data_ranks: tuple[int, int] | None = None,
+    split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
     """Mean token loss over the first `max_blocks` held-out blocks, split across ranks.
 
     `collate_fn` turns block columns into model inputs with `labels` (packed text by default;
     `toolkit.data.chat.collate_chat` for chat blocks, whose labels keep only assistant tokens).
     `loss_chunk_tokens` > 0 computes the loss without the full logits (model.loss=chunked).
+    `data_ranks` (ranks that read different blocks, this rank's index among them; default every
+    process) and `split` (a collated batch -> this rank's share of its sequences) are context
+    parallel's (toolkit.strategy.context_parallel): the ranks of a group read the same blocks.
 
     Every rank runs the same number of forwards (sharded models gather weights inside
     forward, so an uneven count would hang); a rank short of blocks repeats one and
     zeroes its weight.
     """
     n = len(blocks) if max_blocks == 0 else min(max_blocks, len(blocks))
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = data_ranks or (accelerator.num_processes, accelerator.process_index)
     per_rank = math.ceil(n / world)
     mine = list(range(rank, n, world))
     model.eval()
@@ -61,9 +66,11 @@ def evaluate(
         batch = collate_fn(blocks[idx], attn)
         if real < len(idx):
             batch["labels"][real:] = IGNORE_INDEX
+        if split is not None:
+            batch = split(batch)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         loss_sum += forward_loss_sum(model, batch, loss_chunk_tokens).double()
-        targets += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+        targets += (targets_of(batch) != IGNORE_INDEX).sum()
     model.train()
     total = accelerator.reduce(torch.stack([loss_sum, targets]), reduction="sum")
     loss = (total[0] / total[1].clamp(min=1)).item()
