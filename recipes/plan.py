@@ -89,10 +89,12 @@ def meta_model(recipe: str, cfg) -> tuple[torch.nn.Module, torch.dtype, bool]:
 
 
 def strategies(folder: Path, hidden: int) -> list[StrategyFacts]:
-    """Every single-node accelerate config (multi-node ones lay memory out as their single-node twin)."""
+    """Every single-node accelerate config (multi-node ones lay memory out as their single-node twin),
+    except those with a parallelism_config (context parallel): not modelled yet."""
     found = []
     for path in sorted(folder.glob("*.yaml")):
-        if int((yaml.safe_load(path.read_text()) or {}).get("num_machines", 1)) > 1:
+        raw = yaml.safe_load(path.read_text()) or {}
+        if int(raw.get("num_machines", 1)) > 1 or raw.get("parallelism_config"):
             continue
         found.append(read_strategy(path, hidden))
     return found

@@ -46,6 +46,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.config import UserError
+from toolkit.strategy.context_parallel import ContextParallel
+from toolkit.strategy.context_parallel import problems as context_parallel_problems
+from toolkit.strategy.context_parallel import requested_size as requested_cp_size
 
 T = TypeVar("T")
 
@@ -660,6 +663,31 @@ def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
     return global_batch // per_step
 
 
+def parallelism_sizes(world: int) -> int:
+    """The context-parallel size an accelerate config's parallelism_config asks for, checked against the
+    launch; its other axes are refused in one line until they are built. Accelerate is then told
+    nothing of it: its ParallelismConfig refuses CPU processes, and its context parallel (torch's ring
+    attention) drops the attention mask, so that packed documents would see each other."""
+    cp = requested_cp_size()
+    if cp == 1 and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1
+    env = {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "tp", "sp")}
+    for axis in ("dp_replicate", "tp", "sp"):
+        if env[axis] > 1:
+            raise UserError(
+                f"accelerate config: parallelism_config_{axis}_size={env[axis]} is not supported yet; use "
+                "parallelism_config_dp_shard_size and parallelism_config_cp_size (accelerate_configs/fsdp_cp.yaml)"
+            )
+    if cp < 1 or env["dp_shard"] * cp != world:
+        raise UserError(
+            f"accelerate config: parallelism_config_dp_shard_size={env['dp_shard']} x parallelism_config_cp_size={cp} "
+            f"must equal the {world} processes launched; set parallelism_config_dp_shard_size to {max(1, world // max(cp, 1))} "
+            f"(and launch a multiple of {cp} processes)"
+        )
+    os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    return cp
+
+
 def check_whole(model: torch.nn.Module) -> None:
     """Generation in one process needs every weight here, not a ZeRO-3 partition or FSDP shard."""
     for name, p in model.named_parameters():
@@ -681,6 +709,7 @@ class Strategy:
     world_size: int
     accumulation: int
     ds_owned: tuple[str, ...]  # "optimizer"/"scheduler" blocks a user's DeepSpeed JSON defines
+    context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
 
     @classmethod
     def launch(
@@ -689,12 +718,14 @@ class Strategy:
     ) -> Strategy:
         """Collective: every rank. Batch sizes that do not divide fail before any process group exists."""
         world = world_size()
-        accumulation = accumulation_steps(global_batch, micro_batch, world)
+        cp = parallelism_sizes(world)
+        accumulation = accumulation_steps(global_batch, micro_batch, world // cp)
         accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
         if accelerator.device.type == "cpu":
             keep_freed_memory()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
-        return cls(accelerator, world, accumulation, tuple(owned))
+        context = ContextParallel(cp, accelerator.device) if cp > 1 else None
+        return cls(accelerator, world, accumulation, tuple(owned), context)
 
     # ----------------------------------------------------------------- facts
     @property
@@ -724,6 +755,36 @@ class Strategy:
         return offloads_optimizer_to_cpu(self.accelerator)
 
     @property
+    def cp(self) -> int:
+        """Ranks each sequence is split over (1 without context parallel)."""
+        return 1 if self.context is None else self.context.cp
+
+    @property
+    def data_ranks(self) -> tuple[int, int]:
+        """(ranks that read different data, this rank's index among them): a context-parallel group
+        reads the same blocks."""
+        return self.world_size // self.cp, self.rank // self.cp
+
+    def split_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A collated batch -> this rank's share of its sequences (the batch itself without context parallel)."""
+        return batch if self.context is None else self.context.split(batch)
+
+    def check_sequence_length(self, seq_len: int) -> None:
+        """Refuses, before any data is prepared, blocks that context parallel cannot split evenly."""
+        if self.context is not None and seq_len % (2 * self.cp):
+            raise UserError(context_parallel_problems(None, self.cp, seq_len, "sdpa")[0])
+
+    def apply_context_parallel(self, model: torch.nn.Module, seq_len: int, attn_implementation: str) -> None:
+        """Under context parallel, `model`'s attention gathers its group's keys and values; what cannot
+        be split is refused in one line."""
+        if self.context is None:
+            return
+        found = context_parallel_problems(model.config, self.cp, seq_len, attn_implementation)
+        if found:
+            raise UserError(found[0])
+        self.context.apply(model)
+
+    @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
@@ -736,7 +797,8 @@ class Strategy:
         return self.accelerator.device
 
     def describe(self) -> str:
-        return describe(self.accelerator)
+        line = describe(self.accelerator)
+        return line if self.context is None else f"{line} context_parallel={self.cp} (data_parallel={self.data_ranks[0]})"
 
     def print(self, *args) -> None:
         self.accelerator.print(*args)

@@ -180,6 +180,7 @@ class Trainer:
             timeout_s=t.collective_timeout_s,
         )
         self.accelerator = strategy.accelerator
+        strategy.check_sequence_length(cfg.data.seq_len)
         if cfg.model.attn_implementation == "flex_attention" and self.accelerator.device.type == "cpu":
             raise UserError(
                 "model.attn_implementation=flex_attention trains only on GPUs (torch has no CPU backward for "
@@ -228,7 +229,7 @@ class Trainer:
         self.block_tokens = column(self.train_blocks, "num_tokens").astype("int64")
         self.schedule = BatchSchedule(
             len(self.train_blocks), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-            self.strategy.world_size, self.strategy.rank, cfg.seed,
+            *self.strategy.data_ranks, cfg.seed,
         )
         return self.schedule
 
@@ -256,6 +257,7 @@ class Trainer:
                 f"{cfg.optim.lr_scaling} to train.global_batch_size={cfg.train.global_batch_size}: peak lr "
                 f"{cfg.optim.peak_lr(cfg.train.global_batch_size):g}"
             )
+        self.strategy.apply_context_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
         self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
             self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
         )
@@ -295,7 +297,8 @@ class Trainer:
             global_targets = int(self.block_targets[global_idx].sum())
             scale = backward_scale(global_targets, acc.num_processes, self.strategy.accumulation)
             micro_batches = acc.num_processes * self.strategy.accumulation
-            batches = (self.collate(self.train_blocks[m], attn) for m in self.schedule.micro_batches(state.step))
+            split = self.strategy.split_sequences
+            batches = (split(self.collate(self.train_blocks[m], attn)) for m in self.schedule.micro_batches(state.step))
             # Once per run, measure the bytes each rank really holds (sharding made visible).
             meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
             with (
@@ -422,7 +425,7 @@ class Trainer:
             result = evaluate(
                 self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
                 cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
-                cfg.model.chunk_tokens,
+                cfg.model.chunk_tokens, self.strategy.data_ranks, self.strategy.split_sequences,
             )
         self.eval_step = self.state.eval_step = self.step
         self.log({"step": self.step, "phase": phase, **result})

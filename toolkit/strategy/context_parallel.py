@@ -1,0 +1,161 @@
+"""Context parallelism: every sequence split over `cp` ranks, packed documents kept apart.
+
+Each of a group's cp ranks holds 1/cp of every sequence of the group's micro-batch, so activations
+(and their memory) per rank fall by cp: the way to train sequences one GPU cannot hold. Attention
+is the only layer that mixes positions: there each rank gathers the keys and values of the whole
+sequence from its group and attends its own queries to them, under its rows of the block-causal
+mask that packing builds (a document sees only itself). This is the all-gather form of context
+parallelism that Llama 3 was trained with for document masks; its cost is the keys and values of
+the whole sequence per layer (2 x tokens x kv_heads x head_dim), small with grouped-query attention,
+and one reduce-scatter of their gradients in the backward.
+
+The engines are torch's: the head-tail load balancer of its context-parallel package (rank i holds
+chunks i and 2cp-1-i, so that causal work is even), the autograd all-gather of functional
+collectives (its backward is the reduce-scatter), and scaled_dot_product_attention.
+Why not torch's ring attention (`context_parallel()`, what Accelerate's cp_size applies): it
+registers sharding rules only for the CUDA sdpa kernels and supports a causal mask only, so
+Accelerate drops the attention mask and packed documents would attend to each other. Its
+flex_attention form keeps documents apart but has no CPU backward and needs sequences of
+cp x 128 tokens. docs/parallelism.md has the measurements.
+
+Gradients need nothing more: every rank's loss is its tokens' sum over the global target count, and
+the data-parallel wrapper (FSDP2, DDP) reduces over all ranks, cp included.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.config import UserError
+from toolkit.data.packing import IGNORE_INDEX
+
+ATTENTION = "toolkit_context_parallel"  # the name it is registered under in transformers' AttentionInterface
+SIZE_ENV = "PARALLELISM_CONFIG_CP_SIZE"  # what `accelerate launch` sets from the config's parallelism_config
+SUPPORTED_ATTENTION = ("sdpa", "eager")  # the kinds that take packing's block-causal mask
+
+
+def requested_size() -> int:
+    """cp from the launch's accelerate config (`parallelism_config_cp_size`), 1 when it has none."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1
+    return int(os.environ.get(SIZE_ENV, "1"))
+
+
+def problems(config, cp: int, seq_len: int, attn_implementation: str) -> list[str]:
+    """Why a model with `config` (None: the model is not known yet), trained on blocks of `seq_len`
+    tokens, cannot be split over cp ranks."""
+    if cp <= 1:
+        return []
+    found = []
+    if seq_len % (2 * cp):
+        found.append(
+            f"data.seq_len={seq_len} is not divisible by 2 x parallelism_config_cp_size = {2 * cp}: each rank holds "
+            f"two equal chunks of every sequence; use a multiple of {2 * cp}"
+        )
+    if attn_implementation not in SUPPORTED_ATTENTION:
+        found.append(
+            f"model.attn_implementation={attn_implementation} cannot run context parallel here; use sdpa (the "
+            "gathered keys and values are attended under packing's block-causal mask)"
+        )
+    if config is None:
+        return found
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        found.append(
+            f"context parallel with a mixture of experts ({config.model_type}) is not supported: the router loss "
+            "would be computed per sequence shard; train it with fsdp.yaml or the zero configs"
+        )
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        found.append(
+            f"context parallel with sliding-window attention ({config.model_type}, sliding_window="
+            f"{config.sliding_window}) is not supported: the mask here is block-causal only"
+        )
+    return found
+
+
+@dataclass
+class SequenceShard:
+    """Which positions of a sequence of `length` tokens this rank holds, in load-balanced order."""
+
+    length: int
+    cp: int
+    cp_rank: int
+    device: torch.device
+
+    def __post_init__(self):
+        from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+
+        order = _HeadTailLoadBalancer(self.length, self.cp, self.device)._generate_indices(restore=False)[0]
+        self.order = order.to(self.device)  # the whole sequence as the cp ranks hold it, rank after rank
+        local = self.length // self.cp
+        self.mine = self.order[self.cp_rank * local : (self.cp_rank + 1) * local]
+
+    def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A collated batch (input_ids, position_ids, labels: B x L) -> this rank's share: its tokens,
+        their positions, their next-token targets (shifted before the split: a shard's last token
+        predicts the first token of another shard) and its rows of the block-causal mask over the
+        whole sequence in the ranks' order (what the gathered keys are in)."""
+        ids, positions, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        document = torch.cumsum(positions == 0, dim=1)  # packing restarts positions at each document
+        doc_rows, doc_cols = document[:, self.mine], document[:, self.order]
+        same = doc_rows[:, :, None] == doc_cols[:, None, :]
+        causal = self.mine[:, None] >= self.order[None, :]
+        return {
+            "input_ids": ids[:, self.mine],
+            "position_ids": positions[:, self.mine],
+            "shift_labels": targets[:, self.mine],
+            "attention_mask": (same & causal)[:, None],
+        }
+
+
+class ContextParallel:
+    """A launch's context-parallel groups: ranks [g*cp, (g+1)*cp) split group g's sequences.
+
+    Collective to build (every rank creates the device mesh)."""
+
+    def __init__(self, cp: int, device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = torch.distributed.get_world_size()
+        self.cp = cp
+        self.mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
+        self.group = self.mesh.get_group()
+        self.cp_rank = self.mesh.get_local_rank()
+        self.device = device
+        self._shards: dict[int, SequenceShard] = {}
+
+    def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        length = batch["input_ids"].shape[1]
+        if length not in self._shards:
+            if length % (2 * self.cp):
+                raise UserError(f"a batch of {length} tokens per sequence cannot be split over cp={self.cp} ranks; "
+                                f"use a data.seq_len divisible by {2 * self.cp}")
+            self._shards[length] = SequenceShard(length, self.cp, self.cp_rank, self.device)
+        return self._shards[length].split({k: v.to(self.device) for k, v in batch.items()})
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Route `model`'s attention through the gathered keys and values of this rank's group."""
+        import torch.distributed._functional_collectives as funcol
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        group = self.group
+        # renamed in torch 2.13 (the old name warns there; 2.11, on the GPU image, has only it)
+        gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+        def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_):
+            key = gather(key.contiguous(), gather_dim=2, group=group)
+            value = gather(value.contiguous(), gather_dim=2, group=group)
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0,
+                scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+            )
+            return out.transpose(1, 2).contiguous(), None
+
+        AttentionInterface.register(ATTENTION, attention)
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # unused: split() passes the mask rows
+        model.set_attn_implementation(ATTENTION)
