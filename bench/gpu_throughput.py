@@ -35,16 +35,9 @@ then a device run with carry [".whl", ".gpu"] and the command
     source .gpu/setup.sh && python3 bench/gpu_throughput.py --configs quick --workdir /tmp/runs \
         --save $OUT/quick.json --out $OUT/quick.md
 
-Not yet run on a GPU; expected, not measured: a 1B recipe row takes 2-3 minutes (start-up, compile,
-the timed steps, then the ~15 GB end-of-run checkpoint and final/), a plain-loop row 1-2, so `quick`
-(5 rows) fits one 10-minute device command only just and `full` (23 rows) takes about an hour.
-`--save` rewrites its file after every row, so a command cut off keeps what it measured; run `full`
-in parts (`--strategies ddp,fsdp --recipe-only`, `--peer-only`, ...) and print one table from the
-parts with `--merge a.json b.json`.
-
-The goals of issue 10, for this config (1B LLaMA, seq 2048, bf16, one H100, peak 989 TFLOP/s):
-MFU >= 50%; the best recipe row >= 1.15x the best plain loop ("ratio to best peer"); ZeRO-3 and
-FSDP2 within 10% of DDP's tokens/s at the same checkpointing, micro-batch and switches.
+Measured on one H100 (docs/benchmarks.md, "The GPU table"): with --steps 10 --warmup 3 a 1B recipe row
+took 95-114 s and a plain-loop row 36-91 s, so `quick` (5 rows) took 7.6 minutes, inside one 10-minute
+device command; `full` (23 rows) takes about an hour.
 """
 
 from __future__ import annotations
