@@ -28,3 +28,13 @@ def chatml_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("templates") / "chatml.jinja"
     path.write_text(CHATML)
     return path
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory, data_cache) -> Path:
+    """model_parallel.RUN on one process: what the context- and tensor-parallel runs must equal."""
+    from model_parallel import RUN
+
+    out = tmp_path_factory.mktemp("model-parallel") / "one"
+    run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=1, cache=data_cache)
+    return out

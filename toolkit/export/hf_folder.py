@@ -8,6 +8,7 @@ by default) under every strategy, so that swapping DDP for ZeRO-3 never changes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -105,7 +106,8 @@ def write_model_folder(
         for key in tied_copies(model):
             state_dict.pop(key, None)
     model.config.use_cache = True  # inference default; training turned it off
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+    with undistributed(model.config):
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
     if dtype is not None:  # save_pretrained wrote the dtype of the live parameters (16-bit under DeepSpeed)
         model.config.dtype = dtype
         model.config.save_pretrained(tmp)
@@ -130,13 +132,31 @@ def write_model_folder(
     return replace_folder(tmp, out_dir)
 
 
+@contextlib.contextmanager
+def undistributed(config):
+    """`config` without the distributed_config that tensor parallel (transformers' DistributedConfig)
+    sets on it, while a whole model is written: save_pretrained would otherwise gather the weights
+    again, a collective on the main process alone (the run hangs), and config.json would tell
+    from_pretrained to split the model again."""
+    saved = getattr(config, "distributed_config", None)
+    if saved is None:
+        yield config
+        return
+    config.distributed_config = None
+    try:
+        yield config
+    finally:
+        config.distributed_config = saved
+
+
 def write_model_files(model, tokenizer, folder: Path, extra: dict[str, dict] | None = None) -> Path:
     """What a checkpoint needs to become a model again: the architecture config, generation
     config and tokenizer; for a peft model the base's config plus the adapter's config.
     `extra` maps file names to JSON-able dicts (e.g. how the base model was loaded)."""
     folder.mkdir(parents=True, exist_ok=True)
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    base.config.save_pretrained(folder)
+    with undistributed(base.config):
+        base.config.save_pretrained(folder)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -48,7 +48,6 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from toolkit.config import UserError
 from toolkit.strategy.context_parallel import ContextParallel
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
-from toolkit.strategy.context_parallel import requested_size as requested_cp_size
 
 T = TypeVar("T")
 
@@ -663,29 +662,38 @@ def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
     return global_batch // per_step
 
 
-def parallelism_sizes(world: int) -> int:
-    """The context-parallel size an accelerate config's parallelism_config asks for, checked against the
-    launch; its other axes are refused in one line until they are built. Accelerate is then told
-    nothing of it: its ParallelismConfig refuses CPU processes, and its context parallel (torch's ring
-    attention) drops the attention mask, so that packed documents would see each other."""
-    cp = requested_cp_size()
-    if cp == 1 and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return 1
-    env = {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "tp", "sp")}
-    for axis in ("dp_replicate", "tp", "sp"):
-        if env[axis] > 1:
+def parallelism_sizes(world: int) -> tuple[int, int]:
+    """(cp, tp): the context- and tensor-parallel sizes an accelerate config's parallelism_config asks
+    for, checked against the launch; its other axes are refused in one line until they are built.
+    Accelerate is then told nothing of it: its ParallelismConfig refuses CPU processes, its context
+    parallel (torch's ring attention) drops the attention mask, so that packed documents would see each
+    other, and its FSDP2 + TP branch imports a class transformers 5.23 no longer has."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1, 1
+    size = {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    for axis in ("dp_replicate", "sp"):
+        if size[axis] > 1:
             raise UserError(
-                f"accelerate config: parallelism_config_{axis}_size={env[axis]} is not supported yet; use "
-                "parallelism_config_dp_shard_size and parallelism_config_cp_size (accelerate_configs/fsdp_cp.yaml)"
+                f"accelerate config: parallelism_config_{axis}_size={size[axis]} is not supported yet; use "
+                "parallelism_config_dp_shard_size with parallelism_config_cp_size (accelerate_configs/fsdp_cp.yaml) "
+                "or parallelism_config_tp_size (accelerate_configs/fsdp_tp.yaml)"
             )
-    if cp < 1 or env["dp_shard"] * cp != world:
+    cp, tp = size["cp"], size["tp"]
+    if cp > 1 and tp > 1:
         raise UserError(
-            f"accelerate config: parallelism_config_dp_shard_size={env['dp_shard']} x parallelism_config_cp_size={cp} "
-            f"must equal the {world} processes launched; set parallelism_config_dp_shard_size to {max(1, world // max(cp, 1))} "
-            f"(and launch a multiple of {cp} processes)"
+            f"accelerate config: parallelism_config_cp_size={cp} with parallelism_config_tp_size={tp} is not "
+            "supported yet; use one of them"
+        )
+    model = cp * tp
+    if min(cp, tp, size["dp_shard"]) < 1 or size["dp_shard"] * model != world:
+        axis = "cp" if cp > 1 else "tp"
+        raise UserError(
+            f"accelerate config: parallelism_config_dp_shard_size={size['dp_shard']} x parallelism_config_{axis}_size="
+            f"{max(cp, tp)} must equal the {world} processes launched; set parallelism_config_dp_shard_size to "
+            f"{max(1, world // max(model, 1))} (and launch a multiple of {model} processes)"
         )
     os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
-    return cp
+    return cp, tp
 
 
 def check_whole(model: torch.nn.Module) -> None:
@@ -710,6 +718,7 @@ class Strategy:
     accumulation: int
     ds_owned: tuple[str, ...]  # "optimizer"/"scheduler" blocks a user's DeepSpeed JSON defines
     context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
+    tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
 
     @classmethod
     def launch(
@@ -718,14 +727,14 @@ class Strategy:
     ) -> Strategy:
         """Collective: every rank. Batch sizes that do not divide fail before any process group exists."""
         world = world_size()
-        cp = parallelism_sizes(world)
-        accumulation = accumulation_steps(global_batch, micro_batch, world // cp)
+        cp, tp = parallelism_sizes(world)
+        accumulation = accumulation_steps(global_batch, micro_batch, world // (cp * tp))
         accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
         if accelerator.device.type == "cpu":
             keep_freed_memory()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
         context = ContextParallel(cp, accelerator.device) if cp > 1 else None
-        return cls(accelerator, world, accumulation, tuple(owned), context)
+        return cls(accelerator, world, accumulation, tuple(owned), context, tp)
 
     # ----------------------------------------------------------------- facts
     @property
@@ -761,9 +770,22 @@ class Strategy:
 
     @property
     def data_ranks(self) -> tuple[int, int]:
-        """(ranks that read different data, this rank's index among them): a context-parallel group
-        reads the same blocks."""
-        return self.world_size // self.cp, self.rank // self.cp
+        """(ranks that read different data, this rank's index among them): a context- or
+        tensor-parallel group reads the same blocks."""
+        group = self.cp * self.tp
+        return self.world_size // group, self.rank // group
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks the data-parallel wrapper averages gradients over: all of them, but the ranks of a
+        tensor-parallel group hold different slices of one model (FSDP2 averages over its dp axis)."""
+        return self.world_size // self.tp
+
+    @property
+    def loss_copies(self) -> int:
+        """How many ranks compute each token's loss: the ranks of a tensor-parallel group compute the
+        same one, so a sum over all ranks counts it tp times."""
+        return self.tp
 
     def split_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch -> this rank's share of its sequences (the batch itself without context parallel)."""
@@ -774,15 +796,31 @@ class Strategy:
         if self.context is not None and seq_len % (2 * self.cp):
             raise UserError(context_parallel_problems(None, self.cp, seq_len, "sdpa")[0])
 
-    def apply_context_parallel(self, model: torch.nn.Module, seq_len: int, attn_implementation: str) -> None:
-        """Under context parallel, `model`'s attention gathers its group's keys and values; what cannot
-        be split is refused in one line."""
-        if self.context is None:
-            return
-        found = context_parallel_problems(model.config, self.cp, seq_len, attn_implementation)
-        if found:
-            raise UserError(found[0])
-        self.context.apply(model)
+    def apply_model_parallel(self, model: torch.nn.Module, seq_len: int, attn_implementation: str) -> torch.nn.Module:
+        """`model` as this launch's model parallelism needs it, before its optimizer is built: under
+        context parallel its attention gathers the group's keys and values; under tensor parallel its
+        layers are split over the tp ranks and sharded over the dp groups. What cannot be split is
+        refused in one line."""
+        if self.context is not None:
+            found = context_parallel_problems(model.config, self.cp, seq_len, attn_implementation)
+            if found:
+                raise UserError(found[0])
+            self.context.apply(model)
+        if self.tp > 1:
+            from toolkit.strategy.tensor_parallel import split
+
+            if hasattr(model, "peft_config") or getattr(model.config, "num_experts", None) or getattr(
+                model.config, "num_local_experts", None
+            ):
+                raise UserError(
+                    "tensor parallel trains a whole model, not a LoRA adapter or a mixture of experts, yet; use "
+                    "fsdp.yaml or the zero configs"
+                )
+            model = split(model, self.tp, self.world_size // self.tp)
+            # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
+            # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
+            self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
+        return model
 
     @property
     def is_main(self) -> bool:
@@ -798,7 +836,11 @@ class Strategy:
 
     def describe(self) -> str:
         line = describe(self.accelerator)
-        return line if self.context is None else f"{line} context_parallel={self.cp} (data_parallel={self.data_ranks[0]})"
+        if self.context is not None:
+            line += f" context_parallel={self.cp} (data_parallel={self.data_ranks[0]})"
+        if self.tp > 1:
+            line += f" tensor_parallel={self.tp} (data_parallel={self.data_ranks[0]})"
+        return line
 
     def print(self, *args) -> None:
         self.accelerator.print(*args)

@@ -13,8 +13,9 @@ What cannot be split is refused in one line before anything is built (`problems`
 plan, and head counts or MLP widths that the tp degree does not divide (transformers would cut a
 head in two and compute garbage, not fail).
 
-The strategy that trains with it (data parallel over the tp groups, checkpoints, final/) is being
-built in issue 13; this module is its model side.
+The strategy that trains with it is toolkit.strategy.distributed's (accelerate_configs/fsdp_tp.yaml):
+Accelerate takes the split model as the FSDP2 module it is, so checkpoints (torch.distributed.checkpoint
+of the 2-D DTensors) and final/ (gathered whole) follow the FSDP2 contract.
 """
 
 from __future__ import annotations
@@ -46,25 +47,31 @@ def problems(config: PretrainedConfig, tp: int) -> list[str]:
     return found
 
 
-def split(model: torch.nn.Module, tp: int) -> torch.nn.Module:
-    """`model` (built from the same seed on every rank, process group started) with its layers split
-    over `tp` ranks; refused in one line if it cannot be."""
+def split(model: torch.nn.Module, tp: int, dp: int = 1) -> torch.nn.Module:
+    """`model` (built from the same seed, or loaded from the same files, on every rank; process group
+    started) with its layers split over `tp` ranks and, across the `dp` groups of tp ranks, sharded by
+    FSDP2 (transformers' own plan: the 2-D mesh dp x tp, rank = dp index x tp + tp index); refused in
+    one line if it cannot be split. With dp = 1 the model is still an FSDP2 module over a mesh of one,
+    so that the strategy sees it already sharded and wraps it no further."""
     found = problems(model.config, tp)
     if found:
         raise UserError(found[0])
     if tp == 1:
         return model
+    from torch.distributed.fsdp import fully_shard
     from transformers.distributed import DistributedConfig
 
-    config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(tp_size=tp))
+    config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(tp_size=tp, fsdp_size=dp))
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     if tied:
         # transformers 5.23 looks the plan's lm_head.weight up among named_parameters(), which lists a
-        # tied weight once, under the embedding's name (KeyError): untied for the split, tied again after
-        # (the embedding and the head are both cut by vocabulary rows, so the halves match)
+        # tied weight once, under the embedding's name (KeyError): untied for the split, and tied again
+        # after it by transformers itself, as from_pretrained does (its FSDP plan wraps a tied pair once)
         output.weight = torch.nn.Parameter(output.weight.detach().clone())
     model = type(model).maybe_distribute_model(model, config, mesh)
     if tied:
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        model.tie_weights()
+    if dp == 1:
+        fully_shard(model, mesh=mesh.get_mesh("fsdp"))
     return model

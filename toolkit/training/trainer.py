@@ -257,7 +257,7 @@ class Trainer:
                 f"{cfg.optim.lr_scaling} to train.global_batch_size={cfg.train.global_batch_size}: peak lr "
                 f"{cfg.optim.peak_lr(cfg.train.global_batch_size):g}"
             )
-        self.strategy.apply_context_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
+        model = self.strategy.apply_model_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
         self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
             self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
         )
@@ -295,7 +295,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
             global_idx = self.schedule.global_indices(state.step)
             global_targets = int(self.block_targets[global_idx].sum())
-            scale = backward_scale(global_targets, acc.num_processes, self.strategy.accumulation)
+            scale = backward_scale(global_targets, self.strategy.gradient_ranks, self.strategy.accumulation)
             micro_batches = acc.num_processes * self.strategy.accumulation
             split = self.strategy.split_sequences
             batches = (split(self.collate(self.train_blocks[m], attn)) for m in self.schedule.micro_batches(state.step))
@@ -340,7 +340,7 @@ class Trainer:
             if nonfinite is not None:
                 self.skip_or_abort(nonfinite, bar)
             elif log_now:
-                loss = values[0] / max(1, global_targets)
+                loss = values[0] / self.strategy.loss_copies / max(1, global_targets)
                 tps = window_tokens / max(window_time, 1e-9)
                 self.log({
                     "step": state.step,
@@ -359,7 +359,7 @@ class Trainer:
             bar.update(1)
             if self.dead_check_pending and nonfinite is None:
                 self.dead_check_pending = False
-                self.check_alive(values[0] / max(1, global_targets), grad_norm, bar)
+                self.check_alive(values[0] / self.strategy.loss_copies / max(1, global_targets), grad_norm, bar)
 
             # The final evaluation runs here, before the last checkpoint: under FSDP2 an evaluation
             # forward after save_state, with no training step between, leaves the root's

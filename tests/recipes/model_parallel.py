@@ -1,0 +1,48 @@
+"""What the context- and tensor-parallel recipe tests share: the run, its curves, the comparisons
+with one process, and the refusal check."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from recipe_runner import TINY
+from transformers import AutoModelForCausalLM
+
+from toolkit.training.metrics import read_metrics
+
+RUN = [*TINY, "train.max_steps=6", "checkpoint.every=3", "eval.every=3"]
+
+
+def curves(out) -> dict[tuple[int, str], float]:
+    """(step, loss | eval | grad_norm) -> value, from a run's metrics.jsonl."""
+    rows = read_metrics(out / "metrics.jsonl")
+    found = {(r["step"], "loss"): r["loss"] for r in rows if "loss" in r}
+    found |= {(r["step"], "eval"): r["eval_loss"] for r in rows if "eval_loss" in r}
+    found |= {(r["step"], "grad_norm"): r["grad_norm"] for r in rows if r.get("grad_norm") is not None}
+    return found
+
+
+def assert_same_curves(got: dict, ref: dict, rel: float = 1e-4) -> None:
+    assert sorted(got) == sorted(ref)
+    for key, value in ref.items():
+        assert got[key] == pytest.approx(value, rel=rel), key
+
+
+def assert_same_logits(folder, reference_folder) -> None:
+    """Both final/ folders load with from_pretrained and give the same logits on a fixed batch."""
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for path in (folder, reference_folder):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def assert_refused_in_one_line(proc: subprocess.CompletedProcess, says: str) -> None:
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and says in errors[0], proc.stderr[-3000:]
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr

@@ -1,0 +1,58 @@
+"""Tensor parallel as a user launches it (accelerate_configs/fsdp_tp.yaml): every layer split over 2
+ranks by transformers' plan (the tied embedding and head still one weight), the same curves as one
+process (fp32, rel 1e-4), a checkpoint resumed bit for bit, final/ one HF folder with the reference's
+logits; dp_shard 2 x tp 2 on 4 processes; and what cannot work refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+from model_parallel import RUN, assert_refused_in_one_line, assert_same_curves, assert_same_logits, curves
+from recipe_runner import TINY, run_recipe
+
+pytestmark = pytest.mark.distributed
+
+
+def test_tensor_parallel_on_2_processes_equals_one_process_and_resumes_bit_exact(one_process_run, tmp_path, data_cache):
+    out = tmp_path / "tp"
+    proc = run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=2, cache=data_cache,
+                      accelerate_config="fsdp_tp.yaml")
+    assert "tensor_parallel=2 (data_parallel=1)" in proc.stdout + proc.stderr
+    got = curves(out)
+    assert_same_curves(got, curves(one_process_run))
+
+    assert_same_logits(out / "final", one_process_run / "final")
+
+    resumed = tmp_path / "resumed"
+    run_recipe("pretrain", [*RUN, f"output_dir={resumed}", f"resume={out / 'checkpoints' / 'step-3'}"], nproc=2,
+               cache=data_cache, accelerate_config="fsdp_tp.yaml")
+    after = {k: v for k, v in got.items() if k[0] > 3}
+    assert curves(resumed) == after
+
+    # its checkpoint is FSDP2's (torch.distributed.checkpoint): plain FSDP2 resumes it as it is
+    elsewhere = tmp_path / "fsdp"
+    run_recipe("pretrain", [*RUN, f"output_dir={elsewhere}", f"resume={out / 'checkpoints' / 'step-3'}"], nproc=2,
+               cache=data_cache, accelerate_config="fsdp.yaml")
+    assert_same_curves(curves(elsewhere), after)
+
+
+def test_dp_shard_2_by_tp_2_on_4_processes_equals_one_process(one_process_run, tmp_path, data_cache):
+    out = tmp_path / "2d"
+    proc = run_recipe("pretrain", [*RUN, "train.max_steps=3", f"output_dir={out}"], nproc=4, cache=data_cache,
+                      accelerate_config="fsdp_tp.yaml", launch_args=["--parallelism_config_dp_shard_size", "2"])
+    assert "tensor_parallel=2 (data_parallel=2)" in proc.stdout + proc.stderr
+    ref = {k: v for k, v in curves(one_process_run).items() if k[0] <= 3}
+    assert_same_curves(curves(out), ref)
+
+
+@pytest.mark.parametrize(("extra", "launch_args", "says"), [
+    (["model.config.num_key_value_heads=1"], [], "model.config.num_key_value_heads=1 is not divisible by tp=2"),
+    (["model.model_type=qwen3_moe", "model.config.num_experts=4", "model.config.num_experts_per_tok=2",
+      "model.config.moe_intermediate_size=64"], [], "not a LoRA adapter or a mixture of experts"),
+    ([], ["--parallelism_config_tp_size", "4"], "parallelism_config_dp_shard_size=1 x parallelism_config_tp_size=4 must equal the 2 processes"),
+    ([], ["--parallelism_config_cp_size", "2"], "parallelism_config_cp_size=2 with parallelism_config_tp_size=2 is not supported yet"),
+])
+def test_what_cannot_be_split_is_refused_in_one_line(tmp_path, data_cache, extra, launch_args, says):
+    proc = run_recipe("pretrain", [*TINY, "train.max_steps=2", f"output_dir={tmp_path / 'run'}", *extra], nproc=2,
+                      cache=data_cache, accelerate_config="fsdp_tp.yaml", check=False, launch_args=launch_args)
+    assert_refused_in_one_line(proc, says)
+
