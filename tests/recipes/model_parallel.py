@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import torch
-from recipe_runner import TINY
+from recipe_runner import TINY, run_recipe
 from transformers import AutoModelForCausalLM
 
 from toolkit.training.metrics import read_metrics
@@ -46,3 +46,31 @@ def assert_refused_in_one_line(proc: subprocess.CompletedProcess, says: str) -> 
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and says in errors[0], proc.stderr[-3000:]
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+
+
+def assert_2d_run_equals_one_process(config: str, axis: str, one_process_run, out, cache) -> None:
+    """dp_shard 2 x (cp or tp) 2 on 4 processes under accelerate config `config`: the first 3 steps'
+    curves equal one process's."""
+    proc = run_recipe("pretrain", [*RUN, "train.max_steps=3", f"output_dir={out}"], nproc=4, cache=cache,
+                      accelerate_config=config, launch_args=["--parallelism_config_dp_shard_size", "2"])
+    assert f"{axis}_parallel=2 (data_parallel=2)" in proc.stdout + proc.stderr
+    ref = {k: v for k, v in curves(one_process_run).items() if k[0] <= 3}
+    assert_same_curves(curves(out), ref)
+
+
+def assert_run_equals_one_process_and_resumes_bit_exact(config: str, axis: str, one_process_run, tmp_path, cache):
+    """2 processes under accelerate config `config`: the curves and final/ logits of one process, and a
+    resume from step-3 equal to the bit. Returns the run's folder and its curves after step 3."""
+    out = tmp_path / "run"
+    proc = run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=2, cache=cache, accelerate_config=config)
+    assert f"{axis}_parallel=2 (data_parallel=1)" in proc.stdout + proc.stderr
+    got = curves(out)
+    assert_same_curves(got, curves(one_process_run))
+    assert_same_logits(out / "final", one_process_run / "final")
+
+    resumed = tmp_path / "resumed"
+    run_recipe("pretrain", [*RUN, f"output_dir={resumed}", f"resume={out / 'checkpoints' / 'step-3'}"], nproc=2,
+               cache=cache, accelerate_config=config)
+    after = {k: v for k, v in got.items() if k[0] > 3}
+    assert curves(resumed) == after
+    return out, after

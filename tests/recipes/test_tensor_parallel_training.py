@@ -6,27 +6,23 @@ logits; dp_shard 2 x tp 2 on 4 processes; and what cannot work refused in one li
 from __future__ import annotations
 
 import pytest
-from model_parallel import RUN, assert_refused_in_one_line, assert_same_curves, assert_same_logits, curves
+from model_parallel import (
+    RUN,
+    assert_2d_run_equals_one_process,
+    assert_refused_in_one_line,
+    assert_run_equals_one_process_and_resumes_bit_exact,
+    assert_same_curves,
+    curves,
+)
 from recipe_runner import TINY, run_recipe
 
 pytestmark = pytest.mark.distributed
 
 
 def test_tensor_parallel_on_2_processes_equals_one_process_and_resumes_bit_exact(one_process_run, tmp_path, data_cache):
-    out = tmp_path / "tp"
-    proc = run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=2, cache=data_cache,
-                      accelerate_config="fsdp_tp.yaml")
-    assert "tensor_parallel=2 (data_parallel=1)" in proc.stdout + proc.stderr
-    got = curves(out)
-    assert_same_curves(got, curves(one_process_run))
-
-    assert_same_logits(out / "final", one_process_run / "final")
-
-    resumed = tmp_path / "resumed"
-    run_recipe("pretrain", [*RUN, f"output_dir={resumed}", f"resume={out / 'checkpoints' / 'step-3'}"], nproc=2,
-               cache=data_cache, accelerate_config="fsdp_tp.yaml")
-    after = {k: v for k, v in got.items() if k[0] > 3}
-    assert curves(resumed) == after
+    out, after = assert_run_equals_one_process_and_resumes_bit_exact(
+        "fsdp_tp.yaml", "tensor", one_process_run, tmp_path, data_cache
+    )
 
     # its checkpoint is FSDP2's (torch.distributed.checkpoint): plain FSDP2 resumes it as it is
     elsewhere = tmp_path / "fsdp"
@@ -36,12 +32,7 @@ def test_tensor_parallel_on_2_processes_equals_one_process_and_resumes_bit_exact
 
 
 def test_dp_shard_2_by_tp_2_on_4_processes_equals_one_process(one_process_run, tmp_path, data_cache):
-    out = tmp_path / "2d"
-    proc = run_recipe("pretrain", [*RUN, "train.max_steps=3", f"output_dir={out}"], nproc=4, cache=data_cache,
-                      accelerate_config="fsdp_tp.yaml", launch_args=["--parallelism_config_dp_shard_size", "2"])
-    assert "tensor_parallel=2 (data_parallel=2)" in proc.stdout + proc.stderr
-    ref = {k: v for k, v in curves(one_process_run).items() if k[0] <= 3}
-    assert_same_curves(curves(out), ref)
+    assert_2d_run_equals_one_process("fsdp_tp.yaml", "tensor", one_process_run, tmp_path / "2d", data_cache)
 
 
 @pytest.mark.parametrize(("extra", "launch_args", "says"), [

@@ -145,9 +145,14 @@ def packed_splits(train_docs: datasets.Dataset, val_docs: datasets.Dataset | Non
     return train, val
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) position ids -> which document of its row each token is in (positions restart at 0 per document)."""
+    return torch.cumsum(position_ids == 0, dim=1)
+
+
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, L) position ids -> (B, 1, L, L) boolean mask: causal, and only within a document."""
-    segment = torch.cumsum(position_ids == 0, dim=1)
+    segment = document_ids(position_ids)
     same = segment[:, :, None] == segment[:, None, :]
     length = position_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()

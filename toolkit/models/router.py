@@ -23,6 +23,12 @@ import torch
 from toolkit.config import UserError
 
 
+def expert_count(config) -> int:
+    """Experts per MoE layer in a transformers config (Qwen-MoE's num_experts, Mixtral's
+    num_local_experts); 0 for a dense model."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
 class RouterLoss:
     """Records every router's logits in the forward passes of `model` between `start` and `loss`
     (not in evaluation, generation or a backward's recomputation: nothing piles up there).
@@ -51,7 +57,7 @@ class RouterLoss:
         # the model's own modeling module holds it (not a wrapper's, e.g. peft's PeftModel)
         loss_fn = next((fn for m in model.modules()
                         if (fn := getattr(sys.modules.get(type(m).__module__), "load_balancing_loss_func", None))), None)
-        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        num_experts = expert_count(config)
         top_k = getattr(config, "num_experts_per_tok", None)
         router = getattr(recorder, "target_class", recorder)
         if not isinstance(router, type) or loss_fn is None or not num_experts or not top_k:

@@ -24,46 +24,39 @@ the data-parallel wrapper (FSDP2, DDP) reduces over all ranks, cp included.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from toolkit.config import UserError
-from toolkit.data.packing import IGNORE_INDEX
+from toolkit.data.packing import document_ids
+from toolkit.models.loss import targets_of
+from toolkit.models.router import expert_count
 
 ATTENTION = "toolkit_context_parallel"  # the name it is registered under in transformers' AttentionInterface
-SIZE_ENV = "PARALLELISM_CONFIG_CP_SIZE"  # what `accelerate launch` sets from the config's parallelism_config
 SUPPORTED_ATTENTION = ("sdpa", "eager")  # the kinds that take packing's block-causal mask
 
 
-def requested_size() -> int:
-    """cp from the launch's accelerate config (`parallelism_config_cp_size`), 1 when it has none."""
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return 1
-    return int(os.environ.get(SIZE_ENV, "1"))
+def sequence_problem(cp: int, seq_len: int) -> str | None:
+    """Why blocks of `seq_len` tokens cannot be split evenly over cp ranks (None when they can)."""
+    if seq_len % (2 * cp) == 0:
+        return None
+    return (f"data.seq_len={seq_len} is not divisible by 2 x parallelism_config_cp_size = {2 * cp}: each rank holds "
+            f"two equal chunks of every sequence; use a multiple of {2 * cp}")
 
 
 def problems(config, cp: int, seq_len: int, attn_implementation: str) -> list[str]:
-    """Why a model with `config` (None: the model is not known yet), trained on blocks of `seq_len`
-    tokens, cannot be split over cp ranks."""
+    """Why a model with `config`, trained on blocks of `seq_len` tokens, cannot be split over cp ranks."""
     if cp <= 1:
         return []
-    found = []
-    if seq_len % (2 * cp):
-        found.append(
-            f"data.seq_len={seq_len} is not divisible by 2 x parallelism_config_cp_size = {2 * cp}: each rank holds "
-            f"two equal chunks of every sequence; use a multiple of {2 * cp}"
-        )
+    found = [problem] if (problem := sequence_problem(cp, seq_len)) else []
     if attn_implementation not in SUPPORTED_ATTENTION:
         found.append(
             f"model.attn_implementation={attn_implementation} cannot run context parallel here; use sdpa (the "
             "gathered keys and values are attended under packing's block-causal mask)"
         )
-    if config is None:
-        return found
-    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+    if expert_count(config):
         found.append(
             f"context parallel with a mixture of experts ({config.model_type}) is not supported: the router loss "
             "would be computed per sequence shard; train it with fsdp.yaml or the zero configs"
@@ -98,9 +91,8 @@ class SequenceShard:
         their positions, their next-token targets (shifted before the split: a shard's last token
         predicts the first token of another shard) and its rows of the block-causal mask over the
         whole sequence in the ranks' order (what the gathered keys are in)."""
-        ids, positions, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        document = torch.cumsum(positions == 0, dim=1)  # packing restarts positions at each document
+        ids, positions, targets = batch["input_ids"], batch["position_ids"], targets_of(batch)
+        document = document_ids(positions)
         doc_rows, doc_cols = document[:, self.mine], document[:, self.order]
         same = doc_rows[:, :, None] == doc_cols[:, None, :]
         causal = self.mine[:, None] >= self.order[None, :]

@@ -46,7 +46,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.config import UserError
-from toolkit.strategy.context_parallel import ContextParallel
+from toolkit.models.router import expert_count
+from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
 
 T = TypeVar("T")
@@ -793,8 +794,9 @@ class Strategy:
 
     def check_sequence_length(self, seq_len: int) -> None:
         """Refuses, before any data is prepared, blocks that context parallel cannot split evenly."""
-        if self.context is not None and seq_len % (2 * self.cp):
-            raise UserError(context_parallel_problems(None, self.cp, seq_len, "sdpa")[0])
+        problem = None if self.context is None else sequence_problem(self.cp, seq_len)
+        if problem:
+            raise UserError(problem)
 
     def apply_model_parallel(self, model: torch.nn.Module, seq_len: int, attn_implementation: str) -> torch.nn.Module:
         """`model` as this launch's model parallelism needs it, before its optimizer is built: under
@@ -809,9 +811,7 @@ class Strategy:
         if self.tp > 1:
             from toolkit.strategy.tensor_parallel import split
 
-            if hasattr(model, "peft_config") or getattr(model.config, "num_experts", None) or getattr(
-                model.config, "num_local_experts", None
-            ):
+            if hasattr(model, "peft_config") or expert_count(model.config):
                 raise UserError(
                     "tensor parallel trains a whole model, not a LoRA adapter or a mixture of experts, yet; use "
                     "fsdp.yaml or the zero configs"
