@@ -1,0 +1,237 @@
+"""Pipeline parallelism: a causal LM's decoder layers cut into consecutive stages, one rank each.
+
+Each of a pipeline's `stages` ranks holds the layers of its stage (the first also the embedding, the
+last also the final norm and the head), so weights, gradients and optimizer state per rank fall by
+the number of stages, and what crosses ranks is one micro-batch's hidden states (tokens x hidden)
+forward and their gradient backward. The engine is torch.distributed.pipelining: `PipelineStage` and
+its 1F1B schedule (each stage alternates one forward and one backward once the pipeline is full, so
+at most `stages` micro-batches' activations are alive on a rank; the idle "bubble" is (stages - 1) /
+(micro-batches + stages - 1) of a step). The micro-batches are the recipe's accumulation: the same
+global batch, cut the same way, as every other strategy.
+
+A stage runs the model's own forward on its slice (transformers' mask and rotary code, the model's
+own layers): the decoder is kept with only its stage's layers, and the embedding, the final norm and
+the head only where they belong. Position ids travel from stage to stage with the hidden states, so
+that every stage builds packing's block-causal mask and rotary angles from them: packed documents
+stay apart on every stage.
+
+Tied input/output embeddings (one weight on one rank otherwise) are a copy on the first and on the
+last stage; their gradients are summed between the two before every update, so the copies stay one
+weight. Pipelines side by side (processes = data-parallel replicas x stages) average gradients over
+the replicas of each stage.
+
+Only a decoder whose forward does nothing to its input embeddings but the layers can be cut this way
+(LLaMA, Mistral, Qwen2/3); GPT-2 adds position embeddings and Gemma scales them, so each stage would
+apply them again: refused in one line (`problems`), as is a model with fewer layers than stages.
+torch's tracer (`pipeline()`) is not used: it loses an intermediate across the split of a LLaMA
+(docs/parallelism.md, "Pipeline parallelism").
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from toolkit.data.packing import MASKED_ATTENTION, block_causal_mask
+from toolkit.models.loss import target_loss_sum, targets_of
+from toolkit.models.router import expert_count
+
+# decoders whose forward is embedding -> layers -> norm and nothing else (checked in transformers 5.23)
+SPLITTABLE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def problems(model: nn.Module, stages: int) -> list[str]:
+    """Why `model` cannot be cut into `stages` pipeline stages (empty when it can)."""
+    if stages < 1:
+        return [f"pipeline stages={stages} must be at least 1"]
+    if stages == 1:
+        return []
+    config = model.config
+    found = []
+    if hasattr(model, "peft_config"):
+        found.append("pipeline parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs")
+    if expert_count(config):
+        found.append(f"pipeline parallel does not train a mixture of experts ({config.model_type}) yet: its router "
+                     "loss spans the stages; use fsdp_tp.yaml or the zero configs")
+    elif config.model_type not in SPLITTABLE:
+        found.append(
+            f"model_type={config.model_type} cannot be cut into pipeline stages (its forward changes the input "
+            f"embeddings, which every stage would repeat); use one of {', '.join(SPLITTABLE)}, or FSDP2/ZeRO-3 "
+            "to shard it"
+        )
+    layers = config.num_hidden_layers
+    if layers < stages:
+        found.append(f"model.config.num_hidden_layers={layers} cannot fill {stages} pipeline stages; use at most "
+                     f"{layers} stages")
+    return found
+
+
+def layer_ranges(layers: int, stages: int) -> list[range]:
+    """The decoder layers of each stage: consecutive, as even as they divide (the first stages take the
+    remainder: the last one also runs the head, the costliest single matrix of a small model)."""
+    base, extra = divmod(layers, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        end = start + base + (stage < extra)
+        ranges.append(range(start, end))
+        start = end
+    return ranges
+
+
+class StageModel(nn.Module):
+    """Stage `index` of `stages` of a causal LM: forward(input ids or hidden states, position ids) ->
+    (hidden states, position ids), or the logits on the last stage."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int, attn_implementation: str):
+        super().__init__()
+        self.first, self.last = index == 0, index == stages - 1
+        self.masked = attn_implementation in MASKED_ATTENTION
+        decoder = model.get_decoder()
+        self.owned = owned = layer_ranges(len(decoder.layers), stages)[index]
+        self.layers_prefix = next(n for n, m in model.named_modules() if m is decoder.layers) + "."
+        decoder.layers = nn.ModuleList(decoder.layers[i] for i in owned)
+        # the decoder reads its layer count and per-layer attention kinds from its config
+        config = copy.copy(decoder.config)
+        config.num_hidden_layers = len(owned)
+        if getattr(config, "layer_types", None):
+            config.layer_types = [config.layer_types[i] for i in owned]
+        decoder.config = config
+        if not self.first:
+            decoder.embed_tokens = None
+        if not self.last:
+            decoder.norm = nn.Identity()
+            model.lm_head = None
+        self.model = model
+
+    def whole_name(self, name: str) -> str:
+        """A parameter's name here -> its name in the whole model (layer indices are the stage's own)."""
+        name = name.removeprefix("model.")
+        if name.startswith(self.layers_prefix):
+            index, rest = name[len(self.layers_prefix):].split(".", 1)
+            name = f"{self.layers_prefix}{self.owned[int(index)]}.{rest}"
+        return name
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor):
+        inputs = {"input_ids" if self.first else "inputs_embeds": tokens, "position_ids": position_ids,
+                  "use_cache": False}
+        if self.masked:
+            inputs["attention_mask"] = block_causal_mask(position_ids)
+        if self.last:
+            return self.model(**inputs).logits
+        return self.model.get_decoder()(**inputs).last_hidden_state, position_ids
+
+
+class Pipeline:
+    """This rank's stage of a model cut into `stages`, trained by a 1F1B schedule over `micro_batches`
+    micro-batches per step. Collective: every rank builds it, from the same model (the same seed or
+    the same files), with the process group started; ranks are laid out replica-major (rank =
+    replica x stages + stage)."""
+
+    def __init__(self, model: nn.Module, stages: int, micro_batches: int, attn_implementation: str,
+                 device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        world = dist.get_world_size()
+        mesh = init_device_mesh(device.type, (world // stages, stages), mesh_dim_names=("dp", "pp"))
+        self.stages, self.index = stages, mesh.get_local_rank("pp")
+        self.replicas = mesh.get_group("dp") if world > stages else None
+        self.pp_group = mesh.get_group("pp")
+        output = model.get_output_embeddings()
+        tied = output is not None and output.weight is model.get_input_embeddings().weight
+        self.module = StageModel(model, self.index, stages, attn_implementation).to(device)
+        if tied:
+            # the first stage's embedding and the last stage's head: two copies from here on, kept one
+            # weight by summing their gradients (a group of the two ends of each pipeline)
+            ends = [[r * stages, r * stages + stages - 1] for r in range(world // stages)]
+            groups = [dist.new_group(pair) for pair in ends]
+            replica = mesh.get_local_rank("dp")
+            self.tied_group = groups[replica] if self.index in (0, stages - 1) else None
+            self.tied = (self.module.model.get_input_embeddings().weight if self.index == 0
+                         else self.module.model.get_output_embeddings().weight if self.index == stages - 1 else None)
+        else:
+            self.tied_group = self.tied = None
+        self.stage = PipelineStage(self.module, self.index, stages, device, group=self.pp_group)
+        self.micro_batches = micro_batches
+        self._scale, self._sums = 1.0, []
+        # gradients are the global per-token mean exactly: each micro-batch's token loss sum x scale
+        self.schedule = Schedule1F1B(self.stage, micro_batches, loss_fn=self._loss, scale_grads=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.stages - 1
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        token_sum = target_loss_sum(logits, targets)
+        self._sums.append(token_sum.detach().double())
+        return token_sum * self._scale
+
+    def _inputs(self, micro_batches: Sequence[dict[str, torch.Tensor]], device: torch.device):
+        """The micro-batches as one batch each input of which the schedule cuts back into them."""
+        joined = {key: torch.cat([b[key] for b in micro_batches]).to(device) for key in ("input_ids", "position_ids")}
+        targets = torch.cat([targets_of(b) for b in micro_batches]).to(device)
+        return joined, targets
+
+    def _run(self, run, micro_batches, device) -> torch.Tensor:
+        inputs, targets = self._inputs(micro_batches, device)
+        self._sums = []
+        args = (inputs["input_ids"], inputs["position_ids"]) if self.is_first else ()
+        run(*args, target=targets if self.is_last else None)
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        # the last micro_batches calls: the schedule's first step also calls the loss once on its own,
+        # to infer the shapes of the backward
+        return loss + sum(self._sums[-self.micro_batches:]) if self._sums else loss
+
+    def step(self, micro_batches: Sequence[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches through the pipeline; gradients of each
+        micro-batch's token loss sum x `scale` accumulate in this stage's weights, summed with the
+        tied copy's and over the replicas. Returns the token loss sum on the last stage (0 elsewhere:
+        a sum over the pipeline counts every token once)."""
+        if len(micro_batches) != self.micro_batches:
+            raise ValueError(f"the pipeline was built for {self.micro_batches} micro-batches, got {len(micro_batches)}")
+        self._scale = scale
+        device = next(self.module.parameters()).device
+        loss = self._run(self.schedule.step, micro_batches, device)
+        if self.tied_group is not None and self.tied.grad is not None:
+            dist.all_reduce(self.tied.grad, group=self.tied_group)
+        if self.replicas is not None:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.replicas)
+        return loss
+
+    def loss_sum(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward only: the token loss sum of the micro-batches on the last stage (0 elsewhere)."""
+        device = next(self.module.parameters()).device
+        with torch.no_grad():
+            return self._run(self.schedule.eval, micro_batches, device)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The norm of the whole model's gradient (the tied weight counted once), the same on every
+        rank; the gradients scaled down to `max_norm` when it is larger (torch's clipping rule)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        counted = [p.grad for p in params if not (self.is_last and p is self.tied)]
+        device = next(self.module.parameters()).device
+        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=device)
+        total = local.float().pow(2)
+        dist.all_reduce(total, group=self.pp_group)
+        norm = total.sqrt()
+        if max_norm and max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def named_parameters(self):
+        """(the name the parameter has in the whole model, parameter) for this stage's weights."""
+        for name, p in self.module.named_parameters():
+            yield self.module.whole_name(name), p
