@@ -26,8 +26,14 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run with pytest -m gpu on a GPU machine"),
 ]
 
-# every shipped accelerate config, at world size 1 (the multinode one on this single node)
-CONFIGS = sorted(p.name for p in (ROOT / "accelerate_configs").glob("*.yaml"))
+# every shipped accelerate config, at world size 1 (the multinode one on this single node); the
+# model-parallel ones split the model over 2 ranks, and one GPU cannot hold two NCCL ranks
+MODEL_PARALLEL = {p.name for p in (ROOT / "accelerate_configs").glob("*.yaml") if "parallelism_config:" in p.read_text()}
+CONFIGS = [
+    pytest.param(name, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="splits the model over 2 GPUs"))
+    if name in MODEL_PARALLEL else name
+    for name in sorted(p.name for p in (ROOT / "accelerate_configs").glob("*.yaml"))
+]
 SINGLE_NODE = ["--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1"]
 PRETRAIN = [*TINY, "train.mixed_precision=bf16", "train.max_steps=6", "checkpoint.every=3", "samples.max_new_tokens=16"]
 
@@ -35,7 +41,8 @@ PRETRAIN = [*TINY, "train.mixed_precision=bf16", "train.max_steps=6", "checkpoin
 def launch(recipe: str, overrides: list[str], cache, accelerate_config: str = "ddp.yaml", config: str | None = None):
     extra = SINGLE_NODE if accelerate_config.startswith("multinode") else []
     kwargs = {"config": config} if config else {}
-    return run_recipe(recipe, overrides, nproc=1, cache=cache, accelerate_config=accelerate_config,
+    nproc = 2 if accelerate_config in MODEL_PARALLEL else 1
+    return run_recipe(recipe, overrides, nproc=nproc, cache=cache, accelerate_config=accelerate_config,
                       launch=True, launch_args=extra, **kwargs)
 
 
@@ -45,7 +52,7 @@ def test_pretrain_trains_checkpoints_resumes_and_samples(accelerate_config, tmp_
     proc = launch("pretrain", [*PRETRAIN, f"output_dir={out}"], data_cache, accelerate_config)
     log = proc.stdout + proc.stderr
     print(log[-3000:])  # shown with pytest -s: the record for docs/gpu.md
-    assert "world_size=1" in log and "precision=bf16" in log and "device=cuda" in log, log[-3000:]
+    assert f"world_size={2 if accelerate_config in MODEL_PARALLEL else 1}" in log and "precision=bf16" in log and "device=cuda" in log, log[-3000:]
     assert "sample      : " in proc.stdout
     assert [p.name for p in RunDir(out).complete_checkpoints()] == ["step-3", "step-6"]
     final = out / "final"

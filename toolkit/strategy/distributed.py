@@ -688,10 +688,11 @@ def parallelism_sizes(world: int) -> tuple[int, int]:
     model = cp * tp
     if min(cp, tp, size["dp_shard"]) < 1 or size["dp_shard"] * model != world:
         axis = "cp" if cp > 1 else "tp"
+        fix = (f"set parallelism_config_dp_shard_size to {world // model}" if world % model == 0 and world >= model
+               else f"launch a multiple of {model} processes (--num_processes {model * max(1, size['dp_shard'])})")
         raise UserError(
             f"accelerate config: parallelism_config_dp_shard_size={size['dp_shard']} x parallelism_config_{axis}_size="
-            f"{max(cp, tp)} must equal the {world} processes launched; set parallelism_config_dp_shard_size to "
-            f"{max(1, world // max(model, 1))} (and launch a multiple of {model} processes)"
+            f"{max(cp, tp)} must equal the {world} processes launched; {fix}"
         )
     os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     return cp, tp

@@ -308,3 +308,30 @@ def _source(function) -> str:
     import inspect
 
     return inspect.getsource(function)
+
+
+@pytest.mark.parametrize(("world", "sizes", "says"), [
+    (1, {"DP_SHARD": 1, "CP": 2}, "must equal the 1 processes launched; launch a multiple of 2 processes (--num_processes 2)"),
+    (2, {"DP_SHARD": 1, "TP": 4}, "must equal the 2 processes launched; launch a multiple of 4 processes (--num_processes 4)"),
+    (4, {"DP_SHARD": 1, "TP": 2}, "must equal the 4 processes launched; set parallelism_config_dp_shard_size to 2"),
+])
+def test_a_parallelism_config_that_does_not_fill_the_launch_says_how_to_fix_it(monkeypatch, world, sizes, says):
+    from toolkit.config import UserError
+    from toolkit.strategy.distributed import parallelism_sizes
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for axis, size in sizes.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis}_SIZE", str(size))
+    with pytest.raises(UserError) as raised:
+        parallelism_sizes(world)
+    assert says in str(raised.value)
+
+
+def test_a_parallelism_config_that_fills_the_launch_gives_its_sizes(monkeypatch):
+    from toolkit.strategy.distributed import parallelism_sizes
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    assert parallelism_sizes(4) == (1, 2)
+    assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ  # kept from Accelerate, which refuses CPU
