@@ -46,7 +46,6 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.config import UserError
-from toolkit.models.router import expert_count
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
 
@@ -721,6 +720,7 @@ class Strategy:
     ds_owned: tuple[str, ...]  # "optimizer"/"scheduler" blocks a user's DeepSpeed JSON defines
     context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
     tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
+    ep: int = 1  # ranks a mixture of experts' experts are spread over: tp for an MoE (known once the model is)
 
     @classmethod
     def launch(
@@ -802,22 +802,26 @@ class Strategy:
     def apply_model_parallel(self, model: torch.nn.Module, seq_len: int, attn_implementation: str) -> torch.nn.Module:
         """`model` as this launch's model parallelism needs it, before its optimizer is built: under
         context parallel its attention gathers the group's keys and values; under tensor parallel its
-        layers are split over the tp ranks and sharded over the dp groups. What cannot be split is
-        refused in one line."""
+        layers are split over the tp ranks and sharded over the dp groups, and a mixture of experts'
+        experts spread whole over the same tp ranks (expert parallel). What cannot be split is refused
+        in one line."""
         if self.context is not None:
             found = context_parallel_problems(model.config, self.cp, seq_len, attn_implementation)
             if found:
                 raise UserError(found[0])
             self.context.apply(model)
         if self.tp > 1:
-            from toolkit.strategy.tensor_parallel import split
+            from toolkit.strategy.tensor_parallel import expert_ranks, split
 
-            if hasattr(model, "peft_config") or expert_count(model.config):
+            if hasattr(model, "peft_config"):
                 raise UserError(
-                    "tensor parallel trains a whole model, not a LoRA adapter or a mixture of experts, yet; use "
-                    "fsdp.yaml or the zero configs"
+                    "tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs"
                 )
             model = split(model, self.tp, self.world_size // self.tp)
+            self.ep = expert_ranks(model)
+            if self.ep > 1:
+                # the run's first line (describe) is logged before the model is known: say it again, whole
+                self.print(self.describe())
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
             self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
@@ -840,7 +844,8 @@ class Strategy:
         if self.context is not None:
             line += f" context_parallel={self.cp} (data_parallel={self.data_ranks[0]})"
         if self.tp > 1:
-            line += f" tensor_parallel={self.tp} (data_parallel={self.data_ranks[0]})"
+            experts = f" expert_parallel={self.ep}" if self.ep > 1 else ""
+            line += f" tensor_parallel={self.tp}{experts} (data_parallel={self.data_ranks[0]})"
         return line
 
     def print(self, *args) -> None:

@@ -1,6 +1,7 @@
 """Tensor parallelism's model side (toolkit.strategy.tensor_parallel): what cannot be split is refused
-in one line, and a tiny LLaMA split over 2 CPU processes (gloo) gives the whole model's loss,
-gradient norm and next loss after an AdamW step, its tied embedding and head still one weight."""
+in one line (a mixture of experts' too, whose experts spread whole over the tp ranks), and a tiny
+LLaMA split over 2 CPU processes (gloo) gives the whole model's loss, gradient norm and next loss
+after an AdamW step, its tied embedding and head still one weight."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from transformers import AutoConfig
 
 from toolkit.config import UserError
-from toolkit.strategy.tensor_parallel import problems, split
+from toolkit.strategy.tensor_parallel import expert_parallel, problems, split
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -41,6 +42,35 @@ def test_what_cannot_be_split_is_named():
         "FSDP2/ZeRO-3 to shard it"
     ]
     assert problems(config, 0) == ["tp=0 must be at least 1"]
+
+
+def test_a_mixture_of_experts_spreads_its_experts_over_the_tp_ranks_if_they_divide():
+    moe = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    for model_type, experts in (("qwen3_moe", "num_experts"), ("qwen2_moe", "num_experts"),
+                                ("mixtral", "num_local_experts")):
+        config = AutoConfig.for_model(model_type, **moe, **{experts: 4})
+        assert problems(config, 2) == [] and expert_parallel(config, 2) == 2, model_type
+    assert expert_parallel(AutoConfig.for_model("llama"), 2) == 1
+    assert problems(AutoConfig.for_model("qwen3_moe", **moe, num_experts=3), 2) == [
+        "model.config.num_experts=3 is not divisible by tp=2: each rank must hold whole experts (expert parallel "
+        "over the tp ranks); use a number of experts divisible by 2, or fsdp.yaml / the zero configs"
+    ]
+    # LLaMA-4 has a tensor-parallel plan but no expert-parallel one
+    assert problems(AutoConfig.for_model("llama4_text", **moe), 2) == [
+        "model_type=llama4_text is a mixture of experts with no expert-parallel plan in transformers; use a "
+        "Qwen2-MoE, Qwen3-MoE or Mixtral model, or fsdp.yaml / the zero configs"
+    ]
+
+
+def test_a_lora_adapter_under_tensor_parallel_is_refused_before_the_split(tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.strategy.distributed import Strategy
+
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    strategy = Strategy(accelerator=None, world_size=2, accumulation=1, ds_owned=(), tp=2)
+    with pytest.raises(UserError, match="tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml"):
+        strategy.apply_model_parallel(model, 64, "sdpa")
 
 
 def test_split_refuses_before_touching_the_model(tiny_model):
