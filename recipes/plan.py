@@ -10,7 +10,13 @@ parameters, gradients, optimizer state (fp32 masters included), activations, log
 and communication/gathering buffers (toolkit.strategy.memory; docs/memory.md has the formulas).
 `fits` means the peak plus the CUDA context and allocator slack stays under (1 - headroom) of the
 GPU's memory. It then names the fastest row that fits and prints its launch line. The global
-batch stays the recipe's: a micro-batch is listed only if it divides it at that GPU count.
+batch stays the recipe's: a micro-batch is listed only if it divides it over the data-parallel ranks.
+
+Context and tensor parallel (fsdp_cp.yaml, fsdp_tp.yaml) take cp or tp from the config's
+parallelism_config and make the --gpus processes cp (or tp) x dp_shard, dp_shard = GPUs / cp (the
+launch line says so). A model or config they refuse is not listed, with the reason under the table;
+what a launch of them needs instead of the recipe's (sdpa for context parallel, the full loss for
+tensor parallel) is estimated, said under the table and added to the launch line.
 
 Errors (one line, exit code 2): an unreadable config or override, a --gpu-memory that is not a
 size, a model the planner does not model.
@@ -31,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.config import UserError, load_config  # noqa: E402
+from toolkit.strategy import context_parallel, tensor_parallel  # noqa: E402
 from toolkit.strategy.memory import Run, StrategyFacts, estimate, rank_key, read_strategy  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
 
@@ -89,18 +96,41 @@ def meta_model(recipe: str, cfg) -> tuple[torch.nn.Module, torch.dtype, bool]:
 
 
 def strategies(folder: Path, hidden: int) -> list[StrategyFacts]:
-    """Every single-node accelerate config (multi-node ones lay memory out as their single-node twin),
-    except those with a parallelism_config (context parallel): not modelled yet."""
+    """Every single-node accelerate config (multi-node ones lay memory out as their single-node twin)."""
     found = []
     for path in sorted(folder.glob("*.yaml")):
         raw = yaml.safe_load(path.read_text()) or {}
-        if int(raw.get("num_machines", 1)) > 1 or raw.get("parallelism_config"):
+        if int(raw.get("num_machines", 1)) > 1:
             continue
         found.append(read_strategy(path, hidden))
     return found
 
 
-def plan(args) -> tuple[list[dict], dict | None, str]:
+def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus: int) -> tuple[dict[str, str], str | None]:
+    """(overrides a launch of `facts` needs beyond the recipe's, why it cannot run at all) for context
+    and tensor parallel, by the checks the launch itself makes (toolkit.strategy.*.problems)."""
+    group = facts.cp * facts.tp
+    if group == 1:
+        return {}, None
+    if gpus % group:
+        return {}, f"{group} ranks per {'cp' if facts.cp > 1 else 'tp'} group do not divide --gpus {gpus}"
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    m, needs = cfg.model, {}
+    if facts.cp > 1:
+        if m.attn_implementation not in context_parallel.SUPPORTED_ATTENTION:
+            needs["model.attn_implementation"] = "sdpa"
+        found = context_parallel.problems(config, facts.cp, cfg.data.seq_len, "sdpa")
+    else:
+        if m.chunk_tokens:
+            needs["model.loss"] = "full"  # memory.Run says why
+        found = tensor_parallel.problems(config, facts.tp)
+        if hasattr(model, "peft_config"):
+            found.append("tensor parallel trains a whole model, not a LoRA adapter")
+    return needs, (found[0] if found else None)
+
+
+def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
+    """(the rows, the fastest that fits, the recipe, lines on the model-parallel configs)."""
     recipe, cfg = load_recipe_config(args.config, args.overrides)
     model, dtype, quantized = meta_model(recipe, cfg)
     hidden = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.hidden_size
@@ -108,23 +138,34 @@ def plan(args) -> tuple[list[dict], dict | None, str]:
     precision = {"auto": "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
     budget = args.gpu_memory * (1 - args.headroom)
     micro = [int(x) for x in args.micro_batch.split(",")] if args.micro_batch else MICRO_BATCHES
-    rows = []
+    rows, notes = [], []
     for facts in strategies(ROOT / "accelerate_configs", hidden):
+        needs, refused = model_parallel_needs(facts, model, cfg, args.gpus)
+        if refused:
+            notes.append(f"{facts.name}: not listed: {refused}")
+            continue
+        data_ranks = args.gpus // (facts.cp * facts.tp)  # a cp or tp group reads one micro-batch
+        if facts.cp * facts.tp > 1:
+            axis = f"cp {facts.cp}" if facts.cp > 1 else f"tp {facts.tp}"
+            required = " ".join(f"{k}={v}" for k, v in needs.items())
+            notes.append(f"{facts.name}: {axis} x dp_shard {data_ranks}" + (f", as launched with {required}" if needs else ""))
         for ckpt in CHECKPOINTING:
             for mb in micro:
-                if t.global_batch_size % (mb * args.gpus):
+                if t.global_batch_size % (mb * data_ranks):
                     continue
                 run = Run(
-                    facts, args.gpus, mb, cfg.data.seq_len, accumulation=t.global_batch_size // (mb * args.gpus),
+                    facts, args.gpus, mb, cfg.data.seq_len, accumulation=t.global_batch_size // (mb * data_ranks),
                     checkpointing=ckpt, every_k=m.gradient_checkpointing_k, precision=precision, param_dtype=dtype,
-                    attention=m.attn_implementation, loss_chunk_tokens=m.chunk_tokens, quantized_base=quantized,
+                    attention=needs.get("model.attn_implementation", m.attn_implementation),
+                    loss_chunk_tokens=0 if "model.loss" in needs else m.chunk_tokens, quantized_base=quantized,
                     fused_adam=cfg.optim.fused != "false",
                 )
                 est = estimate(model, run)
                 offload = facts.offload_optimizer or facts.offload_params
                 rows.append({
                     "strategy": facts.name, "gradient_checkpointing": ckpt, "micro_batch_size": mb,
-                    "accumulation": run.accumulation, **{f"{k}_bytes": v for k, v in est.parts.items()},
+                    "accumulation": run.accumulation, "cp": facts.cp, "tp": facts.tp, "dp_shard": data_ranks,
+                    "requires": [f"{k}={v}" for k, v in needs.items()], **{f"{k}_bytes": v for k, v in est.parts.items()},
                     "peak_bytes": est.peak_bytes, "reserve_bytes": est.reserve_bytes, "peak_at": est.moment,
                     "fits": est.peak_bytes + est.reserve_bytes <= budget,
                     "relative_step_time": round(rank_key(facts.name, ckpt, m.gradient_checkpointing_k, mb, offload), 3),
@@ -135,13 +176,15 @@ def plan(args) -> tuple[list[dict], dict | None, str]:
         )
     fitting = [r for r in rows if r["fits"]]
     best = min(fitting, key=lambda r: (r["relative_step_time"], r["peak_bytes"])) if fitting else None
-    return rows, best, recipe
+    return rows, best, recipe, notes
 
 
 def launch_line(best: dict, recipe: str, args) -> str:
-    extra = "".join(f" {o}" for o in args.overrides if not o.startswith(("train.micro_batch_size=", "model.gradient_checkpointing=")))
+    replaced = ("train.micro_batch_size=", "model.gradient_checkpointing=", *(o.split("=")[0] + "=" for o in best["requires"]))
+    extra = "".join(f" {o}" for o in [*(o for o in args.overrides if not o.startswith(replaced)), *best["requires"]])
+    groups = f" --parallelism_config_dp_shard_size {best['dp_shard']}" if best["cp"] * best["tp"] > 1 else ""
     return (
-        f"accelerate launch --config_file accelerate_configs/{best['strategy']}.yaml --num_processes {args.gpus} "
+        f"accelerate launch --config_file accelerate_configs/{best['strategy']}.yaml --num_processes {args.gpus}{groups} "
         f"recipes/{recipe}.py --config {args.config} train.micro_batch_size={best['micro_batch_size']} "
         f"model.gradient_checkpointing={best['gradient_checkpointing']}{extra}"
     )
@@ -176,14 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         args.gpu_memory = parse_size(args.gpu_memory)
         if args.gpus < 1 or not 0 <= args.headroom < 0.9:
             raise UserError(f"--gpus {args.gpus} must be at least 1 and --headroom {args.headroom} in [0, 0.9)")
-        rows, best, recipe = plan(args)
+        rows, best, recipe, notes = plan(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
+        print("".join(f"{n}\n" for n in notes), end="", file=sys.stderr)
         print(json.dumps(rows, indent=1))
         return 0
     print(table(rows, args))
+    if notes:
+        print("\n" + "\n".join(notes))
     if best is None:
         smallest = min(rows, key=lambda r: r["peak_bytes"])
         print(f"\nnothing fits: the smallest is {smallest['strategy']} / {smallest['gradient_checkpointing']} / "

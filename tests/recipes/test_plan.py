@@ -8,14 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-# context and tensor parallel (a parallelism_config) are not modelled yet
-STRATEGIES = sorted(
-    p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml")
-    if not p.stem.startswith("multinode") and "parallelism_config" not in yaml.safe_load(p.read_text())
-)
+STRATEGIES = sorted(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml") if not p.stem.startswith("multinode"))
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
@@ -32,7 +27,8 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     assert {r["gradient_checkpointing"] for r in rows} == {"none", "every_k", "full"}
     for r in rows:
         assert {"strategy", "gradient_checkpointing", "micro_batch_size", "peak_bytes", "fits"} <= set(r)
-        assert 512 % (r["micro_batch_size"] * 8) == 0, "the global batch stays the recipe's"
+        assert 512 % (r["micro_batch_size"] * r["dp_shard"]) == 0, "the global batch stays the recipe's"
+        assert r["dp_shard"] * r["cp"] * r["tp"] == 8
         parts = sum(r[f"{k}_bytes"] for k in ("params", "grads", "optimizer", "master", "activations", "logits_loss", "buffers"))
         assert parts == r["peak_bytes"]
     # 8 x 80 GB holds the 1B model many ways, but not DDP without checkpointing at micro-batch 32
@@ -47,6 +43,57 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     assert "recipes/pretrain.py --config recipes/configs/pretrain_llama_1b.yaml" in line
     best = text.stdout.strip().splitlines()[-2]
     assert best.startswith("fastest that fits:")
+
+
+def test_tensor_and_context_parallel_on_two_gpus():
+    """fsdp_tp.yaml (tp 2 x dp_shard 1) cuts each tensor 2 ways where fsdp.yaml shards it 2 ways: the
+    same state but for the norms, whole on both ranks; tp divides the attention and MLP activations,
+    not the residual stream, and the head all-gathers the whole logits on each rank. fsdp_cp.yaml
+    (cp 2 x dp_shard 1) is fsdp.yaml's state with half of each sequence per rank: fsdp.yaml's
+    activations at half the micro-batch (as many tokens), plus in each of the 16 layers the keys and
+    values gathered from the other half and sdpa's copy of the block-causal mask."""
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r for r in json.loads(proc.stdout)}
+    fsdp, tp, cp = rows["fsdp", "none", 8], rows["fsdp_tp", "none", 8], rows["fsdp_cp", "none", 8]
+
+    assert (tp["tp"], tp["dp_shard"], tp["requires"]) == (2, 1, ["model.loss=full"])
+    norms = (16 * 2 + 1) * 2048 * 4  # every RMSNorm weight, fp32
+    assert tp["params_bytes"] - fsdp["params_bytes"] == norms // 2
+    assert tp["optimizer_bytes"] == pytest.approx(fsdp["optimizer_bytes"], rel=1e-4)
+    assert tp["activations_bytes"] < fsdp["activations_bytes"]
+    tokens_x_vocab = 8 * 2048 * 32768
+    assert tp["logits_loss_bytes"] > 10 * tokens_x_vocab, "the whole logits and their fp32 copies on each rank"
+    assert fsdp["logits_loss_bytes"] < 4 * tokens_x_vocab, "the config's chunked loss holds no whole logits"
+
+    assert (cp["cp"], cp["dp_shard"], cp["requires"]) == (2, 1, ["model.attn_implementation=sdpa"])
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert cp[key] == fsdp[key], key
+    assert cp["accumulation"] == 2 * fsdp["accumulation"], "a cp group reads one micro-batch"
+    assert cp["activations_bytes"] < fsdp["activations_bytes"]
+    other_half_kv = 2 * 2 * 512 * 8 * 1024  # (k, v) x bf16 x kv width x the 8 x 1024 tokens of the other rank
+    mask = 8 * 1024 * 2048  # this rank's rows of the mask: bool, and a bf16 copy in every layer
+    same_tokens = rows["fsdp", "none", 4]["activations_bytes"]
+    assert cp["activations_bytes"] - same_tokens == pytest.approx(16 * (other_half_kv + 2 * mask) + mask, rel=1e-3)
+
+
+def test_model_parallel_rows_say_what_a_launch_needs():
+    long = ["data.seq_len=32768", "model.config.max_position_embeddings=32768"]
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--gpu-memory", "18GB",
+                "--micro-batch", "1", *long)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.strip().splitlines()
+    assert "fsdp_cp: cp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in out
+    assert "fsdp_tp: tp 2 x dp_shard 1, as launched with model.loss=full" in out
+    assert out[-2].startswith("fastest that fits: fsdp_cp, gradient checkpointing full"), "32k tokens fit split in two"
+    assert out[-1].startswith("accelerate launch --config_file accelerate_configs/fsdp_cp.yaml --num_processes 2 "
+                              "--parallelism_config_dp_shard_size 1 recipes/pretrain.py")
+    assert out[-1].endswith(" ".join(long) + " model.attn_implementation=sdpa")
+
+    heads = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8",
+                 "model.config.num_key_value_heads=1", "--json")
+    assert "fsdp_tp: not listed: model.config.num_key_value_heads=1 is not divisible by tp=2" in heads.stderr
+    assert "fsdp_tp" not in {r["strategy"] for r in json.loads(heads.stdout)}
 
 
 def test_a_small_gpu_makes_it_shard_and_recompute():

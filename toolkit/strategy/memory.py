@@ -11,11 +11,17 @@ docs/memory.md gives every formula. In short, a rank holds:
   (optimizer state, fp32 masters; ZeRO-2 also gradients); ZeRO-3 each parameter cut into
   ceil(numel / world) elements, small ones (stage3_param_persistence_threshold) also kept whole.
   These are exact: tests compare them with the bytes of the live tensors at 2 and 3 ranks.
+  Tensor parallel (fsdp_tp.yaml) first cuts each tensor as transformers' plan does, then FSDP2
+  shards the slice over the world / tp data-parallel groups; context parallel (fsdp_cp.yaml) is
+  FSDP2 over every rank, as fsdp.yaml.
 - activations saved for backward, per token and decoder layer, from the shapes (hidden h, MLP i,
   query and key/value widths, heads) and the dtypes: the residual stream (fp32 under autocast
   with fp32 weights, the compute dtype when the strategy casts the weights), the compute dtype
   of matmuls, and which tensors autograd keeps (counted on CPU with saved_tensors_hooks in a test).
-  Checkpointed layers keep only their input; backward recomputes one layer at a time.
+  Checkpointed layers keep only their input; backward recomputes one layer at a time. Tensor
+  parallel divides a layer's attention and MLP activations by tp and leaves the residual stream
+  whole; context parallel keeps seq_len / cp tokens per rank, and each layer the whole sequence's
+  gathered keys and values.
 - logits and loss buffers: the full path's (tokens x vocab) fp32 copies, or the chunked loss's
   one chunk plus its hidden and weight gradients.
 - communication and gathering buffers: DDP's reducer buckets (a second copy of the gradients),
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -46,7 +53,7 @@ import yaml
 from toolkit.config import UserError
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
-STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1}  # see rank_key
+STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15}  # see rank_key
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
 ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
 
@@ -65,6 +72,8 @@ class StrategyFacts:
     persistence_threshold: int = 0  # elements (ZeRO-3): parameters this small are also kept whole
     overlap_comm: bool = False
     reshard_after_forward: bool = True  # FSDP2
+    cp: int = 1  # ranks each sequence is split over (parallelism_config_cp_size)
+    tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
 
 
 def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
@@ -76,9 +85,11 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
         fsdp = cfg.get("fsdp_config") or {}
         if str(fsdp.get("fsdp_version", 1)) != "2":
             raise UserError(f"{path}: the planner models FSDP2 (fsdp_version: 2)")
+        parallel = cfg.get("parallelism_config") or {}
         return StrategyFacts(
             path.stem, "fsdp", offload_params=bool(fsdp.get("fsdp_offload_params", False)),
             reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
+            cp=int(parallel.get("parallelism_config_cp_size", 1)), tp=int(parallel.get("parallelism_config_tp_size", 1)),
         )
     if kind == "DEEPSPEED":
         ds = cfg.get("deepspeed_config") or {}
@@ -128,6 +139,20 @@ class Run:
     def __post_init__(self):
         if self.world < 1 or self.micro_batch < 1 or self.seq_len < 1 or self.accumulation < 1:
             raise UserError(f"world={self.world}, micro_batch={self.micro_batch}, seq_len={self.seq_len} must be positive")
+        group = self.strategy.cp * self.strategy.tp
+        if self.world % group:
+            raise UserError(f"{self.strategy.name}: cp x tp = {group} ranks do not divide world={self.world}; "
+                            f"use a multiple of {group} processes")
+        if self.strategy.tp > 1 and self.loss_chunk_tokens > 0:
+            # the chunked loss multiplies the hidden states by the head's weight itself, and under tensor
+            # parallel that weight is a DTensor: torch refuses the mixed matmul
+            raise UserError(f"{self.strategy.name}: model.loss=chunked does not run under tensor parallel; "
+                            "use model.loss=full")
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence this rank holds: 1/cp of them under context parallel."""
+        return self.seq_len // self.strategy.cp
 
 
 @dataclass
@@ -146,19 +171,47 @@ class _Tensor:
     shape: tuple[int, ...]
     trainable: bool
     quantized: bool  # QLoRA's 4-bit base weight
+    tp_dim: int | None = None  # the dimension tensor parallel cuts (transformers' plan); None: whole on every rank
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def tp_slice(self, tp: int) -> tuple[int, ...]:
+        """This tensor's shape on the first rank of a tensor-parallel group (DTensor's Shard gives the
+        first ranks ceil(size / tp))."""
+        if tp == 1 or self.tp_dim is None:
+            return self.shape
+        return tuple(math.ceil(n / tp) if d == self.tp_dim else n for d, n in enumerate(self.shape))
+
 
 def model_tensors(model: torch.nn.Module, quantized_base: bool = False) -> list[_Tensor]:
-    """Every parameter once (tied weights once), in the optimizer's order: decay (matrices) first."""
+    """Every parameter once (tied weights once, under the embedding's name), in the optimizer's order:
+    decay (matrices) first; each with the dimension the model's tensor-parallel plan cuts."""
+    plan = getattr(model, "tp_plan", None) or {}
     out = []
     for name, p in model.named_parameters():
         linear_in_layer = p.ndim == 2 and ".layers." in name and "lora_" not in name
-        out.append(_Tensor(name, tuple(p.shape), p.requires_grad, quantized_base and linear_in_layer and not p.requires_grad))
+        out.append(_Tensor(
+            name, tuple(p.shape), p.requires_grad, quantized_base and linear_in_layer and not p.requires_grad,
+            _tp_dim(plan, name, p.ndim),
+        ))
     return out
+
+
+def _tp_dim(plan: dict[str, str], name: str, ndim: int) -> int | None:
+    """The dimension of parameter `name` that transformers' plan cuts (its styles in
+    transformers.distributed.tensor_parallel): colwise (and the head's colwise_gather_output) the
+    output features, which is dim 0 of a weight and of a bias; rowwise the input features of the
+    weight, its bias whole; embedding_rowwise the vocabulary rows. Anything else (norms, Qwen3's
+    per-head q/k norms) is whole on every rank."""
+    module, _, param = name.rpartition(".")
+    style = plan.get(re.sub(r"\.\d+(?=\.|$)", ".*", module))
+    if style in ("colwise", "colwise_gather_output", "embedding_rowwise"):
+        return 0
+    if style == "rowwise" and param == "weight":
+        return ndim - 1
+    return None
 
 
 def _groups(tensors: list[_Tensor]) -> list[list[_Tensor]]:
@@ -192,9 +245,14 @@ def state_bytes(tensors: list[_Tensor], run: Run) -> dict[str, int]:
             "master": 0,
         }
     if s.kind == "fsdp":
-        def shard(t: _Tensor) -> int:  # rank 0 holds the first ceil(dim0 / world) rows
-            rows = min(math.ceil(t.shape[0] / w), t.shape[0]) if t.shape else 1
-            return t.numel // max(1, t.shape[0]) * rows if t.shape else 1
+        # tensor parallel: FSDP2 shards each rank's slice over the data-parallel groups (the 2-D
+        # mesh dp x tp); context parallel: over every rank (Accelerate's FSDP2, as fsdp.yaml)
+        dp = w // s.tp
+
+        def shard(t: _Tensor) -> int:  # rank 0 holds the first ceil(dim0 / dp) rows of its slice
+            shape = t.tp_slice(s.tp)
+            rows = min(math.ceil(shape[0] / dp), shape[0]) if shape else 1
+            return math.prod(shape) // max(1, shape[0]) * rows if shape else 1
 
         train = [t for g in groups for t in g]
         return {
@@ -279,10 +337,13 @@ def dtypes(run: Run) -> tuple[int, int, bool]:
 
     Autocast over fp32 weights (DDP, a single GPU) keeps an fp32 residual stream and casts every
     matmul's input on its own; FSDP2 (param_dtype) and DeepSpeed (bf16 mode) cast the weights
-    instead, so the whole stream is in the compute dtype."""
+    instead, so the whole stream is in the compute dtype. Tensor parallel is autocast over fp32
+    weights too: transformers' FSDP2 has no MixedPrecisionPolicy (DistributedConfig's
+    fsdp_mixed_precision is off) and Accelerate takes that model as it is."""
     if run.precision == "fp32":
         return 4, 4, False
-    weights_cast = run.strategy.kind in ("fsdp", "deepspeed") or run.param_dtype != torch.float32
+    cast_by_fsdp = run.strategy.kind == "fsdp" and run.strategy.tp == 1
+    weights_cast = cast_by_fsdp or run.strategy.kind == "deepspeed" or run.param_dtype != torch.float32
     return (2, 2, False) if weights_cast else (4, 2, True)
 
 
@@ -291,11 +352,17 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
 
     RMSNorm: its fp32 input, 1/rms, the normalised x in the stream's dtype, and the output the
     projections read (one copy per projection under autocast). Attention (sdpa, flash, flex):
-    q, k, v, out and the log-sum-exp; eager also the (heads x seq) probabilities in fp32 and in
+    q, k, v, out and the log-sum-exp, k and v repeated to every query head when sdpa gets the
+    packed documents' mask; eager also the (heads x seq) probabilities in fp32 and in
     the compute dtype, and k, v repeated to every query head. SwiGLU: gate, silu(gate), up and
-    their product. LoRA: the rank-r activations (and the dropout's copy of the input)."""
-    h, i, r = shapes.hidden, shapes.intermediate, run
-    q, kv = shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim
+    their product. LoRA: the rank-r activations (and the dropout's copy of the input).
+
+    Tensor parallel (no sequence parallel): each rank has 1/tp of the heads and of the MLP's width,
+    so attention and MLP terms fall by tp; the norms and the projections' inputs are the whole
+    residual stream on every rank. Context parallel's keys and values are layer_bytes's."""
+    h, r, tp = shapes.hidden, run, run.strategy.tp
+    i, heads = shapes.intermediate // tp, shapes.heads // tp
+    q, kv = heads * shapes.head_dim, shapes.kv_heads // tp * shapes.head_dim
     rb, cb, casts = dtypes(r)
     lora = shapes.lora
 
@@ -303,9 +370,11 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
         kept_output = consumers * cb * h if casts else (rb * h if consumers else 0)
         return 4 * h + 4 + rb * h + kept_output
 
-    attention = cb * (2 * q + 2 * kv) + 4 * shapes.heads
-    if run.attention == "eager":
-        attention = cb * 4 * q + (4 + cb) * shapes.heads * run.seq_len
+    if run.attention == "sdpa" and run.packed_documents and run.strategy.cp == 1:
+        kv = q  # given a mask, transformers repeats k and v to every query head (use_gqa_in_sdpa); not context parallel's attention
+    attention = cb * (2 * q + 2 * kv) + 4 * heads
+    if run.attention == "eager" and run.strategy.cp == 1:  # context parallel runs its own sdpa attention
+        attention = cb * 4 * q + (4 + cb) * heads * run.seq_len
     mlp = 4 * cb * i
     if not lora:
         return norm(3) + attention + norm(2) + mlp
@@ -319,35 +388,64 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
     )
 
 
+def gathered_kv_bytes(shapes: Shapes, run: Run) -> int:
+    """Context parallel: the keys and values of the whole sequence that each layer all-gathers from
+    its group and sdpa keeps for backward (0 without context parallel)."""
+    if run.strategy.cp == 1:
+        return 0
+    return 2 * dtypes(run)[1] * shapes.kv_heads * shapes.head_dim * run.micro_batch * run.seq_len
+
+
+def layer_bytes(shapes: Shapes, run: Run) -> int:
+    """Bytes one decoder layer saves for backward on a rank, for one micro-batch: its seq_len / cp
+    tokens, and under context parallel the gathered keys and values in place of its own. sdpa given
+    a boolean mask (packed documents; context parallel's rows of it) converts it to the compute
+    dtype in every layer and keeps that copy for backward (measured on CPU; torch's
+    convert_boolean_attn_mask runs before any kernel is chosen)."""
+    tokens = run.micro_batch * run.local_seq
+    cb = dtypes(run)[1]
+    own_kv = 2 * cb * shapes.kv_heads * shapes.head_dim * tokens if run.strategy.cp > 1 else 0
+    masked = run.strategy.cp > 1 or (run.packed_documents and run.attention == "sdpa")
+    mask = cb * run.micro_batch * run.local_seq * run.seq_len if masked else 0
+    return int(layer_bytes_per_token(shapes, run) * tokens) - own_kv + gathered_kv_bytes(shapes, run) + mask
+
+
 def activation_bytes(shapes: Shapes, run: Run) -> dict[str, int]:
     """Saved activations of one micro-batch, split into what stays until backward and what backward adds."""
-    tokens = run.micro_batch * run.seq_len
+    tokens = run.micro_batch * run.local_seq
     rb, cb, casts = dtypes(run)
-    per_layer = layer_bytes_per_token(shapes, run) * tokens
+    per_layer = layer_bytes(shapes, run)
     ckpt = {"none": 0, "full": shapes.layers, "every_k": math.ceil(shapes.layers / max(1, run.every_k))}[run.checkpointing]
     kept = shapes.layers - ckpt
     saved = kept * per_layer + ckpt * rb * shapes.hidden * tokens
-    # rotary cos/sin (shared by the layers), the token ids, the packed-document mask of sdpa/eager
-    shared = 2 * run.seq_len * shapes.head_dim * rb + 8 * tokens
-    if run.packed_documents and run.attention in ("sdpa", "eager"):
-        shared += run.micro_batch * run.seq_len * run.seq_len
-    casts_kept = cb * shapes.layer_params * kept if casts else 0  # autocast's weight copies, saved by the matmuls
-    recompute = per_layer + (cb * shapes.layer_params if casts else 0) if ckpt else 0
-    # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through it
-    transient = tokens * (2 * rb * shapes.hidden + 2 * cb * shapes.intermediate)
+    # rotary cos/sin (shared by the layers), the token ids, the packed-document mask of sdpa/eager;
+    # context parallel passes every rank its rows of the block-causal mask (micro-batch x seq/cp x seq)
+    shared = 2 * run.local_seq * shapes.head_dim * rb + 8 * tokens
+    if run.strategy.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager")):
+        shared += run.micro_batch * run.local_seq * run.seq_len
+    # autocast's weight copies, saved by the matmuls (under tensor parallel each rank's slice; the
+    # norms' weights, whole on every rank, are ~1e-4 of a layer)
+    layer_params = shapes.layer_params // run.strategy.tp
+    casts_kept = cb * layer_params * kept if casts else 0
+    recompute = per_layer + (cb * layer_params if casts else 0) if ckpt else 0
+    # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through
+    # it; under context parallel also the gathered keys' and values' gradients, until reduce-scattered
+    transient = tokens * (2 * rb * shapes.hidden + 2 * cb * shapes.intermediate // run.strategy.tp) + gathered_kv_bytes(shapes, run)
     return {"saved": int(saved + shared + casts_kept), "recompute": int(recompute), "transient": int(transient)}
 
 
 def loss_bytes(shapes: Shapes, run: Run, head_trainable: bool) -> dict[str, int]:
     """The output head and the loss: at the end of the forward, and what stays for backward."""
-    tokens = run.micro_batch * run.seq_len
+    tokens = run.micro_batch * run.local_seq
     rb, cb, casts = dtypes(run)
-    h, v = shapes.hidden, shapes.vocab
+    h, v, tp = shapes.hidden, shapes.vocab, run.strategy.tp
     final_norm = tokens * (4 * h + 4 + rb * h)
     if run.loss_chunk_tokens <= 0:
-        # logits in the compute dtype, their fp32 copy and log-softmax (saved); backward: two fp32 gradients
+        # logits in the compute dtype, their fp32 copy and log-softmax (saved); backward: two fp32 gradients.
+        # Tensor parallel: the head is colwise_gather_output, so every rank all-gathers the whole logits
+        # (its own 1/tp slice beside them while it does) and computes the same loss
         head_input = tokens * cb * h if casts else 0
-        forward = tokens * v * (cb + 4 + 4)
+        forward = tokens * v * (cb + 4 + 4) + (tokens * v * cb // tp if tp > 1 else 0)
         return {"forward": final_norm + head_input + forward, "kept": final_norm + head_input + tokens * v * 4,
                 "backward": tokens * v * 12}
     chunk = min(run.loss_chunk_tokens, tokens)
@@ -370,16 +468,33 @@ def estimate(model: torch.nn.Module, run: Run) -> Estimate:
     grads_full = held["grads"]
     # between micro-batches ZeRO-1 keeps whole gradients, reduced into its partition only at the boundary
     grads_held = held.get("grads_peak", grads_full) if run.accumulation > 1 else 0
-    layer = shapes.layer_params
+    layer = shapes.layer_params // s.tp  # a rank's slice of a layer under tensor parallel (its norms whole: ~1e-4)
     # buffers that communication and gathering keep
     buffers_fwd = buffers_bwd = 0
     static_buffers = 0
+    end_of_backward = None
     if s.kind == "ddp" and w > 1:
         static_buffers = sum(t.numel for t in tensors if t.trainable) * (torch.finfo(run.param_dtype).bits // 8)
+    elif s.kind == "fsdp" and s.tp > 1 and w // s.tp == 1:
+        # tensor parallel with one data-parallel group: toolkit.strategy.tensor_parallel wraps only the
+        # root in FSDP2 over a mesh of one, which copies every parameter into its unsharded buffer (torch's
+        # world-size-1 path) and, being the root, keeps it from the forward to the end of the backward;
+        # there all the unsharded gradients are held at once, then copied into the reduce's input
+        pb = torch.finfo(run.param_dtype).bits // 8
+        local = sum(math.prod(t.tp_slice(s.tp)) for t in tensors)
+        buffers_fwd = buffers_bwd = local * pb
+        unsharded_grads = sum(math.prod(t.tp_slice(s.tp)) for t in tensors if t.trainable) * pb
+        end_of_backward = {"grads": grads_held + unsharded_grads, "activations": 0, "logits_loss": 0, "buffers": local * pb}
     elif s.kind == "fsdp":
-        gathered = (1 if s.reshard_after_forward else shapes.layers) * layer * cb + layer * cb  # this layer + the prefetched next
+        # FSDP2 gathers in its param_dtype (the compute dtype); transformers' FSDP2 under tensor parallel
+        # in the weights' own dtype, and it keeps the output head (and final norm) unsharded from the
+        # forward to the backward (its _fsdp_plan: keep_full_weight)
+        wb = cb if s.tp == 1 else torch.finfo(run.param_dtype).bits // 8
+        gathered = (1 if s.reshard_after_forward else shapes.layers) * layer * wb + layer * wb  # this layer + the prefetched next
+        if s.tp > 1 and head is not None:
+            gathered += math.prod(head.tp_slice(s.tp)) * wb
         buffers_fwd = gathered
-        buffers_bwd = gathered + layer * (cb + 4)  # unsharded gradients and their fp32 reduce-scatter input
+        buffers_bwd = gathered + layer * (wb + 4)  # unsharded gradients and their fp32 reduce-scatter input
     elif s.kind == "deepspeed":
         bucket = s.reduce_bucket * cb * (2 if s.overlap_comm else 1)
         buffers_bwd = bucket
@@ -393,7 +508,7 @@ def estimate(model: torch.nn.Module, run: Run) -> Estimate:
             "buffers": buffers_bwd,
         },
         "last layer's backward": {
-            "grads": max(grads_held, _head_grad(head)),
+            "grads": max(grads_held, _head_grad(head, s.tp)),
             "activations": acts["saved"] + acts["recompute"] + acts["transient"], "logits_loss": 0, "buffers": buffers_bwd,
         },
         "optimizer step": {
@@ -401,6 +516,8 @@ def estimate(model: torch.nn.Module, run: Run) -> Estimate:
             "activations": 0, "logits_loss": 0, "buffers": 0,
         },
     }
+    if end_of_backward:
+        moments["end of backward"] = end_of_backward
     if not run.fused_adam and s.kind in ("ddp", "fsdp"):
         moments["optimizer step"]["buffers"] = held["optimizer"] // 2  # foreach AdamW's sqrt(v) temporaries
     moment, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
@@ -412,15 +529,17 @@ def estimate(model: torch.nn.Module, run: Run) -> Estimate:
     return Estimate(parts=parts, peak_bytes=peak, moment=moment, reserve_bytes=reserve, held=held)
 
 
-def _head_grad(head: _Tensor | None) -> int:
-    """The first gradient backward makes: the output head's (fp32), before any layer's."""
-    return 4 * head.numel if head is not None and head.trainable else 0
+def _head_grad(head: _Tensor | None, tp: int = 1) -> int:
+    """The first gradient backward makes: the output head's (fp32; a rank's slice under tensor parallel), before any layer's."""
+    return 4 * math.prod(head.tp_slice(tp)) if head is not None and head.trainable else 0
 
 
 def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, offload: bool) -> float:
     """Relative step time, for ranking what fits (a heuristic, not a measurement): recomputation
     costs about one more forward (a third of forward + backward) per checkpointed layer share;
-    sharded parameters are gathered every layer (ZeRO-3, FSDP2); offload moves the optimizer to
-    the CPU; DeepSpeed's engine adds a little per step; a small micro-batch leaves the GPU underused."""
+    sharded parameters are gathered every layer (ZeRO-3, FSDP2), context parallel also gathers every
+    layer's keys and values, tensor parallel all-reduces activations twice a layer each way (fast
+    only inside a node); offload moves the optimizer to the CPU; DeepSpeed's engine adds a little
+    per step; a small micro-batch leaves the GPU underused."""
     recompute = {"none": 0.0, "full": 1 / 3, "every_k": 1 / (3 * max(1, every_k))}[checkpointing]
     return (1 + recompute) * STRATEGY_SPEED.get(strategy, 1.1) * (2.0 if offload else 1.0) * (1 + 0.5 / micro_batch)

@@ -5,7 +5,9 @@
   ranks), equal to the estimate within 1 %.
 - Activations: what one decoder layer saves for backward, counted by autograd's
   saved_tensors_hooks on CPU, equal to the per-token formula (fp32, autocast over fp32 weights,
-  weights cast to bf16; two shapes, grouped KV heads).
+  weights cast to bf16; two shapes, grouped KV heads), with sdpa's copy of a document mask.
+- Tensor and context parallel on 2 CPU processes (model_parallel_memory_probe.py): a rank's model
+  state split by transformers' plan, and what one layer keeps, equal to the estimate.
 - GPU peaks measured on an H100 (tests/toolkit/strategy/gpu_memory_points.json): within 15 %.
 """
 
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 from pathlib import Path
 
+import launching
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -26,6 +31,7 @@ from toolkit.strategy.memory import (
     Shapes,
     StrategyFacts,
     estimate,
+    layer_bytes,
     layer_bytes_per_token,
     model_tensors,
     read_strategy,
@@ -60,9 +66,9 @@ def test_model_state_per_rank_equals_the_live_tensors(sharding_probe, strategy, 
         assert estimated[key] == pytest.approx(real, rel=0.01, abs=8), f"{strategy}@{nproc} {key}: {estimated[key]} vs {real}"
 
 
-def saved_by_one_layer(config: LlamaConfig, mode: str, batch: int, seq: int) -> int:
+def saved_by_one_layer(config: LlamaConfig, mode: str, batch: int, seq: int, mask: torch.Tensor | None = None) -> int:
     """Bytes autograd keeps for backward inside decoder layer 1 (parameters excluded; rotary
-    cos/sin, which every layer shares, excluded)."""
+    cos/sin, which every layer shares, excluded), with `mask` as the attention mask if given."""
     dtype = torch.bfloat16 if mode == "bf16 weights" else torch.float32
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -85,7 +91,7 @@ def saved_by_one_layer(config: LlamaConfig, mode: str, batch: int, seq: int) -> 
     layer.forward = hooked
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
     with autocast:
-        model.model(input_ids=torch.randint(0, config.vocab_size, (batch, seq)))
+        model.model(input_ids=torch.randint(0, config.vocab_size, (batch, seq)), attention_mask=mask)
     weights = {tuple(p.shape) for p in layer.parameters()} | {tuple(p.shape)[::-1] for p in layer.parameters()}  # autocast's casts
     rotary = (1, 1, seq, config.hidden_size // config.num_attention_heads)
     return sum(n for n, shape in kept.values() if shape not in weights and shape != rotary)
@@ -104,8 +110,59 @@ def test_saved_activations_per_layer_equal_the_formula(mode, sizes):
     with torch.device("meta"):
         shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
     facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
-    run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16")
+    run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
     assert layer_bytes_per_token(shapes, run) * batch * seq == measured
+
+
+def test_sdpa_with_the_document_mask_keeps_repeated_keys_and_a_mask_copy_in_every_layer():
+    """transformers repeats k and v to every query head when sdpa gets a mask (use_gqa_in_sdpa), and
+    sdpa converts a boolean mask to the compute dtype in each call and keeps it; an H100 (torch 2.11,
+    cuDNN attention) keeps the same tensors."""
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )
+    batch, seq = 3, 40
+    documents = torch.arange(seq) // 16  # three packed documents, each attending to itself only
+    mask = (documents[:, None] == documents[None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    measured = saved_by_one_layer(config, "bf16 weights", batch, seq, mask.expand(batch, 1, seq, seq))
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    run = Run(StrategyFacts("fsdp", "fsdp"), 1, batch, seq)
+    assert layer_bytes(shapes, run) == measured
+    # beside the unmasked layer: k and v repeated to the 4 query heads, and the mask's bf16 copy
+    unmasked = Run(StrategyFacts("fsdp", "fsdp"), 1, batch, seq, packed_documents=False)
+    repeated_kv = 2 * 2 * (4 - 2) * 64 * batch * seq
+    assert layer_bytes(shapes, run) - layer_bytes(shapes, unmasked) == repeated_kv + 2 * batch * seq * seq
+
+
+@pytest.mark.distributed
+def test_tensor_and_context_parallel_ranks_hold_what_the_estimate_says(tmp_path):
+    """tp 2 (fsdp_tp.yaml as shipped): parameters, gradients and AdamW state cut by transformers' plan,
+    and a layer's activations with 1/tp of the heads and MLP width beside the whole residual stream
+    (autocast over fp32 weights). cp 2 (fsdp_cp.yaml): a layer keeps its half of the tokens and the
+    whole sequence's gathered keys and values."""
+    out = tmp_path / "ranks.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(launching.free_port()), str(Path(__file__).with_name("model_parallel_memory_probe.py")), str(out)]
+    proc = launching.run(cmd, 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = json.loads(out.read_text())
+    world, batch, seq = ranks[0]["world"], ranks[0]["batch"], ranks[0]["seq"]
+    model = probe_model()
+    shapes = Shapes.of(model)
+
+    tp = Run(read_strategy(ROOT / "accelerate_configs/fsdp_tp.yaml", 128), world, batch, seq, precision="fp32")
+    held = state_bytes(model_tensors(model), tp)
+    for key in ("params", "grads", "optimizer"):
+        assert held[key] == max(rank["tp"][key] for rank in ranks), key
+    whole = state_bytes(model_tensors(model), Run(StrategyFacts("ddp", "ddp"), 1, batch, seq, precision="fp32"))
+    assert held["params"] > whole["params"] / 2, "the norms stay whole on every rank"
+
+    tp_autocast = Run(tp.strategy, world, batch, seq, precision="bf16", packed_documents=False)
+    assert [rank["tp"]["saved"] for rank in ranks] == [layer_bytes(shapes, tp_autocast)] * world
+    cp = Run(read_strategy(ROOT / "accelerate_configs/fsdp_cp.yaml", 128), world, batch, seq, precision="bf16")
+    assert [rank["cp"]["saved"] for rank in ranks] == [layer_bytes(shapes, cp)] * world
 
 
 def llama_1b() -> torch.nn.Module:
@@ -134,6 +191,8 @@ def test_the_shipped_configs_read_as_their_strategies():
     assert facts["zero3"].reduce_bucket == 2048 * 2048, "Accelerate fills reduce_bucket_size=auto with hidden^2"
     assert facts["zero3"].persistence_threshold == 10 * 2048
     assert facts["zero3_offload"].offload_optimizer and not facts["zero3"].offload_optimizer
+    assert (facts["fsdp_cp"].kind, facts["fsdp_cp"].cp, facts["fsdp_cp"].tp) == ("fsdp", 2, 1)
+    assert (facts["fsdp_tp"].kind, facts["fsdp_tp"].cp, facts["fsdp_tp"].tp) == ("fsdp", 1, 2)
 
 
 def test_sharding_divides_what_a_rank_holds():

@@ -1,0 +1,123 @@
+"""Launched on 2 processes (torchrun, gloo) by test_memory.py: what a rank holds under tensor and
+context parallel, for the memory model to be compared with. Rank 0 writes to the JSON file argv[1]:
+
+- "tp": test_memory.probe_model() split over the 2 ranks (toolkit.strategy.tensor_parallel.split,
+  fsdp_tp.yaml's tp 2 x dp_shard 1): this rank's bytes of parameters, of gradients after one backward
+  and of AdamW's state after one step (the local shards of the DTensors), and the bytes autograd keeps
+  inside decoder layer 1 in a forward under CPU bf16 autocast over the fp32 weights, as the recipe
+  trains it (transformers' FSDP2 casts no weights);
+- "cp": the same model in bf16 (FSDP2's param_dtype casts the weights so) with its attention routed
+  through toolkit.strategy.context_parallel (cp 2): the bytes layer 1 keeps for this rank's half of
+  every sequence.
+
+Saved weights and autocast's copies of them (their shapes), and rotary cos/sin (shared by all layers,
+counted apart by the model), are left out, as in test_memory.saved_by_one_layer; sdpa's copy of the
+block-causal mask in the compute dtype, which every layer keeps, is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from toolkit.strategy.context_parallel import ContextParallel  # noqa: E402
+from toolkit.strategy.tensor_parallel import split  # noqa: E402
+
+BATCH, SEQ = 3, 32
+CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)  # test_memory.probe_model's
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def nbytes(tensors) -> int:
+    return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+
+def saved_by_layer(model: torch.nn.Module, run_forward) -> tuple[torch.Tensor, int]:
+    """(what `run_forward()` returns, the bytes autograd keeps inside decoder layer 1 meanwhile), its
+    weights (by their local shapes) and the rotary cos/sin (by their storage) left out."""
+    layer = model.model.layers[1]
+    weights = {tuple(local(p).shape) for p in layer.parameters()}
+    weights |= {shape[::-1] for shape in weights}
+    rotary: set[int] = set()
+    kept: dict[int, tuple[int, tuple]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        inner = getattr(t, "_local_tensor", t)  # a DTensor keeps its shard in a plain tensor
+        storage = inner.untyped_storage()
+        kept[storage.data_ptr()] = (storage.nbytes(), tuple(inner.shape))
+        return t
+
+    forward = layer.forward
+
+    def hooked(*args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return forward(*args, **kwargs)
+
+    layer.forward = hooked
+    hook = model.model.rotary_emb.register_forward_hook(
+        lambda module, args, out: rotary.update(t.untyped_storage().data_ptr() for t in out)
+    )
+    try:
+        out = run_forward()
+    finally:
+        layer.forward = forward
+        hook.remove()
+    return out, sum(n for ptr, (n, shape) in kept.items() if shape not in weights and ptr not in rotary)
+
+
+def tensor_parallel(ids: torch.Tensor) -> dict:
+    torch.manual_seed(0)  # split slices each rank's own copy: the same seed everywhere
+    model = split(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.float32), dist.get_world_size())
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=ids, labels=ids).loss
+
+    loss, saved = saved_by_layer(model, forward)
+    loss.backward()
+    grads = nbytes(p.grad for p in model.parameters())
+    optimizer.step()
+    state = sum(nbytes(s.values()) for s in optimizer.state.values())
+    return {"params": nbytes(model.parameters()), "grads": grads, "optimizer": state, "saved": saved}
+
+
+def context_parallel(ids: torch.Tensor) -> dict:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.bfloat16)
+    group = ContextParallel(dist.get_world_size(), torch.device("cpu"))
+    group.apply(model)
+    shard = group.split({"input_ids": ids, "labels": ids, "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)})
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask")}
+    _, saved = saved_by_layer(model, lambda: model.model(**inputs).last_hidden_state)
+    return {"saved": saved}
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    result = {"world": dist.get_world_size(), "batch": BATCH, "seq": SEQ, "tp": tensor_parallel(ids),
+              "cp": context_parallel(ids)}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, result)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(ranks))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
