@@ -58,19 +58,22 @@ def assert_2d_run_equals_one_process(config: str, axis: str, one_process_run, ou
     assert_same_curves(curves(out), ref)
 
 
-def assert_run_equals_one_process_and_resumes_bit_exact(config: str, axis: str, one_process_run, tmp_path, cache):
-    """2 processes under accelerate config `config`: the curves and final/ logits of one process, and a
-    resume from step-3 equal to the bit. Returns the run's folder and its curves after step 3."""
+def assert_run_equals_one_process_and_resumes_bit_exact(
+    config: str, says: str, one_process_run, tmp_path, cache, extra: tuple[str, ...] = ()
+):
+    """2 processes under accelerate config `config` (and overrides `extra`), whose first line says
+    `says`: the curves and final/ logits of one process, and a resume from step-3 equal to the bit.
+    Returns the run's folder and its curves after step 3."""
     out = tmp_path / "run"
-    proc = run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=2, cache=cache, accelerate_config=config)
-    assert f"{axis}_parallel=2 (data_parallel=1)" in proc.stdout + proc.stderr
+    proc = run_recipe("pretrain", [*RUN, *extra, f"output_dir={out}"], nproc=2, cache=cache, accelerate_config=config)
+    assert says in proc.stdout + proc.stderr
     got = curves(out)
     assert_same_curves(got, curves(one_process_run))
     assert_same_logits(out / "final", one_process_run / "final")
 
     resumed = tmp_path / "resumed"
-    run_recipe("pretrain", [*RUN, f"output_dir={resumed}", f"resume={out / 'checkpoints' / 'step-3'}"], nproc=2,
-               cache=cache, accelerate_config=config)
+    run_recipe("pretrain", [*RUN, *extra, f"output_dir={resumed}", f"resume={out / 'checkpoints' / 'step-3'}"],
+               nproc=2, cache=cache, accelerate_config=config)
     after = {k: v for k, v in got.items() if k[0] > 3}
     assert curves(resumed) == after
     return out, after

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.distributed
 
 
 def test_context_parallel_on_2_processes_equals_one_process_and_resumes_bit_exact(one_process_run, tmp_path, data_cache):
-    assert_run_equals_one_process_and_resumes_bit_exact("fsdp_cp.yaml", "context", one_process_run, tmp_path, data_cache)
+    assert_run_equals_one_process_and_resumes_bit_exact(
+        "fsdp_cp.yaml", "context_parallel=2 (data_parallel=1)", one_process_run, tmp_path, data_cache
+    )
 
 
 def test_dp_shard_2_by_cp_2_on_4_processes_equals_one_process(one_process_run, tmp_path, data_cache):

@@ -28,7 +28,7 @@ from toolkit.strategy.saved import gather_full_weights, saved_by
 
 @dataclass
 class Source:
-    kind: Literal["hf", "adapter", "ddp", "fsdp", "deepspeed"]
+    kind: Literal["hf", "adapter", "ddp", "fsdp", "deepspeed", "pipeline"]
     path: Path  # the model folder, adapter folder or checkpoint folder
     run_dir: Path | None = None
     step: int | None = None
@@ -85,7 +85,7 @@ def load_model(source: Source, base: str | None = None, merge_lora: bool = True)
 
 def gather_weights(source: Source, into: Path) -> Path:
     """Write a checkpoint's full float32 weights into `into`, gathered by its strategy's own tools."""
-    if source.kind not in ("ddp", "fsdp", "deepspeed"):
+    if source.kind not in ("ddp", "fsdp", "deepspeed", "pipeline"):
         raise ValueError(f"not a checkpoint: {source.kind}")
     return gather_full_weights(source.kind, source.path, into)
 
@@ -207,7 +207,7 @@ def _checkpoint_source(folder: Path, run_dir: Path | None) -> Source:
         present = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
         raise UserError(
             f"{folder} is a checkpoint from an unknown save (it holds {present}); expected model.safetensors (DDP), "
-            "pytorch_model_fsdp_0/ (FSDP) or a DeepSpeed `latest` + zero_pp_rank_* files"
+            "pytorch_model_fsdp_0/ (FSDP), a DeepSpeed `latest` + zero_pp_rank_* files or pipeline_stage_*.safetensors"
         )
     return Source(kind, folder, run_dir=run_dir, step=state.step, facts=facts)
 

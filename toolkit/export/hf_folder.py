@@ -73,8 +73,8 @@ def save_final_model(
     if not strategy.is_main:
         strategy.accelerator.wait_for_everyone()
         return None
-    unwrapped = strategy.accelerator.unwrap_model(model)
-    write_model_folder(unwrapped, tokenizer, out_dir, card_facts, train_config, state_dict, dtype=dtype)
+    write_model_folder(strategy.model_to_save(model, state_dict), tokenizer, out_dir, card_facts, train_config,
+                       state_dict, dtype=dtype)
     strategy.accelerator.wait_for_everyone()
     return out_dir
 

@@ -58,10 +58,12 @@ from toolkit.config import UserError
 from toolkit.manifest import crc32
 from toolkit.run_dir import STATE_FILE, converted_state
 from toolkit.strategy.saved import (
+    PIPELINE_OPTIMIZER,
     SavedLayout,
     deepspeed_config,
     deepspeed_tag_folder,
     gather_full_weights,
+    pipeline_stage_files,
     read_optimizer_names,
     saved_by,
     saved_layout,
@@ -97,6 +99,8 @@ def convert(folder: Path, into: Path) -> None:
                 moments, steps = _ddp_moments(folder)
             elif kind == "fsdp":
                 moments, steps = _fsdp_moments(folder, Path(scratch))
+            elif kind == "pipeline":
+                moments, steps = _pipeline_moments(folder)
             else:
                 moments, steps = _deepspeed_moments(folder, Path(scratch))
             (into / WEIGHTS).mkdir()
@@ -164,6 +168,21 @@ def _ddp_moments(folder: Path) -> tuple[dict, dict]:
             if state:  # no state: never stepped (no gradient yet)
                 moments[name] = {key: state[key] for key in MOMENTS}
                 steps[name] = _step(state["step"])
+    return moments, steps
+
+
+def _pipeline_moments(folder: Path) -> tuple[dict, dict]:
+    """Each stage's optimizer state, by the whole-model names saved beside it."""
+    moments, steps = {}, {}
+    for stage in range(len(pipeline_stage_files(folder))):
+        saved = torch.load(folder / PIPELINE_OPTIMIZER.format(stage), map_location="cpu", weights_only=True)
+        optimizer = saved["optimizer"]
+        for group, names in zip(optimizer["param_groups"], saved["parameter_names"], strict=True):
+            for index, name in zip(group["params"], names, strict=True):
+                state = optimizer["state"].get(index)
+                if state:
+                    moments[name] = {key: state[key] for key in MOMENTS}
+                    steps[name] = _step(state["step"])
     return moments, steps
 
 

@@ -155,3 +155,27 @@ def _create_adam_state(zero, step: float) -> None:
     link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)  # ZeRO-1/2: fragments of that state
     if link is not None:
         link()
+
+
+def load_into_pipeline(pipeline, optimizer: torch.optim.Optimizer, state: ConsolidatedState) -> None:
+    """A pipeline stage (toolkit.strategy.pipeline_parallel): its weights and their Adam state, found
+    by their names in the whole model (a tied head's copy by the embedding's name where the saving
+    strategy kept only that one)."""
+    names = {id(p): pipeline.aliases.get(n, [n]) for n, p in pipeline.named_parameters()}
+    missing = [names[id(p)][0] for p in pipeline.parameters()
+               if p.requires_grad and not any(state.moments(n) is not None for n in names[id(p)])]
+    if missing and state.trained:
+        raise UserError(f"the converted checkpoint {state.folder} has no Adam state for {missing[0]} (and "
+                        f"{len(missing) - 1} more), which this run trains: it holds another model")
+    with torch.no_grad():
+        for param in pipeline.parameters():
+            param.copy_(state.weight(names[id(param)]))
+    current = optimizer.state_dict()
+    adam, index = {}, 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = next((n for n in names[id(param)] if state.moments(n) is not None), None)
+            if name is not None:
+                adam[index] = {"step": torch.tensor(state.step(name), dtype=torch.float32), **state.moments(name)}
+            index += 1
+    optimizer.load_state_dict({"state": adam, "param_groups": current["param_groups"]})

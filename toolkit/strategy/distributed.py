@@ -46,8 +46,10 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.config import UserError
+from toolkit.models.loss import backward_scale
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
+from toolkit.strategy.pipeline_parallel import Pipeline
 
 T = TypeVar("T")
 
@@ -697,6 +699,18 @@ def parallelism_sizes(world: int) -> tuple[int, int]:
     return cp, tp
 
 
+def check_pipeline_launch(stages: int, world: int, model_parallel: int) -> None:
+    """Refuses, before any process group exists, a pipeline the launch cannot hold."""
+    if stages == 1:
+        return
+    if model_parallel > 1:
+        raise UserError(f"train.pipeline_stages={stages} with an accelerate parallelism_config (cp or tp) is not "
+                        "supported yet; use accelerate_configs/ddp.yaml")
+    if world % stages:
+        raise UserError(f"train.pipeline_stages={stages} does not divide the {world} processes launched; launch a "
+                        f"multiple of {stages} processes (replicas x stages)")
+
+
 def check_whole(model: torch.nn.Module) -> None:
     """Generation in one process needs every weight here, not a ZeRO-3 partition or FSDP shard."""
     for name, p in model.named_parameters():
@@ -721,22 +735,31 @@ class Strategy:
     context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
     tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
     ep: int = 1  # ranks a mixture of experts' experts are spread over: tp for an MoE (known once the model is)
+    stages: int = 1  # pipeline stages the decoder layers are cut into (train.pipeline_stages)
+    pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
+    optimizer: torch.optim.Optimizer | None = None  # a pipeline's: its stage's state is saved by each stage
 
     @classmethod
     def launch(
         cls, *, mixed_precision: str, global_batch: int, micro_batch: int, max_grad_norm: float, project_dir: str,
-        trackers: list[str] | None, timeout_s: int,
+        trackers: list[str] | None, timeout_s: int, pipeline_stages: int = 1,
     ) -> Strategy:
         """Collective: every rank. Batch sizes that do not divide fail before any process group exists."""
         world = world_size()
         cp, tp = parallelism_sizes(world)
-        accumulation = accumulation_steps(global_batch, micro_batch, world // (cp * tp))
+        check_pipeline_launch(pipeline_stages, world, cp * tp)
+        accumulation = accumulation_steps(global_batch, micro_batch, world // (cp * tp * pipeline_stages))
         accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
+        if pipeline_stages > 1 and accelerator.distributed_type not in DATA_PARALLEL:
+            raise UserError(
+                f"train.pipeline_stages={pipeline_stages} runs under accelerate_configs/ddp.yaml (the pipelines side "
+                f"by side average their gradients themselves), not under {strategy_name(accelerator)}"
+            )
         if accelerator.device.type == "cpu":
             keep_freed_memory()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
         context = ContextParallel(cp, accelerator.device) if cp > 1 else None
-        return cls(accelerator, world, accumulation, tuple(owned), context, tp)
+        return cls(accelerator, world, accumulation, tuple(owned), context, tp=tp, stages=pipeline_stages)
 
     # ----------------------------------------------------------------- facts
     @property
@@ -751,6 +774,8 @@ class Strategy:
 
     @property
     def name(self) -> str:
+        if self.stages > 1:
+            return f"pipeline of {self.stages} stages"
         return strategy_name(self.accelerator)
 
     @property
@@ -759,7 +784,7 @@ class Strategy:
 
     @property
     def is_replicated(self) -> bool:
-        return is_replicated(self.accelerator)
+        return self.stages == 1 and is_replicated(self.accelerator)
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -773,8 +798,8 @@ class Strategy:
     @property
     def data_ranks(self) -> tuple[int, int]:
         """(ranks that read different data, this rank's index among them): a context- or
-        tensor-parallel group reads the same blocks."""
-        group = self.cp * self.tp
+        tensor-parallel group, and the stages of a pipeline, read the same blocks."""
+        group = self.cp * self.tp * self.stages
         return self.world_size // group, self.rank // group
 
     @property
@@ -788,6 +813,14 @@ class Strategy:
         """How many ranks compute each token's loss: the ranks of a tensor-parallel group compute the
         same one, so a sum over all ranks counts it tp times."""
         return self.tp
+
+    def backward_scale(self, global_targets: int) -> float:
+        """Factor turning a micro-batch's token loss sum into its share of the global per-token mean
+        (toolkit.models.loss.backward_scale); a pipeline sums its micro-batches' and replicas' gradients
+        as they are."""
+        if self.pipeline is not None:
+            return 1.0 / max(1, global_targets)
+        return backward_scale(global_targets, self.gradient_ranks, self.accumulation)
 
     def split_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch -> this rank's share of its sequences (the batch itself without context parallel)."""
@@ -825,6 +858,14 @@ class Strategy:
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
             self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
+        if self.stages > 1:
+            from toolkit.strategy.pipeline_parallel import problems as pipeline_problems
+
+            found = pipeline_problems(model, self.stages)
+            if found:
+                raise UserError(found[0])
+            self.pipeline = Pipeline(model, self.stages, self.accumulation, attn_implementation, self.device)
+            model = self.pipeline.module
         return model
 
     @property
@@ -846,6 +887,8 @@ class Strategy:
         if self.tp > 1:
             experts = f" expert_parallel={self.ep}" if self.ep > 1 else ""
             line += f" tensor_parallel={self.tp}{experts} (data_parallel={self.data_ranks[0]})"
+        if self.stages > 1:
+            line += f" pipeline_stages={self.stages} (data_parallel={self.data_ranks[0]})"
         return line
 
     def print(self, *args) -> None:
@@ -879,13 +922,47 @@ class Strategy:
         return DummyScheduler(optimizer, total_num_steps=max_steps, warmup_num_steps=warmup_steps)
 
     def prepare(self, *objects):
-        return prepare(self.accelerator, *objects)
+        if self.pipeline is None:
+            return prepare(self.accelerator, *objects)
+        # a stage is not wrapped (DDP would average it with the other stages); its optimizer is kept
+        # to save with the stage
+        self.optimizer = next((o for o in objects if isinstance(o, torch.optim.Optimizer)), None)
+        return objects if len(objects) > 1 else objects[0]
 
     def master_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        if self.pipeline is not None:
+            return self.pipeline.gathered_state_dict()
         return master_weights(self.accelerator, model)
 
+    def model_to_save(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """Main process: the model whose save_pretrained writes `state_dict` (master_weights) as one folder."""
+        if self.pipeline is not None:
+            return self.pipeline.whole_model(state_dict)
+        return self.accelerator.unwrap_model(model)
+
+    def save_state(self, folder: Path) -> None:
+        """Collective: this launch's checkpoint files in `folder` (Accelerate's save_state, and each
+        pipeline stage's weights and optimizer state)."""
+        self.accelerator.save_state(str(folder))
+        if self.pipeline is not None:
+            self.pipeline.save(folder, self.optimizer)
+
+    def load_stage_state(self, folder: Path) -> None:
+        """A pipeline stage's weights and optimizer state (what Accelerate's load_state does not hold)."""
+        if self.pipeline is not None:
+            self.pipeline.load(folder, self.optimizer)
+
     def check_replicas_in_sync(self, model: torch.nn.Module) -> list[str]:
-        return check_replicas_in_sync(self.accelerator, model)
+        if self.pipeline is None:
+            return check_replicas_in_sync(self.accelerator, model)
+        from accelerate.utils import gather_object
+
+        digests = gather_object([parameter_digest(model)])
+        for stage in range(self.stages):
+            if len(set(digests[stage::self.stages])) > 1:
+                raise RuntimeError(f"the replicas of pipeline stage {stage} ended with different weights ({digests}); "
+                                   "gradients were not synchronised. Report this with the launch command")
+        return digests
 
     def device_map(self) -> dict[str, int]:
         """Where a quantised (QLoRA) base loads: this rank's own GPU."""
@@ -908,6 +985,8 @@ class Strategy:
         wrote them. Anything else goes through the state by parameter name (toolkit.strategy.consolidated)."""
         if saved.layout != self.layout:
             return False
+        if self.layout == "pipeline":
+            return saved.strategy == self.name  # the same cut: stage i's files are stage i's weights
         return self.layout in ("ddp", "fsdp2") or saved.world_size in (0, self.world_size)
 
     def optimizer_parameter_names(self) -> list[list[str]] | None:
@@ -955,6 +1034,9 @@ class Strategy:
 
         acc = self.accelerator
         state = ConsolidatedState(folder)
+        if self.pipeline is not None:
+            load.load_into_pipeline(self.pipeline, self.optimizer, state)
+            return
         if self.kind == "deepspeed":
             load.load_into_deepspeed(acc.deepspeed_engine_wrapped.engine, state)
             return

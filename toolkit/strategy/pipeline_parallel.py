@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from toolkit.config import UserError
 from toolkit.data.packing import MASKED_ATTENTION, block_causal_mask
 from toolkit.models.loss import target_loss_sum, targets_of
 from toolkit.models.router import expert_count
+from toolkit.strategy.consolidated import parameter_names
+from toolkit.strategy.saved import PIPELINE_OPTIMIZER, PIPELINE_STAGE
 
 # decoders whose forward is embedding -> layers -> norm and nothing else (checked in transformers 5.23)
 SPLITTABLE = ("llama", "mistral", "qwen2", "qwen3")
@@ -107,6 +111,15 @@ class StageModel(nn.Module):
             model.lm_head = None
         self.model = model
 
+    @property
+    def config(self):
+        """The whole model's config (what final/ and checkpoints' model_files describe)."""
+        return self.model.config
+
+    @property
+    def generation_config(self):
+        return getattr(self.model, "generation_config", None)
+
     def whole_name(self, name: str) -> str:
         """A parameter's name here -> its name in the whole model (layer indices are the stage's own)."""
         name = name.removeprefix("model.")
@@ -139,18 +152,21 @@ class Pipeline:
         world = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world // stages, stages), mesh_dim_names=("dp", "pp"))
         self.stages, self.index = stages, mesh.get_local_rank("pp")
+        self.replica = mesh.get_local_rank("dp")
         self.replicas = mesh.get_group("dp") if world > stages else None
         self.pp_group = mesh.get_group("pp")
         output = model.get_output_embeddings()
         tied = output is not None and output.weight is model.get_input_embeddings().weight
+        # every name a weight goes by in the whole model (a tied embedding and head: both), to find
+        # it in a checkpoint by name whichever of them the saving strategy used
+        self.aliases = {n: names for names in parameter_names(model).values() for n in names}
         self.module = StageModel(model, self.index, stages, attn_implementation).to(device)
         if tied:
             # the first stage's embedding and the last stage's head: two copies from here on, kept one
             # weight by summing their gradients (a group of the two ends of each pipeline)
             ends = [[r * stages, r * stages + stages - 1] for r in range(world // stages)]
             groups = [dist.new_group(pair) for pair in ends]
-            replica = mesh.get_local_rank("dp")
-            self.tied_group = groups[replica] if self.index in (0, stages - 1) else None
+            self.tied_group = groups[self.replica] if self.index in (0, stages - 1) else None
             self.tied = (self.module.model.get_input_embeddings().weight if self.index == 0
                          else self.module.model.get_output_embeddings().weight if self.index == stages - 1 else None)
         else:
@@ -235,3 +251,69 @@ class Pipeline:
         """(the name the parameter has in the whole model, parameter) for this stage's weights."""
         for name, p in self.module.named_parameters():
             yield self.module.whole_name(name), p
+
+    # ------------------------------------------------------------ checkpoints and final/
+    def stage_files(self, folder: Path, index: int | None = None) -> tuple[Path, Path]:
+        """(weights, optimizer state) of stage `index` (this rank's by default) in a checkpoint folder."""
+        index = self.index if index is None else index
+        return folder / PIPELINE_STAGE.format(index), folder / PIPELINE_OPTIMIZER.format(index)
+
+    def save(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Collective over nothing: the first replica's rank of each stage writes its weights (by their
+        whole-model names) and its optimizer's state; the other replicas hold the same."""
+        if self.replica != 0:
+            return
+        from safetensors import SafetensorError
+        from safetensors.torch import save_file
+
+        weights, state = self.stage_files(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        names = {id(p): n for n, p in self.named_parameters()}
+        # the optimizer numbers its parameters: their names beside it, to move the state elsewhere
+        groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        try:
+            save_file({n: p.detach().contiguous().cpu() for n, p in self.named_parameters()}, str(weights))
+        except SafetensorError as exc:  # a full disk, as the checkpoint's other writes report it
+            raise OSError(f"{weights}: {exc}") from exc
+        torch.save({"optimizer": optimizer.state_dict(), "parameter_names": groups}, state)
+
+    def load(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """This stage's weights and optimizer state from a checkpoint of the same pipeline."""
+        from safetensors.torch import load_file
+
+        weights, state = self.stage_files(folder)
+        if not weights.exists() or not state.exists():
+            raise UserError(f"checkpoint {folder} has no {weights.name}: it was not written by a pipeline of "
+                            f"{self.stages} stages; resume it with the train.pipeline_stages it was trained with")
+        saved = load_file(str(weights))
+        mine = dict(self.named_parameters())
+        if sorted(saved) != sorted(mine):
+            raise UserError(f"checkpoint {folder}: {weights.name} holds other weights than this stage "
+                            "(another model or another cut); resume with the config it was trained with")
+        with torch.no_grad():
+            for name, p in mine.items():
+                p.copy_(saved[name])
+        optimizer.load_state_dict(torch.load(state, map_location=p.device, weights_only=True)["optimizer"])
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the whole model's weights (fp32, on the CPU) on rank 0, None elsewhere; a tied
+        head is left to the embedding it is tied to."""
+        mine = {} if self.replica != 0 else {
+            n: p.detach().float().cpu() for n, p in self.named_parameters()
+            if not (self.is_last and self.tied is not None and p is self.tied)}
+        held = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, held, dst=0)
+        if held is None:
+            return None
+        return {name: value for part in held for name, value in part.items()}
+
+    def whole_model(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+        """The whole model (on the meta device, its weights `state_dict`'s), for saving in one folder."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            whole = AutoModelForCausalLM.from_config(self.module.config)
+        whole.load_state_dict(state_dict, assign=True, strict=self.tied is None)
+        if self.tied is not None:
+            whole.tie_weights()
+        return whole

@@ -27,7 +27,9 @@ import torch
 
 from toolkit.run_dir import TrainerState, is_complete
 
-SavedBy = Literal["ddp", "fsdp", "deepspeed"]
+SavedBy = Literal["ddp", "fsdp", "deepspeed", "pipeline"]
+PIPELINE_STAGE = "pipeline_stage_{}.safetensors"  # a pipeline stage's weights, by their whole-model names
+PIPELINE_OPTIMIZER = "pipeline_stage_{}_optimizer.pt"  # its optimizer state and the names of its parameters
 OPTIMIZER_NAMES = "optimizer_param_names.json"  # DDP / one process: the parameter names of optimizer.bin's ids
 
 
@@ -51,10 +53,12 @@ class SavedLayout:
 
 def layout_of(strategy: str) -> str:
     """The file layout a strategy's save_state writes: ddp (DDP and one process alike), fsdp1,
-    fsdp2, or zero0..zero3 (offload changes nothing in the files)."""
+    fsdp2, zero0..zero3 (offload changes nothing in the files), or pipeline."""
     zero = re.match(r"DeepSpeed ZeRO-(\d)", strategy)
     if zero:
         return f"zero{zero.group(1)}"
+    if strategy.startswith("pipeline"):
+        return "pipeline"  # each stage's weights and optimizer state (toolkit.strategy.pipeline_parallel)
     if strategy.startswith("FSDP"):
         return "fsdp1" if strategy == "FSDP1" else "fsdp2"
     return "ddp"
@@ -110,6 +114,8 @@ def saved_by(folder: Path) -> SavedBy | None:
         return "deepspeed"
     if _fsdp_model_dir(folder) is not None:
         return "fsdp"
+    if (folder / PIPELINE_STAGE.format(0)).is_file():
+        return "pipeline"
     if any(folder.glob("model*.safetensors")) or (folder / "pytorch_model.bin").is_file():
         return "ddp"
     return None
@@ -136,6 +142,13 @@ def gather_full_weights(kind: SavedBy, folder: Path, into: Path) -> Path:
         save_file({k: v.contiguous() for k, v in state.items()}, into / "model.safetensors", metadata={"format": "pt"})
         del state
         whole.unlink()
+    elif kind == "pipeline":  # each stage's weights under their whole-model names: one file of them all
+        from safetensors.torch import load_file, save_file
+
+        whole = {}
+        for f in pipeline_stage_files(folder):
+            whole.update(load_file(str(f)))
+        save_file({k: v.float().contiguous() for k, v in whole.items()}, into / "model.safetensors", metadata={"format": "pt"})
     elif kind == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
@@ -145,6 +158,15 @@ def gather_full_weights(kind: SavedBy, folder: Path, into: Path) -> Path:
     else:
         raise ValueError(f"not a checkpoint kind: {kind}")
     return into
+
+
+def pipeline_stage_files(folder: Path) -> list[Path]:
+    """A pipeline checkpoint's stage weight files, stage 0 first."""
+    files, stage = [], 0
+    while (folder / PIPELINE_STAGE.format(stage)).is_file():
+        files.append(folder / PIPELINE_STAGE.format(stage))
+        stage += 1
+    return files
 
 
 def _fsdp_model_dir(folder: Path) -> Path | None:

@@ -91,7 +91,7 @@ def save_checkpoint(
     # stops or goes on as checkpoint.on_save_error says.
     failure = None
     try:
-        acc.save_state(str(folder))
+        strategy.save_state(folder)
         fail_point("save.rank_files", state.step, folder)
     except (OSError, RuntimeError) as exc:
         failure = _write_failure(exc, strategy.rank, folder)
@@ -227,6 +227,7 @@ def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None]
         _load_converted(strategy, folder, saved, say)
     else:
         _load_native(strategy, folder)
+        strategy.load_stage_state(folder)
     state = TrainerState.read(folder)
     # Accelerate counts micro-batches to know which one closes an optimizer step, and load_state
     # restores the count of the run that saved: with another accumulation (another world size)

@@ -36,6 +36,7 @@ def evaluate(
     loss_chunk_tokens: int = 0,
     data_ranks: tuple[int, int] | None = None,
     split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    pipeline=None,
 ) -> dict[str, float]:
     """Mean token loss over the first `max_blocks` held-out blocks, split across ranks.
 
@@ -45,6 +46,9 @@ def evaluate(
     `data_ranks` (ranks that read different blocks, this rank's index among them; default every
     process) and `split` (a collated batch -> this rank's share of its sequences) are context
     parallel's (toolkit.strategy.context_parallel): the ranks of a group read the same blocks.
+    `pipeline` (toolkit.strategy.pipeline_parallel): the micro-batches go through its stages, each of
+    `micro_batch` rows and as many per run as it was built for (the schedule's shapes are fixed), the
+    rows and runs that fill them with no targets.
 
     Every rank runs the same number of forwards (sharded models gather weights inside
     forward, so an uneven count would hang); a rank short of blocks repeats one and
@@ -57,10 +61,12 @@ def evaluate(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     targets = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    queued: list[dict[str, torch.Tensor]] = []
     for start in range(0, per_rank, micro_batch):
         idx = mine[start : start + micro_batch]
         real = len(idx)
-        idx = idx + [0] * (min(micro_batch, per_rank - start) - real)
+        rows = micro_batch if pipeline is not None else min(micro_batch, per_rank - start)
+        idx = idx + [0] * (rows - real)
         if not idx:
             continue
         batch = collate_fn(blocks[idx], attn)
@@ -69,8 +75,19 @@ def evaluate(
         if split is not None:
             batch = split(batch)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        loss_sum += forward_loss_sum(model, batch, loss_chunk_tokens).double()
-        targets += (targets_of(batch) != IGNORE_INDEX).sum()
+        if pipeline is None or pipeline.is_last:  # a pipeline's loss is its last stage's alone
+            targets += (targets_of(batch) != IGNORE_INDEX).sum()
+        if pipeline is None:
+            loss_sum += forward_loss_sum(model, batch, loss_chunk_tokens).double()
+            continue
+        queued.append(batch)
+        if len(queued) == pipeline.micro_batches:
+            loss_sum += pipeline.loss_sum(queued)
+            queued = []
+    if queued:
+        empty = {k: v.clone() for k, v in queued[0].items()}
+        empty["labels"][:] = IGNORE_INDEX
+        loss_sum += pipeline.loss_sum(queued + [empty] * (pipeline.micro_batches - len(queued)))
     model.train()
     total = accelerator.reduce(torch.stack([loss_sum, targets]), reduction="sum")
     loss = (total[0] / total[1].clamp(min=1)).item()

@@ -93,3 +93,29 @@ def _any_nonfinite(accelerator: Accelerator, *values: torch.Tensor) -> list[bool
     if accelerator.num_processes > 1:
         found = accelerator.reduce(found, reduction="sum")
     return [v > 0 for v in found.tolist()]
+
+
+def pipeline_step(
+    accelerator: Accelerator,
+    pipeline,
+    optimizer,
+    micro_batches: Iterable[dict[str, torch.Tensor]],
+    scale: float,
+    max_grad_norm: float,
+    meter=None,
+) -> tuple[torch.Tensor, torch.Tensor, str | None, torch.Tensor]:
+    """optimizer_step's contract for a model cut into pipeline stages (toolkit.strategy.pipeline_parallel):
+    the schedule runs every micro-batch's forward and backward, the gradients are clipped by the whole
+    model's norm, and the optimizer steps unless a loss or gradient is not finite on some rank. The
+    loss is the last stage's (0 on the others: a sum over ranks counts every token once). `meter`
+    (toolkit.strategy.sharding.GradientMeter) measures the gradients held before the update."""
+    loss_sum = pipeline.step(list(micro_batches), scale)
+    grad_norm = pipeline.clip_grad_norm_(max_grad_norm)
+    if meter is not None:
+        meter.measure(at_boundary=True)
+    loss_bad, grads_bad = _any_nonfinite(accelerator, loss_sum, grad_norm)
+    nonfinite = "loss" if loss_bad else "grad" if grads_bad else None
+    if nonfinite is None:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, nonfinite, torch.zeros((), dtype=torch.float64, device=accelerator.device)

@@ -35,7 +35,7 @@ from toolkit.data.batching import BatchSchedule
 from toolkit.data.packing import check_attention, column
 from toolkit.export.hf_folder import write_model_files
 from toolkit.faults import kill_point, killing_batches, model_kill_points
-from toolkit.models.loss import backward_scale, output_head
+from toolkit.models.loss import output_head
 from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
@@ -61,7 +61,7 @@ from toolkit.training.metrics import (
 )
 from toolkit.training.nonfinite import dead_model, injected, nonfinite_weight
 from toolkit.training.optim import prepare_optimization
-from toolkit.training.step import optimizer_step
+from toolkit.training.step import optimizer_step, pipeline_step
 
 
 @dataclass
@@ -82,6 +82,10 @@ class TrainConfig:
         help="a NaN or inf loss or gradient on any rank, found before the optimizer step: skip = drop that "
         "batch (weights, optimizer state and schedule untouched), abort = stop the run (exit code 5)",
     )
+    pipeline_stages: int = field(
+        1, help="cut the model's layers into this many pipeline stages, one process each (torch's 1F1B schedule over "
+        "the accumulation's micro-batches); processes = replicas x stages, under accelerate_configs/ddp.yaml"
+    )
     max_nonfinite_skips: int = field(
         3, help="with on_nonfinite=skip, stop the run (exit code 5) after this many skipped steps in a row: "
         "then it is the model that diverged, not one bad batch",
@@ -89,7 +93,8 @@ class TrainConfig:
 
     def validate(self) -> list[str]:
         problems = []
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s", "max_nonfinite_skips"):
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s", "max_nonfinite_skips",
+                     "pipeline_stages"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         return problems
@@ -177,7 +182,7 @@ class Trainer:
         self.strategy = strategy = Strategy.launch(
             mixed_precision=t.mixed_precision, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
             max_grad_norm=cfg.optim.max_grad_norm, project_dir=str(self.run.root), trackers=cfg.logging.trackers,
-            timeout_s=t.collective_timeout_s,
+            timeout_s=t.collective_timeout_s, pipeline_stages=t.pipeline_stages,
         )
         self.accelerator = strategy.accelerator
         strategy.check_sequence_length(cfg.data.seq_len)
@@ -257,6 +262,9 @@ class Trainer:
                 f"{cfg.optim.lr_scaling} to train.global_batch_size={cfg.train.global_batch_size}: peak lr "
                 f"{cfg.optim.peak_lr(cfg.train.global_batch_size):g}"
             )
+        if self.strategy.stages > 1 and cfg.model.chunk_tokens:
+            raise UserError("model.loss=chunked is not supported with train.pipeline_stages > 1 yet (the last stage "
+                            "computes the loss from its logits); use model.loss=full")
         model = self.strategy.apply_model_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
         self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
             self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
@@ -295,7 +303,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
             global_idx = self.schedule.global_indices(state.step)
             global_targets = int(self.block_targets[global_idx].sum())
-            scale = backward_scale(global_targets, self.strategy.gradient_ranks, self.strategy.accumulation)
+            scale = self.strategy.backward_scale(global_targets)
             micro_batches = acc.num_processes * self.strategy.accumulation
             split = self.strategy.split_sequences
             batches = (split(self.collate(self.train_blocks[m], attn)) for m in self.schedule.micro_batches(state.step))
@@ -306,10 +314,16 @@ class Trainer:
                 model_kill_points(acc.unwrap_model(self.model), state.step + 1),
                 injected(acc.unwrap_model(self.model), state.step + 1),
             ):
-                loss_sum, grad_norm, nonfinite, router_sum = optimizer_step(
-                    acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
-                    cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router,
-                )
+                if self.strategy.pipeline is not None:
+                    loss_sum, grad_norm, nonfinite, router_sum = pipeline_step(
+                        acc, self.strategy.pipeline, self.optimizer, killing_batches(batches, state.step + 1), scale,
+                        cfg.optim.max_grad_norm, meter,
+                    )
+                else:
+                    loss_sum, grad_norm, nonfinite, router_sum = optimizer_step(
+                        acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
+                        cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router,
+                    )
             kill_point("after_optimizer", state.step + 1)
             if self.step_scheduler and nonfinite is None:  # a skipped step leaves the schedule where it was
                 self.scheduler.step()
@@ -426,6 +440,7 @@ class Trainer:
                 self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
                 cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
                 cfg.model.chunk_tokens, self.strategy.data_ranks, self.strategy.split_sequences,
+                self.strategy.pipeline,
             )
         self.eval_step = self.state.eval_step = self.step
         self.log({"step": self.step, "phase": phase, **result})
