@@ -42,6 +42,7 @@ def test_dp_shard_2_by_tp_2_on_4_processes_equals_one_process(one_process_run, t
       "model.config.moe_intermediate_size=64"], [], "model.config.num_experts=3 is not divisible by tp=2"),
     ([], ["--parallelism_config_tp_size", "4"], "parallelism_config_dp_shard_size=1 x parallelism_config_tp_size=4 must equal the 2 processes"),
     ([], ["--parallelism_config_cp_size", "2"], "parallelism_config_cp_size=2 with parallelism_config_tp_size=2 is not supported yet"),
+    (["model.loss=chunked"], [], "model.loss=chunked is not supported with tensor parallel"),
 ])
 def test_what_cannot_be_split_is_refused_in_one_line(tmp_path, data_cache, extra, launch_args, says):
     proc = run_recipe("pretrain", [*TINY, "train.max_steps=2", f"output_dir={tmp_path / 'run'}", *extra], nproc=2,

@@ -265,6 +265,11 @@ class Trainer:
         if self.strategy.stages > 1 and cfg.model.chunk_tokens:
             raise UserError("model.loss=chunked is not supported with train.pipeline_stages > 1 yet (the last stage "
                             "computes the loss from its logits); use model.loss=full")
+        if self.strategy.tp > 1 and cfg.model.chunk_tokens:
+            # the head's weight is split by vocabulary over the tp ranks: its loss needs the vocab-parallel
+            # cross-entropy, which the chunked head does not compute (it failed on mixed Tensor/DTensor)
+            raise UserError("model.loss=chunked is not supported with tensor parallel (parallelism_config_tp_size) "
+                            "yet; use model.loss=full")
         model = self.strategy.apply_model_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
         self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
             self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
