@@ -45,7 +45,6 @@ def test_a_pipeline_of_2_stages_equals_one_process_and_resumes_bit_exact(one_pro
 
 
 @pytest.mark.parametrize(("extra", "config", "says"), [
-    (["train.pipeline_stages=3"], "ddp.yaml", "train.pipeline_stages=3 does not divide the 2 processes launched"),
     (["model.model_type=gemma"], "ddp.yaml", "model_type=gemma cannot be cut into pipeline stages"),
     (["model.loss=chunked"], "ddp.yaml", "model.loss=chunked is not supported with train.pipeline_stages > 1"),
     ([], "fsdp.yaml", "train.pipeline_stages=2 runs under accelerate_configs/ddp.yaml"),

@@ -699,10 +699,13 @@ def parallelism_sizes(world: int) -> tuple[int, int]:
     return cp, tp
 
 
-def check_pipeline_launch(stages: int, world: int, model_parallel: int) -> None:
+def check_pipeline_launch(stages: int, world: int, model_parallel: int, mixed_precision: str = "no") -> None:
     """Refuses, before any process group exists, a pipeline the launch cannot hold."""
     if stages == 1:
         return
+    if mixed_precision == "fp16":
+        raise UserError(f"train.pipeline_stages={stages} with train.mixed_precision=fp16 is not supported (the schedule "
+                        "runs the backward itself, without fp16's loss scaling); use bf16")
     if model_parallel > 1:
         raise UserError(f"train.pipeline_stages={stages} with an accelerate parallelism_config (cp or tp) is not "
                         "supported yet; use accelerate_configs/ddp.yaml")
@@ -747,7 +750,7 @@ class Strategy:
         """Collective: every rank. Batch sizes that do not divide fail before any process group exists."""
         world = world_size()
         cp, tp = parallelism_sizes(world)
-        check_pipeline_launch(pipeline_stages, world, cp * tp)
+        check_pipeline_launch(pipeline_stages, world, cp * tp, mixed_precision)
         accumulation = accumulation_steps(global_batch, micro_batch, world // (cp * tp * pipeline_stages))
         accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
         if pipeline_stages > 1 and accelerator.distributed_type not in DATA_PARALLEL:
@@ -864,7 +867,8 @@ class Strategy:
             found = pipeline_problems(model, self.stages)
             if found:
                 raise UserError(found[0])
-            self.pipeline = Pipeline(model, self.stages, self.accumulation, attn_implementation, self.device)
+            self.pipeline = Pipeline(model, self.stages, self.accumulation, attn_implementation, self.device,
+                                     self.accelerator.autocast)
             model = self.pipeline.module
         return model
 

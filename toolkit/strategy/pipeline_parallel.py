@@ -29,8 +29,9 @@ torch's tracer (`pipeline()`) is not used: it loses an intermediate across the s
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -145,7 +146,7 @@ class Pipeline:
     replica x stages + stage)."""
 
     def __init__(self, model: nn.Module, stages: int, micro_batches: int, attn_implementation: str,
-                 device: torch.device):
+                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -173,6 +174,8 @@ class Pipeline:
             self.tied_group = self.tied = None
         self.stage = PipelineStage(self.module, self.index, stages, device, group=self.pp_group)
         self.micro_batches = micro_batches
+        # mixed precision: the forwards run under the launch's autocast, as a prepared model's would
+        self.autocast = autocast
         self._scale, self._sums = 1.0, []
         # gradients are the global per-token mean exactly: each micro-batch's token loss sum x scale
         self.schedule = Schedule1F1B(self.stage, micro_batches, loss_fn=self._loss, scale_grads=False)
@@ -203,7 +206,8 @@ class Pipeline:
         inputs, targets = self._inputs(micro_batches, device)
         self._sums = []
         args = (inputs["input_ids"], inputs["position_ids"]) if self.is_first else ()
-        run(*args, target=targets if self.is_last else None)
+        with self.autocast():
+            run(*args, target=targets if self.is_last else None)
         loss = torch.zeros((), dtype=torch.float64, device=device)
         # the last micro_batches calls: the schedule's first step also calls the loss once on its own,
         # to infer the shapes of the backward

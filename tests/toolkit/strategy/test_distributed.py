@@ -335,3 +335,20 @@ def test_a_parallelism_config_that_fills_the_launch_gives_its_sizes(monkeypatch)
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
     assert parallelism_sizes(4) == (1, 2)
     assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ  # kept from Accelerate, which refuses CPU
+
+
+@pytest.mark.parametrize(("stages", "world", "model_parallel", "precision", "says"), [
+    (3, 2, 1, "no", "train.pipeline_stages=3 does not divide the 2 processes launched; launch a multiple of 3"),
+    (2, 4, 2, "no", "train.pipeline_stages=2 with an accelerate parallelism_config (cp or tp) is not supported yet"),
+    (2, 2, 1, "fp16", "train.pipeline_stages=2 with train.mixed_precision=fp16 is not supported"),
+])
+def test_a_pipeline_the_launch_cannot_hold_is_refused_before_any_process_group(stages, world, model_parallel,
+                                                                               precision, says):
+    from toolkit.config import UserError
+    from toolkit.strategy.distributed import check_pipeline_launch
+
+    with pytest.raises(UserError) as raised:
+        check_pipeline_launch(stages, world, model_parallel, precision)
+    assert says in str(raised.value)
+    check_pipeline_launch(2, 4, 1, "bf16")  # 2 replicas x 2 stages
+    check_pipeline_launch(1, 3, 2, "fp16")  # no pipeline: nothing to check
