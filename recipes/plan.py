@@ -18,6 +18,12 @@ launch line says so). A model or config they refuse is not listed, with the reas
 what a launch of them needs instead of the recipe's (sdpa for context parallel, the full loss for
 tensor parallel) is estimated, said under the table and added to the launch line.
 
+Pipeline parallel (ddp.yaml with train.pipeline_stages=p, for p = 2 and 4 where p divides --gpus:
+p stages x GPUs / p replicas) is listed as "pp<p> stage <s>": the row is the rank of its largest stage
+s. A stage holds its layers' weights, gradients and AdamW state whole, its layers' activations for
+each micro-batch in flight, the logits on the last stage alone, and a receive buffer per micro-batch.
+Its stages run without autocast (Accelerate prepares no stage), so they are estimated in fp32.
+
 Errors (one line, exit code 2): an unreadable config or override, a --gpu-memory that is not a
 size, a model the planner does not model.
 """
@@ -37,12 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.config import UserError, load_config  # noqa: E402
-from toolkit.strategy import context_parallel, tensor_parallel  # noqa: E402
+from toolkit.strategy import context_parallel, pipeline_parallel, tensor_parallel  # noqa: E402
 from toolkit.strategy.memory import Run, StrategyFacts, estimate, rank_key, read_strategy  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CHECKPOINTING = ("none", "every_k", "full")
+PIPELINE_STAGES = (2, 4)  # listed where they divide --gpus; more rows would bury the table
 
 
 def parse_size(text: str) -> int:
@@ -129,6 +136,22 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
     return needs, (found[0] if found else None)
 
 
+def pipelines(model: torch.nn.Module, cfg, gpus: int) -> tuple[list[StrategyFacts], dict[str, str], list[str]]:
+    """(a StrategyFacts per stage count to list, the overrides their launch needs, lines on those not
+    listed), by toolkit.strategy.pipeline_parallel.problems, the check the launch makes."""
+    facts, notes = [], []
+    for p in PIPELINE_STAGES:
+        if gpus % p:
+            continue
+        found = pipeline_parallel.problems(model, p)
+        if found:
+            notes.append(f"pipeline, train.pipeline_stages={p}: not listed: {found[0]}")
+            continue
+        facts.append(StrategyFacts("pipeline", "ddp", stages=p))
+    # the last stage computes the loss from its logits: no chunked loss (the recipe refuses it)
+    return facts, ({"model.loss": "full"} if cfg.model.chunk_tokens else {}), notes
+
+
 def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     """(the rows, the fastest that fits, the recipe, lines on the model-parallel configs)."""
     recipe, cfg = load_recipe_config(args.config, args.overrides)
@@ -139,23 +162,32 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     budget = args.gpu_memory * (1 - args.headroom)
     micro = [int(x) for x in args.micro_batch.split(",")] if args.micro_batch else MICRO_BATCHES
     rows, notes = [], []
-    for facts in strategies(ROOT / "accelerate_configs", hidden):
+    staged, pipeline_needs, pipeline_notes = pipelines(model, cfg, args.gpus)
+    for facts in [*strategies(ROOT / "accelerate_configs", hidden), *staged]:
         needs, refused = model_parallel_needs(facts, model, cfg, args.gpus)
         if refused:
             notes.append(f"{facts.name}: not listed: {refused}")
             continue
-        data_ranks = args.gpus // (facts.cp * facts.tp)  # a cp or tp group reads one micro-batch
+        if facts.stages > 1:
+            needs = pipeline_needs
+        data_ranks = args.gpus // (facts.cp * facts.tp * facts.stages)  # a cp or tp group, or a pipeline, reads one micro-batch
+        required = " ".join(f"{k}={v}" for k, v in needs.items())
         if facts.cp * facts.tp > 1:
             axis = f"cp {facts.cp}" if facts.cp > 1 else f"tp {facts.tp}"
-            required = " ".join(f"{k}={v}" for k, v in needs.items())
             notes.append(f"{facts.name}: {axis} x dp_shard {data_ranks}" + (f", as launched with {required}" if needs else ""))
+        if facts.stages > 1:
+            notes.append(f"pp{facts.stages}: ddp.yaml + train.pipeline_stages={facts.stages} ({facts.stages} stages x "
+                         f"{data_ranks} replicas), rows are the largest stage's rank, fp32 (stages get no autocast)"
+                         + (f", as launched with {required}" if needs else ""))
         for ckpt in CHECKPOINTING:
             for mb in micro:
                 if t.global_batch_size % (mb * data_ranks):
                     continue
                 run = Run(
                     facts, args.gpus, mb, cfg.data.seq_len, accumulation=t.global_batch_size // (mb * data_ranks),
-                    checkpointing=ckpt, every_k=m.gradient_checkpointing_k, precision=precision, param_dtype=dtype,
+                    checkpointing=ckpt, every_k=m.gradient_checkpointing_k, param_dtype=dtype,
+                    # a pipeline stage is not prepared by Accelerate, which is what adds autocast
+                    precision="fp32" if facts.stages > 1 else precision,
                     attention=needs.get("model.attn_implementation", m.attn_implementation),
                     loss_chunk_tokens=0 if "model.loss" in needs else m.chunk_tokens, quantized_base=quantized,
                     fused_adam=cfg.optim.fused != "false",
@@ -165,11 +197,14 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                 rows.append({
                     "strategy": facts.name, "gradient_checkpointing": ckpt, "micro_batch_size": mb,
                     "accumulation": run.accumulation, "cp": facts.cp, "tp": facts.tp, "dp_shard": data_ranks,
+                    "pipeline_stages": facts.stages, "stage": est.stage,
                     "requires": [f"{k}={v}" for k, v in needs.items()], **{f"{k}_bytes": v for k, v in est.parts.items()},
                     "peak_bytes": est.peak_bytes, "reserve_bytes": est.reserve_bytes, "peak_at": est.moment,
                     "fits": est.peak_bytes + est.reserve_bytes <= budget,
-                    "relative_step_time": round(rank_key(facts.name, ckpt, m.gradient_checkpointing_k, mb, offload), 3),
+                    "relative_step_time": round(rank_key(facts.name, ckpt, m.gradient_checkpointing_k, mb, offload,
+                                                         facts.stages, run.accumulation), 3),
                 })
+    notes += pipeline_notes
     if not rows:
         raise UserError(
             f"no micro-batch in {micro} divides train.global_batch_size={t.global_batch_size} over {args.gpus} GPUs"
@@ -180,14 +215,22 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
 
 
 def launch_line(best: dict, recipe: str, args) -> str:
-    replaced = ("train.micro_batch_size=", "model.gradient_checkpointing=", *(o.split("=")[0] + "=" for o in best["requires"]))
-    extra = "".join(f" {o}" for o in [*(o for o in args.overrides if not o.startswith(replaced)), *best["requires"]])
+    replaced = ("train.micro_batch_size=", "model.gradient_checkpointing=", "train.pipeline_stages=",
+                *(o.split("=")[0] + "=" for o in best["requires"]))
+    stages = [f"train.pipeline_stages={best['pipeline_stages']}"] if best["pipeline_stages"] > 1 else []
+    extra = "".join(f" {o}" for o in [*(o for o in args.overrides if not o.startswith(replaced)), *best["requires"], *stages])
     groups = f" --parallelism_config_dp_shard_size {best['dp_shard']}" if best["cp"] * best["tp"] > 1 else ""
+    config = "ddp" if best["pipeline_stages"] > 1 else best["strategy"]
     return (
-        f"accelerate launch --config_file accelerate_configs/{best['strategy']}.yaml --num_processes {args.gpus}{groups} "
+        f"accelerate launch --config_file accelerate_configs/{config}.yaml --num_processes {args.gpus}{groups} "
         f"recipes/{recipe}.py --config {args.config} train.micro_batch_size={best['micro_batch_size']} "
         f"model.gradient_checkpointing={best['gradient_checkpointing']}{extra}"
     )
+
+
+def label(row: dict) -> str:
+    """A row's strategy as the table names it: a pipeline by its stage count and largest stage."""
+    return f"pp{row['pipeline_stages']} stage {row['stage']}" if row["pipeline_stages"] > 1 else row["strategy"]
 
 
 def table(rows: list[dict], args) -> str:
@@ -198,7 +241,7 @@ def table(rows: list[dict], args) -> str:
              f"headroom {args.headroom:.0%}", head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['strategy']:<14}{r['gradient_checkpointing']:<9}{r['micro_batch_size']:>3}"
+            f"{label(r):<14}{r['gradient_checkpointing']:<9}{r['micro_batch_size']:>3}"
             + "".join(f"{r[k + '_bytes'] / gb:>8.1f}" for k in ("params", "grads", "optimizer", "master", "activations", "logits_loss", "buffers"))
             + f"{r['peak_bytes'] / gb:>8.1f}{r['reserve_bytes'] / gb:>7.1f}  {'yes' if r['fits'] else 'no'}"
         )
@@ -232,11 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + "\n".join(notes))
     if best is None:
         smallest = min(rows, key=lambda r: r["peak_bytes"])
-        print(f"\nnothing fits: the smallest is {smallest['strategy']} / {smallest['gradient_checkpointing']} / "
+        print(f"\nnothing fits: the smallest is {label(smallest)} / {smallest['gradient_checkpointing']} / "
               f"micro-batch {smallest['micro_batch_size']} at {smallest['peak_bytes'] / 1e9:.1f} GB per GPU; "
               "add GPUs, shorten data.seq_len or train a LoRA")
         return 0
-    print(f"\nfastest that fits: {best['strategy']}, gradient checkpointing {best['gradient_checkpointing']}, "
+    print(f"\nfastest that fits: {label(best)}, gradient checkpointing {best['gradient_checkpointing']}, "
           f"micro-batch {best['micro_batch_size']} ({best['peak_bytes'] / 1e9:.1f} GB peak per GPU)")
     print(launch_line(best, recipe, args))
     return 0

@@ -8,6 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from toolkit.config import load_config
+from toolkit.models.scratch import hf_config
+from toolkit.strategy.pipeline_parallel import layer_ranges
+from toolkit.training.recipe_config import PretrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 STRATEGIES = sorted(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml") if not p.stem.startswith("multinode"))
@@ -23,12 +30,13 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert sorted({r["strategy"] for r in rows}) == STRATEGIES
+    assert sorted({r["strategy"] for r in rows}) == sorted([*STRATEGIES, "pipeline"])
+    assert {r["pipeline_stages"] for r in rows} == {1, 2, 4}
     assert {r["gradient_checkpointing"] for r in rows} == {"none", "every_k", "full"}
     for r in rows:
         assert {"strategy", "gradient_checkpointing", "micro_batch_size", "peak_bytes", "fits"} <= set(r)
         assert 512 % (r["micro_batch_size"] * r["dp_shard"]) == 0, "the global batch stays the recipe's"
-        assert r["dp_shard"] * r["cp"] * r["tp"] == 8
+        assert r["dp_shard"] * r["cp"] * r["tp"] * r["pipeline_stages"] == 8
         parts = sum(r[f"{k}_bytes"] for k in ("params", "grads", "optimizer", "master", "activations", "logits_loss", "buffers"))
         assert parts == r["peak_bytes"]
     # 8 x 80 GB holds the 1B model many ways, but not DDP without checkpointing at micro-batch 32
@@ -131,3 +139,75 @@ def test_bad_input_is_one_line(args, message):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+def test_a_pipeline_row_is_its_largest_stage():
+    """ddp.yaml + train.pipeline_stages=2 on 2 GPUs: the row is the rank of its largest stage, which holds
+    that stage's weights, gradients and AdamW state whole (layer_ranges' cut; the tied embedding/head a
+    copy on both ends); the first stage keeps 2 micro-batches in flight of its 8 layers, as many
+    layer-micro-batches as DDP's 16 layers of one (fp32: the stages get no autocast), and no logits; the
+    last stage the logits of one micro-batch, as DDP."""
+    fp32_full_loss = ["train.mixed_precision=no", "model.loss=full"]
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8", "--json",
+                *fp32_full_loss)
+    assert proc.returncode == 0, proc.stderr
+    assert "pp2: ddp.yaml + train.pipeline_stages=2 (2 stages x 1 replicas)" in proc.stderr
+    rows = {(r["strategy"], r["gradient_checkpointing"]): r for r in json.loads(proc.stdout)}
+    ddp, first, last = rows["ddp", "none"], rows["pipeline", "none"], rows["pipeline", "full"]
+    assert {r["pipeline_stages"] for r in (first, last)} == {2} and first["dp_shard"] == 1
+    assert (first["stage"], last["stage"]) == (0, 1)
+    assert first["accumulation"] == ddp["accumulation"] * 2 == 64, "one pipeline reads what two DDP ranks would"
+
+    cfg = load_config(PretrainConfig, ROOT / "recipes/configs/pretrain_llama_1b.yaml", [])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(cfg.model, cfg.tokenizer.vocab_size, 0, None))
+    ranges = layer_ranges(16, 2)
+
+    def held(stage: int) -> list[torch.Tensor]:
+        return [p for n, p in model.named_parameters(remove_duplicate=False)
+                if (n.startswith("model.layers.") and int(n.split(".")[2]) in ranges[stage])
+                or (n == "model.embed_tokens.weight" and stage == 0) or (not n.startswith("model.layers.") and
+                                                                        n != "model.embed_tokens.weight" and stage == 1)]
+
+    for row in (first, last):
+        mine = held(row["stage"])
+        numel = sum(p.numel() for p in mine)
+        assert (row["params_bytes"], row["grads_bytes"]) == (4 * numel, 4 * numel), row["stage"]
+        assert row["optimizer_bytes"] == 8 * numel + 4 * len(mine), "AdamW's exp_avg, exp_avg_sq and step"
+        assert 0.5 < row["params_bytes"] / ddp["params_bytes"] < 0.6, "half the layers, and the tied embedding"
+        received = 2048 * 4 + (8 if row["stage"] == 1 else 0)
+        assert row["buffers_bytes"] == 64 * 8 * 2048 * received, \
+            "a receive buffer per micro-batch (64 of them): gradients on stage 0, hidden states and position ids on 1"
+
+    # 8 layers x 2 micro-batches in flight = DDP's 16 x 1, plus the second micro-batch's rotary angles and
+    # token ids (flex attention: no mask), and the gradient through the last layer's backward
+    tokens = 8 * 2048
+    assert ddp["peak_at"] == "loss backward" and first["peak_at"] == "last layer's backward"  # all saved, both
+    rotary_and_ids = 2 * 2048 * 64 * 4 + 8 * tokens
+    through_backward = tokens * (2 * 4 * 2048 + 2 * 4 * 8192)
+    assert first["activations_bytes"] - ddp["activations_bytes"] == rotary_and_ids + through_backward
+    assert first["logits_loss_bytes"] == 0
+    full_ddp = rows["ddp", "full"]
+    assert last["peak_at"] == full_ddp["peak_at"] == "loss backward"
+    assert last["logits_loss_bytes"] == full_ddp["logits_loss_bytes"] > tokens * 32768 * 8, "one micro-batch's logits"
+
+    # the launch line is ddp.yaml's with the stage count
+    small = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--gpu-memory", "33GB",
+                 "--micro-batch", "8", *fp32_full_loss).stdout.strip().splitlines()
+    assert small[-2].startswith("fastest that fits: pp2 stage 1, gradient checkpointing full"), small[-3:]
+    assert small[-1] == ("accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/pretrain.py "
+                         "--config recipes/configs/pretrain_llama_1b.yaml train.micro_batch_size=8 "
+                         "model.gradient_checkpointing=full " + " ".join(fp32_full_loss) + " train.pipeline_stages=2")
+
+
+def test_what_a_pipeline_refuses_is_named_under_the_table():
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--micro-batch", "8",
+                "model.config.num_hidden_layers=3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert ("pipeline, train.pipeline_stages=4: not listed: model.config.num_hidden_layers=3 cannot fill 4 pipeline "
+            "stages; use at most 3 stages") in proc.stderr
+    assert {r["pipeline_stages"] for r in json.loads(proc.stdout)} == {1, 2}
+    lora = plan("--config", "recipes/configs/finetune_smollm2_lora.yaml", "--gpus", "2", "--json")
+    assert "pipeline, train.pipeline_stages=2: not listed: pipeline parallel trains a whole model, not a LoRA adapter" \
+        in lora.stderr
+    assert {r["pipeline_stages"] for r in json.loads(lora.stdout)} == {1}

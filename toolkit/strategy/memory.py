@@ -13,7 +13,8 @@ docs/memory.md gives every formula. In short, a rank holds:
   These are exact: tests compare them with the bytes of the live tensors at 2 and 3 ranks.
   Tensor parallel (fsdp_tp.yaml) first cuts each tensor as transformers' plan does, then FSDP2
   shards the slice over the world / tp data-parallel groups; context parallel (fsdp_cp.yaml) is
-  FSDP2 over every rank, as fsdp.yaml.
+  FSDP2 over every rank, as fsdp.yaml. A pipeline (train.pipeline_stages=p under ddp.yaml) holds on
+  each rank its stage's tensors whole, as DDP would (a tied embedding/head on the first and the last).
 - activations saved for backward, per token and decoder layer, from the shapes (hidden h, MLP i,
   query and key/value widths, heads) and the dtypes: the residual stream (fp32 under autocast
   with fp32 weights, the compute dtype when the strategy casts the weights), the compute dtype
@@ -21,17 +22,20 @@ docs/memory.md gives every formula. In short, a rank holds:
   Checkpointed layers keep only their input; backward recomputes one layer at a time. Tensor
   parallel divides a layer's attention and MLP activations by tp and leaves the residual stream
   whole; context parallel keeps seq_len / cp tokens per rank, and each layer the whole sequence's
-  gathered keys and values.
+  gathered keys and values. A pipeline stage keeps those of its own layers for each micro-batch in
+  flight (1F1B: min(p - stage, micro-batches)).
 - logits and loss buffers: the full path's (tokens x vocab) fp32 copies, or the chunked loss's
   one chunk plus its hidden and weight gradients.
 - communication and gathering buffers: DDP's reducer buckets (a second copy of the gradients),
-  ZeRO's reduce bucket, ZeRO-3's gathered layer and prefetch bucket, FSDP2's unsharded layer(s).
+  ZeRO's reduce bucket, ZeRO-3's gathered layer and prefetch bucket, FSDP2's unsharded layer(s); a
+  pipeline stage's receive buffers, one per micro-batch of the step (torch allocates them up front).
 
 The peak is the largest of three moments of a step: the end of a forward (everything saved, the
 loss computed), the backward of the last layer (its activations recomputed, gradients arriving)
 and the optimizer step. With gradient accumulation the gradients of earlier micro-batches are
 held through every later forward. `reserve_bytes` (CUDA context and allocator slack) is kept
-apart: `peak_bytes` is comparable with `torch.cuda.max_memory_allocated`.
+apart: `peak_bytes` is comparable with `torch.cuda.max_memory_allocated`. A pipeline's estimate is
+its largest stage's (`Estimate.stage` says which).
 
 Modelled decoders: LLaMA-style (llama, mistral, qwen2, qwen3: RMSNorm, rotary attention with
 grouped KV heads, SwiGLU MLP). Compilation is not modelled: the eager estimate is an upper bound
@@ -53,7 +57,8 @@ import yaml
 from toolkit.config import UserError
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
-STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15}  # see rank_key
+STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
+                  "pipeline": 1.0}  # see rank_key
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
 ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
 
@@ -74,6 +79,7 @@ class StrategyFacts:
     reshard_after_forward: bool = True  # FSDP2
     cp: int = 1  # ranks each sequence is split over (parallelism_config_cp_size)
     tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
+    stages: int = 1  # pipeline stages, one per rank (train.pipeline_stages under ddp.yaml)
 
 
 def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
@@ -143,6 +149,13 @@ class Run:
         if self.world % group:
             raise UserError(f"{self.strategy.name}: cp x tp = {group} ranks do not divide world={self.world}; "
                             f"use a multiple of {group} processes")
+        if self.world % self.strategy.stages:
+            raise UserError(f"train.pipeline_stages={self.strategy.stages} does not divide world={self.world}; use a "
+                            f"multiple of {self.strategy.stages} processes (replicas x stages)")
+        if self.strategy.stages > 1 and self.loss_chunk_tokens > 0:
+            # the last stage's loss is the schedule's loss_fn of its logits (toolkit.strategy.pipeline_parallel)
+            raise UserError(f"train.pipeline_stages={self.strategy.stages}: model.loss=chunked does not run in a "
+                            "pipeline; use model.loss=full")
         if self.strategy.tp > 1 and self.loss_chunk_tokens > 0:
             # the chunked loss multiplies the hidden states by the head's weight itself, and under tensor
             # parallel that weight is a DTensor: torch refuses the mixed matmul
@@ -162,6 +175,7 @@ class Estimate:
     moment: str  # which moment of the step is the peak
     reserve_bytes: int
     held: dict[str, int] = field(default_factory=dict)  # model state of the largest rank, as held_bytes measures it
+    stage: int | None = None  # a pipeline's largest stage (whose rank this estimate is)
 
 
 # ---------------------------------------------------------------------------- model state
@@ -218,6 +232,59 @@ def _groups(tensors: list[_Tensor]) -> list[list[_Tensor]]:
     """toolkit.training.optim's parameter groups: trainable matrices (decay), then vectors."""
     trainable = [t for t in tensors if t.trainable]
     return [g for g in ([t for t in trainable if len(t.shape) >= 2], [t for t in trainable if len(t.shape) < 2]) if g]
+
+
+@dataclass
+class Stage:
+    """What one rank runs: the whole model, or stage `index` of a pipeline of `stages`."""
+
+    index: int
+    stages: int
+    layers: range  # the decoder layers it runs, by their index in the whole model
+    in_flight: int  # micro-batches whose activations it keeps at once
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+
+def pipeline_stages(layers: int, stages: int, micro_batches: int) -> list[Stage]:
+    """toolkit.strategy.pipeline_parallel's cut (layer_ranges), each stage with the micro-batches torch's
+    Schedule1F1B keeps alive on it: stage s runs p - s forwards before its first backward, then one
+    forward per backward, so min(p - s, m) micro-batches' activations at most (the first stage the most)."""
+    from toolkit.strategy.pipeline_parallel import layer_ranges
+
+    return [Stage(i, stages, r, min(stages - i, micro_batches)) for i, r in enumerate(layer_ranges(layers, stages))]
+
+
+def stage_tensors(model: torch.nn.Module, tensors: list[_Tensor], stage: Stage) -> list[_Tensor]:
+    """The tensors of model_tensors() that `stage` holds: its decoder layers, the input embedding on the
+    first stage, everything else (final norm, head) on the last; a tied embedding/head is a copy on the
+    first and on the last stage (Pipeline sums their gradients), so both count it."""
+    if stage.stages == 1:
+        return tensors
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = {id(m): n for n, m in base.named_modules()}
+    layers_prefix = names[id(base.get_decoder().layers)] + "."
+    embedding = names[id(base.get_input_embeddings())] + ".weight"
+    output = base.get_output_embeddings()
+    tied = output is not None and output.weight is base.get_input_embeddings().weight
+    held = []
+    for t in tensors:
+        name = t.name.removeprefix("base_model.model.")
+        if name.startswith(layers_prefix):
+            mine = int(name[len(layers_prefix):].split(".", 1)[0]) in stage.layers
+        elif name == embedding:
+            mine = stage.first or (tied and stage.last)
+        else:
+            mine = stage.last
+        if mine:
+            held.append(t)
+    return held
 
 
 def state_bytes(tensors: list[_Tensor], run: Run) -> dict[str, int]:
@@ -410,13 +477,17 @@ def layer_bytes(shapes: Shapes, run: Run) -> int:
     return int(layer_bytes_per_token(shapes, run) * tokens) - own_kv + gathered_kv_bytes(shapes, run) + mask
 
 
-def activation_bytes(shapes: Shapes, run: Run) -> dict[str, int]:
-    """Saved activations of one micro-batch, split into what stays until backward and what backward adds."""
+def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> dict[str, int]:
+    """Saved activations of one micro-batch in `layers` (every decoder layer by default), split into
+    what stays until backward and what backward adds."""
     tokens = run.micro_batch * run.local_seq
     rb, cb, casts = dtypes(run)
     per_layer = layer_bytes(shapes, run)
-    ckpt = {"none": 0, "full": shapes.layers, "every_k": math.ceil(shapes.layers / max(1, run.every_k))}[run.checkpointing]
-    kept = shapes.layers - ckpt
+    layers = range(shapes.layers) if layers is None else layers
+    # transformers checkpoints layer i when i % k == 0 (every_n_layers), numbered in the whole model
+    every = {"none": 0, "full": 1, "every_k": max(1, run.every_k)}[run.checkpointing]
+    ckpt = sum(i % every == 0 for i in layers) if every else 0
+    kept = len(layers) - ckpt
     saved = kept * per_layer + ckpt * rb * shapes.hidden * tokens
     # rotary cos/sin (shared by the layers), the token ids, the packed-document mask of sdpa/eager;
     # context parallel passes every rank its rows of the block-causal mask (micro-batch x seq/cp x seq)
@@ -456,24 +527,44 @@ def loss_bytes(shapes: Shapes, run: Run, head_trainable: bool) -> dict[str, int]
 
 # ---------------------------------------------------------------------------- the estimate
 def estimate(model: torch.nn.Module, run: Run) -> Estimate:
-    """Per-GPU peak of one training step of `model` (built on the meta device) under `run`."""
+    """Per-GPU peak of one training step of `model` (built on the meta device) under `run`; a
+    pipeline's largest stage's."""
     tensors = model_tensors(model, run.quantized_base)
     shapes = Shapes.of(model)
+    p = run.strategy.stages
+    stages = pipeline_stages(shapes.layers, p, run.accumulation) if p > 1 else [Stage(0, 1, range(shapes.layers), 1)]
+    found = [_estimate_stage(stage_tensors(model, tensors, st), shapes, run, st) for st in stages]
+    return max(found, key=lambda e: e.peak_bytes)
+
+
+def _estimate_stage(tensors: list[_Tensor], shapes: Shapes, run: Run, stage: Stage) -> Estimate:
     held = state_bytes(tensors, run)
     s, w = run.strategy, run.world
-    acts = activation_bytes(shapes, run)
-    head = next((t for t in tensors if t.shape == (shapes.vocab, shapes.hidden)), None)
-    loss = loss_bytes(shapes, run, head is not None and head.trainable)
+    acts = activation_bytes(shapes, run, stage.layers)
+    acts["saved"] *= stage.in_flight
     rb, cb, _ = dtypes(run)
+    tokens = run.micro_batch * run.local_seq
+    first_checkpointed = run.checkpointing == "full" or (run.checkpointing == "every_k" and stage.layers.start % run.every_k == 0)
+    if not stage.first and (rb == 4 or first_checkpointed):
+        # what the stage's first layer keeps of its input (fp32 for its norm, or a checkpoint's) is the
+        # receive buffer itself, counted with the buffers
+        acts["saved"] -= stage.in_flight * tokens * rb * shapes.hidden
+    head = next((t for t in tensors if t.shape == (shapes.vocab, shapes.hidden)), None) if stage.last else None
+    loss = loss_bytes(shapes, run, head is not None and head.trainable)
+    if not stage.last:  # the final norm, the head and the loss are the last stage's
+        loss = dict.fromkeys(loss, 0)
     grads_full = held["grads"]
-    # between micro-batches ZeRO-1 keeps whole gradients, reduced into its partition only at the boundary
-    grads_held = held.get("grads_peak", grads_full) if run.accumulation > 1 else 0
+    # between micro-batches ZeRO-1 keeps whole gradients, reduced into its partition only at the boundary;
+    # a pipeline stage holds gradients beside its most activations only when a forward follows its first backward
+    grads_held = held.get("grads_peak", grads_full) if run.accumulation > stage.in_flight else 0
     layer = shapes.layer_params // s.tp  # a rank's slice of a layer under tensor parallel (its norms whole: ~1e-4)
     # buffers that communication and gathering keep
     buffers_fwd = buffers_bwd = 0
     static_buffers = 0
     end_of_backward = None
-    if s.kind == "ddp" and w > 1:
+    if s.stages > 1:  # a stage is not wrapped in DDP (Pipeline all-reduces its replicas' gradients itself)
+        static_buffers = receive_buffers(shapes, run, stage)
+    elif s.kind == "ddp" and w > 1:
         static_buffers = sum(t.numel for t in tensors if t.trainable) * (torch.finfo(run.param_dtype).bits // 8)
     elif s.kind == "fsdp" and s.tp > 1 and w // s.tp == 1:
         # tensor parallel with one data-parallel group: toolkit.strategy.tensor_parallel wraps only the
@@ -526,7 +617,18 @@ def estimate(model: torch.nn.Module, run: Run) -> Estimate:
     parts["buffers"] += static_buffers
     peak = sum(parts.values())
     reserve = CUDA_CONTEXT + int(ALLOCATOR_SLACK * peak)
-    return Estimate(parts=parts, peak_bytes=peak, moment=moment, reserve_bytes=reserve, held=held)
+    return Estimate(parts=parts, peak_bytes=peak, moment=moment, reserve_bytes=reserve, held=held,
+                    stage=stage.index if s.stages > 1 else None)
+
+
+def receive_buffers(shapes: Shapes, run: Run, stage: Stage) -> int:
+    """A pipeline stage's receive buffers: torch.distributed.pipelining allocates, for every micro-batch of
+    the step (not only those in flight), one for the hidden states and position ids it receives (all
+    but the first stage) and one for the gradient coming back (all but the last), and keeps them."""
+    tokens = run.micro_batch * run.local_seq
+    rb = dtypes(run)[0]
+    received = (0 if stage.first else rb * shapes.hidden + 8) + (0 if stage.last else rb * shapes.hidden)
+    return run.accumulation * tokens * received
 
 
 def _head_grad(head: _Tensor | None, tp: int = 1) -> int:
@@ -534,12 +636,16 @@ def _head_grad(head: _Tensor | None, tp: int = 1) -> int:
     return 4 * math.prod(head.tp_slice(tp)) if head is not None and head.trainable else 0
 
 
-def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, offload: bool) -> float:
+def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, offload: bool, stages: int = 1,
+             micro_batches: int = 1) -> float:
     """Relative step time, for ranking what fits (a heuristic, not a measurement): recomputation
     costs about one more forward (a third of forward + backward) per checkpointed layer share;
     sharded parameters are gathered every layer (ZeRO-3, FSDP2), context parallel also gathers every
     layer's keys and values, tensor parallel all-reduces activations twice a layer each way (fast
     only inside a node); offload moves the optimizer to the CPU; DeepSpeed's engine adds a little
-    per step; a small micro-batch leaves the GPU underused."""
+    per step; a small micro-batch leaves the GPU underused; a pipeline of `stages` idles (stages - 1) /
+    (micro_batches + stages - 1) of each step (1F1B's bubble)."""
     recompute = {"none": 0.0, "full": 1 / 3, "every_k": 1 / (3 * max(1, every_k))}[checkpointing]
-    return (1 + recompute) * STRATEGY_SPEED.get(strategy, 1.1) * (2.0 if offload else 1.0) * (1 + 0.5 / micro_batch)
+    bubble = (micro_batches + stages - 1) / micro_batches
+    return ((1 + recompute) * STRATEGY_SPEED.get(strategy, 1.1) * (2.0 if offload else 1.0) * (1 + 0.5 / micro_batch)
+            * bubble)

@@ -8,6 +8,8 @@
   weights cast to bf16; two shapes, grouped KV heads), with sdpa's copy of a document mask.
 - Tensor and context parallel on 2 CPU processes (model_parallel_memory_probe.py): a rank's model
   state split by transformers' plan, and what one layer keeps, equal to the estimate.
+- Pipeline parallel on 2 CPU processes (pipeline_memory_probe.py): each stage's parameters, gradients,
+  AdamW state and torch's receive buffers, equal to the estimate for that stage.
 - GPU peaks measured on an H100 (tests/toolkit/strategy/gpu_memory_points.json): within 15 %.
 """
 
@@ -34,7 +36,10 @@ from toolkit.strategy.memory import (
     layer_bytes,
     layer_bytes_per_token,
     model_tensors,
+    pipeline_stages,
     read_strategy,
+    receive_buffers,
+    stage_tensors,
     state_bytes,
 )
 from toolkit.training.recipe_config import PretrainConfig
@@ -163,6 +168,39 @@ def test_tensor_and_context_parallel_ranks_hold_what_the_estimate_says(tmp_path)
     assert [rank["tp"]["saved"] for rank in ranks] == [layer_bytes(shapes, tp_autocast)] * world
     cp = Run(read_strategy(ROOT / "accelerate_configs/fsdp_cp.yaml", 128), world, batch, seq, precision="bf16")
     assert [rank["cp"]["saved"] for rank in ranks] == [layer_bytes(shapes, cp)] * world
+
+
+@pytest.mark.distributed
+def test_pipeline_stages_hold_what_the_estimate_says(tmp_path):
+    """2 stages of a 3-layer tied LLaMA (fp32): stage 0 holds layers 0-1 and the embedding, stage 1 layer 2,
+    the final norm and the head (the tied embedding's copy); each its weights, gradients and AdamW state
+    whole, and a receive buffer per micro-batch of the step. The estimate is the larger stage's."""
+    out = tmp_path / "stages.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(launching.free_port()), str(Path(__file__).with_name("pipeline_memory_probe.py")), str(out)]
+    proc = launching.run(cmd, 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = sorted(json.loads(out.read_text()), key=lambda r: r["stage"])
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, use_cache=False, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    first = ranks[0]
+    run = Run(StrategyFacts("pipeline", "ddp", stages=2), 2, first["batch"], first["seq"],
+              accumulation=first["micro_batches"], precision="fp32")
+    stages = pipeline_stages(3, 2, run.accumulation)
+    assert [(list(st.layers), st.in_flight) for st in stages] == [([0, 1], 2), ([2], 1)]
+    tensors = model_tensors(model)
+    for stage, rank in zip(stages, ranks, strict=True):
+        held = state_bytes(stage_tensors(model, tensors, stage), run)
+        for key in ("params", "grads", "optimizer"):
+            assert held[key] == rank[key], f"stage {stage.index} {key}"
+        assert receive_buffers(Shapes.of(model), run, stage) == rank["buffers"], f"stage {stage.index}"
+    embedding = 512 * 128 * 4
+    assert ranks[0]["params"] + ranks[1]["params"] == state_bytes(tensors, run)["params"] + embedding, \
+        "the tied embedding/head counted on both ends"
+    worst = estimate(model, run)
+    assert worst.parts["params"] == ranks[worst.stage]["params"]
 
 
 def llama_1b() -> torch.nn.Module:
