@@ -21,8 +21,8 @@ tensor parallel) is estimated, said under the table and added to the launch line
 Pipeline parallel (ddp.yaml with train.pipeline_stages=p, for p = 2 and 4 where p divides --gpus:
 p stages x GPUs / p replicas) is listed as "pp<p> stage <s>": the row is the rank of its largest stage
 s. A stage holds its layers' weights, gradients and AdamW state whole, its layers' activations for
-each micro-batch in flight, the logits on the last stage alone, and a receive buffer per micro-batch.
-Its stages run without autocast (Accelerate prepares no stage), so they are estimated in fp32.
+each micro-batch in flight, the logits on the last stage alone, and a receive buffer per micro-batch;
+under the launch's autocast, as DDP (fp16 is refused: the schedule's backward has no loss scaling).
 
 Errors (one line, exit code 2): an unreadable config or override, a --gpu-memory that is not a
 size, a model the planner does not model.
@@ -136,7 +136,7 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
     return needs, (found[0] if found else None)
 
 
-def pipelines(model: torch.nn.Module, cfg, gpus: int) -> tuple[list[StrategyFacts], dict[str, str], list[str]]:
+def pipelines(model: torch.nn.Module, cfg, gpus: int, precision: str) -> tuple[list[StrategyFacts], dict[str, str], list[str]]:
     """(a StrategyFacts per stage count to list, the overrides their launch needs, lines on those not
     listed), by toolkit.strategy.pipeline_parallel.problems, the check the launch makes."""
     facts, notes = [], []
@@ -144,6 +144,9 @@ def pipelines(model: torch.nn.Module, cfg, gpus: int) -> tuple[list[StrategyFact
         if gpus % p:
             continue
         found = pipeline_parallel.problems(model, p)
+        if precision == "fp16":  # toolkit.strategy.distributed.check_pipeline_launch
+            found.append("train.mixed_precision=fp16 does not run in a pipeline (no loss scaling in the schedule's "
+                         "backward); use bf16")
         if found:
             notes.append(f"pipeline, train.pipeline_stages={p}: not listed: {found[0]}")
             continue
@@ -162,7 +165,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     budget = args.gpu_memory * (1 - args.headroom)
     micro = [int(x) for x in args.micro_batch.split(",")] if args.micro_batch else MICRO_BATCHES
     rows, notes = [], []
-    staged, pipeline_needs, pipeline_notes = pipelines(model, cfg, args.gpus)
+    staged, pipeline_needs, pipeline_notes = pipelines(model, cfg, args.gpus, precision)
     for facts in [*strategies(ROOT / "accelerate_configs", hidden), *staged]:
         needs, refused = model_parallel_needs(facts, model, cfg, args.gpus)
         if refused:
@@ -177,7 +180,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
             notes.append(f"{facts.name}: {axis} x dp_shard {data_ranks}" + (f", as launched with {required}" if needs else ""))
         if facts.stages > 1:
             notes.append(f"pp{facts.stages}: ddp.yaml + train.pipeline_stages={facts.stages} ({facts.stages} stages x "
-                         f"{data_ranks} replicas), rows are the largest stage's rank, fp32 (stages get no autocast)"
+                         f"{data_ranks} replicas), each row is the rank of its largest stage"
                          + (f", as launched with {required}" if needs else ""))
         for ckpt in CHECKPOINTING:
             for mb in micro:
@@ -185,9 +188,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                     continue
                 run = Run(
                     facts, args.gpus, mb, cfg.data.seq_len, accumulation=t.global_batch_size // (mb * data_ranks),
-                    checkpointing=ckpt, every_k=m.gradient_checkpointing_k, param_dtype=dtype,
-                    # a pipeline stage is not prepared by Accelerate, which is what adds autocast
-                    precision="fp32" if facts.stages > 1 else precision,
+                    checkpointing=ckpt, every_k=m.gradient_checkpointing_k, precision=precision, param_dtype=dtype,
                     attention=needs.get("model.attn_implementation", m.attn_implementation),
                     loss_chunk_tokens=0 if "model.loss" in needs else m.chunk_tokens, quantized_base=quantized,
                     fused_adam=cfg.optim.fused != "false",

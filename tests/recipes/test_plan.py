@@ -145,8 +145,8 @@ def test_a_pipeline_row_is_its_largest_stage():
     """ddp.yaml + train.pipeline_stages=2 on 2 GPUs: the row is the rank of its largest stage, which holds
     that stage's weights, gradients and AdamW state whole (layer_ranges' cut; the tied embedding/head a
     copy on both ends); the first stage keeps 2 micro-batches in flight of its 8 layers, as many
-    layer-micro-batches as DDP's 16 layers of one (fp32: the stages get no autocast), and no logits; the
-    last stage the logits of one micro-batch, as DDP."""
+    layer-micro-batches as DDP's 16 layers of one, and no logits; the last stage the logits of one
+    micro-batch, as DDP. fp16 is refused (the schedule's backward has no loss scaling)."""
     fp32_full_loss = ["train.mixed_precision=no", "model.loss=full"]
     proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8", "--json",
                 *fp32_full_loss)
@@ -211,3 +211,6 @@ def test_what_a_pipeline_refuses_is_named_under_the_table():
     assert "pipeline, train.pipeline_stages=2: not listed: pipeline parallel trains a whole model, not a LoRA adapter" \
         in lora.stderr
     assert {r["pipeline_stages"] for r in json.loads(lora.stdout)} == {1}
+    fp16 = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8",
+                "train.mixed_precision=fp16", "--json")
+    assert "pipeline, train.pipeline_stages=2: not listed: train.mixed_precision=fp16 does not run in a pipeline" in fp16.stderr
