@@ -855,9 +855,6 @@ class Strategy:
                 )
             model = split(model, self.tp, self.world_size // self.tp)
             self.ep = expert_ranks(model)
-            if self.ep > 1:
-                # the run's first line (describe) is logged before the model is known: say it again, whole
-                self.print(self.describe())
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
             self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
