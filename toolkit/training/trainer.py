@@ -300,9 +300,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ train
     def fit(self) -> None:
+        bar = tqdm(total=self.cfg.train.max_steps, initial=self.state.step, disable=not self.accelerator.is_main_process, desc=self.name)
+        try:
+            self.train_steps(bar)
+        finally:
+            # Also when a step raises: the bar's line ends, so the error line each rank prints
+            # starts a line of its own instead of being glued after the bar's last "\r".
+            bar.close()
+
+    def train_steps(self, bar) -> None:
         cfg, acc, state = self.cfg, self.accelerator, self.state
         attn = cfg.model.attn_implementation
-        bar = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not acc.is_main_process, desc=self.name)
         window_tokens, window_time = 0, 0.0
         previous: HostCopy | None = None
         while state.step < cfg.train.max_steps:
