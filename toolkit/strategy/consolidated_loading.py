@@ -24,7 +24,8 @@ from toolkit.strategy.consolidated import MOMENTS, ConsolidatedState, parameter_
 
 def _check_moments(state: ConsolidatedState, module: torch.nn.Module, names: dict[int, list[str]]) -> None:
     """Every parameter this run trains must find its Adam state, or the moments would silently restart."""
-    missing = [names[id(p)][0] for p in module.parameters() if p.requires_grad and state.moments(names[id(p)][0]) is None]
+    missing = [names[id(p)][0] for p in module.parameters()
+               if p.requires_grad and all(state.moments(n) is None for n in names[id(p)])]
     if missing and state.trained:
         raise UserError(
             f"the converted checkpoint {state.folder} has no Adam state for {missing[0]} (and {len(missing) - 1} more), "
@@ -36,16 +37,23 @@ def load_into_ddp(module: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
     """DDP or one process: the whole model and the optimizer state dict, on every rank."""
     names = parameter_names(module)
     _check_moments(state, module, names)
+    _load_by_name(list(module.parameters()), names, optimizer, state)
+
+
+def _load_by_name(params: list[torch.nn.Parameter], names: dict[int, list[str]], optimizer: torch.optim.Optimizer,
+                  state: ConsolidatedState) -> None:
+    """Whole weights in place, and the optimizer's state dict built by name (a parameter's Adam state
+    under whichever of its names the saving strategy used)."""
     with torch.no_grad():
-        for param in module.parameters():
+        for param in params:
             param.copy_(state.weight(names[id(param)]))
     current = optimizer.state_dict()
     adam, index = {}, 0
     for group in optimizer.param_groups:
         for param in group["params"]:
-            found = state.moments(names[id(param)][0])
-            if found is not None:
-                adam[index] = {"step": torch.tensor(state.step(names[id(param)][0]), dtype=torch.float32), **found}
+            name = next((n for n in names[id(param)] if state.moments(n) is not None), None)
+            if name is not None:
+                adam[index] = {"step": torch.tensor(state.step(name), dtype=torch.float32), **state.moments(name)}
             index += 1
     optimizer.load_state_dict({"state": adam, "param_groups": current["param_groups"]})
 
@@ -162,20 +170,5 @@ def load_into_pipeline(pipeline, optimizer: torch.optim.Optimizer, state: Consol
     by their names in the whole model (a tied head's copy by the embedding's name where the saving
     strategy kept only that one)."""
     names = {id(p): pipeline.aliases.get(n, [n]) for n, p in pipeline.named_parameters()}
-    missing = [names[id(p)][0] for p in pipeline.parameters()
-               if p.requires_grad and not any(state.moments(n) is not None for n in names[id(p)])]
-    if missing and state.trained:
-        raise UserError(f"the converted checkpoint {state.folder} has no Adam state for {missing[0]} (and "
-                        f"{len(missing) - 1} more), which this run trains: it holds another model")
-    with torch.no_grad():
-        for param in pipeline.parameters():
-            param.copy_(state.weight(names[id(param)]))
-    current = optimizer.state_dict()
-    adam, index = {}, 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            name = next((n for n in names[id(param)] if state.moments(n) is not None), None)
-            if name is not None:
-                adam[index] = {"step": torch.tensor(state.step(name), dtype=torch.float32), **state.moments(name)}
-            index += 1
-    optimizer.load_state_dict({"state": adam, "param_groups": current["param_groups"]})
+    _check_moments(state, pipeline.module, names)
+    _load_by_name(list(pipeline.parameters()), names, optimizer, state)
