@@ -12,11 +12,12 @@ and communication/gathering buffers (toolkit.strategy.memory; docs/memory.md has
 GPU's memory. It then names the fastest row that fits and prints its launch line. The global
 batch stays the recipe's: a micro-batch is listed only if it divides it over the data-parallel ranks.
 
-Context and tensor parallel (fsdp_cp.yaml, fsdp_tp.yaml) take cp or tp from the config's
-parallelism_config and make the --gpus processes cp (or tp) x dp_shard, dp_shard = GPUs / cp (the
-launch line says so). A model or config they refuse is not listed, with the reason under the table;
-what a launch of them needs instead of the recipe's (sdpa for context parallel, the full loss for
-tensor parallel) is estimated, said under the table and added to the launch line.
+Context, tensor and sequence parallel (fsdp_cp.yaml, fsdp_tp.yaml, zero3_sp.yaml) take cp, tp or sp
+from the config's parallelism_config and make the --gpus processes cp (or tp, sp) x dp_shard,
+dp_shard = GPUs / cp (the launch line says so). A model or config they refuse is not listed, with the
+reason under the table; what a launch of them needs instead of the recipe's (sdpa for context and
+sequence parallel, the full loss for tensor parallel) is estimated, said under the table and added to
+the launch line.
 
 Pipeline parallel (ddp.yaml with train.pipeline_stages=p, for p = 2 and 4 where p divides --gpus:
 p stages x GPUs / p replicas) is listed as "pp<p> stage <s>": the row is the rank of its largest stage
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.config import UserError, load_config  # noqa: E402
-from toolkit.strategy import context_parallel, pipeline_parallel, tensor_parallel  # noqa: E402
+from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
 from toolkit.strategy.memory import Run, StrategyFacts, estimate, rank_key, read_strategy  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
 
@@ -114,19 +115,20 @@ def strategies(folder: Path, hidden: int) -> list[StrategyFacts]:
 
 
 def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus: int) -> tuple[dict[str, str], str | None]:
-    """(overrides a launch of `facts` needs beyond the recipe's, why it cannot run at all) for context
-    and tensor parallel, by the checks the launch itself makes (toolkit.strategy.*.problems)."""
-    group = facts.cp * facts.tp
+    """(overrides a launch of `facts` needs beyond the recipe's, why it cannot run at all) for context,
+    tensor and sequence parallel, by the checks the launch itself makes (toolkit.strategy.*.problems)."""
+    group = facts.cp * facts.tp * facts.sp
     if group == 1:
         return {}, None
     if gpus % group:
-        return {}, f"{group} ranks per {'cp' if facts.cp > 1 else 'tp'} group do not divide --gpus {gpus}"
+        return {}, f"{group} ranks per {axis_name(facts)} group do not divide --gpus {gpus}"
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     m, needs = cfg.model, {}
-    if facts.cp > 1:
-        if m.attn_implementation not in context_parallel.SUPPORTED_ATTENTION:
+    if facts.cp > 1 or facts.sp > 1:
+        module = context_parallel if facts.cp > 1 else sequence_parallel
+        if m.attn_implementation not in module.SUPPORTED_ATTENTION:
             needs["model.attn_implementation"] = "sdpa"
-        found = context_parallel.problems(config, facts.cp, cfg.data.seq_len, "sdpa")
+        found = module.problems(config, max(facts.cp, facts.sp), cfg.data.seq_len, "sdpa")
     else:
         if m.chunk_tokens:
             needs["model.loss"] = "full"  # memory.Run says why
@@ -134,6 +136,11 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
         if hasattr(model, "peft_config"):
             found.append("tensor parallel trains a whole model, not a LoRA adapter")
     return needs, (found[0] if found else None)
+
+
+def axis_name(facts: StrategyFacts) -> str:
+    """The model-parallel axis a config splits over: cp, tp or sp."""
+    return "cp" if facts.cp > 1 else "sp" if facts.sp > 1 else "tp"
 
 
 def pipelines(model: torch.nn.Module, cfg, gpus: int, precision: str) -> tuple[list[StrategyFacts], dict[str, str], list[str]]:
@@ -173,11 +180,11 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
             continue
         if facts.stages > 1:
             needs = pipeline_needs
-        data_ranks = args.gpus // (facts.cp * facts.tp * facts.stages)  # a cp or tp group, or a pipeline, reads one micro-batch
+        group = facts.cp * facts.tp * facts.sp
+        data_ranks = args.gpus // (group * facts.stages)  # a cp, tp or sp group, or a pipeline, reads one micro-batch
         required = " ".join(f"{k}={v}" for k, v in needs.items())
-        if facts.cp * facts.tp > 1:
-            axis = f"cp {facts.cp}" if facts.cp > 1 else f"tp {facts.tp}"
-            notes.append(f"{facts.name}: {axis} x dp_shard {data_ranks}" + (f", as launched with {required}" if needs else ""))
+        if group > 1:
+            notes.append(f"{facts.name}: {axis_name(facts)} {group} x dp_shard {data_ranks}" + (f", as launched with {required}" if needs else ""))
         if facts.stages > 1:
             notes.append(f"pp{facts.stages}: ddp.yaml + train.pipeline_stages={facts.stages} ({facts.stages} stages x "
                          f"{data_ranks} replicas), each row is the rank of its largest stage"
@@ -197,8 +204,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                 offload = facts.offload_optimizer or facts.offload_params
                 rows.append({
                     "strategy": facts.name, "gradient_checkpointing": ckpt, "micro_batch_size": mb,
-                    "accumulation": run.accumulation, "cp": facts.cp, "tp": facts.tp, "dp_shard": data_ranks,
-                    "pipeline_stages": facts.stages, "stage": est.stage,
+                    "accumulation": run.accumulation, "cp": facts.cp, "tp": facts.tp, "sp": facts.sp,
+                    "dp_shard": data_ranks, "pipeline_stages": facts.stages, "stage": est.stage,
                     "requires": [f"{k}={v}" for k, v in needs.items()], **{f"{k}_bytes": v for k, v in est.parts.items()},
                     "peak_bytes": est.peak_bytes, "reserve_bytes": est.reserve_bytes, "peak_at": est.moment,
                     "fits": est.peak_bytes + est.reserve_bytes <= budget,
@@ -220,7 +227,7 @@ def launch_line(best: dict, recipe: str, args) -> str:
                 *(o.split("=")[0] + "=" for o in best["requires"]))
     stages = [f"train.pipeline_stages={best['pipeline_stages']}"] if best["pipeline_stages"] > 1 else []
     extra = "".join(f" {o}" for o in [*(o for o in args.overrides if not o.startswith(replaced)), *best["requires"], *stages])
-    groups = f" --parallelism_config_dp_shard_size {best['dp_shard']}" if best["cp"] * best["tp"] > 1 else ""
+    groups = f" --parallelism_config_dp_shard_size {best['dp_shard']}" if best["cp"] * best["tp"] * best["sp"] > 1 else ""
     config = "ddp" if best["pipeline_stages"] > 1 else best["strategy"]
     return (
         f"accelerate launch --config_file accelerate_configs/{config}.yaml --num_processes {args.gpus}{groups} "

@@ -36,7 +36,7 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     for r in rows:
         assert {"strategy", "gradient_checkpointing", "micro_batch_size", "peak_bytes", "fits"} <= set(r)
         assert 512 % (r["micro_batch_size"] * r["dp_shard"]) == 0, "the global batch stays the recipe's"
-        assert r["dp_shard"] * r["cp"] * r["tp"] * r["pipeline_stages"] == 8
+        assert r["dp_shard"] * r["cp"] * r["tp"] * r["sp"] * r["pipeline_stages"] == 8
         parts = sum(r[f"{k}_bytes"] for k in ("params", "grads", "optimizer", "master", "activations", "logits_loss", "buffers"))
         assert parts == r["peak_bytes"]
     # 8 x 80 GB holds the 1B model many ways, but not DDP without checkpointing at micro-batch 32
@@ -85,6 +85,31 @@ def test_tensor_and_context_parallel_on_two_gpus():
     assert cp["activations_bytes"] - same_tokens == pytest.approx(16 * (other_half_kv + 2 * mask) + mask, rel=1e-3)
 
 
+def test_sequence_parallel_on_two_gpus():
+    """zero3_sp.yaml (sp 2 x dp_shard 1) is zero3.yaml's state (ZeRO-3 over both ranks) with half of each
+    sequence per rank: zero3.yaml's activations at half the micro-batch (as many tokens), plus in each
+    of the 16 layers o_proj's own input (the all-to-all back's copy beside sdpa's output, which the
+    whole sequence with half the heads makes as large as this rank's tokens with all of them) and sdpa's
+    bf16 copy of the whole sequence's block-causal mask, which each layer rebuilds; no mask shared by
+    the layers. The config's flex attention is launched as sdpa; logits for half the tokens."""
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "zero3_sp: sp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in proc.stderr
+    rows = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r for r in json.loads(proc.stdout)}
+    zero3, sp = rows["zero3", "none", 8], rows["zero3_sp", "none", 8]
+    assert (sp["sp"], sp["cp"], sp["tp"], sp["dp_shard"]) == (2, 1, 1, 1)
+    assert sp["requires"] == ["model.attn_implementation=sdpa"]
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "master_bytes", "buffers_bytes"):
+        assert sp[key] == zero3[key], key
+    assert sp["accumulation"] == 2 * zero3["accumulation"], "an sp group reads one micro-batch"
+    same_tokens = rows["zero3", "none", 4]
+    assert sp["peak_at"] == same_tokens["peak_at"] and sp["logits_loss_bytes"] == same_tokens["logits_loss_bytes"]
+    o_proj_input = 2 * 8 * 1024 * 2048  # bf16 x this rank's 8 x 1024 tokens x 32 heads x 64
+    mask = 2 * 8 * 2048 * 2048  # bf16, the whole sequence's, in every layer
+    rotary = 2 * 1024 * 64 * 2  # cos and sin of half the positions fewer
+    assert sp["activations_bytes"] - same_tokens["activations_bytes"] == 16 * (o_proj_input + mask) - rotary
+
+
 def test_model_parallel_rows_say_what_a_launch_needs():
     long = ["data.seq_len=32768", "model.config.max_position_embeddings=32768"]
     proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--gpu-memory", "18GB",
@@ -93,6 +118,7 @@ def test_model_parallel_rows_say_what_a_launch_needs():
     out = proc.stdout.strip().splitlines()
     assert "fsdp_cp: cp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in out
     assert "fsdp_tp: tp 2 x dp_shard 1, as launched with model.loss=full" in out
+    assert "zero3_sp: sp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in out
     assert out[-2].startswith("fastest that fits: fsdp_cp, gradient checkpointing full"), "32k tokens fit split in two"
     assert out[-1].startswith("accelerate launch --config_file accelerate_configs/fsdp_cp.yaml --num_processes 2 "
                               "--parallelism_config_dp_shard_size 1 recipes/pretrain.py")
@@ -102,6 +128,12 @@ def test_model_parallel_rows_say_what_a_launch_needs():
                  "model.config.num_key_value_heads=1", "--json")
     assert "fsdp_tp: not listed: model.config.num_key_value_heads=1 is not divisible by tp=2" in heads.stderr
     assert "fsdp_tp" not in {r["strategy"] for r in json.loads(heads.stdout)}
+    odd_heads = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8",
+                     "model.config.hidden_size=1920", "model.config.num_attention_heads=15",
+                     "model.config.num_key_value_heads=5", "--json")
+    assert "zero3_sp: not listed: llama has 15 attention heads, not divisible by parallelism_config_sp_size=2" \
+        in odd_heads.stderr
+    assert "zero3_sp" not in {r["strategy"] for r in json.loads(odd_heads.stdout)}
 
 
 def test_a_small_gpu_makes_it_shard_and_recompute():

@@ -13,7 +13,8 @@ docs/memory.md gives every formula. In short, a rank holds:
   These are exact: tests compare them with the bytes of the live tensors at 2 and 3 ranks.
   Tensor parallel (fsdp_tp.yaml) first cuts each tensor as transformers' plan does, then FSDP2
   shards the slice over the world / tp data-parallel groups; context parallel (fsdp_cp.yaml) is
-  FSDP2 over every rank, as fsdp.yaml. A pipeline (train.pipeline_stages=p under ddp.yaml) holds on
+  FSDP2 over every rank, as fsdp.yaml; sequence parallel (zero3_sp.yaml) is ZeRO-3 over every rank,
+  as zero3.yaml. A pipeline (train.pipeline_stages=p under ddp.yaml) holds on
   each rank its stage's tensors whole, as DDP would (a tied embedding/head on the first and the last).
 - activations saved for backward, per token and decoder layer, from the shapes (hidden h, MLP i,
   query and key/value widths, heads) and the dtypes: the residual stream (fp32 under autocast
@@ -22,7 +23,8 @@ docs/memory.md gives every formula. In short, a rank holds:
   Checkpointed layers keep only their input; backward recomputes one layer at a time. Tensor
   parallel divides a layer's attention and MLP activations by tp and leaves the residual stream
   whole; context parallel keeps seq_len / cp tokens per rank, and each layer the whole sequence's
-  gathered keys and values. A pipeline stage keeps those of its own layers for each micro-batch in
+  gathered keys and values; sequence parallel keeps seq_len / sp tokens per rank, and each layer's
+  attention the whole sequence for heads / sp of the heads, under its own block-causal mask. A pipeline stage keeps those of its own layers for each micro-batch in
   flight (1F1B: min(p - stage, micro-batches)).
 - logits and loss buffers: the full path's (tokens x vocab) fp32 copies, or the chunked loss's
   one chunk plus its hidden and weight gradients.
@@ -58,7 +60,7 @@ from toolkit.config import UserError
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
 STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
-                  "pipeline": 1.0}  # see rank_key
+                  "zero3_sp": 1.15, "pipeline": 1.0}  # see rank_key
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
 ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
 
@@ -79,6 +81,7 @@ class StrategyFacts:
     reshard_after_forward: bool = True  # FSDP2
     cp: int = 1  # ranks each sequence is split over (parallelism_config_cp_size)
     tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
+    sp: int = 1  # ranks each sequence is split over by sequence parallel, attention by heads (parallelism_config_sp_size)
     stages: int = 1  # pipeline stages, one per rank (train.pipeline_stages under ddp.yaml)
 
 
@@ -87,15 +90,17 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
     path = Path(path)
     cfg = yaml.safe_load(path.read_text()) or {}
     kind = cfg.get("distributed_type", "NO")
+    parallel = cfg.get("parallelism_config") or {}
+    sp = int(parallel.get("parallelism_config_sp_size", 1))
     if kind == "FSDP":
         fsdp = cfg.get("fsdp_config") or {}
         if str(fsdp.get("fsdp_version", 1)) != "2":
             raise UserError(f"{path}: the planner models FSDP2 (fsdp_version: 2)")
-        parallel = cfg.get("parallelism_config") or {}
         return StrategyFacts(
             path.stem, "fsdp", offload_params=bool(fsdp.get("fsdp_offload_params", False)),
             reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
             cp=int(parallel.get("parallelism_config_cp_size", 1)), tp=int(parallel.get("parallelism_config_tp_size", 1)),
+            sp=sp,
         )
     if kind == "DEEPSPEED":
         ds = cfg.get("deepspeed_config") or {}
@@ -120,7 +125,7 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
             reduce_bucket=size("reduce_bucket_size", h2, 5e8),
             prefetch_bucket=size("stage3_prefetch_bucket_size", 0.9 * h2, 5e7),
             persistence_threshold=size("stage3_param_persistence_threshold", 10 * hidden_size, 1e5),
-            overlap_comm=bool(zero.get("overlap_comm", False)),
+            overlap_comm=bool(zero.get("overlap_comm", False)), sp=sp,
         )
     return StrategyFacts(path.stem, "ddp")
 
@@ -145,9 +150,9 @@ class Run:
     def __post_init__(self):
         if self.world < 1 or self.micro_batch < 1 or self.seq_len < 1 or self.accumulation < 1:
             raise UserError(f"world={self.world}, micro_batch={self.micro_batch}, seq_len={self.seq_len} must be positive")
-        group = self.strategy.cp * self.strategy.tp
+        group = self.strategy.cp * self.strategy.tp * self.strategy.sp
         if self.world % group:
-            raise UserError(f"{self.strategy.name}: cp x tp = {group} ranks do not divide world={self.world}; "
+            raise UserError(f"{self.strategy.name}: cp x tp x sp = {group} ranks do not divide world={self.world}; "
                             f"use a multiple of {group} processes")
         if self.world % self.strategy.stages:
             raise UserError(f"train.pipeline_stages={self.strategy.stages} does not divide world={self.world}; use a "
@@ -164,8 +169,15 @@ class Run:
 
     @property
     def local_seq(self) -> int:
-        """Tokens of each sequence this rank holds: 1/cp of them under context parallel."""
-        return self.seq_len // self.strategy.cp
+        """Tokens of each sequence this rank holds: 1/cp of them under context parallel, 1/sp under
+        sequence parallel."""
+        return self.seq_len // (self.strategy.cp * self.strategy.sp)
+
+    @property
+    def own_attention(self) -> bool:
+        """Whether the attention is the toolkit's own sdpa call with enable_gqa (context and sequence
+        parallel: k and v never repeated, the block-causal mask always given), not transformers'."""
+        return self.strategy.cp > 1 or self.strategy.sp > 1
 
 
 @dataclass
@@ -426,7 +438,13 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
 
     Tensor parallel (no sequence parallel): each rank has 1/tp of the heads and of the MLP's width,
     so attention and MLP terms fall by tp; the norms and the projections' inputs are the whole
-    residual stream on every rank. Context parallel's keys and values are layer_bytes's."""
+    residual stream on every rank. Context parallel's keys and values are layer_bytes's.
+
+    Sequence parallel (per token of the rank's seq_len / sp): sdpa keeps q, k, v and its output for
+    the whole sequence and heads / sp of the heads, which is q (and its output) per local token; k and
+    v are max(kv_heads, sp) x head_dim per local token (each rank gets kv_heads / sp heads, or one
+    replicated head when sp exceeds them), never repeated to the query heads (enable_gqa). The
+    all-to-all back gives o_proj an input of its own (c·q), beside sdpa's output."""
     h, r, tp = shapes.hidden, run, run.strategy.tp
     i, heads = shapes.intermediate // tp, shapes.heads // tp
     q, kv = heads * shapes.head_dim, shapes.kv_heads // tp * shapes.head_dim
@@ -437,10 +455,12 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
         kept_output = consumers * cb * h if casts else (rb * h if consumers else 0)
         return 4 * h + 4 + rb * h + kept_output
 
-    if run.attention == "sdpa" and run.packed_documents and run.strategy.cp == 1:
+    if run.attention == "sdpa" and run.packed_documents and not run.own_attention:
         kv = q  # given a mask, transformers repeats k and v to every query head (use_gqa_in_sdpa); not context parallel's attention
     attention = cb * (2 * q + 2 * kv) + 4 * heads
-    if run.attention == "eager" and run.strategy.cp == 1:  # context parallel runs its own sdpa attention
+    if run.strategy.sp > 1:  # the gathered k and v, and o_proj's input apart from sdpa's output
+        attention = cb * (3 * q + 2 * max(shapes.kv_heads, run.strategy.sp) * shapes.head_dim) + 4 * heads
+    elif run.attention == "eager" and run.strategy.cp == 1:  # context parallel runs its own sdpa attention
         attention = cb * 4 * q + (4 + cb) * heads * run.seq_len
     mlp = 4 * cb * i
     if not lora:
@@ -464,16 +484,18 @@ def gathered_kv_bytes(shapes: Shapes, run: Run) -> int:
 
 
 def layer_bytes(shapes: Shapes, run: Run) -> int:
-    """Bytes one decoder layer saves for backward on a rank, for one micro-batch: its seq_len / cp
-    tokens, and under context parallel the gathered keys and values in place of its own. sdpa given
-    a boolean mask (packed documents; context parallel's rows of it) converts it to the compute
-    dtype in every layer and keeps that copy for backward (measured on CPU; torch's
+    """Bytes one decoder layer saves for backward on a rank, for one micro-batch: its seq_len / cp (or
+    / sp) tokens, and under context parallel the gathered keys and values in place of its own. sdpa
+    given a boolean mask (packed documents; context parallel's rows of it; sequence parallel's whole
+    (seq x seq) mask, which every layer rebuilds from the gathered position ids) converts it to the
+    compute dtype in every layer and keeps that copy for backward (measured on CPU; torch's
     convert_boolean_attn_mask runs before any kernel is chosen)."""
     tokens = run.micro_batch * run.local_seq
     cb = dtypes(run)[1]
     own_kv = 2 * cb * shapes.kv_heads * shapes.head_dim * tokens if run.strategy.cp > 1 else 0
-    masked = run.strategy.cp > 1 or (run.packed_documents and run.attention == "sdpa")
-    mask = cb * run.micro_batch * run.local_seq * run.seq_len if masked else 0
+    masked = run.own_attention or (run.packed_documents and run.attention == "sdpa")
+    rows = run.seq_len // run.strategy.cp  # the queries this rank's attention covers: all of them under sequence parallel
+    mask = cb * run.micro_batch * rows * run.seq_len if masked else 0
     return int(layer_bytes_per_token(shapes, run) * tokens) - own_kv + gathered_kv_bytes(shapes, run) + mask
 
 
@@ -490,9 +512,10 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     kept = len(layers) - ckpt
     saved = kept * per_layer + ckpt * rb * shapes.hidden * tokens
     # rotary cos/sin (shared by the layers), the token ids, the packed-document mask of sdpa/eager;
-    # context parallel passes every rank its rows of the block-causal mask (micro-batch x seq/cp x seq)
+    # context parallel passes every rank its rows of the block-causal mask (micro-batch x seq/cp x seq);
+    # sequence parallel none (each layer builds the whole one, and keeps only its compute-dtype copy)
     shared = 2 * run.local_seq * shapes.head_dim * rb + 8 * tokens
-    if run.strategy.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager")):
+    if run.strategy.sp == 1 and (run.strategy.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager"))):
         shared += run.micro_batch * run.local_seq * run.seq_len
     # autocast's weight copies, saved by the matmuls (under tensor parallel each rank's slice; the
     # norms' weights, whole on every rank, are ~1e-4 of a layer)
@@ -501,7 +524,12 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     recompute = per_layer + (cb * layer_params if casts else 0) if ckpt else 0
     # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through
     # it; under context parallel also the gathered keys' and values' gradients, until reduce-scattered
-    transient = tokens * (2 * rb * shapes.hidden + 2 * cb * shapes.intermediate // run.strategy.tp) + gathered_kv_bytes(shapes, run)
+    inner = 2 * cb * shapes.intermediate // run.strategy.tp
+    if run.strategy.sp > 1:
+        # or, in the attention's backward, sdpa's gradients of q, k, v (whole sequence, heads / sp) beside
+        # the all-to-all's outputs (this rank's tokens, every head), whichever the larger
+        inner = max(inner, 2 * cb * (shapes.heads + 2 * max(shapes.kv_heads, run.strategy.sp)) * shapes.head_dim)
+    transient = tokens * (2 * rb * shapes.hidden + inner) + gathered_kv_bytes(shapes, run)
     return {"saved": int(saved + shared + casts_kept), "recompute": int(recompute), "transient": int(transient)}
 
 
@@ -641,7 +669,7 @@ def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, 
     """Relative step time, for ranking what fits (a heuristic, not a measurement): recomputation
     costs about one more forward (a third of forward + backward) per checkpointed layer share;
     sharded parameters are gathered every layer (ZeRO-3, FSDP2), context parallel also gathers every
-    layer's keys and values, tensor parallel all-reduces activations twice a layer each way (fast
+    layer's keys and values, sequence parallel all-to-alls every layer's q, k, v and output, tensor parallel all-reduces activations twice a layer each way (fast
     only inside a node); offload moves the optimizer to the CPU; DeepSpeed's engine adds a little
     per step; a small micro-batch leaves the GPU underused; a pipeline of `stages` idles (stages - 1) /
     (micro_batches + stages - 1) of each step (1F1B's bubble)."""

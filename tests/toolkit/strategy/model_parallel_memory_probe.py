@@ -1,5 +1,5 @@
-"""Launched on 2 processes (torchrun, gloo) by test_memory.py: what a rank holds under tensor and
-context parallel, for the memory model to be compared with. Rank 0 writes to the JSON file argv[1]:
+"""Launched on 2 processes (torchrun, gloo) by test_memory.py: what a rank holds under tensor, context
+and sequence parallel, for the memory model to be compared with. Rank 0 writes to the JSON file argv[1]:
 
 - "tp": test_memory.probe_model() split over the 2 ranks (toolkit.strategy.tensor_parallel.split,
   fsdp_tp.yaml's tp 2 x dp_shard 1): this rank's bytes of parameters, of gradients after one backward
@@ -8,7 +8,11 @@ context parallel, for the memory model to be compared with. Rank 0 writes to the
   trains it (transformers' FSDP2 casts no weights);
 - "cp": the same model in bf16 (FSDP2's param_dtype casts the weights so) with its attention routed
   through toolkit.strategy.context_parallel (cp 2): the bytes layer 1 keeps for this rank's half of
-  every sequence.
+  every sequence;
+- "sp" (and "sp_kv1" with one key/value head, which DeepSpeed replicates to both ranks): the same model
+  in bf16 (DeepSpeed's bf16 mode casts the weights so) with its attention routed through
+  toolkit.strategy.sequence_parallel (DeepSpeed Ulysses, sp 2): the bytes layer 1 keeps for this rank's
+  half of every sequence, its attention over the whole sequence with half of the heads.
 
 Saved weights and autocast's copies of them (their shapes), and rotary cos/sin (shared by all layers,
 counted apart by the model), are left out, as in test_memory.saved_by_one_layer; sdpa's copy of the
@@ -28,6 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from toolkit.strategy.context_parallel import ContextParallel  # noqa: E402
+from toolkit.strategy.sequence_parallel import SequenceParallel  # noqa: E402
 from toolkit.strategy.tensor_parallel import split  # noqa: E402
 
 BATCH, SEQ = 3, 32
@@ -106,12 +111,25 @@ def context_parallel(ids: torch.Tensor) -> dict:
     return {"saved": saved}
 
 
+def sequence_parallel(ids: torch.Tensor, kv_heads: int) -> dict:
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**CONFIG, "num_key_value_heads": kv_heads}, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    group = SequenceParallel(dist.get_world_size(), torch.device("cpu"))
+    group.apply(model)
+    shard = group.split({"input_ids": ids, "labels": ids, "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)})
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids")}
+    _, saved = saved_by_layer(model, lambda: model.model(**inputs).last_hidden_state)
+    return {"saved": saved}
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     result = {"world": dist.get_world_size(), "batch": BATCH, "seq": SEQ, "tp": tensor_parallel(ids),
-              "cp": context_parallel(ids)}
+              "cp": context_parallel(ids), "sp": sequence_parallel(ids, CONFIG["num_key_value_heads"]),
+              "sp_kv1": sequence_parallel(ids, 1)}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result)
     if dist.get_rank() == 0:

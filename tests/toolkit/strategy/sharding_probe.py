@@ -6,7 +6,9 @@
 Builds and prepares the model as recipes/pretrain.py does (build_accelerator, outside_training,
 configure_deepspeed, AdamW, prepare), runs one step of 2 micro-batches under
 `accelerator.accumulate` inside a GradientMeter, and rank 0 writes every rank's
-toolkit.strategy.sharding.held_bytes to OUT.json.
+toolkit.strategy.sharding.held_bytes to OUT.json. Under a config with parallelism_config_sp_size
+(zero3_sp.yaml) the attention runs through toolkit.strategy.sequence_parallel and every rank feeds
+its part of each sequence, as Strategy.create and apply_model_parallel set a launch up.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from toolkit.strategy.distributed import (  # noqa: E402
     build_accelerator,
     configure_deepspeed,
     outside_training,
+    parallelism_sizes,
     prepare,
     strategy_name,
+    world_size,
 )
 from toolkit.strategy.sharding import GradientMeter, held_bytes  # noqa: E402
 
@@ -37,6 +41,7 @@ def main(out: str) -> None:
     from accelerate.utils import gather_object
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    _, _, sp = parallelism_sizes(world_size())  # before the Accelerator, which is told nothing of sp
     acc = build_accelerator("no", ACCUMULATION, tempfile.mkdtemp(prefix="sharding-probe-"))
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -46,19 +51,30 @@ def main(out: str) -> None:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
+    sequence = None
+    if sp > 1:
+        from toolkit.strategy.sequence_parallel import SequenceParallel
+
+        sequence = SequenceParallel(sp, acc.device)
+        sequence.apply(model)
     configure_deepspeed(acc, MICRO_BATCH, 1.0)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
     model, optimizer = prepare(acc, model, optimizer)
 
-    torch.manual_seed(1 + acc.process_index)
+    torch.manual_seed(1 + acc.process_index // sp)  # a sequence-parallel group reads the same blocks
     meter = GradientMeter(acc, model, optimizer)
     with meter:
         for _ in range(ACCUMULATION):
             ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), device=acc.device)
             with acc.accumulate(model):
-                loss = model(input_ids=ids, labels=ids).loss
+                if sequence is None:
+                    loss = model(input_ids=ids, labels=ids).loss
+                else:
+                    part = sequence.split({"input_ids": ids, "labels": ids,
+                                           "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ)})
+                    loss = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits.float().mean()
                 acc.backward(loss)
                 if acc.sync_gradients:
                     acc.clip_grad_norm_(model.parameters(), 1.0)

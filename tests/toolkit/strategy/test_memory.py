@@ -6,8 +6,9 @@
 - Activations: what one decoder layer saves for backward, counted by autograd's
   saved_tensors_hooks on CPU, equal to the per-token formula (fp32, autocast over fp32 weights,
   weights cast to bf16; two shapes, grouped KV heads), with sdpa's copy of a document mask.
-- Tensor and context parallel on 2 CPU processes (model_parallel_memory_probe.py): a rank's model
-  state split by transformers' plan, and what one layer keeps, equal to the estimate.
+- Tensor, context and sequence parallel on 2 CPU processes (model_parallel_memory_probe.py): a rank's
+  model state split by transformers' plan, and what one layer keeps, equal to the estimate; under
+  sequence parallel (zero3_sp.yaml, launched as shipped by the sharding probe) ZeRO-3's state.
 - Pipeline parallel on 2 CPU processes (pipeline_memory_probe.py): each stage's parameters, gradients,
   AdamW state and torch's receive buffers, equal to the estimate for that stage.
 - GPU peaks measured on an H100 (tests/toolkit/strategy/gpu_memory_points.json): within 15 %.
@@ -142,11 +143,14 @@ def test_sdpa_with_the_document_mask_keeps_repeated_keys_and_a_mask_copy_in_ever
 
 
 @pytest.mark.distributed
-def test_tensor_and_context_parallel_ranks_hold_what_the_estimate_says(tmp_path):
+def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(tmp_path):
     """tp 2 (fsdp_tp.yaml as shipped): parameters, gradients and AdamW state cut by transformers' plan,
     and a layer's activations with 1/tp of the heads and MLP width beside the whole residual stream
     (autocast over fp32 weights). cp 2 (fsdp_cp.yaml): a layer keeps its half of the tokens and the
-    whole sequence's gathered keys and values."""
+    whole sequence's gathered keys and values. sp 2 (zero3_sp.yaml): a layer keeps its half of the
+    tokens outside attention, and inside it q, k, v and sdpa's output for the whole sequence and half
+    of the heads, o_proj's own input and the whole sequence's mask in bf16; with one key/value head
+    (replicated to both ranks) as much as with two."""
     out = tmp_path / "ranks.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(launching.free_port()), str(Path(__file__).with_name("model_parallel_memory_probe.py")), str(out)]
@@ -168,6 +172,27 @@ def test_tensor_and_context_parallel_ranks_hold_what_the_estimate_says(tmp_path)
     assert [rank["tp"]["saved"] for rank in ranks] == [layer_bytes(shapes, tp_autocast)] * world
     cp = Run(read_strategy(ROOT / "accelerate_configs/fsdp_cp.yaml", 128), world, batch, seq, precision="bf16")
     assert [rank["cp"]["saved"] for rank in ranks] == [layer_bytes(shapes, cp)] * world
+
+    sp = Run(read_strategy(ROOT / "accelerate_configs/zero3_sp.yaml", 128), world, batch, seq, precision="bf16")
+    assert [rank["sp"]["saved"] for rank in ranks] == [layer_bytes(shapes, sp)] * world
+    with torch.device("meta"):
+        one_kv = Shapes.of(AutoModelForCausalLM.from_config(LlamaConfig(**{**probe_model().config.to_dict(),
+                                                                          "num_key_value_heads": 1})))
+    assert [rank["sp_kv1"]["saved"] for rank in ranks] == [layer_bytes(one_kv, sp)] * world == [layer_bytes(shapes, sp)] * world
+    whole = Run(StrategyFacts("zero3", "deepspeed", zero_stage=3), 1, batch, seq, precision="bf16", packed_documents=False)
+    halves = 2 * batch * seq // 2 * 128  # o_proj's bf16 input, apart from sdpa's output, for this rank's tokens
+    assert layer_bytes(shapes, sp) == pytest.approx(layer_bytes(shapes, whole) / 2 + halves + 2 * batch * seq * seq, abs=8)
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_model_state_is_zero3s_over_every_rank(sharding_probe):
+    """zero3_sp.yaml as shipped (sp 2 x dp_shard 1), one step with the attention split by Ulysses: each
+    rank holds ZeRO-3's partition over both ranks, the weights not split by sequence parallel."""
+    measured = sharding_probe("zero3_sp", 2)
+    run = Run(read_strategy(ROOT / "accelerate_configs/zero3_sp.yaml", 128), 2, 2, 32, precision="fp32")
+    estimated = state_bytes(model_tensors(probe_model()), run)
+    for key in ("params", "grads", "optimizer", "master"):
+        assert [rank[key] for rank in measured["ranks"]] == [estimated[key]] * 2, key
 
 
 @pytest.mark.distributed
@@ -231,6 +256,8 @@ def test_the_shipped_configs_read_as_their_strategies():
     assert facts["zero3_offload"].offload_optimizer and not facts["zero3"].offload_optimizer
     assert (facts["fsdp_cp"].kind, facts["fsdp_cp"].cp, facts["fsdp_cp"].tp) == ("fsdp", 2, 1)
     assert (facts["fsdp_tp"].kind, facts["fsdp_tp"].cp, facts["fsdp_tp"].tp) == ("fsdp", 1, 2)
+    assert (facts["zero3_sp"].kind, facts["zero3_sp"].zero_stage, facts["zero3_sp"].sp) == ("deepspeed", 3, 2)
+    assert all(f.sp == 1 for name, f in facts.items() if name != "zero3_sp")
 
 
 def test_sharding_divides_what_a_rank_holds():
