@@ -50,6 +50,9 @@ from toolkit.models.loss import backward_scale
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
 from toolkit.strategy.pipeline_parallel import Pipeline
+from toolkit.strategy.sequence_parallel import SequenceParallel
+from toolkit.strategy.sequence_parallel import problems as sequence_parallel_problems
+from toolkit.strategy.sequence_parallel import sequence_problem as sequence_parallel_problem
 
 T = TypeVar("T")
 
@@ -664,39 +667,42 @@ def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
     return global_batch // per_step
 
 
-def parallelism_sizes(world: int) -> tuple[int, int]:
-    """(cp, tp): the context- and tensor-parallel sizes an accelerate config's parallelism_config asks
-    for, checked against the launch; its other axes are refused in one line until they are built.
-    Accelerate is then told nothing of it: its ParallelismConfig refuses CPU processes, its context
-    parallel (torch's ring attention) drops the attention mask, so that packed documents would see each
-    other, and its FSDP2 + TP branch imports a class transformers 5.23 no longer has."""
+def parallelism_sizes(world: int) -> tuple[int, int, int]:
+    """(cp, tp, sp): the context-, tensor- and sequence-parallel sizes an accelerate config's
+    parallelism_config asks for, checked against the launch; its other axes are refused in one line
+    until they are built. Accelerate is then told nothing of it: its ParallelismConfig refuses CPU
+    processes, its context parallel (torch's ring attention) and its sequence parallel (DeepSpeed's
+    registration) drop the attention mask, so that packed documents would see each other, and its
+    FSDP2 + TP branch imports a class transformers 5.23 no longer has."""
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return 1, 1
+        return 1, 1, 1
     size = {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
-    for axis in ("dp_replicate", "sp"):
-        if size[axis] > 1:
-            raise UserError(
-                f"accelerate config: parallelism_config_{axis}_size={size[axis]} is not supported yet; use "
-                "parallelism_config_dp_shard_size with parallelism_config_cp_size (accelerate_configs/fsdp_cp.yaml) "
-                "or parallelism_config_tp_size (accelerate_configs/fsdp_tp.yaml)"
-            )
-    cp, tp = size["cp"], size["tp"]
-    if cp > 1 and tp > 1:
+    if size["dp_replicate"] > 1:
         raise UserError(
-            f"accelerate config: parallelism_config_cp_size={cp} with parallelism_config_tp_size={tp} is not "
-            "supported yet; use one of them"
+            f"accelerate config: parallelism_config_dp_replicate_size={size['dp_replicate']} is not supported yet; use "
+            "parallelism_config_dp_shard_size with parallelism_config_cp_size (accelerate_configs/fsdp_cp.yaml), "
+            "parallelism_config_tp_size (accelerate_configs/fsdp_tp.yaml) or parallelism_config_sp_size "
+            "(accelerate_configs/zero3_sp.yaml)"
         )
-    model = cp * tp
-    if min(cp, tp, size["dp_shard"]) < 1 or size["dp_shard"] * model != world:
-        axis = "cp" if cp > 1 else "tp"
+    axes = [axis for axis in ("cp", "tp", "sp") if size[axis] > 1]
+    if len(axes) > 1:
+        first, second = axes[:2]
+        raise UserError(
+            f"accelerate config: parallelism_config_{first}_size={size[first]} with parallelism_config_{second}_size="
+            f"{size[second]} is not supported yet; use one of them"
+        )
+    cp, tp, sp = size["cp"], size["tp"], size["sp"]
+    model = cp * tp * sp
+    if min(cp, tp, sp, size["dp_shard"]) < 1 or size["dp_shard"] * model != world:
+        axis = axes[0] if axes else "tp"
         fix = (f"set parallelism_config_dp_shard_size to {world // model}" if world % model == 0 and world >= model
                else f"launch a multiple of {model} processes (--num_processes {model * max(1, size['dp_shard'])})")
         raise UserError(
             f"accelerate config: parallelism_config_dp_shard_size={size['dp_shard']} x parallelism_config_{axis}_size="
-            f"{max(cp, tp)} must equal the {world} processes launched; {fix}"
+            f"{model} must equal the {world} processes launched; {fix}"
         )
     os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
-    return cp, tp
+    return cp, tp, sp
 
 
 def check_pipeline_launch(stages: int, world: int, model_parallel: int, mixed_precision: str = "no") -> None:
@@ -707,7 +713,7 @@ def check_pipeline_launch(stages: int, world: int, model_parallel: int, mixed_pr
         raise UserError(f"train.pipeline_stages={stages} with train.mixed_precision=fp16 is not supported (the schedule "
                         "runs the backward itself, without fp16's loss scaling); use bf16")
     if model_parallel > 1:
-        raise UserError(f"train.pipeline_stages={stages} with an accelerate parallelism_config (cp or tp) is not "
+        raise UserError(f"train.pipeline_stages={stages} with an accelerate parallelism_config (cp, tp or sp) is not "
                         "supported yet; use accelerate_configs/ddp.yaml")
     if world % stages:
         raise UserError(f"train.pipeline_stages={stages} does not divide the {world} processes launched; launch a "
@@ -740,6 +746,7 @@ class Strategy:
     ep: int = 1  # ranks a mixture of experts' experts are spread over: tp for an MoE (known once the model is)
     stages: int = 1  # pipeline stages the decoder layers are cut into (train.pipeline_stages)
     pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
+    sequence: SequenceParallel | None = None  # sequences split over groups of ranks (parallelism_config_sp_size)
     optimizer: torch.optim.Optimizer | None = None  # a pipeline's: its stage's state is saved by each stage
 
     @classmethod
@@ -749,9 +756,9 @@ class Strategy:
     ) -> Strategy:
         """Collective: every rank. Batch sizes that do not divide fail before any process group exists."""
         world = world_size()
-        cp, tp = parallelism_sizes(world)
-        check_pipeline_launch(pipeline_stages, world, cp * tp, mixed_precision)
-        accumulation = accumulation_steps(global_batch, micro_batch, world // (cp * tp * pipeline_stages))
+        cp, tp, sp = parallelism_sizes(world)
+        check_pipeline_launch(pipeline_stages, world, cp * tp * sp, mixed_precision)
+        accumulation = accumulation_steps(global_batch, micro_batch, world // (cp * tp * sp * pipeline_stages))
         accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
         if pipeline_stages > 1 and accelerator.distributed_type not in DATA_PARALLEL:
             raise UserError(
@@ -762,7 +769,9 @@ class Strategy:
             keep_freed_memory()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
         context = ContextParallel(cp, accelerator.device) if cp > 1 else None
-        return cls(accelerator, world, accumulation, tuple(owned), context, tp=tp, stages=pipeline_stages)
+        sequence = SequenceParallel(sp, accelerator.device) if sp > 1 else None
+        return cls(accelerator, world, accumulation, tuple(owned), context, tp=tp, stages=pipeline_stages,
+                   sequence=sequence)
 
     # ----------------------------------------------------------------- facts
     @property
@@ -799,10 +808,15 @@ class Strategy:
         return 1 if self.context is None else self.context.cp
 
     @property
+    def sp(self) -> int:
+        """Ranks each sequence is split over by sequence parallel (1 without it)."""
+        return 1 if self.sequence is None else self.sequence.sp
+
+    @property
     def data_ranks(self) -> tuple[int, int]:
-        """(ranks that read different data, this rank's index among them): a context- or
-        tensor-parallel group, and the stages of a pipeline, read the same blocks."""
-        group = self.cp * self.tp * self.stages
+        """(ranks that read different data, this rank's index among them): a context-, tensor- or
+        sequence-parallel group, and the stages of a pipeline, read the same blocks."""
+        group = self.cp * self.tp * self.sp * self.stages
         return self.world_size // group, self.rank // group
 
     @property
@@ -826,12 +840,17 @@ class Strategy:
         return backward_scale(global_targets, self.gradient_ranks, self.accumulation)
 
     def split_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A collated batch -> this rank's share of its sequences (the batch itself without context parallel)."""
+        """A collated batch -> this rank's share of its sequences (the batch itself without context or
+        sequence parallel)."""
+        if self.sequence is not None:
+            return self.sequence.split(batch)
         return batch if self.context is None else self.context.split(batch)
 
     def check_sequence_length(self, seq_len: int) -> None:
-        """Refuses, before any data is prepared, blocks that context parallel cannot split evenly."""
+        """Refuses, before any data is prepared, blocks that context or sequence parallel cannot split evenly."""
         problem = None if self.context is None else sequence_problem(self.cp, seq_len)
+        if self.sequence is not None:
+            problem = sequence_parallel_problem(self.sp, seq_len)
         if problem:
             raise UserError(problem)
 
@@ -846,6 +865,11 @@ class Strategy:
             if found:
                 raise UserError(found[0])
             self.context.apply(model)
+        if self.sequence is not None:
+            found = sequence_parallel_problems(model.config, self.sp, seq_len, attn_implementation)
+            if found:
+                raise UserError(found[0])
+            self.sequence.apply(model)
         if self.tp > 1:
             from toolkit.strategy.tensor_parallel import expert_ranks, split
 
@@ -885,6 +909,8 @@ class Strategy:
         line = describe(self.accelerator)
         if self.context is not None:
             line += f" context_parallel={self.cp} (data_parallel={self.data_ranks[0]})"
+        if self.sequence is not None:
+            line += f" sequence_parallel={self.sp} (data_parallel={self.data_ranks[0]})"
         if self.tp > 1:
             experts = f" expert_parallel={self.ep}" if self.ep > 1 else ""
             line += f" tensor_parallel={self.tp}{experts} (data_parallel={self.data_ranks[0]})"

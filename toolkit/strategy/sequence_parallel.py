@@ -1,0 +1,150 @@
+"""Sequence parallelism (DeepSpeed Ulysses): every sequence split over `sp` ranks, attention by heads.
+
+Each of a group's sp ranks holds a contiguous 1/sp of every sequence of the group's micro-batch, so
+everything outside attention (embeddings, norms, MLPs, the loss) runs on 1/sp of the tokens. Attention
+needs every position: there an all-to-all trades the sequence split for a head split (each rank gets
+the whole sequence for heads/sp of the heads), attention runs as in one process, and a second
+all-to-all trades back. Its cost is four all-to-alls per layer of the rank's q, k, v and output
+(about 4 x tokens/sp x hidden per rank), independent of sp: what lets Ulysses scale to long
+sequences where context parallel's gathered keys and values grow with the sequence.
+
+The engine is DeepSpeed's `UlyssesSPAttentionHF` (the ALST integration Accelerate drives with
+parallelism_config_sp_size under DeepSpeed): its all-to-alls, head bookkeeping and key/value head
+replication when sp exceeds the key/value heads. What the toolkit adds is the attention it wraps:
+DeepSpeed's own registration drops transformers' mask and relies on flash-attention's varlen path to
+keep packed documents apart, which does not exist for sdpa (on CPU, or without flash-attn), so packed
+documents would attend to each other. Here the core attention builds packing's block-causal mask from
+the gathered position ids (a document sees only itself) and runs sdpa under it.
+
+Gradients need nothing more: every rank's loss is its tokens' sum over the global target count, and
+the data-parallel wrapper (DDP, FSDP2 or ZeRO) reduces over all ranks, sp included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.config import UserError
+from toolkit.data.packing import block_causal_mask
+from toolkit.models.loss import targets_of
+from toolkit.models.router import expert_count
+
+ATTENTION = "toolkit_sequence_parallel"  # the name it is registered under in transformers' AttentionInterface
+SUPPORTED_ATTENTION = ("sdpa",)  # the kind whose block-causal mask the core attention rebuilds
+
+
+def sequence_problem(sp: int, seq_len: int) -> str | None:
+    """Why blocks of `seq_len` tokens cannot be split evenly over sp ranks (None when they can)."""
+    if seq_len % sp == 0:
+        return None
+    return (f"data.seq_len={seq_len} is not divisible by parallelism_config_sp_size={sp}: each rank holds an equal "
+            f"part of every sequence; use a multiple of {sp}")
+
+
+def problems(config, sp: int, seq_len: int, attn_implementation: str) -> list[str]:
+    """Why a model with `config`, trained on blocks of `seq_len` tokens, cannot be split over sp ranks."""
+    if sp <= 1:
+        return []
+    found = [problem] if (problem := sequence_problem(sp, seq_len)) else []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % sp:
+        found.append(f"{config.model_type} has {heads} attention heads, not divisible by parallelism_config_sp_size="
+                     f"{sp}: each rank attends with heads/sp of them; use an sp that divides {heads}")
+    elif kv_heads % sp and sp % kv_heads:
+        found.append(f"{config.model_type} has {kv_heads} key/value heads: parallelism_config_sp_size={sp} must divide "
+                     "them or be a multiple of them")
+    if attn_implementation not in SUPPORTED_ATTENTION:
+        found.append(f"model.attn_implementation={attn_implementation} cannot run sequence parallel here; use sdpa "
+                     "(the whole sequence's attention runs under packing's block-causal mask)")
+    if expert_count(config):
+        found.append(f"sequence parallel with a mixture of experts ({config.model_type}) is not supported: the "
+                     "router loss would be computed per sequence part; train it with fsdp.yaml or fsdp_tp.yaml")
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        found.append(f"sequence parallel with sliding-window attention ({config.model_type}, sliding_window="
+                     f"{text.sliding_window}) is not supported: the mask here is block-causal only")
+    if getattr(text, "model_type", "") == "gpt2" or not hasattr(text, "num_key_value_heads"):
+        found.append(f"{config.model_type} does not pass position ids to its attention, which Ulysses needs to "
+                     "rebuild the mask; use a LLaMA-style model (LLaMA, Qwen2/3, Mistral)")
+    return found
+
+
+def block_causal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Core attention over the whole sequence (query, key, value: batch x heads/sp x L x head_dim),
+    under packing's block-causal mask rebuilt from the gathered position ids."""
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=block_causal_mask(kwargs["position_ids"]), dropout_p=dropout if module.training else 0.0, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def no_mask(*args, **kwargs):
+    """transformers' mask for this attention: none (each layer rebuilds the whole sequence's)."""
+    return None
+
+
+class SequenceParallel:
+    """A launch's sequence-parallel groups: ranks [g*sp, (g+1)*sp) split group g's sequences.
+
+    Collective to build (every rank creates the device mesh)."""
+
+    def __init__(self, sp: int, device: torch.device):
+        import deepspeed
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not deepspeed.comm.is_initialized():  # the engine's collectives go through DeepSpeed's comm,
+            # which wraps the process group Accelerate made (under DDP or FSDP nothing else starts it)
+            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+        world = torch.distributed.get_world_size()
+        self.sp = sp
+        self.mesh = init_device_mesh(device.type, (world // sp, sp), mesh_dim_names=("dp", "sp"))["sp"]
+        self.group = self.mesh.get_group()
+        self.sp_rank = self.mesh.get_local_rank()
+        self.device = device
+        self._engines: dict[int, torch.nn.Module] = {}  # DeepSpeed's wrapper fixes the batch size it reshapes to
+
+    def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A collated batch (input_ids, position_ids, labels: B x L) -> this rank's contiguous part: its
+        tokens, their positions and their next-token targets (shifted before the split: a part's last
+        token predicts the first token of the next part)."""
+        length = batch["input_ids"].shape[1]
+        if length % self.sp:
+            raise UserError(f"a batch of {length} tokens per sequence cannot be split over sp={self.sp} ranks; "
+                            f"use a data.seq_len divisible by {self.sp}")
+        part = slice(self.sp_rank * length // self.sp, (self.sp_rank + 1) * length // self.sp)
+        targets = targets_of(batch)
+        return {
+            "input_ids": batch["input_ids"][:, part].to(self.device),
+            "position_ids": batch["position_ids"][:, part].to(self.device),
+            "shift_labels": targets[:, part].to(self.device),
+        }
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Route `model`'s attention through DeepSpeed's Ulysses all-to-alls over this rank's group."""
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from transformers import AttentionInterface, AttentionMaskInterface
+
+        text = model.config.get_text_config()
+        heads = text.num_attention_heads
+        shapes = {
+            "attn_head_count": heads,
+            "attn_head_size": getattr(text, "head_dim", None) or text.hidden_size // heads,
+            "kv_head_count": getattr(text, "num_key_value_heads", None) or heads,
+            "num_hidden_layers": text.num_hidden_layers,
+        }
+
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            batch = query.shape[0]
+            if batch not in self._engines:  # evaluation may batch differently from training
+                self._engines[batch] = UlyssesSPAttentionHF(
+                    block_causal_attention, batch_size=batch, process_group=self.group, seq_length_is_variable=True,
+                    **shapes,
+                )
+            return self._engines[batch](module, query, key, value, None, *args, **kwargs)
+
+        AttentionInterface.register(ATTENTION, attention)
+        AttentionMaskInterface.register(ATTENTION, no_mask)
+        model.set_attn_implementation(ATTENTION)
