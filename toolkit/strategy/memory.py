@@ -60,7 +60,7 @@ from toolkit.config import UserError
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
 STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
-                  "zero3_sp": 1.15, "pipeline": 1.0}  # see rank_key
+                  "zero3_sp": 1.15, "fsdp_sp": 1.1, "pipeline": 1.0}  # see rank_key
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
 ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
 
