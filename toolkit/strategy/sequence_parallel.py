@@ -73,10 +73,12 @@ def problems(config, sp: int, seq_len: int, attn_implementation: str) -> list[st
 
 def block_causal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Core attention over the whole sequence (query, key, value: batch x heads/sp x L x head_dim),
-    under packing's block-causal mask rebuilt from the gathered position ids."""
+    under packing's block-causal mask of the whole sequence (`sequence_mask`, SequenceParallel.mask),
+    or one rebuilt from the gathered position ids."""
+    mask = kwargs.get("sequence_mask")
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=block_causal_mask(kwargs["position_ids"]), dropout_p=dropout if module.training else 0.0, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
+        query, key, value, attn_mask=block_causal_mask(kwargs["position_ids"]) if mask is None else mask,
+        dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -105,6 +107,20 @@ class SequenceParallel:
         self.sp_rank = self.mesh.get_local_rank()
         self.device = device
         self._engines: dict[int, torch.nn.Module] = {}  # DeepSpeed's wrapper fixes the batch size it reshapes to
+        self._mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (local position ids, the mask made from them)
+
+    def mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The whole sequence's block-causal mask, additive in the attention's dtype, made once per
+        forward: every layer is given the same local position ids, and sdpa keeps a mask of the query's
+        dtype as it is, so the layers share one (a bool mask is converted, and the copy kept, per layer:
+        L x L bytes x 2 in each of them, what bounded the sequence)."""
+        if self._mask is None or self._mask[0] is not positions or self._mask[1].dtype != dtype:
+            parts = [torch.empty_like(positions) for _ in range(self.sp)]
+            torch.distributed.all_gather(parts, positions.contiguous(), group=self.group)
+            allowed = block_causal_mask(torch.cat(parts, dim=1))
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+            self._mask = (positions, additive.masked_fill_(~allowed, float("-inf")))
+        return self._mask[1]
 
     def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch (input_ids, position_ids, labels: B x L) -> this rank's contiguous part: its
@@ -143,6 +159,7 @@ class SequenceParallel:
                     block_causal_attention, batch_size=batch, process_group=self.group, seq_length_is_variable=True,
                     **shapes,
                 )
+            kwargs["sequence_mask"] = self.mask(kwargs["position_ids"], query.dtype)
             return self._engines[batch](module, query, key, value, None, *args, **kwargs)
 
         AttentionInterface.register(ATTENTION, attention)
