@@ -56,15 +56,22 @@ def problems(config, cp: int, seq_len: int, attn_implementation: str) -> list[st
             f"model.attn_implementation={attn_implementation} cannot run context parallel here; use sdpa (the "
             "gathered keys and values are attended under packing's block-causal mask)"
         )
+    return found + sequence_split_problems(config, "context parallel")
+
+
+def sequence_split_problems(config, kind: str) -> list[str]:
+    """What no split of the sequence (context or sequence parallel: `kind`) can train here."""
+    found = []
     if expert_count(config):
         found.append(
-            f"context parallel with a mixture of experts ({config.model_type}) is not supported: the router loss "
-            "would be computed per sequence shard; train it with fsdp.yaml or the zero configs"
+            f"{kind} with a mixture of experts ({config.model_type}) is not supported: the router loss would be "
+            "computed per part of the sequence; train it with fsdp.yaml, fsdp_tp.yaml or the zero configs"
         )
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
         found.append(
-            f"context parallel with sliding-window attention ({config.model_type}, sliding_window="
-            f"{config.sliding_window}) is not supported: the mask here is block-causal only"
+            f"{kind} with sliding-window attention ({config.model_type}, sliding_window={text.sliding_window}) "
+            "is not supported: the mask here is block-causal only"
         )
     return found
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from toolkit.config import UserError
 from toolkit.data.packing import block_causal_mask
 from toolkit.models.loss import targets_of
-from toolkit.models.router import expert_count
+from toolkit.strategy.context_parallel import sequence_split_problems
 
 ATTENTION = "toolkit_sequence_parallel"  # the name it is registered under in transformers' AttentionInterface
 SUPPORTED_ATTENTION = ("sdpa",)  # the kind whose block-causal mask the core attention rebuilds
@@ -59,12 +59,7 @@ def problems(config, sp: int, seq_len: int, attn_implementation: str) -> list[st
     if attn_implementation not in SUPPORTED_ATTENTION:
         found.append(f"model.attn_implementation={attn_implementation} cannot run sequence parallel here; use sdpa "
                      "(the whole sequence's attention runs under packing's block-causal mask)")
-    if expert_count(config):
-        found.append(f"sequence parallel with a mixture of experts ({config.model_type}) is not supported: the "
-                     "router loss would be computed per sequence part; train it with fsdp.yaml or fsdp_tp.yaml")
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-        found.append(f"sequence parallel with sliding-window attention ({config.model_type}, sliding_window="
-                     f"{text.sliding_window}) is not supported: the mask here is block-causal only")
+    found += sequence_split_problems(config, "sequence parallel")
     if getattr(text, "model_type", "") == "gpt2" or not hasattr(text, "num_key_value_heads"):
         found.append(f"{config.model_type} does not pass position ids to its attention, which Ulysses needs to "
                      "rebuild the mask; use a LLaMA-style model (LLaMA, Qwen2/3, Mistral)")
