@@ -89,9 +89,9 @@ def test_sequence_parallel_on_two_gpus():
     """zero3_sp.yaml (sp 2 x dp_shard 1) is zero3.yaml's state (ZeRO-3 over both ranks) with half of each
     sequence per rank: zero3.yaml's activations at half the micro-batch (as many tokens), plus in each
     of the 16 layers o_proj's own input (the all-to-all back's copy beside sdpa's output, which the
-    whole sequence with half the heads makes as large as this rank's tokens with all of them) and sdpa's
-    bf16 copy of the whole sequence's block-causal mask, which each layer rebuilds; no mask shared by
-    the layers. The config's flex attention is launched as sdpa; logits for half the tokens."""
+    whole sequence with half the heads makes as large as this rank's tokens with all of them), and once
+    the whole sequence's bf16 block-causal mask, made once per forward and shared by the layers. The
+    config's flex attention is launched as sdpa; logits for half the tokens."""
     proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json")
     assert proc.returncode == 0, proc.stderr
     assert "zero3_sp: sp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in proc.stderr
@@ -105,9 +105,9 @@ def test_sequence_parallel_on_two_gpus():
     same_tokens = rows["zero3", "none", 4]
     assert sp["peak_at"] == same_tokens["peak_at"] and sp["logits_loss_bytes"] == same_tokens["logits_loss_bytes"]
     o_proj_input = 2 * 8 * 1024 * 2048  # bf16 x this rank's 8 x 1024 tokens x 32 heads x 64
-    mask = 2 * 8 * 2048 * 2048  # bf16, the whole sequence's, in every layer
+    mask = 2 * 8 * 2048 * 2048  # bf16, the whole sequence's, one for all the layers
     rotary = 2 * 1024 * 64 * 2  # cos and sin of half the positions fewer
-    assert sp["activations_bytes"] - same_tokens["activations_bytes"] == 16 * (o_proj_input + mask) - rotary
+    assert sp["activations_bytes"] - same_tokens["activations_bytes"] == 16 * o_proj_input + mask - rotary
 
 
 def test_model_parallel_rows_say_what_a_launch_needs():

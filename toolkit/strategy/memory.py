@@ -24,8 +24,9 @@ docs/memory.md gives every formula. In short, a rank holds:
   parallel divides a layer's attention and MLP activations by tp and leaves the residual stream
   whole; context parallel keeps seq_len / cp tokens per rank, and each layer the whole sequence's
   gathered keys and values; sequence parallel keeps seq_len / sp tokens per rank, and each layer's
-  attention the whole sequence for heads / sp of the heads, under its own block-causal mask. A pipeline stage keeps those of its own layers for each micro-batch in
-  flight (1F1B: min(p - stage, micro-batches)).
+  attention the whole sequence for heads / sp of the heads, under one block-causal mask of the whole
+  sequence that all the layers share. A pipeline stage keeps those of its own layers for each
+  micro-batch in flight (1F1B: min(p - stage, micro-batches)).
 - logits and loss buffers: the full path's (tokens x vocab) fp32 copies, or the chunked loss's
   one chunk plus its hidden and weight gradients.
 - communication and gathering buffers: DDP's reducer buckets (a second copy of the gradients),
@@ -486,17 +487,28 @@ def gathered_kv_bytes(shapes: Shapes, run: Run) -> int:
 def layer_bytes(shapes: Shapes, run: Run) -> int:
     """Bytes one decoder layer saves for backward on a rank, for one micro-batch: its seq_len / cp (or
     / sp) tokens, and under context parallel the gathered keys and values in place of its own. sdpa
-    given a boolean mask (packed documents; context parallel's rows of it; sequence parallel's whole
-    (seq x seq) mask, which every layer rebuilds from the gathered position ids) converts it to the
-    compute dtype in every layer and keeps that copy for backward (measured on CPU; torch's
-    convert_boolean_attn_mask runs before any kernel is chosen)."""
+    given a boolean mask (packed documents; context parallel's rows of it) converts it to the compute
+    dtype in every layer and keeps that copy for backward (measured on CPU; torch's
+    convert_boolean_attn_mask runs before any kernel is chosen). Sequence parallel's whole-sequence
+    mask is made once per forward in the compute dtype and every layer keeps that same tensor:
+    sequence_mask_bytes, counted once by activation_bytes, not here."""
     tokens = run.micro_batch * run.local_seq
     cb = dtypes(run)[1]
     own_kv = 2 * cb * shapes.kv_heads * shapes.head_dim * tokens if run.strategy.cp > 1 else 0
-    masked = run.own_attention or (run.packed_documents and run.attention == "sdpa")
-    rows = run.seq_len // run.strategy.cp  # the queries this rank's attention covers: all of them under sequence parallel
-    mask = cb * run.micro_batch * rows * run.seq_len if masked else 0
+    masked = run.strategy.cp > 1 or (run.packed_documents and run.attention == "sdpa" and not run.own_attention)
+    mask = cb * run.micro_batch * run.local_seq * run.seq_len if masked else 0
     return int(layer_bytes_per_token(shapes, run) * tokens) - own_kv + gathered_kv_bytes(shapes, run) + mask
+
+
+def sequence_mask_bytes(run: Run) -> int:
+    """Sequence parallel's block-causal mask of the whole sequence (micro-batch x 1 x seq x seq), additive
+    in the compute dtype: made once per forward (SequenceParallel.mask) and given to every layer's sdpa,
+    which keeps that one tensor (measured: two layers keep one storage); the strategy holds it until the
+    next forward makes another, so through the backward and the optimizer step too. 0 without sequence
+    parallel."""
+    if run.strategy.sp == 1:
+        return 0
+    return dtypes(run)[1] * run.micro_batch * run.seq_len * run.seq_len
 
 
 def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> dict[str, int]:
@@ -513,8 +525,8 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     saved = kept * per_layer + ckpt * rb * shapes.hidden * tokens
     # rotary cos/sin (shared by the layers), the token ids, the packed-document mask of sdpa/eager;
     # context parallel passes every rank its rows of the block-causal mask (micro-batch x seq/cp x seq);
-    # sequence parallel none (each layer builds the whole one, and keeps only its compute-dtype copy)
-    shared = 2 * run.local_seq * shapes.head_dim * rb + 8 * tokens
+    # sequence parallel its whole-sequence mask in the compute dtype, one for all the layers
+    shared = 2 * run.local_seq * shapes.head_dim * rb + 8 * tokens + sequence_mask_bytes(run)
     if run.strategy.sp == 1 and (run.strategy.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager"))):
         shared += run.micro_batch * run.local_seq * run.seq_len
     # autocast's weight copies, saved by the matmuls (under tensor parallel each rank's slice; the
@@ -632,7 +644,7 @@ def _estimate_stage(tensors: list[_Tensor], shapes: Shapes, run: Run, stage: Sta
         },
         "optimizer step": {
             "grads": grads_full + (held["master"] if s.kind == "deepspeed" else 0),  # ZeRO: + the fp32 gradient partition
-            "activations": 0, "logits_loss": 0, "buffers": 0,
+            "activations": sequence_mask_bytes(run), "logits_loss": 0, "buffers": 0,  # the strategy keeps the mask
         },
     }
     if end_of_backward:

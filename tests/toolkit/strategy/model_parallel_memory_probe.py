@@ -12,11 +12,12 @@ and sequence parallel, for the memory model to be compared with. Rank 0 writes t
 - "sp" (and "sp_kv1" with one key/value head, which DeepSpeed replicates to both ranks): the same model
   in bf16 (DeepSpeed's bf16 mode casts the weights so) with its attention routed through
   toolkit.strategy.sequence_parallel (DeepSpeed Ulysses, sp 2): the bytes layer 1 keeps for this rank's
-  half of every sequence, its attention over the whole sequence with half of the heads.
+  half of every sequence, its attention over the whole sequence with half of the heads; the bytes
+  layers 0 and 1 keep together, and those of the storages both keep (the whole sequence's mask).
 
 Saved weights and autocast's copies of them (their shapes), and rotary cos/sin (shared by all layers,
-counted apart by the model), are left out, as in test_memory.saved_by_one_layer; sdpa's copy of the
-block-causal mask in the compute dtype, which every layer keeps, is counted.
+counted apart by the model), are left out, as in test_memory.saved_by_one_layer; the block-causal mask
+in the compute dtype that sdpa keeps is counted, in each layer that keeps it.
 """
 
 from __future__ import annotations
@@ -48,37 +49,49 @@ def nbytes(tensors) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
-def saved_by_layer(model: torch.nn.Module, run_forward) -> tuple[torch.Tensor, int]:
-    """(what `run_forward()` returns, the bytes autograd keeps inside decoder layer 1 meanwhile), its
-    weights (by their local shapes) and the rotary cos/sin (by their storage) left out."""
-    layer = model.model.layers[1]
-    weights = {tuple(local(p).shape) for p in layer.parameters()}
+def kept_by_layers(model: torch.nn.Module, run_forward, indices=(1,)) -> tuple[torch.Tensor, dict[int, dict[int, int]]]:
+    """(what `run_forward()` returns, for each decoder layer in `indices` the storages autograd keeps
+    inside it meanwhile: {data pointer: bytes}), their weights (by their local shapes) and the rotary
+    cos/sin (by their storage) left out. A storage two layers keep appears under both."""
+    layers = {i: model.model.layers[i] for i in indices}
+    weights = {tuple(local(p).shape) for layer in layers.values() for p in layer.parameters()}
     weights |= {shape[::-1] for shape in weights}
     rotary: set[int] = set()
-    kept: dict[int, tuple[int, tuple]] = {}
+    kept: dict[int, dict[int, tuple[int, tuple]]] = {i: {} for i in indices}
+    forwards = {i: layer.forward for i, layer in layers.items()}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        inner = getattr(t, "_local_tensor", t)  # a DTensor keeps its shard in a plain tensor
-        storage = inner.untyped_storage()
-        kept[storage.data_ptr()] = (storage.nbytes(), tuple(inner.shape))
-        return t
+    def hooked(i):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            inner = getattr(t, "_local_tensor", t)  # a DTensor keeps its shard in a plain tensor
+            storage = inner.untyped_storage()
+            kept[i][storage.data_ptr()] = (storage.nbytes(), tuple(inner.shape))
+            return t
 
-    forward = layer.forward
+        def forward(*args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return forwards[i](*args, **kwargs)
 
-    def hooked(*args, **kwargs):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return forward(*args, **kwargs)
+        return forward
 
-    layer.forward = hooked
+    for i, layer in layers.items():
+        layer.forward = hooked(i)
     hook = model.model.rotary_emb.register_forward_hook(
         lambda module, args, out: rotary.update(t.untyped_storage().data_ptr() for t in out)
     )
     try:
         out = run_forward()
     finally:
-        layer.forward = forward
+        for i, layer in layers.items():
+            layer.forward = forwards[i]
         hook.remove()
-    return out, sum(n for ptr, (n, shape) in kept.items() if shape not in weights and ptr not in rotary)
+    return out, {i: {ptr: n for ptr, (n, shape) in kept[i].items() if shape not in weights and ptr not in rotary}
+                 for i in indices}
+
+
+def saved_by_layer(model: torch.nn.Module, run_forward) -> tuple[torch.Tensor, int]:
+    """(what `run_forward()` returns, the bytes autograd keeps inside decoder layer 1 meanwhile)."""
+    out, kept = kept_by_layers(model, run_forward)
+    return out, sum(kept[1].values())
 
 
 def tensor_parallel(ids: torch.Tensor) -> dict:
@@ -119,8 +132,11 @@ def sequence_parallel(ids: torch.Tensor, kv_heads: int) -> dict:
     group.apply(model)
     shard = group.split({"input_ids": ids, "labels": ids, "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)})
     inputs = {k: shard[k] for k in ("input_ids", "position_ids")}
-    _, saved = saved_by_layer(model, lambda: model.model(**inputs).last_hidden_state)
-    return {"saved": saved}
+    _, kept = kept_by_layers(model, lambda: model.model(**inputs).last_hidden_state, (0, 1))
+    both = {**kept[0], **kept[1]}
+    shared = kept[0].keys() & kept[1].keys()
+    return {"saved": sum(kept[1].values()), "saved_two_layers": sum(both.values()),
+            "shared": sum(both[ptr] for ptr in shared)}
 
 
 def main(out: str) -> None:

@@ -40,6 +40,7 @@ from toolkit.strategy.memory import (
     pipeline_stages,
     read_strategy,
     receive_buffers,
+    sequence_mask_bytes,
     stage_tensors,
     state_bytes,
 )
@@ -149,8 +150,8 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     (autocast over fp32 weights). cp 2 (fsdp_cp.yaml): a layer keeps its half of the tokens and the
     whole sequence's gathered keys and values. sp 2 (zero3_sp.yaml): a layer keeps its half of the
     tokens outside attention, and inside it q, k, v and sdpa's output for the whole sequence and half
-    of the heads, o_proj's own input and the whole sequence's mask in bf16; with one key/value head
-    (replicated to both ranks) as much as with two."""
+    of the heads and o_proj's own input; with one key/value head (replicated to both ranks) as much as
+    with two. The whole sequence's bf16 mask is one tensor that layers 0 and 1 both keep, counted once."""
     out = tmp_path / "ranks.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(launching.free_port()), str(Path(__file__).with_name("model_parallel_memory_probe.py")), str(out)]
@@ -174,14 +175,19 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     assert [rank["cp"]["saved"] for rank in ranks] == [layer_bytes(shapes, cp)] * world
 
     sp = Run(read_strategy(ROOT / "accelerate_configs/zero3_sp.yaml", 128), world, batch, seq, precision="bf16")
-    assert [rank["sp"]["saved"] for rank in ranks] == [layer_bytes(shapes, sp)] * world
+    mask = sequence_mask_bytes(sp)
+    assert mask == 2 * batch * seq * seq
     with torch.device("meta"):
         one_kv = Shapes.of(AutoModelForCausalLM.from_config(LlamaConfig(**{**probe_model().config.to_dict(),
                                                                           "num_key_value_heads": 1})))
-    assert [rank["sp_kv1"]["saved"] for rank in ranks] == [layer_bytes(one_kv, sp)] * world == [layer_bytes(shapes, sp)] * world
+    for case, case_shapes in (("sp", shapes), ("sp_kv1", one_kv)):
+        assert [rank[case]["saved"] for rank in ranks] == [layer_bytes(case_shapes, sp) + mask] * world, case
+        assert [rank[case]["shared"] for rank in ranks] == [mask] * world, case
+        assert [rank[case]["saved_two_layers"] for rank in ranks] == [2 * layer_bytes(case_shapes, sp) + mask] * world, case
+    assert layer_bytes(one_kv, sp) == layer_bytes(shapes, sp)
     whole = Run(StrategyFacts("zero3", "deepspeed", zero_stage=3), 1, batch, seq, precision="bf16", packed_documents=False)
     halves = 2 * batch * seq // 2 * 128  # o_proj's bf16 input, apart from sdpa's output, for this rank's tokens
-    assert layer_bytes(shapes, sp) == pytest.approx(layer_bytes(shapes, whole) / 2 + halves + 2 * batch * seq * seq, abs=8)
+    assert layer_bytes(shapes, sp) == pytest.approx(layer_bytes(shapes, whole) / 2 + halves, abs=8)
 
 
 @pytest.mark.distributed
