@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.config import UserError, load_config  # noqa: E402
+from toolkit.models.router import expert_count  # noqa: E402
 from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
 from toolkit.strategy.memory import Run, StrategyFacts, estimate, rank_key, read_strategy  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
@@ -133,6 +134,9 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
         if m.chunk_tokens:
             needs["model.loss"] = "full"  # memory.Run says why
         found = tensor_parallel.problems(config, facts.tp)
+        if expert_count(config):
+            found.append("the memory planner does not model expert parallel yet (the experts spread over the tp "
+                         "ranks, the tokens' all_to_all); the other configs are estimated")
         if hasattr(model, "peft_config"):
             found.append("tensor parallel trains a whole model, not a LoRA adapter")
     return needs, (found[0] if found else None)

@@ -41,7 +41,9 @@ apart: `peak_bytes` is comparable with `torch.cuda.max_memory_allocated`. A pipe
 its largest stage's (`Estimate.stage` says which).
 
 Modelled decoders: LLaMA-style (llama, mistral, qwen2, qwen3: RMSNorm, rotary attention with
-grouped KV heads, SwiGLU MLP). Compilation is not modelled: the eager estimate is an upper bound
+grouped KV heads, Qwen3's per-head q/k norms, SwiGLU MLP) and Qwen3-MoE (the same attention, in every
+layer a router and top-k experts run by transformers' grouped_mm, and the router loss the toolkit
+adds); expert parallel (fsdp_tp.yaml with a mixture of experts) is not modelled yet. Compilation is not modelled: the eager estimate is an upper bound
 of a compiled layer's saved activations.
 """
 
@@ -60,6 +62,7 @@ import yaml
 from toolkit.config import UserError
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
+MIXTURES = ("qwen3_moe",)  # LLaMA-style attention, every layer's MLP a mixture of experts (transformers' grouped_mm experts)
 STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
                   "zero3_sp": 1.15, "fsdp_sp": 1.1, "pipeline": 1.0}  # see rank_key
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
@@ -382,6 +385,11 @@ class Shapes:
     head_dim: int
     vocab: int
     layer_params: int  # one decoder layer's parameters (what FSDP2 / ZeRO-3 gather at once)
+    experts: int = 0  # a mixture of experts' experts per layer (0: a dense SwiGLU MLP)
+    top_k: int = 0  # experts each token is routed to
+    expert_params: int = 0  # one layer's expert weights (autocast casts none of them: grouped_mm runs in their dtype)
+    norm_topk: bool = False  # the router renormalises its top-k weights (norm_topk_prob)
+    qk_norm: bool = False  # RMSNorm on each head's query and key (Qwen3's q_norm, k_norm)
     lora: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # adapted linear -> (in, rank, out)
     lora_dropout: bool = False
 
@@ -390,13 +398,26 @@ class Shapes:
         config = getattr(model, "config", None)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(base, "config", config)
-        if getattr(config, "model_type", None) not in LLAMA_STYLE:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in LLAMA_STYLE + MIXTURES:
             raise UserError(
-                f"the memory planner models LLaMA-style decoders ({', '.join(LLAMA_STYLE)}); "
-                f"model_type {getattr(config, 'model_type', None)!r} is not modelled yet"
+                f"the memory planner models LLaMA-style decoders ({', '.join(LLAMA_STYLE)}) and the mixture of "
+                f"experts {', '.join(MIXTURES)}; model_type {model_type!r} is not modelled yet"
             )
         heads = config.num_attention_heads
         layer = base.model.layers[0]
+        moe = {}
+        if model_type in MIXTURES:
+            if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+                raise UserError(f"the memory planner models {model_type} with a mixture of experts in every layer; "
+                                "model.config.mlp_only_layers / decoder_sparse_step give dense layers too")
+            if getattr(config, "experts_implementation", None) not in (None, "grouped_mm"):
+                raise UserError(f"the memory planner models transformers' grouped_mm experts; "
+                                f"model.config.experts_implementation={config.experts_implementation!r} is not modelled")
+            experts = layer.mlp.experts
+            moe = dict(experts=config.num_experts, top_k=config.num_experts_per_tok,
+                       expert_params=sum(p.numel() for p in experts.parameters()),
+                       norm_topk=bool(config.norm_topk_prob))
         lora, dropout = {}, False
         for name, module in layer.named_modules():
             if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
@@ -405,10 +426,12 @@ class Shapes:
                 drop = module.lora_dropout["default"]
                 dropout = dropout or isinstance(drop, torch.nn.Dropout)
         return cls(
-            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+            hidden=config.hidden_size, layers=config.num_hidden_layers,
+            intermediate=config.moe_intermediate_size if moe else config.intermediate_size,
             heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
-            layer_params=sum(p.numel() for p in layer.parameters()), lora=lora, lora_dropout=dropout,
+            layer_params=sum(p.numel() for p in layer.parameters()), lora=lora, lora_dropout=dropout, **moe,
+            qk_norm=hasattr(layer.self_attn, "q_norm"),
         )
 
 
@@ -463,6 +486,11 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
         attention = cb * (3 * q + 2 * max(shapes.kv_heads, run.strategy.sp) * shapes.head_dim) + 4 * heads
     elif run.attention == "eager" and run.strategy.cp == 1:  # context parallel runs its own sdpa attention
         attention = cb * 4 * q + (4 + cb) * heads * run.seq_len
+    if shapes.qk_norm:  # per head: the fp32 input, 1/rms, the output in the projections' dtype (before any all-to-all)
+        local_kv = shapes.kv_heads // tp
+        attention += (4 + cb) * (heads + local_kv) * shapes.head_dim + 4 * (heads + local_kv)
+    if shapes.experts:
+        return norm(3) + attention + norm(0 if casts else 1) + moe_bytes_per_token(shapes, run)
     mlp = 4 * cb * i
     if not lora:
         return norm(3) + attention + norm(2) + mlp
@@ -474,6 +502,22 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
         norm(sum(n in own for n in ("q_proj", "k_proj", "v_proj"))) + attention
         + norm(sum(n in own for n in ("gate_proj", "up_proj"))) + mlp + adapters
     )
+
+
+def moe_bytes_per_token(shapes: Shapes, run: Run) -> float:
+    """What a mixture-of-experts MLP (transformers' Qwen3-MoE block, grouped_mm experts) saves per token,
+    measured on CPU. The router: its fp32 softmax (4 x experts), the top-k indices (8 x k), with
+    norm_topk_prob the top-k weights and their sum (4k + 4); under autocast its input's cast (c·h).
+    Per routed copy of a token (k of them): the gathered input (h), gate_up's output (2i), silu's
+    output (i), the product (i) and down's output (h), in the dtype the experts run in, which is the
+    weights' (grouped_mm is not autocast: fp32 under autocast over fp32 weights), the routing weight
+    in the router's dtype, and three int64 index vectors (sort permutation, sorted ids, token ids)."""
+    h, i, k = shapes.hidden, shapes.intermediate, shapes.top_k
+    rb, cb, casts = dtypes(run)
+    xb = rb  # the experts' dtype: the weights' (the residual stream's under autocast, cb when cast)
+    router = 4 * shapes.experts + 8 * k + ((4 * k + 4) if shapes.norm_topk else 0) + (cb * h if casts else 0)
+    routed = xb * (2 * h + 4 * i) + 24 + cb
+    return router + k * routed
 
 
 def gathered_kv_bytes(shapes: Shapes, run: Run) -> int:
@@ -497,7 +541,8 @@ def layer_bytes(shapes: Shapes, run: Run) -> int:
     own_kv = 2 * cb * shapes.kv_heads * shapes.head_dim * tokens if run.strategy.cp > 1 else 0
     masked = run.strategy.cp > 1 or (run.packed_documents and run.attention == "sdpa" and not run.own_attention)
     mask = cb * run.micro_batch * run.local_seq * run.seq_len if masked else 0
-    return int(layer_bytes_per_token(shapes, run) * tokens) - own_kv + gathered_kv_bytes(shapes, run) + mask
+    offsets = 4 * shapes.experts  # grouped_mm's int32 offsets, one per expert
+    return int(layer_bytes_per_token(shapes, run) * tokens) - own_kv + gathered_kv_bytes(shapes, run) + mask + offsets
 
 
 def sequence_mask_bytes(run: Run) -> int:
@@ -509,6 +554,19 @@ def sequence_mask_bytes(run: Run) -> int:
     if run.strategy.sp == 1:
         return 0
     return dtypes(run)[1] * run.micro_batch * run.seq_len * run.seq_len
+
+
+def router_loss_bytes(shapes: Shapes, run: Run, layers: int) -> int:
+    """A mixture of experts' router loss (toolkit.models.router.RouterLoss, in every training step) over
+    `layers` MoE layers: each router's logits (tokens x experts, the compute dtype) are recorded through
+    the forward; the loss (transformers' load_balancing_loss_func) keeps for backward a softmax of each,
+    as large, and drops the logits (its top-k indices die with their unused values); measured on CPU.
+    Within the loss call both are alive for a moment (2x this), not counted. Checkpointing keeps them
+    all the same (the routers' forwards are recorded, not their recomputation)."""
+    if not shapes.experts:
+        return 0
+    tokens = run.micro_batch * run.local_seq
+    return layers * tokens * dtypes(run)[1] * shapes.experts + 4 * shapes.experts
 
 
 def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> dict[str, int]:
@@ -527,16 +585,19 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     # context parallel passes every rank its rows of the block-causal mask (micro-batch x seq/cp x seq);
     # sequence parallel its whole-sequence mask in the compute dtype, one for all the layers
     shared = 2 * run.local_seq * shapes.head_dim * rb + 8 * tokens + sequence_mask_bytes(run)
+    shared += router_loss_bytes(shapes, run, len(layers))
     if run.strategy.sp == 1 and (run.strategy.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager"))):
         shared += run.micro_batch * run.local_seq * run.seq_len
     # autocast's weight copies, saved by the matmuls (under tensor parallel each rank's slice; the
     # norms' weights, whole on every rank, are ~1e-4 of a layer)
-    layer_params = shapes.layer_params // run.strategy.tp
+    layer_params = (shapes.layer_params - shapes.expert_params) // run.strategy.tp  # grouped_mm's experts are not cast
     casts_kept = cb * layer_params * kept if casts else 0
     recompute = per_layer + (cb * layer_params if casts else 0) if ckpt else 0
     # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through
     # it; under context parallel also the gathered keys' and values' gradients, until reduce-scattered
     inner = 2 * cb * shapes.intermediate // run.strategy.tp
+    if shapes.experts:  # not measured: per routed copy the gradients of gate_up's output, the product and the input
+        inner = dtypes(run)[0] * shapes.top_k * (3 * shapes.intermediate + shapes.hidden)
     if run.strategy.sp > 1:
         # or, in the attention's backward, sdpa's gradients of q, k, v (whole sequence, heads / sp) beside
         # the all-to-all's outputs (this rank's tokens, every head), whichever the larger

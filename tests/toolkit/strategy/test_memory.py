@@ -17,15 +17,17 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import launching
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from toolkit.config import UserError, load_config
 from toolkit.models.scratch import hf_config
@@ -73,7 +75,7 @@ def test_model_state_per_rank_equals_the_live_tensors(sharding_probe, strategy, 
         assert estimated[key] == pytest.approx(real, rel=0.01, abs=8), f"{strategy}@{nproc} {key}: {estimated[key]} vs {real}"
 
 
-def saved_by_one_layer(config: LlamaConfig, mode: str, batch: int, seq: int, mask: torch.Tensor | None = None) -> int:
+def saved_by_one_layer(config: PretrainedConfig, mode: str, batch: int, seq: int, mask: torch.Tensor | None = None) -> int:
     """Bytes autograd keeps for backward inside decoder layer 1 (parameters excluded; rotary
     cos/sin, which every layer shares, excluded), with `mask` as the attention mask if given."""
     dtype = torch.bfloat16 if mode == "bf16 weights" else torch.float32
@@ -119,6 +121,74 @@ def test_saved_activations_per_layer_equal_the_formula(mode, sizes):
     facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
     run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
     assert layer_bytes_per_token(shapes, run) * batch * seq == measured
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe 4x2", "qwen3_moe 8x3 norm_topk"])
+def test_qwen3_and_qwen3_moe_layers_save_what_the_formula_says(mode, model):
+    """Qwen3's per-head q_norm and k_norm (their fp32 inputs, 1/rms and outputs), and a Qwen3-MoE layer:
+    the router's fp32 softmax and top-k indices, and per routed copy of a token transformers'
+    grouped_mm experts' gathered input, gate_up output, silu, product and down output in the weights'
+    dtype (fp32 under autocast: grouped_mm is not autocast), its routing weight and three index vectors."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64, use_cache=False)
+    if model == "qwen3":
+        config = Qwen3Config(**sizes)
+    else:
+        experts, top_k = (4, 2) if "4x2" in model else (8, 3)
+        config = Qwen3MoeConfig(**sizes, moe_intermediate_size=32 if experts == 4 else 48, num_experts=experts,
+                                num_experts_per_tok=top_k, norm_topk_prob="norm_topk" in model)
+    batch, seq = 3, 40
+    measured = saved_by_one_layer(config, mode, batch, seq)
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    assert shapes.qk_norm and shapes.experts == getattr(config, "num_experts", 0)
+    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
+    assert layer_bytes(shapes, run) == measured
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
+def test_the_router_loss_keeps_what_the_estimate_says(mode):
+    """toolkit.models.router.RouterLoss over 3 Qwen3-MoE layers: the recorded router logits until the loss,
+    then what the loss keeps alive for backward, as large (a softmax of each layer's logits)."""
+    from transformers import Qwen3MoeConfig
+
+    from toolkit.models.router import RouterLoss
+    from toolkit.strategy.memory import router_loss_bytes
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_experts=8, num_experts_per_tok=3, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mode == "bf16 weights" else torch.float32)
+    router = RouterLoss.of(model)
+    batch, seq = 3, 40
+    saved: list = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(weakref.ref(t))  # what a freed node saved dies with it: only the living are kept
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    with autocast:
+        router.start()
+        model(input_ids=torch.randint(0, 128, (batch, seq)))
+        recorded = sum(t.untyped_storage().nbytes() for t in router._logits)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = router.loss()
+    gc.collect()
+    assert loss.requires_grad and not router._logits
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for ref in saved if (t := ref()) is not None}
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
+    compute = 4 if mode == "fp32" else 2
+    assert recorded == 3 * batch * seq * 8 * compute
+    assert router_loss_bytes(shapes, run, 3) == sum(kept.values()) == recorded + 4 * 8, kept
 
 
 def test_sdpa_with_the_document_mask_keeps_repeated_keys_and_a_mask_copy_in_every_layer():
