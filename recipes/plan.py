@@ -135,8 +135,8 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
             needs["model.loss"] = "full"  # memory.Run says why
         found = tensor_parallel.problems(config, facts.tp)
         if expert_count(config):
-            found.append("the memory planner does not model expert parallel yet (the experts spread over the tp "
-                         "ranks, the tokens' all_to_all); the other configs are estimated")
+            found.append("the memory planner does not model expert parallel's activations yet (the tokens' "
+                         "all_to_all to the ranks of their experts); the other configs are estimated")
         if hasattr(model, "peft_config"):
             found.append("tensor parallel trains a whole model, not a LoRA adapter")
     return needs, (found[0] if found else None)

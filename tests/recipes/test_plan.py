@@ -260,7 +260,7 @@ def test_a_mixture_of_experts_is_planned_without_expert_parallel():
                     *moe, f"model.config.num_experts_per_tok={k}")
         assert proc.returncode == 0, proc.stderr
         rows[k] = {(r["strategy"], r["gradient_checkpointing"]): r for r in json.loads(proc.stdout)}
-    assert "fsdp_tp: not listed: the memory planner does not model expert parallel yet" in proc.stderr
+    assert "fsdp_tp: not listed: the memory planner does not model expert parallel's activations yet" in proc.stderr
     assert {s for s, _ in rows[2]} == {"ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload"}
     cfg = load_config(PretrainConfig, ROOT / "recipes/configs/pretrain_tiny.yaml", [*moe, "model.config.num_experts_per_tok=2"])
     with torch.device("meta"):

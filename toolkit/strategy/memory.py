@@ -217,8 +217,15 @@ class _Tensor:
 
 def model_tensors(model: torch.nn.Module, quantized_base: bool = False) -> list[_Tensor]:
     """Every parameter once (tied weights once, under the embedding's name), in the optimizer's order:
-    decay (matrices) first; each with the dimension the model's tensor-parallel plan cuts."""
-    plan = getattr(model, "tp_plan", None) or {}
+    decay (matrices) first; each with the dimension the model's tensor-parallel plan cuts. A mixture of
+    experts is split by its expert-parallel plan over the same ranks (toolkit.strategy.tensor_parallel:
+    ep = tp), which cuts the expert weights by experts (dim 0; measured on 2 gloo processes)."""
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    config = getattr(model, "config", None)
+    ep_plan = getattr(config, "base_model_ep_plan", None) if getattr(config, "num_experts", None) else None
+    if ep_plan:
+        prefix = getattr(model, "base_model_prefix", "model")
+        plan.update({f"{prefix}.{key}": "experts" for key, style in ep_plan.items() if style == "grouped_gemm"})
     out = []
     for name, p in model.named_parameters():
         linear_in_layer = p.ndim == 2 and ".layers." in name and "lora_" not in name
@@ -237,7 +244,9 @@ def _tp_dim(plan: dict[str, str], name: str, ndim: int) -> int | None:
     per-head q/k norms) is whole on every rank."""
     module, _, param = name.rpartition(".")
     style = plan.get(re.sub(r"\.\d+(?=\.|$)", ".*", module))
-    if style in ("colwise", "colwise_gather_output", "embedding_rowwise"):
+    if plan.get(re.sub(r"\.\d+(?=\.|$)", ".*", name)) == "experts":  # the experts' 3-D weights are named whole
+        return 0
+    if style in ("colwise", "colwise_gather_output", "embedding_rowwise", "experts"):
         return 0
     if style == "rowwise" and param == "weight":
         return ndim - 1

@@ -13,7 +13,10 @@ and sequence parallel, for the memory model to be compared with. Rank 0 writes t
   in bf16 (DeepSpeed's bf16 mode casts the weights so) with its attention routed through
   toolkit.strategy.sequence_parallel (DeepSpeed Ulysses, sp 2): the bytes layer 1 keeps for this rank's
   half of every sequence, its attention over the whole sequence with half of the heads; the bytes
-  layers 0 and 1 keep together, and those of the storages both keep (the whole sequence's mask).
+  layers 0 and 1 keep together, and those of the storages both keep (the whole sequence's mask);
+- "ep": a Qwen3-MoE of the same sizes (MOE_CONFIG, 4 experts) split as "tp" is, its experts spread
+  whole over the 2 ranks (expert parallel, ep = tp): this rank's bytes of parameters, of gradients
+  after one backward and of AdamW's state after one step.
 
 Saved weights and autocast's copies of them (their shapes), and rotary cos/sin (shared by all layers,
 counted apart by the model), are left out, as in test_memory.saved_by_one_layer; the block-causal mask
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
@@ -39,6 +42,7 @@ from toolkit.strategy.tensor_parallel import split  # noqa: E402
 BATCH, SEQ = 3, 32
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)  # test_memory.probe_model's
+MOE_CONFIG = dict(CONFIG, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -94,9 +98,10 @@ def saved_by_layer(model: torch.nn.Module, run_forward) -> tuple[torch.Tensor, i
     return out, sum(kept[1].values())
 
 
-def tensor_parallel(ids: torch.Tensor) -> dict:
+def tensor_parallel(ids: torch.Tensor, config=None) -> dict:
     torch.manual_seed(0)  # split slices each rank's own copy: the same seed everywhere
-    model = split(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.float32), dist.get_world_size())
+    config = config or LlamaConfig(**CONFIG)
+    model = split(AutoModelForCausalLM.from_config(config, dtype=torch.float32), dist.get_world_size())
     decay = [p for p in model.parameters() if p.ndim >= 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                    {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
@@ -145,7 +150,7 @@ def main(out: str) -> None:
     ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     result = {"world": dist.get_world_size(), "batch": BATCH, "seq": SEQ, "tp": tensor_parallel(ids),
               "cp": context_parallel(ids), "sp": sequence_parallel(ids, CONFIG["num_key_value_heads"]),
-              "sp_kv1": sequence_parallel(ids, 1)}
+              "sp_kv1": sequence_parallel(ids, 1), "ep": tensor_parallel(ids, Qwen3MoeConfig(**MOE_CONFIG))}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result)
     if dist.get_rank() == 0:

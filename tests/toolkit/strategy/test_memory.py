@@ -221,7 +221,8 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     whole sequence's gathered keys and values. sp 2 (zero3_sp.yaml): a layer keeps its half of the
     tokens outside attention, and inside it q, k, v and sdpa's output for the whole sequence and half
     of the heads and o_proj's own input; with one key/value head (replicated to both ranks) as much as
-    with two. The whole sequence's bf16 mask is one tensor that layers 0 and 1 both keep, counted once."""
+    with two. The whole sequence's bf16 mask is one tensor that layers 0 and 1 both keep, counted once.
+    ep 2 (a Qwen3-MoE under fsdp_tp.yaml): each rank holds half of the experts whole."""
     out = tmp_path / "ranks.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(launching.free_port()), str(Path(__file__).with_name("model_parallel_memory_probe.py")), str(out)]
@@ -258,6 +259,23 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     whole = Run(StrategyFacts("zero3", "deepspeed", zero_stage=3), 1, batch, seq, precision="bf16", packed_documents=False)
     halves = 2 * batch * seq // 2 * 128  # o_proj's bf16 input, apart from sdpa's output, for this rank's tokens
     assert layer_bytes(shapes, sp) == pytest.approx(layer_bytes(shapes, whole) / 2 + halves, abs=8)
+
+    # a Qwen3-MoE split over the same 2 ranks (the probe's MOE_CONFIG): its experts spread whole (2 of 4 on
+    # each), the router whole
+    from transformers import Qwen3MoeConfig
+
+    sizes = {**probe_model().config.to_dict(), "model_type": "qwen3_moe"}
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**{
+            **{k: sizes[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings")},
+            "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 32, "use_cache": False}))
+    moe_held = state_bytes(model_tensors(moe), tp)
+    for key in ("params", "grads", "optimizer"):
+        assert [rank["ep"][key] for rank in ranks] == [moe_held[key]] * world, key
+    experts = sum(p.numel() for name, p in moe.named_parameters() if ".experts." in name)
+    whole = state_bytes(model_tensors(moe), Run(StrategyFacts("ddp", "ddp"), 1, batch, seq, precision="fp32"))
+    assert whole["params"] - moe_held["params"] > 4 * experts / 2, "half of the experts, and half of the attention"
 
 
 @pytest.mark.distributed
