@@ -21,17 +21,18 @@ PROBE = Path(__file__).with_name("sharding_probe.py")
 
 @pytest.fixture(scope="session")
 def sharding_probe(tmp_path_factory) -> Callable[[str, int], dict]:
-    """probe(strategy, nproc) -> {"strategy", "world_size", "n_params", "ranks": [held_bytes of each rank]}."""
+    """probe(strategy, nproc, model_type="llama") -> {"strategy", "world_size", "n_params", "ranks": [held_bytes of
+    each rank]}; model_type "qwen3_moe" probes a mixture of experts of the same sizes."""
     folder = tmp_path_factory.mktemp("sharding")
-    results: dict[tuple[str, int], dict] = {}
+    results: dict[tuple[str, int, str], dict] = {}
 
-    def probe(strategy: str, nproc: int) -> dict:
-        if (strategy, nproc) not in results:
-            out = folder / f"{strategy}-{nproc}.json"
+    def probe(strategy: str, nproc: int, model_type: str = "llama") -> dict:
+        if (strategy, nproc, model_type) not in results:
+            out = folder / f"{strategy}-{nproc}-{model_type}.json"
             cmd = [
                 sys.executable, "-m", "accelerate.commands.launch",
                 "--config_file", f"accelerate_configs/{strategy}.yaml", "--num_processes", str(nproc),
-                "--main_process_port", str(launching.free_port()), str(PROBE), str(out),
+                "--main_process_port", str(launching.free_port()), str(PROBE), str(out), model_type,
             ]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
             proc = launching.run(cmd, 600, cwd=ROOT, env=env)
@@ -40,8 +41,8 @@ def sharding_probe(tmp_path_factory) -> Callable[[str, int], dict]:
                     f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}"
                 )
-            results[strategy, nproc] = json.loads(out.read_text())
-        return results[strategy, nproc]
+            results[strategy, nproc, model_type] = json.loads(out.read_text())
+        return results[strategy, nproc, model_type]
 
     return probe
 

@@ -1,7 +1,9 @@
 """Worker for test_sharding.py: one optimizer step of a tiny LLaMA, then each rank's held bytes.
 
     accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 2 \\
-        tests/toolkit/strategy/sharding_probe.py OUT.json
+        tests/toolkit/strategy/sharding_probe.py OUT.json [qwen3_moe]
+
+(qwen3_moe: a Qwen3-MoE of the same sizes, 4 experts, 2 per token, in place of the LLaMA.)
 
 Builds and prepares the model as recipes/pretrain.py does (build_accelerator, outside_training,
 configure_deepspeed, AdamW, prepare), runs one step of 2 micro-batches under
@@ -37,16 +39,18 @@ from toolkit.strategy.sharding import GradientMeter, held_bytes  # noqa: E402
 MICRO_BATCH, ACCUMULATION, SEQ, VOCAB = 2, 2, 32, 512
 
 
-def main(out: str) -> None:
+def main(out: str, model_type: str = "llama") -> None:
     from accelerate.utils import gather_object
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     _, _, sp = parallelism_sizes(world_size())  # before the Accelerator, which is told nothing of sp
     acc = build_accelerator("no", ACCUMULATION, tempfile.mkdtemp(prefix="sharding-probe-"))
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
-    )
+    sizes = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
+    if model_type == "qwen3_moe":  # a mixture of experts of the same sizes: 4 experts, 2 per token
+        config = Qwen3MoeConfig(**sizes, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32)
+    else:
+        config = LlamaConfig(**sizes)
     with outside_training(acc):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -92,5 +96,5 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     from toolkit.strategy.distributed import exit_process
 
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
     exit_process(0)

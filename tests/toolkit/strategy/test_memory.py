@@ -75,6 +75,27 @@ def test_model_state_per_rank_equals_the_live_tensors(sharding_probe, strategy, 
         assert estimated[key] == pytest.approx(real, rel=0.01, abs=8), f"{strategy}@{nproc} {key}: {estimated[key]} vs {real}"
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
+def test_a_mixture_of_experts_model_state_per_rank_equals_the_live_tensors(sharding_probe, strategy):
+    """The sharding probe's Qwen3-MoE (4 experts of 3-D weights, the router) at 2 ranks: FSDP2 shards each
+    expert tensor by its first dimension (the experts), ZeRO flattens it, as any tensor."""
+    from transformers import Qwen3MoeConfig
+
+    measured = sharding_probe(strategy, 2, "qwen3_moe")
+    sizes = {k: v for k, v in probe_model().config.to_dict().items() if k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings")}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**sizes, moe_intermediate_size=64, num_experts=4,
+                                                                num_experts_per_tok=2, head_dim=32, use_cache=False))
+    run = Run(read_strategy(ROOT / f"accelerate_configs/{strategy}.yaml", 128), 2, 2, 32, precision="fp32")
+    estimated = state_bytes(model_tensors(model), run)
+    assert measured["n_params"] == sum(p.numel() for p in model.parameters())
+    for key in ("params", "grads", "optimizer", "master"):
+        assert [rank[key] for rank in measured["ranks"]] == [estimated[key]] * 2, key
+
+
 def saved_by_one_layer(config: PretrainedConfig, mode: str, batch: int, seq: int, mask: torch.Tensor | None = None) -> int:
     """Bytes autograd keeps for backward inside decoder layer 1 (parameters excluded; rotary
     cos/sin, which every layer shares, excluded), with `mask` as the attention mask if given."""
