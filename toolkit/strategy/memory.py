@@ -41,7 +41,7 @@ apart: `peak_bytes` is comparable with `torch.cuda.max_memory_allocated`. A pipe
 its largest stage's (`Estimate.stage` says which).
 
 Modelled decoders: LLaMA-style (llama, mistral, qwen2, qwen3: RMSNorm, rotary attention with
-grouped KV heads, Qwen3's per-head q/k norms, SwiGLU MLP) and Qwen3-MoE (the same attention, in every
+grouped KV heads, Qwen3's per-head q/k norms, SwiGLU MLP) and Qwen3-MoE and Mixtral (the same attention, in every
 layer a router and top-k experts run by transformers' grouped_mm, and the router loss the toolkit
 adds); expert parallel (fsdp_tp.yaml with a mixture of experts) is not modelled yet. Compilation is not modelled: the eager estimate is an upper bound
 of a compiled layer's saved activations.
@@ -60,9 +60,10 @@ import torch
 import yaml
 
 from toolkit.config import UserError
+from toolkit.models.router import expert_count
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
-MIXTURES = ("qwen3_moe",)  # LLaMA-style attention, every layer's MLP a mixture of experts (transformers' grouped_mm experts)
+MIXTURES = ("qwen3_moe", "mixtral")  # LLaMA-style attention, every layer's MLP a mixture of experts (transformers' grouped_mm experts)
 STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
                   "zero3_sp": 1.15, "fsdp_sp": 1.1, "pipeline": 1.0}  # see rank_key
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
@@ -222,7 +223,7 @@ def model_tensors(model: torch.nn.Module, quantized_base: bool = False) -> list[
     ep = tp), which cuts the expert weights by experts (dim 0; measured on 2 gloo processes)."""
     plan = dict(getattr(model, "tp_plan", None) or {})
     config = getattr(model, "config", None)
-    ep_plan = getattr(config, "base_model_ep_plan", None) if getattr(config, "num_experts", None) else None
+    ep_plan = getattr(config, "base_model_ep_plan", None) if config is not None and expert_count(config) else None
     if ep_plan:
         prefix = getattr(model, "base_model_prefix", "model")
         plan.update({f"{prefix}.{key}": "experts" for key, style in ep_plan.items() if style == "grouped_gemm"})
@@ -399,6 +400,7 @@ class Shapes:
     expert_params: int = 0  # one layer's expert weights (autocast casts none of them: grouped_mm runs in their dtype)
     norm_topk: bool = False  # the router renormalises its top-k weights (norm_topk_prob)
     qk_norm: bool = False  # RMSNorm on each head's query and key (Qwen3's q_norm, k_norm)
+    fp32_routing: bool = False  # the router's top-k weights stay fp32 (Mixtral), not cast to its logits' dtype
     lora: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # adapted linear -> (in, rank, out)
     lora_dropout: bool = False
 
@@ -410,8 +412,8 @@ class Shapes:
         model_type = getattr(config, "model_type", None)
         if model_type not in LLAMA_STYLE + MIXTURES:
             raise UserError(
-                f"the memory planner models LLaMA-style decoders ({', '.join(LLAMA_STYLE)}) and the mixture of "
-                f"experts {', '.join(MIXTURES)}; model_type {model_type!r} is not modelled yet"
+                f"the memory planner models LLaMA-style decoders ({', '.join(LLAMA_STYLE)}) and mixtures of "
+                f"experts ({', '.join(MIXTURES)}); model_type {model_type!r} is not modelled yet"
             )
         heads = config.num_attention_heads
         layer = base.model.layers[0]
@@ -424,9 +426,10 @@ class Shapes:
                 raise UserError(f"the memory planner models transformers' grouped_mm experts; "
                                 f"model.config.experts_implementation={config.experts_implementation!r} is not modelled")
             experts = layer.mlp.experts
-            moe = dict(experts=config.num_experts, top_k=config.num_experts_per_tok,
+            moe = dict(experts=expert_count(config), top_k=config.num_experts_per_tok,
                        expert_params=sum(p.numel() for p in experts.parameters()),
-                       norm_topk=bool(config.norm_topk_prob))
+                       norm_topk=bool(getattr(config, "norm_topk_prob", True)),  # Mixtral always renormalises
+                       fp32_routing=model_type == "mixtral")
         lora, dropout = {}, False
         for name, module in layer.named_modules():
             if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
@@ -436,7 +439,7 @@ class Shapes:
                 dropout = dropout or isinstance(drop, torch.nn.Dropout)
         return cls(
             hidden=config.hidden_size, layers=config.num_hidden_layers,
-            intermediate=config.moe_intermediate_size if moe else config.intermediate_size,
+            intermediate=getattr(config, "moe_intermediate_size", config.intermediate_size),
             heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
             layer_params=sum(p.numel() for p in layer.parameters()), lora=lora, lora_dropout=dropout, **moe,
@@ -520,12 +523,13 @@ def moe_bytes_per_token(shapes: Shapes, run: Run) -> float:
     Per routed copy of a token (k of them): the gathered input (h), gate_up's output (2i), silu's
     output (i), the product (i) and down's output (h), in the dtype the experts run in, which is the
     weights' (grouped_mm is not autocast: fp32 under autocast over fp32 weights), the routing weight
-    in the router's dtype, and three int64 index vectors (sort permutation, sorted ids, token ids)."""
+    in the router's dtype (fp32 for Mixtral), and three int64 index vectors (sort permutation, sorted ids,
+    token ids). Qwen3-MoE's and Mixtral's blocks (the same grouped_mm experts) measured alike."""
     h, i, k = shapes.hidden, shapes.intermediate, shapes.top_k
     rb, cb, casts = dtypes(run)
     xb = rb  # the experts' dtype: the weights' (the residual stream's under autocast, cb when cast)
     router = 4 * shapes.experts + 8 * k + ((4 * k + 4) if shapes.norm_topk else 0) + (cb * h if casts else 0)
-    routed = xb * (2 * h + 4 * i) + 24 + cb
+    routed = xb * (2 * h + 4 * i) + 24 + (4 if shapes.fp32_routing else cb)
     return router + k * routed
 
 

@@ -145,18 +145,23 @@ def test_saved_activations_per_layer_equal_the_formula(mode, sizes):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe 4x2", "qwen3_moe 8x3 norm_topk"])
-def test_qwen3_and_qwen3_moe_layers_save_what_the_formula_says(mode, model):
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe 4x2", "qwen3_moe 8x3 norm_topk", "mixtral 4x2", "mixtral 8x3"])
+def test_qwen3_and_mixture_of_experts_layers_save_what_the_formula_says(mode, model):
     """Qwen3's per-head q_norm and k_norm (their fp32 inputs, 1/rms and outputs), and a Qwen3-MoE layer:
     the router's fp32 softmax and top-k indices, and per routed copy of a token transformers'
     grouped_mm experts' gathered input, gate_up output, silu, product and down output in the weights'
-    dtype (fp32 under autocast: grouped_mm is not autocast), its routing weight and three index vectors."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    dtype (fp32 under autocast: grouped_mm is not autocast), its routing weight and three index vectors;
+    Mixtral's the same, its routing weights fp32."""
+    from transformers import MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, use_cache=False)
     if model == "qwen3":
         config = Qwen3Config(**sizes)
+    elif model.startswith("mixtral"):
+        experts, top_k = (4, 2) if "4x2" in model else (8, 3)
+        config = MixtralConfig(**{**sizes, "intermediate_size": 32 if experts == 4 else 48}, num_local_experts=experts,
+                               num_experts_per_tok=top_k)
     else:
         experts, top_k = (4, 2) if "4x2" in model else (8, 3)
         config = Qwen3MoeConfig(**sizes, moe_intermediate_size=32 if experts == 4 else 48, num_experts=experts,
@@ -165,24 +170,29 @@ def test_qwen3_and_qwen3_moe_layers_save_what_the_formula_says(mode, model):
     measured = saved_by_one_layer(config, mode, batch, seq)
     with torch.device("meta"):
         shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
-    assert shapes.qk_norm and shapes.experts == getattr(config, "num_experts", 0)
+    assert shapes.qk_norm == (not model.startswith("mixtral"))
+    assert shapes.experts == (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
     facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
     run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
     assert layer_bytes(shapes, run) == measured
 
 
 @pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
-def test_the_router_loss_keeps_what_the_estimate_says(mode):
-    """toolkit.models.router.RouterLoss over 3 Qwen3-MoE layers: the recorded router logits until the loss,
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_the_router_loss_keeps_what_the_estimate_says(mode, model_type):
+    """toolkit.models.router.RouterLoss over 3 Qwen3-MoE (or Mixtral) layers: the recorded router logits until the loss,
     then what the loss keeps alive for backward, as large (a softmax of each layer's logits)."""
-    from transformers import Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen3MoeConfig
 
     from toolkit.models.router import RouterLoss
     from toolkit.strategy.memory import router_loss_bytes
 
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_experts=8, num_experts_per_tok=3, num_hidden_layers=3, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, use_cache=False)
+    sizes = dict(vocab_size=128, hidden_size=64, num_experts_per_tok=3, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, use_cache=False)
+    if model_type == "mixtral":
+        config = MixtralConfig(**sizes, intermediate_size=32, num_local_experts=8)
+    else:
+        config = Qwen3MoeConfig(**sizes, intermediate_size=128, moe_intermediate_size=32, num_experts=8)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mode == "bf16 weights" else torch.float32)
     router = RouterLoss.of(model)
