@@ -23,7 +23,7 @@ def test_context_parallel_on_2_processes_equals_one_process_and_resumes_bit_exac
 
 
 def test_dp_shard_2_by_cp_2_on_4_processes_equals_one_process(one_process_run, tmp_path, data_cache):
-    assert_2d_run_equals_one_process("fsdp_cp.yaml", "context", one_process_run, tmp_path / "2d", data_cache)
+    assert_2d_run_equals_one_process("fsdp_cp.yaml", "context_parallel=2 (data_parallel=2)", one_process_run, tmp_path / "2d", data_cache)
 
 
 @pytest.mark.parametrize(("extra", "launch_args", "says"), [

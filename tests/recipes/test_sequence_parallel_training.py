@@ -39,7 +39,7 @@ def test_under_fsdp2_the_split_gives_the_same_curves_and_resumes_bit_exact(one_p
 
 
 def test_dp_shard_2_by_sp_2_on_4_processes_equals_one_process(one_process_run, tmp_path, data_cache):
-    assert_2d_run_equals_one_process("zero3_sp.yaml", "sequence", one_process_run, tmp_path / "2d", data_cache)
+    assert_2d_run_equals_one_process("zero3_sp.yaml", "sequence_parallel=2 (data_parallel=2)", one_process_run, tmp_path / "2d", data_cache)
 
 
 @pytest.mark.parametrize(("extra", "launch_args", "says"), [

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 def test_tensor_parallel_on_2_processes_equals_one_process_and_resumes_bit_exact(one_process_run, tmp_path, data_cache):
     out, after = assert_run_equals_one_process_and_resumes_bit_exact(
-        "fsdp_tp.yaml", "tensor_parallel=2 (data_parallel=1)", one_process_run, tmp_path, data_cache
+        "fsdp_tp.yaml", "tensor_parallel=2 with sequence parallel (data_parallel=1)", one_process_run, tmp_path, data_cache
     )
 
     # its checkpoint is FSDP2's (torch.distributed.checkpoint): plain FSDP2 resumes it as it is
@@ -32,7 +32,7 @@ def test_tensor_parallel_on_2_processes_equals_one_process_and_resumes_bit_exact
 
 
 def test_dp_shard_2_by_tp_2_on_4_processes_equals_one_process(one_process_run, tmp_path, data_cache):
-    assert_2d_run_equals_one_process("fsdp_tp.yaml", "tensor", one_process_run, tmp_path / "2d", data_cache)
+    assert_2d_run_equals_one_process("fsdp_tp.yaml", "tensor_parallel=2 with sequence parallel (data_parallel=2)", one_process_run, tmp_path / "2d", data_cache)
 
 
 @pytest.mark.parametrize(("extra", "launch_args", "says"), [

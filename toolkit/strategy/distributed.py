@@ -752,6 +752,7 @@ class Strategy:
     context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
     tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
     ep: int = 1  # ranks a mixture of experts' experts are spread over: tp for an MoE (known once the model is)
+    tp_sequence: bool = False  # tp with Megatron's sequence parallel: hidden states 1/tp between layers
     stages: int = 1  # pipeline stages the decoder layers are cut into (train.pipeline_stages)
     pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
     sequence: SequenceParallel | None = None  # sequences split over groups of ranks (parallelism_config_sp_size)
@@ -867,7 +868,8 @@ class Strategy:
         context parallel its attention gathers the group's keys and values; under tensor parallel its
         layers are split over the tp ranks and sharded over the dp groups, and a mixture of experts'
         experts spread whole over the same tp ranks (expert parallel). What cannot be split is refused
-        in one line."""
+        in one line. A dense model's tp split shards the sequence between layers too (Megatron's sequence
+        parallel, tensor_parallel.sequence_layout)."""
         if self.context is not None:
             found = context_parallel_problems(model.config, self.cp, seq_len, attn_implementation)
             if found:
@@ -885,8 +887,9 @@ class Strategy:
                 raise UserError(
                     "tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs"
                 )
-            model = split(model, self.tp, self.world_size // self.tp)
+            model = split(model, self.tp, self.world_size // self.tp, attn_implementation)
             self.ep = expert_ranks(model)
+            self.tp_sequence = model.tp_sequence_parallel
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
             self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
@@ -921,7 +924,8 @@ class Strategy:
             line += f" sequence_parallel={self.sp} (data_parallel={self.data_ranks[0]})"
         if self.tp > 1:
             experts = f" expert_parallel={self.ep}" if self.ep > 1 else ""
-            line += f" tensor_parallel={self.tp}{experts} (data_parallel={self.data_ranks[0]})"
+            sequence = " with sequence parallel" if self.tp_sequence else ""
+            line += f" tensor_parallel={self.tp}{sequence}{experts} (data_parallel={self.data_ranks[0]})"
         if self.stages > 1:
             line += f" pipeline_stages={self.stages} (data_parallel={self.data_ranks[0]})"
         return line

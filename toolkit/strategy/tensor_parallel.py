@@ -21,6 +21,18 @@ plan (or, for a mixture of experts, without an expert-parallel plan), head count
 the tp degree does not divide (transformers would cut a head in two and compute garbage, not fail),
 and expert counts it does not divide.
 
+A dense model under sdpa or eager attention is split with Megatron's sequence parallelism besides
+(`sequence_layout`, built with torch's own `parallelize_module` styles, torchtitan's layout): between
+the layers, each tp rank holds 1/tp of every sequence's hidden states, so the norms, residual adds and
+their saved activations are 1/tp per rank too; each attention and MLP gathers the sequence on the way
+in (all-gather) and its row-split output matrix sums the partial results straight into the rank's
+part of the sequence (reduce-scatter) where plain TP would all-reduce the whole: the same bytes on the
+wire. The embedding's output is scattered the same way and the head gathers the sequence before it.
+transformers' own `sequence_parallel` style is not used: it leaves the activations whole and gives tp x
+the norm gradients (docs/parallelism.md). A mixture of experts, another attention (flex_attention
+builds its mask from the local sequence length; flash from position ids the hook does not see), or a
+plan with other styles keeps transformers' plan, the activations between layers whole.
+
 The strategy that trains with it is toolkit.strategy.distributed's (accelerate_configs/fsdp_tp.yaml):
 Accelerate takes the split model as the FSDP2 module it is, so checkpoints (torch.distributed.checkpoint
 of the 2-D DTensors) and final/ (gathered whole) follow the FSDP2 contract.
@@ -36,6 +48,8 @@ from transformers import PretrainedConfig
 from toolkit.config import UserError
 from toolkit.models.router import expert_count
 
+# attention kinds whose packed-document mask arrives whole (4-D) and so survives the sequence split
+SEQUENCE_ATTENTION = ("sdpa", "eager")
 # the sizes a tensor-parallel plan cuts into tp equal parts, per config attribute
 _SPLIT = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 # transformers' style for a weight every tp rank holds whole but whose gradient each computes only a
@@ -87,42 +101,131 @@ def expert_ranks(model: torch.nn.Module) -> int:
     return getattr(applied, "ep_size", None) or 1
 
 
-def split(model: torch.nn.Module, tp: int, dp: int = 1) -> torch.nn.Module:
+def sequence_layout(model: torch.nn.Module, attn_implementation: str) -> tuple[dict, str | None]:
+    """(module name -> torch parallel style, None) for splitting `model` with Megatron's sequence
+    parallelism, or ({}, why not) when its layout is not the one the styles assume: every decoder
+    layer a residual stream of norms around one attention and one MLP, transformers' plan only
+    colwise/rowwise matrices inside them (and Qwen3's whole per-head norms)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if expert_count(model.config):
+        return {}, "a mixture of experts keeps transformers' plan (its experts' all-to-all takes whole sequences)"
+    if attn_implementation not in SEQUENCE_ATTENTION:
+        return {}, f"attention {attn_implementation} builds its mask from the sequence it is handed"
+    base = model.base_model_prefix
+    body = getattr(model, base, None)
+    head = model.get_output_embeddings()
+    if body is None or head is None or not isinstance(getattr(body, "layers", None), torch.nn.ModuleList) \
+            or not isinstance(getattr(body, "norm", None), torch.nn.Module):
+        return {}, f"{type(model).__name__} has no {base}.layers / {base}.norm / output head"
+    styles = {}
+    for key, style in model.config.base_model_tp_plan.items():
+        if style == _PARTIAL_GRADIENT:
+            continue  # whole on every rank, its gradient summed (split)
+        if style not in ("colwise", "rowwise") or not key.startswith("layers.*."):
+            return {}, f"its plan has {key}: {style}"
+        # a row-split matrix ends attention or the MLP: its output goes back to the rank's part of the sequence
+        styles[key] = ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=Shard(1))
+    splits = {key.rsplit(".", 1)[0] for key in styles}  # layers.*.self_attn, layers.*.mlp
+    gathered = Shard(1), Replicate()
+    layout = {
+        f"{base}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        f"{base}.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i, layer in enumerate(body.layers):
+        for name, child in layer.named_children():
+            key = f"layers.*.{name}"
+            if key in splits:
+                # attention is called with hidden_states=..., the MLP with it as its one argument
+                layout[f"{base}.layers.{i}.{name}"] = PrepareModuleInput(
+                    input_layouts=None if "attn" in name else (gathered[0],),
+                    desired_input_layouts=None if "attn" in name else (gathered[1],),
+                    input_kwarg_layouts={"hidden_states": gathered[0]} if "attn" in name else None,
+                    desired_input_kwarg_layouts={"hidden_states": gathered[1]} if "attn" in name else None,
+                )
+            elif "norm" in type(child).__name__.lower():
+                layout[f"{base}.layers.{i}.{name}"] = SequenceParallel()
+            elif any(True for _ in child.parameters()):
+                return {}, f"its decoder layer has {name} ({type(child).__name__}), neither a norm nor split by the plan"
+        for key, style in styles.items():
+            layout[f"{base}.layers.{i}.{key.removeprefix('layers.*.')}"] = style
+    if not isinstance(model.get_input_embeddings(), torch.nn.Embedding) or \
+            model.get_input_embeddings() is not getattr(body, "embed_tokens", None) or head is not getattr(model, "lm_head", None):
+        return {}, f"{type(model).__name__}'s embedding or head is not {base}.embed_tokens / lm_head"
+    return layout, None
+
+
+def split(model: torch.nn.Module, tp: int, dp: int = 1, attn_implementation: str = "") -> torch.nn.Module:
     """`model` (built from the same seed, or loaded from the same files, on every rank; process group
     started) with its layers split over `tp` ranks (a mixture of experts' experts spread whole over the
-    same ranks) and, across the `dp` groups of tp ranks, sharded by
-    FSDP2 (transformers' own plan: the 2-D mesh dp x tp, rank = dp index x tp + tp index); refused in
-    one line if it cannot be split. With dp = 1 the model is still an FSDP2 module over a mesh of one,
-    so that the strategy sees it already sharded and wraps it no further."""
+    same ranks) and, across the `dp` groups of tp ranks, sharded by FSDP2 (the 2-D mesh dp x tp, rank =
+    dp index x tp + tp index); refused in one line if it cannot be split. A dense model under
+    `attn_implementation` sdpa or eager gets Megatron's sequence parallelism besides
+    (`sequence_layout`; `model.tp_sequence_parallel` says which). With dp = 1 the model is still an
+    FSDP2 module over a mesh of one, so that the strategy sees it already sharded and wraps it no further."""
     found = problems(model.config, tp)
     if found:
         raise UserError(found[0])
     if tp == 1:
         return model
-    from torch.distributed.fsdp import fully_shard
-    from transformers.distributed import DistributedConfig
-
-    ep = expert_parallel(model.config, tp)
+    layout, _ = sequence_layout(model, attn_implementation)
     partial = [pattern for pattern, style in model.tp_plan.items() if style == _PARTIAL_GRADIENT]
-    config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(
-        tp_size=tp, ep_size=ep, fsdp_size=dp,
-        # None, not {}: an empty tp_plan override would replace the whole plan
-        tp_plan=dict.fromkeys(partial, "replicate") or None,
-    ))
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     if tied:
         # transformers 5.23 looks the plan's lm_head.weight up among named_parameters(), which lists a
-        # tied weight once, under the embedding's name (KeyError): untied for the split, and tied again
-        # after it by transformers itself, as from_pretrained does (its FSDP plan wraps a tied pair once)
+        # tied weight once, under the embedding's name (KeyError), and torch's styles would cut the one
+        # weight twice: untied for the split, and tied again after it (both halves are cut by vocabulary)
         output.weight = torch.nn.Parameter(output.weight.detach().clone())
+    model = (_split_sequence if layout else _split_by_plan)(model, tp, dp, layout, partial, tied)
+    model.tp_sequence_parallel = bool(layout)
+    return model
+
+
+def _split_by_plan(model, tp: int, dp: int, _layout, partial: list[str], tied: bool) -> torch.nn.Module:
+    """transformers' own split: its plan, its expert parallelism, its FSDP2 over dp."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers.distributed import DistributedConfig
+
+    config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(
+        tp_size=tp, ep_size=expert_parallel(model.config, tp), fsdp_size=dp,
+        # None, not {}: an empty tp_plan override would replace the whole plan
+        tp_plan=dict.fromkeys(partial, "replicate") or None,
+    ))
     model = type(model).maybe_distribute_model(model, config, mesh)
     if partial:
         sum_gradients_over(model, partial, mesh.get_mesh("tp").get_group())
     if tied:
-        model.tie_weights()
+        model.tie_weights()  # as from_pretrained does (its FSDP plan wraps a tied pair once)
     if dp == 1:
         fully_shard(model, mesh=mesh.get_mesh("fsdp"))
+    return model
+
+
+def _split_sequence(model, tp: int, dp: int, layout: dict, partial: list[str], tied: bool) -> torch.nn.Module:
+    """torch's parallelize_module with Megatron's sequence-parallel `layout` over the tp axis, then
+    FSDP2 over the dp axis, each decoder layer its own unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], layout)
+    if tied:
+        model.tie_weights()  # both halves cut by vocabulary (Shard(0)): one weight again, before FSDP2 sees it
+    if partial:
+        sum_gradients_over(model, partial, mesh["tp"].get_group())
+    for layer in getattr(model, model.base_model_prefix).layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
     return model
 
 

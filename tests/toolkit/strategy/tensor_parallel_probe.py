@@ -1,47 +1,75 @@
-"""Launched on N processes (torchrun, gloo) by test_tensor_parallel.py: a tiny LLaMA split over the N
-ranks against the same model whole, on every rank, on a fixed batch: the loss, the gradient norm, and
-the loss after one AdamW step. Rank 0 writes them to the JSON file named by argv[1]."""
+"""Launched on N processes (torchrun, gloo) by test_tensor_parallel.py: a tiny model split over the N
+ranks against the same model whole, on every rank, on a packed batch (several documents per row,
+packing's block-causal mask): the token loss, every weight's gradient, the loss after one AdamW step,
+the hidden states a norm saves. argv: result JSON path, model type (llama: tied embedding and head |
+qwen3: per-head q/k norms), attention (sdpa: Megatron's sequence parallel layout | flex_attention:
+transformers' plan, the sequence whole between layers). Rank 0 writes the JSON."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from toolkit.data.packing import collate
+from toolkit.models.loss import forward_loss_sum
 from toolkit.strategy.tensor_parallel import split
 
+out, model_type, attention = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 tp = dist.get_world_size()
-config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
-ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+L = 64
+# two rows of packed documents: (24, 30, 10) and (5, 59) tokens, the second ending in 3 tokens of padding
+positions = np.stack([np.concatenate([np.arange(24), np.arange(30), np.arange(10)]),
+                      np.concatenate([np.arange(5), np.arange(59)])])
+columns = {"input_ids": np.random.default_rng(0).integers(0, 512, (2, L)), "position_ids": positions,
+           "num_tokens": np.array([L, L - 3])}
+batch = collate(columns, "sdpa")
+config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                              tie_word_embeddings=model_type == "llama")
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def run(model) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loss = model(input_ids=ids, labels=ids).loss
+    saved = []
+    norm = model.model.layers[1].input_layernorm
+    handle = norm.register_forward_hook(lambda _m, args, _o: saved.append(tuple(getattr(args[0], "to_local",
+                                                                                        lambda: args[0])().shape)))
+    loss = forward_loss_sum(model, batch)
     loss.backward()
-    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    handle.remove()
+    grads = {n: whole(p.grad).float() for n, p in model.named_parameters()}
     optimizer.step()
     with torch.no_grad():
-        after = model(input_ids=ids, labels=ids).loss
-    kinds = sorted({type(p).__name__ for p in model.parameters()})
-    return {"loss": loss.item(), "grad_norm": norm.item(), "loss_after_step": after.item(), "kinds": kinds}
+        after = forward_loss_sum(model, batch)
+    return {"loss": loss.item(), "loss_after_step": after.item(), "grads": grads, "norm_input": saved[0],
+            "kinds": sorted({type(p).__name__ for p in model.parameters()})}
 
 
 torch.manual_seed(0)
-whole = run(AutoModelForCausalLM.from_config(config))
+reference = run(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
 torch.manual_seed(0)  # the split slices each rank's own copy: the same seed everywhere
-model = split(AutoModelForCausalLM.from_config(config), tp)
-q = model.model.layers[0].self_attn.q_proj.weight
+model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+model = split(model, tp, 1, attention)
 tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-result = {"tp": tp, "whole": whole, "split": run(model), "q_local_rows": q.to_local().shape[0], "tied": tied}
+got = run(model)
+worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in reference["grads"].items())
+result = {
+    "tp": tp, "sequence_parallel": model.tp_sequence_parallel, "tied": tied, "kinds": got["kinds"],
+    "loss": [reference["loss"], got["loss"]], "loss_after_step": [reference["loss_after_step"], got["loss_after_step"]],
+    "worst_grad_rel": worst, "norm_input": [reference["norm_input"], got["norm_input"]],
+}
 if dist.get_rank() == 0:
-    with open(sys.argv[1], "w") as f:
+    with open(out, "w") as f:
         json.dump(result, f)
 dist.destroy_process_group()

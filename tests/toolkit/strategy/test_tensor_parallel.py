@@ -80,17 +80,52 @@ def test_split_refuses_before_touching_the_model(tiny_model):
     assert split(model, 1) is model
 
 
-@pytest.mark.distributed
-def test_a_split_llama_trains_like_the_whole_one_on_two_processes(tmp_path):
-    out = tmp_path / "result.json"
+def probe(tmp_path, model_type: str, attention: str) -> dict:
+    out = tmp_path / f"{model_type}-{attention}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(launching.free_port()), str(Path(__file__).with_name("tensor_parallel_probe.py")),
-           str(out)]
+           str(out), model_type, attention]
     proc = launching.run(cmd, 300, cwd=ROOT, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    assert result["tp"] == 2 and result["q_local_rows"] == 32  # 4 heads x 16 -> 2 heads per rank
-    assert "DTensor" in result["split"]["kinds"]
-    assert result["tied"], "the tied embedding and output head were left apart"
-    for key in ("loss", "grad_norm", "loss_after_step"):
-        assert result["split"][key] == pytest.approx(result["whole"][key], rel=1e-5), key
+    return json.loads(out.read_text())
+
+
+def assert_whole_models_numbers(result: dict) -> None:
+    for key in ("loss", "loss_after_step"):
+        assert result[key][1] == pytest.approx(result[key][0], rel=1e-6), key
+    assert result["worst_grad_rel"] < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_split_model_with_sequence_parallel_trains_like_the_whole_one(tmp_path, model_type):
+    """Megatron's layout: a norm sees half of every sequence on each of 2 ranks, every weight is cut
+    or replicated as a DTensor, and the packed batch's loss, gradients (Qwen3's whole per-head norms
+    summed over the ranks) and next loss are the whole model's."""
+    result = probe(tmp_path, model_type, "sdpa")
+    assert result["sequence_parallel"] and result["kinds"] == ["DTensor"]
+    assert result["norm_input"] == [[2, 64, 64], [2, 32, 64]]
+    assert result["tied"] == (model_type == "llama"), "the tied embedding and output head were left apart"
+    assert_whole_models_numbers(result)
+
+
+@pytest.mark.distributed
+def test_attention_that_builds_its_own_mask_keeps_the_plan_without_sequence_parallel(tmp_path):
+    result = probe(tmp_path, "llama", "flex_attention")
+    assert not result["sequence_parallel"] and result["norm_input"] == [[2, 64, 64], [2, 64, 64]]
+    assert result["tied"]
+    assert_whole_models_numbers(result)
+
+
+def test_the_sequence_layout_follows_the_model(tiny_model):
+    from toolkit.strategy.tensor_parallel import sequence_layout
+
+    layout, why = sequence_layout(tiny_model("llama"), "sdpa")
+    assert why is None
+    styles = {name: type(style).__name__ for name, style in layout.items()}
+    assert styles["model.embed_tokens"] == "RowwiseParallel" and styles["lm_head"] == "ColwiseParallel"
+    assert styles["model.layers.0.input_layernorm"] == styles["model.norm"] == "SequenceParallel"
+    assert styles["model.layers.0.self_attn"] == styles["model.layers.0.mlp"] == "PrepareModuleInput"
+    assert styles["model.layers.0.self_attn.o_proj"] == "RowwiseParallel"
+    assert sequence_layout(tiny_model("llama"), "flex_attention") == (
+        {}, "attention flex_attention builds its mask from the sequence it is handed")
