@@ -17,7 +17,10 @@ from the config's parallelism_config and make the --gpus processes cp (or tp, sp
 dp_shard = GPUs / cp (the launch line says so). A model or config they refuse is not listed, with the
 reason under the table; what a launch of them needs instead of the recipe's (sdpa for context and
 sequence parallel, the full loss for tensor parallel) is estimated, said under the table and added to
-the launch line.
+the launch line. Tensor parallel under sdpa or eager attention also shards the sequence between the
+layers (Megatron's sequence parallel: the residual stream and norms 1/tp per rank); under flex or flash
+attention it keeps transformers' plan, the activations whole between the layers; the line under the
+table says which.
 
 Pipeline parallel (ddp.yaml with train.pipeline_stages=p, for p = 2 and 4 where p divides --gpus:
 p stages x GPUs / p replicas) is listed as "pp<p> stage <s>": the row is the rank of its largest stage
@@ -142,6 +145,16 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
     return needs, (found[0] if found else None)
 
 
+def tp_layout(facts: StrategyFacts, attention: str) -> str:
+    """How tensor parallel lays a dense model's activations out under `attention` (the launch's
+    toolkit.strategy.tensor_parallel.sequence_layout; a mixture of experts is not listed)."""
+    if facts.tp == 1:
+        return ""
+    if attention in tensor_parallel.SEQUENCE_ATTENTION:
+        return ", sequence parallel between the layers"
+    return f", activations whole between the layers ({attention}: transformers' plan)"
+
+
 def axis_name(facts: StrategyFacts) -> str:
     """The model-parallel axis a config splits over: cp, tp or sp."""
     return "cp" if facts.cp > 1 else "sp" if facts.sp > 1 else "tp"
@@ -187,8 +200,10 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
         group = facts.cp * facts.tp * facts.sp
         data_ranks = args.gpus // (group * facts.stages)  # a cp, tp or sp group, or a pipeline, reads one micro-batch
         required = " ".join(f"{k}={v}" for k, v in needs.items())
+        attention = needs.get("model.attn_implementation", m.attn_implementation)
         if group > 1:
-            notes.append(f"{facts.name}: {axis_name(facts)} {group} x dp_shard {data_ranks}" + (f", as launched with {required}" if needs else ""))
+            notes.append(f"{facts.name}: {axis_name(facts)} {group} x dp_shard {data_ranks}" + tp_layout(facts, attention)
+                         + (f", as launched with {required}" if needs else ""))
         if facts.stages > 1:
             notes.append(f"pp{facts.stages}: ddp.yaml + train.pipeline_stages={facts.stages} ({facts.stages} stages x "
                          f"{data_ranks} replicas), each row is the rank of its largest stage"
@@ -200,7 +215,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                 run = Run(
                     facts, args.gpus, mb, cfg.data.seq_len, accumulation=t.global_batch_size // (mb * data_ranks),
                     checkpointing=ckpt, every_k=m.gradient_checkpointing_k, precision=precision, param_dtype=dtype,
-                    attention=needs.get("model.attn_implementation", m.attn_implementation),
+                    attention=attention,
                     loss_chunk_tokens=0 if "model.loss" in needs else m.chunk_tokens, quantized_base=quantized,
                     fused_adam=cfg.optim.fused != "false",
                 )

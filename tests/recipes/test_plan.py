@@ -55,8 +55,8 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
 
 def test_tensor_and_context_parallel_on_two_gpus():
     """fsdp_tp.yaml (tp 2 x dp_shard 1) cuts each tensor 2 ways where fsdp.yaml shards it 2 ways: the
-    same state but for the norms, whole on both ranks; tp divides the attention and MLP activations,
-    not the residual stream, and the head all-gathers the whole logits on each rank. fsdp_cp.yaml
+    same state but for the norms, whole on both ranks; under the config's flex attention (transformers'
+    plan) tp divides the attention and MLP activations, not the residual stream, and the head all-gathers the whole logits on each rank. fsdp_cp.yaml
     (cp 2 x dp_shard 1) is fsdp.yaml's state with half of each sequence per rank: fsdp.yaml's
     activations at half the micro-batch (as many tokens), plus in each of the 16 layers the keys and
     values gathered from the other half and sdpa's copy of the block-causal mask."""
@@ -83,6 +83,30 @@ def test_tensor_and_context_parallel_on_two_gpus():
     mask = 8 * 1024 * 2048  # this rank's rows of the mask: bool, and a bf16 copy in every layer
     same_tokens = rows["fsdp", "none", 4]["activations_bytes"]
     assert cp["activations_bytes"] - same_tokens == pytest.approx(16 * (other_half_kv + 2 * mask) + mask, rel=1e-3)
+
+
+def test_tensor_parallel_under_sdpa_shards_the_sequence_between_the_layers():
+    """fsdp_tp.yaml (tp 2 x dp_shard 1) under sdpa: Megatron's sequence parallel, the residual stream
+    half of the tokens per rank. Beside the config's flex attention (transformers' plan), the same
+    state; with every layer checkpointed each of the 16 layers keeps its fp32 input for 8 x 1024
+    tokens instead of 8 x 2048 (sdpa adds packing's bool mask, once); the final norm keeps half of the
+    tokens; the logits stay whole on each rank."""
+    flex = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8", "--json")
+    sdpa = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8", "--json",
+                "model.attn_implementation=sdpa")
+    assert flex.returncode == 0 and sdpa.returncode == 0, flex.stderr + sdpa.stderr
+    assert "fsdp_tp: tp 2 x dp_shard 1, sequence parallel between the layers, as launched with model.loss=full" \
+        in sdpa.stderr
+    whole, split = ({r["gradient_checkpointing"]: r for r in json.loads(p.stdout) if r["strategy"] == "fsdp_tp"}
+                    for p in (flex, sdpa))
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes"):
+        assert split["full"][key] == whole["full"][key], key
+    half = 8 * 1024  # this rank's tokens of the micro-batch's 8 x 2048
+    mask = 8 * 2048 * 2048  # packing's bool block-causal mask, whole on every rank
+    assert whole["full"]["activations_bytes"] - split["full"]["activations_bytes"] == 16 * 4 * 2048 * half - mask
+    final_norm = 4 * 2048 + 4 + 4 * 2048  # fp32 input, 1/rms, fp32 normalised x per token
+    assert whole["full"]["logits_loss_bytes"] - split["full"]["logits_loss_bytes"] == final_norm * half
+    assert split["none"]["activations_bytes"] < whole["none"]["activations_bytes"]
 
 
 def test_sequence_parallel_on_two_gpus():
@@ -117,7 +141,8 @@ def test_model_parallel_rows_say_what_a_launch_needs():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.strip().splitlines()
     assert "fsdp_cp: cp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in out
-    assert "fsdp_tp: tp 2 x dp_shard 1, as launched with model.loss=full" in out
+    assert "fsdp_tp: tp 2 x dp_shard 1, activations whole between the layers (flex_attention: transformers' plan), " \
+        "as launched with model.loss=full" in out
     assert "zero3_sp: sp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in out
     assert out[-2].startswith("fastest that fits: fsdp_cp, gradient checkpointing full"), "32k tokens fit split in two"
     assert out[-1].startswith("accelerate launch --config_file accelerate_configs/fsdp_cp.yaml --num_processes 2 "

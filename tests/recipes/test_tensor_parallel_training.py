@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 def test_tensor_parallel_on_2_processes_equals_one_process_and_resumes_bit_exact(one_process_run, tmp_path, data_cache):
     out, after = assert_run_equals_one_process_and_resumes_bit_exact(
-        "fsdp_tp.yaml", "tensor_parallel=2 with sequence parallel (data_parallel=1)", one_process_run, tmp_path, data_cache
+        "fsdp_tp.yaml", "tensor_parallel=2: Megatron sequence parallel", one_process_run, tmp_path, data_cache
     )
 
     # its checkpoint is FSDP2's (torch.distributed.checkpoint): plain FSDP2 resumes it as it is
@@ -32,7 +32,7 @@ def test_tensor_parallel_on_2_processes_equals_one_process_and_resumes_bit_exact
 
 
 def test_dp_shard_2_by_tp_2_on_4_processes_equals_one_process(one_process_run, tmp_path, data_cache):
-    assert_2d_run_equals_one_process("fsdp_tp.yaml", "tensor_parallel=2 with sequence parallel (data_parallel=2)", one_process_run, tmp_path / "2d", data_cache)
+    assert_2d_run_equals_one_process("fsdp_tp.yaml", "tensor_parallel=2: Megatron sequence parallel", one_process_run, tmp_path / "2d", data_cache)
 
 
 @pytest.mark.parametrize(("extra", "launch_args", "says"), [
@@ -43,6 +43,7 @@ def test_dp_shard_2_by_tp_2_on_4_processes_equals_one_process(one_process_run, t
     ([], ["--parallelism_config_tp_size", "4"], "parallelism_config_dp_shard_size=1 x parallelism_config_tp_size=4 must equal the 2 processes"),
     ([], ["--parallelism_config_cp_size", "2"], "parallelism_config_cp_size=2 with parallelism_config_tp_size=2 is not supported yet"),
     (["model.loss=chunked"], [], "model.loss=chunked is not supported with tensor parallel"),
+    (["data.seq_len=63"], [], "data.seq_len=63 is not divisible by parallelism_config_tp_size=2: tensor parallel splits"),
 ])
 def test_what_cannot_be_split_is_refused_in_one_line(tmp_path, data_cache, extra, launch_args, says):
     proc = run_recipe("pretrain", [*TINY, "train.max_steps=2", f"output_dir={tmp_path / 'run'}", *extra], nproc=2,

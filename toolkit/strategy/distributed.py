@@ -57,7 +57,8 @@ from toolkit.strategy.sequence_parallel import sequence_problem as sequence_para
 
 T = TypeVar("T")
 
-ERROR_GRACE_S = 5.0  # how long ranks other than 0 let rank 0 report a shared error first
+ERROR_GRACE_S = 15.0  # how long ranks other than 0 let rank 0 report a shared error first: rank 0 can lag
+# that much behind in importing on a loaded 2-core machine (seen at 5 s: rank 1 reported a config error every rank met)
 DATA_PARALLEL = {
     DistributedType.NO: "single process",
     DistributedType.MULTI_CPU: "DDP",
@@ -752,7 +753,6 @@ class Strategy:
     context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
     tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
     ep: int = 1  # ranks a mixture of experts' experts are spread over: tp for an MoE (known once the model is)
-    tp_sequence: bool = False  # tp with Megatron's sequence parallel: hidden states 1/tp between layers
     stages: int = 1  # pipeline stages the decoder layers are cut into (train.pipeline_stages)
     pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
     sequence: SequenceParallel | None = None  # sequences split over groups of ranks (parallelism_config_sp_size)
@@ -881,15 +881,21 @@ class Strategy:
                 raise UserError(found[0])
             self.sequence.apply(model)
         if self.tp > 1:
-            from toolkit.strategy.tensor_parallel import expert_ranks, split
+            from toolkit.strategy.tensor_parallel import expert_ranks, sequence_layout, split
 
             if hasattr(model, "peft_config"):
                 raise UserError(
                     "tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs"
                 )
+            _, whole = sequence_layout(model, attn_implementation)
+            if whole is None and seq_len % self.tp:
+                raise UserError(f"data.seq_len={seq_len} is not divisible by parallelism_config_tp_size={self.tp}: tensor "
+                                f"parallel splits every sequence between layers (sequence parallel); use a multiple of "
+                                f"{self.tp}")
             model = split(model, self.tp, self.world_size // self.tp, attn_implementation)
             self.ep = expert_ranks(model)
-            self.tp_sequence = model.tp_sequence_parallel
+            self.print(f"tensor_parallel={self.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
+                       "between layers" if whole is None else f"hidden states whole between layers ({whole})"))
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
             self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
@@ -924,8 +930,7 @@ class Strategy:
             line += f" sequence_parallel={self.sp} (data_parallel={self.data_ranks[0]})"
         if self.tp > 1:
             experts = f" expert_parallel={self.ep}" if self.ep > 1 else ""
-            sequence = " with sequence parallel" if self.tp_sequence else ""
-            line += f" tensor_parallel={self.tp}{sequence}{experts} (data_parallel={self.data_ranks[0]})"
+            line += f" tensor_parallel={self.tp}{experts} (data_parallel={self.data_ranks[0]})"
         if self.stages > 1:
             line += f" pipeline_stages={self.stages} (data_parallel={self.data_ranks[0]})"
         return line

@@ -61,6 +61,7 @@ import yaml
 
 from toolkit.config import UserError
 from toolkit.models.router import expert_count
+from toolkit.strategy.tensor_parallel import SEQUENCE_ATTENTION
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
 MIXTURES = ("qwen3_moe", "mixtral")  # LLaMA-style attention, every layer's MLP a mixture of experts (transformers' grouped_mm experts)
@@ -491,9 +492,16 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
         kept_output = consumers * cb * h if casts else (rb * h if consumers else 0)
         return 4 * h + 4 + rb * h + kept_output
 
+    k = v = kv
     if run.attention == "sdpa" and run.packed_documents and not run.own_attention:
-        kv = q  # given a mask, transformers repeats k and v to every query head (use_gqa_in_sdpa); not context parallel's attention
-    attention = cb * (2 * q + 2 * kv) + 4 * heads
+        # given a mask, transformers repeats k and v to every query head (use_gqa_in_sdpa); not context
+        # parallel's attention. With one key/value head on the rank (kv_heads = tp) repeat_kv's reshape
+        # is a view of it (stride 0 over the heads): v stays kv wide, k too unless autocast casts its
+        # fp32 rotary output, which copies it out at q width (measured, tp 2)
+        k = v = q
+        if shapes.kv_heads // tp == 1:
+            k, v = (q if casts else kv), kv
+    attention = cb * (2 * q + k + v) + 4 * heads
     if run.strategy.sp > 1:  # the gathered k and v, and o_proj's input apart from sdpa's output
         attention = cb * (3 * q + 2 * max(shapes.kv_heads, run.strategy.sp) * shapes.head_dim) + 4 * heads
     elif run.attention == "eager" and run.strategy.cp == 1:  # context parallel runs its own sdpa attention
@@ -555,7 +563,32 @@ def layer_bytes(shapes: Shapes, run: Run) -> int:
     masked = run.strategy.cp > 1 or (run.packed_documents and run.attention == "sdpa" and not run.own_attention)
     mask = cb * run.micro_batch * run.local_seq * run.seq_len if masked else 0
     offsets = 4 * shapes.experts  # grouped_mm's int32 offsets, one per expert
-    return int(layer_bytes_per_token(shapes, run) * tokens) - own_kv + gathered_kv_bytes(shapes, run) + mask + offsets
+    # tensor parallel's sequence parallel: the two norms keep their own tensors for the rank's part only
+    norms_apart = 2 * norm_core_bytes_per_token(shapes, run) * (tokens - stream_tokens(shapes, run))
+    return (int(layer_bytes_per_token(shapes, run) * tokens) - norms_apart - own_kv + gathered_kv_bytes(shapes, run)
+            + mask + offsets)
+
+
+def tp_sequence_parallel(shapes: Shapes, run: Run) -> bool:
+    """Whether tensor parallel also shards the sequence between the layers (Megatron's sequence
+    parallel, toolkit.strategy.tensor_parallel.sequence_layout): a dense model under sdpa or eager
+    attention. A mixture of experts, or flex/flash attention, keeps transformers' plan."""
+    return run.strategy.tp > 1 and not shapes.experts and run.attention in SEQUENCE_ATTENTION
+
+
+def stream_tokens(shapes: Shapes, run: Run) -> int:
+    """Tokens of the residual stream a rank holds between the layers, for one micro-batch: its seq_len
+    / cp (or / sp) of each sequence, and under tensor parallel's sequence parallel the first rank's
+    ceil(seq_len / tp) (DTensor's Shard(1))."""
+    if tp_sequence_parallel(shapes, run):
+        return run.micro_batch * math.ceil(run.seq_len / run.strategy.tp)
+    return run.micro_batch * run.local_seq
+
+
+def norm_core_bytes_per_token(shapes: Shapes, run: Run) -> int:
+    """What an RMSNorm keeps of its own per token: its fp32 input, 1/rms and the normalised x in the
+    stream's dtype (the output the projections read is theirs: layer_bytes_per_token's norm)."""
+    return 4 * shapes.hidden + 4 + dtypes(run)[0] * shapes.hidden
 
 
 def sequence_mask_bytes(run: Run) -> int:
@@ -593,7 +626,8 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     every = {"none": 0, "full": 1, "every_k": max(1, run.every_k)}[run.checkpointing]
     ckpt = sum(i % every == 0 for i in layers) if every else 0
     kept = len(layers) - ckpt
-    saved = kept * per_layer + ckpt * rb * shapes.hidden * tokens
+    stream = stream_tokens(shapes, run)  # a checkpointed layer's input is the rank's part of the stream
+    saved = kept * per_layer + ckpt * rb * shapes.hidden * stream
     # rotary cos/sin (shared by the layers), the token ids, the packed-document mask of sdpa/eager;
     # context parallel passes every rank its rows of the block-causal mask (micro-batch x seq/cp x seq);
     # sequence parallel its whole-sequence mask in the compute dtype, one for all the layers
@@ -615,7 +649,7 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
         # or, in the attention's backward, sdpa's gradients of q, k, v (whole sequence, heads / sp) beside
         # the all-to-all's outputs (this rank's tokens, every head), whichever the larger
         inner = max(inner, 2 * cb * (shapes.heads + 2 * max(shapes.kv_heads, run.strategy.sp)) * shapes.head_dim)
-    transient = tokens * (2 * rb * shapes.hidden + inner) + gathered_kv_bytes(shapes, run)
+    transient = stream * 2 * rb * shapes.hidden + tokens * inner + gathered_kv_bytes(shapes, run)
     return {"saved": int(saved + shared + casts_kept), "recompute": int(recompute), "transient": int(transient)}
 
 
@@ -624,12 +658,13 @@ def loss_bytes(shapes: Shapes, run: Run, head_trainable: bool) -> dict[str, int]
     tokens = run.micro_batch * run.local_seq
     rb, cb, casts = dtypes(run)
     h, v, tp = shapes.hidden, shapes.vocab, run.strategy.tp
-    final_norm = tokens * (4 * h + 4 + rb * h)
+    final_norm = stream_tokens(shapes, run) * norm_core_bytes_per_token(shapes, run)  # 1/tp under sequence parallel
     if run.loss_chunk_tokens <= 0:
         # logits in the compute dtype, their fp32 copy and log-softmax (saved); backward: two fp32 gradients.
         # Tensor parallel: the head is colwise_gather_output, so every rank all-gathers the whole logits
-        # (its own 1/tp slice beside them while it does) and computes the same loss
-        head_input = tokens * cb * h if casts else 0
+        # (its own 1/tp slice beside them while it does) and computes the same loss. Under sequence
+        # parallel the head gathers the sequence first, and its cast input is the whole sequence's too
+        head_input = tokens * (cb if casts else rb) * h  # the head's matmul keeps its input (autocast's cast of it)
         forward = tokens * v * (cb + 4 + 4) + (tokens * v * cb // tp if tp > 1 else 0)
         return {"forward": final_norm + head_input + forward, "kept": final_norm + head_input + tokens * v * 4,
                 "backward": tokens * v * 12}

@@ -25,13 +25,15 @@ in the compute dtype that sdpa keeps is counted, in each layer that keeps it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
@@ -42,6 +44,9 @@ from toolkit.strategy.tensor_parallel import split  # noqa: E402
 BATCH, SEQ = 3, 32
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)  # test_memory.probe_model's
+# tensor parallel with sequence parallel: (model, precision, packed documents)
+TP_SEQUENCE_CASES = [("llama", "bf16", False), ("llama", "bf16", True), ("llama", "fp32", False), ("llama", "fp32", True),
+                     ("qwen3", "bf16", True)]
 MOE_CONFIG = dict(CONFIG, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32)
 
 
@@ -49,15 +54,28 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor whose storage `t` keeps: a DTensor's shard, and inside it the result of a
+    functional collective (AsyncCollectiveTensor, a wrapper without storage of its own: the embedding's
+    reduce-scatter under sequence parallel)."""
+    while True:
+        if hasattr(t, "_local_tensor"):
+            t = t._local_tensor
+        elif isinstance(t, AsyncCollectiveTensor):
+            t = t.elem
+        else:
+            return t
+
+
 def nbytes(tensors) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
-def kept_by_layers(model: torch.nn.Module, run_forward, indices=(1,)) -> tuple[torch.Tensor, dict[int, dict[int, int]]]:
-    """(what `run_forward()` returns, for each decoder layer in `indices` the storages autograd keeps
-    inside it meanwhile: {data pointer: bytes}), their weights (by their local shapes) and the rotary
-    cos/sin (by their storage) left out. A storage two layers keep appears under both."""
-    layers = {i: model.model.layers[i] for i in indices}
+def kept_by_layers(model: torch.nn.Module, run_forward, indices=(1,)) -> tuple[torch.Tensor, dict]:
+    """(what `run_forward()` returns, for each decoder layer in `indices` (or module, by its name: "lm_head")
+    the storages autograd keeps inside it meanwhile: {data pointer: bytes}), their weights (by their local
+    shapes) and the rotary cos/sin (by their storage) left out. A storage two layers keep appears under both."""
+    layers = {i: model.model.layers[i] if isinstance(i, int) else model.get_submodule(i) for i in indices}
     weights = {tuple(local(p).shape) for layer in layers.values() for p in layer.parameters()}
     weights |= {shape[::-1] for shape in weights}
     rotary: set[int] = set()
@@ -66,7 +84,7 @@ def kept_by_layers(model: torch.nn.Module, run_forward, indices=(1,)) -> tuple[t
 
     def hooked(i):
         def pack(t: torch.Tensor) -> torch.Tensor:
-            inner = getattr(t, "_local_tensor", t)  # a DTensor keeps its shard in a plain tensor
+            inner = plain(t)
             storage = inner.untyped_storage()
             kept[i][storage.data_ptr()] = (storage.nbytes(), tuple(inner.shape))
             return t
@@ -118,6 +136,33 @@ def tensor_parallel(ids: torch.Tensor, config=None) -> dict:
     return {"params": nbytes(model.parameters()), "grads": grads, "optimizer": state, "saved": saved}
 
 
+def tensor_parallel_sequence(ids: torch.Tensor, model_type: str, precision: str, packed: bool) -> dict:
+    """The same sizes (LLaMA, or Qwen3 with its per-head q/k norms) split as an sdpa run splits it
+    (split(..., "sdpa"): Megatron's sequence parallel between the layers), in fp32 or under CPU bf16
+    autocast over the fp32 weights; with `packed`, packing's block-causal mask of three documents per
+    row (4-D, whole on every rank, as toolkit.data.packing.collate gives sdpa). The bytes autograd keeps
+    inside decoder layer 1, inside the final norm and inside the head (its input: the whole sequence)."""
+    torch.manual_seed(0)
+    config = (LlamaConfig if model_type == "llama" else Qwen3Config)(**CONFIG, head_dim=32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = split(model, dist.get_world_size(), 1, "sdpa")
+    inputs = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+    if packed:
+        documents = torch.arange(SEQ) // 12
+        mask = (documents[:, None] == documents[None, :]) & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        inputs["attention_mask"] = mask.expand(BATCH, 1, SEQ, SEQ)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+    def forward():
+        with autocast:
+            return model(**inputs).loss
+
+    loss, kept = kept_by_layers(model, forward, (1, "model.norm", "lm_head"))
+    loss.backward()
+    return {"sequence_parallel": model.tp_sequence_parallel, "saved": sum(kept[1].values()),
+            "final_norm": sum(kept["model.norm"].values()), "head": sum(kept["lm_head"].values())}
+
+
 def context_parallel(ids: torch.Tensor) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.bfloat16)
@@ -150,7 +195,10 @@ def main(out: str) -> None:
     ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     result = {"world": dist.get_world_size(), "batch": BATCH, "seq": SEQ, "tp": tensor_parallel(ids),
               "cp": context_parallel(ids), "sp": sequence_parallel(ids, CONFIG["num_key_value_heads"]),
-              "sp_kv1": sequence_parallel(ids, 1), "ep": tensor_parallel(ids, Qwen3MoeConfig(**MOE_CONFIG))}
+              "sp_kv1": sequence_parallel(ids, 1), "ep": tensor_parallel(ids, Qwen3MoeConfig(**MOE_CONFIG)),
+              "tp_sp": {f"{model_type} {precision} {'packed' if packed else 'unpacked'}":
+                        tensor_parallel_sequence(ids, model_type, precision, packed)
+                        for model_type, precision, packed in TP_SEQUENCE_CASES}}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result)
     if dist.get_rank() == 0:

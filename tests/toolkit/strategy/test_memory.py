@@ -27,7 +27,7 @@ from pathlib import Path
 import launching
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
 
 from toolkit.config import UserError, load_config
 from toolkit.models.scratch import hf_config
@@ -38,13 +38,16 @@ from toolkit.strategy.memory import (
     estimate,
     layer_bytes,
     layer_bytes_per_token,
+    loss_bytes,
     model_tensors,
+    norm_core_bytes_per_token,
     pipeline_stages,
     read_strategy,
     receive_buffers,
     sequence_mask_bytes,
     stage_tensors,
     state_bytes,
+    stream_tokens,
 )
 from toolkit.training.recipe_config import PretrainConfig
 
@@ -53,14 +56,15 @@ POINTS = json.loads(Path(__file__).with_name("gpu_memory_points.json").read_text
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
-def probe_model() -> torch.nn.Module:
-    """tests/toolkit/strategy/sharding_probe.py's model, on the meta device."""
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
-    )
+PROBE_SIZES = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=32, use_cache=False)
+
+
+def probe_model(config_class=LlamaConfig) -> torch.nn.Module:
+    """tests/toolkit/strategy/sharding_probe.py's model (or another architecture of its sizes), on the
+    meta device."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config_class(**PROBE_SIZES))
 
 
 @pytest.mark.distributed
@@ -248,7 +252,12 @@ def test_sdpa_with_the_document_mask_keeps_repeated_keys_and_a_mask_copy_in_ever
 def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(tmp_path):
     """tp 2 (fsdp_tp.yaml as shipped): parameters, gradients and AdamW state cut by transformers' plan,
     and a layer's activations with 1/tp of the heads and MLP width beside the whole residual stream
-    (autocast over fp32 weights). cp 2 (fsdp_cp.yaml): a layer keeps its half of the tokens and the
+    (autocast over fp32 weights) under transformers' plan (what flex or flash attention gets). Under
+    sdpa, Megatron's sequence parallel (LLaMA and Qwen3, fp32 and autocast, with and without packing's
+    mask): the norms keep half of the tokens, attention and MLP their gathered whole-sequence input (one
+    autocast cast per projection, or the one gathered tensor in fp32) and 1/tp of the heads and width;
+    with one key/value head per rank repeat_kv is a view (only autocast's cast of k copies it out); the
+    final norm keeps half of the tokens and the head its whole-sequence input. cp 2 (fsdp_cp.yaml): a layer keeps its half of the tokens and the
     whole sequence's gathered keys and values. sp 2 (zero3_sp.yaml): a layer keeps its half of the
     tokens outside attention, and inside it q, k, v and sdpa's output for the whole sequence and half
     of the heads and o_proj's own input; with one key/value head (replicated to both ranks) as much as
@@ -257,7 +266,7 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     out = tmp_path / "ranks.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(launching.free_port()), str(Path(__file__).with_name("model_parallel_memory_probe.py")), str(out)]
-    proc = launching.run(cmd, 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launching.run(cmd, 600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = json.loads(out.read_text())
     world, batch, seq = ranks[0]["world"], ranks[0]["batch"], ranks[0]["seq"]
@@ -271,8 +280,23 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     whole = state_bytes(model_tensors(model), Run(StrategyFacts("ddp", "ddp"), 1, batch, seq, precision="fp32"))
     assert held["params"] > whole["params"] / 2, "the norms stay whole on every rank"
 
-    tp_autocast = Run(tp.strategy, world, batch, seq, precision="bf16", packed_documents=False)
+    # the probe's "tp" is split by transformers' plan and runs sdpa without a mask, which keeps what flex keeps
+    tp_autocast = Run(tp.strategy, world, batch, seq, precision="bf16", packed_documents=False, attention="flex_attention")
     assert [rank["tp"]["saved"] for rank in ranks] == [layer_bytes(shapes, tp_autocast)] * world
+    for case in ranks[0]["tp_sp"]:
+        model_type, precision, packed = case.split()
+        case_shapes = Shapes.of(probe_model(LlamaConfig if model_type == "llama" else Qwen3Config))
+        run = Run(tp.strategy, world, batch, seq, precision=precision, packed_documents=packed == "packed")
+        final_norm = stream_tokens(case_shapes, run) * norm_core_bytes_per_token(case_shapes, run)
+        head_input = loss_bytes(case_shapes, run, True)["kept"] - final_norm - batch * seq * 512 * 4  # less the fp32 log-softmax
+        for rank in ranks:
+            got = rank["tp_sp"][case]
+            assert got["sequence_parallel"], case
+            assert (got["saved"], got["final_norm"], got["head"]) == (layer_bytes(case_shapes, run), final_norm, head_input), case
+    assert stream_tokens(shapes, Run(tp.strategy, world, batch, seq)) == batch * seq // 2
+    # beside transformers' plan, the two norms keep half of the tokens
+    unpacked = ranks[0]["tp_sp"]["llama bf16 unpacked"]["saved"]
+    assert ranks[0]["tp"]["saved"] - unpacked == 2 * norm_core_bytes_per_token(shapes, tp_autocast) * batch * seq // 2
     cp = Run(read_strategy(ROOT / "accelerate_configs/fsdp_cp.yaml", 128), world, batch, seq, precision="bf16")
     assert [rank["cp"]["saved"] for rank in ranks] == [layer_bytes(shapes, cp)] * world
 
