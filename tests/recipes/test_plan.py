@@ -107,6 +107,9 @@ def test_tensor_parallel_under_sdpa_shards_the_sequence_between_the_layers():
     final_norm = 4 * 2048 + 4 + 4 * 2048  # fp32 input, 1/rms, fp32 normalised x per token
     assert whole["full"]["logits_loss_bytes"] - split["full"]["logits_loss_bytes"] == final_norm * half
     assert split["none"]["activations_bytes"] < whole["none"]["activations_bytes"]
+    odd = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8", "--json",
+               "model.attn_implementation=sdpa", "data.seq_len=2047")
+    assert "fsdp_tp: not listed: data.seq_len=2047 is not divisible by parallelism_config_tp_size=2" in odd.stderr
 
 
 def test_sequence_parallel_on_two_gpus():

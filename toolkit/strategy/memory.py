@@ -21,11 +21,14 @@ docs/memory.md gives every formula. In short, a rank holds:
   with fp32 weights, the compute dtype when the strategy casts the weights), the compute dtype
   of matmuls, and which tensors autograd keeps (counted on CPU with saved_tensors_hooks in a test).
   Checkpointed layers keep only their input; backward recomputes one layer at a time. Tensor
-  parallel divides a layer's attention and MLP activations by tp and leaves the residual stream
-  whole; context parallel keeps seq_len / cp tokens per rank, and each layer the whole sequence's
-  gathered keys and values; sequence parallel keeps seq_len / sp tokens per rank, and each layer's
-  attention the whole sequence for heads / sp of the heads, under one block-causal mask of the whole
-  sequence that all the layers share. A pipeline stage keeps those of its own layers for each
+  parallel divides a layer's attention and MLP activations by tp; under sdpa or eager attention a
+  dense model's residual stream, norms, checkpointed inputs and final norm are 1/tp too (Megatron's
+  sequence parallel: attention and MLP keep their gathered whole-sequence input), under flex or flash
+  attention and for a mixture of experts they stay whole (transformers' plan); context parallel
+  keeps seq_len / cp tokens per rank, and each layer the whole sequence's gathered keys and values;
+  sequence parallel keeps seq_len / sp tokens per rank, and each layer's attention the whole
+  sequence for heads / sp of the heads, under one block-causal mask of the whole sequence that all
+  the layers share. A pipeline stage keeps those of its own layers for each
   micro-batch in flight (1F1B: min(p - stage, micro-batches)).
 - logits and loss buffers: the full path's (tokens x vocab) fp32 copies, or the chunked loss's
   one chunk plus its hidden and weight gradients.
@@ -473,9 +476,12 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
     the compute dtype, and k, v repeated to every query head. SwiGLU: gate, silu(gate), up and
     their product. LoRA: the rank-r activations (and the dropout's copy of the input).
 
-    Tensor parallel (no sequence parallel): each rank has 1/tp of the heads and of the MLP's width,
-    so attention and MLP terms fall by tp; the norms and the projections' inputs are the whole
-    residual stream on every rank. Context parallel's keys and values are layer_bytes's.
+    Tensor parallel: each rank has 1/tp of the heads and of the MLP's width, so attention and MLP
+    terms fall by tp; the projections' inputs are the whole sequence on every rank (under Megatron's
+    sequence parallel the all-gathered input, which autocast casts once per projection, or which the
+    projections share uncast). The norms' own tensors are per token of the residual stream: whole under
+    transformers' plan, 1/tp under sequence parallel, which layer_bytes applies
+    (norm_core_bytes_per_token). Context parallel's keys and values are layer_bytes's.
 
     Sequence parallel (per token of the rank's seq_len / sp): sdpa keeps q, k, v and its output for
     the whole sequence and heads / sp of the heads, which is q (and its output) per local token; k and
