@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 STRATEGIES = ["zero3", "fsdp"]
 
 
-@pytest.mark.parametrize("strategy", [*STRATEGIES, "zero3_sp"])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "zero3_sp", "fsdp_tp"])
 def test_pretrain_tiny_as_shipped(strategy, tmp_path, data_cache):
     out = tmp_path / "run"
     proc = run_recipe("pretrain", [f"output_dir={out}", "train.max_steps=6"], nproc=2, cache=data_cache,

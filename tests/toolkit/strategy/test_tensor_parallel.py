@@ -91,8 +91,15 @@ def probe(tmp_path, model_type: str, attention: str) -> dict:
 
 
 def assert_whole_models_numbers(result: dict) -> None:
-    for key in ("loss", "loss_after_step"):
+    """Loss, gradients, gradient norm and the loss after a step of the whole model.
+
+    torch's clipping norm (fp32, what the recipes log) rounds differently on the split halves of the
+    4096 x 128 embedding than on the whole: the two differ by ~3e-5 rel, while both models' exact
+    (float64) norms of their gathered gradients agree to 1e-6. Measured: torch's CPU vector_norm of a
+    4096 x 128 fp32 tensor is 1.1e-5 rel from its float64 norm."""
+    for key in ("loss", "loss_after_step", "exact_grad_norm"):
         assert result[key][1] == pytest.approx(result[key][0], rel=1e-6), key
+    assert result["grad_norm"][1] == pytest.approx(result["grad_norm"][0], rel=1e-4)
     assert result["worst_grad_rel"] < 1e-5
 
 
@@ -104,7 +111,7 @@ def test_a_split_model_with_sequence_parallel_trains_like_the_whole_one(tmp_path
     summed over the ranks) and next loss are the whole model's."""
     result = probe(tmp_path, model_type, "sdpa")
     assert result["sequence_parallel"] and result["kinds"] == ["DTensor"]
-    assert result["norm_input"] == [[2, 64, 64], [2, 32, 64]]
+    assert result["norm_input"] == [[2, 64, 128], [2, 32, 128]]
     assert result["tied"] == (model_type == "llama"), "the tied embedding and output head were left apart"
     assert_whole_models_numbers(result)
 
@@ -112,7 +119,7 @@ def test_a_split_model_with_sequence_parallel_trains_like_the_whole_one(tmp_path
 @pytest.mark.distributed
 def test_attention_that_builds_its_own_mask_keeps_the_plan_without_sequence_parallel(tmp_path):
     result = probe(tmp_path, "llama", "flex_attention")
-    assert not result["sequence_parallel"] and result["norm_input"] == [[2, 64, 64], [2, 64, 64]]
+    assert not result["sequence_parallel"] and result["norm_input"] == [[2, 64, 128], [2, 64, 128]]
     assert result["tied"]
     assert_whole_models_numbers(result)
 
