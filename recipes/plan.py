@@ -137,8 +137,7 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
         if m.chunk_tokens:
             needs["model.loss"] = "full"  # memory.Run says why
         found = tensor_parallel.problems(config, facts.tp)
-        if m.attn_implementation in tensor_parallel.SEQUENCE_ATTENTION and not expert_count(config) \
-                and cfg.data.seq_len % facts.tp:  # toolkit.strategy.distributed's check under the sequence layout
+        if cfg.data.seq_len % facts.tp:  # toolkit.strategy.distributed's Strategy.check_sequence_length
             found.append(f"data.seq_len={cfg.data.seq_len} is not divisible by parallelism_config_tp_size={facts.tp}: "
                          f"tensor parallel splits every sequence between layers (sequence parallel); use a multiple "
                          f"of {facts.tp}")

@@ -856,10 +856,15 @@ class Strategy:
         return batch if self.context is None else self.context.split(batch)
 
     def check_sequence_length(self, seq_len: int) -> None:
-        """Refuses, before any data is prepared, blocks that context or sequence parallel cannot split evenly."""
+        """Refuses, before any data is prepared, blocks that context, sequence or tensor parallel cannot split evenly."""
         problem = None if self.context is None else sequence_problem(self.cp, seq_len)
         if self.sequence is not None:
             problem = sequence_parallel_problem(self.sp, seq_len)
+        if self.tp > 1 and seq_len % self.tp:
+            # only a dense model's layout needs it, but the model is not built yet, and a rank that
+            # refused after building it could be far ahead of rank 0, still preparing the data
+            problem = (f"data.seq_len={seq_len} is not divisible by parallelism_config_tp_size={self.tp}: tensor "
+                       f"parallel splits every sequence between layers (sequence parallel); use a multiple of {self.tp}")
         if problem:
             raise UserError(problem)
 
@@ -888,10 +893,6 @@ class Strategy:
                     "tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs"
                 )
             _, whole = sequence_layout(model, attn_implementation)
-            if whole is None and seq_len % self.tp:
-                raise UserError(f"data.seq_len={seq_len} is not divisible by parallelism_config_tp_size={self.tp}: tensor "
-                                f"parallel splits every sequence between layers (sequence parallel); use a multiple of "
-                                f"{self.tp}")
             model = split(model, self.tp, self.world_size // self.tp, attn_implementation)
             self.ep = expert_ranks(model)
             self.print(f"tensor_parallel={self.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
