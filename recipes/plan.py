@@ -137,10 +137,8 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
         if m.chunk_tokens:
             needs["model.loss"] = "full"  # memory.Run says why
         found = tensor_parallel.problems(config, facts.tp)
-        if cfg.data.seq_len % facts.tp:  # toolkit.strategy.distributed's Strategy.check_sequence_length
-            found.append(f"data.seq_len={cfg.data.seq_len} is not divisible by parallelism_config_tp_size={facts.tp}: "
-                         f"tensor parallel splits every sequence between layers (sequence parallel); use a multiple "
-                         f"of {facts.tp}")
+        if problem := tensor_parallel.sequence_problem(facts.tp, cfg.data.seq_len):  # as the launch refuses it
+            found.append(problem)
         if expert_count(config):
             found.append("the memory planner does not model expert parallel's activations yet (the tokens' "
                          "all_to_all to the ranks of their experts); the other configs are estimated")

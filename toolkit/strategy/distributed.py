@@ -54,6 +54,8 @@ from toolkit.strategy.pipeline_parallel import Pipeline
 from toolkit.strategy.sequence_parallel import SequenceParallel
 from toolkit.strategy.sequence_parallel import problems as sequence_parallel_problems
 from toolkit.strategy.sequence_parallel import sequence_problem as sequence_parallel_problem
+from toolkit.strategy.tensor_parallel import expert_ranks, split
+from toolkit.strategy.tensor_parallel import sequence_problem as tensor_parallel_sequence_problem
 
 T = TypeVar("T")
 
@@ -860,11 +862,7 @@ class Strategy:
         problem = None if self.context is None else sequence_problem(self.cp, seq_len)
         if self.sequence is not None:
             problem = sequence_parallel_problem(self.sp, seq_len)
-        if self.tp > 1 and seq_len % self.tp:
-            # only a dense model's layout needs it, but the model is not built yet, and a rank that
-            # refused after building it could be far ahead of rank 0, still preparing the data
-            problem = (f"data.seq_len={seq_len} is not divisible by parallelism_config_tp_size={self.tp}: tensor "
-                       f"parallel splits every sequence between layers (sequence parallel); use a multiple of {self.tp}")
+        problem = tensor_parallel_sequence_problem(self.tp, seq_len) or problem
         if problem:
             raise UserError(problem)
 
@@ -886,15 +884,13 @@ class Strategy:
                 raise UserError(found[0])
             self.sequence.apply(model)
         if self.tp > 1:
-            from toolkit.strategy.tensor_parallel import expert_ranks, sequence_layout, split
-
             if hasattr(model, "peft_config"):
                 raise UserError(
                     "tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs"
                 )
-            _, whole = sequence_layout(model, attn_implementation)
             model = split(model, self.tp, self.world_size // self.tp, attn_implementation)
             self.ep = expert_ranks(model)
+            whole = model.tp_whole_between_layers
             self.print(f"tensor_parallel={self.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
                        "between layers" if whole is None else f"hidden states whole between layers ({whole})"))
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder

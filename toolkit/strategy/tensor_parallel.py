@@ -86,6 +86,16 @@ def problems(config: PretrainedConfig, tp: int) -> list[str]:
     return found
 
 
+def sequence_problem(tp: int, seq_len: int) -> str | None:
+    """Why blocks of `seq_len` tokens cannot be split evenly over tp ranks between the layers (None when
+    they can). Asked of every model before it is built: only a dense model's layout splits them, but a
+    rank refusing after building the model could be far ahead of rank 0, still preparing the data."""
+    if tp <= 1 or seq_len % tp == 0:
+        return None
+    return (f"data.seq_len={seq_len} is not divisible by parallelism_config_tp_size={tp}: tensor parallel splits every "
+            f"sequence between layers (sequence parallel); use a multiple of {tp}")
+
+
 def expert_parallel(config: PretrainedConfig, tp: int) -> int:
     """Ranks a model's experts are split over when its layers are split over `tp` ranks: the same tp
     ranks for a mixture of experts (they share one batch, and each sends its 1/tp share of the tokens),
@@ -124,6 +134,10 @@ def sequence_layout(model: torch.nn.Module, attn_implementation: str) -> tuple[d
     if body is None or head is None or not isinstance(getattr(body, "layers", None), torch.nn.ModuleList) \
             or not isinstance(getattr(body, "norm", None), torch.nn.Module):
         return {}, f"{type(model).__name__} has no {base}.layers / {base}.norm / output head"
+    embedding = model.get_input_embeddings()
+    if not isinstance(embedding, torch.nn.Embedding) or embedding is not getattr(body, "embed_tokens", None) \
+            or head is not getattr(model, "lm_head", None):
+        return {}, f"{type(model).__name__}'s embedding or head is not {base}.embed_tokens / lm_head"
     styles = {}
     for key, style in model.config.base_model_tp_plan.items():
         if style == _PARTIAL_GRADIENT:
@@ -133,7 +147,6 @@ def sequence_layout(model: torch.nn.Module, attn_implementation: str) -> tuple[d
         # a row-split matrix ends attention or the MLP: its output goes back to the rank's part of the sequence
         styles[key] = ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=Shard(1))
     splits = {key.rsplit(".", 1)[0] for key in styles}  # layers.*.self_attn, layers.*.mlp
-    gathered = Shard(1), Replicate()
     layout = {
         f"{base}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         f"{base}.norm": SequenceParallel(),
@@ -142,23 +155,18 @@ def sequence_layout(model: torch.nn.Module, attn_implementation: str) -> tuple[d
     for i, layer in enumerate(body.layers):
         for name, child in layer.named_children():
             key = f"layers.*.{name}"
-            if key in splits:
-                # attention is called with hidden_states=..., the MLP with it as its one argument
+            if key in splits and "attn" in name:  # called with hidden_states=...
                 layout[f"{base}.layers.{i}.{name}"] = PrepareModuleInput(
-                    input_layouts=None if "attn" in name else (gathered[0],),
-                    desired_input_layouts=None if "attn" in name else (gathered[1],),
-                    input_kwarg_layouts={"hidden_states": gathered[0]} if "attn" in name else None,
-                    desired_input_kwarg_layouts={"hidden_states": gathered[1]} if "attn" in name else None,
-                )
+                    input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
+            elif key in splits:  # the MLP: hidden states its one argument
+                layout[f"{base}.layers.{i}.{name}"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             elif "norm" in type(child).__name__.lower():
                 layout[f"{base}.layers.{i}.{name}"] = SequenceParallel()
             elif any(True for _ in child.parameters()):
                 return {}, f"its decoder layer has {name} ({type(child).__name__}), neither a norm nor split by the plan"
         for key, style in styles.items():
             layout[f"{base}.layers.{i}.{key.removeprefix('layers.*.')}"] = style
-    if not isinstance(model.get_input_embeddings(), torch.nn.Embedding) or \
-            model.get_input_embeddings() is not getattr(body, "embed_tokens", None) or head is not getattr(model, "lm_head", None):
-        return {}, f"{type(model).__name__}'s embedding or head is not {base}.embed_tokens / lm_head"
     return layout, None
 
 
@@ -168,14 +176,14 @@ def split(model: torch.nn.Module, tp: int, dp: int = 1, attn_implementation: str
     same ranks) and, across the `dp` groups of tp ranks, sharded by FSDP2 (the 2-D mesh dp x tp, rank =
     dp index x tp + tp index); refused in one line if it cannot be split. A dense model under
     `attn_implementation` sdpa or eager gets Megatron's sequence parallelism besides
-    (`sequence_layout`; `model.tp_sequence_parallel` says which). With dp = 1 the model is still an
+    (`sequence_layout`; `model.tp_whole_between_layers` is None then, else why not). With dp = 1 the model is still an
     FSDP2 module over a mesh of one, so that the strategy sees it already sharded and wraps it no further."""
     found = problems(model.config, tp)
     if found:
         raise UserError(found[0])
     if tp == 1:
         return model
-    layout, _ = sequence_layout(model, attn_implementation)
+    layout, whole = sequence_layout(model, attn_implementation)
     partial = [pattern for pattern, style in model.tp_plan.items() if style == _PARTIAL_GRADIENT]
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
@@ -184,12 +192,15 @@ def split(model: torch.nn.Module, tp: int, dp: int = 1, attn_implementation: str
         # tied weight once, under the embedding's name (KeyError), and torch's styles would cut the one
         # weight twice: untied for the split, and tied again after it (both halves are cut by vocabulary)
         output.weight = torch.nn.Parameter(output.weight.detach().clone())
-    model = (_split_sequence if layout else _split_by_plan)(model, tp, dp, layout, partial, tied)
-    model.tp_sequence_parallel = bool(layout)
+    if layout:
+        model = _split_sequence(model, tp, dp, layout, partial, tied)
+    else:
+        model = _split_by_plan(model, tp, dp, partial, tied)
+    model.tp_whole_between_layers = whole
     return model
 
 
-def _split_by_plan(model, tp: int, dp: int, _layout, partial: list[str], tied: bool) -> torch.nn.Module:
+def _split_by_plan(model, tp: int, dp: int, partial: list[str], tied: bool) -> torch.nn.Module:
     """transformers' own split: its plan, its expert parallelism, its FSDP2 over dp."""
     from torch.distributed.fsdp import fully_shard
     from transformers.distributed import DistributedConfig

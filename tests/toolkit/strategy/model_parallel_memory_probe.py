@@ -159,7 +159,7 @@ def tensor_parallel_sequence(ids: torch.Tensor, model_type: str, precision: str,
 
     loss, kept = kept_by_layers(model, forward, (1, "model.norm", "lm_head"))
     loss.backward()
-    return {"sequence_parallel": model.tp_sequence_parallel, "saved": sum(kept[1].values()),
+    return {"sequence_parallel": model.tp_whole_between_layers is None, "saved": sum(kept[1].values()),
             "final_norm": sum(kept["model.norm"].values()), "head": sum(kept["lm_head"].values())}
 
 
