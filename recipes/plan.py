@@ -20,7 +20,9 @@ sequence parallel, the full loss for tensor parallel) is estimated, said under t
 the launch line. Tensor parallel under sdpa or eager attention also shards the sequence between the
 layers (Megatron's sequence parallel: the residual stream and norms 1/tp per rank); under flex or flash
 attention it keeps transformers' plan, the activations whole between the layers; the line under the
-table says which.
+table says which. A mixture of experts keeps transformers' plan and spreads its experts over the tp
+ranks (expert parallel); its rows assume balanced routing (a rank whose experts get more tokens holds
+more), which the line under the table says.
 
 Pipeline parallel (ddp.yaml with train.pipeline_stages=p, for p = 2 and 4 where p divides --gpus:
 p stages x GPUs / p replicas) is listed as "pp<p> stage <s>": the row is the rank of its largest stage
@@ -139,19 +141,20 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
         found = tensor_parallel.problems(config, facts.tp)
         if problem := tensor_parallel.sequence_problem(facts.tp, cfg.data.seq_len):  # as the launch refuses it
             found.append(problem)
-        if expert_count(config):
-            found.append("the memory planner does not model expert parallel's activations yet (the tokens' "
-                         "all_to_all to the ranks of their experts); the other configs are estimated")
         if hasattr(model, "peft_config"):
             found.append("tensor parallel trains a whole model, not a LoRA adapter")
     return needs, (found[0] if found else None)
 
 
-def tp_layout(facts: StrategyFacts, attention: str) -> str:
-    """How tensor parallel lays a dense model's activations out under `attention` (the launch's
-    toolkit.strategy.tensor_parallel.sequence_layout; a mixture of experts is not listed)."""
+def tp_layout(facts: StrategyFacts, attention: str, experts: int) -> str:
+    """How tensor parallel lays the activations out under `attention` (the launch's
+    toolkit.strategy.tensor_parallel.sequence_layout), and a mixture of `experts` its experts."""
     if facts.tp == 1:
         return ""
+    if experts:
+        return (f", experts spread over the tp ranks (ep {facts.tp}: {experts // facts.tp} of {experts} on each), "
+                "activations whole between the layers (a mixture of experts: transformers' plan); estimated with "
+                "balanced routing: a rank whose experts get more of the tokens holds more")
     if attention in tensor_parallel.SEQUENCE_ATTENTION:
         return ", sequence parallel between the layers"
     return f", activations whole between the layers ({attention}: transformers' plan)"
@@ -185,7 +188,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     """(the rows, the fastest that fits, the recipe, lines on the model-parallel configs)."""
     recipe, cfg = load_recipe_config(args.config, args.overrides)
     model, dtype, quantized = meta_model(recipe, cfg)
-    hidden = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.hidden_size
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    hidden, experts = config.hidden_size, expert_count(config)
     t, m = cfg.train, cfg.model
     precision = {"auto": "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
     budget = args.gpu_memory * (1 - args.headroom)
@@ -204,7 +208,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
         required = " ".join(f"{k}={v}" for k, v in needs.items())
         attention = needs.get("model.attn_implementation", m.attn_implementation)
         if group > 1:
-            notes.append(f"{facts.name}: {axis_name(facts)} {group} x dp_shard {data_ranks}" + tp_layout(facts, attention)
+            notes.append(f"{facts.name}: {axis_name(facts)} {group} x dp_shard {data_ranks}" + tp_layout(facts, attention, experts)
                          + (f", as launched with {required}" if needs else ""))
         if facts.stages > 1:
             notes.append(f"pp{facts.stages}: ddp.yaml + train.pipeline_stages={facts.stages} ({facts.stages} stages x "

@@ -276,11 +276,12 @@ def test_what_a_pipeline_refuses_is_named_under_the_table():
     assert "pipeline, train.pipeline_stages=2: not listed: train.mixed_precision=fp16 does not run in a pipeline" in fp16.stderr
 
 
-def test_a_mixture_of_experts_is_planned_without_expert_parallel():
+def test_a_mixture_of_experts_is_planned_with_expert_parallel():
     """Qwen3-MoE (pretrain_tiny's sizes, 4 experts): parameters with every expert's, each routed copy of a
     token's expert activations (top-k 2 -> 4: two more per token and layer, in the weights' dtype: fp32
     under DDP's autocast, bf16 under FSDP2 and ZeRO), the strategies that refuse a mixture of experts
-    named, and fsdp_tp (expert parallel) named as not modelled."""
+    named, and fsdp_tp listed with its experts spread over the 2 tp ranks: each rank keeps half of the
+    routed copies (balanced routing, said under the table)."""
     moe = ["model.model_type=qwen3_moe", "model.config.num_experts=4", "model.config.moe_intermediate_size=64"]
     rows = {}
     for k in (2, 4):
@@ -288,8 +289,9 @@ def test_a_mixture_of_experts_is_planned_without_expert_parallel():
                     *moe, f"model.config.num_experts_per_tok={k}")
         assert proc.returncode == 0, proc.stderr
         rows[k] = {(r["strategy"], r["gradient_checkpointing"]): r for r in json.loads(proc.stdout)}
-    assert "fsdp_tp: not listed: the memory planner does not model expert parallel's activations yet" in proc.stderr
-    assert {s for s, _ in rows[2]} == {"ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload"}
+    assert "fsdp_tp: tp 2 x dp_shard 1, experts spread over the tp ranks (ep 2: 2 of 4 on each), activations whole " \
+           "between the layers (a mixture of experts: transformers' plan); estimated with balanced routing" in proc.stderr
+    assert {s for s, _ in rows[2]} == {"ddp", "fsdp", "fsdp_tp", "zero1", "zero2", "zero3", "zero3_offload"}
     cfg = load_config(PretrainConfig, ROOT / "recipes/configs/pretrain_tiny.yaml", [*moe, "model.config.num_experts_per_tok=2"])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(cfg.model, 4096, 0, None))
@@ -301,3 +303,10 @@ def test_a_mixture_of_experts_is_planned_without_expert_parallel():
         more = 2 * (weights * (2 * h + 4 * i) + 24 + 2 + 8) * tokens_layers
         grown = rows[4][strategy, "none"]["activations_bytes"] - rows[2][strategy, "none"]["activations_bytes"]
         assert grown == more, strategy
+    # fsdp_tp (autocast over fp32 weights): the router's top-k indices for every token; each rank sends the
+    # copies of its half of the tokens (2 int64 indices, the fp32 expert output coming back, its bf16 routing
+    # weight) and its experts receive half of all the copies (fp32 gathered input, gate_up, silu, product, a
+    # unit weight; 2 int64 indices and a 1-byte mask): two more copies per token are one more on each rank
+    sent, received = 8 + 8 + 4 * h + 2, 4 * (h + 4 * i) + 4 + 8 + 8 + 1
+    grown = rows[4]["fsdp_tp", "none"]["activations_bytes"] - rows[2]["fsdp_tp", "none"]["activations_bytes"]
+    assert grown == (2 * 8 + sent + received) * tokens_layers

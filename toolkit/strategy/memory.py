@@ -24,7 +24,8 @@ docs/memory.md gives every formula. In short, a rank holds:
   parallel divides a layer's attention and MLP activations by tp; under sdpa or eager attention a
   dense model's residual stream, norms, checkpointed inputs and final norm are 1/tp too (Megatron's
   sequence parallel: attention and MLP keep their gathered whole-sequence input), under flex or flash
-  attention and for a mixture of experts they stay whole (transformers' plan); context parallel
+  attention and for a mixture of experts they stay whole (transformers' plan; its experts get 1/tp of
+  the routed copies, balanced routing assumed); context parallel
   keeps seq_len / cp tokens per rank, and each layer the whole sequence's gathered keys and values;
   sequence parallel keeps seq_len / sp tokens per rank, and each layer's attention the whole
   sequence for heads / sp of the heads, under one block-causal mask of the whole sequence that all
@@ -46,8 +47,9 @@ its largest stage's (`Estimate.stage` says which).
 Modelled decoders: LLaMA-style (llama, mistral, qwen2, qwen3: RMSNorm, rotary attention with
 grouped KV heads, Qwen3's per-head q/k norms, SwiGLU MLP) and Qwen3-MoE and Mixtral (the same attention, in every
 layer a router and top-k experts run by transformers' grouped_mm, and the router loss the toolkit
-adds); expert parallel (fsdp_tp.yaml with a mixture of experts) is not modelled yet. Compilation is not modelled: the eager estimate is an upper bound
-of a compiled layer's saved activations.
+adds), under fsdp_tp.yaml their experts spread over the tp ranks (expert parallel, ep = tp) with the
+routing assumed balanced (moe_bytes_per_token). Compilation is not modelled: the eager estimate is an
+upper bound of a compiled layer's saved activations.
 """
 
 from __future__ import annotations
@@ -538,13 +540,31 @@ def moe_bytes_per_token(shapes: Shapes, run: Run) -> float:
     output (i), the product (i) and down's output (h), in the dtype the experts run in, which is the
     weights' (grouped_mm is not autocast: fp32 under autocast over fp32 weights), the routing weight
     in the router's dtype (fp32 for Mixtral), and three int64 index vectors (sort permutation, sorted ids,
-    token ids). Qwen3-MoE's and Mixtral's blocks (the same grouped_mm experts) measured alike."""
+    token ids). Qwen3-MoE's and Mixtral's blocks (the same grouped_mm experts) measured alike.
+
+    Expert parallel (fsdp_tp.yaml: ep = tp, transformers' AllToAllEP; measured on 2 gloo processes,
+    model_parallel_memory_probe.py): the router runs on every token of the batch the tp ranks share and
+    keeps the same as above for all of them. Each rank then sends the k routed copies of its 1/tp of the
+    tokens to the ranks of their experts and keeps, per copy sent: the gather's int64 index (8), the
+    int64 order the results come back in (8), the returned expert output (x·h) and its routing weight.
+    Its experts run on the copies they receive, top-1 with unit weights, and keep per copy received:
+    the gathered input (x·h), gate_up's output (2i), silu's (i), the product (i), the unit weight (x),
+    the sentinel mask of the rows routed off the rank (1 byte) and two int64 indices (gather, inverse
+    order); down's output is not kept (the unit weights need no gradient). A rank receives the copies
+    routed to its num_experts / ep experts: k / ep per token with balanced routing, which the estimate
+    assumes; imbalance makes a rank receive, and hold, more (up to min(k, experts / ep) per token when
+    every token picks its experts)."""
     h, i, k = shapes.hidden, shapes.intermediate, shapes.top_k
     rb, cb, casts = dtypes(run)
     xb = rb  # the experts' dtype: the weights' (the residual stream's under autocast, cb when cast)
+    weight = 4 if shapes.fp32_routing else cb  # a routing weight
     router = 4 * shapes.experts + 8 * k + ((4 * k + 4) if shapes.norm_topk else 0) + (cb * h if casts else 0)
-    routed = xb * (2 * h + 4 * i) + 24 + (4 if shapes.fp32_routing else cb)
-    return router + k * routed
+    ep = run.strategy.tp  # expert parallel spreads the experts over the tp ranks
+    if ep == 1:
+        return router + k * (xb * (2 * h + 4 * i) + 24 + weight)
+    sent = 8 + 8 + xb * h + weight
+    received = xb * (h + 4 * i) + xb + 1 + 8 + 8
+    return router + k * (sent + received) / ep
 
 
 def gathered_kv_bytes(shapes: Shapes, run: Run) -> int:
@@ -568,10 +588,10 @@ def layer_bytes(shapes: Shapes, run: Run) -> int:
     own_kv = 2 * cb * shapes.kv_heads * shapes.head_dim * tokens if run.strategy.cp > 1 else 0
     masked = run.strategy.cp > 1 or (run.packed_documents and run.attention == "sdpa" and not run.own_attention)
     mask = cb * run.micro_batch * run.local_seq * run.seq_len if masked else 0
-    offsets = 4 * shapes.experts  # grouped_mm's int32 offsets, one per expert
+    offsets = 4 * shapes.experts // run.strategy.tp  # grouped_mm's int32 offsets, one per expert of the rank
     # tensor parallel's sequence parallel: the two norms keep their own tensors for the rank's part only
     norms_apart = 2 * norm_core_bytes_per_token(shapes, run) * (tokens - stream_tokens(shapes, run))
-    return (int(layer_bytes_per_token(shapes, run) * tokens) - norms_apart - own_kv + gathered_kv_bytes(shapes, run)
+    return (round(layer_bytes_per_token(shapes, run) * tokens) - norms_apart - own_kv + gathered_kv_bytes(shapes, run)
             + mask + offsets)
 
 
@@ -641,16 +661,18 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     shared += router_loss_bytes(shapes, run, len(layers))
     if run.strategy.sp == 1 and (run.strategy.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager"))):
         shared += run.micro_batch * run.local_seq * run.seq_len
-    # autocast's weight copies, saved by the matmuls (under tensor parallel each rank's slice; the
-    # norms' weights, whole on every rank, are ~1e-4 of a layer)
-    layer_params = (shapes.layer_params - shapes.expert_params) // run.strategy.tp  # grouped_mm's experts are not cast
+    # autocast's weight copies, saved by the matmuls (under tensor parallel each rank's slice, a router
+    # whole; the norms' weights, whole on every rank, are ~1e-4 of a layer). grouped_mm's experts are not cast
+    router = shapes.experts * shapes.hidden
+    layer_params = (shapes.layer_params - shapes.expert_params - router) // run.strategy.tp + router
     casts_kept = cb * layer_params * kept if casts else 0
     recompute = per_layer + (cb * layer_params if casts else 0) if ckpt else 0
     # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through
     # it; under context parallel also the gathered keys' and values' gradients, until reduce-scattered
     inner = 2 * cb * shapes.intermediate // run.strategy.tp
     if shapes.experts:  # not measured: per routed copy the gradients of gate_up's output, the product and the input
-        inner = dtypes(run)[0] * shapes.top_k * (3 * shapes.intermediate + shapes.hidden)
+        # (expert parallel: of the copies the rank's experts receive, k / tp per token when balanced)
+        inner = dtypes(run)[0] * shapes.top_k * (3 * shapes.intermediate + shapes.hidden) / run.strategy.tp
     if run.strategy.sp > 1:
         # or, in the attention's backward, sdpa's gradients of q, k, v (whole sequence, heads / sp) beside
         # the all-to-all's outputs (this rank's tokens, every head), whichever the larger

@@ -14,11 +14,15 @@ and sequence parallel, for the memory model to be compared with. Rank 0 writes t
   toolkit.strategy.sequence_parallel (DeepSpeed Ulysses, sp 2): the bytes layer 1 keeps for this rank's
   half of every sequence, its attention over the whole sequence with half of the heads; the bytes
   layers 0 and 1 keep together, and those of the storages both keep (the whole sequence's mask);
-- "ep": a Qwen3-MoE of the same sizes (MOE_CONFIG, 4 experts) split as "tp" is, its experts spread
+- "ep": a Qwen3-MoE of the same sizes (MOE_CONFIG, 4 experts, top-2) split as "tp" is, its experts spread
   whole over the 2 ranks (expert parallel, ep = tp): this rank's bytes of parameters, of gradients
-  after one backward and of AdamW's state after one step.
+  after one backward and of AdamW's state after one step, and what layer 1 keeps under bf16 autocast
+  (and "ep_fp32" in fp32, "ep_mixtral" a Mixtral of the same sizes under autocast: fp32 routing
+  weights), every router forced to balanced routing (`balance_routing`) so that each rank's experts
+  receive the same rows in every run.
 
-Saved weights and autocast's copies of them (their shapes), and rotary cos/sin (shared by all layers,
+Saved weights and autocast's copies of them (their shapes, and the experts' 3-D weights transposed as
+grouped_mm takes them), and rotary cos/sin (shared by all layers,
 counted apart by the model), are left out, as in test_memory.saved_by_one_layer; the block-causal mask
 in the compute dtype that sdpa keeps is counted, in each layer that keeps it.
 """
@@ -33,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from torch.overrides import TorchFunctionMode
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
@@ -48,6 +53,7 @@ CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden
 TP_SEQUENCE_CASES = [("llama", "bf16", False), ("llama", "bf16", True), ("llama", "fp32", False), ("llama", "fp32", True),
                      ("qwen3", "bf16", True)]
 MOE_CONFIG = dict(CONFIG, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32)
+MIXTRAL_CONFIG = dict(CONFIG, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=32)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -71,13 +77,46 @@ def nbytes(tensors) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
+class _AddToLinear(TorchFunctionMode):
+    """Adds `bias` to what F.linear returns (a router's forward calls it once: its logits)."""
+
+    def __init__(self, bias: torch.Tensor):
+        super().__init__()
+        self.bias = bias
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out + self.bias.to(out.dtype) if func is torch.nn.functional.linear else out
+
+
+def balance_routing(model: torch.nn.Module) -> None:
+    """Every router of `model` sends token t (of the flattened batch) to experts t, t + 1, ..., t + k - 1
+    (mod E): its logits get +30 there, so its own softmax, top-k and weights run as in training and keep
+    what they keep. Each expert then gets T·k/E of the routed copies, and each slice of tokens a rank
+    dispatches sends every expert the same number: which rows a rank's experts receive no longer
+    depends on the random weights."""
+    for layer in model.model.layers:
+        router = layer.mlp.gate
+
+        def forward(hidden_states, router=router, own=router.forward):
+            tokens = torch.arange(hidden_states.reshape(-1, router.hidden_dim).shape[0])
+            chosen = (tokens[:, None] + torch.arange(router.top_k)) % router.num_experts
+            bias = torch.zeros(len(tokens), router.num_experts).scatter_(1, chosen, 30.0)
+            with _AddToLinear(bias):
+                logits, weights, indices = own(hidden_states)
+            assert torch.equal(indices.sort(-1).values, chosen.sort(-1).values), "the routing was not forced"
+            return logits, weights, indices
+
+        router.forward = forward
+
+
 def kept_by_layers(model: torch.nn.Module, run_forward, indices=(1,)) -> tuple[torch.Tensor, dict]:
     """(what `run_forward()` returns, for each decoder layer in `indices` (or module, by its name: "lm_head")
     the storages autograd keeps inside it meanwhile: {data pointer: bytes}), their weights (by their local
     shapes) and the rotary cos/sin (by their storage) left out. A storage two layers keep appears under both."""
     layers = {i: model.model.layers[i] if isinstance(i, int) else model.get_submodule(i) for i in indices}
     weights = {tuple(local(p).shape) for layer in layers.values() for p in layer.parameters()}
-    weights |= {shape[::-1] for shape in weights}
+    weights |= {shape[::-1] for shape in weights} | {shape[:-2] + shape[:-3:-1] for shape in weights if len(shape) == 3}
     rotary: set[int] = set()
     kept: dict[int, dict[int, tuple[int, tuple]]] = {i: {} for i in indices}
     forwards = {i: layer.forward for i, layer in layers.items()}
@@ -116,16 +155,18 @@ def saved_by_layer(model: torch.nn.Module, run_forward) -> tuple[torch.Tensor, i
     return out, sum(kept[1].values())
 
 
-def tensor_parallel(ids: torch.Tensor, config=None) -> dict:
+def tensor_parallel(ids: torch.Tensor, config=None, precision: str = "bf16") -> dict:
     torch.manual_seed(0)  # split slices each rank's own copy: the same seed everywhere
     config = config or LlamaConfig(**CONFIG)
     model = split(AutoModelForCausalLM.from_config(config, dtype=torch.float32), dist.get_world_size())
+    if getattr(config, "num_experts_per_tok", 0):
+        balance_routing(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                    {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
 
     def forward():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
             return model(input_ids=ids, labels=ids).loss
 
     loss, saved = saved_by_layer(model, forward)
@@ -196,6 +237,8 @@ def main(out: str) -> None:
     result = {"world": dist.get_world_size(), "batch": BATCH, "seq": SEQ, "tp": tensor_parallel(ids),
               "cp": context_parallel(ids), "sp": sequence_parallel(ids, CONFIG["num_key_value_heads"]),
               "sp_kv1": sequence_parallel(ids, 1), "ep": tensor_parallel(ids, Qwen3MoeConfig(**MOE_CONFIG)),
+              "ep_fp32": tensor_parallel(ids, Qwen3MoeConfig(**MOE_CONFIG), "fp32"),
+              "ep_mixtral": tensor_parallel(ids, MixtralConfig(**MIXTRAL_CONFIG)),
               "tp_sp": {f"{model_type} {precision} {'packed' if packed else 'unpacked'}":
                         tensor_parallel_sequence(ids, model_type, precision, packed)
                         for model_type, precision, packed in TP_SEQUENCE_CASES}}

@@ -6,8 +6,9 @@
 - Activations: what one decoder layer saves for backward, counted by autograd's
   saved_tensors_hooks on CPU, equal to the per-token formula (fp32, autocast over fp32 weights,
   weights cast to bf16; two shapes, grouped KV heads), with sdpa's copy of a document mask.
-- Tensor, context and sequence parallel on 2 CPU processes (model_parallel_memory_probe.py): a rank's
-  model state split by transformers' plan, and what one layer keeps, equal to the estimate; under
+- Tensor, context, sequence and expert parallel on 2 CPU processes (model_parallel_memory_probe.py): a
+  rank's model state split by transformers' plan, and what one layer keeps (a mixture of experts' with
+  its routing forced balanced), equal to the estimate; under
   sequence parallel (zero3_sp.yaml, launched as shipped by the sharding probe) ZeRO-3's state.
 - Pipeline parallel on 2 CPU processes (pipeline_memory_probe.py): each stage's parameters, gradients,
   AdamW state and torch's receive buffers, equal to the estimate for that stage.
@@ -262,7 +263,10 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     tokens outside attention, and inside it q, k, v and sdpa's output for the whole sequence and half
     of the heads and o_proj's own input; with one key/value head (replicated to both ranks) as much as
     with two. The whole sequence's bf16 mask is one tensor that layers 0 and 1 both keep, counted once.
-    ep 2 (a Qwen3-MoE under fsdp_tp.yaml): each rank holds half of the experts whole."""
+    ep 2 (a Qwen3-MoE under fsdp_tp.yaml): each rank holds half of the experts whole; with the routing
+    forced balanced, a layer keeps the router's tensors for every token and, per routed copy, what the
+    rank sends (its half of the tokens) and what its experts receive (half of all the copies), under
+    autocast and in fp32, and for Mixtral (fp32 routing weights)."""
     out = tmp_path / "ranks.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(launching.free_port()), str(Path(__file__).with_name("model_parallel_memory_probe.py")), str(out)]
@@ -317,20 +321,26 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
 
     # a Qwen3-MoE split over the same 2 ranks (the probe's MOE_CONFIG): its experts spread whole (2 of 4 on
     # each), the router whole
-    from transformers import Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen3MoeConfig
 
-    sizes = {**probe_model().config.to_dict(), "model_type": "qwen3_moe"}
     with torch.device("meta"):
-        moe = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**{
-            **{k: sizes[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings")},
-            "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 32, "use_cache": False}))
+        moe = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**PROBE_SIZES, moe_intermediate_size=64, num_experts=4,
+                                                              num_experts_per_tok=2))
+        mixtral = AutoModelForCausalLM.from_config(MixtralConfig(**{**PROBE_SIZES, "intermediate_size": 64},
+                                                                 num_local_experts=4, num_experts_per_tok=2))
     moe_held = state_bytes(model_tensors(moe), tp)
     for key in ("params", "grads", "optimizer"):
         assert [rank["ep"][key] for rank in ranks] == [moe_held[key]] * world, key
     experts = sum(p.numel() for name, p in moe.named_parameters() if ".experts." in name)
     whole = state_bytes(model_tensors(moe), Run(StrategyFacts("ddp", "ddp"), 1, batch, seq, precision="fp32"))
     assert whole["params"] - moe_held["params"] > 4 * experts / 2, "half of the experts, and half of the attention"
+    # what its layer 1 keeps, the routing forced balanced: the router's tensors for every token, the copies of
+    # the rank's half of the tokens it sends, and the half of all the copies its experts receive
+    for case, case_model, precision in (("ep", moe, "bf16"), ("ep_fp32", moe, "fp32"), ("ep_mixtral", mixtral, "bf16")):
+        run = Run(tp.strategy, world, batch, seq, precision=precision, packed_documents=False)
+        assert [rank[case]["saved"] for rank in ranks] == [layer_bytes(Shapes.of(case_model), run)] * world, case
+    one = Run(StrategyFacts("ddp", "ddp"), 1, batch, seq, precision="bf16", packed_documents=False)
+    assert ranks[0]["ep"]["saved"] < layer_bytes(Shapes.of(moe), one), "half of the heads and of the routed copies"
 
 
 @pytest.mark.distributed
