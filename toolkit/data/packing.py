@@ -23,18 +23,27 @@ token attends to and no loss is computed on (`num_tokens` says where real tokens
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from toolkit.config import UserError
 
 IGNORE_INDEX = -100
-PACKING_VERSION = "1"
+PACKING_VERSION = "2"  # 2: one memory-mapped arrow file of blocks (was datasets' save_to_disk)
+MANIFEST = "blocks.json"  # the block files, in order; written last, so its presence means complete
+# Tokens packed at a time. Packing holds about 50 B per token of a chunk (ids, positions and
+# their int64 indices), so ~50 MB whatever the corpus size.
+CHUNK_TOKENS = 1 << 20
 # Attention implementations that can keep packed documents apart, and how they are told.
 MASKED_ATTENTION = {"sdpa"}  # a 4-D boolean mask
 POSITION_ATTENTION = {"flex_attention"}  # position ids, one row per block
@@ -53,7 +62,9 @@ def check_attention(attn_implementation: str) -> None:
 def tokenize_documents(
     docs: datasets.Dataset, tokenizer, num_proc: int = 1, cache_file: str | None = None
 ) -> datasets.Dataset:
-    """`text` -> `input_ids` (each document followed by EOS), batched and multi-process."""
+    """`text` -> `input_ids` (each document followed by EOS, int32), batched and multi-process.
+
+    With `cache_file` the ids are written there (one file per process) rather than kept in memory."""
     eos = tokenizer.eos_token_id
     backend = getattr(tokenizer, "backend_tokenizer", None)
 
@@ -73,61 +84,243 @@ def tokenize_documents(
         batch_size=256,
         num_proc=num_proc,
         remove_columns=docs.column_names,
+        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),  # half of int64 on disk
         cache_file_name=cache_file,
         desc="tokenizing",
     )
 
 
-def pack_documents(tokenized: datasets.Dataset, seq_len: int, pad_id: int) -> datasets.Dataset:
-    """Lay token lists end to end and cut into blocks of `seq_len` (vectorized, no Python loop)."""
-    # `[:]` through the arrow format honours an indices mapping (select/shuffle); `.data` would not
-    column = tokenized.with_format("arrow")[:].column("input_ids").combine_chunks()
-    flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
-    offsets = column.offsets.to_numpy()
-    lengths = np.diff(offsets)
-    total = int(flat.size)
-    if total == 0:
+def pack_documents(
+    tokenized: datasets.Dataset, seq_len: int, pad_id: int, path: Path | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> datasets.Dataset:
+    """Lay token lists end to end and cut into blocks of `seq_len`, a chunk of documents at a time.
+
+    With `path` the blocks are streamed into that arrow file and come back memory-mapped, so
+    memory follows `chunk_tokens` (and the longest document), never the corpus; without it they
+    are returned in memory."""
+    if path is None:
+        batches = list(packed_batches(tokenized, seq_len, pad_id, chunk_tokens))
+        return datasets.Dataset(pa.Table.from_batches(batches, schema=block_schema(seq_len)))
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, block_schema(seq_len)) as writer:
+        for batch in packed_batches(tokenized, seq_len, pad_id, chunk_tokens):
+            writer.write_batch(batch)
+    return datasets.Dataset.from_file(str(path))  # memory-mapped: a rank reads the blocks it asks for
+
+
+def block_schema(seq_len: int) -> pa.Schema:
+    tokens = pa.list_(pa.int32(), seq_len)
+    return pa.schema([("input_ids", tokens), ("position_ids", tokens), ("num_tokens", pa.int32())])
+
+
+def packed_batches(
+    tokenized: datasets.Dataset, seq_len: int, pad_id: int, chunk_tokens: int = CHUNK_TOKENS,
+    start: int = 0, following: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """The packed blocks of `tokenized`, as arrow record batches of whole blocks, chunk by chunk.
+
+    The cut is the one of laying the whole corpus out at once: a token at stream index g has
+    position g - max(start of its document, start of its block), so a block's partial tail is
+    carried into the next chunk with its positions already final.
+
+    For one shard of a corpus, `start` is the stream index of its first token and `following`
+    the (ids, positions) of at least seq_len tokens after it (fewer where the corpus ends): the
+    shard gives the blocks that start inside it, and its tokens before its first block border
+    belong to the shard before."""
+    schema = block_schema(seq_len)
+    carry_ids = np.empty(0, dtype=np.int32)
+    carry_pos = np.empty(0, dtype=np.int32)
+    skip = -start % seq_len  # tokens that finish a block begun in an earlier shard
+    laid = start  # the stream index of the chunk's first token
+    for flat, lengths in _document_chunks(tokenized, chunk_tokens):
+        position = _positions(lengths, laid, seq_len)
+        laid += flat.size
+        if skip:
+            k = min(skip, flat.size)
+            flat, position, skip = flat[k:], position[k:], skip - k
+        ids, pos = np.concatenate([carry_ids, flat]), np.concatenate([carry_pos, position])
+        whole = ids.size - ids.size % seq_len
+        if whole:
+            yield _block_batch(ids[:whole], pos[:whole], np.full(whole // seq_len, seq_len, dtype=np.int32), schema)
+        carry_ids, carry_pos = ids[whole:], pos[whole:]
+    if following is None and laid == 0:
         raise UserError("the corpus tokenized to 0 tokens; check data.path and data.text_column")
-    n_blocks = -(-total // seq_len)
-    padded = n_blocks * seq_len
+    if carry_ids.size and following is not None:  # the block runs on into the next shards
+        need = seq_len - carry_ids.size
+        carry_ids = np.concatenate([carry_ids, following[0][:need]])
+        carry_pos = np.concatenate([carry_pos, following[1][:need]])
+    if carry_ids.size:  # the corpus's last block is padded; the padding is a segment of its own (positions from 0)
+        pad = seq_len - carry_ids.size
+        ids = np.concatenate([carry_ids, np.full(pad, pad_id, dtype=np.int32)])
+        pos = np.concatenate([carry_pos, np.arange(pad, dtype=np.int32)])
+        yield _block_batch(ids, pos, np.array([carry_ids.size], dtype=np.int32), schema)
 
-    index = np.arange(padded, dtype=np.int64)
-    doc_start = np.repeat(offsets[:-1], lengths)
-    pad = padded - total
-    if pad:  # the padding tail is a segment of its own
-        doc_start = np.concatenate([doc_start, np.full(pad, total)])
-        flat = np.concatenate([flat, np.full(pad, pad_id, dtype=np.int32)])
-    block_start = (index // seq_len) * seq_len
-    position_ids = (index - np.maximum(doc_start, block_start)).astype(np.int32)
-    num_tokens = np.full(n_blocks, seq_len, dtype=np.int32)
-    num_tokens[-1] = seq_len - pad
 
-    table = pa.table(
-        {
-            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(flat), seq_len),
-            "position_ids": pa.FixedSizeListArray.from_arrays(pa.array(position_ids), seq_len),
-            "num_tokens": pa.array(num_tokens),
-        }
-    )
-    return datasets.Dataset(table)
+def _positions(lengths: np.ndarray, laid: int, seq_len: int) -> np.ndarray:
+    """Position ids of whole documents of `lengths` tokens laid from stream index `laid` on."""
+    index = laid + np.arange(int(lengths.sum()), dtype=np.int64)
+    doc_start = np.repeat(laid + np.cumsum(lengths) - lengths, lengths)
+    return (index - np.maximum(doc_start, index - index % seq_len)).astype(np.int32)
+
+
+def _block_batch(ids: np.ndarray, pos: np.ndarray, num_tokens: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
+    seq_len = schema.field("input_ids").type.list_size
+    columns = [
+        pa.FixedSizeListArray.from_arrays(pa.array(ids), seq_len),
+        pa.FixedSizeListArray.from_arrays(pa.array(pos), seq_len),
+        pa.array(num_tokens),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _document_chunks(
+    tokenized: datasets.Dataset, chunk_tokens: int, window_rows: int = 4096
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(flat int32 tokens, per-document lengths) of at most `chunk_tokens` tokens of whole documents at a time
+    (one document alone where it is longer).
+
+    Rows are read a window at a time through the arrow format, which honours an indices mapping
+    (select/shuffle); without one (what `map` writes) a window is a zero-copy slice of the file,
+    and only a chunk's tokens are ever copied out."""
+    rows = tokenized.with_format("arrow")
+    for start in range(0, len(tokenized), window_rows):
+        column = rows[start : start + window_rows].column("input_ids")
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        ends = np.cumsum(lengths)
+        first = 0
+        while first < len(lengths):
+            # the documents that end within chunk_tokens of this chunk's start, and at least one
+            base = ends[first - 1] if first else 0
+            last = max(first + 1, int(np.searchsorted(ends, base + chunk_tokens, side="right")))
+            part = column.slice(first, last - first)
+            flat = pc.list_flatten(part).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+            yield flat, lengths[first:last]
+            first = last
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes that prepare a corpus together; each tokenizes and packs 1/world of its documents.
+
+    `gather(value)` returns every rank's value in rank order (and so is also a barrier)."""
+
+    rank: int = 0
+    world: int = 1
+    gather: Callable[[Any], list] = field(default=lambda value: [value])
+
+    @classmethod
+    def of_process_group(cls) -> Ranks:
+        """Every rank of the launched job (all nodes), or this process alone when there is no process group."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls()
+
+        def gather(value):
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, value)
+            return out
+
+        return cls(dist.get_rank(), dist.get_world_size(), gather)
 
 
 def packed_dataset(
-    docs: datasets.Dataset, tokenizer, seq_len: int, cache_root: Path, source_fingerprint: str, num_proc: int = 1
+    docs: datasets.Dataset, tokenizer, seq_len: int, cache_root: Path, source_fingerprint: str, num_proc: int = 1,
+    ranks: Ranks | None = None,
 ) -> datasets.Dataset:
-    """Tokenize + pack, cached on disk under a fingerprint of (source, tokenizer, seq_len)."""
+    """Tokenize + pack, cached on disk under a fingerprint of (source, tokenizer, seq_len).
+
+    Every rank prepares its contiguous 1/world of the documents into its own block file; the
+    files together hold exactly the blocks of one process packing the whole corpus (`pack_shard`),
+    so the cache does not depend on how many ranks made it. The ids go to a scratch file and the
+    blocks straight to the cache, so neither is ever whole in memory. `cache_root` must be one
+    folder that every rank sees (a shared filesystem across nodes)."""
+    ranks = ranks or Ranks.of_process_group()
     key = _fingerprint(source_fingerprint, tokenizer, seq_len, len(docs))
     target = cache_root / f"packed-{key}"
-    if (target / "dataset_info.json").is_file():
-        return datasets.load_from_disk(str(target))
-    tokenized = tokenize_documents(docs, tokenizer, num_proc)
-    blocks = pack_documents(tokenized, seq_len, tokenizer.pad_token_id)
+    if ranks.gather((target / MANIFEST).is_file())[0]:
+        return _load_blocks(target)
     tmp = cache_root / f".packed-{key}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    blocks.save_to_disk(str(tmp))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return datasets.load_from_disk(str(target))
+    if ranks.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    ranks.gather(None)  # cleared before anyone writes into it
+    tmp.mkdir(parents=True, exist_ok=True)
+    shard = docs.shard(ranks.world, ranks.rank, contiguous=True) if ranks.world > 1 else docs
+    ids_file = tmp / f"ids-{ranks.rank:05d}.arrow"
+    tokenized = tokenize_documents(shard, tokenizer, num_proc, cache_file=str(ids_file))
+    name = f"blocks-{ranks.rank:05d}-of-{ranks.world:05d}.arrow"
+    n_blocks = pack_shard(tokenized, seq_len, tokenizer.pad_token_id, tmp / name, ranks)
+    del tokenized
+    for scratch in tmp.glob(f"{ids_file.stem}*.arrow"):  # one file per tokenizing process
+        scratch.unlink()
+    files = ranks.gather((name, n_blocks))
+    if not all(ranks.gather(all((tmp / f).is_file() for f, _ in files))):
+        raise UserError(
+            f"data.cache_dir={cache_root} is not one folder for all {ranks.world} ranks (a rank cannot see the "
+            "blocks another wrote); on several nodes put data.cache_dir on a filesystem every node mounts"
+        )
+    if ranks.rank == 0:
+        (tmp / MANIFEST).write_text(json.dumps({"files": [f for f, n in files if n], "blocks": sum(n for _, n in files)}))
+        for empty in (f for f, n in files if not n):  # a shard inside one block of the shard before it
+            (tmp / empty).unlink()
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    ranks.gather(None)
+    return _load_blocks(target)
+
+
+def pack_shard(
+    tokenized: datasets.Dataset, seq_len: int, pad_id: int, path: Path, ranks: Ranks, chunk_tokens: int = CHUNK_TOKENS
+) -> int:
+    """Pack this rank's contiguous share of the corpus into `path`; returns its number of blocks.
+
+    The ranks swap two small things: their token counts (so each knows where its share starts in
+    the stream) and their first seq_len tokens with positions (so the block that crosses into the
+    next shares can be finished)."""
+    counts = ranks.gather(_token_count(tokenized))
+    if sum(counts) == 0:
+        raise UserError("the corpus tokenized to 0 tokens; check data.path and data.text_column")
+    start = sum(counts[: ranks.rank])
+    heads = ranks.gather(_head(tokenized, seq_len, start))
+    later = heads[ranks.rank + 1 :]
+    following = tuple(np.concatenate([h[i] for h in later] or [np.empty(0, np.int32)])[:seq_len] for i in (0, 1))
+    n_blocks = 0
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, block_schema(seq_len)) as writer:
+        for batch in packed_batches(tokenized, seq_len, pad_id, chunk_tokens, start, following):
+            writer.write_batch(batch)
+            n_blocks += batch.num_rows
+    return n_blocks
+
+
+def _token_count(tokenized: datasets.Dataset, window_rows: int = 65536) -> int:
+    rows = tokenized.with_format("arrow")
+    return sum(
+        int(pc.sum(pc.list_value_length(rows[i : i + window_rows].column("input_ids"))).as_py() or 0)
+        for i in range(0, len(tokenized), window_rows)
+    )
+
+
+def _head(tokenized: datasets.Dataset, seq_len: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, positions) of the first seq_len tokens of a share that starts at stream index `start`."""
+    ids, pos, laid = [], [], start
+    for flat, lengths in _document_chunks(tokenized, seq_len):
+        ids.append(flat)
+        pos.append(_positions(lengths, laid, seq_len))
+        laid += flat.size
+        if laid - start >= seq_len:
+            break
+    if not ids:
+        return np.empty(0, np.int32), np.empty(0, np.int32)
+    return np.concatenate(ids)[:seq_len], np.concatenate(pos)[:seq_len]
+
+
+def _load_blocks(folder: Path) -> datasets.Dataset:
+    """The cached blocks, memory-mapped: a rank reads the blocks it asks for, never a whole column."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    parts = [datasets.Dataset.from_file(str(folder / f)) for f in manifest["files"]]
+    blocks = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if len(blocks) != manifest["blocks"]:
+        raise UserError(f"the packed cache {folder} holds {len(blocks)} blocks, not {manifest['blocks']}; delete it to prepare again")
+    return blocks
 
 
 def packed_splits(train_docs: datasets.Dataset, val_docs: datasets.Dataset | None, tokenizer, cfg, source: str, seed: int):
@@ -172,18 +365,23 @@ def labels_for(input_ids: torch.Tensor, position_ids: torch.Tensor, num_tokens: 
     return labels
 
 
-def target_counts(blocks: datasets.Dataset) -> np.ndarray:
-    """Number of loss targets per block (what the loss is normalised by)."""
-    pos = column(blocks, "position_ids")
-    n = column(blocks, "num_tokens")
-    idx = np.arange(pos.shape[1])
-    valid = (pos != 0) & (idx[None, :] < n[:, None])
-    valid[:, 0] = False  # the first label of a block has no prediction (shifted away)
-    return valid.sum(axis=1).astype(np.int64)
+def target_counts(blocks: datasets.Dataset, chunk_rows: int = 4096) -> np.ndarray:
+    """Number of loss targets per block (what the loss is normalised by), read a chunk of blocks at a time."""
+    rows = blocks.select_columns(["position_ids", "num_tokens"]).with_format("numpy")
+    counts = []
+    for start in range(0, len(rows), chunk_rows):
+        part = rows[start : start + chunk_rows]
+        pos, n = part["position_ids"], part["num_tokens"]
+        valid = (pos != 0) & (np.arange(pos.shape[1])[None, :] < n[:, None])
+        valid[:, 0] = False  # the first label of a block has no prediction (shifted away)
+        counts.append(valid.sum(axis=1))
+    return np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, dtype=np.int64)
 
 
 def column(blocks: datasets.Dataset, name: str) -> np.ndarray:
-    """One column of a packed dataset as a numpy array ((n, seq_len) for token columns)."""
+    """One column of a packed dataset as a numpy array ((n, seq_len) for token columns).
+
+    Whole in memory: for a corpus, use it for `num_tokens` (4 bytes a block), not the token columns."""
     return blocks.select_columns([name]).with_format("numpy")[:][name]
 
 

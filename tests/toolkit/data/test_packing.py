@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import datasets
 import numpy as np
 import pytest
@@ -122,6 +124,84 @@ def test_pack_respects_selection_and_chunks(tiny_tokenizer, docs):
         expected = np.concatenate([np.array(x) for x in part["input_ids"]])
         ids, n = column(blocks, "input_ids"), column(blocks, "num_tokens")
         np.testing.assert_array_equal(np.concatenate([r[:k] for r, k in zip(ids, n, strict=True)]), expected)
+
+
+# ------------------------------------------------------------------------- chunked packing
+def stream_reference(doc_ids: list[list[int]], seq_len: int, pad_id: int):
+    """(ids, position ids, num_tokens) of laying the whole stream out at once and cutting it, token by token."""
+    positions, _ = reference_layout(doc_ids, seq_len)
+    flat = np.concatenate([np.asarray(x) for x in doc_ids])
+    pad = -len(flat) % seq_len
+    ids = np.concatenate([flat, np.full(pad, pad_id)]).reshape(-1, seq_len)
+    pos = np.concatenate([positions, np.arange(pad)]).reshape(-1, seq_len)
+    num_tokens = np.full(len(ids), seq_len)
+    num_tokens[-1] = seq_len - pad
+    return ids, pos, num_tokens
+
+
+def synthetic_docs(lengths: list[int], seed: int = 0) -> datasets.Dataset:
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(1, 30000, n).tolist() for n in lengths]
+    return datasets.Dataset.from_dict(
+        {"input_ids": ids}, features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
+    )
+
+
+def assert_blocks_equal(blocks: datasets.Dataset, expected) -> None:
+    ids, pos, num_tokens = expected
+    np.testing.assert_array_equal(column(blocks, "input_ids"), ids)
+    np.testing.assert_array_equal(column(blocks, "position_ids"), pos)
+    np.testing.assert_array_equal(column(blocks, "num_tokens"), num_tokens)
+
+
+S = 16  # seq_len of the synthetic corpora
+BORDER_LENGTHS = [1, S - 1, S, S + 1, 1, 1, 3 * S, 2 * S + 5, S - 2, 2, 7 * S + 3, S, 1, 5 * S - 1]
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 2, S - 1, S, S + 1, 3 * S + 2, 40 * S, 10**9])
+@pytest.mark.parametrize("lengths", [BORDER_LENGTHS, BORDER_LENGTHS[:-1] + [S - 2]], ids=["padded", "whole"])
+def test_chunked_packing_equals_whole_stream(lengths, chunk_tokens, tmp_path):
+    """Documents and chunks crossing block borders in every way (a document longer than a chunk,
+    ending exactly at a border, a 1-token one at a border) give the blocks of the stream laid out at once."""
+    docs = synthetic_docs(lengths)
+    expected = stream_reference(docs["input_ids"], S, pad_id=0)
+    assert (expected[2][-1] < S) == (sum(lengths) % S != 0)
+    assert_blocks_equal(pack_documents(docs, S, 0, chunk_tokens=chunk_tokens), expected)
+    on_disk = pack_documents(docs, S, 0, tmp_path / "blocks.arrow", chunk_tokens=chunk_tokens)
+    assert_blocks_equal(on_disk, expected)
+    np.testing.assert_array_equal(target_counts(on_disk, chunk_rows=3), target_counts(datasets.Dataset.from_dict(
+        {"position_ids": expected[1], "num_tokens": expected[2]})))
+
+
+def test_chunked_packing_across_row_windows_and_selection(tmp_path):
+    """More documents than one read window (4096 rows), shuffled through an indices mapping."""
+    lengths = np.random.default_rng(1).integers(1, 3 * S, 9000).tolist()
+    docs = synthetic_docs(lengths, seed=2)
+    order = np.random.default_rng(3).permutation(len(docs))[:8500]
+    part = docs.select(order)
+    expected = stream_reference([docs["input_ids"][i] for i in order], S, pad_id=5)
+    blocks = pack_documents(part, S, 5, tmp_path / "blocks.arrow", chunk_tokens=1000)
+    assert_blocks_equal(blocks, expected)
+    pos, n = expected[1], expected[2]
+    valid = (pos != 0) & (np.arange(S)[None, :] < n[:, None])
+    valid[:, 0] = False
+    np.testing.assert_array_equal(target_counts(blocks, chunk_rows=700), valid.sum(axis=1))
+
+
+def test_document_chunks_hold_at_most_chunk_tokens():
+    lengths = [3, 4, 10, 2, 2, 2, 9, 1, 30, 5]
+    docs = synthetic_docs(lengths)
+    chunks = list(packing._document_chunks(docs, chunk_tokens=10, window_rows=4))
+    got = [list(n) for _, n in chunks]
+    # whole documents in order, a window's border never crossed, a 30-token document alone
+    assert got == [[3, 4], [10], [2], [2, 2], [9, 1], [30], [5]]  # windows: 3 4 10 2 | 2 2 9 1 | 30 5
+    assert [f.size for f, _ in chunks] == [7, 10, 2, 4, 10, 30, 5]
+    np.testing.assert_array_equal(np.concatenate([f for f, _ in chunks]), np.concatenate(docs["input_ids"]))
+
+
+def test_empty_corpus_is_refused():
+    with pytest.raises(UserError, match="0 tokens"):
+        pack_documents(synthetic_docs([]), S, 0)
 
 
 # ---------------------------------------------------------------------------------- isolation
@@ -286,9 +366,18 @@ def test_varlen_batch_is_one_row_with_the_same_loss(packed, tiny_tokenizer, tiny
 
 # -------------------------------------------------------------------------------------- cache
 def test_packed_dataset_cache(docs, tiny_tokenizer, tmp_path, monkeypatch):
-    first = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path, "source-a")
+    first = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path, "source-a", num_proc=2)
     entries = sorted(p.name for p in tmp_path.iterdir())
     assert len(entries) == 1 and entries[0].startswith("packed-")
+    # only the blocks stay (the two tokenizing processes' scratch ids are gone), and they are read
+    # through a memory map: a rank's batches come off the file, the columns are never loaded whole
+    blocks_file = tmp_path / entries[0] / "blocks-00000-of-00001.arrow"
+    assert sorted(p.name for p in (tmp_path / entries[0]).iterdir()) == [blocks_file.name, "blocks.json"]
+    assert isinstance(first.data, datasets.table.MemoryMappedTable)
+    assert [f["filename"] for f in first.cache_files] == [str(blocks_file)]
+    tokenized = tokenize_documents(docs, tiny_tokenizer)
+    assert_blocks_equal(first, tuple(column(pack_documents(tokenized, SEQ_LEN, tiny_tokenizer.pad_token_id), name)
+                                     for name in ("input_ids", "position_ids", "num_tokens")))
 
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized again although the cache holds these blocks")
@@ -305,3 +394,80 @@ def test_packed_dataset_cache(docs, tiny_tokenizer, tmp_path, monkeypatch):
     assert len(other_source) == len(first)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert len(names) == 3 and all(n.startswith("packed-") for n in names)  # no .tmp left behind
+
+
+# ------------------------------------------------------------------ preparation shared by ranks
+def run_ranks(world: int, fn):
+    """fn(ranks) on `world` threads that gather through a barrier, like ranks of a process group."""
+    barrier, slots = threading.Barrier(world, timeout=120), [None] * world
+    results, errors = [None] * world, []
+
+    def ranks_of(rank: int) -> packing.Ranks:
+        def gather(value):
+            slots[rank] = value
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+        return packing.Ranks(rank, world, gather)
+
+    def body(rank: int):
+        try:
+            results[rank] = fn(ranks_of(rank))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("lengths", [BORDER_LENGTHS, [1, 2, 40, 1, 1, 3, 2 * S]], ids=["borders", "tiny-shards"])
+def test_shards_packed_by_ranks_add_up_to_the_whole_stream(world, lengths, tmp_path):
+    """Each rank packs its contiguous share; the files in rank order are the one-process blocks,
+    also where a share lies inside one block or the corpus's last block spans several shares."""
+    docs = synthetic_docs(lengths)
+    expected = stream_reference(docs["input_ids"], S, pad_id=0)
+
+    def pack(ranks):
+        shard = docs.shard(ranks.world, ranks.rank, contiguous=True)
+        path = tmp_path / f"blocks-{ranks.rank}.arrow"
+        return path, packing.pack_shard(shard, S, 0, path, ranks, chunk_tokens=S + 3)
+
+    files = run_ranks(world, pack)
+    if lengths[1] == 2 and world > 2:  # a share of 1-2 small documents lies inside a block begun before it
+        assert any(n == 0 for _, n in files)
+    parts = [datasets.Dataset.from_file(str(p)) for p, n in files if n]
+    assert [len(x) for x in parts] == [n for _, n in files if n]
+    assert_blocks_equal(datasets.concatenate_datasets(parts), expected)
+
+
+def test_packed_dataset_by_ranks_equals_one_process(docs, tiny_tokenizer, tmp_path):
+    alone = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "one", "src")
+    shared = run_ranks(3, lambda ranks: packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "three", "src",
+                                                       ranks=ranks))
+    for blocks in shared:
+        assert_blocks_equal(blocks, tuple(column(alone, n) for n in ("input_ids", "position_ids", "num_tokens")))
+    folder = next((tmp_path / "three").iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == [f"blocks-{r:05d}-of-00003.arrow" for r in range(3)] + ["blocks.json"]
+    # a cache made by 3 ranks is read by 1 (the key does not name the world size)
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized again although the cache holds these blocks")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(packing, "tokenize_documents", no_tokenizing)
+        again = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "three", "src")
+    np.testing.assert_array_equal(column(again, "input_ids"), column(alone, "input_ids"))
+
+
+def test_ranks_that_do_not_share_the_cache_folder_are_refused(docs, tiny_tokenizer, tmp_path):
+    """Two nodes with node-local cache folders: each would see only its own share."""
+    with pytest.raises(UserError, match="not one folder for all 2 ranks"):
+        run_ranks(2, lambda ranks: packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / f"node{ranks.rank}", "s",
+                                                  ranks=ranks))
