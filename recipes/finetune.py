@@ -81,16 +81,18 @@ class FinetuneRecipe:
 
         # Data: packed raw text (continued pretraining) or packed chat turns (SFT).
         self.chat_template = None
-        with strategy.accelerator.main_process_first():
-            if cfg.data.format == "chat":
+        if cfg.data.format == "chat":
+            with strategy.accelerator.main_process_first():
                 self.chat_template = chat_template_for(self.tokenizer, cfg.data.chat_template)
                 train, val, data_notes = chat_blocks(cfg.data.chat(), self.tokenizer, cfg.seed)
-            else:
-                data_notes = []
+        else:
+            data_notes = []
+            with strategy.accelerator.main_process_first():  # the main process reads the corpus into the cache
                 corpus, source = load_corpus(cfg.data, data_notes)
                 train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
-                train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
-                data_notes += [f"{len(train_docs)} train / {len(val_docs or [])} held-out documents of {source}"]
+            # every rank tokenizes and packs its share of the documents
+            train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
+            data_notes += [f"{len(train_docs)} train / {len(val_docs or [])} held-out documents of {source}"]
         if cfg.data.format == "chat":
             schedule = trainer.use_data(train, val, collate_chat, chat_target_counts)
         else:

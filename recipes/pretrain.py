@@ -55,7 +55,8 @@ class PretrainRecipe:
         # An FSDP config naming a layer class this architecture lacks fails now, before any data work.
         strategy.check_fsdp_layers(lambda: meta_model(cfg.model))
 
-        # Data: the main process trains the tokenizer and packs into the cache; the others then read it.
+        # Data: the main process reads the corpus and trains the tokenizer into the cache; the
+        # others then read them. Every rank then tokenizes and packs its share of the documents.
         data_notes: list[str] = []
         with strategy.accelerator.main_process_first():
             corpus, source = load_corpus(cfg.data, data_notes)
@@ -63,7 +64,7 @@ class PretrainRecipe:
             tok_key = f"{source}-v{cfg.tokenizer.vocab_size}-f{cfg.tokenizer.min_frequency}"
             tok_dir = cfg.data.resolved_cache_dir() / f"tokenizer-{tok_key}"
             self.tokenizer = get_tokenizer(cfg.tokenizer, train_docs, tok_dir)
-            train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
+        train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
         schedule = trainer.use_data(train, val, collate, target_counts)
         for line in data_notes:
             trainer.print(f"data: {line}")
