@@ -177,14 +177,8 @@ def _document_chunks(
     tokenized: datasets.Dataset, chunk_tokens: int, window_rows: int = 4096
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(flat int32 tokens, per-document lengths) of at most `chunk_tokens` tokens of whole documents at a time
-    (one document alone where it is longer).
-
-    Rows are read a window at a time through the arrow format, which honours an indices mapping
-    (select/shuffle); without one (what `map` writes) a window is a zero-copy slice of the file,
-    and only a chunk's tokens are ever copied out."""
-    rows = tokenized.with_format("arrow")
-    for start in range(0, len(tokenized), window_rows):
-        column = rows[start : start + window_rows].column("input_ids")
+    (one document alone where it is longer)."""
+    for column in _id_windows(tokenized, window_rows):
         lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
         ends = np.cumsum(lengths)
         first = 0
@@ -196,6 +190,31 @@ def _document_chunks(
             flat = pc.list_flatten(part).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
             yield flat, lengths[first:last]
             first = last
+
+
+def _id_windows(tokenized: datasets.Dataset, window_rows: int) -> Iterator[pa.Array | pa.ChunkedArray]:
+    """The `input_ids` column, some rows at a time, in order.
+
+    What `map` wrote (the dataset is exactly its files) is read from the files with plain reads,
+    a record batch at a time: reading it through the memory map would leave every page read in
+    this process's RSS until the kernel wants it back (4 bytes a token). Anything else (a
+    selection, a slice, a table in memory) is read through the arrow format, which honours an
+    indices mapping."""
+    files = [f["filename"] for f in tokenized.cache_files]
+    if files and tokenized._indices is None and sum(_rows_in(f) for f in files) == len(tokenized):
+        for f in files:
+            with pa.OSFile(f) as source:
+                for batch in pa.ipc.open_stream(source):
+                    yield batch.column("input_ids")
+        return
+    rows = tokenized.with_format("arrow")
+    for start in range(0, len(tokenized), window_rows):
+        yield rows[start : start + window_rows].column("input_ids")
+
+
+def _rows_in(arrow_file: str) -> int:
+    with pa.memory_map(arrow_file) as source:  # only the batches' headers are touched
+        return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
 
 
 @dataclass(frozen=True)
