@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import threading
+from pathlib import Path
 
 import datasets
+import launching
 import numpy as np
 import pytest
 import torch
@@ -471,3 +476,23 @@ def test_ranks_that_do_not_share_the_cache_folder_are_refused(docs, tiny_tokeniz
     with pytest.raises(UserError, match="not one folder for all 2 ranks"):
         run_ranks(2, lambda ranks: packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / f"node{ranks.rank}", "s",
                                                   ranks=ranks))
+
+
+@pytest.mark.distributed
+def test_two_processes_prepare_their_shares_through_the_process_group(docs, tiny_tokenizer, tmp_path):
+    """The same as one process, through torch.distributed's gather on 2 gloo processes."""
+    tiny_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "corpus.json").write_text(json.dumps(list(docs["text"])))
+    probe = Path(__file__).with_name("packing_ranks_probe.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(launching.free_port()), str(probe), str(tmp_path / "tokenizer"), str(tmp_path / "corpus.json"),
+           str(tmp_path / "cache"), str(SEQ_LEN)]
+    proc = launching.run(cmd, 300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    folder = next((tmp_path / "cache").iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == [f"blocks-0000{r}-of-00002.arrow" for r in (0, 1)] + ["blocks.json"]
+    alone = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "one", "probe")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(packing, "tokenize_documents", None)  # read from the two processes' cache, not made again
+        shared = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "cache", "probe")
+    assert_blocks_equal(shared, tuple(column(alone, n) for n in ("input_ids", "position_ids", "num_tokens")))
