@@ -18,6 +18,10 @@ in the way each attention implementation reads it (`attention_inputs`):
 
 Nothing is dropped: the last block is padded, and padding is a separate segment that no real
 token attends to and no loss is computed on (`num_tokens` says where real tokens end).
+
+At corpus scale (docs/data.md) the stream is packed a chunk of documents at a time into a
+memory-mapped arrow file, and every rank of a job packs its contiguous share of the documents;
+either way the blocks are exactly those of laying the whole stream out at once.
 """
 
 from __future__ import annotations
@@ -102,9 +106,7 @@ def pack_documents(
     if path is None:
         batches = list(packed_batches(tokenized, seq_len, pad_id, chunk_tokens))
         return datasets.Dataset(pa.Table.from_batches(batches, schema=block_schema(seq_len)))
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, block_schema(seq_len)) as writer:
-        for batch in packed_batches(tokenized, seq_len, pad_id, chunk_tokens):
-            writer.write_batch(batch)
+    pack_shard(tokenized, seq_len, pad_id, path, Ranks(), chunk_tokens)  # the whole corpus: one rank's share
     return datasets.Dataset.from_file(str(path))  # memory-mapped: a rank reads the blocks it asks for
 
 
