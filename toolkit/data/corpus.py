@@ -37,7 +37,7 @@ class DataConfig:
     split: str = field("train", help="split to read from a hub dataset")
     val_fraction: float = field(0.05, help="fraction of documents held out for evaluation (0 = no eval)")
     seq_len: int = field(256, help="tokens per packed block")
-    num_proc: int = field(2, help="processes for tokenization")
+    num_proc: int = field(2, help="processes for tokenization on each node, shared by its ranks")
     cache_dir: str | None = field(None, help="where tokenized blocks are cached; default ~/.cache/llm-toolkit")
 
     def validate(self) -> list[str]:

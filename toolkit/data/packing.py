@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -228,6 +229,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     gather: Callable[[Any], list] = field(default=lambda value: [value])
+    local_world: int = 1  # ranks on this node, which share its tokenizing processes
 
     @classmethod
     def of_process_group(cls) -> Ranks:
@@ -241,7 +243,8 @@ class Ranks:
             dist.all_gather_object(out, value)
             return out
 
-        return cls(dist.get_rank(), dist.get_world_size(), gather)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun (accelerate launch)
+        return cls(dist.get_rank(), dist.get_world_size(), gather, max(1, local))
 
 
 def packed_dataset(
@@ -254,7 +257,8 @@ def packed_dataset(
     files together hold exactly the blocks of one process packing the whole corpus (`pack_shard`),
     so the cache does not depend on how many ranks made it. The ids go to a scratch file and the
     blocks straight to the cache, so neither is ever whole in memory. `cache_root` must be one
-    folder that every rank sees (a shared filesystem across nodes)."""
+    folder that every rank sees (a shared filesystem across nodes). `num_proc` tokenizing processes
+    are shared by the ranks of a node."""
     ranks = ranks or Ranks.of_process_group()
     key = _fingerprint(source_fingerprint, tokenizer, seq_len, len(docs))
     target = cache_root / f"packed-{key}"
@@ -267,7 +271,9 @@ def packed_dataset(
     tmp.mkdir(parents=True, exist_ok=True)
     shard = docs.shard(ranks.world, ranks.rank, contiguous=True) if ranks.world > 1 else docs
     ids_file = tmp / f"ids-{ranks.rank:05d}.arrow"
-    tokenized = tokenize_documents(shard, tokenizer, num_proc, cache_file=str(ids_file))
+    # num_proc is the node's: its ranks tokenize at once, so each takes its part of the processes
+    per_rank = max(1, num_proc // ranks.local_world)
+    tokenized = tokenize_documents(shard, tokenizer, per_rank, cache_file=str(ids_file))
     name = f"blocks-{ranks.rank:05d}-of-{ranks.world:05d}.arrow"
     n_blocks = pack_shard(tokenized, seq_len, tokenizer.pad_token_id, tmp / name, ranks)
     del tokenized

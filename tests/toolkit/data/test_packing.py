@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -496,3 +497,13 @@ def test_two_processes_prepare_their_shares_through_the_process_group(docs, tiny
         m.setattr(packing, "tokenize_documents", None)  # read from the two processes' cache, not made again
         shared = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "cache", "probe")
     assert_blocks_equal(shared, tuple(column(alone, n) for n in ("input_ids", "position_ids", "num_tokens")))
+
+
+def test_ranks_of_a_node_share_its_tokenizing_processes(docs, tiny_tokenizer, tmp_path, monkeypatch):
+    """data.num_proc is the node's: 2 ranks on a node with num_proc 4 start 2 tokenizing processes each."""
+    asked, tokenize = [], packing.tokenize_documents
+    monkeypatch.setattr(packing, "tokenize_documents",
+                        lambda d, tok, num_proc, **kw: (asked.append(num_proc), tokenize(d, tok, num_proc, **kw))[1])
+    run_ranks(2, lambda ranks: packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path, "s", num_proc=4,
+                                              ranks=dataclasses.replace(ranks, local_world=2)))
+    assert asked == [2, 2]
