@@ -49,6 +49,7 @@ MANIFEST = "blocks.json"  # the block files, in order; written last, so its pres
 # Tokens packed at a time. Packing holds about 50 B per token of a chunk (ids, positions and
 # their int64 indices), so ~50 MB whatever the corpus size.
 CHUNK_TOKENS = 1 << 20
+EMPTY_CORPUS = "the corpus tokenized to 0 tokens; check data.path and data.text_column"
 # Attention implementations that can keep packed documents apart, and how they are told.
 MASKED_ATTENTION = {"sdpa"}  # a 4-D boolean mask
 POSITION_ATTENTION = {"flex_attention"}  # position ids, one row per block
@@ -147,7 +148,7 @@ def packed_batches(
             yield _block_batch(ids[:whole], pos[:whole], np.full(whole // seq_len, seq_len, dtype=np.int32), schema)
         carry_ids, carry_pos = ids[whole:], pos[whole:]
     if following is None and laid == 0:
-        raise UserError("the corpus tokenized to 0 tokens; check data.path and data.text_column")
+        raise UserError(EMPTY_CORPUS)
     if carry_ids.size and following is not None:  # the block runs on into the next shards
         need = seq_len - carry_ids.size
         carry_ids = np.concatenate([carry_ids, following[0][:need]])
@@ -305,7 +306,7 @@ def pack_shard(
     next shares can be finished)."""
     counts = ranks.gather(_token_count(tokenized))
     if sum(counts) == 0:
-        raise UserError("the corpus tokenized to 0 tokens; check data.path and data.text_column")
+        raise UserError(EMPTY_CORPUS)
     start = sum(counts[: ranks.rank])
     heads = ranks.gather(_head(tokenized, seq_len, start))
     later = heads[ranks.rank + 1 :]

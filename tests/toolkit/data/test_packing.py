@@ -371,6 +371,10 @@ def test_varlen_batch_is_one_row_with_the_same_loss(packed, tiny_tokenizer, tiny
 
 
 # -------------------------------------------------------------------------------------- cache
+def no_tokenizing(*args, **kwargs):
+    raise AssertionError("tokenized again although the cache holds these blocks")
+
+
 def test_packed_dataset_cache(docs, tiny_tokenizer, tmp_path, monkeypatch):
     first = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path, "source-a", num_proc=2)
     entries = sorted(p.name for p in tmp_path.iterdir())
@@ -384,9 +388,6 @@ def test_packed_dataset_cache(docs, tiny_tokenizer, tmp_path, monkeypatch):
     tokenized = tokenize_documents(docs, tiny_tokenizer)
     assert_blocks_equal(first, tuple(column(pack_documents(tokenized, SEQ_LEN, tiny_tokenizer.pad_token_id), name)
                                      for name in ("input_ids", "position_ids", "num_tokens")))
-
-    def no_tokenizing(*args, **kwargs):
-        raise AssertionError("tokenized again although the cache holds these blocks")
 
     monkeypatch.setattr(packing, "tokenize_documents", no_tokenizing)
     again = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path, "source-a")
@@ -464,8 +465,6 @@ def test_packed_dataset_by_ranks_equals_one_process(docs, tiny_tokenizer, tmp_pa
     folder = next((tmp_path / "three").iterdir())
     assert sorted(p.name for p in folder.iterdir()) == [f"blocks-{r:05d}-of-00003.arrow" for r in range(3)] + ["blocks.json"]
     # a cache made by 3 ranks is read by 1 (the key does not name the world size)
-    def no_tokenizing(*args, **kwargs):
-        raise AssertionError("tokenized again although the cache holds these blocks")
     with pytest.MonkeyPatch.context() as m:
         m.setattr(packing, "tokenize_documents", no_tokenizing)
         again = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "three", "src")
@@ -494,7 +493,7 @@ def test_two_processes_prepare_their_shares_through_the_process_group(docs, tiny
     assert sorted(p.name for p in folder.iterdir()) == [f"blocks-0000{r}-of-00002.arrow" for r in (0, 1)] + ["blocks.json"]
     alone = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "one", "probe")
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(packing, "tokenize_documents", None)  # read from the two processes' cache, not made again
+        m.setattr(packing, "tokenize_documents", no_tokenizing)  # read from the two processes' cache
         shared = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "cache", "probe")
     assert_blocks_equal(shared, tuple(column(alone, n) for n in ("input_ids", "position_ids", "num_tokens")))
 
