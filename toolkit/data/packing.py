@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,8 +244,10 @@ class Ranks:
             dist.all_gather_object(out, value)
             return out
 
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun (accelerate launch)
-        return cls(dist.get_rank(), dist.get_world_size(), gather, max(1, local))
+        # The ranks on this node share its cores; counted by host name rather than read from the
+        # launcher's environment, so that any launcher (torchrun, mpirun, slurm) gets it right.
+        hosts = gather(socket.gethostname())
+        return cls(dist.get_rank(), dist.get_world_size(), gather, hosts.count(hosts[dist.get_rank()]))
 
 
 def packed_dataset(
