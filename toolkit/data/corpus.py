@@ -39,6 +39,13 @@ class DataConfig:
     seq_len: int = field(256, help="tokens per packed block")
     num_proc: int = field(2, help="processes for tokenization on each node, shared by its ranks")
     cache_dir: str | None = field(None, help="where tokenized blocks are cached; default ~/.cache/llm-toolkit")
+    streaming: bool = field(
+        False, help="read, tokenize and pack the documents while training (pretraining; needs train.max_steps): "
+        "training starts at once, nothing is prepared ahead; the blocks then depend on the number of data ranks"
+    )
+    stream_val_documents: int = field(
+        500, help="with streaming: the stream's first N documents are held out for evaluation (when val_fraction > 0)"
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -48,6 +55,8 @@ class DataConfig:
             problems.append(f"seq_len={self.seq_len} is too short; use at least 8 tokens")
         if self.num_proc < 1:
             problems.append(f"num_proc={self.num_proc} must be at least 1")
+        if self.streaming and self.val_fraction > 0 and self.stream_val_documents < 1:
+            problems.append(f"stream_val_documents={self.stream_val_documents} must be at least 1 (or set val_fraction=0)")
         return problems
 
     def resolved_cache_dir(self) -> Path:
@@ -66,22 +75,8 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
         ds = datasets.Dataset.from_dict({"text": texts})
         return _non_empty(ds, EMBEDDED), _hash(EMBEDDED, *texts)
 
-    try:
-        files = _local_files(cfg.path, notes if notes is not None else [])
-    except PermissionError as exc:  # a folder on the way that this user may not enter
-        raise UserError(f"data.path={cfg.path} cannot be read: {exc.strerror}: {exc.filename}; check its permissions") from None
+    files, builder, kwargs = _file_source(cfg, notes)
     if files is not None:
-        exts = {Path(f).suffix.lower() for f in files}
-        builders = {_BUILDERS.get(e, "text" if e == "" else None) for e in exts}  # no extension: plain text
-        if None in builders or len(builders) != 1:
-            kinds = sorted(e or "(no extension)" for e in exts)
-            raise UserError(
-                f"data.path={cfg.path} holds files of types {kinds}; use one of {sorted(_BUILDERS)} (all of one kind)"
-            )
-        builder = builders.pop()
-        if all(os.path.getsize(f) == 0 for f in files):
-            raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty)")
-        kwargs = {"sample_by": cfg.sample_by} if builder == "text" else {}
         try:
             ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         except Exception as exc:  # datasets' own error, or a binary file's failed gzip/zip extraction (zlib.error)
@@ -94,14 +89,6 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         fingerprint = _hash(builder, cfg.sample_by, cfg.text_column, repr(stats))
     else:
-        local = Path(cfg.path).expanduser()
-        if os.path.lexists(local):  # there, but neither a file nor a folder: reading a pipe would wait for ever
-            what = "a broken symlink" if local.is_symlink() and not local.exists() else "a pipe, socket or device"
-            raise UserError(f"data.path={cfg.path} is {what}, not a file or folder; give a file, a folder or a glob")
-        if Path(cfg.path).suffix or "/" not in cfg.path or cfg.path.startswith((".", "/", "~")):
-            raise UserError(
-                f"data.path={cfg.path} does not exist; give a file, a folder, a glob, or a hub id like org/name"
-            )
         try:
             ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
         except ConnectionError as exc:  # offline, or HF_HUB_OFFLINE=1 and the dataset was never cached
@@ -126,6 +113,64 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
         if files is None:
             raise
         raise _not_utf8(cfg.path, files, exc) from None
+
+
+def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | None, str, dict]:
+    """(files, datasets builder, its arguments) of a local data.path; (None, "", {}) for a hub id."""
+    try:
+        files = _local_files(cfg.path, notes if notes is not None else [])
+    except PermissionError as exc:  # a folder on the way that this user may not enter
+        raise UserError(f"data.path={cfg.path} cannot be read: {exc.strerror}: {exc.filename}; check its permissions") from None
+    if files is None:
+        local = Path(cfg.path).expanduser()
+        if os.path.lexists(local):  # there, but neither a file nor a folder: reading a pipe would wait for ever
+            what = "a broken symlink" if local.is_symlink() and not local.exists() else "a pipe, socket or device"
+            raise UserError(f"data.path={cfg.path} is {what}, not a file or folder; give a file, a folder or a glob")
+        if Path(cfg.path).suffix or "/" not in cfg.path or cfg.path.startswith((".", "/", "~")):
+            raise UserError(
+                f"data.path={cfg.path} does not exist; give a file, a folder, a glob, or a hub id like org/name"
+            )
+        return None, "", {}
+    exts = {Path(f).suffix.lower() for f in files}
+    builders = {_BUILDERS.get(e, "text" if e == "" else None) for e in exts}  # no extension: plain text
+    if None in builders or len(builders) != 1:
+        kinds = sorted(e or "(no extension)" for e in exts)
+        raise UserError(
+            f"data.path={cfg.path} holds files of types {kinds}; use one of {sorted(_BUILDERS)} (all of one kind)"
+        )
+    builder = builders.pop()
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty)")
+    return files, builder, {"sample_by": cfg.sample_by} if builder == "text" else {}
+
+
+def stream_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datasets.IterableDataset, str]:
+    """The corpus as a stream of documents (data.streaming=true), read as training asks for them:
+    nothing is converted to arrow or tokenized ahead. Its `text` column is checked as it is read
+    (`toolkit.data.streaming`). Returns (stream, fingerprint of the source)."""
+    if not cfg.path:
+        ds, source = load_corpus(cfg, notes)
+        return ds.to_iterable_dataset(), source
+    files, builder, kwargs = _file_source(cfg, notes)
+    if files is not None:
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+        stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
+        source = _hash("stream", builder, cfg.sample_by, cfg.text_column, repr(stats))
+    else:
+        try:
+            ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split, streaming=True)
+        except ConnectionError as exc:
+            raise UserError(
+                f"data.path={cfg.path} is read as a hub dataset id, but the Hub cannot be reached ({exc}); "
+                "streaming needs the network for a hub id; give a local file, folder or glob"
+            ) from None
+        except Exception as exc:
+            raise UserError(f"could not stream hub dataset data.path={cfg.path} split={cfg.split}: {exc}") from None
+        source = _hash("stream", cfg.path, str(cfg.name), cfg.split, cfg.text_column)
+    columns = ds.column_names  # None where the format does not say before reading (json)
+    if columns is not None and cfg.text_column not in columns:
+        raise UserError(f"data.text_column={cfg.text_column} is not in {cfg.path}; its columns are {columns}")
+    return ds, source
 
 
 def split_documents(ds: datasets.Dataset, val_fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:

@@ -71,17 +71,10 @@ def tokenize_documents(
     """`text` -> `input_ids` (each document followed by EOS, int32), batched and multi-process.
 
     With `cache_file` the ids are written there (one file per process) rather than kept in memory."""
-    eos = tokenizer.eos_token_id
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    encode_texts = encoder(tokenizer)
 
     def encode(batch):
-        if backend is not None and hasattr(backend, "encode_batch_fast"):
-            # The Rust tokenizer directly: the transformers wrapper also builds attention masks
-            # and a BatchEncoding per batch that packing throws away (measured: 25% of the time).
-            ids = [e.ids for e in backend.encode_batch_fast(batch["text"], add_special_tokens=False)]
-        else:
-            ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids]}
+        return {"input_ids": encode_texts(batch["text"])}
 
     num_proc = num_proc if len(docs) >= 2 * num_proc and num_proc > 1 else None
     return docs.map(
@@ -94,6 +87,23 @@ def tokenize_documents(
         cache_file_name=cache_file,
         desc="tokenizing",
     )
+
+
+def encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
+    """texts -> their token ids, each followed by EOS (what separates documents in a block)."""
+    eos = tokenizer.eos_token_id
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        if backend is not None and hasattr(backend, "encode_batch_fast"):
+            # The Rust tokenizer directly: the transformers wrapper also builds attention masks
+            # and a BatchEncoding per batch that packing throws away (measured: 25% of the time).
+            ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        else:
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [x + [eos] for x in ids]
+
+    return encode
 
 
 def pack_documents(
@@ -121,43 +131,66 @@ def packed_batches(
     tokenized: datasets.Dataset, seq_len: int, pad_id: int, chunk_tokens: int = CHUNK_TOKENS,
     start: int = 0, following: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """The packed blocks of `tokenized`, as arrow record batches of whole blocks, chunk by chunk.
-
-    The cut is the one of laying the whole corpus out at once: a token at stream index g has
-    position g - max(start of its document, start of its block), so a block's partial tail is
-    carried into the next chunk with its positions already final.
+    """The packed blocks of `tokenized`, as arrow record batches of whole blocks, chunk by chunk
+    (`Layout`): the cut is the one of laying the whole corpus out at once.
 
     For one shard of a corpus, `start` is the stream index of its first token and `following`
     the (ids, positions) of at least seq_len tokens after it (fewer where the corpus ends): the
     shard gives the blocks that start inside it, and its tokens before its first block border
     belong to the shard before."""
     schema = block_schema(seq_len)
-    carry_ids = np.empty(0, dtype=np.int32)
-    carry_pos = np.empty(0, dtype=np.int32)
-    skip = -start % seq_len  # tokens that finish a block begun in an earlier shard
-    laid = start  # the stream index of the chunk's first token
+    layout = Layout(seq_len, laid=start, skip=-start % seq_len)
     for flat, lengths in _document_chunks(tokenized, chunk_tokens):
-        position = _positions(lengths, laid, seq_len)
-        laid += flat.size
-        if skip:
-            k = min(skip, flat.size)
-            flat, position, skip = flat[k:], position[k:], skip - k
-        ids, pos = np.concatenate([carry_ids, flat]), np.concatenate([carry_pos, position])
-        whole = ids.size - ids.size % seq_len
-        if whole:
-            yield _block_batch(ids[:whole], pos[:whole], np.full(whole // seq_len, seq_len, dtype=np.int32), schema)
-        carry_ids, carry_pos = ids[whole:], pos[whole:]
-    if following is None and laid == 0:
+        ids, pos = layout.add(flat, lengths)
+        if ids.size:
+            yield _block_batch(ids, pos, np.full(ids.size // seq_len, seq_len, dtype=np.int32), schema)
+    if following is None and layout.laid == 0:
         raise UserError(EMPTY_CORPUS)
-    if carry_ids.size and following is not None:  # the block runs on into the next shards
-        need = seq_len - carry_ids.size
-        carry_ids = np.concatenate([carry_ids, following[0][:need]])
-        carry_pos = np.concatenate([carry_pos, following[1][:need]])
-    if carry_ids.size:  # the corpus's last block is padded; the padding is a segment of its own (positions from 0)
-        pad = seq_len - carry_ids.size
-        ids = np.concatenate([carry_ids, np.full(pad, pad_id, dtype=np.int32)])
-        pos = np.concatenate([carry_pos, np.arange(pad, dtype=np.int32)])
-        yield _block_batch(ids, pos, np.array([carry_ids.size], dtype=np.int32), schema)
+    if layout.carry_ids.size and following is not None:  # the block runs on into the next shards
+        need = seq_len - layout.carry_ids.size
+        layout.carry_ids = np.concatenate([layout.carry_ids, following[0][:need]])
+        layout.carry_pos = np.concatenate([layout.carry_pos, following[1][:need]])
+    last = layout.last_block(pad_id)
+    if last is not None:
+        yield _block_batch(*last, schema)
+
+
+@dataclass
+class Layout:
+    """Documents laid end to end and cut into blocks of `seq_len`, a batch of whole documents at a time.
+
+    A token at stream index g has position g - max(start of its document, start of its block), so
+    a block's unfinished tail is carried to the next batch with its positions already final: the
+    cut is the one of laying the whole stream out at once. `skip` tokens at the stream's start
+    finish a block that an earlier shard began."""
+
+    seq_len: int
+    laid: int = 0  # stream index of the next token
+    skip: int = 0
+    carry_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    carry_pos: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+
+    def add(self, flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The (ids, positions) of the whole blocks these documents complete, flat; the tail is carried."""
+        position = _positions(lengths, self.laid, self.seq_len)
+        self.laid += flat.size
+        if self.skip:
+            k = min(self.skip, flat.size)
+            flat, position, self.skip = flat[k:], position[k:], self.skip - k
+        ids, pos = np.concatenate([self.carry_ids, flat]), np.concatenate([self.carry_pos, position])
+        whole = ids.size - ids.size % self.seq_len
+        self.carry_ids, self.carry_pos = ids[whole:], pos[whole:]
+        return ids[:whole], pos[:whole]
+
+    def last_block(self, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The stream's last, padded block (ids, positions, [real tokens]), or None when it ended on a border.
+        The padding is a segment of its own (positions from 0)."""
+        if not self.carry_ids.size:
+            return None
+        pad = self.seq_len - self.carry_ids.size
+        ids = np.concatenate([self.carry_ids, np.full(pad, pad_id, dtype=np.int32)])
+        pos = np.concatenate([self.carry_pos, np.arange(pad, dtype=np.int32)])
+        return ids, pos, np.array([self.carry_ids.size], dtype=np.int32)
 
 
 def _positions(lengths: np.ndarray, laid: int, seq_len: int) -> np.ndarray:
@@ -400,12 +433,16 @@ def target_counts(blocks: datasets.Dataset, chunk_rows: int = 4096) -> np.ndarra
     rows = blocks.select_columns(["position_ids", "num_tokens"]).with_format("numpy")
     counts = []
     for start in range(0, len(rows), chunk_rows):
-        part = rows[start : start + chunk_rows]
-        pos, n = part["position_ids"], part["num_tokens"]
-        valid = (pos != 0) & (np.arange(pos.shape[1])[None, :] < n[:, None])
-        valid[:, 0] = False  # the first label of a block has no prediction (shifted away)
-        counts.append(valid.sum(axis=1))
-    return np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, dtype=np.int64)
+        counts.append(block_targets(rows[start : start + chunk_rows]))
+    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+
+
+def block_targets(columns: dict) -> np.ndarray:
+    """Loss targets of each block of `columns` (position_ids and num_tokens of some blocks)."""
+    pos, n = np.asarray(columns["position_ids"]), np.asarray(columns["num_tokens"])
+    valid = (pos != 0) & (np.arange(pos.shape[1])[None, :] < n[:, None])
+    valid[:, 0] = False  # the first label of a block has no prediction (shifted away)
+    return valid.sum(axis=1).astype(np.int64)
 
 
 def column(blocks: datasets.Dataset, name: str) -> np.ndarray:

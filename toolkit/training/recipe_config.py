@@ -76,6 +76,9 @@ class FinetuneDataConfig(DataConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate()
+        if self.streaming:
+            problems.append("streaming=true is for pretraining (recipes/pretrain.py); fine-tuning prepares its "
+                            "corpus ahead: drop data.streaming")
         if self.format == "chat":
             problems += [p for p in self.chat().validate() if p not in problems and not p.startswith("val_fraction")]
         return problems

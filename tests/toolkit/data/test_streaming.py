@@ -1,0 +1,145 @@
+"""Streaming: blocks packed as training takes them, equal to the prepared path's, and resumed exactly."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import numpy as np
+import pytest
+
+from toolkit.config import UserError
+from toolkit.data import streaming
+from toolkit.data.packing import pack_documents, tokenize_documents
+from toolkit.data.streaming import StreamingBlocks, held_out_documents
+
+SEQ_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def texts(tiny_texts) -> list[str]:
+    """150 documents from 1 character to several blocks long, with empty ones between."""
+    out = []
+    for i, text in enumerate(tiny_texts[:150]):
+        out.append(text[: (37 * i) % 700 + 1])
+        if i % 17 == 0:
+            out.append("   ")  # skipped, as the prepared path's non-empty filter does
+    return out
+
+
+@pytest.fixture
+def small_reads(monkeypatch):
+    """7 documents a read: positions in the stream fall inside files, blocks and documents."""
+    monkeypatch.setattr(streaming, "READ_DOCUMENTS", 7)
+
+
+def jsonl_stream(folder, texts: list[str], files: int) -> datasets.IterableDataset:
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        with open(folder / f"part-{f}.jsonl", "w") as out:
+            out.writelines(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts[f::files]))
+    names = sorted(str(p) for p in folder.glob("*.jsonl"))
+    return datasets.load_dataset("json", data_files=names, split="train", streaming=True)
+
+
+def prepared(texts: list[str], tokenizer) -> dict[str, np.ndarray]:
+    docs = datasets.Dataset.from_dict({"text": [t for t in texts if t.strip()]})
+    blocks = pack_documents(tokenize_documents(docs, tokenizer), SEQ_LEN, tokenizer.pad_token_id)
+    return {k: np.asarray(v) for k, v in blocks.with_format("numpy")[:].items()}
+
+
+def take_all(blocks: StreamingBlocks, sizes: list[int]) -> list[dict[str, np.ndarray]]:
+    return [blocks.take(n) for n in sizes]
+
+
+def joined(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([b[k] for b in batches]) for k in streaming.COLUMNS}
+
+
+def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    for k in streaming.COLUMNS:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_one_rank_streams_the_blocks_of_the_prepared_path(texts, tiny_tokenizer, small_reads):
+    """The same token stream cut the same way: ids, positions and token counts, the padded last block too."""
+    reference = prepared(texts, tiny_tokenizer)
+    n = len(reference["num_tokens"])
+    stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset()
+    blocks = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN)
+    got = joined(take_all(blocks, [1, 5, 2, n - 8]))
+    assert_same(got, reference)
+    assert reference["num_tokens"][-1] < SEQ_LEN  # the corpus does not end on a border: a padded block
+    assert blocks.epoch == 1
+    # the next epoch reads the stream again from its start
+    assert_same(blocks.take(3), {k: v[:3] for k, v in reference.items()})
+
+
+@pytest.mark.parametrize("files", [2, 3], ids=["a-file-per-rank", "every-other-document"])
+def test_each_rank_streams_the_blocks_of_its_documents(texts, tiny_tokenizer, tmp_path, small_reads, files):
+    """2 data ranks: whole files each where they divide, else alternate documents; nothing lost or repeated."""
+    stream = jsonl_stream(tmp_path / "corpus", texts, files)
+    seen = []
+    for rank in range(2):
+        mine = [e["text"] for e in datasets.distributed.split_dataset_by_node(stream, rank=rank, world_size=2)]
+        seen += mine
+        reference = prepared(mine, tiny_tokenizer)
+        blocks = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, ranks=(2, rank))
+        assert_same(blocks.take(len(reference["num_tokens"])), reference)
+    assert sorted(seen) == sorted(texts)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_resume_at_any_step_takes_the_batches_of_the_uninterrupted_run(texts, tiny_tokenizer, tmp_path,
+                                                                          small_reads, world):
+    """Stopped after every step in turn (mid-read, mid-document, across the epoch's end), saved to a
+    checkpoint folder and loaded into a fresh reader: the remaining steps' blocks are the same."""
+    stream = jsonl_stream(tmp_path / "corpus", texts, 3)
+    per_step = 3
+    for rank in range(world):
+        mine = [e["text"] for e in datasets.distributed.split_dataset_by_node(stream, rank=rank, world_size=world)]
+        steps = (len(prepared(mine, tiny_tokenizer)["num_tokens"]) + 4) // per_step  # into a 2nd epoch
+        whole = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, ranks=(world, rank))
+        uninterrupted = take_all(whole, [per_step] * steps)
+        assert whole.epoch == 1
+        for stop in range(1, steps):
+            first = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, ranks=(world, rank))
+            assert_same(joined(take_all(first, [per_step] * stop)), joined(uninterrupted[:stop]))
+            folder = tmp_path / f"ckpt-{rank}-{stop}"
+            folder.mkdir()
+            first.save(folder)
+            resumed = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, ranks=(world, rank))
+            resumed.load(folder)
+            assert_same(joined(take_all(resumed, [per_step] * (steps - stop))), joined(uninterrupted[stop:]))
+
+
+def test_held_out_documents_are_never_trained_on(texts, tiny_tokenizer):
+    stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset()
+    held = held_out_documents(stream, 20)
+    assert held == [t for t in texts if t.strip()][:20]
+    blocks = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, held_out=held)
+    reference = prepared([t for t in texts if t not in held], tiny_tokenizer)
+    assert_same(blocks.take(len(reference["num_tokens"])), reference)
+
+
+def test_a_resume_with_other_data_ranks_or_seq_len_is_refused(texts, tiny_tokenizer, tmp_path):
+    stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset()
+    StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN).save(tmp_path)
+    with pytest.raises(UserError, match="streamed on 1 data rank.*resumes only with both unchanged"):
+        StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN * 2).load(tmp_path)
+    with pytest.raises(UserError, match="no stream position for data rank 1"):
+        StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, ranks=(2, 1)).load(tmp_path)
+
+
+@pytest.mark.parametrize(("records", "error"), [
+    ([{"body": "some text"}], "data.text_column=text is not in corpus.jsonl; its columns are \\['body'\\]"),
+    ([{"text": 12}], "has text=12 \\(int\\), not text"),
+    ([{"text": ""}, {"text": "  "}], "found no text in its part"),
+])
+def test_bad_streams_are_refused_in_one_line(tiny_tokenizer, tmp_path, records, error):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stream = datasets.load_dataset("json", data_files=[str(path)], split="train", streaming=True)
+    blocks = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, source="corpus.jsonl")
+    with pytest.raises(UserError, match=error):
+        blocks.take(1)

@@ -1,0 +1,175 @@
+"""Blocks packed while training reads them (`data.streaming=true`).
+
+Each data rank reads its part of the stream (`datasets.distributed.split_dataset_by_node`: whole
+files where their number divides by the ranks, else every world-th document), tokenizes a batch
+of documents at a time and lays them into blocks with the prepared path's `Layout`. Nothing is
+prepared ahead, so the first step starts at once, and memory is one batch of documents plus the
+blocks not yet trained on.
+
+Exact resume: `save` writes this rank's position in the stream after the last document read
+(datasets' IterableDataset state), the unfinished block (< seq_len tokens, positions final) and
+the blocks packed but not yet handed out; `load` puts them back, and the blocks taken next are
+the ones the uninterrupted run took.
+
+What differs from prepared data (docs/data.md): blocks come in stream order (no shuffle over the
+corpus), and each rank packs only its documents, so a step's global batch depends on the number
+of data ranks. A rank's epoch ends when its part of the stream does: its last block is padded,
+and it reads its part again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from pathlib import Path
+
+import datasets
+import numpy as np
+from datasets.distributed import split_dataset_by_node
+
+from toolkit.config import UserError
+from toolkit.data.packing import Layout, encoder
+
+READ_DOCUMENTS = 256  # documents tokenized at a time: one Rust tokenizer call
+STATE_VERSION = 1
+COLUMNS = ("input_ids", "position_ids", "num_tokens")
+
+
+def state_file(folder: Path, rank: int) -> Path:
+    return folder / f"stream_{rank}.npz"
+
+
+class StreamingBlocks:
+    """This data rank's packed blocks, made from the stream as they are taken.
+
+    `ranks` is (data ranks, this rank's index); `held_out` are texts that training skips (the
+    documents held out for evaluation, and any copy of them); `column` the stream's text column."""
+
+    def __init__(
+        self, stream: datasets.IterableDataset, tokenizer, seq_len: int, ranks: tuple[int, int] = (1, 0),
+        held_out: Collection[str] = (), column: str = "text", source: str = "the stream",
+    ):
+        self.source_stream, self.ranks, self.seq_len = stream, ranks, seq_len
+        self.encode, self.pad_id = encoder(tokenizer), tokenizer.pad_token_id
+        self.held_out, self.column, self.source = frozenset(held_out), column, source
+        self.epoch = 0
+        self.position: dict | None = None  # the stream's state after the last document read; None = its start
+        self.layout = Layout(seq_len)
+        self.pending = _no_blocks(seq_len)
+        self._documents = None  # the live iterator
+
+    # ------------------------------------------------------------------ reading
+    def take(self, n: int) -> dict[str, np.ndarray]:
+        """The next `n` blocks: input_ids and position_ids (n, seq_len), num_tokens (n,)."""
+        while len(self.pending["num_tokens"]) < n:
+            self._read()
+        out = {k: v[:n] for k, v in self.pending.items()}
+        self.pending = {k: v[n:] for k, v in self.pending.items()}
+        return out
+
+    def _read(self) -> None:
+        """Tokenize and lay out the next documents; at the end of this rank's part, its last block and a new epoch."""
+        if self._documents is None:
+            self._documents = iter(self._stream())
+        texts, ended = [], True
+        for i, example in enumerate(self._documents):
+            text = example.get(self.column)
+            if self.column not in example:
+                raise UserError(
+                    f"data.text_column={self.column} is not in {self.source}; its columns are {sorted(example)}"
+                )
+            if text is not None and not isinstance(text, str):
+                raise UserError(
+                    f"data.path={self.source}: a record has {self.column}={text!r:.60} ({type(text).__name__}), "
+                    "not text; set data.text_column to a column of strings"
+                )
+            if text and text.strip() and text not in self.held_out:
+                texts.append(text)
+            if i + 1 == READ_DOCUMENTS:
+                ended = False
+                break
+        if texts:
+            ids = self.encode(texts)
+            lengths = np.array([len(x) for x in ids], dtype=np.int64)
+            flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(lengths.sum()))
+            self._append(*self.layout.add(flat, lengths))
+        if not ended:
+            self.position = self._live.state_dict()
+            return
+        if self.layout.laid == 0:
+            world, rank = self.ranks
+            raise UserError(
+                f"data rank {rank} of {world} found no text in its part of {self.source}; the stream has fewer "
+                "non-empty documents (or files) than data ranks, or data.text_column is empty"
+            )
+        last = self.layout.last_block(self.pad_id)
+        if last is not None:
+            self._append(last[0], last[1], last[2])
+        self.epoch, self.position, self.layout, self._documents = self.epoch + 1, None, Layout(self.seq_len), None
+
+    def _stream(self) -> datasets.IterableDataset:
+        """This rank's part, at `position` (a fresh object: datasets keeps a loaded state for every later pass)."""
+        world, rank = self.ranks
+        live = split_dataset_by_node(self.source_stream, rank=rank, world_size=world)
+        live.set_epoch(self.epoch)
+        if self.position is not None:
+            live.load_state_dict(self.position)
+        self._live = live
+        return live
+
+    def _append(self, ids: np.ndarray, pos: np.ndarray, num_tokens: np.ndarray | None = None) -> None:
+        n = ids.size // self.seq_len
+        if not n:
+            return
+        if num_tokens is None:
+            num_tokens = np.full(n, self.seq_len, dtype=np.int32)
+        new = {"input_ids": ids.reshape(n, self.seq_len), "position_ids": pos.reshape(n, self.seq_len),
+               "num_tokens": num_tokens}
+        self.pending = {k: np.concatenate([self.pending[k], new[k]]) for k in COLUMNS}
+
+    # ------------------------------------------------------------------ resume
+    def save(self, folder: Path) -> None:
+        """This rank's position, unfinished block and blocks not yet taken, into the checkpoint folder."""
+        meta = {"version": STATE_VERSION, "ranks": list(self.ranks), "seq_len": self.seq_len, "epoch": self.epoch,
+                "position": self.position, "laid": self.layout.laid}
+        np.savez(state_file(folder, self.ranks[1]), meta=np.array(json.dumps(meta)), carry_ids=self.layout.carry_ids,
+                 carry_pos=self.layout.carry_pos, **self.pending)
+
+    def load(self, folder: Path) -> None:
+        world, rank = self.ranks
+        file = state_file(folder, rank)
+        if not file.is_file():
+            raise UserError(
+                f"checkpoint {folder} has no stream position for data rank {rank} ({file.name}): it was trained on "
+                "prepared data or fewer data ranks; resume it with data.streaming=false, or with its number of ranks"
+            )
+        with np.load(file, allow_pickle=False) as saved:
+            meta = json.loads(str(saved["meta"]))
+            if meta["ranks"][0] != world or meta["seq_len"] != self.seq_len:
+                raise UserError(
+                    f"checkpoint {folder} streamed on {meta['ranks'][0]} data rank(s) with data.seq_len="
+                    f"{meta['seq_len']}; a streamed run resumes only with both unchanged (this run: {world}, "
+                    f"{self.seq_len}): each rank's blocks depend on them"
+                )
+            self.epoch, self.position = meta["epoch"], meta["position"]
+            self.layout = Layout(self.seq_len, laid=meta["laid"], carry_ids=saved["carry_ids"],
+                                 carry_pos=saved["carry_pos"])
+            self.pending = {k: saved[k] for k in COLUMNS}
+        self._documents = None
+
+
+def held_out_documents(stream: datasets.IterableDataset, n: int, column: str = "text") -> list[str]:
+    """The stream's first `n` non-empty documents: evaluation's, skipped by training."""
+    texts = []
+    for example in stream:
+        text = example.get(column)
+        if isinstance(text, str) and text.strip():
+            texts.append(text)
+            if len(texts) == n:
+                break
+    return texts
+
+
+def _no_blocks(seq_len: int) -> dict[str, np.ndarray]:
+    return {"input_ids": np.empty((0, seq_len), dtype=np.int32), "position_ids": np.empty((0, seq_len), dtype=np.int32),
+            "num_tokens": np.empty(0, dtype=np.int32)}
