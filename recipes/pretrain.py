@@ -8,6 +8,7 @@ Features
 - Corpus from files, a folder, a glob or a hub id; the CPython docs when none is given.
 - A byte-level BPE trained on the corpus when no tokenizer is given.
 - Packed blocks in which attention never crosses a document boundary.
+- data.streaming=true: blocks packed as the steps take them, with nothing prepared ahead.
 - Loss normalised by target tokens over the whole global batch (accumulation- and rank-exact).
 - Checkpoints every N steps (keep the last K), `resume=auto` or `resume=PATH`.
 - metrics.jsonl, tensorboard, held-out perplexity, a loss-curve PNG, and final/ in HF format.
@@ -28,9 +29,12 @@ train.collective_timeout_s): one line per rank, exit code 4.
 
 from __future__ import annotations
 
-from toolkit.config import to_dict
-from toolkit.data.corpus import load_corpus, split_documents
-from toolkit.data.packing import collate, packed_splits, target_counts
+import datasets
+
+from toolkit.config import UserError, to_dict
+from toolkit.data.corpus import EMBEDDED, load_corpus, split_documents, stream_corpus
+from toolkit.data.packing import collate, packed_dataset, packed_splits, target_counts
+from toolkit.data.streaming import TOKENIZER_DOCUMENTS, StreamingBlocks, held_out_documents
 from toolkit.data.tokenizer import get_tokenizer
 from toolkit.export.hf_folder import save_final_model
 from toolkit.models.compilation import compile_layers
@@ -58,21 +62,22 @@ class PretrainRecipe:
         # Data: the main process reads the corpus and trains the tokenizer into the cache; the
         # others then read them. Every rank then tokenizes and packs its share of the documents.
         data_notes: list[str] = []
-        with strategy.accelerator.main_process_first():
-            corpus, source = load_corpus(cfg.data, data_notes)
-            train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
-            tok_key = f"{source}-v{cfg.tokenizer.vocab_size}-f{cfg.tokenizer.min_frequency}"
-            tok_dir = cfg.data.resolved_cache_dir() / f"tokenizer-{tok_key}"
-            self.tokenizer = get_tokenizer(cfg.tokenizer, train_docs, tok_dir)
-        train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
-        schedule = trainer.use_data(train, val, collate, target_counts)
+        if cfg.data.streaming:
+            self.stream_data(data_notes)
+        else:
+            with strategy.accelerator.main_process_first():
+                corpus, source = load_corpus(cfg.data, data_notes)
+                train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
+                self.tokenizer = self.tokenizer_of(train_docs, source)
+            train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
+            schedule = trainer.use_data(train, val, collate, target_counts)
+            trainer.print(
+                f"data: {len(train_docs)} train / {len(val_docs or [])} held-out documents -> "
+                f"{len(train)} blocks of {cfg.data.seq_len} tokens "
+                f"({schedule.steps_per_epoch} steps per epoch); vocab {len(self.tokenizer)}"
+            )
         for line in data_notes:
             trainer.print(f"data: {line}")
-        trainer.print(
-            f"data: {len(train_docs)} train / {len(val_docs or [])} held-out documents -> "
-            f"{len(train)} blocks of {cfg.data.seq_len} tokens "
-            f"({schedule.steps_per_epoch} steps per epoch); vocab {len(self.tokenizer)}"
-        )
 
         # Model: random init from the config, seeded identically on every rank.
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
@@ -87,6 +92,43 @@ class PretrainRecipe:
             f"gradient checkpointing {cfg.model.gradient_checkpointing}"
         )
         trainer.prepare(model, self.tokenizer, n_params, flops_token)
+
+    def tokenizer_of(self, train_docs, source: str):
+        """tokenizer.path, or a BPE trained on `train_docs` once into the cache."""
+        cfg = self.cfg
+        tok_key = f"{source}-v{cfg.tokenizer.vocab_size}-f{cfg.tokenizer.min_frequency}"
+        return get_tokenizer(cfg.tokenizer, train_docs, cfg.data.resolved_cache_dir() / f"tokenizer-{tok_key}")
+
+    def stream_data(self, notes: list[str]) -> None:
+        """data.streaming: the held-out documents are the stream's first ones; each data rank then packs
+        its part of the rest as the steps take it. A tokenizer to train sees the next documents."""
+        cfg, trainer = self.cfg, self.trainer
+        column = cfg.data.text_column if cfg.data.path else "text"
+        n_val = cfg.data.stream_val_documents if cfg.data.val_fraction else 0
+        with trainer.strategy.accelerator.main_process_first():
+            stream, source = stream_corpus(cfg.data, notes)
+            first = held_out_documents(stream, n_val + (0 if cfg.tokenizer.path else TOKENIZER_DOCUMENTS), column)
+            held_out = first[:n_val]
+            if len(first) <= n_val:
+                raise UserError(
+                    f"data.stream_val_documents={n_val} holds out the whole stream ({len(first)} documents) and "
+                    f"leaves none to train on; lower it (e.g. {max(1, len(first) // 20)}) or set data.val_fraction=0"
+                )
+            self.tokenizer = self.tokenizer_of(datasets.Dataset.from_dict({"text": first[n_val:]}), source)
+        val = None
+        if held_out:
+            val = packed_dataset(datasets.Dataset.from_dict({"text": held_out}), self.tokenizer, cfg.data.seq_len,
+                                 cfg.data.resolved_cache_dir(), f"{source}-held-out-{n_val}", cfg.data.num_proc)
+        world, rank = trainer.strategy.data_ranks
+        train = StreamingBlocks(stream, self.tokenizer, cfg.data.seq_len, (world, rank), held_out, column,
+                                cfg.data.path or EMBEDDED)
+        trainer.use_stream(train, val, collate)
+        tokenizer = "" if cfg.tokenizer.path else f"; the tokenizer trained on the next {len(first) - n_val} documents"
+        trainer.print(
+            f"data: streaming: {world} data rank(s) each pack their part of the stream as the steps take it; "
+            f"{len(held_out)} held-out documents (the stream's first) -> {len(val or [])} blocks{tokenizer}; "
+            f"vocab {len(self.tokenizer)}"
+        )
 
     def train(self) -> None:
         self.trainer.fit()

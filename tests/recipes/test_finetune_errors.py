@@ -132,3 +132,9 @@ def test_overlong_conversations_are_counted_in_the_log(finetune, capsys, tmp_pat
     assert code == 0, err[-2000:]
     assert "2 training conversations are longer than data.seq_len=64 and were truncated" in out + err
     assert "packed 8 of 8 conversations" in out + err
+
+
+def test_streaming_is_refused_for_fine_tuning(finetune, capsys, tmp_path):
+    err = one_error(finetune, capsys, tmp_path, "data.streaming=true")
+    assert err == ("error: data.streaming=true is for pretraining (recipes/pretrain.py); fine-tuning prepares its "
+                   "corpus ahead: drop data.streaming")

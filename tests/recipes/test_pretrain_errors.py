@@ -85,6 +85,13 @@ def test_empty_corpus(pretrain, capsys, monkeypatch, tmp_path):
     assert "holds no text (0 non-empty documents)" in err
 
 
+def test_a_stream_held_out_whole_is_refused(pretrain, capsys, monkeypatch, tmp_path):
+    """data.streaming cannot count the documents ahead: holding out more than there are says so."""
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, "data.streaming=true", "data.stream_val_documents=100")
+    assert err == ("error: data.stream_val_documents=100 holds out the whole stream (79 documents) and leaves none "
+                   "to train on; lower it (e.g. 3) or set data.val_fraction=0")
+
+
 def test_text_data_that_is_not_utf8(pretrain, capsys, monkeypatch, tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_bytes("A first paragraph.\n\nA caf\u00e9 paragraph.\n".encode("latin-1"))  # é is byte 0xe9

@@ -44,7 +44,7 @@ class DataConfig:
         "training starts at once, nothing is prepared ahead; the blocks then depend on the number of data ranks"
     )
     stream_val_documents: int = field(
-        500, help="with streaming: the stream's first N documents are held out for evaluation (when val_fraction > 0)"
+        100, help="with streaming: the stream's first N documents are held out for evaluation (when val_fraction > 0)"
     )
 
     def validate(self) -> list[str]:

@@ -65,11 +65,13 @@ def save_checkpoint(
     keep_last: int,
     model_files: Callable[[Path], None] | None = None,
     say: Callable[[str], None] = print,
+    rank_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Collective: every rank must call it.
 
     `model_files(folder)` writes what turns the saved weights back into a model without the
     run (config, tokenizer): recipes/export.py consolidates any checkpoint from it alone.
+    `rank_files(folder)` is called on every rank, for what each rank keeps of its own (a stream's position).
     """
     acc = strategy.accelerator
     folder = run.checkpoint(state.step)
@@ -92,6 +94,8 @@ def save_checkpoint(
     failure = None
     try:
         strategy.save_state(folder)
+        if rank_files is not None:
+            rank_files(folder)
         fail_point("save.rank_files", state.step, folder)
     except (OSError, RuntimeError) as exc:
         failure = _write_failure(exc, strategy.rank, folder)

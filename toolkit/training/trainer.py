@@ -2,7 +2,7 @@
 
     trainer = Trainer("pretrain", cfg)              # checks output_dir, launches the strategy
     ... the recipe loads or builds its tokenizer, data and model ...
-    trainer.use_data(train, val, collate, counts)   # the batch schedule
+    trainer.use_data(train, val, collate, counts)   # the batch schedule (or use_stream: blocks as they stream)
     trainer.prepare(model, tokenizer, ...)          # optimizer and schedule, resume, metrics
     trainer.fit()                                   # steps, evaluation, checkpoints, stop signals
     trainer.finish()                                # last evaluation and checkpoint, replica check
@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 
 from toolkit.config import UserError, field, to_dict
 from toolkit.data.batching import BatchSchedule
-from toolkit.data.packing import check_attention, column
+from toolkit.data.packing import block_targets, check_attention, column
+from toolkit.data.streaming import StreamingBlocks, state_file
 from toolkit.export.hf_folder import write_model_files
 from toolkit.faults import kill_point, killing_batches, model_kill_points
 from toolkit.models.loss import output_head
@@ -204,6 +205,7 @@ class Trainer:
             datasets.disable_progress_bars()
 
         self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size)
+        self.stream: StreamingBlocks | None = None  # set by use_stream
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
         self.metrics: MetricsWriter | None = None
@@ -237,6 +239,28 @@ class Trainer:
             *self.strategy.data_ranks, cfg.seed,
         )
         return self.schedule
+
+    def use_stream(self, train: StreamingBlocks, val: datasets.Dataset | None, collate: Callable) -> None:
+        """Blocks packed as the steps take them (data.streaming): each rank takes its next
+        global_batch / data ranks blocks a step, and the loss normaliser is summed over the ranks."""
+        self.stream, self.val_blocks, self.collate = train, val, collate
+
+    def step_data(self, step: int) -> tuple[Iterator[dict], int, int]:
+        """This rank's micro-batches (block columns) of `step`, and the global batch's target and token counts."""
+        if self.stream is None:
+            global_idx = self.schedule.global_indices(step)
+            micro = (self.train_blocks[m] for m in self.schedule.micro_batches(step))
+            return micro, int(self.block_targets[global_idx].sum()), int(self.block_tokens[global_idx].sum())
+        t, (world, _) = self.cfg.train, self.strategy.data_ranks
+        blocks = self.stream.take(t.global_batch_size // world)
+        mine = [float(block_targets(blocks).sum()), float(blocks["num_tokens"].sum())]
+        # every rank of a tensor/context/sequence-parallel group or pipeline holds the same blocks
+        copies = self.strategy.world_size // world
+        totals = self.accelerator.reduce(torch.tensor(mine, dtype=torch.float64, device=self.accelerator.device), "sum")
+        targets, tokens = (int(x) // copies for x in totals.tolist())
+        micro = ({k: v[i : i + t.micro_batch_size] for k, v in blocks.items()}
+                 for i in range(0, len(blocks["num_tokens"]), t.micro_batch_size))
+        return micro, targets, tokens
 
     def prepare(
         self, model: torch.nn.Module, tokenizer, n_params: int, flops_token: float,
@@ -282,6 +306,7 @@ class Trainer:
             )
             check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size)
             self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
+            self.resume_data(self.resume_from)
             self.state.global_batch_size = cfg.train.global_batch_size  # a checkpoint older than the field
             bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
             if bad is not None:
@@ -297,6 +322,16 @@ class Trainer:
         if cfg.logging.trackers:
             self.accelerator.init_trackers("tensorboard", config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(self.strategy.device)
+
+    def resume_data(self, folder: Path) -> None:
+        """A streamed run's position in its stream; prepared data needs none (its order is (seed, step))."""
+        if self.stream is not None:
+            self.stream.load(folder)
+        elif state_file(folder, 0).is_file():
+            raise UserError(
+                f"checkpoint {folder} was trained with data.streaming=true: its data position is a place in the "
+                "stream; resume it with data.streaming=true"
+            )
 
     # ------------------------------------------------------------------ train
     def fit(self) -> None:
@@ -316,12 +351,11 @@ class Trainer:
         while state.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
-            global_idx = self.schedule.global_indices(state.step)
-            global_targets = int(self.block_targets[global_idx].sum())
+            blocks, global_targets, step_tokens = self.step_data(state.step)
             scale = self.strategy.backward_scale(global_targets)
             micro_batches = acc.num_processes * self.strategy.accumulation
             split = self.strategy.split_sequences
-            batches = (split(self.collate(self.train_blocks[m], attn)) for m in self.schedule.micro_batches(state.step))
+            batches = (split(self.collate(columns, attn)) for columns in blocks)
             # Once per run, measure the bytes each rank really holds (sharding made visible).
             meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
             with (
@@ -343,7 +377,6 @@ class Trainer:
             if self.step_scheduler and nonfinite is None:  # a skipped step leaves the schedule where it was
                 self.scheduler.step()
             state.step += 1
-            step_tokens = int(self.block_tokens[global_idx].sum())
             if nonfinite is None:
                 state.tokens_seen += step_tokens
                 self.nonfinite_in_a_row = 0
@@ -379,7 +412,7 @@ class Trainer:
                     "tokens": state.tokens_seen,
                     "tokens_per_s": tps,
                     "mfu": estimate_mfu(tps, self.flops_token, acc.num_processes, self.peak),
-                    "epoch": self.schedule.epoch(state.step),
+                    "epoch": self.schedule.epoch(state.step) if self.stream is None else self.stream.epoch,
                     # a mixture of experts: the routers' load-balancing loss, mean over every micro-batch
                     **({} if self.router is None else {"router_aux_loss": values[2] / micro_batches}),
                 })
@@ -479,6 +512,7 @@ class Trainer:
             folder = save_checkpoint(
                 self.strategy, self.run, self.state, self.cfg.checkpoint.keep_last,
                 lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files), self.print,
+                rank_files=self.stream.save if self.stream is not None else None,
             )
         except SaveFailed as exc:
             self.checkpoint_step = -1  # the step has no checkpoint: finish() and a stop try again
