@@ -16,8 +16,11 @@ from typing import Literal
 
 import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from toolkit.config import UserError, cache_dir, field
+from toolkit.data.packing import column_windows
 
 EMBEDDED = "embedded:python-docs"
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -104,15 +107,16 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
         raise UserError(
             f"data.text_column={cfg.text_column} is not in {cfg.path}; its columns are {ds.column_names}"
         )
-    ds = ds.select_columns([cfg.text_column])
-    if cfg.text_column != "text":
-        ds = ds.rename_column(cfg.text_column, "text")
     try:
-        return _non_empty(ds, cfg.path, cfg.text_column), fingerprint
+        ds = _non_empty(ds, cfg.path, cfg.text_column)
     except UnicodeDecodeError as exc:  # the json builder stores the bytes unchecked; the first read decodes them
         if files is None:
             raise
         raise _not_utf8(cfg.path, files, exc) from None
+    ds = ds.select_columns([cfg.text_column])
+    if cfg.text_column != "text":
+        ds = ds.rename_column(cfg.text_column, "text")
+    return ds, fingerprint
 
 
 def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | None, str, dict]:
@@ -323,19 +327,44 @@ def _first_not_utf8(source: str, files: list[str]) -> UserError | None:
 
 
 def _non_empty(ds: datasets.Dataset, source: str, column: str = "text") -> datasets.Dataset:
-    def keep(batch: dict, indices: list[int]) -> list[bool]:
-        for text, i in zip(batch["text"], indices, strict=True):
+    """The documents whose `column` holds more than whitespace; a value that is not text is refused."""
+    keep = _non_empty_rows(ds, column)
+    if keep is not None:
+        if not keep.any():
+            raise UserError(f"data.path={source} holds no text (0 non-empty documents)")
+        return ds if keep.all() else ds.select(np.flatnonzero(keep))
+
+    def check(batch: dict, indices: list[int]) -> list[bool]:
+        for text, i in zip(batch[column], indices, strict=True):
             if text is not None and not isinstance(text, str):  # a number, list or mapping: json keeps its type
                 raise UserError(
                     f"data.path={source}: record {i} has {column}={text!r:.60} ({type(text).__name__}), not text; "
                     "set data.text_column to a column of strings"
                 )
-        return [bool(t and t.strip()) for t in batch["text"]]
+        return [bool(t and t.strip()) for t in batch[column]]
 
-    ds = ds.filter(keep, batched=True, with_indices=True)
+    ds = ds.filter(check, batched=True, with_indices=True)
     if len(ds) == 0:
         raise UserError(f"data.path={source} holds no text (0 non-empty documents)")
     return ds
+
+
+def _non_empty_rows(ds: datasets.Dataset, column: str) -> np.ndarray | None:
+    """Which rows hold more than whitespace, computed by arrow over plain reads of the files, so that
+    the corpus's text does not stay in this process's RSS (datasets' filter reads it through the
+    memory map: 4 GB of resident pages for 1B tokens). None when `column` is not valid UTF-8 strings:
+    datasets' per-record read then says which record is wrong."""
+    if ds.features.get(column) not in (datasets.Value("string"), datasets.Value("large_string")):
+        return None
+    masks = []
+    try:
+        for texts in column_windows(ds, column):
+            texts.validate(full=True)  # UTF-8
+            length = pc.utf8_length(pc.utf8_trim_whitespace(texts))
+            masks.append(pc.fill_null(pc.greater(length, 0), False).to_numpy(zero_copy_only=False))
+    except pa.ArrowInvalid:
+        return None
+    return np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
 
 
 def _hash(*parts: str) -> str:

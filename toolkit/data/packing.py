@@ -49,6 +49,9 @@ MANIFEST = "blocks.json"  # the block files, in order; written last, so its pres
 # Tokens packed at a time. Packing holds about 50 B per token of a chunk (ids, positions and
 # their int64 indices), so ~50 MB whatever the corpus size.
 CHUNK_TOKENS = 1 << 20
+# Documents each tokenizing process takes in one go (a few hundred MB of text for web documents);
+# the processes are started afresh for the next window, so their memory follows the window.
+TOKENIZE_DOCUMENTS = 50_000
 EMPTY_CORPUS = "the corpus tokenized to 0 tokens; check data.path and data.text_column"
 # Attention implementations that can keep packed documents apart, and how they are told.
 MASKED_ATTENTION = {"sdpa"}  # a 4-D boolean mask
@@ -215,7 +218,7 @@ def _document_chunks(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(flat int32 tokens, per-document lengths) of at most `chunk_tokens` tokens of whole documents at a time
     (one document alone where it is longer)."""
-    for column in _id_windows(tokenized, window_rows):
+    for column in column_windows(tokenized, "input_ids", window_rows):
         lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
         ends = np.cumsum(lengths)
         first = 0
@@ -229,24 +232,25 @@ def _document_chunks(
             first = last
 
 
-def _id_windows(tokenized: datasets.Dataset, window_rows: int) -> Iterator[pa.Array | pa.ChunkedArray]:
-    """The `input_ids` column, some rows at a time, in order.
+def column_windows(dataset: datasets.Dataset, name: str, window_rows: int = 4096) -> Iterator[pa.Array | pa.ChunkedArray]:
+    """One column of `dataset`, some rows at a time, in order.
 
-    What `map` wrote (the dataset is exactly its files) is read from the files with plain reads,
-    a record batch at a time: reading it through the memory map would leave every page read in
-    this process's RSS until the kernel wants it back (4 bytes a token). Anything else (a
-    selection, a slice, a table in memory) is read through the arrow format, which honours an
-    indices mapping."""
-    files = [f["filename"] for f in tokenized.cache_files]
-    if files and tokenized._indices is None and sum(_rows_in(f) for f in files) == len(tokenized):
+    A dataset that is exactly its arrow files (what `load_dataset` or `map` wrote) is read from
+    the files with plain reads, a record batch at a time: reading it through the memory map would
+    leave every page read in this process's RSS until the kernel wants it back (4 bytes a token,
+    the whole text of a corpus). Anything else (a selection, a slice, a table in memory) is read
+    through the arrow format, which honours an indices mapping. `name` is the column's name in
+    the files (before any rename)."""
+    files = [f["filename"] for f in dataset.cache_files]
+    if files and dataset._indices is None and sum(_rows_in(f) for f in files) == len(dataset):
         for f in files:
             with pa.OSFile(f) as source:
                 for batch in pa.ipc.open_stream(source):
-                    yield batch.column("input_ids")
+                    yield batch.column(name)
         return
-    rows = tokenized.with_format("arrow")
-    for start in range(0, len(tokenized), window_rows):
-        yield rows[start : start + window_rows].column("input_ids")
+    rows = dataset.with_format("arrow")
+    for start in range(0, len(dataset), window_rows):
+        yield rows[start : start + window_rows].column(name)
 
 
 def _rows_in(arrow_file: str) -> int:
@@ -309,11 +313,18 @@ def packed_dataset(
     ids_file = tmp / f"ids-{ranks.rank:05d}.arrow"
     # num_proc is the node's: its ranks tokenize at once, so each takes its part of the processes
     per_rank = max(1, num_proc // ranks.local_world)
-    tokenized = tokenize_documents(shard, tokenizer, per_rank, cache_file=str(ids_file))
+    # A window of documents at a time, each with fresh tokenizing processes: a process's RSS then
+    # holds the text pages of one window (datasets reads the text through its memory map), not the
+    # pages of its whole part, which grow with the corpus.
+    window = TOKENIZE_DOCUMENTS * per_rank
+    parts = [tokenize_documents(shard.select(range(a, min(a + window, len(shard)))), tokenizer, per_rank,
+                                cache_file=str(tmp / f"{ids_file.stem}-w{i:05d}.arrow"))
+             for i, a in enumerate(range(0, max(1, len(shard)), window))]
+    tokenized = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     name = f"blocks-{ranks.rank:05d}-of-{ranks.world:05d}.arrow"
     n_blocks = pack_shard(tokenized, seq_len, tokenizer.pad_token_id, tmp / name, ranks)
     del tokenized
-    for scratch in tmp.glob(f"{ids_file.stem}*.arrow"):  # one file per tokenizing process
+    for scratch in tmp.glob(f"{ids_file.stem}*.arrow"):  # one file per window and tokenizing process
         scratch.unlink()
     files = ranks.gather((name, n_blocks))
     if not all(ranks.gather(all((tmp / f).is_file() for f, _ in files))):

@@ -406,3 +406,12 @@ def test_a_single_document_cannot_be_split():
         UserError, match=r"the corpus has 1 document\(s\); cannot hold out 5% .* data.val_fraction=0"
     ):
         split_documents(numbered(1), 0.05, seed=0)
+
+
+def test_the_non_empty_filter_keeps_what_pythons_strip_keeps(tmp_path):
+    """Arrow's whitespace trim (over plain reads of the files) agrees with str.strip on every kind of space."""
+    texts = ["", " ", "\t\n", "\u3000", "\u00a0", "a", None, "\x1c", "\u200b", "\u2028", "\x85", " x ", "\ufeff"]
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(texts)))
+    ds, _ = load_corpus(DataConfig(path=str(f)))
+    assert ds["text"] == [t for t in texts if t and t.strip()]

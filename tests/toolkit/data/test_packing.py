@@ -506,3 +506,17 @@ def test_ranks_of_a_node_share_its_tokenizing_processes(docs, tiny_tokenizer, tm
     run_ranks(2, lambda ranks: packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path, "s", num_proc=4,
                                               ranks=dataclasses.replace(ranks, local_world=2)))
     assert asked == [2, 2]
+
+
+def test_documents_are_tokenized_a_window_at_a_time(docs, tiny_tokenizer, tmp_path, monkeypatch):
+    """Fresh tokenizing processes for each window of TOKENIZE_DOCUMENTS per process (their memory follows
+    the window): the windows' ids, read as one stream, give the blocks of one tokenization of everything."""
+    alone = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "one", "s")
+    sizes, tokenize = [], packing.tokenize_documents
+    monkeypatch.setattr(packing, "TOKENIZE_DOCUMENTS", 2)
+    monkeypatch.setattr(packing, "tokenize_documents",
+                        lambda d, tok, num_proc, **kw: (sizes.append((len(d), num_proc)), tokenize(d, tok, num_proc, **kw))[1])
+    windowed = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "windows", "s", num_proc=2)
+    assert sizes == [(4, 2), (4, 2), (2, 2)]  # 10 documents, 2 processes of 2 documents each
+    assert_blocks_equal(windowed, tuple(column(alone, n) for n in ("input_ids", "position_ids", "num_tokens")))
+    assert [p.name for p in (tmp_path / "windows").iterdir()] and not list((tmp_path / "windows").rglob("ids-*"))
