@@ -34,8 +34,8 @@ import datasets
 from toolkit.config import UserError, to_dict
 from toolkit.data.corpus import EMBEDDED, load_corpus, split_documents, stream_corpus
 from toolkit.data.packing import collate, packed_dataset, packed_splits, target_counts
-from toolkit.data.streaming import TOKENIZER_DOCUMENTS, StreamingBlocks, held_out_documents
-from toolkit.data.tokenizer import get_tokenizer
+from toolkit.data.streaming import StreamingBlocks, held_out_documents
+from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
 from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
@@ -96,8 +96,8 @@ class PretrainRecipe:
     def tokenizer_of(self, train_docs, source: str):
         """tokenizer.path, or a BPE trained on `train_docs` once into the cache."""
         cfg = self.cfg
-        tok_key = f"{source}-v{cfg.tokenizer.vocab_size}-f{cfg.tokenizer.min_frequency}"
-        return get_tokenizer(cfg.tokenizer, train_docs, cfg.data.resolved_cache_dir() / f"tokenizer-{tok_key}")
+        folder = cfg.data.resolved_cache_dir() / f"tokenizer-{source}-{cfg.tokenizer.key()}"
+        return get_tokenizer(cfg.tokenizer, train_docs, folder)
 
     def stream_data(self, notes: list[str]) -> None:
         """data.streaming: the held-out documents are the stream's first ones; each data rank then packs
@@ -107,14 +107,16 @@ class PretrainRecipe:
         n_val = cfg.data.stream_val_documents if cfg.data.val_fraction else 0
         with trainer.strategy.accelerator.main_process_first():
             stream, source = stream_corpus(cfg.data, notes)
-            first = held_out_documents(stream, n_val + (0 if cfg.tokenizer.path else TOKENIZER_DOCUMENTS), column)
+            n_tok = 0 if cfg.tokenizer.path else cfg.tokenizer.train_documents or STREAM_DOCUMENTS
+            first = held_out_documents(stream, n_val + n_tok, column)
             held_out = first[:n_val]
-            if len(first) <= n_val:
+            if n_val and len(first) <= n_val:
                 raise UserError(
                     f"data.stream_val_documents={n_val} holds out the whole stream ({len(first)} documents) and "
                     f"leaves none to train on; lower it (e.g. {max(1, len(first) // 20)}) or set data.val_fraction=0"
                 )
-            self.tokenizer = self.tokenizer_of(datasets.Dataset.from_dict({"text": first[n_val:]}), source)
+            learn_from = datasets.Dataset.from_dict({"text": first[n_val:]})
+            self.tokenizer = self.tokenizer_of(learn_from, f"{source}-after-{n_val}")
         val = None
         if held_out:
             val = packed_dataset(datasets.Dataset.from_dict({"text": held_out}), self.tokenizer, cfg.data.seq_len,

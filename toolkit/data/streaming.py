@@ -31,7 +31,6 @@ from toolkit.config import UserError
 from toolkit.data.packing import Layout, encoder
 
 READ_DOCUMENTS = 256  # documents tokenized at a time: one Rust tokenizer call
-TOKENIZER_DOCUMENTS = 10_000  # a BPE trained for a streamed corpus learns from its first documents
 STATE_VERSION = 1
 COLUMNS = ("input_ids", "position_ids", "num_tokens")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -13,6 +14,7 @@ from toolkit.config import UserError, field
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
+STREAM_DOCUMENTS = 10_000  # a streamed corpus cannot be read whole first: its BPE learns from its head
 
 
 @dataclass
@@ -20,11 +22,23 @@ class TokenizerConfig:
     path: str | None = field(None, help="tokenizer folder or hub id; empty = train a byte-level BPE on the corpus")
     vocab_size: int = field(4096, help="vocabulary size when training a BPE")
     min_frequency: int = field(2, help="minimum pair frequency for a BPE merge")
+    train_documents: int = field(
+        0, help="documents a BPE learns from: a seeded sample of the training split (0 = all of it; with "
+        f"data.streaming, the {STREAM_DOCUMENTS:,} after the held-out ones)"
+    )
 
     def validate(self) -> list[str]:
+        problems = []
         if self.path is None and not 256 + 2 <= self.vocab_size <= 1_000_000:
-            return [f"vocab_size={self.vocab_size} must be between 258 (bytes + special tokens) and 1000000"]
-        return []
+            problems.append(f"vocab_size={self.vocab_size} must be between 258 (bytes + special tokens) and 1000000")
+        if self.train_documents < 0:
+            problems.append(f"train_documents={self.train_documents} must be 0 (all) or more")
+        return problems
+
+    def key(self) -> str:
+        """What a trained BPE depends on besides the corpus (its cache folder's name)."""
+        sample = f"-d{self.train_documents}" if self.train_documents else ""
+        return f"v{self.vocab_size}-f{self.min_frequency}{sample}"
 
 
 def train_bpe(corpus: datasets.Dataset, vocab_size: int, min_frequency: int = 2) -> PreTrainedTokenizerFast:
@@ -62,11 +76,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def get_tokenizer(cfg: TokenizerConfig, corpus: datasets.Dataset, cache: Path) -> PreTrainedTokenizerBase:
-    """Load `cfg.path`, or train a BPE once per (corpus, vocab) and reuse it from `cache`."""
+    """Load `cfg.path`, or train a BPE once per (corpus, cfg.key()) and reuse it from `cache`."""
     if cfg.path:
         return load_tokenizer(cfg.path)
     if (cache / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache))
+    if 0 < cfg.train_documents < len(corpus):  # in corpus order, for the memory map's sake
+        pick = np.random.default_rng(0).choice(len(corpus), cfg.train_documents, replace=False)
+        corpus = corpus.select(np.sort(pick))
     tok = train_bpe(corpus, cfg.vocab_size, cfg.min_frequency)
     tmp = cache.with_name(cache.name + ".tmp")
     tok.save_pretrained(str(tmp))

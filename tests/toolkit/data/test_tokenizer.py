@@ -45,3 +45,17 @@ def test_training_happens_once_per_cache_key(corpus, tmp_path, monkeypatch):
 def test_missing_tokenizer_path_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match="tokenizer.path=.*could not be loaded"):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_a_bpe_can_learn_from_a_seeded_sample_of_the_documents(corpus, tmp_path, monkeypatch):
+    """tokenizer.train_documents: a corpus of billions of tokens trains its BPE on a sample, the same on every run."""
+    seen, train = [], train_bpe
+    monkeypatch.setattr("toolkit.data.tokenizer.train_bpe", lambda c, *a: (seen.append(c["text"]), train(c, *a))[1])
+    cfg = TokenizerConfig(vocab_size=600, train_documents=7)
+    get_tokenizer(cfg, corpus, tmp_path / "a")
+    get_tokenizer(cfg, corpus, tmp_path / "b")
+    assert len(seen[0]) == 7 and seen[0] == seen[1]
+    assert seen[0] == [t for t in corpus["text"] if t in seen[0]]  # in corpus order
+    assert cfg.key() != TokenizerConfig(vocab_size=600).key()  # a sample is cached apart from the whole
+    get_tokenizer(TokenizerConfig(vocab_size=600, train_documents=50), corpus, tmp_path / "c")
+    assert seen[2] == corpus["text"]  # more than there are: all of them
