@@ -73,6 +73,16 @@ class AnonPeak(threading.Thread):
             self.stop.wait(self.every_s)
 
 
+def start_measuring(work: Path) -> tuple[object, float, float, AnonPeak]:
+    """(tokenizer, RSS MB and anonymous MB after the imports and the tokenizer, a started AnonPeak)."""
+    tokenizer = tokenizer_for(work)
+    base_rss = rss_mb()
+    base_anon = (lambda m: (m.rss - m.shared) / 2**20)(psutil.Process().memory_info())
+    sampler = AnonPeak()
+    sampler.start()
+    return tokenizer, base_rss, base_anon, sampler
+
+
 def tokenizer_for(work: Path):
     """One byte-level BPE (vocab 4096, trained on the CPython docs) shared by every run, saved once."""
     from transformers import AutoTokenizer
@@ -132,11 +142,7 @@ def one(args) -> None:
     from toolkit.data.packing import packed_dataset
 
     datasets.disable_progress_bars()
-    tokenizer = tokenizer_for(Path(args.work))
-    base_rss = rss_mb()
-    base_anon = (lambda m: (m.rss - m.shared) / 2**20)(psutil.Process().memory_info())
-    sampler = AnonPeak()
-    sampler.start()
+    tokenizer, base_rss, base_anon, sampler = start_measuring(Path(args.work))
     cache = Path(args.cache)  # HF_DATASETS_CACHE points under it (set by the parent), so all of it is ours
     t0, cpu0 = time.perf_counter(), time.process_time()
     docs, source = load_corpus(DataConfig(path=args.corpus))

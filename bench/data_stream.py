@@ -23,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-from data_scale import SIZES, AnonPeak, du, make_corpus, peak_mb, rss_mb, tokenizer_for
+from data_scale import SIZES, du, make_corpus, peak_mb, start_measuring, tokenizer_for
 
 
 def one(args) -> None:
@@ -34,11 +33,7 @@ def one(args) -> None:
     from toolkit.data.streaming import StreamingBlocks
 
     datasets.disable_progress_bars()
-    tokenizer = tokenizer_for(Path(args.work))
-    base_rss = rss_mb()
-    base_anon = (lambda m: (m.rss - m.shared) / 2**20)(psutil.Process().memory_info())
-    sampler = AnonPeak()
-    sampler.start()
+    tokenizer, base_rss, base_anon, sampler = start_measuring(Path(args.work))
     t0 = time.perf_counter()
     stream, _ = stream_corpus(DataConfig(path=args.corpus))
     blocks = StreamingBlocks(stream, tokenizer, args.seq_len)
