@@ -415,3 +415,31 @@ def test_the_non_empty_filter_keeps_what_pythons_strip_keeps(tmp_path):
     f.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(texts)))
     ds, _ = load_corpus(DataConfig(path=str(f)))
     assert ds["text"] == [t for t in texts if t and t.strip()]
+
+
+def test_streaming_a_hub_id_while_offline_says_so(monkeypatch):
+    """data.streaming reads a hub id as it trains: offline, that is one line, not a retry loop."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    from toolkit.data.corpus import stream_corpus
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError) as info:
+        stream_corpus(DataConfig(path="org/corpus", streaming=True))
+    assert str(info.value).startswith("data.path=org/corpus is read as a hub dataset id, but the Hub cannot be reached")
+    assert str(info.value).endswith("streaming needs the network for a hub id; give a local file, folder or glob")
+
+
+def test_a_streamed_folder_reads_the_files_load_corpus_reads(tmp_path):
+    """The same files, in the same order, as the prepared path: only when they are read differs."""
+    from toolkit.data.corpus import stream_corpus
+
+    for name, texts in (("b.jsonl", ["third", "fourth"]), ("a.jsonl", ["first", "", "second"])):
+        (tmp_path / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "README").write_text("not read: the folder has jsonl files")
+    stream, source = stream_corpus(DataConfig(path=str(tmp_path)))
+    prepared, prepared_source = load_corpus(DataConfig(path=str(tmp_path)))
+    assert [e["text"] for e in stream if e["text"]] == prepared["text"] == ["first", "second", "third", "fourth"]
+    assert source != prepared_source  # cached tokenizers and held-out blocks of the two paths stay apart
