@@ -92,15 +92,7 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         fingerprint = _hash(builder, cfg.sample_by, cfg.text_column, repr(stats))
     else:
-        try:
-            ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
-        except ConnectionError as exc:  # offline, or HF_HUB_OFFLINE=1 and the dataset was never cached
-            raise UserError(
-                f"data.path={cfg.path} is read as a hub dataset id, but the Hub cannot be reached ({exc}); "
-                "give a local file, folder or glob, or load it once with a network (it is then cached)"
-            ) from None
-        except Exception as exc:  # the hub client raises many types; say what we tried
-            raise UserError(f"could not load hub dataset data.path={cfg.path} split={cfg.split}: {exc}") from None
+        ds = _hub_dataset(cfg, streaming=False)
         fingerprint = _hash(cfg.path, str(cfg.name), cfg.split, cfg.text_column, ds._fingerprint)
 
     if cfg.text_column not in ds.column_names:
@@ -148,6 +140,21 @@ def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | 
     return files, builder, {"sample_by": cfg.sample_by} if builder == "text" else {}
 
 
+def _hub_dataset(cfg: DataConfig, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+    """data.path as a hub dataset id: loaded (cached by datasets), or opened as a stream."""
+    try:
+        return datasets.load_dataset(cfg.path, cfg.name, split=cfg.split, streaming=streaming)
+    except ConnectionError as exc:  # offline, or HF_HUB_OFFLINE=1 and the dataset was never cached
+        fix = ("streaming needs the network for a hub id; give a local file, folder or glob" if streaming else
+               "give a local file, folder or glob, or load it once with a network (it is then cached)")
+        raise UserError(
+            f"data.path={cfg.path} is read as a hub dataset id, but the Hub cannot be reached ({exc}); {fix}"
+        ) from None
+    except Exception as exc:  # the hub client raises many types; say what we tried
+        verb = "stream" if streaming else "load"
+        raise UserError(f"could not {verb} hub dataset data.path={cfg.path} split={cfg.split}: {exc}") from None
+
+
 def stream_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datasets.IterableDataset, str]:
     """The corpus as a stream of documents (data.streaming=true), read as training asks for them:
     nothing is converted to arrow or tokenized ahead. Its `text` column is checked as it is read
@@ -161,15 +168,7 @@ def stream_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[data
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         source = _hash("stream", builder, cfg.sample_by, cfg.text_column, repr(stats))
     else:
-        try:
-            ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split, streaming=True)
-        except ConnectionError as exc:
-            raise UserError(
-                f"data.path={cfg.path} is read as a hub dataset id, but the Hub cannot be reached ({exc}); "
-                "streaming needs the network for a hub id; give a local file, folder or glob"
-            ) from None
-        except Exception as exc:
-            raise UserError(f"could not stream hub dataset data.path={cfg.path} split={cfg.split}: {exc}") from None
+        ds = _hub_dataset(cfg, streaming=True)
         source = _hash("stream", cfg.path, str(cfg.name), cfg.split, cfg.text_column)
     columns = ds.column_names  # None where the format does not say before reading (json)
     if columns is not None and cfg.text_column not in columns:
@@ -337,16 +336,20 @@ def _non_empty(ds: datasets.Dataset, source: str, column: str = "text") -> datas
     def check(batch: dict, indices: list[int]) -> list[bool]:
         for text, i in zip(batch[column], indices, strict=True):
             if text is not None and not isinstance(text, str):  # a number, list or mapping: json keeps its type
-                raise UserError(
-                    f"data.path={source}: record {i} has {column}={text!r:.60} ({type(text).__name__}), not text; "
-                    "set data.text_column to a column of strings"
-                )
+                raise not_text(source, f"record {i}", column, text)
         return [bool(t and t.strip()) for t in batch[column]]
 
     ds = ds.filter(check, batched=True, with_indices=True)
     if len(ds) == 0:
         raise UserError(f"data.path={source} holds no text (0 non-empty documents)")
     return ds
+
+
+def not_text(source: str, record: str, column: str, value) -> UserError:
+    return UserError(
+        f"data.path={source}: {record} has {column}={value!r:.60} ({type(value).__name__}), not text; "
+        "set data.text_column to a column of strings"
+    )
 
 
 def _non_empty_rows(ds: datasets.Dataset, column: str) -> np.ndarray | None:

@@ -28,6 +28,7 @@ import numpy as np
 from datasets.distributed import split_dataset_by_node
 
 from toolkit.config import UserError
+from toolkit.data.corpus import not_text
 from toolkit.data.packing import Layout, encoder
 
 READ_DOCUMENTS = 256  # documents tokenized at a time: one Rust tokenizer call
@@ -73,16 +74,13 @@ class StreamingBlocks:
             self._documents = iter(self._stream())
         texts, ended = [], True
         for i, example in enumerate(self._documents):
-            text = example.get(self.column)
             if self.column not in example:
                 raise UserError(
                     f"data.text_column={self.column} is not in {self.source}; its columns are {sorted(example)}"
                 )
+            text = example[self.column]
             if text is not None and not isinstance(text, str):
-                raise UserError(
-                    f"data.path={self.source}: a record has {self.column}={text!r:.60} ({type(text).__name__}), "
-                    "not text; set data.text_column to a column of strings"
-                )
+                raise not_text(self.source, "a record", self.column, text)
             if text and text.strip() and text not in self.held_out:
                 texts.append(text)
             if i + 1 == READ_DOCUMENTS:
@@ -104,7 +102,7 @@ class StreamingBlocks:
             )
         last = self.layout.last_block(self.pad_id)
         if last is not None:
-            self._append(last[0], last[1], last[2])
+            self._append(*last)
         self.epoch, self.position, self.layout, self._documents = self.epoch + 1, None, Layout(self.seq_len), None
 
     def _stream(self) -> datasets.IterableDataset:
