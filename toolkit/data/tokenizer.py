@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from toolkit.config import UserError, field
+from toolkit.data.packing import document_pieces
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -56,8 +57,9 @@ def train_bpe(corpus: datasets.Dataset, vocab_size: int, min_frequency: int = 2)
     )
 
     def batches():
+        # a long document in pieces (as packing tokenizes it): the trainer pre-tokenizes a string whole
         for start in range(0, len(corpus), 1000):
-            yield corpus[start : start + 1000]["text"]
+            yield [piece for text in corpus[start : start + 1000]["text"] for piece in document_pieces(text)]
 
     tok.train_from_iterator(batches(), trainer=trainer, length=len(corpus))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD)
