@@ -89,6 +89,8 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
                 raise _not_utf8(cfg.path, files, cause) from None
             if builder != "parquet" and (error := _first_not_utf8(cfg.path, files)) is not None:
                 raise error from None  # what is wrong with the file, rather than where datasets tripped on it
+            if builder == "text" and all(_only_whitespace(Path(f)) for f in files):  # datasets: "corresponds to no data"
+                raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty or whitespace)") from None
             if builder == "json" and (error := _first_line_not_a_record(cfg.path, files)) is not None:
                 raise error from None  # arrow's "The document is empty" names neither the file nor the line
             raise UserError(f"could not read data.path={cfg.path} as {builder}: {cause}") from None
@@ -326,6 +328,17 @@ def _first_not_utf8(source: str, files: list[str]) -> UserError | None:
             name = f"data.path={source}" if len(files) == 1 else f"data.path={source}: {f}"
             return _not_utf8_error(name, where)
     return None
+
+
+def _only_whitespace(path: Path, chunk_bytes: int = 1 << 20) -> bool:
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                if chunk.strip():
+                    return False
+    except OSError:  # the caller's error says so
+        return False
+    return True
 
 
 def _first_line_not_a_record(source: str, files: list[str]) -> UserError | None:

@@ -340,6 +340,15 @@ def test_a_jsonl_line_that_is_not_a_json_object_is_named_by_its_number(tmp_path,
     assert str(err.value).startswith(f"data.path={f} {message}")
 
 
+def test_a_file_of_only_newlines_holds_no_text(tmp_path):
+    """datasets said 'Instruction "train" corresponds to no data!'."""
+    f = tmp_path / "corpus.txt"
+    f.write_text("\n" * 4)
+    with pytest.raises(UserError) as err:
+        load_corpus(DataConfig(path=str(f)))
+    assert str(err.value) == f"data.path={f} holds no text (all 1 file(s) are empty or whitespace)"
+
+
 @pytest.mark.parametrize("text", ['[{"text": "a b"}, {"text": "c"}]\n', '\ufeff{"text": "a b"}\n\n\n{"text": "c"}\n'],
                          ids=["a JSON array named .jsonl", "a BOM and blank lines"])
 def test_json_lines_that_are_read_as_they_are(tmp_path, text):
