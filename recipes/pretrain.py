@@ -39,8 +39,9 @@ from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
 from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
-from toolkit.models.scratch import build_model, check_seq_len, hf_config, meta_model
+from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, hf_config, meta_model
 from toolkit.strategy.distributed import exit_process
+from toolkit.strategy.memory import check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.samples import sample_folder
@@ -58,6 +59,10 @@ class PretrainRecipe:
         strategy = trainer.strategy
         # An FSDP config naming a layer class this architecture lacks fails now, before any data work.
         strategy.check_fsdp_layers(lambda: meta_model(cfg.model))
+        # A model whose weights, gradients and optimizer state alone exceed the machine is refused before
+        # any data work: built, it is the kernel's OOM killer that stops it (a 6.7B default after 148 s).
+        sized = meta_model(cfg.model, cfg.tokenizer.vocab_size)
+        check_fits(sized, strategy, describe_sizes(cfg.model, sized.config))
 
         # Data: the main process reads the corpus and trains the tokenizer into the cache; the
         # others then read them. Every rank then tokenizes and packs its share of the documents.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -300,3 +301,30 @@ def test_two_process_launch_prints_the_error_first(tmp_path, data_cache):
     first = proc.stderr.strip().splitlines()[0]
     assert first == "error: unknown key train.max_stepz; did you mean train.max_steps?"
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- sizes (issue 26)
+HUGE = ["model.config.hidden_size=16384", "model.config.intermediate_size=53248", "model.config.num_hidden_layers=64",
+        "model.config.num_attention_heads=128", "model.config.num_key_value_heads=8"]
+
+
+def test_a_model_far_larger_than_the_machine_is_refused_before_it_is_built(pretrain, capsys, monkeypatch, tmp_path):
+    """~200B parameters (an empty YAML gives transformers' 6.5B LLaMA): refused from its meta-device size,
+    before any data work or allocation; built, the kernel's OOM killer stopped it after minutes."""
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(pretrain, "build_model", built)
+    line = run_main(pretrain, capsys, monkeypatch, tmp_path, *HUGE)
+    assert line.startswith("error: model.config (llama, hidden_size=16384, intermediate_size=53248, ")
+    assert re.search(r"\) has 20\d\.\dB parameters; training it needs ~3\d\d\d GB per process under single process "
+                     r"\(weights, gradients and AdamW state, before activations\) and this machine has \d+ GB available", line)
+    assert line.endswith("or see python recipes/plan.py")
+    assert not list((tmp_path / "cache").glob("packed-*"))  # no data was prepared
+
+
+def test_a_model_with_no_layers_is_refused(pretrain, capsys, monkeypatch, tmp_path):
+    """It trained and was saved; every degenerate size, of every architecture: tests/toolkit/models/test_scratch.py."""
+    line = run_main(pretrain, capsys, monkeypatch, tmp_path, "model.config.num_hidden_layers=0")
+    assert line == ("error: model.config.num_hidden_layers=0 must be at least 1 (with 0 the model has nothing to "
+                    "train, or cannot be built)")

@@ -241,6 +241,21 @@ class PackStats:
         )
 
 
+def _nothing_to_train_on(whole_targets: np.ndarray, too_long: np.ndarray, seq_len: int, overlong: str) -> str:
+    """Why no conversation kept a target token, by its real cause: no assistant tokens at all (empty
+    assistant turns), or the assistant tokens lie past data.seq_len (and how overlong treats them)."""
+    n = whole_targets.size
+    if not whole_targets.any():
+        return (f"none of the {n} conversations has an assistant token to train on (their assistant turns are "
+                "empty, or the chat template renders none); give the assistant messages content")
+    if overlong == "truncate":
+        return (f"no conversation has an assistant token within its first data.seq_len={seq_len} tokens "
+                f"({int(too_long.sum())} of {n} are longer, and truncating them cuts off every assistant turn); "
+                "raise data.seq_len")
+    return (f"no conversation fits data.seq_len={seq_len} with a target left ({int(too_long.sum())} of {n} are "
+            "longer); raise data.seq_len or set data.overlong=truncate")
+
+
 def pack_conversations(
     rows, seq_len: int, pad_id: int, overlong: Literal["truncate", "drop"] = "truncate"
 ) -> tuple[datasets.Dataset, PackStats]:
@@ -258,10 +273,8 @@ def pack_conversations(
     targets = cum[offsets[:-1] + size] - cum[first]
     keep = (targets > 0) & ((overlong == "truncate") | ~too_long)
     if not keep.any():
-        raise UserError(
-            f"no conversation fits data.seq_len={seq_len} with a target left ({int(too_long.sum())} of {n} are "
-            "longer); raise data.seq_len or set data.overlong=truncate"
-        )
+        raise UserError(_nothing_to_train_on(cum[offsets[1:]] - cum[np.minimum(offsets[:-1] + 1, offsets[1:])],
+                                             too_long, seq_len, overlong))
     src_start, size = offsets[:-1][keep], size[keep]
 
     block, start, n_blocks = best_fit_decreasing(size, seq_len)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,10 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
                 raise _not_utf8(cfg.path, files, cause) from None
             if builder != "parquet" and (error := _first_not_utf8(cfg.path, files)) is not None:
                 raise error from None  # what is wrong with the file, rather than where datasets tripped on it
+            if builder == "text" and all(_only_whitespace(Path(f)) for f in files):  # datasets: "corresponds to no data"
+                raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty or whitespace)") from None
+            if builder == "json" and (error := _first_line_not_a_record(cfg.path, files)) is not None:
+                raise error from None  # arrow's "The document is empty" names neither the file nor the line
             raise UserError(f"could not read data.path={cfg.path} as {builder}: {cause}") from None
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         fingerprint = _hash(builder, cfg.sample_by, cfg.text_column, repr(stats))
@@ -323,6 +328,57 @@ def _first_not_utf8(source: str, files: list[str]) -> UserError | None:
             name = f"data.path={source}" if len(files) == 1 else f"data.path={source}: {f}"
             return _not_utf8_error(name, where)
     return None
+
+
+def _only_whitespace(path: Path, chunk_bytes: int = 1 << 20) -> bool:
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                if chunk.strip():
+                    return False
+    except OSError:  # the caller's error says so
+        return False
+    return True
+
+
+def _first_line_not_a_record(source: str, files: list[str]) -> UserError | None:
+    """The first line of the JSON-lines `files` that is not one JSON object, named with its file and line
+    number (and what is likely wrong); None where each is (or a file is one JSON document, `[...]`)."""
+    for f in files:
+        name = f"data.path={source}" if len(files) == 1 else f"data.path={source}: {f}"
+        try:
+            with open(f, encoding="utf-8-sig") as lines:
+                for number, line in enumerate(lines, 1):
+                    text = line.strip()
+                    if not text:
+                        continue  # blank lines are skipped by the reader too
+                    if number == 1 and text.startswith("["):
+                        break  # a JSON array: datasets reads the whole file as one document
+                    try:
+                        record = json.loads(text)
+                    except json.JSONDecodeError as exc:
+                        return UserError(f"{name} line {number} is not JSON ({exc.msg} at column {exc.colno}"
+                                         f"{_json_hint(text)}); each line must be one JSON object, e.g. "
+                                         '{"text": "..."}')
+                    if not isinstance(record, dict):
+                        return UserError(f"{name} line {number} is a JSON {type(record).__name__}, not an object; "
+                                         'each line must be one JSON object, e.g. {"text": "..."}')
+        except (OSError, UnicodeDecodeError):  # the caller's error says so
+            continue
+    return None
+
+
+def _json_hint(line: str) -> str:
+    """What a line that does not parse most likely has wrong."""
+    if line.endswith(","):
+        try:
+            json.loads(line[:-1])
+            return ": a trailing comma?"
+        except json.JSONDecodeError:
+            pass
+    if line.startswith("{'"):
+        return ": single quotes? JSON strings take double quotes"
+    return ""
 
 
 def _non_empty(ds: datasets.Dataset, source: str, column: str = "text") -> datasets.Dataset:

@@ -44,11 +44,16 @@ import torch
 from toolkit.config import UserError
 
 IGNORE_INDEX = -100
-PACKING_VERSION = "2"  # 2: one memory-mapped arrow file of blocks (was datasets' save_to_disk)
+PACKING_VERSION = "3"  # 3: documents over PIECE_CHARS tokenized in pieces; 2: one memory-mapped arrow file of blocks
 MANIFEST = "blocks.json"  # the block files, in order; written last, so its presence means complete
 # Tokens packed at a time. Packing holds about 50 B per token of a chunk (ids, positions and
 # their int64 indices), so ~50 MB whatever the corpus size.
 CHUNK_TOKENS = 1 << 20
+# Characters the tokenizer is handed in one call: a longer document is cut into pieces of at most
+# this many, at a whitespace (document_pieces), and its pieces' ids are joined again. The Rust
+# tokenizer holds ~100-200 bytes per character of a call (a 50 MB one-line document took ~9 GB
+# and then aborted), so this bounds it to a few hundred MB whatever the document.
+PIECE_CHARS = 1_000_000
 # Documents each tokenizing process takes in one go (a few hundred MB of text for web documents);
 # the processes are started afresh for the next window, so their memory follows the window.
 TOKENIZE_DOCUMENTS = 50_000
@@ -92,21 +97,59 @@ def tokenize_documents(
     )
 
 
-def encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
-    """texts -> their token ids, each followed by EOS (what separates documents in a block)."""
+def encoder(tokenizer, piece_chars: int | None = None) -> Callable[[list[str]], list[np.ndarray]]:
+    """texts -> their token ids (int32), each followed by EOS (what separates documents in a block).
+
+    The tokenizer gets at most `piece_chars` characters a call: a longer text is cut into pieces
+    (`document_pieces`) whose ids are joined, with no EOS between them (one document). A token
+    across a cut can differ from tokenizing the text whole; a cut before a whitespace leaves
+    byte-level BPE's words, and so its tokens, as they were."""
     eos = tokenizer.eos_token_id
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    piece_chars = piece_chars or PIECE_CHARS
 
-    def encode(texts: list[str]) -> list[list[int]]:
+    def call(texts: list[str]) -> list[list[int]]:
         if backend is not None and hasattr(backend, "encode_batch_fast"):
             # The Rust tokenizer directly: the transformers wrapper also builds attention masks
             # and a BatchEncoding per batch that packing throws away (measured: 25% of the time).
-            ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
-        else:
-            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [x + [eos] for x in ids]
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def encode(texts: list[str]) -> list[np.ndarray]:
+        pieces = [(doc, piece) for doc, text in enumerate(texts) for piece in document_pieces(text, piece_chars)]
+        parts: list[list[np.ndarray]] = [[] for _ in texts]
+        start = 0
+        while start < len(pieces):  # consecutive pieces of at most piece_chars characters in all (one at least)
+            end, chars = start + 1, len(pieces[start][1])
+            while end < len(pieces) and chars + len(pieces[end][1]) <= piece_chars:
+                chars += len(pieces[end][1])
+                end += 1
+            for (doc, _), ids in zip(pieces[start:end], call([p for _, p in pieces[start:end]]), strict=True):
+                parts[doc].append(np.asarray(ids, dtype=np.int32))
+            start = end
+        return [np.concatenate([*p, np.array([eos], dtype=np.int32)]) for p in parts]
 
     return encode
+
+
+def document_pieces(text: str, piece_chars: int | None = None) -> list[str]:
+    """`text` cut into pieces of at most `piece_chars` characters that join back to it: each cut just
+    before the last whitespace that follows a word in the second half of the budget (so the next piece
+    starts with the space, as byte-level BPE's words do), or at the budget where there is none."""
+    piece_chars = piece_chars or PIECE_CHARS
+    if len(text) <= piece_chars:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > piece_chars:
+        end = start + piece_chars
+        cut = max(text.rfind(c, start + piece_chars // 2, end) for c in " \n\t")
+        while cut > start + piece_chars // 2 and text[cut - 1].isspace():  # before a run of whitespace, not in it
+            cut -= 1
+        cut = cut if cut > start + piece_chars // 2 else end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
 
 
 def pack_documents(
@@ -143,8 +186,8 @@ def packed_batches(
     belong to the shard before."""
     schema = block_schema(seq_len)
     layout = Layout(seq_len, laid=start, skip=-start % seq_len)
-    for flat, lengths in _document_chunks(tokenized, chunk_tokens):
-        ids, pos = layout.add(flat, lengths)
+    for flat, lengths, continues in _document_chunks(tokenized, chunk_tokens):
+        ids, pos = layout.add(flat, lengths, continues)
         if ids.size:
             yield _block_batch(ids, pos, np.full(ids.size // seq_len, seq_len, dtype=np.int32), schema)
     if following is None and layout.laid == 0:
@@ -170,13 +213,18 @@ class Layout:
     seq_len: int
     laid: int = 0  # stream index of the next token
     skip: int = 0
+    doc_start: int = 0  # stream index where the last document laid began (a long one comes in slices)
     carry_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     carry_pos: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
 
-    def add(self, flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The (ids, positions) of the whole blocks these documents complete, flat; the tail is carried."""
-        position = _positions(lengths, self.laid, self.seq_len)
+    def add(self, flat: np.ndarray, lengths: np.ndarray, continues: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The (ids, positions) of the whole blocks these documents complete, flat; the tail is carried.
+        `continues`: the first of them is the rest of the last document laid (its positions go on)."""
+        starts = _document_starts(lengths, self.laid, self.doc_start if continues else None)
+        position = _positions(lengths, self.laid, self.seq_len, starts)
         self.laid += flat.size
+        if len(starts):
+            self.doc_start = int(starts[-1])
         if self.skip:
             k = min(self.skip, flat.size)
             flat, position, self.skip = flat[k:], position[k:], self.skip - k
@@ -196,10 +244,20 @@ class Layout:
         return ids, pos, np.array([self.carry_ids.size], dtype=np.int32)
 
 
-def _positions(lengths: np.ndarray, laid: int, seq_len: int) -> np.ndarray:
-    """Position ids of whole documents of `lengths` tokens laid from stream index `laid` on."""
+def _document_starts(lengths: np.ndarray, laid: int, open_start: int | None = None) -> np.ndarray:
+    """Stream index where each of these documents (laid from `laid` on) began: the first began at
+    `open_start` when it is the rest of a document begun earlier."""
+    starts = laid + np.cumsum(lengths, dtype=np.int64) - lengths
+    if open_start is not None and len(starts):
+        starts[0] = open_start
+    return starts
+
+
+def _positions(lengths: np.ndarray, laid: int, seq_len: int, starts: np.ndarray | None = None) -> np.ndarray:
+    """Position ids of documents of `lengths` tokens laid from stream index `laid` on (`starts`: where
+    each began, when the first is the rest of an earlier one)."""
     index = laid + np.arange(int(lengths.sum()), dtype=np.int64)
-    doc_start = np.repeat(laid + np.cumsum(lengths) - lengths, lengths)
+    doc_start = np.repeat(_document_starts(lengths, laid) if starts is None else starts, lengths)
     return (index - np.maximum(doc_start, index - index % seq_len)).astype(np.int32)
 
 
@@ -215,21 +273,40 @@ def _block_batch(ids: np.ndarray, pos: np.ndarray, num_tokens: np.ndarray, schem
 
 def _document_chunks(
     tokenized: datasets.Dataset, chunk_tokens: int, window_rows: int = 4096
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(flat int32 tokens, per-document lengths) of at most `chunk_tokens` tokens of whole documents at a time
-    (one document alone where it is longer)."""
+) -> Iterator[tuple[np.ndarray, np.ndarray, bool]]:
+    """`document_chunks` of the tokenized corpus, a window of rows at a time."""
     for column in column_windows(tokenized, "input_ids", window_rows):
         lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
-        ends = np.cumsum(lengths)
-        first = 0
-        while first < len(lengths):
-            # the documents that end within chunk_tokens of this chunk's start, and at least one
-            base = ends[first - 1] if first else 0
-            last = max(first + 1, int(np.searchsorted(ends, base + chunk_tokens, side="right")))
-            part = column.slice(first, last - first)
-            flat = pc.list_flatten(part).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-            yield flat, lengths[first:last]
-            first = last
+
+        def flat(first: int, last: int, column=column) -> np.ndarray:
+            part = pc.list_flatten(column.slice(first, last - first))
+            return part.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+
+        yield from document_chunks(lengths, flat, chunk_tokens)
+
+
+def document_chunks(
+    lengths: np.ndarray, flat: Callable[[int, int], np.ndarray], chunk_tokens: int | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray, bool]]:
+    """(flat int32 tokens, per-document lengths, whether the first is the rest of the last document) of
+    at most `chunk_tokens` tokens at a time: whole documents, or one longer than a chunk in slices of
+    chunk_tokens, so that packing holds one chunk whatever the document. `flat(first, last)` gives the
+    tokens of documents first..last-1 laid end to end."""
+    chunk_tokens = chunk_tokens or CHUNK_TOKENS
+    ends = np.cumsum(lengths)
+    first = 0
+    while first < len(lengths):
+        # the documents that end within chunk_tokens of this chunk's start, and at least one
+        base = ends[first - 1] if first else 0
+        last = max(first + 1, int(np.searchsorted(ends, base + chunk_tokens, side="right")))
+        tokens = flat(first, last)
+        if tokens.size <= chunk_tokens:
+            yield tokens, lengths[first:last], False
+        else:  # one document: its slices (views)
+            for a in range(0, tokens.size, chunk_tokens):
+                piece = tokens[a : a + chunk_tokens]
+                yield piece, np.array([piece.size], dtype=np.int64), a > 0
+        first = last
 
 
 def column_windows(dataset: datasets.Dataset, name: str, window_rows: int = 4096) -> Iterator[pa.Array | pa.ChunkedArray]:
@@ -375,12 +452,13 @@ def _token_count(tokenized: datasets.Dataset, window_rows: int = 65536) -> int:
 
 def _head(tokenized: datasets.Dataset, seq_len: int, start: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids, positions) of the first seq_len tokens of a share that starts at stream index `start`."""
-    ids, pos, laid = [], [], start
-    for flat, lengths in _document_chunks(tokenized, seq_len):
+    ids, pos, layout = [], [], Layout(seq_len, laid=start)
+    for flat, lengths, continues in _document_chunks(tokenized, seq_len):
         ids.append(flat)
-        pos.append(_positions(lengths, laid, seq_len))
-        laid += flat.size
-        if laid - start >= seq_len:
+        starts = _document_starts(lengths, layout.laid, layout.doc_start if continues else None)
+        pos.append(_positions(lengths, layout.laid, seq_len, starts))
+        layout.laid, layout.doc_start = layout.laid + flat.size, int(starts[-1])
+        if layout.laid - start >= seq_len:
             break
     if not ids:
         return np.empty(0, np.int32), np.empty(0, np.int32)

@@ -29,7 +29,7 @@ from datasets.distributed import split_dataset_by_node
 
 from toolkit.config import UserError
 from toolkit.data.corpus import not_text
-from toolkit.data.packing import Layout, encoder
+from toolkit.data.packing import Layout, document_chunks, encoder
 
 READ_DOCUMENTS = 256  # documents tokenized at a time: one Rust tokenizer call
 STATE_VERSION = 1
@@ -88,9 +88,9 @@ class StreamingBlocks:
                 break
         if texts:
             ids = self.encode(texts)
-            lengths = np.array([len(x) for x in ids], dtype=np.int64)
-            flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(lengths.sum()))
-            self._append(*self.layout.add(flat, lengths))
+            lengths = np.array([x.size for x in ids], dtype=np.int64)
+            for flat, counts, continues in document_chunks(lengths, lambda a, b: np.concatenate(ids[a:b])):
+                self._append(*self.layout.add(flat, counts, continues))
         if not ended:
             self.position = self._live.state_dict()
             return

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import re
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from toolkit.config import UserError, field
+from toolkit.data.packing import document_pieces
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -56,17 +62,48 @@ def train_bpe(corpus: datasets.Dataset, vocab_size: int, min_frequency: int = 2)
     )
 
     def batches():
+        # a long document in pieces (as packing tokenizes it): the trainer pre-tokenizes a string whole
         for start in range(0, len(corpus), 1000):
-            yield corpus[start : start + 1000]["text"]
+            yield [piece for text in corpus[start : start + 1000]["text"] for piece in document_pieces(text)]
 
     tok.train_from_iterator(batches(), trainer=trainer, length=len(corpus))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD)
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+@functools.cache
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (one connection tried, `timeout_s` at most), or None.
+    Offline, the hub client retries each file for ~45 s before it says so; with HF_HUB_OFFLINE=1 it
+    does not try, and neither does this."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE=1"
+    url = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"{url.hostname}: {exc.strerror or exc}"
+    return None
+
+
+def local_files_only(path: str) -> bool:
+    """Load `path` (a folder or a hub id) from local files only: a hub id while the Hub cannot be reached,
+    so that a copy in the hub cache loads at once and a missing one fails at once."""
+    hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) and not path.startswith((".", "~"))
+    return bool(hub_id) and not Path(path).expanduser().exists() and hub_unreachable() is not None
+
+
+def offline_hint(key: str, path: str) -> str:
+    return (f"{key}={path} is read as a hub id, but the Hub cannot be reached ({hub_unreachable()}) and it is not "
+            "in the local hub cache; give a local folder, or load it once with a network (it is then cached)")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    offline = local_files_only(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=offline)
     except (OSError, ValueError) as exc:
+        if offline:
+            raise UserError(offline_hint("tokenizer.path", path)) from None
         raise UserError(f"tokenizer.path={path} could not be loaded ({exc}); give a tokenizer folder or hub id") from None
     if tok.eos_token_id is None:
         raise UserError(f"tokenizer.path={path} has no EOS token; packing needs one to separate documents")

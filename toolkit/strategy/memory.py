@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -826,3 +827,65 @@ def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, 
     bubble = (micro_batches + stages - 1) / micro_batches
     return ((1 + recompute) * STRATEGY_SPEED.get(strategy, 1.1) * (2.0 if offload else 1.0) * (1 + 0.5 / micro_batch)
             * bubble)
+
+
+# ---------------------------------------------------------------------------- a model the machine cannot hold
+def live_facts(strategy) -> StrategyFacts:
+    """StrategyFacts of a launched toolkit.strategy.distributed.Strategy (what read_strategy reads
+    from its config file), for the sizes of model state."""
+    acc = strategy.accelerator
+    kind = {"single": "ddp", "ddp": "ddp"}.get(strategy.kind, strategy.kind)
+    offload_params = False
+    if kind == "deepspeed":
+        zero = (acc.state.deepspeed_plugin.deepspeed_config or {}).get("zero_optimization", {})
+        offload_params = (zero.get("offload_param") or {}).get("device", "none") in ("cpu", "nvme")
+    elif kind == "fsdp":
+        offload_params = bool(getattr(getattr(acc.state.fsdp_plugin, "cpu_offload", None), "offload_params", False))
+    return StrategyFacts(strategy.name, kind, zero_stage=strategy.zero_stage or 0,
+                         offload_optimizer=strategy.offloads_optimizer, offload_params=offload_params,
+                         cp=strategy.cp, tp=strategy.tp, sp=strategy.sp, stages=strategy.stages)
+
+
+def training_state_bytes(model: torch.nn.Module, facts: StrategyFacts, world: int, precision: str) -> int:
+    """What one process holds of `model`'s training state under `facts` (weights, gradients, AdamW's two
+    moments, fp32 masters; sharded as the strategy shards them), activations not counted: a lower bound
+    of a step's peak. A pipeline's stages hold 1/stages of it each, on average."""
+    param = next(model.parameters())
+    run = Run(facts, world, 1, facts.cp * facts.sp, precision=precision, param_dtype=param.dtype)
+    held = state_bytes(model_tensors(model), run)
+    return sum(held[k] for k in ("params", "grads", "optimizer", "master")) // facts.stages
+
+
+def check_fits(model: torch.nn.Module, strategy, what: str) -> None:
+    """Refuse, before it is built, a model whose training state alone is more than this machine has free:
+    on a GPU its free memory (state a strategy offloads to the CPU is not counted), on a CPU the free host
+    memory shared by the processes of this node. `model` is on the meta device; `what` names it."""
+    import psutil
+
+    facts = live_facts(strategy)
+    precision = {"no": "fp32"}.get(strategy.accelerator.mixed_precision, strategy.accelerator.mixed_precision)
+    per_process = training_state_bytes(model, facts, strategy.world_size, precision)
+    device = strategy.device
+    if device.type == "cuda":
+        if facts.kind == "fsdp" and facts.offload_params:
+            return  # FSDP's CPU offload keeps the weights, gradients and optimizer state on the host
+        free, machine = torch.cuda.mem_get_info(device)[0], "this GPU has"
+        need = per_process
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the processes of this node share its memory
+        free, machine = psutil.virtual_memory().available, "this machine has"
+        need = per_process * local
+        machine += f" (for {local} processes)" if local > 1 else ""
+    if need <= free:
+        return
+    n = sum(p.numel() for p in model.parameters())
+    raise UserError(
+        f"{what} has {_count(n)} parameters; training it needs ~{per_process / 1e9:.0f} GB per process under "
+        f"{facts.name} (weights, gradients and AdamW state, before activations) and {machine} {free / 1e9:.0f} GB "
+        "available; pick a smaller model, shard it over more GPUs or machines under zero3 or fsdp, or see "
+        "python recipes/plan.py"
+    )
+
+
+def _count(n: int) -> str:
+    return next((f"{n / 10**e:.1f}{u}" for e, u in ((12, "T"), (9, "B"), (6, "M")) if n >= 10**e), f"{n:,}")

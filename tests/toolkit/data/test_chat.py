@@ -274,6 +274,22 @@ def test_truncation_that_leaves_no_target_drops_the_conversation():
     assert "\n" not in str(exc.value)
 
 
+def test_no_target_anywhere_is_named_as_its_cause():
+    """Empty assistant turns give no target: the error said "raise data.seq_len or set data.overlong=truncate",
+    though length was not the cause and overlong already was truncate."""
+    ids = list(range(10, 30))
+    empty = [(ids, [IGNORE_INDEX] * 20), (ids[:5], [IGNORE_INDEX] * 5)]
+    for overlong in ("truncate", "drop"):
+        with pytest.raises(UserError) as exc:
+            pack_conversations(empty, 64, pad_id=0, overlong=overlong)
+        assert str(exc.value) == ("none of the 2 conversations has an assistant token to train on (their assistant "
+                                  "turns are empty, or the chat template renders none); give the assistant messages content")
+    late = [(ids * 3, [IGNORE_INDEX] * 50 + ids[:10])]  # the assistant's tokens lie past seq_len
+    with pytest.raises(UserError, match=r"no conversation has an assistant token within its first data.seq_len=32 "
+                                        r"tokens \(1 of 1 are longer, .*\); raise data.seq_len$"):
+        pack_conversations(late, 32, pad_id=0, overlong="truncate")
+
+
 def test_packed_sft_loss_equals_conversations_one_by_one(smol_tokenizer, tiny_model):
     """block_causal_mask + position ids make a packed batch exactly the sum of its conversations."""
     records = PYTHON_CHATS[:6] + PYTHON_CHATS[-3:]

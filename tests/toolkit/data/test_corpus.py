@@ -314,8 +314,47 @@ def test_a_missing_text_column_lists_the_columns(tmp_path):
 def test_unreadable_json_is_a_user_error(tmp_path):
     f = tmp_path / "docs.jsonl"
     f.write_text('{"text": "ok"}\nnot json at all\n')
-    with pytest.raises(UserError, match=rf"could not read data.path={f} as json"):
+    with pytest.raises(UserError, match=rf"data.path={f} line 2 is not JSON \(Expecting value at column 1\); each line"):
         load_corpus(DataConfig(path=str(f)))
+
+
+JSON_LINES = {  # (the file, what the error says after "data.path=docs.jsonl ")
+    "trailing comma": ('{"text": "hello world"},\n{"text": "more"},\n',
+                       "line 1 is not JSON (Extra data at column 24: a trailing comma?); each line must be one JSON "
+                       'object, e.g. {"text": "..."}'),
+    "a missing brace": ('{"text": "a"}\n\n{"text": "b"\n', "line 3 is not JSON (Expecting ',' delimiter at column 13)"),
+    "single quotes": ("{'text': 'a'}\n", "line 1 is not JSON (Expecting property name enclosed in double quotes at "
+                                         "column 2: single quotes? JSON strings take double quotes)"),
+    "not an object": ('"a"\n"b"\n', "line 1 is a JSON str, not an object"),
+}
+
+
+@pytest.mark.parametrize("kind", JSON_LINES)
+def test_a_jsonl_line_that_is_not_a_json_object_is_named_by_its_number(tmp_path, kind):
+    """Arrow's own words were "JSON parse error: The document is empty", with neither file nor line."""
+    text, message = JSON_LINES[kind]
+    f = tmp_path / "docs.jsonl"
+    f.write_text(text)
+    with pytest.raises(UserError) as err:
+        load_corpus(DataConfig(path=str(f)))
+    assert str(err.value).startswith(f"data.path={f} {message}")
+
+
+def test_a_file_of_only_newlines_holds_no_text(tmp_path):
+    """datasets said 'Instruction "train" corresponds to no data!'."""
+    f = tmp_path / "corpus.txt"
+    f.write_text("\n" * 4)
+    with pytest.raises(UserError) as err:
+        load_corpus(DataConfig(path=str(f)))
+    assert str(err.value) == f"data.path={f} holds no text (all 1 file(s) are empty or whitespace)"
+
+
+@pytest.mark.parametrize("text", ['[{"text": "a b"}, {"text": "c"}]\n', '\ufeff{"text": "a b"}\n\n\n{"text": "c"}\n'],
+                         ids=["a JSON array named .jsonl", "a BOM and blank lines"])
+def test_json_lines_that_are_read_as_they_are(tmp_path, text):
+    f = tmp_path / "docs.jsonl"
+    f.write_text(text, encoding="utf-8")
+    assert load_corpus(DataConfig(path=str(f)))[0]["text"] == ["a b", "c"]
 
 
 LATIN1_TXT = "first paragraph\n\ncaf\u00e9 au lait\n".encode("latin-1")  # é is 0xe9: offset 20, line 3

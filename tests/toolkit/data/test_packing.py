@@ -198,11 +198,12 @@ def test_document_chunks_hold_at_most_chunk_tokens():
     lengths = [3, 4, 10, 2, 2, 2, 9, 1, 30, 5]
     docs = synthetic_docs(lengths)
     chunks = list(packing._document_chunks(docs, chunk_tokens=10, window_rows=4))
-    got = [list(n) for _, n in chunks]
-    # whole documents in order, a window's border never crossed, a 30-token document alone
-    assert got == [[3, 4], [10], [2], [2, 2], [9, 1], [30], [5]]  # windows: 3 4 10 2 | 2 2 9 1 | 30 5
-    assert [f.size for f, _ in chunks] == [7, 10, 2, 4, 10, 30, 5]
-    np.testing.assert_array_equal(np.concatenate([f for f, _ in chunks]), np.concatenate(docs["input_ids"]))
+    got = [list(n) for _, n, _ in chunks]
+    # whole documents in order, a window's border never crossed, a 30-token document in 3 slices that continue it
+    assert got == [[3, 4], [10], [2], [2, 2], [9, 1], [10], [10], [10], [5]]  # windows: 3 4 10 2 | 2 2 9 1 | 30 5
+    assert [c for _, _, c in chunks] == [False] * 5 + [False, True, True, False]
+    assert max(f.size for f, _, _ in chunks) == 10
+    np.testing.assert_array_equal(np.concatenate([f for f, _, _ in chunks]), np.concatenate(docs["input_ids"]))
 
 
 def test_empty_corpus_is_refused():
@@ -520,3 +521,83 @@ def test_documents_are_tokenized_a_window_at_a_time(docs, tiny_tokenizer, tmp_pa
     assert sizes == [(4, 2), (4, 2), (2, 2)]  # 10 documents, 2 processes of 2 documents each
     assert_blocks_equal(windowed, tuple(column(alone, n) for n in ("input_ids", "position_ids", "num_tokens")))
     assert [p.name for p in (tmp_path / "windows").iterdir()] and not list((tmp_path / "windows").rglob("ids-*"))
+
+
+# ---------------------------------------------------------------- one long document (issue 26)
+def one_line(texts: list[str], chars: int) -> str:
+    """A document of `chars` characters on one line (no paragraph or line to split it at)."""
+    line = " ".join(t.replace("\n", " ") for t in texts)
+    return (line * (chars // len(line) + 1))[:chars]
+
+
+def test_document_pieces_join_back_and_cut_before_a_space():
+    text = "ab  cd\nefgh ij" * 50 + "x" * 40  # ends with a run no whitespace cuts
+    pieces = packing.document_pieces(text, 16)
+    assert "".join(pieces) == text
+    assert max(len(p) for p in pieces) <= 16
+    assert all(p[0].isspace() for p in pieces[1:-2])  # the next piece starts with its word's space
+    assert all(not p[-1].isspace() for p in pieces[:-2])  # never inside a run of whitespace
+    assert packing.document_pieces("short", 16) == ["short"]
+
+
+def test_a_long_document_is_tokenized_in_bounded_pieces(tiny_texts, tiny_tokenizer):
+    """The tokenizer never gets more than PIECE_CHARS characters at once (a 50 MB one-line document took
+    ~9 GB in one call, then aborted); the pieces are one document: joined, with one EOS, and equal to
+    tokenizing the text whole (every cut is before a space)."""
+    text = one_line(tiny_texts, 300_000)
+    calls = []
+
+    class Spy:
+        def encode_batch_fast(self, texts, add_special_tokens):
+            calls.append(sum(len(t) for t in texts))
+            return tiny_tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+    class Tokenizer:
+        eos_token_id, backend_tokenizer = tiny_tokenizer.eos_token_id, Spy()
+
+    [ids, short] = packing.encoder(Tokenizer(), piece_chars=20_000)([text, "a b"])
+    assert max(calls) <= 20_000 and len(calls) > 10
+    whole = tiny_tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    np.testing.assert_array_equal(ids, [*whole, tiny_tokenizer.eos_token_id])
+    assert (ids == tiny_tokenizer.eos_token_id).sum() == 1
+    assert short[-1] == tiny_tokenizer.eos_token_id
+
+
+def test_a_long_document_is_packed_a_chunk_at_a_time_as_one_document(tiny_texts, tiny_tokenizer, monkeypatch):
+    """A document of more tokens than a chunk reaches the layout in slices of at most CHUNK_TOKENS
+    whose positions continue (no restart where a slice or a piece starts, only at block borders)."""
+    docs = datasets.Dataset.from_dict({"text": ["Hi.", one_line(tiny_texts, 60_000), "x = 1"]})
+    tokenized = tokenize_documents(docs, tiny_tokenizer)
+    expected = stream_reference(tokenized["input_ids"], SEQ_LEN, tiny_tokenizer.pad_token_id)
+    sizes = []
+    add = packing.Layout.add
+    monkeypatch.setattr(packing.Layout, "add", lambda self, flat, *a: sizes.append(flat.size) or add(self, flat, *a))
+    assert_blocks_equal(pack_documents(tokenized, SEQ_LEN, tiny_tokenizer.pad_token_id, chunk_tokens=1000), expected)
+    assert max(sizes) == 1000 and sum(sizes) == sum(len(x) for x in tokenized["input_ids"])
+
+
+@pytest.mark.parametrize("what", ["tokenize", "train a BPE"])
+def test_a_one_line_document_of_megabytes_holds_bounded_memory(what):
+    """Peak RSS growth of tokenizing (or training a BPE on) one 6 MB line, in a fresh process: whole,
+    the Rust tokenizer took ~130 bytes a character (~780 MB here, 6.5 GB for 50 MB); in pieces of
+    PIECE_CHARS it is ~200 MB whatever the length."""
+    script = f"""
+import resource, datasets
+from pydoc_data.topics import topics
+from toolkit.data.packing import encoder
+from toolkit.data.tokenizer import train_bpe
+texts = [topics[k] for k in sorted(topics)]
+tok = train_bpe(datasets.Dataset.from_dict({{"text": texts}}), 512)
+line = " ".join(t.replace(chr(10), " ") for t in texts)
+doc = (line * (6_000_000 // len(line) + 1))[:6_000_000]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if {what!r} == "tokenize":
+    encoder(tok)([doc])
+else:
+    train_bpe(datasets.Dataset.from_dict({{"text": [doc]}}), 512)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
+    assert int(out.stdout.split()[-1]) < 350, out.stdout

@@ -143,3 +143,21 @@ def test_bad_streams_are_refused_in_one_line(tiny_tokenizer, tmp_path, records, 
     blocks = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, source="corpus.jsonl")
     with pytest.raises(UserError, match=error):
         blocks.take(1)
+
+
+def test_a_long_document_streams_a_chunk_at_a_time(tiny_texts, tiny_tokenizer, monkeypatch):
+    """One document of more tokens than a chunk (and characters than a piece) is laid out in slices of
+    at most CHUNK_TOKENS that continue it: the blocks equal the prepared path's."""
+    from toolkit.data import packing
+
+    line = " ".join(t.replace("\n", " ") for t in tiny_texts)[:60_000]
+    texts = ["Hi.", line, "x = 1"]
+    monkeypatch.setattr(packing, "PIECE_CHARS", 7_000)
+    monkeypatch.setattr(packing, "CHUNK_TOKENS", 1_000)
+    reference = prepared(texts, tiny_tokenizer)
+    sizes = []
+    add = packing.Layout.add
+    monkeypatch.setattr(packing.Layout, "add", lambda self, flat, *a: sizes.append(flat.size) or add(self, flat, *a))
+    blocks = StreamingBlocks(datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(), tiny_tokenizer, SEQ_LEN)
+    assert_same(blocks.take(len(reference["num_tokens"])), reference)
+    assert max(sizes) == 1_000

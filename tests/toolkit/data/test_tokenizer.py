@@ -59,3 +59,38 @@ def test_a_bpe_can_learn_from_a_seeded_sample_of_the_documents(corpus, tmp_path,
     assert cfg.key() != TokenizerConfig(vocab_size=600).key()  # a sample is cached apart from the whole
     get_tokenizer(TokenizerConfig(vocab_size=600, train_documents=50), corpus, tmp_path / "c")
     assert seen[2] == corpus["text"]  # more than there are: all of them
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """The Hub unreachable, without HF_HUB_OFFLINE=1 (a laptop on a train): connections fail."""
+    import socket
+    import time
+
+    import huggingface_hub
+
+    from toolkit.data import tokenizer
+
+    def refused(*args, **kwargs):
+        time.sleep(0.1)
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "create_connection", refused)
+    tokenizer.hub_unreachable.cache_clear()
+    yield
+    tokenizer.hub_unreachable.cache_clear()
+
+
+def test_a_hub_tokenizer_while_offline_is_one_line_at_once(no_network):
+    """It took ~45 s of the hub client's retries before the error; one connection tried, then the cache."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(UserError) as err:
+        load_tokenizer("nobody-org/no-such-tokenizer")
+    assert time.monotonic() - start < 5
+    assert str(err.value) == (
+        "tokenizer.path=nobody-org/no-such-tokenizer is read as a hub id, but the Hub cannot be reached (huggingface.co: "
+        "Name or service not known) and it is not in the local hub cache; give a local folder, or load it once with a "
+        "network (it is then cached)")

@@ -236,3 +236,26 @@ def test_config_loads_and_validates(tmp_path):
     with pytest.raises(ConfigError, match="dtype='fp8' is not one of") as exc:
         load_config(BaseModelConfig, None, ["dtype=fp8"])
     _one_line_error(exc)
+
+
+def test_a_hub_model_while_offline_is_one_line_at_once(monkeypatch):
+    """model.path a hub id with no network (and no HF_HUB_OFFLINE=1): one line at once, not ~45 s of retries."""
+    import socket
+    import time
+
+    import huggingface_hub
+
+    from toolkit.data import tokenizer
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(OSError(101, "Network is unreachable")))
+    tokenizer.hub_unreachable.cache_clear()
+    start = time.monotonic()
+    try:
+        with pytest.raises(UserError) as err:
+            load_base_model(BaseModelConfig(path="nobody-org/no-such-model"))
+    finally:
+        tokenizer.hub_unreachable.cache_clear()
+    assert time.monotonic() - start < 5
+    assert str(err.value).startswith("model.path=nobody-org/no-such-model is read as a hub id, but the Hub cannot be "
+                                     "reached (huggingface.co: Network is unreachable) and it is not in the local hub cache")

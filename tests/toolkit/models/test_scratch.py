@@ -11,6 +11,7 @@ from toolkit.models.scratch import (
     build_model,
     check_seq_len,
     count_parameters,
+    describe_sizes,
     hf_config,
     max_positions,
     meta_model,
@@ -66,8 +67,8 @@ def test_unknown_config_keys_are_each_named():
 
 
 def test_attribute_map_aliases_are_known_keys():
-    # gpt2 calls it n_embd; hidden_size is its attribute_map alias and must not be rejected
-    assert ModelConfig(model_type="gpt2", config={"hidden_size": 64, "n_positions": 128}).validate() == []
+    # gpt2 calls it n_embd; hidden_size is its attribute_map alias and must not be rejected (96: 12 heads of 8)
+    assert ModelConfig(model_type="gpt2", config={"hidden_size": 96, "n_positions": 128}).validate() == []
     assert (
         ModelConfig(model_type="gpt2", config={"num_hidden_layer": 2})
         .validate()[0]
@@ -219,3 +220,40 @@ def test_meta_model_builds_without_memory():
     names = {n for n, _ in model.named_modules()}
     assert "model.layers.1.self_attn.q_proj" in names and "model.layers.2.self_attn.q_proj" not in names
     assert count_parameters(model) > 0  # shapes are there, only the storage is not
+
+
+# degenerate sizes (issue 26)
+@pytest.mark.parametrize(("model_type", "sizes", "message"), [
+    ("llama", {"num_hidden_layers": 0}, "config.num_hidden_layers=0 must be at least 1"),
+    ("gpt2", {"n_layer": 0}, "config.n_layer=0 must be at least 1"),  # named as written, through attribute_map
+    ("llama", {"intermediate_size": 0}, "config.intermediate_size=0 must be at least 1"),
+    ("llama", {"num_attention_heads": 0}, "config.num_attention_heads=0 must be at least 1"),
+    ("llama", {"vocab_size": 0}, "config.vocab_size=0 must be at least 1"),
+    ("gpt2", {"n_embd": 100, "n_head": 3}, "config.n_embd=100 is not divisible by config.n_head=3; each head takes "
+                                           "hidden_size / heads features: use a multiple"),
+    ("llama", {"num_key_value_heads": 3}, "config.num_attention_heads=4 is not divisible by config.num_key_value_heads=3"),
+], ids=["no layers", "gpt2 no layers", "no MLP", "no heads", "no vocab", "hidden not divisible by heads",
+        "heads not divisible by kv heads"])
+def test_degenerate_sizes_are_refused_in_one_line(model_type, sizes, message):
+    base = SIZES if model_type == "llama" else {"n_embd": 64, "n_layer": 2, "n_head": 4}
+    problems = ModelConfig(model_type=model_type, config={**base, **sizes}).validate()
+    assert len(problems) == 1 and problems[0].startswith(message), problems
+
+
+def test_a_default_size_is_named_as_the_default():
+    problems = ModelConfig(model_type="llama", config={"num_key_value_heads": 5}).validate()
+    assert problems == ["num_attention_heads=32 (llama's default) is not divisible by config.num_key_value_heads=5; "
+                        "each key/value head serves a whole group of query heads"]
+
+
+def test_head_dim_frees_the_hidden_size_from_the_heads():
+    assert ModelConfig(model_type="llama", config={**SIZES, "hidden_size": 60, "head_dim": 16}).validate() == []
+
+
+def test_an_empty_model_config_is_described_as_transformers_defaults():
+    cfg = ModelConfig(model_type="llama", config={})
+    model = meta_model(cfg, VOCAB)
+    assert model.config.vocab_size == VOCAB
+    assert describe_sizes(cfg, model.config) == ("model.config is empty, so transformers' default llama "
+                                                 "(hidden_size=4096, num_hidden_layers=32) was taken; it")
+    assert describe_sizes(llama(), model.config).startswith("model.config (llama, hidden_size=64, ")

@@ -39,6 +39,7 @@ from toolkit.strategy.memory import (
     estimate,
     layer_bytes,
     layer_bytes_per_token,
+    live_facts,
     loss_bytes,
     model_tensors,
     norm_core_bytes_per_token,
@@ -453,3 +454,67 @@ def test_an_architecture_it_does_not_model_is_refused():
         model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=64, n_head=4))
     with pytest.raises(UserError, match="LLaMA-style"):
         Shapes.of(model)
+
+
+# ---------------------------------------------------------------- a model the machine cannot hold (issue 26)
+def launched(kind: str = "single", world: int = 1, device: str = "cpu", precision: str = "no", zero_stage=None,
+             offload_optimizer: bool = False, offload_params: bool = False, name: str = "single process"):
+    """What check_fits reads of a launched toolkit.strategy.distributed.Strategy."""
+    from types import SimpleNamespace
+
+    ds = SimpleNamespace(deepspeed_config={"zero_optimization": {"offload_param": {"device": "cpu"}}}
+                         if offload_params else {})
+    fsdp = SimpleNamespace(cpu_offload=SimpleNamespace(offload_params=offload_params))
+    accelerator = SimpleNamespace(mixed_precision=precision, state=SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp))
+    return SimpleNamespace(accelerator=accelerator, kind=kind, name=name, zero_stage=zero_stage,
+                           offloads_optimizer=offload_optimizer, cp=1, tp=1, sp=1, stages=1, world_size=world,
+                           device=torch.device(device))
+
+
+def meta_llama(**sizes) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=4096, **sizes))
+
+
+def test_a_model_whose_training_state_exceeds_the_machine_is_refused(monkeypatch):
+    """The 6.5B default LLaMA on one CPU process of a 20 GB machine: ~104 GB of weights, gradients and
+    AdamW state (16 bytes a parameter in fp32), refused in one line that says what to do."""
+    import psutil
+
+    from toolkit.strategy.memory import check_fits, training_state_bytes
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 20e9})())
+    model = meta_llama()
+    n = sum(p.numel() for p in model.parameters())
+    # 4 bytes of weight, gradient and each AdamW moment per parameter, + a 4-byte step per tensor
+    assert 0 < training_state_bytes(model, live_facts(launched()), 1, "fp32") - 16 * n < 4 * 1000
+    with pytest.raises(UserError) as err:
+        check_fits(model, launched(), "model.config (llama)")
+    assert str(err.value) == (
+        "model.config (llama) has 6.5B parameters; training it needs ~104 GB per process under single process "
+        "(weights, gradients and AdamW state, before activations) and this machine has 20 GB available; pick a "
+        "smaller model, shard it over more GPUs or machines under zero3 or fsdp, or see python recipes/plan.py")
+    check_fits(meta_llama(hidden_size=512, intermediate_size=1024, num_hidden_layers=4), launched(), "small")
+    # the processes of one node share its memory: 2 of a 1.3 GB-state model do not fit in 2 GB
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 2e9})())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UserError, match=r"this machine has \(for 2 processes\) 2 GB available"):
+        check_fits(meta_llama(hidden_size=1024, intermediate_size=2048, num_hidden_layers=6), launched("ddp", 2), "m")
+
+
+def test_on_a_gpu_the_free_device_memory_decides_as_the_strategy_shards(monkeypatch):
+    """The shipped 1B config fits an 80 GB GPU under DDP (~20 GB of state); an 8B fits 8 GPUs under ZeRO-3
+    but not DDP; optimizer state offloaded to the CPU is not counted against the GPU."""
+    from toolkit.strategy.memory import check_fits
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
+    check_fits(llama_1b(), launched("ddp", 8, "cuda", "bf16", name="DDP"), "1b")
+    eight_b = meta_llama(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_key_value_heads=8)
+    with pytest.raises(UserError, match=r"has 7\.0B parameters; training it needs ~112 GB per process under DDP"):
+        check_fits(eight_b, launched("ddp", 8, "cuda", "bf16", name="DDP"), "8b")
+    check_fits(eight_b, launched("deepspeed", 8, "cuda", "bf16", zero_stage=3, name="zero3"), "8b")
+    with pytest.raises(UserError, match="this GPU has 79 GB available"):
+        check_fits(eight_b, launched("deepspeed", 1, "cuda", "bf16", zero_stage=3, name="zero3"), "8b")
+    check_fits(eight_b, launched("deepspeed", 1, "cuda", "bf16", zero_stage=3, offload_optimizer=True,
+                                 offload_params=True, name="zero3_offload"), "8b")
+    check_fits(eight_b, launched("fsdp", 1, "cuda", "bf16", offload_params=True, name="fsdp_offload"), "8b")
