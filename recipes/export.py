@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> Path:
-    """Everything that can be refused before any work is done."""
+    """Everything about the flags that can be refused before any work is done (what the output
+    may replace is checked once the source, and so everything the export reads, is known)."""
     output = Path(args.output)
     if args.format == "gguf":
         from toolkit.export.gguf import GGUF_TYPES
@@ -108,7 +109,6 @@ def check_args(args: argparse.Namespace) -> Path:
         raise UserError(f"--max-shard-size {args.max_shard_size} is not a size; write it like 500MB or 2GB")
     if args.base and not Path(args.base).is_dir():
         raise UserError(f"--base {args.base} is not a folder; give the base model folder of the LoRA adapter")
-    destination.check_output(output, args.format, args.overwrite, {"--from": Path(args.source)})
     if args.eval_text and not Path(args.eval_text).is_file():
         raise UserError(f"--eval-text {args.eval_text} does not exist")
     # the nearest folder that exists must take new entries: the OS answers (root passes permission bits)

@@ -125,6 +125,10 @@ def test_lora_adapter_merge_equals_base_plus_adapter(tiny_base, tmp_path, export
     assert code == 0, capsys.readouterr().err
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    base = shutil.copytree(tiny_base, tmp_path / "base")
+    assert f"--output {base} is the LoRA's base {base}, which the export reads" in error_line(
+        export, capsys, "--from", str(tmp_path / "adapter"), "--base", str(base), "--merge-lora", "--output",
+        str(base), "--overwrite")
     torch.testing.assert_close(logits(merged), expected, atol=1e-4, rtol=0)
 
 
@@ -251,14 +255,19 @@ def test_overwrite_replaces_an_earlier_export_and_nothing_else(export, capsys, t
                    "replaces only an earlier export, and will not delete them; choose another --output")
     assert tree(thesis) == before
 
-    # an export's own folder and GGUF are replaced by the next export, whole
+    # an export's own folder and GGUF are replaced by the next export, whole; the user's
+    # hf.tmp and hf.old beside it are not touched (the folder writer's own temporary names)
+    for kept in ("hf.tmp", "hf.old"):
+        (tmp_path / kept).mkdir()
+        (tmp_path / kept / "mine.txt").write_text("mine")
     for out, fmt in [(tmp_path / "hf", "hf"), (tmp_path / "m.gguf", "gguf")]:
         for _ in range(2):
             code = export.main(["--from", str(model_folder), "--format", fmt, "--output", str(out), "--overwrite"])
             assert code == 0, capsys.readouterr().err
     assert written_by(tmp_path / "hf") == EXPORTED_BY
     assert sorted(p.name for p in tmp_path.iterdir()) == [  # no staging folder left behind
-        "hf", "m.Modelfile", "m.gguf", "m.gguf.export_report.md", "thesis"]
+        "hf", "hf.old", "hf.tmp", "m.Modelfile", "m.gguf", "m.gguf.export_report.md", "thesis"]
+    assert (tmp_path / "hf.old" / "mine.txt").is_file() and (tmp_path / "hf.tmp" / "mine.txt").is_file()
 
     # never what it reads, nor a file that no export wrote
     (tmp_path / "notes.gguf").write_text("mine")

@@ -314,12 +314,14 @@ def _damage(source: Source) -> str | None:
     names a manifest that is gone; a model folder without the files a model needs."""
     reads = READS.get(source.kind, ("*",)) + (f"{MODEL_FILES}/*",)
     problem = check_manifest(source.path, only=lambda name: any(fnmatch(name, pattern) for pattern in reads))
-    if problem is None and source.is_checkpoint:
-        named = TrainerState.read(source.path).manifest_crc32
+    if problem is None and source.is_checkpoint:  # the state file is this checkpoint's own
+        state, step = TrainerState.read(source.path), checkpoint_step(source.path)
         manifest = source.path / MANIFEST
-        if named and not manifest.is_file():
+        if step is not None and state.step != step:
+            problem = f"{source.path / STATE_FILE} is of step {state.step}, not {step}: a state file from another checkpoint"
+        elif state.manifest_crc32 and not manifest.is_file():
             problem = f"{manifest} is missing"
-        elif named and crc32(manifest) != named:
+        elif state.manifest_crc32 and crc32(manifest) != state.manifest_crc32:
             problem = f"{source.path / STATE_FILE} belongs to another checkpoint (it names another manifest than {manifest})"
     if problem is None and source.kind == "hf":
         problem = _missing_model_files(source.path)

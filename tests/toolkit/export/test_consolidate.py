@@ -317,6 +317,23 @@ def test_a_state_file_that_names_a_lost_manifest(model, tiny_tokenizer, tmp_path
     )
 
 
+def test_a_state_file_that_does_not_belong_or_does_not_read(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    earlier = with_manifest(save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-2", 2))
+    folder = with_manifest(save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-4", 4))
+    (folder / "trainer_state.json").write_bytes((earlier / "trainer_state.json").read_bytes())
+    with pytest.raises(UserError, match=r"step-4/trainer_state.json is of step 2, not 4: a state file from another "
+                       r"checkpoint; export an earlier checkpoint \(--from .* --checkpoint step-2\)"):
+        resolve_source(run, "step-4")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    (folder / "trainer_state.json").write_text(json.dumps({**state, "step": 4, "manifest_crc32": "0badf00d"}))
+    with pytest.raises(UserError, match=r"step-4/trainer_state.json belongs to another checkpoint"):
+        resolve_source(run, "step-4")
+    (folder / "trainer_state.json").write_text("{nope")  # was a JSONDecodeError traceback
+    with pytest.raises(UserError, match=r"step-4/trainer_state.json is not a readable trainer state \(Expecting"):
+        resolve_source(run, "step-4")
+
+
 # what a folder without a manifest (an older run, any HF folder) lost -> the line that names it
 DAMAGE = {
     "truncated weights": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:3000]),

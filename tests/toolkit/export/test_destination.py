@@ -180,3 +180,11 @@ def test_the_mark_is_the_manifest_naming_the_export(tmp_path):
     write_manifest(out)  # a folder with a manifest written by something else (a run's final/)
     with pytest.raises(UserError, match="holds files that no export wrote"):
         destination.check_output(out, "hf", overwrite=True, reads={})
+
+
+def test_a_report_or_modelfile_in_the_way_is_not_overwritten_unasked(tmp_path):
+    """The report beside a GGUF was written over without --overwrite."""
+    out = tmp_path / "m.gguf"
+    destination.report_path(out, "gguf").write_text("my notes")
+    with pytest.raises(UserError, match=r"m.gguf.export_report.md exists; choose another --output or pass --overwrite"):
+        destination.check_output(out, "gguf", overwrite=False, reads={})
