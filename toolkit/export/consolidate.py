@@ -310,8 +310,9 @@ def adapter_base(source: Source, base: str | None) -> Path | None:
 
 
 def _damage(source: Source) -> str | None:
-    """What is wrong with the source's files, or None: its manifest first; a checkpoint whose state
-    names a manifest that is gone; a model folder without the files a model needs."""
+    """What is wrong with the source's files, or None: the files it reads against its manifest; a
+    checkpoint's state file of another step or naming another (or a lost) manifest; a folder
+    without the files a model or an adapter needs."""
     reads = READS.get(source.kind, ("*",)) + (f"{MODEL_FILES}/*",)
     problem = check_manifest(source.path, only=lambda name: any(fnmatch(name, pattern) for pattern in reads))
     if problem is None and source.is_checkpoint:  # the state file is this checkpoint's own
