@@ -17,11 +17,15 @@ Formats
 
 Every export is reloaded and measured: export_report.md (format, size, held-out perplexity and
 its change against the fp32 source, generation tokens/s) is printed and written beside it.
-Errors (one line, exit code 2): a missing or unrecognised --from, an incomplete or unknown
-checkpoint, an unsupported architecture or quant type, an existing output without --overwrite,
-an output that cannot be created, a flag of another format, --base for a source that is not an
+Errors (one line, exit code 2): a missing or unrecognised --from, an incomplete, unknown or
+damaged source (its manifest, as resume checks a checkpoint's; a missing weight or tokenizer
+file), an unsupported architecture or quant type, an existing output without --overwrite, an
+output that cannot be created, a flag of another format, --base for a source that is not an
 adapter, an --eval-text that is not UTF-8 or too short; argparse's own refusals too.
-An export that fails midway leaves nothing under the output's name.
+Nothing is lost (toolkit.export.destination): --overwrite replaces only an earlier export, never a
+folder or file the export did not write, a run, or what the export reads. An export is made
+beside the output and moved into place once complete, so one that fails midway leaves nothing
+under the output's name and an earlier export as it was.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import torch
 
 from toolkit.config import UserError
 from toolkit.data.corpus import read_utf8
-from toolkit.export.consolidate import load_model, resolve_source
+from toolkit.export import destination
+from toolkit.export.consolidate import adapter_base, load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
 
@@ -85,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> Path:
-    """Everything that can be refused before any work is done."""
+    """Everything about the flags that can be refused before any work is done (what the output
+    may replace is checked once the source, and so everything the export reads, is known)."""
     output = Path(args.output)
     if args.format == "gguf":
         from toolkit.export.gguf import GGUF_TYPES
@@ -103,15 +109,6 @@ def check_args(args: argparse.Namespace) -> Path:
         raise UserError(f"--max-shard-size {args.max_shard_size} is not a size; write it like 500MB or 2GB")
     if args.base and not Path(args.base).is_dir():
         raise UserError(f"--base {args.base} is not a folder; give the base model folder of the LoRA adapter")
-    if output.exists() and not args.overwrite:
-        raise UserError(f"--output {output} exists; choose another path or pass --overwrite to replace it")
-    if args.format == "gguf":
-        from toolkit.export.gguf import modelfile_path
-
-        if modelfile_path(output).exists() and not args.overwrite:
-            raise UserError(
-                f"{modelfile_path(output)} exists; choose another --output or pass --overwrite to replace it"
-            )
     if args.eval_text and not Path(args.eval_text).is_file():
         raise UserError(f"--eval-text {args.eval_text} does not exist")
     # the nearest folder that exists must take new entries: the OS answers (root passes permission bits)
@@ -133,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve_source(args.source, args.checkpoint)
         if args.base and source.kind != "adapter":
             raise UserError(f"--base applies to a LoRA adapter folder; {source.describe()} is not one, leave --base out")
+        # everything the export reads stays apart from what it writes
+        reads = {"--from": Path(args.source), "the source": source.path, "its run": source.run_dir,
+                 "the LoRA's base": adapter_base(source, args.base),
+                 "--eval-text": Path(args.eval_text) if args.eval_text else None}
+        destination.check_output(output, args.format, args.overwrite, reads)
         model, tokenizer, notes = load_model(source, args.base, args.merge_lora)
         if args.format == "gguf":  # an architecture llama.cpp cannot run is refused before any work
             from toolkit.export.gguf import gguf_architecture
@@ -150,42 +152,42 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # too short to measure a perplexity on
             raise UserError(f"--eval-text {args.eval_text}: {exc}; give a longer text") from None
         source_ppl = perplexity(model, blocks)
-        output.parent.mkdir(parents=True, exist_ok=True)
         facts = {"source": source.describe(), "step": source.facts.get("step", "n/a"),
                  "eval_loss": _fmt(source.facts.get("eval_loss"))}
 
-        # Write: every format goes to a temporary name and is renamed into place at the end.
-        if args.format == "hf":
-            model = model.to(DTYPES[args.dtype])
-            card = HF_CARD.format(name=output.name, dtype=args.dtype, ppl="see export_report.md", **facts)
-            write_model_folder(model, tokenizer, output, {}, {}, card=card, max_shard_size=args.max_shard_size)
-            exported = _load_hf(output)
-        else:
-            with tempfile.TemporaryDirectory(prefix="export-", dir=output.parent) as tmp:
-                staged = write_model_folder(model, tokenizer, Path(tmp) / "model", {}, {}, card="")
+        # Write, measure and sign the export beside the output; then move it into place.
+        with destination.staging(output) as (staged, work):
+            if args.format == "hf":
+                model = model.to(DTYPES[args.dtype])
+                card = HF_CARD.format(name=output.name, dtype=args.dtype, ppl="see export_report.md", **facts)
+                write_model_folder(model, tokenizer, staged, {}, {}, card=card, max_shard_size=args.max_shard_size)
+                exported = _load_hf(staged)
+            else:
+                hf_folder = write_model_folder(model, tokenizer, work / "model", {}, {}, card="")
                 if args.format == "gguf":
                     from toolkit.export.gguf import write_gguf, write_modelfile
 
-                    write_gguf(staged, output, args.quant, notes)
-                    modelfile = write_modelfile(output, staged)
-                    notes.append(f"Ollama: ollama create NAME -f {modelfile}")
-                    exported = _load_gguf(output)
+                    write_gguf(hf_folder, staged, args.quant, notes)
+                    write_modelfile(staged, hf_folder)
+                    notes.append(f"Ollama: ollama create NAME -f {destination.modelfile_path(output)}")
+                    exported = _load_gguf(staged)
                 else:
                     from toolkit.export.quantize import quantize_folder
 
-                    _, quant_notes = quantize_folder(staged, output, args.format)
+                    _, quant_notes = quantize_folder(hf_folder, staged, args.format)
                     notes += quant_notes
-                    exported = _load_hf(output)
+                    exported = _load_hf(staged)
 
-        report = ExportReport(
-            output=output, fmt=args.format + (f" {args.quant}" if args.format == "gguf" else f" {args.dtype}" if args.format == "hf" else ""),
-            source=source.describe(), size_bytes=size_on_disk(output), source_ppl=source_ppl,
-            export_ppl=perplexity(exported, blocks), tokens_per_s=tokens_per_second(exported, tokenizer), notes=notes,
-        )
-        report_path = output / "export_report.md" if output.is_dir() else output.with_name(output.name + ".export_report.md")
-        report_path.write_text(report.markdown())
+            report = ExportReport(
+                output=output, fmt=args.format + (f" {args.quant}" if args.format == "gguf" else f" {args.dtype}" if args.format == "hf" else ""),
+                source=source.describe(), size_bytes=size_on_disk(staged), source_ppl=source_ppl,
+                export_ppl=perplexity(exported, blocks), tokens_per_s=tokens_per_second(exported, tokenizer), notes=notes,
+            )
+            destination.report_path(staged, args.format).write_text(report.markdown())
+            destination.mark(staged, args.format)
+            destination.put_in_place(staged, output, args.format, args.overwrite, reads)
         print(report.markdown())
-        print(f"[export] wrote {output} and {report_path}")
+        print(f"[export] wrote {output} and {destination.report_path(output, args.format)}")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

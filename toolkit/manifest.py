@@ -8,6 +8,9 @@ with a dead model (loss ln(vocab), gradient norm 0) while rotation deleted the g
 CRC-32 (zlib, C speed, several GB/s per core; the files are hashed in parallel threads) finds any
 truncation, any burst error and every flipped bit; it is not meant to resist forgery. The sizes
 alone are checked first, so a truncated file is named without reading anything.
+
+The same manifest is written into a run's final/ and adapter/, and into every folder an export
+writes, where it also names its writer (`written_by`): what may replace the folder later.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,8 +38,10 @@ def _files(folder: Path, skip: set[str]) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in skip)
 
 
-def write_manifest(folder: Path, skip: tuple[str, ...] = ()) -> Path:
-    """Record every file under `folder` (but `skip` and the manifest itself); atomically."""
+def write_manifest(folder: Path, skip: tuple[str, ...] = (), writer: str | None = None) -> Path:
+    """Record every file under `folder` (but `skip` and the manifest itself); atomically.
+
+    `writer` names what wrote the folder, for `written_by()` to read back."""
     files = _files(folder, {MANIFEST, *skip})
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # zlib releases the GIL
         sums = list(pool.map(crc32, files))
@@ -43,14 +49,17 @@ def write_manifest(folder: Path, skip: tuple[str, ...] = ()) -> Path:
         p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": s} for p, s in zip(files, sums, strict=True)
     }
     tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"version": 1, "files": entries}, indent=1))
+    header = {"version": 1} | ({"written_by": writer} if writer else {})
+    tmp.write_text(json.dumps({**header, "files": entries}, indent=1))
     tmp.rename(folder / MANIFEST)
     return folder / MANIFEST
 
 
-def check_manifest(folder: Path) -> str | None:
+def check_manifest(folder: Path, only: Callable[[str], bool] | None = None) -> str | None:
     """None if every recorded file is there with its size and CRC-32 (or the checkpoint predates
-    manifests); otherwise one line naming the first damaged file and what is wrong with it."""
+    manifests); otherwise one line naming the first damaged file and what is wrong with it.
+
+    `only` picks the recorded names to check (a reader that needs some of the files)."""
     path = folder / MANIFEST
     if not path.is_file():
         return None
@@ -58,6 +67,8 @@ def check_manifest(folder: Path) -> str | None:
         entries = json.loads(path.read_text())["files"]
     except (ValueError, KeyError, TypeError):
         return f"{path} is not a readable manifest"
+    if only is not None:
+        entries = {name: entry for name, entry in entries.items() if only(name)}
     for name, entry in entries.items():  # sizes first: cheap, and they name a truncation at once
         file = folder / name
         if not file.is_file():
@@ -72,3 +83,12 @@ def check_manifest(folder: Path) -> str | None:
         if value != entries[name]["crc32"]:
             return f"{folder / name} does not match its checksum (crc32 {value}, written {entries[name]['crc32']})"
     return None
+
+
+def written_by(folder: Path) -> str | None:
+    """What wrote `folder`, as its manifest names it; None without a readable manifest or a name."""
+    try:
+        value = json.loads((folder / MANIFEST).read_text()).get("written_by")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

@@ -7,6 +7,9 @@ model at the same step); a LoRA run's checkpoint and a LoRA adapter merge into t
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import installed
 import pytest
 import torch
@@ -71,7 +74,7 @@ def test_hf_export_of_a_zero3_checkpoint(export, runs, tmp_path, capsys):
     assert "held-out perplexity (export)" in report and "tokens/s" in report
 
 
-def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, data_cache, tmp_path):
+def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, data_cache, tmp_path, export, capsys):
     out = tmp_path / "lora"
     run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
                             f"data.chat_template={chatml_file}", "train.max_steps=2", "checkpoint.every=2",
@@ -83,6 +86,26 @@ def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, d
     # the adapter folder on the same base gives the same merged model
     merged, _, _ = load_model(resolve_source(out / "adapter"), merge_lora=True)
     torch.testing.assert_close(logits(merged), logits(model), atol=1e-4, rtol=0)
+
+    assert "holds a LoRA model; export it with --merge-lora" in error_line(
+        export, capsys, "--from", str(out), "--checkpoint", "step-2", "--output", str(tmp_path / "x"))
+    # one flipped bit in the checkpoint's weights, or in the adapter's: its manifest names the file
+    for damaged, weights in [(out / "checkpoints" / "step-2", "model.safetensors"),
+                             (out / "adapter", "adapter_model.safetensors")]:
+        flip_a_bit(damaged / weights)
+        err = error_line(export, capsys, "--from", str(damaged), "--merge-lora", "--output", str(tmp_path / "x"))
+        assert f"{damaged / weights} does not match its checksum" in err
+    assert not (tmp_path / "x").exists()
+
+
+def flip_a_bit(path: Path, offset: int = -100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(data)
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    return {p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
 
 
 def test_lora_adapter_merge_equals_base_plus_adapter(tiny_base, tmp_path, export, capsys):
@@ -102,6 +125,10 @@ def test_lora_adapter_merge_equals_base_plus_adapter(tiny_base, tmp_path, export
     assert code == 0, capsys.readouterr().err
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    base = shutil.copytree(tiny_base, tmp_path / "base")
+    assert f"--output {base} is the LoRA's base {base}, which the export reads" in error_line(
+        export, capsys, "--from", str(tmp_path / "adapter"), "--base", str(base), "--merge-lora", "--output",
+        str(base), "--overwrite")
     torch.testing.assert_close(logits(merged), expected, atol=1e-4, rtol=0)
 
 
@@ -210,7 +237,90 @@ def test_a_failed_export_leaves_nothing_under_the_output_name(export, tiny_base,
     out = tmp_path / "out"
     with pytest.raises(OSError, match="disk full"):
         export.main(["--from", str(tiny_base), "--format", "hf", "--output", str(out)])
-    assert not out.exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nor the hidden folder it was made in
+
+
+def test_overwrite_replaces_an_earlier_export_and_nothing_else(export, capsys, tmp_path, model_folder):
+    """Issue 26: --overwrite onto a folder of the user's own deleted it (thesis.tex, figs/)."""
+    from toolkit.export.destination import EXPORTED_BY
+    from toolkit.manifest import written_by
+
+    thesis = tmp_path / "thesis"
+    (thesis / "figs").mkdir(parents=True)
+    (thesis / "thesis.tex").write_text("\\documentclass{article}")
+    (thesis / "figs" / "loss.pdf").write_bytes(b"%PDF")
+    before = tree(thesis)
+    err = error_line(export, capsys, "--from", str(model_folder), "--output", str(thesis), "--overwrite")
+    assert err == (f"error: --output {thesis} holds files that no export wrote (figs/, thesis.tex); --overwrite "
+                   "replaces only an earlier export, and will not delete them; choose another --output")
+    assert tree(thesis) == before
+
+    # an export's own folder and GGUF are replaced by the next export, whole; the user's
+    # hf.tmp and hf.old beside it are not touched (the folder writer's own temporary names)
+    for kept in ("hf.tmp", "hf.old"):
+        (tmp_path / kept).mkdir()
+        (tmp_path / kept / "mine.txt").write_text("mine")
+    for out, fmt in [(tmp_path / "hf", "hf"), (tmp_path / "m.gguf", "gguf")]:
+        for _ in range(2):
+            code = export.main(["--from", str(model_folder), "--format", fmt, "--output", str(out), "--overwrite"])
+            assert code == 0, capsys.readouterr().err
+    assert written_by(tmp_path / "hf") == EXPORTED_BY
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # no staging folder left behind
+        "hf", "hf.old", "hf.tmp", "m.Modelfile", "m.gguf", "m.gguf.export_report.md", "thesis"]
+    assert (tmp_path / "hf.old" / "mine.txt").is_file() and (tmp_path / "hf.tmp" / "mine.txt").is_file()
+
+    # never what it reads, nor a file that no export wrote
+    (tmp_path / "notes.gguf").write_text("mine")
+    assert f"--output {tmp_path}/notes.gguf is not a GGUF that an export wrote" in error_line(
+        export, capsys, "--from", str(model_folder), "--format", "gguf", "--output", str(tmp_path / "notes.gguf"),
+        "--overwrite")
+    assert (tmp_path / "notes.gguf").read_text() == "mine"
+    hf = tmp_path / "hf"
+    assert f"--output {hf} is --from {hf}, which the export reads" in error_line(
+        export, capsys, "--from", str(hf), "--output", str(hf), "--overwrite")
+    assert f"--output {hf}/sub is inside --from {hf}" in error_line(
+        export, capsys, "--from", str(hf), "--output", str(hf / "sub"))
+
+
+def a_checkpoint(model_folder: Path, folder: Path) -> Path:
+    """A one-process checkpoint as training saves it: weights, model_files/, manifest, state last."""
+    from toolkit.manifest import crc32, write_manifest
+    from toolkit.run_dir import TrainerState, checkpoint_step
+
+    (folder / "model_files").mkdir(parents=True)
+    for f in model_folder.iterdir():
+        shutil.copy(f, folder / ("" if f.name == "model.safetensors" else "model_files") / f.name)
+    (folder / "optimizer.bin").write_bytes(b"adam state")
+    TrainerState(step=checkpoint_step(folder), manifest_crc32=crc32(write_manifest(folder))).write(folder)
+    return folder
+
+
+def test_a_checkpoint_with_a_flipped_bit_is_refused_naming_the_file(export, capsys, tmp_path, model_folder):
+    """Issue 26: exit 0 and no warning; resume checks the manifest, export did not."""
+    run = tmp_path / "run"
+    a_checkpoint(model_folder, run / "checkpoints" / "step-2")
+    step4 = a_checkpoint(model_folder, run / "checkpoints" / "step-4")
+    flip_a_bit(step4 / "model.safetensors")
+    for args in (["--from", str(run), "--checkpoint", "step-4"], ["--from", str(run)], ["--from", str(step4)]):
+        err = error_line(export, capsys, *args, "--output", str(tmp_path / "out"))
+        assert f"{step4}/model.safetensors does not match its checksum" in err
+        assert err.endswith(f"export an earlier checkpoint (--from {run} --checkpoint step-2)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("manifest", ["with its manifest", "without a manifest (older runs)"])
+@pytest.mark.parametrize("lost", ["model.safetensors", "tokenizer.json"])
+def test_a_final_folder_that_lost_a_file_is_one_line(lost, manifest, export, capsys, tiny_base, tmp_path):
+    """Issue 26: a traceback each (the lost tokenizer one blamed sentencepiece)."""
+    run = shutil.copytree(tiny_base.parent, tmp_path / "run")
+    assert (run / "final" / "manifest.json").is_file()  # final/ is written with one
+    (run / "final" / lost).unlink()
+    if manifest.startswith("without"):
+        (run / "final" / "manifest.json").unlink()
+    err = error_line(export, capsys, "--from", str(run), "--output", str(tmp_path / "out"))
+    named = {"model.safetensors": f"{run}/final has a config.json but no weights",
+             "tokenizer.json": f"{run}/final/tokenizer.json is missing (the folder has no tokenizer)"}
+    assert (f"{run}/final/{lost} is missing" if manifest.startswith("with ") else named[lost]) in err, err
 
 
 @pytest.mark.distributed

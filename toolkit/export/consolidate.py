@@ -6,6 +6,11 @@ with its base. A checkpoint's weights are gathered by the tools its strategy shi
 hand (toolkit.strategy.saved knows each strategy's files): DeepSpeed's `zero_to_fp32` for
 ZeRO-1/2/3, torch's `dcp_to_torch_save` for FSDP (what Accelerate's `merge_fsdp_weights` wraps), plain safetensors for DDP. The architecture and tokenizer come from the
 checkpoint's `model_files/` (written beside every checkpoint), or from the run's final/.
+
+A source is checked before anything loads, as resume checks a checkpoint: its manifest (every
+file's size and CRC-32; checkpoints, and final/ and adapter/ once they carry one), then, for
+folders without one, the files a model needs. A damaged source is one line that names the file
+and what to export instead, never a model that loads and is wrong, nor a traceback.
 """
 
 from __future__ import annotations
@@ -13,17 +18,30 @@ from __future__ import annotations
 import json
 import tempfile
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config import UserError
+from toolkit.manifest import MANIFEST, check_manifest, crc32
 from toolkit.models.adapter import BASE_MODEL_FILE
 from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState, checkpoint_step, is_complete
 from toolkit.strategy.saved import gather_full_weights, saved_by
+
+# The files of a checkpoint that export reads, by the strategy that saved it (beside model_files/):
+# a damaged optimizer or RNG state does not stop an export of intact weights. DeepSpeed's fp32
+# weights are gathered from the optimizer partitions, so all of its files count.
+READS = {
+    "ddp": ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin"),
+    "fsdp": ("pytorch_model_fsdp_*/*",),
+    "pipeline": ("pipeline_stage_*.safetensors",),
+    "deepspeed": ("*",),
+}
 
 
 @dataclass
@@ -34,25 +52,42 @@ class Source:
     step: int | None = None
     facts: dict = field(default_factory=dict)  # step, eval loss, ... for the model card and report
 
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.kind not in ("hf", "adapter")
+
     def describe(self) -> str:
         what = {"hf": "Hugging Face model folder", "adapter": "LoRA adapter", "ddp": "DDP/single-process checkpoint",
-                "fsdp": "FSDP sharded checkpoint", "deepspeed": "DeepSpeed ZeRO checkpoint"}[self.kind]
+                "fsdp": "FSDP sharded checkpoint", "deepspeed": "DeepSpeed ZeRO checkpoint",
+                "pipeline": "pipeline-parallel checkpoint"}[self.kind]
         return f"{what} {self.path}" + (f" (step {self.step})" if self.step is not None else "")
 
 
 def resolve_source(path: str | Path, checkpoint: str | None = None) -> Source:
-    """Find what `path` (and `checkpoint`, a step-N name inside a run) points at."""
+    """Find what `path` (and `checkpoint`, a step-N name inside a run) points at, and check that
+    it is intact."""
+    source = _find_source(path, checkpoint)
+    problem = _damage(source)
+    if problem:
+        raise UserError(f"{source.describe()} cannot be exported: {problem}; {_instead(source)}")
+    return source
+
+
+def _find_source(path: str | Path, checkpoint: str | None) -> Source:
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"--from {path} does not exist; give a run folder, a model folder, a checkpoint or an adapter")
+    if not p.is_dir():
+        raise UserError(
+            f"--from {path} is a file; give the folder that holds it (a run, a model folder with config.json, "
+            "a checkpoint or an adapter)"
+        )
     if checkpoint:
         folder = _run_checkpoint(p, checkpoint)
         return _checkpoint_source(folder, p)
     if (p / "adapter_config.json").is_file():
         return Source("adapter", p, facts=_summary(p))
     if (p / "config.json").is_file():
-        if not _has_weights(p):
-            raise UserError(f"--from {path} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
         return Source("hf", p, facts=_summary(p))
     run = RunDir(p)
     if (run.final / "config.json").is_file():
@@ -76,8 +111,8 @@ def resolve_source(path: str | Path, checkpoint: str | None = None) -> Source:
 def load_model(source: Source, base: str | None = None, merge_lora: bool = True):
     """(model in float32, eval mode; tokenizer; notes for the log)."""
     if source.kind == "hf":
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
-        return model.eval(), AutoTokenizer.from_pretrained(source.path), [f"source: {source.describe()}"]
+        model = _from_folder(source.path, source)
+        return model.eval(), load_tokenizer(source.path, source), [f"source: {source.describe()}"]
     if source.kind == "adapter":
         return _load_adapter(source, base, merge_lora)
     return _load_checkpoint(source, merge_lora)
@@ -95,7 +130,10 @@ def _load_checkpoint(source: Source, merge_lora: bool):
     lora = (files / "adapter_config.json").is_file()  # a LoRA run's checkpoint: base + adapter weights
     if lora and not merge_lora:
         raise UserError(f"{source.describe()} holds a LoRA model; export it with --merge-lora")
-    tokenizer = AutoTokenizer.from_pretrained(files)
+    problem = _missing_model_files(files, weights=False)
+    if problem:
+        raise UserError(f"{source.describe()}: {problem}; {_instead(source)}")
+    tokenizer = load_tokenizer(files, source)
     with tempfile.TemporaryDirectory(prefix="consolidate-") as tmp:
         weights = gather_weights(source, Path(tmp))
         notes = [f"source: {source.describe()}, weights gathered into {len(list(weights.iterdir()))} file(s)"]
@@ -113,11 +151,29 @@ def _load_checkpoint(source: Source, merge_lora: bool):
 def _from_folder(folder: Path, source: Source, **kwargs):
     try:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
-    except (RuntimeError, ValueError, OSError) as exc:
+    except SafetensorError as exc:  # a truncated or overwritten file that no manifest recorded
         raise UserError(
-            f"{source.describe()} does not load with its config ({str(exc).splitlines()[0][:200]}); "
+            f"{source.describe()}: its weights are not readable safetensors ({_first_line(exc)}); {_instead(source)}"
+        ) from None
+    except (RuntimeError, ValueError, OSError) as exc:
+        if not source.is_checkpoint:
+            raise UserError(f"{source.describe()} does not load ({_first_line(exc)}); {_instead(source)}") from None
+        raise UserError(
+            f"{source.describe()} does not load with its config ({_first_line(exc)}); "
             f"the weights and {MODEL_FILES}/ come from different models"
         ) from None
+
+
+def load_tokenizer(folder: Path, source: Source):
+    """The tokenizer saved in `folder`; one line when it is missing or does not load (transformers
+    would otherwise fall back to a slow tokenizer and blame sentencepiece)."""
+    problem = _missing_tokenizer(folder)
+    if problem is None:
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError) as exc:
+            problem = f"its tokenizer in {folder} does not load ({_first_line(exc)})"
+    raise UserError(f"{source.describe()}: {problem}; {_instead(source)}")
 
 
 def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
@@ -128,7 +184,12 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
 
     state: dict[str, torch.Tensor] = {}
     for f in sorted(weights.glob("*.safetensors")):
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except SafetensorError as exc:
+            raise UserError(
+                f"{source.describe()}: {f.name} is not readable safetensors ({_first_line(exc)}); {_instead(source)}"
+            ) from None
     for f in sorted(weights.glob("pytorch_model*.bin")):
         state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
     adapter = {k: state.pop(k) for k in [k for k in state if "lora_" in k]}
@@ -160,7 +221,7 @@ def _load_adapter(source: Source, base: str | None, merge_lora: bool):
     if not merge_lora:
         raise UserError(f"--from {source.path} is a LoRA adapter; export the merged model with --merge-lora")
     if base:
-        base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        base_model = _from_folder(Path(base), Source("hf", Path(base)))
         where = base
     elif (source.path / BASE_MODEL_FILE).is_file():
         from toolkit.models.base_model import BaseModelConfig, load_base_model
@@ -174,12 +235,12 @@ def _load_adapter(source: Source, base: str | None, merge_lora: bool):
         named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not named or not Path(named).is_dir():
             raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
-        base_model = AutoModelForCausalLM.from_pretrained(named, dtype=torch.float32)
+        base_model = _from_folder(Path(named), Source("hf", Path(named)))
         where = named
     merged = PeftModel.from_pretrained(base_model, str(source.path)).merge_and_unload()
     # the recipe saves the tokenizer with the adapter; other adapters use their base's
     has_tokenizer = (source.path / "tokenizer.json").is_file() or (source.path / "tokenizer_config.json").is_file()
-    tokenizer = AutoTokenizer.from_pretrained(source.path if has_tokenizer else where)
+    tokenizer = load_tokenizer(source.path, source) if has_tokenizer else AutoTokenizer.from_pretrained(where)
     return merged.eval(), tokenizer, [f"source: {source.describe()} on base {where}, merged"]
 
 
@@ -200,7 +261,12 @@ def _checkpoint_source(folder: Path, run_dir: Path | None) -> Source:
         raise UserError(
             f"{folder} is an incomplete checkpoint (no {STATE_FILE}: its save was interrupted); export an earlier one"
         )
-    state = TrainerState.read(folder)
+    try:
+        state = TrainerState.read(folder)
+    except (ValueError, TypeError) as exc:
+        raise UserError(
+            f"{folder / STATE_FILE} is not a readable trainer state ({_first_line(exc)}); export an earlier checkpoint"
+        ) from None
     facts = {"step": state.step, **state.last_eval}
     kind = saved_by(folder)
     if kind is None:
@@ -226,10 +292,110 @@ def _run_checkpoint(path: Path, name: str) -> Path:
     return folder
 
 
-def _has_weights(folder: Path) -> bool:
-    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+def adapter_base(source: Source, base: str | None) -> Path | None:
+    """The local file or folder a LoRA adapter merges into (what an export must not overwrite)."""
+    if source.kind != "adapter":
+        return None
+    if base:
+        return Path(base)
+    try:
+        if (source.path / BASE_MODEL_FILE).is_file():
+            saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
+            named = saved.get("gguf_file") or saved.get("path")
+        else:
+            named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        return None  # loading it says what is wrong
+    return Path(named).expanduser() if named and Path(named).expanduser().exists() else None
+
+
+def _damage(source: Source) -> str | None:
+    """What is wrong with the source's files, or None: the files it reads against its manifest; a
+    checkpoint's state file of another step or naming another (or a lost) manifest; a folder
+    without the files a model or an adapter needs."""
+    reads = READS.get(source.kind, ("*",)) + (f"{MODEL_FILES}/*",)
+    problem = check_manifest(source.path, only=lambda name: any(fnmatch(name, pattern) for pattern in reads))
+    if problem is None and source.is_checkpoint:  # the state file is this checkpoint's own
+        state, step = TrainerState.read(source.path), checkpoint_step(source.path)
+        manifest = source.path / MANIFEST
+        if step is not None and state.step != step:
+            problem = f"{source.path / STATE_FILE} is of step {state.step}, not {step}: a state file from another checkpoint"
+        elif state.manifest_crc32 and not manifest.is_file():
+            problem = f"{manifest} is missing"
+        elif state.manifest_crc32 and crc32(manifest) != state.manifest_crc32:
+            problem = f"{source.path / STATE_FILE} belongs to another checkpoint (it names another manifest than {manifest})"
+    if problem is None and source.kind == "hf":
+        problem = _missing_model_files(source.path)
+    if problem is None and source.kind == "adapter":
+        problem = _unreadable_json(source.path / "adapter_config.json")
+        if problem is None and not any(source.path.glob("adapter_model.*")):
+            problem = f"{source.path / 'adapter_model.safetensors'} is missing (the adapter has no weights)"
+    return problem
+
+
+def _unreadable_json(path: Path) -> str | None:
+    try:
+        json.loads(path.read_text())
+    except ValueError as exc:
+        return f"{path} is not JSON ({exc})"
+    return None
+
+
+def _missing_model_files(folder: Path, weights: bool = True) -> str | None:
+    """The first file a model folder lacks (its config, weights, tokenizer), or None."""
+    problem = _unreadable_json(folder / "config.json")
+    if problem is None and weights:
+        if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+            return f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin)"
+        for index in [*folder.glob("*.safetensors.index.json"), *folder.glob("pytorch_model.bin.index.json")]:
+            try:
+                shards = set(json.loads(index.read_text())["weight_map"].values())
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return f"{index} is not a readable weight index"
+            missing = sorted(shard for shard in shards if not (folder / shard).is_file())
+            if missing:
+                return f"{folder / missing[0]} is missing ({index.name} names it)"
+    return problem or _missing_tokenizer(folder)
+
+
+def _missing_tokenizer(folder: Path) -> str | None:
+    # a fast tokenizer's one file, or a slow one's vocabulary (sentencepiece, BPE, WordPiece)
+    if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
+        return None
+    return f"{folder / 'tokenizer.json'} is missing (the folder has no tokenizer)"
+
+
+def _instead(source: Source) -> str:
+    """What to export when `source` is damaged: an earlier checkpoint of its run, if there is one."""
+    run = RunDir(source.run_dir) if source.run_dir is not None else None
+    if run is None and source.kind == "adapter":
+        run = RunDir(source.path.parent) if source.path.name == "adapter" else None
+    if run is None and source.kind == "hf" and source.path.name == "final":
+        run = RunDir(source.path.parent)
+    done = run.complete_checkpoints() if run is not None else []
+    if source.is_checkpoint:
+        step = checkpoint_step(source.path) or source.step or 0  # the name: its state file may be another's
+        earlier = [c for c in done if (checkpoint_step(c) or 0) < step]
+        if earlier:
+            return f"export an earlier checkpoint (--from {run.root} --checkpoint {earlier[-1].name})"
+        if run is None:
+            return "export an earlier checkpoint of its run, or restore the file from a copy"
+        return "export an earlier checkpoint (this run has none left), or restore the file from a copy"
+    if done:
+        return f"export one of its run's checkpoints instead (--from {run.root} --checkpoint {done[-1].name})"
+    return "restore the file from a copy, or export another folder"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
 
 
 def _summary(folder: Path) -> dict:
-    f = folder / "training_summary.json"
-    return json.loads(f.read_text()) if f.is_file() else {}
+    """The facts for the model card; an unreadable file gives none (the manifest check names the
+    damage where there is one)."""
+    try:
+        facts = json.loads((folder / "training_summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return facts if isinstance(facts, dict) else {}

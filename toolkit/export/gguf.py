@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from toolkit.config import UserError
+from toolkit.export.destination import EXPORTED_BY, MODELFILE_FIRST_LINE, modelfile_path
 
 try:
     import gguf
@@ -64,11 +65,6 @@ SUPPORTED_ARCHITECTURES: dict[str, object] = (
     if gguf is not None
     else {}
 )
-MODELFILE = ".Modelfile"  # after the gguf's stem: two exports into one folder keep one each
-
-
-def modelfile_path(gguf_file: Path) -> Path:
-    return gguf_file.with_name(gguf_file.stem + MODELFILE)
 
 # transformers' tokenizer.json pre-tokenizers -> llama.cpp's `tokenizer.ggml.pre` names
 _GPT2_BYTE_LEVEL = "gpt-2"
@@ -143,7 +139,7 @@ def write_modelfile(gguf_file: Path, tokenizer_dir: Path) -> Path:
     if not isinstance(template, str):
         template = next((t["template"] for t in template if t["name"] == "default"), "")
     path = modelfile_path(gguf_file)
-    lines = [f"# Ollama: ollama create {gguf_file.stem} -f {path.name}", f"FROM ./{gguf_file.name}"]
+    lines = [f"{MODELFILE_FIRST_LINE}{gguf_file.stem} -f {path.name}", f"FROM ./{gguf_file.name}"]
     stops = []
     if "<|im_start|>" in template and "<|im_end|>" in template:
         lines.append(
@@ -299,6 +295,7 @@ def _add_model_metadata(writer, config, arch, model_dir: Path, quant: str) -> No
     rope = getattr(config, "rope_parameters", None) or {}
     name = model_dir.parent.name if model_dir.name == "final" else model_dir.name
     writer.add_name(name or "model")
+    writer.add_quantized_by(EXPORTED_BY)  # what lets a later --overwrite replace this file (toolkit.export.destination)
     writer.add_file_type(GGUF_TYPES[quant][1])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_context_length(config.max_position_embeddings)

@@ -1,7 +1,9 @@
 """The final model as one Hugging Face folder: safetensors, config, tokenizer, model card.
 
 Written to a temporary sibling and renamed into place (`run_dir.replace_folder`), so `final/` is
-always either the whole previous folder, the whole new one, or absent.
+always either the whole previous folder, the whole new one, or absent. Its manifest.json
+(toolkit.manifest: every file's size and CRC-32) lets export tell a damaged final/ or adapter/
+(a deleted or truncated file, a flipped bit) from an intact one, as resume does for checkpoints.
 Its weights are the fp32 master weights cast to one dtype (`checkpoint.final_dtype`, float32
 by default) under every strategy, so that swapping DDP for ZeRO-3 never changes the artifact.
 """
@@ -17,6 +19,7 @@ import torch
 import yaml
 
 from toolkit.faults import kill_point
+from toolkit.manifest import write_manifest
 from toolkit.models.adapter import BASE_MODEL_FILE
 from toolkit.run_dir import replace_folder
 from toolkit.strategy.distributed import Strategy
@@ -117,6 +120,7 @@ def write_model_folder(
     kill_point("final")
     if card is not None:
         (tmp / "README.md").write_text(card)
+        write_manifest(tmp)
         return replace_folder(tmp, out_dir)
     facts = {"name": out_dir.name, "origin": "trained from scratch", **card_facts}
     facts.setdefault(
@@ -129,6 +133,7 @@ def write_model_folder(
     facts.setdefault("eval_ppl", "n/a")
     (tmp / "README.md").write_text(CARD.format(config=yaml.safe_dump(train_config, sort_keys=False), **facts))
     (tmp / "training_summary.json").write_text(json.dumps(card_facts, indent=2))
+    write_manifest(tmp)
     return replace_folder(tmp, out_dir)
 
 
@@ -192,6 +197,7 @@ def save_adapter(
     tokenizer.save_pretrained(tmp)
     if base_model is not None:
         (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
+    write_manifest(tmp)
     replace_folder(tmp, out_dir)
     strategy.accelerator.wait_for_everyone()
     return out_dir

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.export.destination import REPORT_FIRST_LINE
 from toolkit.models.loss import token_loss_sum
 
 EVAL_TOKENS = 2048  # held-out tokens per perplexity measurement
@@ -83,7 +84,7 @@ class ExportReport:
 
     def markdown(self) -> str:
         lines = [
-            f"# Export report: {self.output.name}",
+            f"{REPORT_FIRST_LINE}{self.output.name}",
             "",
             "| | |",
             "|---|---|",

@@ -8,6 +8,7 @@ Every wrong path must end in one UserError that says what is there and what to g
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,102 @@ def test_an_adapter_finds_its_base_by_name_or_asks_for_it(model, tiny_tokenizer,
         UserError, match=rf"is a LoRA adapter whose base is unknown or absent \({base_dir}\); give --base"
     ):
         load_model(source)
+
+
+# damaged sources (issue 26): one line that names the file and what to export instead
+
+
+def with_manifest(folder: Path) -> Path:
+    """As training writes a checkpoint: the manifest, then the state file naming its checksum."""
+    from toolkit.manifest import crc32, write_manifest
+
+    state = json.loads((folder / "trainer_state.json").read_text())
+    (folder / "trainer_state.json").unlink()
+    state["manifest_crc32"] = crc32(write_manifest(folder))
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    return folder
+
+
+def test_only_the_files_an_export_reads_must_be_intact(model, tiny_tokenizer, tmp_path):
+    """A damaged optimizer state stops a resume, not an export of the intact weights beside it."""
+    folder = save_checkpoint(model, tiny_tokenizer, tmp_path / "run" / "checkpoints" / "step-4", 4)
+    (folder / "optimizer.bin").write_bytes(b"adam state")
+    with_manifest(folder)
+    (folder / "optimizer.bin").write_bytes(b"adam stat!")
+    assert_same_weights(load_model(resolve_source(folder))[0], model)
+    (folder / "model_files" / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match=r"model_files/tokenizer.json is missing; export an earlier checkpoint"):
+        resolve_source(folder)
+
+
+def test_a_state_file_that_names_a_lost_manifest(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-2", 2)
+    folder = with_manifest(save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-4", 4))
+    (folder / "manifest.json").unlink()
+    with pytest.raises(UserError) as refused:
+        resolve_source(run, "step-4")
+    assert str(refused.value) == (
+        f"DDP/single-process checkpoint {folder} (step 4) cannot be exported: {folder}/manifest.json is missing; "
+        f"export an earlier checkpoint (--from {run} --checkpoint step-2)"
+    )
+
+
+def test_a_state_file_that_does_not_belong_or_does_not_read(model, tiny_tokenizer, tmp_path):
+    run = tmp_path / "run"
+    earlier = with_manifest(save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-2", 2))
+    folder = with_manifest(save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-4", 4))
+    (folder / "trainer_state.json").write_bytes((earlier / "trainer_state.json").read_bytes())
+    with pytest.raises(UserError, match=r"step-4/trainer_state.json is of step 2, not 4: a state file from another "
+                       r"checkpoint; export an earlier checkpoint \(--from .* --checkpoint step-2\)"):
+        resolve_source(run, "step-4")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    (folder / "trainer_state.json").write_text(json.dumps({**state, "step": 4, "manifest_crc32": "0badf00d"}))
+    with pytest.raises(UserError, match=r"step-4/trainer_state.json belongs to another checkpoint"):
+        resolve_source(run, "step-4")
+    (folder / "trainer_state.json").write_text("{nope")  # was a JSONDecodeError traceback
+    with pytest.raises(UserError, match=r"step-4/trainer_state.json is not a readable trainer state \(Expecting"):
+        resolve_source(run, "step-4")
+
+
+# what a folder without a manifest (an older run, any HF folder) lost -> the line that names it
+DAMAGE = {
+    "truncated weights": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:3000]),
+                          "its weights are not readable safetensors (Error while deserializing header"),
+    "config.json not JSON": (lambda f: (f / "config.json").write_text("{nope"), "config.json is not JSON"),
+    "config.json of no model": (lambda f: (f / "config.json").write_text("{}"), "does not load (Unrecognized model"),
+    "a shard the index names": (lambda f: (f / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}})),
+        "model-00002-of-00002.safetensors is missing (model.safetensors.index.json names it)"),
+    "tokenizer.json not JSON": (lambda f: (f / "tokenizer.json").write_text("{nope"), "its tokenizer in"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_model_folder_is_one_line(damage, model, tiny_tokenizer, tmp_path):
+    folder = save_hf(model, tiny_tokenizer, tmp_path / "hf")
+    spoil, expected = DAMAGE[damage]
+    spoil(folder)
+    with pytest.raises(UserError, match=re.escape(expected)) as refused:
+        load_model(resolve_source(folder))
+    assert str(refused.value).startswith(f"Hugging Face model folder {folder}")
+    assert str(refused.value).endswith("restore the file from a copy, or export another folder")
+
+
+def test_a_file_is_not_a_source(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(UserError, match=r"model.gguf is a file; give the folder that holds it"):
+        resolve_source(tmp_path / "model.gguf")
+
+
+def test_a_pipeline_checkpoint_loads_identical_weights(model, tiny_tokenizer, tmp_path):
+    """It crashed on its own description (a KeyError) before any weight was read."""
+    folder = save_checkpoint(model, tiny_tokenizer, tmp_path / "run" / "checkpoints" / "step-3", 3)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    save_file({k: state[k] for k in names[: len(names) // 2]}, str(folder / "pipeline_stage_0.safetensors"))
+    save_file({k: state[k] for k in names[len(names) // 2:]}, str(folder / "pipeline_stage_1.safetensors"))
+    (folder / "model.safetensors").unlink()
+    source = resolve_source(folder)
+    assert source.kind == "pipeline" and source.describe().startswith("pipeline-parallel checkpoint")
+    assert_same_weights(load_model(source)[0], model)

@@ -34,3 +34,16 @@ def test_without_a_dtype_the_weights_stay_as_they_are(tiny_model, tiny_tokenizer
     out = write_model_folder(model, tiny_tokenizer, tmp_path / "export", {}, {}, card="# export\n")
     assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
     assert (out / "README.md").read_text() == "# export\n"
+
+
+def test_the_folder_carries_a_manifest_that_finds_a_flipped_bit(tiny_model, tiny_tokenizer, tmp_path):
+    """So that export tells a damaged final/ from an intact one, as resume does for a checkpoint."""
+    from toolkit.manifest import check_manifest
+
+    out = write_model_folder(tiny_model(tokenizer=tiny_tokenizer), tiny_tokenizer, tmp_path / "final", {"params": 1,
+                             "step": 2, "tokens": 3, "recipe": "pretrain", "model_type": "llama", "strategy": "DDP"}, {})
+    assert check_manifest(out) is None
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-8] ^= 1
+    (out / "model.safetensors").write_bytes(data)
+    assert check_manifest(out).startswith(f"{out}/model.safetensors does not match its checksum")
