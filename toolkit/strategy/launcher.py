@@ -14,9 +14,10 @@ with four differences:
   (SIGTERM), the launch exits with that code and shows only the recipe's one line. Anything else
   (a traceback, a rank killed by the OOM killer) is a crash: torchrun's report is shown as usual.
 - A missing --config_file or script is refused in one line (exit 2) before anything starts.
-- SIGTERM and SIGUSR1 (preemption, `scancel`, a time limit) are forwarded to the ranks, which
-  save a checkpoint at the end of the step and exit with 3; the launcher waits for them as for
-  any exit. torchrun would instead forward SIGTERM itself and SIGKILL the ranks 30 s later
+- SIGTERM, SIGUSR1 (preemption, `scancel`, a time limit) and SIGINT (Ctrl-C) are forwarded to
+  the ranks, which save a checkpoint at the end of the step and exit with 3; the launcher waits
+  for them as for any exit. A second Ctrl-C reaches them too, and they end at once. The ranks
+  die with the launcher (toolkit.strategy.rank_process.die_with_launcher). torchrun would instead forward SIGTERM itself and SIGKILL the ranks 30 s later
   (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), whether or not the step and checkpoint were done, then end
   with a SignalException traceback and exit code 1; SIGUSR1 it does not handle at all: the
   launcher dies and the ranks train on, orphaned. Leaving both signals to us needs torch >= 2.9
@@ -44,10 +45,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from toolkit.strategy.rank_process import LAUNCHER_PID
+
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
 # peers' collectives fail (4), and a rank stops (3) only when every rank does
 RECIPE_CODES = (2, 4, 5, 3)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # its warnings are all about ranks' exits
 
 
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     # with --debug and ACCELERATE_ENABLE_RICH=1, accelerate prints a failed launch's traceback and
     # returns as if all went well (exit 0); it must raise for the ranks' codes to be read
     accelerate_launch.is_rich_available = lambda: False
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # a rank's parent: how it knows it was not orphaned while starting
     stop = StopForwarder()
     held = HeldLog(logging.getLogger(ELASTIC_LOGGER))
     try:
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         return code
-    except SignalException as exc:  # SIGINT/SIGHUP/SIGQUIT: torchrun has ended the ranks with it
+    except SignalException as exc:  # SIGHUP/SIGQUIT: torchrun has ended the ranks with it
         return 128 + int(exc.sigval)
     return 0
 
@@ -115,9 +119,10 @@ def verdict(codes: dict[int, int], forwarded: int | None) -> int | None:
     """
     recipe = [c for c in codes.values() if c in RECIPE_CODES]
     ended = [c for c in codes.values() if c not in RECIPE_CODES]
-    if recipe and all(c == -signal.SIGTERM for c in ended):
+    # a rank that was not training yet ends at once on a signal, with 128 + n (toolkit.training.trainer.StopRequest)
+    if recipe and all(c in (-signal.SIGTERM, 128 + signal.SIGTERM) for c in ended):
         return min(recipe, key=RECIPE_CODES.index)
-    if forwarded is not None and codes and all(c == -forwarded for c in codes.values()):
+    if forwarded is not None and codes and all(c in (-forwarded, 128 + forwarded) for c in codes.values()):
         return 128 + forwarded
     return None
 
@@ -142,10 +147,21 @@ class StopForwarder:
         if not ranks:  # none started yet: end here (torchrun's cleanup stops any it is starting)
             sys.exit(128 + signum)
         for rank in ranks:
+            if signum == signal.SIGINT and in_foreground(rank.pid):
+                continue  # the terminal's Ctrl-C reached it with us (one process: accelerate keeps our group)
             try:
                 rank.send_signal(signum)
             except psutil.NoSuchProcess:  # exited meanwhile
                 pass
+
+
+def in_foreground(pid: int) -> bool:
+    """Whether `pid` is in the foreground process group of this process's terminal, which a Ctrl-C reaches."""
+    try:
+        with open("/dev/tty", "rb") as tty:
+            return os.getpgid(pid) == os.tcgetpgrp(tty.fileno())
+    except OSError:  # no terminal: a SIGINT came from kill, and reached this process only
+        return False
 
 
 class HeldLog(logging.Filter):
