@@ -473,6 +473,12 @@ class _OwnerLock:
 _HELD: dict[Path, _OwnerLock] = {}
 
 
+def release_all() -> None:
+    """Give up every run folder this process holds (its run is over, whichever way it ended)."""
+    for root in list(_HELD):
+        RunDir(root).release()
+
+
 def _record(fd: int) -> dict:
     try:
         return json.loads(os.pread(fd, 4096, 0) or b"{}")

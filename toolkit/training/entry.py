@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 
 from toolkit.config import UserError, load_config
+from toolkit.run_dir import release_all
 from toolkit.strategy.distributed import collective_failure, is_launch_main, report_once, reported_verdict
 from toolkit.strategy.rank_process import die_with_launcher
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
@@ -70,7 +71,5 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
         print(f"error: {line}", file=sys.stderr, flush=True)
         return 4
     finally:
-        trainer = getattr(recipe, "trainer", None)
-        if trainer is not None:  # the run is over: its folder is free (a refused one is left as found)
-            trainer.run.release()
+        release_all()  # the run is over: its folder is free (a refused one is left as found)
     return 0
