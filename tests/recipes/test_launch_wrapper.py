@@ -161,10 +161,11 @@ def test_killing_the_launchers_process_group_ends_its_ranks(tmp_path, data_cache
     ranks = launcher.children()
     assert len(ranks) == 2 and all(os.getsid(r.pid) != os.getsid(proc.pid) for r in ranks)  # out of the group's reach
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    proc.wait()
     gone, alive = psutil.wait_procs(ranks, timeout=5)
     for orphan in alive:
         orphan.kill()
+    proc.communicate()  # the ranks held its pipes
     assert not alive, f"{len(alive)} rank(s) outlived the launcher"
     steps = losses(out)
     time.sleep(3)
