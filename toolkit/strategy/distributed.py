@@ -155,9 +155,13 @@ def set_collective_timeout(seconds: int) -> timedelta:
     c10d.default_pg_timeout = timeout
     c10d.default_pg_nccl_timeout = timeout
     # Each step of a group's creation has its own timeout; the whole is bounded here too (see
-    # rank_process.within). DeepSpeed and FSDP's device mesh look new_group up in torch.distributed.
-    if not hasattr(torch.distributed.new_group, "bounded"):
-        torch.distributed.new_group = _bounded_new_group(torch.distributed.new_group)
+    # rank_process.within), in each module callers find new_group in: DeepSpeed's comm looks it up
+    # in torch.distributed, FSDP2's device mesh imported it into its own module.
+    import torch.distributed.device_mesh as device_mesh
+
+    for module in (torch.distributed, c10d, device_mesh):
+        if hasattr(module, "new_group") and not hasattr(module.new_group, "bounded"):
+            module.new_group = _bounded_new_group(module.new_group)
     return timeout
 
 

@@ -69,7 +69,9 @@ def test_groups_created_later_get_the_collective_timeout(tmp_path):
         dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1)
         set_collective_timeout(7)
         group = dist.new_group([0])
-        print(dist.new_group.bounded, group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        from torch.distributed import device_mesh
+        print(dist.new_group.bounded and device_mesh.new_group.bounded,
+              group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
     """)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
