@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except SignalException as exc:  # SIGHUP/SIGQUIT: torchrun has ended the ranks with it
         return 128 + int(exc.sigval)
+    finally:
+        stop.finished = True
     return 0
 
 
@@ -136,16 +138,21 @@ class StopForwarder:
 
     def __init__(self):
         self.signal: int | None = None
+        self.finished = False  # the launch is over: a late Ctrl-C must not raise while the interpreter exits
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._forward)
 
     def _forward(self, signum, frame) -> None:
         import psutil
 
-        self.signal = signum
+        first, self.signal = self.signal is None, signum
         ranks = psutil.Process().children()
-        if not ranks:  # none started yet: end here (torchrun's cleanup stops any it is starting)
-            sys.exit(128 + signum)
+        if not ranks:
+            # none started yet: end here (torchrun's cleanup stops any it is starting); after a
+            # first stop they have exited, and the launch is ending with their code
+            if first and not self.finished:
+                sys.exit(128 + signum)
+            return
         for rank in ranks:
             if signum == signal.SIGINT and in_foreground(rank.pid):
                 continue  # the terminal's Ctrl-C reached it with us (one process: accelerate keeps our group)

@@ -99,3 +99,13 @@ def test_a_stop_signal_before_any_rank_started_ends_the_launch():
            "StopForwarder(); os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 128 + TERM, done.stderr
+
+
+def test_a_second_ctrl_c_after_the_ranks_exited_does_not_raise_in_the_launcher():
+    """The ranks stopped at the first Ctrl-C and exited; a second one must not raise SystemExit
+    while the launcher returns their code (it did, inside an atexit callback: a traceback)."""
+    code = "from toolkit.strategy.launcher import StopForwarder; import os, signal, time\n" \
+           "stop = StopForwarder(); stop.signal = signal.SIGINT; os.kill(os.getpid(), signal.SIGINT); " \
+           "time.sleep(0.2); print('returned')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "returned", "")
