@@ -154,21 +154,15 @@ class StopForwarder:
                 sys.exit(128 + signum)
             return
         for rank in ranks:
-            if signum == signal.SIGINT and in_foreground(rank.pid):
-                continue  # the terminal's Ctrl-C reached it with us (one process: accelerate keeps our group)
             try:
+                # A Ctrl-C goes to the terminal's whole foreground group (a job runner's SIGINT
+                # usually to a group too): a rank in ours (one process: accelerate keeps it
+                # there) has it already, and a second one would end it at once, unsaved.
+                if signum == signal.SIGINT and os.getpgid(rank.pid) == os.getpgrp():
+                    continue
                 rank.send_signal(signum)
-            except psutil.NoSuchProcess:  # exited meanwhile
+            except (psutil.NoSuchProcess, ProcessLookupError):  # exited meanwhile
                 pass
-
-
-def in_foreground(pid: int) -> bool:
-    """Whether `pid` is in the foreground process group of this process's terminal, which a Ctrl-C reaches."""
-    try:
-        with open("/dev/tty", "rb") as tty:
-            return os.getpgid(pid) == os.tcgetpgrp(tty.fileno())
-    except OSError:  # no terminal: a SIGINT came from kill, and reached this process only
-        return False
 
 
 class HeldLog(logging.Filter):
