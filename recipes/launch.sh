@@ -5,7 +5,8 @@
 # Same arguments:
 #   bash recipes/launch.sh --config_file accelerate_configs/zero3.yaml --num_processes 2 \
 #       recipes/pretrain.py --config recipes/configs/pretrain_tiny.yaml
-# SIGTERM/SIGUSR1 sent to it reach the ranks, which save a checkpoint and exit with 3.
+# SIGTERM/SIGUSR1/SIGINT (Ctrl-C) sent to it reach the ranks, which save a checkpoint and exit with 3
+# (a second Ctrl-C ends them at once); the ranks die with it when it is killed.
 # How and why: toolkit/strategy/launcher.py.
 set -euo pipefail
 # exec: the launcher itself receives the signals (bash would hold them until its child exits)

@@ -13,17 +13,25 @@ One contract, used by the trainer, the recipes, checkpoints, the HF-folder write
                                   size; never a checkpoint itself, deleted with step-N
       final/  adapter/            .final, .adapter: the deliverables
       metrics.jsonl  loss.png  samples.md  tensorboard/
+      .run.lock                   LOCK_FILE: held by the run that owns the folder (RunDir.claim)
 
 Nothing else in the toolkit spells these names or parses `step-N`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
+import os
 import re
 import shutil
+import socket
+import struct
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +41,11 @@ STATE_FILE = "trainer_state.json"
 PRUNED = ".deleting"  # step-N.deleting: out of rotation, on its way out (a crash may leave it)
 CONVERTED = ".converted"  # step-N.converted: step-N's state by parameter name, for another strategy
 MODEL_FILES = "model_files"  # config, tokenizer (and a LoRA's adapter config) beside the weights
+LOCK_FILE = ".run.lock"  # the owner's lock; neither the run's entry nor a foreign one
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# the longest path a run writes below output_dir, with room to spare (a DeepSpeed shard of a
+# checkpoint with a 9-digit step: checkpoints/step-N.converted/pytorch_model/zero_pp_rank_…)
+DEEPEST_ENTRY = 160
 
 
 def checkpoint_step(folder: Path) -> int | None:
@@ -169,21 +181,36 @@ class RunDir:
         own, foreign = [], []
         if self.root.is_dir():
             for entry in sorted(self.root.iterdir()):
+                if entry.name == LOCK_FILE:
+                    continue
                 name = entry.name + ("/" if entry.is_dir() else "")
                 (own if entry.name in self.ENTRIES else foreign).append(name)
         own.sort(key=lambda name: self.ENTRIES.index(name.rstrip("/")))
         return own, foreign
 
-    def check(self, resume: str | None, overwrite: bool) -> None:
+    def check(self, resume: str | None, overwrite: bool, launch: str | None = None, main: bool = True) -> None:
         """Refuse anything that would lose what is in the folder; every rank, before any work.
 
         A run's own outputs are replaced only by newer outputs of the same run (resume from its
         newest complete checkpoint, or overwrite=true), and nothing else is ever deleted.
+        With `launch` (the launch's identity), the folder is first claimed for it (`claim`): two
+        runs started at once into one folder would otherwise both find it free.
         """
         out = self.root
+        check_path_length("output_dir", out, DEEPEST_ENTRY)
         if out.exists() and not out.is_dir():
             raise UserError(f"output_dir={out} is a file, not a folder; choose another output_dir")
         self.check_writable()
+        if launch is not None:
+            self.claim(launch, main)
+        try:
+            self._check_entries(resume, overwrite)
+        except UserError:
+            self.release()  # refused: the folder is left as it was found
+            raise
+
+    def _check_entries(self, resume: str | None, overwrite: bool) -> None:
+        out = self.root
         own, foreign = self.entries()
         if not own and not foreign:
             return  # missing or empty: a fresh start
@@ -211,6 +238,31 @@ class RunDir:
             f"output_dir={out} already holds a run ({_few(own)}); {hint}"
             "start over with overwrite=true (deletes it), or choose another output_dir"
         )
+
+    # ------------------------------------------------------------- one owner at a time
+    def claim(self, launch: str, main: bool) -> None:
+        """Make this launch the folder's one owner, or refuse: another run holds it.
+
+        The launch's main process takes the lock file's lock and holds it until `release` or its
+        death: the kernel drops it then, so a killed run leaves no stale lock (the file may stay;
+        a file nobody holds locks nothing). An open file description lock (F_OFD_SETLK), which
+        like flock belongs to the open file and not to a pid, because unlike flock it can be
+        tested without being taken: the launch's other ranks test it and read whose it is, so
+        that a rank of a second launch refuses too instead of waiting for its main process.
+        """
+        if main:
+            if self.root.absolute() not in _HELD:  # a second Trainer of this process: already its owner
+                _HELD[self.root.absolute()] = _OwnerLock.take(self.root, launch)
+            return
+        holder = _OwnerLock.holder(self.root)
+        if holder is not None and holder.get("launch") != launch:
+            raise UserError(_in_use(self.root, holder))
+
+    def release(self) -> None:
+        """Give the folder up (the run is over, or was refused); a no-op where it holds no lock."""
+        lock = _HELD.pop(self.root.absolute(), None)
+        if lock is not None:
+            lock.release()
 
     def died_before_first_checkpoint(self) -> bool:
         """The folder holds only what a run writes before its first complete checkpoint (metrics,
@@ -264,6 +316,7 @@ class RunDir:
         if resume == "auto":
             return self.latest_checkpoint()
         path = Path(resume)
+        check_path_length("resume", path)
         if not path.is_dir():
             raise UserError(f"resume={resume} is not a folder; give a checkpoints/step-N folder or resume=auto")
         if not is_complete(path) and not _looks_like_checkpoint(path):
@@ -300,3 +353,141 @@ def _looks_like_checkpoint(folder: Path) -> bool:
 def _few(names: list[str], shown: int = 3) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def check_path_length(key: str, path: Path, deeper: int = 0) -> None:
+    """Refuse a path the system cannot hold, with `deeper` bytes more below it: a folder name over
+    the filesystem's NAME_MAX (255 bytes on most), or the whole over PATH_MAX (4096 on Linux);
+    the OS would fail on the first file written, deep inside a step. Bytes, as the OS counts them
+    (an accented letter takes two)."""
+    existing = next((p for p in (path.absolute(), *path.absolute().parents) if _exists(p)), Path("/"))
+    name_max = os.pathconf(existing, "PC_NAME_MAX") if existing.is_dir() else 255
+    for part in path.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise UserError(
+                f"{key}={_cut(str(path))} has a folder name of {len(os.fsencode(part))} bytes ({_cut(part, 24)}); "
+                f"this filesystem allows at most {name_max}: choose a shorter name"
+            )
+    path_max = os.pathconf(existing, "PC_PATH_MAX") if existing.is_dir() else 4096
+    size = len(os.fsencode(str(path.absolute())))
+    if size + deeper >= path_max:
+        below = f" and the run writes up to {deeper} more below it (checkpoints/step-N/…)" if deeper else ""
+        raise UserError(
+            f"{key}={_cut(str(path))} is {size} bytes long{below}, over this system's limit of {path_max} for a "
+            "path: choose a shorter one"
+        )
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long: not there
+        return False
+
+
+def _cut(text: str, keep: int = 60) -> str:
+    return text if len(text) <= keep else f"{text[: keep // 2]}…{text[-keep // 2 :]}"
+
+
+def _in_use(root: Path, holder: dict) -> str:
+    who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started {holder.get('started', '?')}"
+    return f"output_dir={root} is in use by another run ({who}); wait for it or choose another output_dir"
+
+
+# struct flock on Linux LP64: l_type, l_whence, l_start, l_len, l_pid (and padding)
+_FLOCK = "hhqqi4x"
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
+
+
+class _OwnerLock:
+    """The lock file of a run folder, locked by its owner (see RunDir.claim)."""
+
+    def __init__(self, fd: int | None, path: Path, made: list[Path]):
+        self.fd, self.path, self.made = fd, path, made
+
+    @classmethod
+    def take(cls, root: Path, launch: str) -> _OwnerLock:
+        made = [p for p in (root, *root.parents) if not p.exists()]  # deepest first, removed if left empty
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / LOCK_FILE
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, 0, 0, 0, 0))
+            except OSError as exc:
+                holder = _record(fd)
+                os.close(fd)
+                if exc.errno in (errno.EAGAIN, errno.EACCES):
+                    raise UserError(_in_use(root, holder)) from None
+                if exc.errno in _NO_LOCKS:  # a filesystem without locks: no owner can be kept
+                    return cls(None, path, made)
+                raise
+            # the previous owner deletes the file as it releases it: lock the file that is there now
+            if _same_file(fd, path):
+                break
+            os.close(fd)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "launch": launch}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        return cls(fd, path, made)
+
+    @staticmethod
+    def holder(root: Path, wait_s: float = 5.0) -> dict | None:
+        """Who holds the folder's lock (its record), or None when nobody does."""
+        path = root / LOCK_FILE
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            try:
+                probe = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, 0, 0, 0, 0))
+                if struct.unpack(_FLOCK, probe)[0] == fcntl.F_UNLCK:
+                    return None
+                record = _record(fd)
+            except OSError as exc:
+                if exc.errno in _NO_LOCKS:
+                    return None
+                raise
+            finally:
+                os.close(fd)
+            # the owner writes its record right after locking: an empty one is being written
+            if record or time.monotonic() > deadline:
+                return record
+            time.sleep(0.05)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        # deleted while still locked, so that no one takes the lock of a file that is gone
+        self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+        with contextlib.suppress(OSError):  # not empty: the run wrote there, keep it
+            for folder in self.made:
+                folder.rmdir()
+
+
+_HELD: dict[Path, _OwnerLock] = {}
+
+
+def release_all() -> None:
+    """Give up every run folder this process holds (its run is over, whichever way it ended)."""
+    for root in list(_HELD):
+        RunDir(root).release()
+
+
+def _record(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (ValueError, OSError):
+        return {}
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False

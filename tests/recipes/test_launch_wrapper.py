@@ -91,10 +91,8 @@ def losses(out) -> list[int]:
     return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
-@pytest.mark.distributed
-def test_sigterm_stops_after_a_checkpoint_with_code_3_and_resume_continues(tmp_path, data_cache):
-    """What SLURM does at preemption or a time limit: SIGTERM to the launcher."""
-    out = tmp_path / "preempted"
+def start_training(out, data_cache) -> subprocess.Popen:
+    """A 2-process launch through the wrapper, once it has trained 3 steps."""
     cmd = wrapper("ddp.yaml", ["train.max_steps=100000", "checkpoint.every=0", "eval.every=0", f"output_dir={out}"],
                   data_cache)
     proc = launching.start(cmd, cwd=ROOT, env=environment(data_cache))
@@ -105,7 +103,17 @@ def test_sigterm_stops_after_a_checkpoint_with_code_3_and_resume_continues(tmp_p
         time.sleep(0.5)
     if proc.poll() is not None or len(losses(out)) < 3:
         pytest.fail(f"no 3 steps within 300 s: {launching.kill_all(proc)[1][-3000:]}")
-    proc.send_signal(signal.SIGTERM)  # bash exec'd the launcher: this is its process
+    return proc
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_stops_after_a_checkpoint_with_code_3_and_resume_continues(tmp_path, data_cache, sig):
+    """What SLURM does at preemption or a time limit: SIGTERM to the launcher; and a Ctrl-C, which
+    the terminal sends the launcher alone (torchrun's ranks are in sessions of their own)."""
+    out = tmp_path / "preempted"
+    proc = start_training(out, data_cache)
+    proc.send_signal(getattr(signal, sig))  # bash exec'd the launcher: this is its process
     try:
         stdout, stderr = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -114,6 +122,7 @@ def test_sigterm_stops_after_a_checkpoint_with_code_3_and_resume_continues(tmp_p
     stops = re.findall(r"stopped by a signal at step \d+.*", stderr)
     assert len(stops) == 1 and stops[0].endswith("continue with resume=auto"), stderr[-6000:]  # rank 0's line only
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr and "SignalException" not in stderr
+    assert "KeyboardInterrupt" not in stderr
     saved = [p.name for p in (out / "checkpoints").iterdir()]
     assert len(saved) == 1 and (out / "checkpoints" / saved[0] / "trainer_state.json").is_file()
     stopped_at = int(saved[0].split("-")[1])
@@ -137,3 +146,30 @@ def test_plain_accelerate_launch_shows_a_rank_0_data_error_as_one_error_line(tmp
     assert errors == [f"error: data.path={data} is not UTF-8 text (byte 0xff at offset 2, line 1); re-encode it "
                       "as UTF-8, e.g. iconv -f latin1 -t utf-8"], proc.stderr[-6000:]
     assert sorted(re.findall(r"exitcode\s+: (-?\d+)", proc.stderr)) == ["2", "2"], proc.stderr[-6000:]
+
+
+@pytest.mark.distributed
+def test_killing_the_launchers_process_group_ends_its_ranks(tmp_path, data_cache):
+    """`kill -9 -- -PGID` of the launch (a shell, a job runner): torchrun's ranks sit in sessions of
+    their own, and trained on as orphans, writing checkpoints into the folder; now they die with it,
+    and the folder is free for a relaunch at once."""
+    import psutil
+
+    out = tmp_path / "killed"
+    proc = start_training(out, data_cache)
+    launcher = psutil.Process(proc.pid)
+    ranks = launcher.children()
+    assert len(ranks) == 2 and all(os.getsid(r.pid) != os.getsid(proc.pid) for r in ranks)  # out of the group's reach
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=5)
+    for orphan in alive:
+        orphan.kill()
+    proc.communicate()  # the ranks held its pipes
+    assert not alive, f"{len(alive)} rank(s) outlived the launcher"
+    steps = losses(out)
+    time.sleep(3)
+    assert losses(out) == steps  # nothing more written
+    resumed = launch(wrapper("ddp.yaml", [f"train.max_steps={max(steps) + 1}", "eval.every=0", "checkpoint.every=0",
+                                          f"output_dir={out}", "resume=auto"], data_cache), data_cache)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]  # killed before its first checkpoint: started over

@@ -3,12 +3,18 @@ same run (resume from its newest complete checkpoint, or overwrite=true), nothin
 
 from __future__ import annotations
 
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from toolkit.config import UserError
-from toolkit.run_dir import STATE_FILE, RunDir, TrainerState, checkpoint_step, converted_state
+from toolkit.run_dir import LOCK_FILE, STATE_FILE, RunDir, TrainerState, checkpoint_step, converted_state
 
 
 def finished_run(folder: Path, checkpoint: str | None = "complete") -> Path:
@@ -200,3 +206,101 @@ def test_a_checkpoints_conversion_is_beside_it_and_never_a_checkpoint(tmp_path):
     assert run.complete_checkpoints() == [folder] and run.latest_checkpoint() == folder
     assert checkpoint_step(converted) is None
     assert TrainerState(strategy="DeepSpeed ZeRO-2", world_size=2).strategy == "DeepSpeed ZeRO-2"
+
+
+# ------------------------------------------------------------- one owner at a time
+CLAIM = """
+import sys, time
+from pathlib import Path
+from toolkit.config import UserError
+from toolkit.run_dir import RunDir
+run = RunDir(Path(sys.argv[1]))
+time.sleep(float(sys.argv[2]) - time.time())  # both start checking at the same moment
+try:
+    run.check(None, False, launch=sys.argv[3], main=True)
+except UserError as exc:
+    print("refused:", exc, flush=True)
+    sys.exit(2)
+(run.root / "metrics.jsonl").write_text("{}")  # what the run writes first
+print("owner", flush=True)
+time.sleep(float(sys.argv[4]))
+"""
+
+
+def claimants(folder: Path, n: int = 2, hold_s: float = 3.0) -> list[subprocess.Popen]:
+    at = time.time() + 1.5
+    return [subprocess.Popen([sys.executable, "-c", CLAIM, str(folder), str(at), f"launch-{i}", str(hold_s)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+
+
+def test_two_runs_started_at_once_into_one_new_folder_get_one_owner(tmp_path):
+    folder = tmp_path / "runs" / "seed"
+    results = [(p.wait(timeout=60), p.communicate()) for p in claimants(folder)]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(out for code, (out, _) in results if code == 2).strip()
+    owner = next(p for p in results if p[0] == 0)
+    assert re.fullmatch(
+        rf"refused: output_dir={folder} is in use by another run \(pid \d+ on {re.escape(socket.gethostname())}, "
+        r"started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\); wait for it or choose another output_dir", refused), refused
+    assert owner[1][0].strip() == "owner"
+
+
+def test_a_killed_owner_leaves_no_stale_lock(tmp_path):
+    folder = tmp_path / "run"
+    owner = claimants(folder, n=1, hold_s=60)[0]
+    assert owner.stdout.readline().strip() == "owner"
+    with pytest.raises(UserError, match="is in use by another run"):
+        RunDir(folder).check("auto", False, launch="another", main=True)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(timeout=30)
+    assert (folder / LOCK_FILE).exists()  # a killed owner leaves its file, but not its lock
+    run = RunDir(folder)
+    with pytest.raises(UserError, match="already holds a run"):  # now the folder's content speaks
+        run.check(None, False, launch="next", main=True)
+    run.check(None, True, launch="next", main=True)  # overwrite=true takes it over
+    run.release()
+    assert not (folder / LOCK_FILE).exists()
+
+
+def test_the_other_ranks_of_a_launch_follow_its_owner_and_refuse_another(tmp_path):
+    folder = tmp_path / "run"
+    owner = RunDir(folder)
+    owner.check(None, False, launch="host:29500", main=True)
+    try:
+        RunDir(folder).check(None, False, launch="host:29500", main=False)  # rank 1 of the same launch
+        with pytest.raises(UserError, match=r"is in use by another run \(pid \d+ on"):
+            RunDir(folder).check(None, False, launch="host:29501", main=False)  # a rank of another launch
+        assert RunDir(folder).entries() == ([], [])  # the lock file is neither the run's nor foreign
+    finally:
+        owner.release()
+    assert not folder.exists()  # claimed for a run that wrote nothing: left as it was found
+
+
+def test_a_refused_run_leaves_the_folder_as_it_found_it(tmp_path):
+    run = finished_run(tmp_path / "run")
+    before = sorted(p.name for p in run.iterdir())
+    refusal(run)
+    assert sorted(p.name for p in run.iterdir()) == before
+    RunDir(run).check("auto", False, launch="x", main=True)  # and it is free again
+    RunDir(run).release()
+
+
+@pytest.mark.parametrize("name", ["a component over NAME_MAX", "a unicode component over NAME_MAX in bytes",
+                                  "a path over PATH_MAX", "checkpoints would be over PATH_MAX"])
+def test_a_path_the_os_cannot_hold_is_one_line(tmp_path, name):
+    out = {
+        "a component over NAME_MAX": tmp_path / ("r" * 300),
+        "a unicode component over NAME_MAX in bytes": tmp_path / ("é" * 130),
+        "a path over PATH_MAX": tmp_path / "/".join(["d" * 200] * 21),
+        "checkpoints would be over PATH_MAX": tmp_path / "/".join(["d" * 200] * 19) / ("x" * (4000 - 19 * 201 - len(str(tmp_path)))),
+    }[name]
+    message = refusal(out)
+    if "NAME_MAX" in name:
+        assert re.search(r"has a folder name of \d+ bytes \(.*\); this filesystem allows at most 255: choose a shorter name",
+                         message), message
+    else:
+        assert "over this system's limit of 4096 for a path: choose a shorter one" in message, message
+    assert len(message) < 300
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(UserError, match="has a folder name of 300 bytes"):
+        RunDir(tmp_path).resolve_resume(str(tmp_path / ("r" * 300) / "checkpoints" / "step-2"))

@@ -51,6 +51,7 @@ from toolkit.models.loss import backward_scale
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
 from toolkit.strategy.pipeline_parallel import Pipeline
+from toolkit.strategy.rank_process import within
 from toolkit.strategy.sequence_parallel import SequenceParallel
 from toolkit.strategy.sequence_parallel import problems as sequence_parallel_problems
 from toolkit.strategy.sequence_parallel import sequence_problem as sequence_parallel_problem
@@ -153,7 +154,44 @@ def set_collective_timeout(seconds: int) -> timedelta:
     timeout = timedelta(seconds=seconds)
     c10d.default_pg_timeout = timeout
     c10d.default_pg_nccl_timeout = timeout
+    # Each step of a group's creation has its own timeout; the whole is bounded here too (see
+    # rank_process.within), in each module callers find new_group in: DeepSpeed's comm looks it up
+    # in torch.distributed, FSDP2's device mesh imported it into its own module.
+    import torch.distributed.device_mesh as device_mesh
+
+    for module in (torch.distributed, c10d, device_mesh):
+        if hasattr(module, "new_group") and not hasattr(module.new_group, "bounded"):
+            module.new_group = _bounded_new_group(module.new_group)
     return timeout
+
+
+def _bounded_new_group(new_group: Callable) -> Callable:
+    @functools.wraps(new_group)
+    def bounded(*args, **kwargs):
+        with creating_groups("creating a process group (new_group)"):
+            return new_group(*args, **kwargs)
+
+    bounded.bounded = True
+    return bounded
+
+
+def creating_groups(what: str):
+    """A process group's creation, ended with the collective-timeout line and exit code 4 once it
+    waits past train.collective_timeout_s (with a little room, so that torch's own timeout, where
+    it fires, is the one reported)."""
+    seconds = _COLLECTIVE_TIMEOUT_S or 1800
+    return within(seconds * 1.05 + 5, what, _group_never_formed)
+
+
+def _group_never_formed(what: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    print(
+        f"error: [rank {rank}] waited {_COLLECTIVE_TIMEOUT_S} s (train.collective_timeout_s) {what} for ranks "
+        "that never joined: a rank is stuck elsewhere or died, or an earlier launch's ranks share the rendezvous; "
+        "see the other ranks' errors",
+        file=sys.stderr, flush=True,
+    )
+    os._exit(4)  # the main thread is blocked in C++: only ending the process stops it
 
 
 def build_accelerator(
@@ -179,15 +217,16 @@ def build_accelerator(
                 kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
     elif multi:
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timeout)]
-    if multi:
-        join_restarted_group("nccl" if has_gpu() else "gloo", timeout)
-    accelerator = Accelerator(
-        mixed_precision=resolve_mixed_precision(mixed_precision),
-        gradient_accumulation_steps=accumulation_steps,
-        log_with=trackers or None,
-        project_dir=project_dir,
-        **kwargs,
-    )
+    with creating_groups("creating the launch's process group") if multi else contextlib.nullcontext():
+        if multi:
+            join_restarted_group("nccl" if has_gpu() else "gloo", timeout)
+        accelerator = Accelerator(
+            mixed_precision=resolve_mixed_precision(mixed_precision),
+            gradient_accumulation_steps=accumulation_steps,
+            log_with=trackers or None,
+            project_dir=project_dir,
+            **kwargs,
+        )
     if accelerator.distributed_type == DistributedType.FSDP:
         reduce_gradients_in_fp32(accelerator.state.fsdp_plugin)
     if fsdp_on_cpu:

@@ -14,9 +14,10 @@ with four differences:
   (SIGTERM), the launch exits with that code and shows only the recipe's one line. Anything else
   (a traceback, a rank killed by the OOM killer) is a crash: torchrun's report is shown as usual.
 - A missing --config_file or script is refused in one line (exit 2) before anything starts.
-- SIGTERM and SIGUSR1 (preemption, `scancel`, a time limit) are forwarded to the ranks, which
-  save a checkpoint at the end of the step and exit with 3; the launcher waits for them as for
-  any exit. torchrun would instead forward SIGTERM itself and SIGKILL the ranks 30 s later
+- SIGTERM, SIGUSR1 (preemption, `scancel`, a time limit) and SIGINT (Ctrl-C) are forwarded to
+  the ranks, which save a checkpoint at the end of the step and exit with 3; the launcher waits
+  for them as for any exit. A second Ctrl-C reaches them too, and they end at once. The ranks
+  die with the launcher (toolkit.strategy.rank_process.die_with_launcher). torchrun would instead forward SIGTERM itself and SIGKILL the ranks 30 s later
   (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), whether or not the step and checkpoint were done, then end
   with a SignalException traceback and exit code 1; SIGUSR1 it does not handle at all: the
   launcher dies and the ranks train on, orphaned. Leaving both signals to us needs torch >= 2.9
@@ -44,10 +45,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from toolkit.strategy.rank_process import LAUNCHER_PID
+
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
 # peers' collectives fail (4), and a rank stops (3) only when every rank does
 RECIPE_CODES = (2, 4, 5, 3)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # its warnings are all about ranks' exits
 
 
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     # with --debug and ACCELERATE_ENABLE_RICH=1, accelerate prints a failed launch's traceback and
     # returns as if all went well (exit 0); it must raise for the ranks' codes to be read
     accelerate_launch.is_rich_available = lambda: False
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # a rank's parent: how it knows it was not orphaned while starting
     stop = StopForwarder()
     held = HeldLog(logging.getLogger(ELASTIC_LOGGER))
     try:
@@ -83,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         return code
-    except SignalException as exc:  # SIGINT/SIGHUP/SIGQUIT: torchrun has ended the ranks with it
+    except SignalException as exc:  # SIGHUP/SIGQUIT: torchrun has ended the ranks with it
         return 128 + int(exc.sigval)
+    finally:
+        stop.finished = True
     return 0
 
 
@@ -115,9 +121,10 @@ def verdict(codes: dict[int, int], forwarded: int | None) -> int | None:
     """
     recipe = [c for c in codes.values() if c in RECIPE_CODES]
     ended = [c for c in codes.values() if c not in RECIPE_CODES]
-    if recipe and all(c == -signal.SIGTERM for c in ended):
+    # a rank that was not training yet ends at once on a signal, with 128 + n (toolkit.training.trainer.StopRequest)
+    if recipe and all(c in (-signal.SIGTERM, 128 + signal.SIGTERM) for c in ended):
         return min(recipe, key=RECIPE_CODES.index)
-    if forwarded is not None and codes and all(c == -forwarded for c in codes.values()):
+    if forwarded is not None and codes and all(c in (-forwarded, 128 + forwarded) for c in codes.values()):
         return 128 + forwarded
     return None
 
@@ -131,20 +138,30 @@ class StopForwarder:
 
     def __init__(self):
         self.signal: int | None = None
+        self.finished = False  # the launch is over: a late Ctrl-C must not raise while the interpreter exits
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._forward)
 
     def _forward(self, signum, frame) -> None:
         import psutil
 
-        self.signal = signum
+        first, self.signal = self.signal is None, signum
         ranks = psutil.Process().children()
-        if not ranks:  # none started yet: end here (torchrun's cleanup stops any it is starting)
-            sys.exit(128 + signum)
+        if not ranks:
+            # none started yet: end here (torchrun's cleanup stops any it is starting); after a
+            # first stop they have exited, and the launch is ending with their code
+            if first and not self.finished:
+                sys.exit(128 + signum)
+            return
         for rank in ranks:
             try:
+                # A Ctrl-C goes to the terminal's whole foreground group (a job runner's SIGINT
+                # usually to a group too): a rank in ours (one process: accelerate keeps it
+                # there) has it already, and a second one would end it at once, unsaved.
+                if signum == signal.SIGINT and os.getpgid(rank.pid) == os.getpgrp():
+                    continue
                 rank.send_signal(signum)
-            except psutil.NoSuchProcess:  # exited meanwhile
+            except (psutil.NoSuchProcess, ProcessLookupError):  # exited meanwhile
                 pass
 
 

@@ -24,11 +24,14 @@ from __future__ import annotations
 import sys
 
 from toolkit.config import UserError, load_config
+from toolkit.run_dir import release_all
 from toolkit.strategy.distributed import collective_failure, is_launch_main, report_once, reported_verdict
+from toolkit.strategy.rank_process import die_with_launcher
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
 
 
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
+    die_with_launcher()  # first: a rank must not outlive a launcher killed while it starts
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "--config" or len(argv) < 2:
         report_once(f"usage: recipes/{name}.py --config recipes/configs/NAME.yaml [key.sub=value ...]", 2)
@@ -67,4 +70,6 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
             return verdict
         print(f"error: {line}", file=sys.stderr, flush=True)
         return 4
+    finally:
+        release_all()  # the run is over: its folder is free (a refused one is left as found)
     return 0

@@ -18,7 +18,10 @@ with their collate, and what it delivers at the end.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,7 +43,8 @@ from toolkit.models.loss import output_head
 from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
-from toolkit.strategy.distributed import Strategy
+from toolkit.strategy.distributed import Strategy, is_launch_main
+from toolkit.strategy.rank_process import launch_id
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.checkpoint import (
     SaveFailed,
@@ -102,24 +106,73 @@ class TrainConfig:
 
 
 class StopRequest:
-    """SIGTERM/SIGUSR1 (cluster preemption, `scancel`, a time limit) ask the run to stop cleanly.
+    """SIGTERM, SIGUSR1 (cluster preemption, `scancel`, a time limit) and SIGINT (Ctrl-C) stop the run.
 
-    The handler only sets a flag; the loop checks it once per optimizer step, agreed across
-    ranks (a rank that saw no signal must still stop with the others), saves a checkpoint and
-    exits, so `resume=auto` continues where the run was stopped.
+    In training the handler only sets a flag; the loop checks it once per optimizer step, agreed
+    across ranks (a rank that saw no signal must still stop with the others), saves a checkpoint
+    and exits 3, so `resume=auto` continues where the run was stopped. Before training starts
+    (data, model load, the launch's process group) there is nothing to save: the process ends at
+    once, one line, exit code 128 + the signal. A second Ctrl-C ends it at once wherever it is.
+
+    "At once" must hold while the main thread waits inside C++ (a rendezvous, a collective, a
+    tokenizer), where Python runs no handler until the call returns (measured: a SIGTERM to a
+    rank in a TCPStore wait ran its handler when the wait timed out). So a thread reads the
+    signal numbers from the wakeup fd, which the C-level handler writes as the signal arrives,
+    and ends the process from there; `release` (the run folder's lock) runs first.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)):
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    _watched: StopRequest | None = None  # the newest one; one watcher thread per process
+
+    def __init__(self, name: str = "run", main: bool = True, release: Callable[[], None] = lambda: None,
+                 signals: tuple[int, ...] = SIGNALS):
+        self.name, self.main, self.release = name, main, release
         self.signal: int | None = None
+        self.training = False  # set by fit: from then on a signal stops at the end of a step
+        self.step: Callable[[], int] = lambda: 0
+        self.interrupts = 0
         for sig in signals:
             signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            if StopRequest._watched is None:
+                read, write = os.pipe()
+                os.set_blocking(write, False)
+                signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+                threading.Thread(target=StopRequest._watch, args=(read,), daemon=True, name="stop-signals").start()
+            StopRequest._watched = self
 
     def _handle(self, signum, frame) -> None:
-        self.signal = signum
+        self.signal = signum  # before training, the watcher has ended the process already
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
+
+    @staticmethod
+    def _watch(fd: int) -> None:
+        while True:
+            for signum in os.read(fd, 64):
+                stop = StopRequest._watched
+                if stop is not None and signum in StopRequest.SIGNALS:
+                    stop._now_or_later(signum)
+
+    def _now_or_later(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if not self.training:
+            self._end(f"stopped by {name} before training started; nothing was trained, so nothing is saved", signum)
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                self._end(f"stopped at once by a second Ctrl-C at step {self.step()}, without saving it; "
+                          "continue with resume=auto (from the newest checkpoint)", signum)
+
+    def _end(self, line: str, signum: int) -> None:
+        if self.main:
+            print(f"\n[{self.name}] {line}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # ending is what matters; the lock goes with the process anyway
+            self.release()
+        sys.stdout.flush()
+        os._exit(128 + signum)
 
 
 class SaveStopped(Exception):
@@ -171,11 +224,19 @@ class Trainer:
 
     def __init__(self, name: str, cfg: Any):
         self.name, self.cfg = name, cfg
-        self.stop = StopRequest()
+        self.run = RunDir(cfg.output_dir)
+        self.stop = StopRequest(name, is_launch_main(), self.run.release)
         check_attention(cfg.model.attn_implementation)
         check_trackers(cfg.logging.trackers)
-        self.run = RunDir(cfg.output_dir)
-        self.run.check(cfg.resume, cfg.overwrite)
+        # the folder's one owner from here (released by close, or by a refusal below)
+        self.run.check(cfg.resume, cfg.overwrite, launch_id(), is_launch_main())
+        try:
+            self._launch(name, cfg)
+        except BaseException:
+            self.run.release()
+            raise
+
+    def _launch(self, name: str, cfg: Any) -> None:
         self.resume_from = self.run.resolve_resume(cfg.resume)
 
         # The strategy, world size and backend come from the accelerate config file.
@@ -335,6 +396,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ train
     def fit(self) -> None:
+        self.stop.step = lambda: self.state.step
+        self.stop.training = True
         bar = tqdm(total=self.cfg.train.max_steps, initial=self.state.step, disable=not self.accelerator.is_main_process, desc=self.name)
         try:
             self.train_steps(bar)
@@ -547,6 +610,7 @@ class Trainer:
     def close(self) -> Path | None:
         """Flush the trackers and close metrics.jsonl; on the main process, plot the loss curve."""
         self.accelerator.end_training()
+        self.run.release()  # after the deliverable: the recipe wrote it before calling close
         if self.metrics is None:
             return None
         self.metrics.close()

@@ -14,7 +14,7 @@ import pytest
 from toolkit.strategy.launcher import HeldLog, missing_file, verdict
 
 ROOT = Path(__file__).resolve().parents[3]
-TERM, KILL, USR1 = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1)
+TERM, KILL, USR1, INT = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1), int(signal.SIGINT)
 
 CASES = {
     # the ranks' codes as torchrun reports them (negative: ended by that signal), the stop signal
@@ -30,6 +30,9 @@ CASES = {
     "stopped while starting, before the handler": ({0: -USR1, 1: -USR1}, USR1, 128 + USR1),
     "SIGTERM from elsewhere while starting": ({0: -TERM, 1: -TERM}, None, None),
     "one process, bad input": ({0: 2}, None, 2),
+    "bad input, the other rank ended at once by torchrun's SIGTERM (not training yet)": ({0: 2, 1: 128 + TERM}, None, 2),
+    "Ctrl-C: stopped with a checkpoint": ({0: 3, 1: 3}, INT, 3),
+    "a second Ctrl-C, or one before training: every rank ended at once": ({0: 128 + INT, 1: 128 + INT}, INT, 128 + INT),
 }
 
 
@@ -96,3 +99,13 @@ def test_a_stop_signal_before_any_rank_started_ends_the_launch():
            "StopForwarder(); os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 128 + TERM, done.stderr
+
+
+def test_a_second_ctrl_c_after_the_ranks_exited_does_not_raise_in_the_launcher():
+    """The ranks stopped at the first Ctrl-C and exited; a second one must not raise SystemExit
+    while the launcher returns their code (it did, inside an atexit callback: a traceback)."""
+    code = "from toolkit.strategy.launcher import StopForwarder; import os, signal, time\n" \
+           "stop = StopForwarder(); stop.signal = signal.SIGINT; os.kill(os.getpid(), signal.SIGINT); " \
+           "time.sleep(0.2); print('returned')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "returned", "")

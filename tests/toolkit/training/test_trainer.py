@@ -269,3 +269,51 @@ def test_the_learning_rate_is_scaled_with_the_global_batch_when_asked(tmp_path, 
     assert len(rates["plain"]) == 3 and rates["scaled"] == pytest.approx([2 * lr for lr in rates["plain"]], rel=1e-12)
     assert capsys.readouterr().out.count(
         "optim.lr=0.001 was tuned at a global batch of 1; scaled sqrt to train.global_batch_size=4: peak lr 0.002") == 1
+
+
+STOPPING = """
+import datetime, sys, time
+import torch.distributed as dist
+from toolkit.training.trainer import StopRequest
+stop = StopRequest("unit", main=True, release=lambda: print("released", flush=True))
+stop.training = sys.argv[1] == "training"
+stop.step = lambda: 7
+print("ready", flush=True)
+if stop.training:
+    while True:
+        time.sleep(0.05)
+        if stop.requested:
+            print("flag", flush=True)
+            break
+    sys.stdin.readline()  # wait for the second Ctrl-C (a checkpoint being saved)
+else:  # a rank waiting in C++ (a rendezvous): Python runs no handler until the wait ends
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    store.get("a key no one sets")
+"""
+
+
+@pytest.mark.parametrize("phase", ["starting", "training"])
+def test_ctrl_c_before_training_ends_at_once_and_a_second_one_in_training(phase):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen([sys.executable, "-c", STOPPING, phase], cwd=root, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGINT)
+    if phase == "training":
+        assert child.stdout.readline().strip() == "flag"  # the first one: stop at the end of the step
+        child.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    out, err = child.communicate(timeout=30)
+    assert time.monotonic() - start < 10  # not the store's 60 s
+    assert child.returncode == 128 + signal.SIGINT
+    assert "released" in out  # the run folder's lock
+    expected = ("[unit] stopped by SIGINT before training started; nothing was trained, so nothing is saved"
+                if phase == "starting" else "[unit] stopped at once by a second Ctrl-C at step 7, without saving "
+                "it; continue with resume=auto (from the newest checkpoint)")
+    assert err.strip() == expected, err
