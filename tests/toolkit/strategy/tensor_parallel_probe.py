@@ -30,6 +30,11 @@ positions = np.stack([np.concatenate([np.arange(24), np.arange(30), np.arange(10
 columns = {"input_ids": np.random.default_rng(0).integers(0, 4096, (2, L)), "position_ids": positions,
            "num_tokens": np.array([L, L - 3])}
 batch = collate(columns, "sdpa")
+LR = 1e-2
+# The loss is T = 125 token cross-entropies, each a logsumexp of V = 4096 fp32 logits: in another order
+# each is off by ~u sqrt(V) = 4e-6 of itself (u = 2^-24), and T independent errors add to 1/sqrt(T) of
+# that in the sum, 3e-7: bounded by 1e-6 of the loss.
+LOSS_REL = 1e-6
 # the shipped tiny config's widths: torch's fp32 norm of the 4096 x 128 embedding's gradient is 1e-5 off
 # its float64 norm, and rounds differently on the split halves (test_tensor_parallel.py)
 config = AutoConfig.for_model(model_type, vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -42,7 +47,7 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def run(model) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     saved = []
     norm = model.model.layers[1].input_layernorm
     handle = norm.register_forward_hook(lambda _m, args, _o: saved.append(tuple(getattr(args[0], "to_local",
@@ -55,11 +60,38 @@ def run(model) -> dict:
     each = [whole(torch.linalg.vector_norm(p.grad)) for p in model.parameters()]
     norms = {"grad_norm": torch.linalg.vector_norm(torch.stack(each)).item(),
              "exact_grad_norm": sum(g.double().pow(2).sum().item() for g in grads.values()) ** 0.5}
+    before = {n: whole(p).detach().float().clone() for n, p in model.named_parameters()}
     optimizer.step()
-    with torch.no_grad():
-        after = forward_loss_sum(model, batch)
-    return {**norms, "loss": loss.item(), "loss_after_step": after.item(), "grads": grads, "norm_input": saved[0],
-            "kinds": sorted({type(p).__name__ for p in model.parameters()})}
+    steps = {n: whole(p).detach().float() - before[n] for n, p in model.named_parameters()}
+    optimizer.zero_grad()
+    after = forward_loss_sum(model, batch)
+    after.backward()  # the slope after the step, for after_step_bound
+    slope = {n: whole(p.grad).float() for n, p in model.named_parameters()}
+    return {**norms, "loss": loss.item(), "loss_after_step": after.item(), "grads": grads, "steps": steps,
+            "slope": slope, "norm_input": saved[0], "kinds": sorted({type(p).__name__ for p in model.parameters()})}
+
+
+def unsure(g: torch.Tensor) -> torch.Tensor:
+    """The gradient elements whose sign is within their rounding, and so is Adam's step on them.
+
+    Adam's first update is lr * g / (|g| + eps), lr * sign(g) for any |g| >> eps = 1e-8: a gradient
+    off by rounding moves its weight by the same lr, unless its sign is the rounding's, which turns
+    that weight's step from +lr to -lr. A gradient element's rounding error is a fraction of its row's
+    rms: u sqrt(K) for a K-term fp32 sum in another order (u = 2^-24), K = 4096 the longest reduction
+    behind any gradient here (the vocabulary), x 2 for two computations each off the exact one, x 4
+    for the tails of ~10^6 elements: 8 u sqrt(4096) = 3e-5 of the rms (measured: these gradients in
+    fp32 are at most 6e-6 of the rms off their float64 values). Exact zeros are structural (an
+    absent token's embedding row), the same in any order."""
+    rows = g.reshape(-1, g.shape[-1]) if g.dim() > 1 else g[None]
+    rms = rows.pow(2).mean(1, keepdim=True).sqrt().expand_as(rows).reshape(g.shape)
+    return (g.abs() <= 8 * 2.0**-24 * 4096**0.5 * rms) & (g != 0)
+
+
+def after_step_bound(run: dict) -> float:
+    """How far the loss after the step may move with the gradients summed in another order: each
+    unsure step flipped moves it by 2 lr |dL/dw| there, plus the loss's own rounding (LOSS_REL)."""
+    flips = sum(run["slope"][n][unsure(g)].abs().sum().item() for n, g in run["grads"].items())
+    return 2 * LR * flips + LOSS_REL * abs(run["loss_after_step"])
 
 
 torch.manual_seed(0)
@@ -70,10 +102,14 @@ model = split(model, tp, 1, attention)
 tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
 got = run(model)
 worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in reference["grads"].items())
+# a weight whose gradient's sign is sure steps as the whole model's does (a step left out or doubled: lr apart)
+steps_apart = sum((((got["steps"][n] - s).abs() > LR / 2) & ~unsure(reference["grads"][n])).sum().item()
+                  for n, s in reference["steps"].items())
 result = {
     "tp": tp, "sequence_parallel": model.tp_whole_between_layers is None, "tied": tied, "kinds": got["kinds"],
     "loss": [reference["loss"], got["loss"]], "loss_after_step": [reference["loss_after_step"], got["loss_after_step"]],
-    "worst_grad_rel": worst, "grad_norm": [reference["grad_norm"], got["grad_norm"]],
+    "worst_grad_rel": worst, "steps_apart": steps_apart, "after_step_bound": after_step_bound(reference),
+    "loss_rel": LOSS_REL,    "grad_norm": [reference["grad_norm"], got["grad_norm"]],
     "exact_grad_norm": [reference["exact_grad_norm"], got["exact_grad_norm"]], "norm_input": [reference["norm_input"], got["norm_input"]],
 }
 if dist.get_rank() == 0:
