@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+import adam_step
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -24,20 +25,20 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 tp = dist.get_world_size()
 L = 64
+LR, VOCAB = 1e-2, 4096
 # two rows of packed documents: (24, 30, 10) and (5, 59) tokens, the second ending in 3 tokens of padding
 positions = np.stack([np.concatenate([np.arange(24), np.arange(30), np.arange(10)]),
                       np.concatenate([np.arange(5), np.arange(59)])])
-columns = {"input_ids": np.random.default_rng(0).integers(0, 4096, (2, L)), "position_ids": positions,
+columns = {"input_ids": np.random.default_rng(0).integers(0, VOCAB, (2, L)), "position_ids": positions,
            "num_tokens": np.array([L, L - 3])}
 batch = collate(columns, "sdpa")
-LR = 1e-2
-# The loss is T = 125 token cross-entropies, each a logsumexp of V = 4096 fp32 logits: in another order
+# The loss is T = 120 token cross-entropies, each a logsumexp of V = 4096 fp32 logits: in another order
 # each is off by ~u sqrt(V) = 4e-6 of itself (u = 2^-24), and T independent errors add to 1/sqrt(T) of
 # that in the sum, 3e-7: bounded by 1e-6 of the loss.
 LOSS_REL = 1e-6
 # the shipped tiny config's widths: torch's fp32 norm of the 4096 x 128 embedding's gradient is 1e-5 off
 # its float64 norm, and rounds differently on the split halves (test_tensor_parallel.py)
-config = AutoConfig.for_model(model_type, vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
                               tie_word_embeddings=model_type == "llama")
 
@@ -65,33 +66,10 @@ def run(model) -> dict:
     steps = {n: whole(p).detach().float() - before[n] for n, p in model.named_parameters()}
     optimizer.zero_grad()
     after = forward_loss_sum(model, batch)
-    after.backward()  # the slope after the step, for after_step_bound
+    after.backward()  # the slope after the step, for adam_step.after_step_bound
     slope = {n: whole(p.grad).float() for n, p in model.named_parameters()}
     return {**norms, "loss": loss.item(), "loss_after_step": after.item(), "grads": grads, "steps": steps,
             "slope": slope, "norm_input": saved[0], "kinds": sorted({type(p).__name__ for p in model.parameters()})}
-
-
-def unsure(g: torch.Tensor) -> torch.Tensor:
-    """The gradient elements whose sign is within their rounding, and so is Adam's step on them.
-
-    Adam's first update is lr * g / (|g| + eps), lr * sign(g) for any |g| >> eps = 1e-8: a gradient
-    off by rounding moves its weight by the same lr, unless its sign is the rounding's, which turns
-    that weight's step from +lr to -lr. A gradient element's rounding error is a fraction of its row's
-    rms: u sqrt(K) for a K-term fp32 sum in another order (u = 2^-24), K = 4096 the longest reduction
-    behind any gradient here (the vocabulary), x 2 for two computations each off the exact one, x 4
-    for the tails of ~10^6 elements: 8 u sqrt(4096) = 3e-5 of the rms (measured: these gradients in
-    fp32 are at most 6e-6 of the rms off their float64 values). Exact zeros are structural (an
-    absent token's embedding row), the same in any order."""
-    rows = g.reshape(-1, g.shape[-1]) if g.dim() > 1 else g[None]
-    rms = rows.pow(2).mean(1, keepdim=True).sqrt().expand_as(rows).reshape(g.shape)
-    return (g.abs() <= 8 * 2.0**-24 * 4096**0.5 * rms) & (g != 0)
-
-
-def after_step_bound(run: dict) -> float:
-    """How far the loss after the step may move with the gradients summed in another order: each
-    unsure step flipped moves it by 2 lr |dL/dw| there, plus the loss's own rounding (LOSS_REL)."""
-    flips = sum(run["slope"][n][unsure(g)].abs().sum().item() for n, g in run["grads"].items())
-    return 2 * LR * flips + LOSS_REL * abs(run["loss_after_step"])
 
 
 torch.manual_seed(0)
@@ -102,14 +80,14 @@ model = split(model, tp, 1, attention)
 tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
 got = run(model)
 worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in reference["grads"].items())
-# a weight whose gradient's sign is sure steps as the whole model's does (a step left out or doubled: lr apart)
-steps_apart = sum((((got["steps"][n] - s).abs() > LR / 2) & ~unsure(reference["grads"][n])).sum().item()
-                  for n, s in reference["steps"].items())
 result = {
     "tp": tp, "sequence_parallel": model.tp_whole_between_layers is None, "tied": tied, "kinds": got["kinds"],
     "loss": [reference["loss"], got["loss"]], "loss_after_step": [reference["loss_after_step"], got["loss_after_step"]],
-    "worst_grad_rel": worst, "steps_apart": steps_apart, "after_step_bound": after_step_bound(reference),
-    "loss_rel": LOSS_REL,    "grad_norm": [reference["grad_norm"], got["grad_norm"]],
+    "worst_grad_rel": worst, "loss_rel": LOSS_REL,
+    "steps_apart": adam_step.steps_apart(got["steps"], reference["steps"], reference["grads"], LR, VOCAB),
+    "after_step_bound": adam_step.after_step_bound(reference["grads"], reference["slope"], LR, VOCAB)
+    + LOSS_REL * reference["loss_after_step"],
+    "grad_norm": [reference["grad_norm"], got["grad_norm"]],
     "exact_grad_norm": [reference["exact_grad_norm"], got["exact_grad_norm"]], "norm_input": [reference["norm_input"], got["norm_input"]],
 }
 if dist.get_rank() == 0:
