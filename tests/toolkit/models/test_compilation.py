@@ -52,10 +52,15 @@ def test_compiled_layers_give_eager_loss_and_gradients(tiny_model, checkpointing
     ref_loss, ref_grads = loss_and_grads(eager, batch)
     loss, grads = loss_and_grads(compiled, batch)
     assert counters["stats"]["unique_graphs"] > graphs_before  # dynamo really compiled the layers
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    # inductor fuses and regroups the sums: fp32 in another order, u sqrt(K) of the scale (u = 2^-24,
+    # K the vocabulary), x 4 as in test_loss.py's assert_same_grads. Measured: loss 9e-8, gradients
+    # 4.5e-7 of their largest entry
+    bound = 4 * 2.0**-24 * eager.config.vocab_size**0.5
+    torch.testing.assert_close(loss, ref_loss, rtol=bound, atol=0)
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=bound * scale, msg=name)
     # one compiled graph serves every layer: a second step compiles nothing new
     graphs = counters["stats"]["unique_graphs"]
     loss_and_grads(compiled, batch)

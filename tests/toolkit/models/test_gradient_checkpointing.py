@@ -50,11 +50,15 @@ def runs(tiny_model):
 def test_same_gradients(runs, mode):
     _, loss_ref, grads_ref = runs["none"]
     _, loss, grads = runs[mode]
-    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-6)
+    # recomputation runs the same forward kernels on the same inputs; only the backward's sums may
+    # group otherwise: u sqrt(K) = 1e-6 of the scale (u = 2^-24, K = 300 the tiny vocabulary), x 4 as
+    # in test_loss.py's assert_same_grads. Measured: equal to the bit
+    torch.testing.assert_close(loss, loss_ref, rtol=4e-6, atol=0)
     assert grads.keys() == grads_ref.keys()
     for name in grads_ref:
         assert grads_ref[name].abs().sum() > 0, name  # every parameter actually gets a gradient
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=0, atol=1e-6, msg=name)
+        scale = grads_ref[name].abs().max().item()
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=0, atol=4e-6 * scale, msg=name)
 
 
 def test_full_saves_at_least_3x_less(runs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+import adam_step
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -25,18 +26,19 @@ device = torch.device("cuda", dist.get_rank()) if sys.argv[2] == "cuda" else tor
 if device.type == "cuda":
     torch.cuda.set_device(device)
 L = 64
+LR, VOCAB = 1e-2, 512
 # two rows of packed documents: (24, 30, 10) and (5, 59) tokens
 positions = np.stack([np.concatenate([np.arange(24), np.arange(30), np.arange(10)]),
                       np.concatenate([np.arange(5), np.arange(59)])])
-columns = {"input_ids": np.random.default_rng(0).integers(0, 512, (2, L)), "position_ids": positions,
+columns = {"input_ids": np.random.default_rng(0).integers(0, VOCAB, (2, L)), "position_ids": positions,
            "num_tokens": np.array([L, L - 3])}  # the second row ends in 3 tokens of padding
 batch = collate(columns, "sdpa")
-config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
 
 
 def run(model, batch) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     loss = forward_loss_sum(model, {k: v.to(device) for k, v in batch.items()})
     loss.backward()
     total = loss.detach().float().clone()
@@ -45,12 +47,18 @@ def run(model, batch) -> dict:
         dist.all_reduce(total)
         for g in grads.values():
             dist.all_reduce(g)
+    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     optimizer.step()
+    steps = {n: p.detach().float() - before[n] for n, p in model.named_parameters()}
     optimizer.zero_grad()
-    after = forward_loss_sum(model, {k: v.to(device) for k, v in batch.items()}).detach().float()
+    after = forward_loss_sum(model, {k: v.to(device) for k, v in batch.items()})
+    after.backward()  # the slope after the step, for adam_step.after_step_bound
+    after = after.detach().float()
     if split:
         dist.all_reduce(after)
-    return {"loss": total.item(), "loss_after_step": after.item(), "grads": grads}
+    slopes = {n: p.grad.float() for n, p in model.named_parameters()}
+    return {"loss": total.item(), "loss_after_step": after.item(), "grads": grads, "steps": steps,
+            "slopes": slopes}
 
 
 torch.manual_seed(0)
@@ -68,5 +76,8 @@ if dist.get_rank() == 0:
     json.dump({"whole": {k: whole[k] for k in ("loss", "loss_after_step")},
                "split": {k: parts[k] for k in ("loss", "loss_after_step")},
                "local_tokens": list(shard["input_ids"].shape), "mask_rows": list(shard["attention_mask"].shape),
-               "worst_grad_rel": max(errors.values()), "device": str(device), "dtype": str(dtype)}, open(out, "w"))
+               "worst_grad_rel": max(errors.values()),
+               "steps_apart": adam_step.steps_apart(parts["steps"], whole["steps"], whole["grads"], LR, VOCAB),
+               "after_step_bound": adam_step.after_step_bound(whole["grads"], whole["slopes"], LR, VOCAB),
+               "device": str(device), "dtype": str(dtype)}, open(out, "w"))
 dist.destroy_process_group()

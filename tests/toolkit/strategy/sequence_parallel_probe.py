@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+import adam_step
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -25,14 +26,15 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 device = torch.device("cpu")
 L = 64
+LR, VOCAB = 1e-2, 512
 # two rows of packed documents: (24, 30, 10) and (5, 59) tokens
 positions = np.stack([np.concatenate([np.arange(24), np.arange(30), np.arange(10)]),
                       np.concatenate([np.arange(5), np.arange(59)])])
-columns = {"input_ids": np.random.default_rng(0).integers(0, 512, (2, L)), "position_ids": positions,
+columns = {"input_ids": np.random.default_rng(0).integers(0, VOCAB, (2, L)), "position_ids": positions,
            "num_tokens": np.array([L, L - 3])}  # the second row ends in 3 tokens of padding
 batch = collate(columns, "sdpa")
 single = {k: v[:1] for k, v in batch.items()}  # a batch of one row: the engine's shapes change
-config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=kv_heads, max_position_embeddings=128, attn_implementation="sdpa")
 
 
@@ -50,7 +52,7 @@ def summed(value: torch.Tensor) -> float:
 
 
 def run(model, batch, single) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     loss = forward_loss_sum(model, batch)
     loss.backward()
     total = summed(loss)
@@ -58,11 +60,20 @@ def run(model, batch, single) -> dict:
     if split:
         for g in grads.values():
             dist.all_reduce(g)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer.step()
+    steps = {n: p.detach() - before[n] for n, p in model.named_parameters()}
     optimizer.zero_grad()
-    with torch.no_grad():
-        after, other = summed(forward_loss_sum(model, batch)), summed(forward_loss_sum(model.eval(), single))
-    return {"loss": total, "loss_after_step": after, "single_row": other, "grads": grads}
+    # the slopes after the step of the two losses compared, for adam_step.after_step_bound
+    after = forward_loss_sum(model, batch)
+    after.backward()
+    slopes = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.zero_grad()
+    other = forward_loss_sum(model.eval(), single)
+    other.backward()
+    single_slopes = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"loss": total, "loss_after_step": summed(after), "single_row": summed(other), "grads": grads,
+            "steps": steps, "slopes": slopes, "single_slopes": single_slopes}
 
 
 torch.manual_seed(0)
@@ -81,6 +92,9 @@ errors = {n: ((parts["grads"][n] - g).norm() / g.norm().clamp(min=1e-12)).item()
 if dist.get_rank() == 0:
     json.dump({"whole": {k: whole[k] for k in ("loss", "loss_after_step", "single_row")},
                "split": {k: parts[k] for k in ("loss", "loss_after_step", "single_row")},
-               "local": {k: list(v.shape) for k, v in part.items()}, "worst_grad_rel": max(errors.values())},
+               "local": {k: list(v.shape) for k, v in part.items()}, "worst_grad_rel": max(errors.values()),
+               "steps_apart": adam_step.steps_apart(parts["steps"], whole["steps"], whole["grads"], LR, VOCAB),
+               "after_step_bound": {key: adam_step.after_step_bound(whole["grads"], whole[slopes], LR, VOCAB)
+                                    for key, slopes in (("loss_after_step", "slopes"), ("single_row", "single_slopes"))}},
               open(out, "w"))
 dist.destroy_process_group()
