@@ -29,7 +29,6 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import re
 import sys
@@ -46,7 +45,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from toolkit.config import UserError
+from toolkit.config import UserError, read_json
 from toolkit.models.loss import backward_scale
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
@@ -109,10 +108,7 @@ def check_deepspeed_config() -> dict | None:
         return None  # stage etc. given inline in the accelerate config
     if not Path(path).is_file():
         raise UserError(f"deepspeed_config_file {path} does not exist (paths are relative to where you launch)")
-    try:
-        ds = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    ds = read_json(path)  # a key written twice is refused, not the last one taken
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
