@@ -65,6 +65,39 @@ def test_bad_config_gives_one_line(pretrain, capsys, monkeypatch, tmp_path, name
     assert message in err
 
 
+LAUNCHED_PRECISION = {  # ACCELERATE_MIXED_PRECISION: what `accelerate launch` sets from its config or --mixed_precision
+    "fp16 on a CPU": ("fp16", [], "error: the accelerate launch's mixed_precision=fp16 needs a GPU; this machine has "
+                      "none (use auto or no for fp32, or bf16)"),
+    "against the recipe": ("bf16", ["train.mixed_precision=no"], "error: the accelerate launch's mixed_precision is "
+                           "bf16 (its config file or --mixed_precision) and train.mixed_precision=no: they contradict "
+                           "each other; keep one (the shipped accelerate configs say \"no\" so that "
+                           "train.mixed_precision decides)"),
+    "fp8": ("fp8", [], "error: the accelerate launch's mixed_precision is fp8; the toolkit trains in bf16, fp16 or "
+            "fp32: set mixed_precision \"no\" in the accelerate config (and drop --mixed_precision), then choose with "
+            "train.mixed_precision"),
+}
+
+
+@pytest.mark.parametrize("name", LAUNCHED_PRECISION)
+def test_a_precision_the_launch_asks_for_is_honoured_or_refused(pretrain, capsys, monkeypatch, tmp_path, name):
+    """`mixed_precision: fp16` in the accelerate config (or --mixed_precision fp16) trained in fp32 and
+    said precision=fp32: Accelerate takes the Accelerator's argument over the launcher's."""
+    launched, overrides, line = LAUNCHED_PRECISION[name]
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    assert run_main(pretrain, capsys, monkeypatch, tmp_path, *overrides) == line
+    assert not (tmp_path / "out").exists()
+
+
+def test_bf16_from_the_launch_trains_in_bf16_and_says_so(pretrain, capsys, monkeypatch, tmp_path, data_cache):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
+    argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, "train.max_steps=1",
+            "eval.every=0", "checkpoint.every=0", f"output_dir={tmp_path / 'out'}"]
+    assert pretrain.main(argv) == 0
+    out = capsys.readouterr()
+    assert "precision=bf16 (the accelerate launch's mixed_precision) device=cpu" in out.out + out.err
+
+
 def test_all_problems_are_reported_at_once(pretrain, capsys, monkeypatch, tmp_path):
     argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), "train.max_stepz=3", "optim.lr=-1",
             "data.val_fraction=2"]
