@@ -75,6 +75,11 @@ LAUNCHED_PRECISION = {  # ACCELERATE_MIXED_PRECISION: what `accelerate launch` s
     "fp8": ("fp8", [], "error: the accelerate launch's mixed_precision is fp8; the toolkit trains in bf16, fp16 or "
             "fp32: set mixed_precision \"no\" in the accelerate config (and drop --mixed_precision), then choose with "
             "train.mixed_precision"),
+    # mixed_precision: bf16 in zero3.yaml: Accelerate refused it in 5 lines of a ValueError traceback
+    "beside a DeepSpeed JSON": ("bf16", [], "error: the accelerate config sets mixed_precision beside "
+                                "deepspeed_config_file, which decides them: remove them from the accelerate config "
+                                "(precision: train.mixed_precision; the DeepSpeed JSON's \"auto\" values follow the "
+                                "recipe)"),
 }
 
 
@@ -84,6 +89,10 @@ def test_a_precision_the_launch_asks_for_is_honoured_or_refused(pretrain, capsys
     said precision=fp32: Accelerate takes the Accelerator's argument over the launcher's."""
     launched, overrides, line = LAUNCHED_PRECISION[name]
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    if name == "beside a DeepSpeed JSON":  # what accelerate launch sets for it (one process: no process group)
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs/zero3.json"))
+        monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file,zero3_init_flag,mixed_precision")
     assert run_main(pretrain, capsys, monkeypatch, tmp_path, *overrides) == line
     assert not (tmp_path / "out").exists()
 
