@@ -59,6 +59,7 @@ from toolkit.training.metrics import (
     peak_flops,
     peak_memory_mb,
     plot_loss,
+    tracker_log_with,
 )
 from toolkit.training.nonfinite import dead_model, injected, nonfinite_weight
 from toolkit.training.optim import prepare_optimization
@@ -182,7 +183,8 @@ class Trainer:
         t = cfg.train
         self.strategy = strategy = Strategy.launch(
             mixed_precision=t.mixed_precision, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-            max_grad_norm=cfg.optim.max_grad_norm, project_dir=str(self.run.root), trackers=cfg.logging.trackers,
+            max_grad_norm=cfg.optim.max_grad_norm, project_dir=str(self.run.root),
+            trackers=tracker_log_with(cfg.logging.trackers, str(self.run.root)),
             timeout_s=t.collective_timeout_s, pipeline_stages=t.pipeline_stages,
         )
         self.accelerator = strategy.accelerator
@@ -320,7 +322,10 @@ class Trainer:
         if self.strategy.is_main:
             self.metrics = MetricsWriter(self.run.metrics, self.step)
         if cfg.logging.trackers:
-            self.accelerator.init_trackers("tensorboard", config=flat_hparams(to_dict(cfg)))
+            # the project is the run folder's name (wandb's project, mlflow's experiment, ...); tensorboard
+            # keeps its events in tensorboard/ (tracker_log_with)
+            project = self.run.root.resolve().name
+            self.accelerator.init_trackers(project, config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(self.strategy.device)
 
     def resume_data(self, folder: Path) -> None:

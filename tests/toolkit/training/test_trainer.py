@@ -269,3 +269,42 @@ def test_the_learning_rate_is_scaled_with_the_global_batch_when_asked(tmp_path, 
     assert len(rates["plain"]) == 3 and rates["scaled"] == pytest.approx([2 * lr for lr in rates["plain"]], rel=1e-12)
     assert capsys.readouterr().out.count(
         "optim.lr=0.001 was tuned at a global batch of 1; scaled sqrt to train.global_batch_size=4: peak lr 0.002") == 1
+
+
+def test_the_chosen_trackers_are_logged_to_under_the_runs_project(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                   monkeypatch):
+    """Any tracker Accelerate drives, started with the run folder's name as its project (it was given
+    "tensorboard": wandb's project, mlflow's experiment); tensorboard's events stay in tensorboard/.
+    mlflow is not installed here: a recorder stands in for it, registered where Accelerate looks."""
+    import accelerate.tracking as tracking
+    from accelerate.utils import LoggerType
+
+    calls = []
+
+    class Recorder(tracking.GeneralTracker):
+        name, requires_logging_directory = "mlflow", False
+
+        def __init__(self, project, **kwargs):
+            super().__init__()
+            calls.append(("project", project))
+
+        @property
+        def tracker(self):
+            return None
+
+        def store_init_configuration(self, values):
+            calls.append(("config", values["optim.lr"]))
+
+        def log(self, values, step=None, **kwargs):
+            calls.append(("log", step, "loss" in values))
+
+    monkeypatch.setattr(tracking, "_available_trackers", [*tracking.get_available_trackers(), LoggerType.MLFLOW])
+    monkeypatch.setitem(tracking.LOGGER_TYPE_TO_CLASS, "mlflow", Recorder)
+    trainer = start(tmp_path / "tiny", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=0",
+                    "eval.every=0", "optim.lr=0.002", "logging.trackers=[mlflow,tensorboard]")
+    trainer.fit()
+    trainer.finish()
+    trainer.close()
+    assert calls[:2] == [("project", "tiny"), ("config", 0.002)]
+    assert ("log", 1, True) in calls and ("log", 2, True) in calls
+    assert list((tmp_path / "tiny" / "tensorboard").rglob("events.out.tfevents.*"))
