@@ -76,6 +76,9 @@ class TrainerState:
     # sequences per optimizer step (0 in older checkpoints): the data position is a function of
     # (seed, step, global batch), so a resume must keep it
     global_batch_size: int = 0
+    # the optimizer and schedule settings it trained with ({} in older checkpoints): a resume says how
+    # it takes a change, or refuses one it cannot take (toolkit.training.checkpoint.check_same_settings)
+    settings: dict = field(default_factory=dict)
 
     def write(self, folder: Path) -> None:
         """Atomically, so that a reader sees the whole state or none (the completeness marker)."""

@@ -45,9 +45,12 @@ from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.checkpoint import (
     SaveFailed,
     check_same_data_order,
+    check_same_settings,
     intact_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    take_changed_settings,
+    trained_settings,
 )
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import (
@@ -206,7 +209,8 @@ class Trainer:
         if not strategy.is_main:
             datasets.disable_progress_bars()
 
-        self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size)
+        self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
+                                  settings={} if strategy.ds_owned else trained_settings(cfg))
         self.stream: StreamingBlocks | None = None  # set by use_stream
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
@@ -307,7 +311,11 @@ class Trainer:
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
             )
             check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size)
+            changed = check_same_settings(self.resume_from, self.state.settings, cfg.train.max_steps)
             self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
+            take_changed_settings(changed, self.scheduler if self.step_scheduler else None, self.step,
+                                  cfg.optim.peak_lr(cfg.train.global_batch_size), self.print)
+            self.state.settings = {} if self.strategy.ds_owned else trained_settings(cfg)  # for the next checkpoint
             self.resume_data(self.resume_from)
             self.state.global_batch_size = cfg.train.global_batch_size  # a checkpoint older than the field
             bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
