@@ -34,7 +34,7 @@ from toolkit.run_dir import (
     converted_state,
 )
 from toolkit.strategy.distributed import Strategy, numbers_only_loading
-from toolkit.strategy.saved import OPTIMIZER_NAMES, SavedLayout, saved_layout
+from toolkit.strategy.saved import OPTIMIZER_NAMES, SavedLayout, deepspeed_tag_folder, saved_layout
 
 
 @dataclass
@@ -534,6 +534,29 @@ def check_state_file(folder: Path) -> str | None:
     if step is not None and state.step != step:
         return f"{path} is of step {state.step}, not {step}: a state file from another checkpoint"
     manifest = folder / MANIFEST
-    if state.manifest_crc32 and manifest.is_file() and crc32(manifest) != state.manifest_crc32:
+    if state.manifest_crc32 and not manifest.is_file():  # else every file it lists would go unchecked
+        return f"{manifest} is missing (its {STATE_FILE} names one), so its files cannot be checked"
+    if state.manifest_crc32 and crc32(manifest) != state.manifest_crc32:
         return f"{path} belongs to another checkpoint (it names another manifest than {manifest})"
+    if not manifest.is_file():  # a checkpoint older than manifests: at least every rank's files
+        return missing_rank_file(folder)
+    return None
+
+
+def missing_rank_file(folder: Path) -> str | None:
+    """The first file one rank of the run that saved `folder` should have written and did not: its
+    random states (every strategy), its ZeRO optimizer partition (DeepSpeed ZeRO-1/2/3, which
+    otherwise fails deep in DeepSpeed with a ValueError that names no rank)."""
+    saved = saved_layout(folder)
+    if saved is None or not saved.world_size:
+        return None
+    for rank in range(saved.world_size):
+        if not (folder / f"random_states_{rank}.pkl").is_file():
+            return f"{folder / f'random_states_{rank}.pkl'} is missing (rank {rank} of {saved.world_size} writes it)"
+    if saved.layout in ("zero1", "zero2", "zero3"):
+        tag = deepspeed_tag_folder(folder)
+        for rank in range(saved.world_size):
+            if not any(tag.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
+                return (f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank "
+                        f"{rank} of {saved.world_size})")
     return None

@@ -102,7 +102,12 @@ class TrainConfig:
                      "pipeline_stages"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        if self.collective_timeout_s > YEAR_S:  # timedelta and the backends' millisecond counts overflow past that
+            problems.append(f"collective_timeout_s={self.collective_timeout_s} must be at most {YEAR_S} (a year)")
         return problems
+
+
+YEAR_S = 365 * 24 * 3600
 
 
 class StopRequest:

@@ -78,3 +78,10 @@ def test_a_seed_numpy_or_the_data_order_cannot_take_is_refused(seed):
         load_config(PretrainConfig, None, [f"seed={seed}"])
     assert excinfo.value.problems == [f"seed={seed} must be in [0, 4294967295]"]
     assert load_config(PretrainConfig, None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+
+
+def test_a_collective_timeout_beyond_a_year_is_refused():
+    """train.collective_timeout_s=2**63-1 was an OverflowError traceback (timedelta) while the launch built its group."""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(PretrainConfig, None, ["train.collective_timeout_s=9223372036854775807"])
+    assert excinfo.value.problems == ["train.collective_timeout_s=9223372036854775807 must be at most 31536000 (a year)"]
