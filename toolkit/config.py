@@ -197,7 +197,7 @@ def parse_yaml(text: str, name: str) -> Any:
         node = loader.get_single_node()
         if node is None:
             return None
-        twice = _written_twice(node, "")
+        twice = _written_twice(node, "", set())
         if twice is not None:
             key, first, second = twice
             raise ConfigError([f"{name} line {second}: {key} is written twice (lines {first} and {second}); keep one"])
@@ -206,15 +206,21 @@ def parse_yaml(text: str, name: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise _NotYaml([f"{name} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}"]) from None
+    except RecursionError:  # [[[[... thousands deep: PyYAML's composer recurses once per level
+        raise ConfigError([f"{name} nests deeper than a config can (Python's recursion limit); flatten it"]) from None
     finally:
         loader.dispose()
 
 
-def _written_twice(node: yaml.Node, prefix: str) -> tuple[str, int, int] | None:
-    """(dotted key, its first line, its second line) for the first key written twice in one mapping."""
+def _written_twice(node: yaml.Node, prefix: str, seen_nodes: set[int]) -> tuple[str, int, int] | None:
+    """(dotted key, its first line, its second line) for the first key written twice in one mapping.
+    Each node once: aliases share nodes, and a "billion laughs" file nests them exponentially."""
+    if id(node) in seen_nodes:
+        return None
+    seen_nodes.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            if (found := _written_twice(item, f"{prefix}[{i}].")) is not None:
+            if (found := _written_twice(item, f"{prefix}[{i}].", seen_nodes)) is not None:
                 return found
     if not isinstance(node, yaml.MappingNode):
         return None
@@ -225,7 +231,7 @@ def _written_twice(node: yaml.Node, prefix: str) -> tuple[str, int, int] | None:
             if (key.tag, key.value) in seen:
                 return f"{prefix}{key.value}", seen[key.tag, key.value], line
             seen[key.tag, key.value] = line
-        if (found := _written_twice(value, f"{prefix}{getattr(key, 'value', '?')}.")) is not None:
+        if (found := _written_twice(value, f"{prefix}{getattr(key, 'value', '?')}.", seen_nodes)) is not None:
             return found
     return None
 

@@ -191,6 +191,19 @@ def test_a_key_written_twice_is_refused_with_both_lines(tmp_path, text, key, lin
                                     f"{lines[1]}); keep one"]
 
 
+def test_yaml_that_nests_too_deep_or_aliases_exponentially(tmp_path):
+    """5000 nested lists were a RecursionError traceback; a "billion laughs" file of aliases is read
+    once per node (the key check walks each shared node once), not 9**9 times."""
+    with pytest.raises(ConfigError, match=r"cfg.yaml nests deeper than a config can \(Python's recursion limit\)"):
+        load_config(Recipe, write(tmp_path, "seed: " + "[" * 5000 + "]" * 5000 + "\n"))
+    lines, previous = ['l0: &l0 ["x","x","x","x","x","x","x","x","x"]'], "l0"
+    for i in range(1, 9):
+        lines.append(f"l{i}: &l{i} [" + ",".join([f"*{previous}"] * 9) + "]")
+        previous = f"l{i}"
+    with pytest.raises(ConfigError, match="unknown key l0"):
+        load_config(Recipe, write(tmp_path, "\n".join(lines) + "\n"))
+
+
 def test_a_merge_key_may_be_overridden(tmp_path):
     """`<<: *base` then a key of base is YAML's way to override, not a key written twice."""
     text = "base: &b {lr: 0.1, max_steps: 5}\n"
