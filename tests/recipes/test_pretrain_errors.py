@@ -100,11 +100,17 @@ def test_a_precision_the_launch_asks_for_is_honoured_or_refused(pretrain, capsys
 
 
 def test_bf16_from_the_launch_trains_in_bf16_and_says_so(pretrain, capsys, monkeypatch, tmp_path, data_cache):
+    from accelerate.state import AcceleratorState
+
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
     argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, "train.max_steps=1",
             "eval.every=0", "checkpoint.every=0", f"output_dir={tmp_path / 'out'}"]
-    assert pretrain.main(argv) == 0
+    AcceleratorState._reset_state(True)  # a new launch: this process's earlier runs were fp32
+    try:
+        assert pretrain.main(argv) == 0
+    finally:
+        AcceleratorState._reset_state(True)
     out = capsys.readouterr()
     assert "precision=bf16 (the accelerate launch's mixed_precision) device=cpu" in out.out + out.err
 
