@@ -43,12 +43,11 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.config import UserError, load_config  # noqa: E402
+from toolkit.config import UserError, load_config, read_config_file, read_yaml  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
 from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
 from toolkit.strategy.memory import Run, StrategyFacts, estimate, rank_key, read_strategy  # noqa: E402
@@ -70,9 +69,7 @@ def parse_size(text: str) -> int:
 def load_recipe_config(path: str, overrides: list[str]):
     """(recipe name, its validated config): a YAML with an adapter section is a fine-tune."""
     file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--config {path} does not exist; give a YAML from recipes/configs/")
-    raw = yaml.safe_load(file.read_text()) or {}
+    raw = read_config_file(file)
     finetune = "adapter" in raw or any(o.startswith("adapter.") for o in overrides)
     cls = FinetuneConfig if finetune else PretrainConfig
     return ("finetune" if finetune else "pretrain"), load_config(cls, file, overrides)
@@ -113,7 +110,7 @@ def strategies(folder: Path, hidden: int) -> list[StrategyFacts]:
     """Every single-node accelerate config (multi-node ones lay memory out as their single-node twin)."""
     found = []
     for path in sorted(folder.glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path) or {}
         if int(raw.get("num_machines", 1)) > 1:
             continue
         found.append(read_strategy(path, hidden))

@@ -154,7 +154,7 @@ class PretrainRecipe:
         print(f"\nfinal model : {final}")
         print(f"metrics     : {trainer.run.metrics}")
         print(f"loss plot   : {plot}")
-        if cfg.logging.trackers:
+        if "tensorboard" in cfg.logging.trackers:
             print(f"tensorboard : tensorboard --logdir {trainer.run.tensorboard}")
         if cfg.samples.max_new_tokens:
             with trainer.strategy.outside_training():  # a fresh load, not one partitioned by ZeRO-3's leftover config

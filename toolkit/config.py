@@ -4,12 +4,17 @@ Every component owns a dataclass whose fields carry a one-line `help`; a recipe 
 into one tree. Loading checks every key (unknown ones get the closest valid name), coerces
 types the way YAML users expect ("1e-3" is a float), runs each section's `validate()`, and
 reports *all* problems in one `ConfigError` rather than stopping at the first.
+
+Files are read strictly (`read_yaml`, `read_json`): a key written twice in one mapping is refused
+with both lines (YAML's rule, which PyYAML does not enforce: the last would win with no word), and
+so are a folder, a binary or non-UTF-8 file, and a number too large for any setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import types
@@ -56,7 +61,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" not in arg:
             raise ConfigError([f"override {arg!r} is not key=value (for example train.max_steps=200)"])
         key, raw = arg.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else None
+        try:
+            value = parse_yaml(raw, f"override {key}") if raw != "" else None
+        except _NotYaml:
+            value = raw  # `data.path=*.txt` is a YAML alias that does not parse: the text as written, typed by its key
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -87,17 +95,7 @@ def load_config(
     name, and `notes` (when given) gets one deprecation line for each."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError([f"--config {path} does not exist; pick one from recipes/configs/"])
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError([f"{path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
-        if not isinstance(raw, dict):
-            raise ConfigError([f"{path} must hold a mapping of keys, found {type(raw).__name__}"])
+        raw = read_config_file(path, notes)
     problems: list[str] = []
     over = parse_overrides(overrides or [])
     renamed = getattr(cls, "RENAMED", {})
@@ -108,10 +106,160 @@ def load_config(
     raw = merge(raw, over)
     cfg = _build(cls, raw, "", problems)
     if cfg is not None:  # range checks too, so that one run reports every problem
-        problems.extend(p for p in validate_tree(cfg) if p not in problems)
+        reported = {_problem_key(p) for p in problems}  # a value of the wrong type is not range-checked again
+        problems.extend(p for p in validate_tree(cfg) if p not in problems and _problem_key(p) not in reported)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+# The configs the recipes ship, for the hint when --config names something else.
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+
+
+def read_config_file(path: str | Path, notes: list[str] | None = None) -> dict[str, Any]:
+    """The mapping a `--config` file holds (YAML, or JSON for a .json file), refused in one line
+    when it is not one. An empty file takes every default, and `notes` says so."""
+    path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.yaml"))
+        hint = f"e.g. {path / inside[0]} (it has {len(inside)})" if inside else "e.g. recipes/configs/pretrain_tiny.yaml"
+        raise ConfigError([f"--config {path} is a folder; give a config file, {hint}"])
+    if not path.exists():
+        shipped = sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml"))
+        close = difflib.get_close_matches(path.name, shipped, n=1)
+        hint = f"did you mean recipes/configs/{close[0]}?" if close else "the shipped ones are in recipes/configs/"
+        raise ConfigError([f"--config {path} does not exist; {hint}"])
+    if not path.is_file():  # /dev/zero, a FIFO: reading would never end
+        raise ConfigError([f"--config {path} is not a regular file; give a YAML config file"])
+    if path.suffix == ".json":
+        raw = read_json(path)
+    else:
+        raw = read_yaml(path)
+    if raw is None:
+        if notes is not None:
+            notes.append(f"{path} holds no settings: every key takes its default")
+        return {}
+    if not isinstance(raw, dict):
+        found = {list: "a list", str: "a single string", bool: "a single true/false"}.get(type(raw), "a single number")
+        raise ConfigError([f"{path} must hold a mapping of keys (key: value lines), found {found}"])
+    return raw
+
+
+def _text(path: Path) -> str:
+    """A config file's text, refused in one line when it is binary or not UTF-8 (a BOM is dropped)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError([f"{path} cannot be read: {exc.strerror}; check its permissions"]) from None
+    if b"\0" in data:
+        raise ConfigError([f"{path} is a binary file (it holds NUL bytes), not a config; give a YAML file"])
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError([
+            f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}); save it as UTF-8, "
+            "e.g. iconv -f latin1 -t utf-8"
+        ]) from None
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's contents (None when it is empty), refused in one line when it does not parse,
+    holds a key twice, or is not UTF-8 text."""
+    path = Path(path)
+    return parse_yaml(_text(path), str(path))
+
+
+class _NotYaml(ConfigError):
+    """Text that does not parse as YAML."""
+
+
+class _HugeNumber(str):
+    """An integer too long for Python to convert (over 4,300 digits): kept as its text, refused by the loader."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            return _HugeNumber(node.value)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
+
+def parse_yaml(text: str, name: str) -> Any:
+    """`text` as YAML; `name` (a file, or an override) starts each problem's line."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        twice = _written_twice(node, "", set())
+        if twice is not None:
+            key, first, second = twice
+            raise ConfigError([f"{name} line {second}: {key} is written twice (lines {first} and {second}); keep one"])
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise _NotYaml([f"{name} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}"]) from None
+    except RecursionError:  # [[[[... thousands deep: PyYAML's composer recurses once per level
+        raise ConfigError([f"{name} nests deeper than a config can (Python's recursion limit); flatten it"]) from None
+    finally:
+        loader.dispose()
+
+
+def _written_twice(node: yaml.Node, prefix: str, seen_nodes: set[int]) -> tuple[str, int, int] | None:
+    """(dotted key, its first line, its second line) for the first key written twice in one mapping.
+    Each node once: aliases share nodes, and a "billion laughs" file nests them exponentially."""
+    if id(node) in seen_nodes:
+        return None
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            if (found := _written_twice(item, f"{prefix}[{i}].", seen_nodes)) is not None:
+                return found
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    seen: dict[tuple[str, str], int] = {}
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":  # `<<:` may be overridden
+            line = key.start_mark.line + 1
+            if (key.tag, key.value) in seen:
+                return f"{prefix}{key.value}", seen[key.tag, key.value], line
+            seen[key.tag, key.value] = line
+        if (found := _written_twice(value, f"{prefix}{getattr(key, 'value', '?')}.", seen_nodes)) is not None:
+            return found
+    return None
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file's contents, refused in one line when it does not parse or an object holds a key twice
+    (json keeps the last with no word)."""
+    path = Path(path)
+
+    def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ConfigError([f"{path}: the key {key!r} is written twice in one object; keep one"])
+            seen.add(key)
+        return dict(pairs)
+
+    try:
+        return json.loads(_text(path), object_pairs_hook=once)
+    except json.JSONDecodeError as exc:
+        raise ConfigError([f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]) from None
+    except ValueError as exc:  # an integer over 4,300 digits
+        raise ConfigError([f"{path} holds a number too large for any setting ({exc})"]) from None
+
+
+def _problem_key(problem: str) -> str:
+    """The dotted key a problem names first: `optim.betas[1] must be ...` and `optim.betas=[...] must` -> optim.betas."""
+    return problem.split(" ", 1)[0].split("=", 1)[0].split("[", 1)[0]
 
 
 def apply_renames(raw: dict[str, Any], renamed: dict[str, Any], problems: list[str]) -> list[str]:
@@ -195,7 +343,24 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
         return None
 
 
+# torch and numpy hold integers in 64 bits; a larger one fails deep inside them ("Overflow when unpacking long")
+INT_MAX = 2**63 - 1
+
+
+def _shown(value: Any) -> str:
+    """A value for a message: a number of hundreds of digits is described, not printed."""
+    text = str(value)
+    if isinstance(value, (int, str)) and len(text) > 20 and text.lstrip("+-").isdigit():
+        return f"a {len(text.lstrip('+-'))}-digit number"
+    return repr(value)
+
+
 def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
+    if isinstance(value, (_HugeNumber, int)) and not isinstance(value, bool) and hint not in (str, float) and (
+        isinstance(value, _HugeNumber) or abs(value) > INT_MAX
+    ):
+        problems.append(f"{key} is {_shown(value)}, beyond what any setting takes (at most {INT_MAX:,})")
+        return value
     if dataclasses.is_dataclass(hint):
         return _build(hint, value if value is not None else {}, f"{key}.", problems)
     origin = typing.get_origin(hint)
@@ -242,14 +407,24 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
+        number = value
+        if isinstance(value, str):  # YAML 1.1 reads 1e3 (no dot, no exponent sign) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if isinstance(number, float) and number.is_integer():
+            value = number
+            if abs(value) > INT_MAX:
+                problems.append(f"{key}={value:g} is beyond what any setting takes (at most {INT_MAX:,})")
+                return value
             return int(value)
-        problems.append(f"{key} must be an integer, found {value!r}")
+        problems.append(f"{key} must be an integer, found {_shown(value)}")
         return value
     if hint is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            number = float(value) if abs(value) < 1e308 else math.inf  # float() of a 400-digit int overflows
         elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
                 number = float(value)
@@ -259,7 +434,7 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
             return number
         # nan and inf are numbers to float() but no setting means them: lr=inf trained NaN weights
         what = "a finite number" if number is not None else "a number"
-        problems.append(f"{key} must be {what}, found {value!r}")
+        problems.append(f"{key} must be {what}, found {_shown(value)}")
         return value
     if hint is str:
         if isinstance(value, str):

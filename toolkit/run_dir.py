@@ -88,6 +88,9 @@ class TrainerState:
     # sequences per optimizer step (0 in older checkpoints): the data position is a function of
     # (seed, step, global batch), so a resume must keep it
     global_batch_size: int = 0
+    # the optimizer and schedule settings it trained with ({} in older checkpoints): a resume says how
+    # it takes a change, or refuses one it cannot take (toolkit.training.checkpoint.check_same_settings)
+    settings: dict = field(default_factory=dict)
 
     def write(self, folder: Path) -> None:
         """Atomically, so that a reader sees the whole state or none (the completeness marker)."""
@@ -415,10 +418,9 @@ class _OwnerLock:
             try:
                 fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, 0, 0, 0, 0))
             except OSError as exc:
-                holder = _record(fd)
                 os.close(fd)
-                if exc.errno in (errno.EAGAIN, errno.EACCES):
-                    raise UserError(_in_use(root, holder)) from None
+                if exc.errno in (errno.EAGAIN, errno.EACCES):  # the owner may not have written its record yet
+                    raise UserError(_in_use(root, cls.holder(root) or {})) from None
                 if exc.errno in _NO_LOCKS:  # a filesystem without locks: no owner can be kept
                     return cls(None, path, made)
                 raise

@@ -60,10 +60,60 @@ CASES = {
 def test_bad_config_gives_one_line(pretrain, capsys, monkeypatch, tmp_path, name):
     overrides, message = CASES[name]
     if name == "tracker not installed":  # wandb is absent here whether or not this machine has it
-        real = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, **k: None if n == "wandb" else real(n, *a, **k))
+        import accelerate.tracking
+
+        available = [t for t in accelerate.tracking.get_available_trackers() if str(t) != "wandb"]
+        monkeypatch.setattr(accelerate.tracking, "_available_trackers", available)
     err = run_main(pretrain, capsys, monkeypatch, tmp_path, *overrides)
     assert message in err
+
+
+LAUNCHED_PRECISION = {  # ACCELERATE_MIXED_PRECISION: what `accelerate launch` sets from its config or --mixed_precision
+    "fp16 on a CPU": ("fp16", [], "error: the accelerate launch's mixed_precision=fp16 needs a GPU; this machine has "
+                      "none (use auto or no for fp32, or bf16)"),
+    "against the recipe": ("bf16", ["train.mixed_precision=no"], "error: the accelerate launch's mixed_precision is "
+                           "bf16 (its config file or --mixed_precision) and train.mixed_precision=no: they contradict "
+                           "each other; keep one (the shipped accelerate configs say \"no\" so that "
+                           "train.mixed_precision decides)"),
+    "fp8": ("fp8", [], "error: the accelerate launch's mixed_precision is fp8; the toolkit trains in bf16, fp16 or "
+            "fp32: set mixed_precision \"no\" in the accelerate config (and drop --mixed_precision), then choose with "
+            "train.mixed_precision"),
+    # mixed_precision: bf16 in zero3.yaml: Accelerate refused it in 5 lines of a ValueError traceback
+    "beside a DeepSpeed JSON": ("bf16", [], "error: the accelerate config sets mixed_precision beside "
+                                "deepspeed_config_file, which decides them: remove them from the accelerate config "
+                                "(precision: train.mixed_precision; the DeepSpeed JSON's \"auto\" values follow the "
+                                "recipe)"),
+}
+
+
+@pytest.mark.parametrize("name", LAUNCHED_PRECISION)
+def test_a_precision_the_launch_asks_for_is_honoured_or_refused(pretrain, capsys, monkeypatch, tmp_path, name):
+    """`mixed_precision: fp16` in the accelerate config (or --mixed_precision fp16) trained in fp32 and
+    said precision=fp32: Accelerate takes the Accelerator's argument over the launcher's."""
+    launched, overrides, line = LAUNCHED_PRECISION[name]
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    if name == "beside a DeepSpeed JSON":  # what accelerate launch sets for it (one process: no process group)
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs/zero3.json"))
+        monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file,zero3_init_flag,mixed_precision")
+    assert run_main(pretrain, capsys, monkeypatch, tmp_path, *overrides) == line
+    assert not (tmp_path / "out").exists()
+
+
+def test_bf16_from_the_launch_trains_in_bf16_and_says_so(pretrain, capsys, monkeypatch, tmp_path, data_cache):
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
+    argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, "train.max_steps=1",
+            "eval.every=0", "checkpoint.every=0", f"output_dir={tmp_path / 'out'}"]
+    AcceleratorState._reset_state(True)  # a new launch: this process's earlier runs were fp32
+    try:
+        assert pretrain.main(argv) == 0
+    finally:
+        AcceleratorState._reset_state(True)
+    out = capsys.readouterr()
+    assert "precision=bf16 (the accelerate launch's mixed_precision) device=cpu" in out.out + out.err
 
 
 def test_all_problems_are_reported_at_once(pretrain, capsys, monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ loader's rules (unknown keys, coercion, collected problems) and not any recipe's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -111,8 +112,13 @@ def test_no_file_and_no_overrides_gives_the_defaults():
     assert load_config(Recipe, None) == Recipe()
 
 
-def test_an_empty_file_gives_the_defaults(tmp_path):
-    assert load_config(Recipe, write(tmp_path, "")) == Recipe()
+def test_an_empty_file_gives_the_defaults_and_says_so(tmp_path):
+    """An empty config is every default (a fine-tune of the default base is a real run); the log says so."""
+    for text in ("", "# nothing yet\n", "---\n"):
+        notes: list[str] = []
+        path = write(tmp_path, text)
+        assert load_config(Recipe, path, notes=notes) == Recipe()
+        assert notes == [f"{path} holds no settings: every key takes its default"]
 
 
 def test_yaml_values_and_overrides_merge_with_overrides_winning(tmp_path):
@@ -128,11 +134,94 @@ def test_a_missing_config_file_names_the_path(tmp_path):
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=rf"--config {missing} does not exist"):
         load_config(Recipe, missing)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, tmp_path / "pretrain_tiy.yaml")
+    assert problems_of(excinfo) == [
+        f"--config {tmp_path / 'pretrain_tiy.yaml'} does not exist; did you mean recipes/configs/pretrain_tiny.yaml?"
+    ]
 
 
-def test_a_folder_is_not_a_config_file(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
-        load_config(Recipe, tmp_path)
+def not_a_config(tmp_path, kind: str):
+    """(the --config path, its one line) for a path that is not a config file."""
+    path = tmp_path / "cfg.yaml"
+    if kind == "a folder":
+        (tmp_path / "configs").mkdir()
+        (tmp_path / "configs" / "a.yaml").write_text("seed: 1\n")
+        return tmp_path / "configs", f"--config {tmp_path / 'configs'} is a folder; give a config file, e.g. " \
+            f"{tmp_path / 'configs' / 'a.yaml'} (it has 1)"
+    if kind == "a list":
+        path.write_text("- seed: 1\n- seed: 2\n")
+        return path, f"{path} must hold a mapping of keys (key: value lines), found a list"
+    if kind == "a scalar":
+        path.write_text("42\n")
+        return path, f"{path} must hold a mapping of keys (key: value lines), found a single number"
+    if kind == "a binary file":
+        path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))
+        return path, f"{path} is a binary file (it holds NUL bytes), not a config; give a YAML file"
+    if kind == "latin-1 text":
+        path.write_bytes("seed: 1\nname: caf\u00e9\n".encode("latin-1"))
+        return path, f"{path} is not UTF-8 text (byte 0xe9 at line 2); save it as UTF-8, e.g. iconv -f latin1 -t utf-8"
+    if kind == "a device":
+        return Path("/dev/zero"), "--config /dev/zero is not a regular file; give a YAML config file"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["a folder", "a list", "a scalar", "a binary file", "latin-1 text", "a device"])
+def test_what_is_not_a_config_file_is_one_line(tmp_path, kind):
+    """A folder used to be 'does not exist' (with recipes/configs/ before an absolute path), a binary or
+    latin-1 file a UnicodeDecodeError traceback."""
+    path, line = not_a_config(tmp_path, kind)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, path)
+    assert problems_of(excinfo) == [line]
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("seed: 1234\ntrain:\n  lr: 0.1\nseed: 77\n", "seed", (1, 4)),
+    ("train:\n  max_steps: 3\n  lr: 0.1\n  max_steps: 5\n", "train.max_steps", (2, 4)),
+    ("data: {seq_len: 8, seq_len: 16}\n", "data.seq_len", (1, 1)),
+    ("seed: 1\ntrain:\n  lr: 0.1\ntrain:\n  max_steps: 5\n", "train", (2, 4)),
+], ids=["top-level key", "key in a section", "flow mapping", "section"])
+def test_a_key_written_twice_is_refused_with_both_lines(tmp_path, text, key, lines):
+    """PyYAML keeps the last of two equal keys with no word; YAML itself forbids them."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, path)
+    assert problems_of(excinfo) == [f"{path} line {lines[1]}: {key} is written twice (lines {lines[0]} and "
+                                    f"{lines[1]}); keep one"]
+
+
+def test_yaml_that_nests_too_deep_or_aliases_exponentially(tmp_path):
+    """5000 nested lists were a RecursionError traceback; a "billion laughs" file of aliases is read
+    once per node (the key check walks each shared node once), not 9**9 times."""
+    with pytest.raises(ConfigError, match=r"cfg.yaml nests deeper than a config can \(Python's recursion limit\)"):
+        load_config(Recipe, write(tmp_path, "seed: " + "[" * 5000 + "]" * 5000 + "\n"))
+    lines, previous = ['l0: &l0 ["x","x","x","x","x","x","x","x","x"]'], "l0"
+    for i in range(1, 9):
+        lines.append(f"l{i}: &l{i} [" + ",".join([f"*{previous}"] * 9) + "]")
+        previous = f"l{i}"
+    with pytest.raises(ConfigError, match="unknown key l0"):
+        load_config(Recipe, write(tmp_path, "\n".join(lines) + "\n"))
+
+
+def test_a_merge_key_may_be_overridden(tmp_path):
+    """`<<: *base` then a key of base is YAML's way to override, not a key written twice."""
+    text = "base: &b {lr: 0.1, max_steps: 5}\n"
+    path = write(tmp_path, text + "train:\n  <<: *b\n  max_steps: 7\n")
+    with pytest.raises(ConfigError, match="unknown key base"):  # not 'written twice'
+        load_config(Recipe, path)
+
+
+def test_a_json_config_is_read_as_json(tmp_path):
+    """JSON indented with tabs is not YAML (PyYAML refused it); a key twice in an object is refused too."""
+    path = tmp_path / "cfg.json"
+    path.write_text('{\n\t"seed": 5,\n\t"train": {"max_steps": 7}\n}\n')
+    cfg = load_config(Recipe, path)
+    assert cfg.seed == 5 and cfg.train.max_steps == 7
+    path.write_text('{"seed": 5, "train": {"max_steps": 7, "max_steps": 9}}')
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, path)
+    assert problems_of(excinfo) == [f"{path}: the key 'max_steps' is written twice in one object; keep one"]
 
 
 def test_invalid_yaml_names_line_and_column(tmp_path):
@@ -149,9 +238,6 @@ def test_invalid_yaml_flow_sequence_position(tmp_path):
         load_config(Recipe, path)
 
 
-def test_a_file_that_is_not_a_mapping(tmp_path):
-    with pytest.raises(ConfigError, match=r"must hold a mapping of keys, found list"):
-        load_config(Recipe, write(tmp_path, "- 1\n- 2\n"))
 
 
 # load_config: keys
@@ -221,6 +307,40 @@ def test_int_or_none():
 
 def test_str_field_takes_a_number_as_text():
     assert load_config(Recipe, None, ["output_dir=2024"]).output_dir == "2024"
+
+
+def test_an_override_that_is_not_yaml_is_its_text():
+    """`*.txt` is a YAML alias that does not parse (it was a ScannerError traceback): a glob, as written."""
+    assert load_config(Recipe, None, ["data.path=*.txt"]).data.path == "*.txt"
+
+
+BEYOND = "beyond what any setting takes (at most 9,223,372,036,854,775,807)"
+TOO_LARGE = {
+    "5000-digit max_steps": ("train.max_steps=" + "9" * 5000, f"train.max_steps is a 5000-digit number, {BEYOND}"),
+    "30-digit seed": ("seed=" + "9" * 30, f"seed is a 30-digit number, {BEYOND}"),
+    "2**63 seed": ("seed=9223372036854775808", f"seed is 9223372036854775808, {BEYOND}"),
+    "1e30 max_steps": ("train.max_steps=1e30", f"train.max_steps=1e+30 is {BEYOND}"),
+    "5000-digit int or None": ("train.warmup=" + "9" * 5000, f"train.warmup is a 5000-digit number, {BEYOND}"),
+    "400-digit lr": ("train.lr=" + "9" * 400, "train.lr must be a finite number, found a 400-digit number"),
+    "5000-digit lr": ("train.lr=" + "9" * 5000, "train.lr must be a finite number, found a 5000-digit number"),
+    "lr 1e400": ("train.lr=1e400", "train.lr must be a finite number, found '1e400'"),
+}
+
+
+@pytest.mark.parametrize("name", TOO_LARGE)
+def test_numbers_too_large_for_any_setting_are_one_line(name):
+    """A 5000-digit max_steps was a ValueError traceback from Python's int() (over 4,300 digits); an int
+    over 64 bits fails inside torch or numpy; a float over 1e308 overflows float()."""
+    override, message = TOO_LARGE[name]
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, None, [override])
+    assert problems_of(excinfo) == [message]
+
+
+def test_numbers_too_large_in_a_file(tmp_path):
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, write(tmp_path, "train:\n  max_steps: " + "9" * 5000 + "\n"))
+    assert problems_of(excinfo) == [f"train.max_steps is a 5000-digit number, {BEYOND}"]
 
 
 @pytest.mark.parametrize(
@@ -297,3 +417,23 @@ def test_validate_runs_even_when_only_range_checks_fail():
     with pytest.raises(ConfigError) as excinfo:
         load_config(Recipe, None, ["train.max_steps=-3", "data.seq_len=2"])
     assert problems_of(excinfo) == ["train.max_steps=-3 must be at least 1", "data.seq_len=2 is too short"]
+
+
+def test_the_strategy_files_the_toolkit_reads_are_read_strictly(tmp_path, monkeypatch):
+    """The launched DeepSpeed JSON (json.loads kept the last of two keys) and an accelerate config the
+    planner reads (yaml.safe_load did the same)."""
+    from toolkit.strategy.distributed import check_deepspeed_config
+    from toolkit.strategy.memory import read_strategy
+
+    ds = tmp_path / "ds_configs" / "ds.json"
+    ds.parent.mkdir()
+    ds.write_text('{"zero_optimization": {"stage": 3, "stage": 1}}')
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
+    with pytest.raises(UserError, match=rf"^{ds}: the key 'stage' is written twice in one object; keep one$"):
+        check_deepspeed_config()
+    accelerate = tmp_path / "accelerate_configs" / "zero.yaml"
+    accelerate.parent.mkdir()
+    accelerate.write_text("distributed_type: FSDP\nnum_processes: 2\ndistributed_type: DEEPSPEED\n")
+    with pytest.raises(UserError, match=r"line 3: distributed_type is written twice \(lines 1 and 3\); keep one$"):
+        read_strategy(accelerate, 64)

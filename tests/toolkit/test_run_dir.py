@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -210,12 +209,14 @@ def test_a_checkpoints_conversion_is_beside_it_and_never_a_checkpoint(tmp_path):
 
 # ------------------------------------------------------------- one owner at a time
 CLAIM = """
-import sys, time
+import os, sys
 from pathlib import Path
 from toolkit.config import UserError
 from toolkit.run_dir import RunDir
 run = RunDir(Path(sys.argv[1]))
-time.sleep(float(sys.argv[2]) - time.time())  # both start checking at the same moment
+print("ready", flush=True)
+while not os.path.exists(sys.argv[2]):  # both check at the same moment, however long their imports took
+    pass
 try:
     run.check(None, False, launch=sys.argv[3], main=True)
 except UserError as exc:
@@ -223,31 +224,36 @@ except UserError as exc:
     sys.exit(2)
 (run.root / "metrics.jsonl").write_text("{}")  # what the run writes first
 print("owner", flush=True)
-time.sleep(float(sys.argv[4]))
+sys.stdin.readline()  # the owner holds the folder until the test lets it go
 """
 
 
-def claimants(folder: Path, n: int = 2, hold_s: float = 3.0) -> list[subprocess.Popen]:
-    at = time.time() + 1.5
-    return [subprocess.Popen([sys.executable, "-c", CLAIM, str(folder), str(at), f"launch-{i}", str(hold_s)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+def claimants(folder: Path, go: Path, n: int = 2) -> list[subprocess.Popen]:
+    """n processes that claim `folder` once `go` exists, each after saying it is ready."""
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIM, str(folder), str(go), f"launch-{i}"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    go.touch()
+    return procs
 
 
 def test_two_runs_started_at_once_into_one_new_folder_get_one_owner(tmp_path):
     folder = tmp_path / "runs" / "seed"
-    results = [(p.wait(timeout=60), p.communicate()) for p in claimants(folder)]
-    assert sorted(code for code, _ in results) == [0, 2], results
-    refused = next(out for code, (out, _) in results if code == 2).strip()
-    owner = next(p for p in results if p[0] == 0)
+    procs = claimants(folder, tmp_path / "go")
+    lines = [p.stdout.readline().strip() for p in procs]  # the loser exits; the owner waits on stdin
+    assert sorted(line.split(":")[0] for line in lines) == ["owner", "refused"], [p.stderr.read() for p in procs]
+    results = [(p.communicate("\n", timeout=60)[1], p.returncode) for p in procs]
+    assert sorted(code for _, code in results) == [0, 2], results
+    refused = next(line for line in lines if line.startswith("refused"))
     assert re.fullmatch(
         rf"refused: output_dir={folder} is in use by another run \(pid \d+ on {re.escape(socket.gethostname())}, "
         r"started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\); wait for it or choose another output_dir", refused), refused
-    assert owner[1][0].strip() == "owner"
 
 
 def test_a_killed_owner_leaves_no_stale_lock(tmp_path):
     folder = tmp_path / "run"
-    owner = claimants(folder, n=1, hold_s=60)[0]
+    owner = claimants(folder, tmp_path / "go", n=1)[0]
     assert owner.stdout.readline().strip() == "owner"
     with pytest.raises(UserError, match="is in use by another run"):
         RunDir(folder).check("auto", False, launch="another", main=True)

@@ -29,7 +29,6 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import re
 import sys
@@ -46,7 +45,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from toolkit.config import UserError
+from toolkit.config import UserError, read_json
 from toolkit.models.loss import backward_scale
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
@@ -82,12 +81,39 @@ def launched_strategy() -> str:
     return "ddp"
 
 
+LAUNCHED_PRECISION = "the accelerate launch's mixed_precision"
+
+
+def launched_mixed_precision() -> str | None:
+    """The precision `accelerate launch` asked for (its config file's mixed_precision, or
+    --mixed_precision), None for "no" or no launcher. The shipped configs say "no": the recipe decides."""
+    value = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    return None if value == "no" else value
+
+
 def resolve_mixed_precision(choice: str) -> str:
-    if choice != "auto":
-        if choice == "fp16" and not has_gpu():
+    """train.mixed_precision, with the launcher's request honoured or refused, never dropped:
+    Accelerate takes the Accelerator's argument over the launcher's, so a launch with fp16 trained in
+    fp32 and said precision=fp32. A request for what train.mixed_precision=auto leaves open is taken
+    (and describe() says where it came from); one that contradicts an explicit choice is refused."""
+    launched = launched_mixed_precision()
+    source = f"train.mixed_precision={choice}"
+    if launched is not None:
+        if launched not in ("bf16", "fp16"):
             raise UserError(
-                f"train.mixed_precision={choice} needs a GPU; this machine has none (use auto or no for fp32, or bf16)"
+                f"{LAUNCHED_PRECISION} is {launched}; the toolkit trains in bf16, fp16 or fp32: set mixed_precision "
+                "\"no\" in the accelerate config (and drop --mixed_precision), then choose with train.mixed_precision"
             )
+        if choice not in ("auto", launched):
+            raise UserError(
+                f"{LAUNCHED_PRECISION} is {launched} (its config file or --mixed_precision) and "
+                f"train.mixed_precision={choice}: they contradict each other; keep one (the shipped accelerate configs "
+                "say \"no\" so that train.mixed_precision decides)"
+            )
+        choice, source = launched, f"{LAUNCHED_PRECISION}={launched}"
+    if choice == "fp16" and not has_gpu():
+        raise UserError(f"{source} needs a GPU; this machine has none (use auto or no for fp32, or bf16)")
+    if choice != "auto":
         return choice
     if has_gpu() and torch.cuda.is_bf16_supported():
         return "bf16"
@@ -110,10 +136,7 @@ def check_deepspeed_config() -> dict | None:
         return None  # stage etc. given inline in the accelerate config
     if not Path(path).is_file():
         raise UserError(f"deepspeed_config_file {path} does not exist (paths are relative to where you launch)")
-    try:
-        ds = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    ds = read_json(path)  # a key written twice is refused, not the last one taken
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
@@ -220,13 +243,16 @@ def build_accelerator(
     with creating_groups("creating the launch's process group") if multi else contextlib.nullcontext():
         if multi:
             join_restarted_group("nccl" if has_gpu() else "gloo", timeout)
-        accelerator = Accelerator(
-            mixed_precision=resolve_mixed_precision(mixed_precision),
-            gradient_accumulation_steps=accumulation_steps,
-            log_with=trackers or None,
-            project_dir=project_dir,
-            **kwargs,
-        )
+        try:
+            accelerator = Accelerator(
+                mixed_precision=resolve_mixed_precision(mixed_precision),
+                gradient_accumulation_steps=accumulation_steps,
+                log_with=trackers or None,
+                project_dir=project_dir,
+                **kwargs,
+            )
+        except ValueError as exc:
+            raise UserError(ignored_beside_deepspeed_json(exc)) from None
     if accelerator.distributed_type == DistributedType.FSDP:
         reduce_gradients_in_fp32(accelerator.state.fsdp_plugin)
     if fsdp_on_cpu:
@@ -237,6 +263,22 @@ def build_accelerator(
         accelerator.state.distributed_type = DistributedType.FSDP
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return accelerator
+
+
+def ignored_beside_deepspeed_json(exc: ValueError) -> str:
+    """Accelerate's 5-line refusal of accelerate-config keys that a deepspeed_config_file overrides
+    (mixed_precision among them), as one line naming those the launch set; anything else is re-raised."""
+    found = re.search(r"deepspeed_config_file`, the following accelerate config variables will be ignored: \[([^\]]*)\]",
+                      str(exc))
+    if found is None:
+        raise exc
+    ignored = {name.strip(" '") for name in found.group(1).split(",")}
+    given = [name for name in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if name in ignored]
+    return (
+        f"the accelerate config sets {', '.join(given or sorted(ignored))} beside deepspeed_config_file, which "
+        "decides them: remove them from the accelerate config (precision: train.mixed_precision; the DeepSpeed "
+        "JSON's \"auto\" values follow the recipe)"
+    )
 
 
 def join_restarted_group(backend: str, timeout: timedelta) -> None:
@@ -505,6 +547,8 @@ def describe(accelerator: Accelerator) -> str:
     """The line every run logs first: what is actually in force, not what was asked for."""
     backend = accelerator.state.backend or "none"
     precision = {"no": "fp32"}.get(str(accelerator.mixed_precision), str(accelerator.mixed_precision))
+    if launched_mixed_precision() is not None:  # taken from the launcher, not train.mixed_precision
+        precision += f" ({LAUNCHED_PRECISION})"
     return (
         f"strategy={strategy_name(accelerator)} world_size={accelerator.num_processes} backend={backend} "
         f"precision={precision} device={accelerator.device} "

@@ -54,7 +54,6 @@ upper bound of a compiled layer's saved activations.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -63,9 +62,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import yaml
 
-from toolkit.config import UserError
+from toolkit.config import UserError, read_json, read_yaml
 from toolkit.models.router import expert_count
 from toolkit.strategy.tensor_parallel import SEQUENCE_ATTENTION
 
@@ -100,7 +98,7 @@ class StrategyFacts:
 def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
     """An accelerate config file -> StrategyFacts; DeepSpeed "auto" sizes as Accelerate fills them."""
     path = Path(path)
-    cfg = yaml.safe_load(path.read_text()) or {}
+    cfg = read_yaml(path) or {}
     kind = cfg.get("distributed_type", "NO")
     parallel = cfg.get("parallelism_config") or {}
     sp = int(parallel.get("parallelism_config_sp_size", 1))
@@ -120,7 +118,7 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
         if not file:
             raise UserError(f"{path}: the planner needs a deepspeed_config_file")
         json_path = Path(file) if Path(file).is_absolute() else path.parent.parent / file
-        zero = json.loads(json_path.read_text()).get("zero_optimization", {})
+        zero = read_json(json_path).get("zero_optimization", {})
         h2 = hidden_size * hidden_size
 
         def size(key: str, auto: float, default: float) -> int:

@@ -34,7 +34,7 @@ from toolkit.run_dir import (
     converted_state,
 )
 from toolkit.strategy.distributed import Strategy, numbers_only_loading
-from toolkit.strategy.saved import OPTIMIZER_NAMES, SavedLayout, saved_layout
+from toolkit.strategy.saved import OPTIMIZER_NAMES, SavedLayout, deepspeed_tag_folder, saved_layout
 
 
 @dataclass
@@ -209,6 +209,71 @@ def check_same_data_order(folder: Path, seed: int, global_batch_size: int) -> No
                 f"checkpoint {folder} was trained with {key}={was} and this run has {key}={now}: the data "
                 f"position would not carry over; resume with {key}={was} (or start a new output_dir)"
             )
+
+
+# What a resume does with each optimizer/schedule setting changed since the checkpoint (the README's
+# Resume table): the schedule is a function of the step rebuilt from the config, so its settings
+# are taken from the resumed step on; AdamW's hyperparameters travel with its saved state, which a
+# resume loads over the config's, so a change there would be dropped: it is refused instead.
+SCHEDULE = ("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch", "optim.warmup_steps", "optim.schedule",
+            "optim.min_lr_ratio", "train.max_steps")
+FROM_NEXT_STEP = ("optim.max_grad_norm",)  # read at every step
+KEPT_BY_THE_OPTIMIZER = ("optim.betas", "optim.eps", "optim.weight_decay")
+
+
+def trained_settings(cfg) -> dict:
+    """The settings a checkpoint records, by their dotted keys (a recipe config's optim and train)."""
+    values = {}
+    for key in SCHEDULE + FROM_NEXT_STEP + KEPT_BY_THE_OPTIMIZER:
+        section, name = key.split(".")
+        values[key] = getattr(getattr(cfg, section), name)
+    values["optim.betas"] = list(values["optim.betas"])
+    return values
+
+
+def check_same_settings(folder: Path, settings: dict, max_steps: int) -> dict[str, tuple]:
+    """Before loading: refuse a change a resume cannot take (one line naming each and what to do);
+    return the ones it takes, {key: (in the checkpoint, now)}. `settings` is {} where a user's
+    DeepSpeed JSON defines the optimizer or schedule (the recipe's optim section is not what runs)."""
+    saved = TrainerState.read(folder)
+    changed = {k: (saved.settings[k], v) for k, v in settings.items() if k in saved.settings and saved.settings[k] != v}
+    kept = [f"{k}={was} (this run has {now})" for k, (was, now) in changed.items() if k in KEPT_BY_THE_OPTIMIZER]
+    if kept:
+        raise UserError(
+            f"checkpoint {folder} was trained with {', '.join(kept)}: AdamW's saved state carries them and a resume "
+            f"loads them over the config, so the change would be dropped; resume with the checkpoint's values, or "
+            "start a new output_dir (from its final/ or a checkpoint's weights)"
+        )
+    if max_steps < saved.step:
+        raise UserError(
+            f"train.max_steps={max_steps} is below the step of checkpoint {folder} ({saved.step}): a "
+            f"resume cannot go back; set train.max_steps >= {saved.step}, or resume=PATH an earlier checkpoint"
+        )
+    return changed
+
+
+def take_changed_settings(
+    changed: dict[str, tuple], scheduler, step: int, peak_lr: float, say: Callable[[str], None]
+) -> None:
+    """After loading: the schedule of the new settings from `step` on, said in one line. Its functions
+    of the step are already built from the config; its peak rate (`peak_lr`, OptimConfig.peak_lr) and
+    the rate of the next step are the checkpoint's until set here."""
+    if not changed:
+        return
+    now = ""
+    if scheduler is not None and any(k in SCHEDULE for k in changed):
+        groups = scheduler.optimizer.param_groups
+        was = groups[0]["lr"]
+        scheduler.base_lrs = [peak_lr] * len(groups)  # the recipe gives every group the same peak
+        for group in groups:
+            group["initial_lr"] = peak_lr
+        rates = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+        for group, lr in zip(groups, rates, strict=True):
+            group["lr"] = lr
+        scheduler._last_lr = rates
+        now = f"; the learning rate of step {step + 1} is {rates[0]:.4g} (was {was:.4g})"
+    listed = ", ".join(f"{k} {was} -> {v}" for k, (was, v) in changed.items())
+    say(f"resumed with changed settings, taken from step {step + 1} on: {listed}{now}")
 
 
 def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None] = print) -> TrainerState:
@@ -469,6 +534,29 @@ def check_state_file(folder: Path) -> str | None:
     if step is not None and state.step != step:
         return f"{path} is of step {state.step}, not {step}: a state file from another checkpoint"
     manifest = folder / MANIFEST
-    if state.manifest_crc32 and manifest.is_file() and crc32(manifest) != state.manifest_crc32:
+    if state.manifest_crc32 and not manifest.is_file():  # else every file it lists would go unchecked
+        return f"{manifest} is missing (its {STATE_FILE} names one), so its files cannot be checked"
+    if state.manifest_crc32 and crc32(manifest) != state.manifest_crc32:
         return f"{path} belongs to another checkpoint (it names another manifest than {manifest})"
+    if not manifest.is_file():  # a checkpoint older than manifests: at least every rank's files
+        return missing_rank_file(folder)
+    return None
+
+
+def missing_rank_file(folder: Path) -> str | None:
+    """The first file one rank of the run that saved `folder` should have written and did not: its
+    random states (every strategy), its ZeRO optimizer partition (DeepSpeed ZeRO-1/2/3, which
+    otherwise fails deep in DeepSpeed with a ValueError that names no rank)."""
+    saved = saved_layout(folder)
+    if saved is None or not saved.world_size:
+        return None
+    for rank in range(saved.world_size):
+        if not (folder / f"random_states_{rank}.pkl").is_file():
+            return f"{folder / f'random_states_{rank}.pkl'} is missing (rank {rank} of {saved.world_size} writes it)"
+    if saved.layout in ("zero1", "zero2", "zero3"):
+        tag = deepspeed_tag_folder(folder)
+        for rank in range(saved.world_size):
+            if not any(tag.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
+                return (f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank "
+                        f"{rank} of {saved.world_size})")
     return None

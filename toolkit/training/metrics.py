@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate.utils import LoggerType
 
 from toolkit.config import field
 
@@ -31,33 +33,57 @@ PEAK_BF16_FLOPS = {
 }
 
 
+def accelerate_trackers() -> list[str]:
+    """The trackers Accelerate drives, by the names logging.trackers takes: its own list (LoggerType),
+    without "all" (a run says which trackers it logs to)."""
+    return [str(t) for t in LoggerType if t != LoggerType.ALL]
+
+
 @dataclass
 class LoggingConfig:
     every: int = field(1, help="write a metrics line every N optimizer steps")
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"], help="Accelerate trackers: tensorboard, wandb")
+    trackers: list[str] = field(
+        default_factory=lambda: ["tensorboard"],
+        help=f"Accelerate's trackers to log to, any of: {', '.join(accelerate_trackers())} ([] = metrics.jsonl only)",
+    )
 
     def validate(self) -> list[str]:
         problems = []
         if self.every < 1:
             problems.append(f"every={self.every}: use at least 1")
+        known = accelerate_trackers()
         for t in self.trackers:
-            if t not in ("tensorboard", "wandb"):
-                problems.append(f"trackers has {t!r}; use tensorboard and/or wandb")
+            if t not in known:
+                close = difflib.get_close_matches(str(t).lower(), known, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                problems.append(f"trackers has {t!r}, which Accelerate does not drive; its trackers are "
+                                f"{', '.join(known)}{hint}")
         return problems
 
 
 def check_trackers(trackers: list[str]) -> None:
-    """Accelerate silently drops a tracker whose package is missing; a run must not log nowhere."""
-    import importlib.util
+    """Accelerate drops a tracker whose package is missing with a debug line only; a run must not
+    log nowhere. Its own availability checks decide (accelerate.tracking)."""
+    import accelerate.tracking
 
     from toolkit.config import UserError
 
+    available = {str(t) for t in accelerate.tracking.get_available_trackers()}
     for name in trackers:
-        if importlib.util.find_spec(name) is None:
+        if name not in available:
             raise UserError(
                 f"logging.trackers has {name}, but the {name} package is not installed; "
                 f"pip install {name}, or remove it from logging.trackers"
             )
+
+
+def tracker_log_with(trackers: list[str], project_dir: str) -> list:
+    """What the Accelerator logs with: tensorboard built here, so that its events stay in
+    `project_dir`/tensorboard/ whatever the project is called (Accelerate names its folder after
+    the project); every other tracker by name, started by init_trackers under the run's project."""
+    from accelerate.tracking import TensorBoardTracker
+
+    return [TensorBoardTracker("tensorboard", project_dir) if name == "tensorboard" else name for name in trackers]
 
 
 def flops_per_token(n_matmul_params: int, n_layers: int, hidden: int, seq_len: int) -> float:

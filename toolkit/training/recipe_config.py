@@ -19,6 +19,8 @@ from toolkit.training.optim import OptimConfig
 from toolkit.training.samples import SamplesConfig
 from toolkit.training.trainer import TrainConfig
 
+SEED_MAX = 2**32 - 1  # numpy's legacy seed range, the common one; the data order's generator takes seed x 1,000,003
+
 # Keys renamed in 0.2 (one name per concept across the recipes); the old ones work for one release.
 EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval.blocks"}
 
@@ -38,9 +40,12 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig, help="held-out evaluation cadence and size")
 
     def validate(self) -> list[str]:
+        problems = []
         if self.resume and self.overwrite:
-            return ["resume and overwrite=true contradict each other; choose one"]
-        return []
+            problems.append("resume and overwrite=true contradict each other; choose one")
+        if not 0 <= self.seed <= SEED_MAX:  # numpy takes no negative seed; the batch order multiplies it
+            problems.append(f"seed={self.seed} must be in [0, {SEED_MAX}]")
+        return problems
 
 
 @dataclass

@@ -49,9 +49,12 @@ from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.checkpoint import (
     SaveFailed,
     check_same_data_order,
+    check_same_settings,
     intact_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    take_changed_settings,
+    trained_settings,
 )
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import (
@@ -63,6 +66,7 @@ from toolkit.training.metrics import (
     peak_flops,
     peak_memory_mb,
     plot_loss,
+    tracker_log_with,
 )
 from toolkit.training.nonfinite import dead_model, injected, nonfinite_weight
 from toolkit.training.optim import prepare_optimization
@@ -102,7 +106,12 @@ class TrainConfig:
                      "pipeline_stages"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        if self.collective_timeout_s > YEAR_S:  # timedelta and the backends' millisecond counts overflow past that
+            problems.append(f"collective_timeout_s={self.collective_timeout_s} must be at most {YEAR_S} (a year)")
         return problems
+
+
+YEAR_S = 365 * 24 * 3600
 
 
 class StopRequest:
@@ -243,7 +252,8 @@ class Trainer:
         t = cfg.train
         self.strategy = strategy = Strategy.launch(
             mixed_precision=t.mixed_precision, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-            max_grad_norm=cfg.optim.max_grad_norm, project_dir=str(self.run.root), trackers=cfg.logging.trackers,
+            max_grad_norm=cfg.optim.max_grad_norm, project_dir=str(self.run.root),
+            trackers=tracker_log_with(cfg.logging.trackers, str(self.run.root)),
             timeout_s=t.collective_timeout_s, pipeline_stages=t.pipeline_stages,
         )
         self.accelerator = strategy.accelerator
@@ -265,7 +275,8 @@ class Trainer:
         if not strategy.is_main:
             datasets.disable_progress_bars()
 
-        self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size)
+        self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
+                                  settings={} if strategy.ds_owned else trained_settings(cfg))
         self.stream: StreamingBlocks | None = None  # set by use_stream
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
@@ -366,7 +377,11 @@ class Trainer:
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
             )
             check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size)
+            changed = check_same_settings(self.resume_from, self.state.settings, cfg.train.max_steps)
             self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
+            take_changed_settings(changed, self.scheduler if self.step_scheduler else None, self.step,
+                                  cfg.optim.peak_lr(cfg.train.global_batch_size), self.print)
+            self.state.settings = {} if self.strategy.ds_owned else trained_settings(cfg)  # for the next checkpoint
             self.resume_data(self.resume_from)
             self.state.global_batch_size = cfg.train.global_batch_size  # a checkpoint older than the field
             bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
@@ -381,7 +396,10 @@ class Trainer:
         if self.strategy.is_main:
             self.metrics = MetricsWriter(self.run.metrics, self.step)
         if cfg.logging.trackers:
-            self.accelerator.init_trackers("tensorboard", config=flat_hparams(to_dict(cfg)))
+            # the project is the run folder's name (wandb's project, mlflow's experiment, ...); tensorboard
+            # keeps its events in tensorboard/ (tracker_log_with)
+            project = self.run.root.resolve().name
+            self.accelerator.init_trackers(project, config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(self.strategy.device)
 
     def resume_data(self, folder: Path) -> None:

@@ -33,16 +33,41 @@ def test_logging_defaults_are_valid():
     assert cfg.trackers == ["tensorboard"]
 
 
+ACCELERATE_TRACKERS = "aim, tensorboard, wandb, trackio, comet_ml, mlflow, clearml, dvclive, swanlab"
+
+
 def test_logging_problems_are_all_reported():
-    problems = LoggingConfig(every=0, trackers=["tensorboard", "mlflow", "comet"]).validate()
+    problems = LoggingConfig(every=0, trackers=["tensorboard", "neptune", "comet"]).validate()
     assert len(problems) == 3
     assert problems[0].startswith("every=0") and "at least 1" in problems[0]
     assert problems[1:] == [
-        "trackers has 'mlflow'; use tensorboard and/or wandb",
-        "trackers has 'comet'; use tensorboard and/or wandb",
+        f"trackers has 'neptune', which Accelerate does not drive; its trackers are {ACCELERATE_TRACKERS}",
+        f"trackers has 'comet', which Accelerate does not drive; its trackers are {ACCELERATE_TRACKERS}; did you "
+        "mean comet_ml?",
     ]
     assert LoggingConfig(every=-2).validate()[0].startswith("every=-2")
     assert LoggingConfig(trackers=[]).validate() == []  # logging to metrics.jsonl only is allowed
+
+
+def test_every_tracker_accelerate_drives_is_accepted():
+    """Only tensorboard and wandb were; the names are Accelerate's own (LoggerType), not a copy of them."""
+    from accelerate.utils import LoggerType
+
+    names = [str(t) for t in LoggerType if t != LoggerType.ALL]
+    assert {"mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio"} <= set(names)
+    assert LoggingConfig(trackers=names).validate() == []
+    assert LoggingConfig(trackers=["all"]).validate() != []  # a run names the trackers it logs to
+
+
+def test_a_tracker_whose_package_is_missing_is_one_line(monkeypatch):
+    """By Accelerate's own availability check (it would drop the tracker with a debug line)."""
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "_available_trackers", [])  # as on a machine without tensorboard
+    with pytest.raises(UserError) as excinfo:
+        check_trackers(["tensorboard"])
+    assert str(excinfo.value) == ("logging.trackers has tensorboard, but the tensorboard package is not installed; "
+                                  "pip install tensorboard, or remove it from logging.trackers")
 
 
 def test_check_trackers_accepts_installed_packages():

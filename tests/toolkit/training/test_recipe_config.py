@@ -68,3 +68,20 @@ def test_yaml_no_is_the_string_no_for_a_choice():
     assert load_config(PretrainConfig, None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
     with pytest.raises(ConfigError, match="train.mixed_precision=True is not one of"):
         load_config(PretrainConfig, None, ["train.mixed_precision=yes"])
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**50])
+def test_a_seed_numpy_or_the_data_order_cannot_take_is_refused(seed):
+    """numpy refuses a negative seed (a ValueError traceback while splitting the corpus), and the batch
+    order's generator overflowed on seed x 1,000,003 past 64 bits."""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(PretrainConfig, None, [f"seed={seed}"])
+    assert excinfo.value.problems == [f"seed={seed} must be in [0, 4294967295]"]
+    assert load_config(PretrainConfig, None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+
+
+def test_a_collective_timeout_beyond_a_year_is_refused():
+    """train.collective_timeout_s=2**63-1 was an OverflowError traceback (timedelta) while the launch built its group."""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(PretrainConfig, None, ["train.collective_timeout_s=9223372036854775807"])
+    assert excinfo.value.problems == ["train.collective_timeout_s=9223372036854775807 must be at most 31536000 (a year)"]

@@ -3,6 +3,7 @@ a stop signal, and a resume that continues bit-exactly where the stop left off."
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -317,3 +318,98 @@ def test_ctrl_c_before_training_ends_at_once_and_a_second_one_in_training(phase)
                 if phase == "starting" else "[unit] stopped at once by a second Ctrl-C at step 7, without saving "
                 "it; continue with resume=auto (from the newest checkpoint)")
     assert err.strip() == expected, err
+
+
+def test_the_chosen_trackers_are_logged_to_under_the_runs_project(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                   monkeypatch):
+    """Any tracker Accelerate drives, started with the run folder's name as its project (it was given
+    "tensorboard": wandb's project, mlflow's experiment); tensorboard's events stay in tensorboard/.
+    mlflow is not installed here: a recorder stands in for it, registered where Accelerate looks."""
+    import accelerate.tracking as tracking
+    from accelerate.utils import LoggerType
+
+    calls = []
+
+    class Recorder(tracking.GeneralTracker):
+        name, requires_logging_directory = "mlflow", False
+
+        def __init__(self, project, **kwargs):
+            super().__init__()
+            calls.append(("project", project))
+
+        @property
+        def tracker(self):
+            return None
+
+        def store_init_configuration(self, values):
+            calls.append(("config", values["optim.lr"]))
+
+        def log(self, values, step=None, **kwargs):
+            calls.append(("log", step, "loss" in values))
+
+    monkeypatch.setattr(tracking, "_available_trackers", [*tracking.get_available_trackers(), LoggerType.MLFLOW])
+    monkeypatch.setitem(tracking.LOGGER_TYPE_TO_CLASS, "mlflow", Recorder)
+    trainer = start(tmp_path / "tiny", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=0",
+                    "eval.every=0", "optim.lr=0.002", "logging.trackers=[mlflow,tensorboard]")
+    trainer.fit()
+    trainer.finish()
+    trainer.close()
+    assert calls[:2] == [("project", "tiny"), ("config", 0.002)]
+    assert ("log", 1, True) in calls and ("log", 2, True) in calls
+    assert list((tmp_path / "tiny" / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def rates(run: RunDir) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_metrics(run.metrics) if "lr" in r}
+
+
+def test_a_resume_takes_a_new_rate_and_schedule_from_its_step_on_and_says_so(tmp_path, blocks, tiny_tokenizer,
+                                                                             tiny_model, capsys):
+    """optim.lr=0.01 on a resume kept the checkpoint's peak (its schedule state) while hparams.yml said 0.01.
+    The resumed steps now train at the rates of a run with the new settings from the start: a new peak,
+    and a longer train.max_steps stretching the cosine (the documented way to extend a run)."""
+    steps = ["checkpoint.every=2", "eval.every=0", "optim.warmup_steps=1"]
+    first = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=4", "optim.lr=1e-3", *steps)
+    first.fit()
+    first.finish()
+    first.close()
+    old = rates(first.run)
+    fresh = start(tmp_path / "fresh", blocks, tiny_tokenizer, tiny_model, "train.max_steps=6", "optim.lr=1e-2", *steps)
+    fresh.fit()
+    fresh.finish()
+    fresh.close()
+    capsys.readouterr()
+
+    resumed = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=6", "optim.lr=1e-2", *steps,
+                    f"resume={first.run.checkpoint(2)}")
+    resumed.fit()
+    resumed.finish()
+    resumed.close()
+    got, want = rates(resumed.run), rates(fresh.run)
+    assert [got[s] for s in (3, 4, 5, 6)] == pytest.approx([want[s] for s in (3, 4, 5, 6)], rel=1e-12)
+    said = [line for line in capsys.readouterr().out.splitlines() if "changed settings" in line]
+    assert said == [f"[unit] resumed with changed settings, taken from step 3 on: optim.lr 0.001 -> 0.01, "
+                    f"train.max_steps 4 -> 6; the learning rate of step 3 is {want[3]:.4g} (was {old[3]:.4g})"]
+    assert TrainerState.read(resumed.run.checkpoint(6)).settings["optim.lr"] == 0.01  # the next resume compares with it
+
+
+@pytest.mark.parametrize("change, line", [
+    ("optim.betas=[0.8,0.9]", "was trained with optim.betas=[0.9, 0.95] (this run has [0.8, 0.9]): AdamW's saved "
+                              "state carries them and a resume loads them over the config, so the change would be "
+                              "dropped; resume with the checkpoint's values, or start a new output_dir"),
+    ("optim.weight_decay=0.5", "was trained with optim.weight_decay=0.1 (this run has 0.5): AdamW's saved state"),
+    ("train.max_steps=1", "train.max_steps=1 is below the step of checkpoint"),
+], ids=["betas", "weight decay", "max_steps below the step"])
+def test_a_resume_refuses_a_setting_it_cannot_take(tmp_path, blocks, tiny_tokenizer, tiny_model, change, line):
+    """AdamW's betas, eps and weight decay come back from its saved state over the config: a change was dropped."""
+    first = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=0",
+                  "eval.every=0")
+    first.fit()
+    first.finish()
+    first.close()
+    before = sorted(p.name for p in first.run.checkpoint(2).iterdir())
+    AcceleratorState._reset_state(True)
+    with pytest.raises(UserError, match=re.escape(line)):
+        start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=0",
+              "eval.every=0", "resume=auto", change)
+    assert sorted(p.name for p in first.run.checkpoint(2).iterdir()) == before
