@@ -97,6 +97,8 @@ def check_deepspeed_config() -> dict | None:
     """Read the launched DeepSpeed JSON ourselves first, so that mistakes are one clear line."""
     if launched_strategy() != "deepspeed":
         return None
+    if not has_gpu():  # before DeepSpeed's import, which would otherwise guess the accelerator and log it
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed  # noqa: F401
     except ImportError as exc:
@@ -104,6 +106,8 @@ def check_deepspeed_config() -> dict | None:
             f"the accelerate config asks for DeepSpeed, but it cannot be imported ({exc}); "
             "install it with pip install 'llm-toolkit[deepspeed]' or launch with accelerate_configs/ddp.yaml"
         ) from None
+    if not has_gpu():
+        skip_shared_memory_kernel()
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not path or path == "none":
         return None  # stage etc. given inline in the accelerate config
@@ -117,6 +121,20 @@ def check_deepspeed_config() -> dict | None:
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
     return ds
+
+
+def skip_shared_memory_kernel() -> None:
+    """DeepSpeed's process group on CPU builds and loads a shared-memory all-reduce kernel and prints
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank. Only its
+    inference all-reduce (DeepSpeed-Inference, AutoTP) calls the kernel, and falls back to the process
+    group's all_reduce without it; training never does. Marked incompatible (DeepSpeed's own table of
+    the ops this machine can build), it is neither built nor loaded."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if isinstance(compatible, dict):
+        compatible[ShareMemCommBuilder.NAME] = False
 
 
 _LIVE_UNTIL_EXIT: list = []
@@ -171,7 +189,6 @@ def build_accelerator(
     kwargs: dict = {}
     if not has_gpu():
         if strategy == "deepspeed":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         else:
             kwargs["cpu"] = True

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     # with --debug and ACCELERATE_ENABLE_RICH=1, accelerate prints a failed launch's traceback and
     # returns as if all went well (exit 0); it must raise for the ranks' codes to be read
     accelerate_launch.is_rich_available = lambda: False
+    accelerate_launch.deepspeed_launcher = _with_launch_environment(accelerate_launch.deepspeed_launcher)
     stop = StopForwarder()
     held = HeldLog(logging.getLogger(ELASTIC_LOGGER))
     try:
@@ -86,6 +87,26 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as exc:  # SIGINT/SIGHUP/SIGQUIT: torchrun has ended the ranks with it
         return 128 + int(exc.sigval)
     return 0
+
+
+def _with_launch_environment(deepspeed_launcher):
+    """accelerate's DeepSpeed launcher, with what its DDP and FSDP launchers set and it does not.
+
+    They pass --num_cpu_threads_per_process (default: OMP_NUM_THREADS, else 1) on to the ranks as
+    OMP_NUM_THREADS; the DeepSpeed one does not, and torchrun then sets 1 itself under a 4-line
+    warning box. On a machine without a GPU, DeepSpeed's import (for its launcher's constants) logs
+    "Setting accelerator to CPU" unless DS_ACCELERATOR says so, as the ranks do
+    (toolkit.strategy.distributed.check_deepspeed_config)."""
+
+    def launch(args):
+        import torch
+
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.num_cpu_threads_per_process or 1))
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        return deepspeed_launcher(args)
+
+    return launch
 
 
 def missing_file(args) -> str | None:
