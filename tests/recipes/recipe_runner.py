@@ -126,5 +126,5 @@ def foreign_lines(output: str) -> list[str]:
             continue
         last = parts[-1]  # a line may start after a bar's last update, without a newline between them
         if not (TOOLKIT_LINE.fullmatch(last) and all(PROGRESS_BAR.fullmatch(p) for p in parts[:-1])):
-            foreign.append(line[-300:])
+            foreign.append(last[:300])
     return foreign

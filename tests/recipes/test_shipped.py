@@ -26,8 +26,13 @@ pytestmark = pytest.mark.distributed
 STRATEGIES = ["zero3", "fsdp"]
 
 # bitsandbytes 0.50, imported on a machine without the `kernels` package, prints this; a run that loads
-# no 4-bit base must not import it (peft does whenever it is installed). This stand-in prints it too.
+# no 4-bit base must not import it (peft does whenever it is installed). The stand-in prints it too, then
+# fails its import (peft's LoRA then fails too: it found the package installed).
 BITSANDBYTES_LINE = "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'."
+STAND_IN = f"""import sys
+print({BITSANDBYTES_LINE!r}, file=sys.stderr)
+raise ImportError("bitsandbytes imported by a run that loads no 4-bit base")
+"""
 
 
 @pytest.fixture
@@ -35,7 +40,7 @@ def as_a_new_user(tmp_path) -> dict[str, str | None]:
     """A launch environment without OMP_NUM_THREADS and with bitsandbytes installed (a stand-in)."""
     fake = tmp_path / "site" / "bitsandbytes"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(f"import sys\nprint({BITSANDBYTES_LINE!r}, file=sys.stderr)\nraise ImportError\n")
+    (fake / "__init__.py").write_text(STAND_IN)
     path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p)
     return {"OMP_NUM_THREADS": None, "PYTHONPATH": path}
 

@@ -97,8 +97,6 @@ def check_deepspeed_config() -> dict | None:
     """Read the launched DeepSpeed JSON ourselves first, so that mistakes are one clear line."""
     if launched_strategy() != "deepspeed":
         return None
-    if not has_gpu():  # before DeepSpeed's import, which would otherwise guess the accelerator and log it
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed  # noqa: F401
     except ImportError as exc:
@@ -180,6 +178,10 @@ def build_accelerator(
 ) -> Accelerator:
     """The Accelerator for the launched strategy; `timeout_s` bounds every collective (see set_collective_timeout)."""
     strategy = launched_strategy()
+    if not has_gpu():
+        # before DeepSpeed is imported (by us, or by Accelerate under any strategy when it is installed),
+        # which would otherwise guess the accelerator and log "Setting accelerator to CPU" on every rank
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     check_deepspeed_config()
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     # FSDP2 under a launcher (torchrun's MASTER_ADDR), even of one process: on a GPU Accelerate

@@ -96,7 +96,7 @@ def _with_launch_environment(deepspeed_launcher):
     OMP_NUM_THREADS; the DeepSpeed one does not, and torchrun then sets 1 itself under a 4-line
     warning box. On a machine without a GPU, DeepSpeed's import (for its launcher's constants) logs
     "Setting accelerator to CPU" unless DS_ACCELERATOR says so, as the ranks do
-    (toolkit.strategy.distributed.check_deepspeed_config)."""
+    (toolkit.strategy.distributed.build_accelerator)."""
 
     def launch(args):
         import torch
