@@ -778,6 +778,7 @@ class Strategy:
     pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
     sequence: SequenceParallel | None = None  # sequences split over groups of ranks (parallelism_config_sp_size)
     optimizer: torch.optim.Optimizer | None = None  # a pipeline's: its stage's state is saved by each stage
+    notes: list[str] = dataclasses.field(default_factory=list)  # for the recipe's log, once the model is split
 
     @classmethod
     def launch(
@@ -910,7 +911,7 @@ class Strategy:
             model = split(model, self.tp, self.world_size // self.tp, attn_implementation)
             self.ep = expert_ranks(model)
             whole = model.tp_whole_between_layers
-            self.print(f"tensor_parallel={self.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
+            self.notes.append(f"tensor_parallel={self.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
                        "between layers" if whole is None else f"hidden states whole between layers ({whole})"))
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
