@@ -7,11 +7,16 @@ has no cause the toolkit or the user could fix; other records of the same logger
 - torchao (which transformers imports whenever it is installed) warns once per CUDA extension of
   its own it cannot load, on any machine without the GPU it was built for;
 - torch's pytree logs a deprecation for each Enum that torchao registers;
+- Accelerate's checkpoint of a model whose output head is its input embedding (tie_word_embeddings)
+  saves the one tensor once and says "Removed shared tensor {'lm_head.weight'} while saving ... check
+  by verifying that you don't receive any warning while reloading": the load ties it again, and a
+  resume is checked to give the same losses bit for bit;
 - peft 0.21 reads `is_gradient_checkpointing` from the model it wraps, deprecated by transformers 5
   (in favour of `is_activation_checkpointing`): a FutureWarning on each LoRA built or loaded.
 """
 
 import logging
+import re
 import warnings
 
 
@@ -25,6 +30,12 @@ def _torchao_enum(record: logging.LogRecord) -> bool:
     )
 
 
+def _tied_head_saved_once(record: logging.LogRecord) -> bool:
+    return re.fullmatch(r"(\[RANK \d+\] )?Removed shared tensor \{'([\w.]+\.)?lm_head\.weight'\} while saving\..*",
+                        str(record.msg)) is not None
+
+
+logging.getLogger("accelerate.utils.other").addFilter(lambda record: not _tied_head_saved_once(record))
 logging.getLogger("torchao").addFilter(lambda record: not _torchao_extension(record))
 logging.getLogger("torch.utils._pytree").addFilter(lambda record: not _torchao_enum(record))
 warnings.filterwarnings(

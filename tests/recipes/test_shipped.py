@@ -1,4 +1,4 @@
-"""The README's commands with the shipped YAMLs as shipped, on 2 processes under ZeRO-3 and FSDP2.
+"""The README's commands with the shipped YAMLs as shipped, on 2 processes under ZeRO-3 and FSDP2 (and DDP).
 
 Only output_dir and train.max_steps are set; samples, evaluation, checkpoints and tensorboard
 stay on, as a new user meets them. Before issue 8 the fine-tune hung for ever under ZeRO-3
@@ -53,7 +53,7 @@ def launched(recipe: str, overrides: list[str], strategy: str, cache, env, **kwa
     return proc
 
 
-@pytest.mark.parametrize("strategy", [*STRATEGIES, "zero3_sp", "fsdp_tp"])
+@pytest.mark.parametrize("strategy", ["ddp", *STRATEGIES, "zero3_sp", "fsdp_tp"])
 def test_pretrain_tiny_as_shipped(strategy, tmp_path, data_cache, as_a_new_user):
     out = tmp_path / "run"
     proc = launched("pretrain", [f"output_dir={out}", "train.max_steps=6"], strategy, data_cache, as_a_new_user)
