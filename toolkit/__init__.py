@@ -1,6 +1,11 @@
 """llm-toolkit: the library the recipes call (config, data, model, distributed, checkpoints, export).
 
-Importing it drops a few exact records of other libraries, so that every line of a run is the
+Importing it names DeepSpeed's accelerator on a machine without a GPU (DS_ACCELERATOR=cpu, unless set):
+Accelerate and transformers import DeepSpeed whenever it is installed, under every strategy and in
+export too (`extract_model_from_parallel`), and DeepSpeed would otherwise guess and log "Setting
+accelerator to CPU" in each process.
+
+It also drops a few exact records of other libraries, so that every line of a run is the
 toolkit's, a progress bar or something the user can act on (README, "What a run prints"). Each
 has no cause the toolkit or the user could fix; other records of the same loggers still show:
 
@@ -16,8 +21,14 @@ has no cause the toolkit or the user could fix; other records of the same logger
 """
 
 import logging
+import os
 import re
 import warnings
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _torchao_extension(record: logging.LogRecord) -> bool:

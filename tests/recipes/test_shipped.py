@@ -37,12 +37,13 @@ raise ImportError("bitsandbytes imported by a run that loads no 4-bit base")
 
 @pytest.fixture
 def as_a_new_user(tmp_path) -> dict[str, str | None]:
-    """A launch environment without OMP_NUM_THREADS and with bitsandbytes installed (a stand-in)."""
+    """A launch environment without OMP_NUM_THREADS or DS_ACCELERATOR, with bitsandbytes installed (a stand-in)."""
     fake = tmp_path / "site" / "bitsandbytes"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(STAND_IN)
     path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p)
-    return {"OMP_NUM_THREADS": None, "PYTHONPATH": path}
+    # DS_ACCELERATOR: set in this process by the toolkit's import; a user's shell has none
+    return {"OMP_NUM_THREADS": None, "DS_ACCELERATOR": None, "PYTHONPATH": path}
 
 
 def launched(recipe: str, overrides: list[str], strategy: str, cache, env, **kwargs):

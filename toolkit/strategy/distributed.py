@@ -13,8 +13,8 @@ silently trains unsharded or unsynchronised:
   losses diverge). So with no GPU we force `cpu=True`, and name gloo (`cpu=True` alone picks
   MPI when torch was built with it).
 - DeepSpeed: `cpu=True` makes Accelerate drop DeepSpeed altogether, and without a backend it
-  reports a single process. So on CPU we leave `cpu` off, pass gloo, and select DeepSpeed's
-  CPU accelerator (DS_ACCELERATOR=cpu) before DeepSpeed is imported.
+  reports a single process. So on CPU we leave `cpu` off, pass gloo, and DeepSpeed runs on its
+  CPU accelerator (DS_ACCELERATOR=cpu, set when the toolkit is imported, before DeepSpeed is).
 - FSDP: Accelerate applies FSDP only on GPU-like devices; on CPU the config would do nothing.
   torch's FSDP2 `fully_shard` does shard and train on CPU over gloo, so after creating the
   Accelerator on CPU we set its distributed type to FSDP and give it the plugin from the
@@ -178,10 +178,6 @@ def build_accelerator(
 ) -> Accelerator:
     """The Accelerator for the launched strategy; `timeout_s` bounds every collective (see set_collective_timeout)."""
     strategy = launched_strategy()
-    if not has_gpu():
-        # before DeepSpeed is imported (by us, or by Accelerate under any strategy when it is installed),
-        # which would otherwise guess the accelerator and log "Setting accelerator to CPU" on every rank
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     check_deepspeed_config()
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     # FSDP2 under a launcher (torchrun's MASTER_ADDR), even of one process: on a GPU Accelerate

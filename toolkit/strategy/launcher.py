@@ -94,16 +94,11 @@ def _with_launch_environment(deepspeed_launcher):
 
     They pass --num_cpu_threads_per_process (default: OMP_NUM_THREADS, else 1) on to the ranks as
     OMP_NUM_THREADS; the DeepSpeed one does not, and torchrun then sets 1 itself under a 4-line
-    warning box. On a machine without a GPU, DeepSpeed's import (for its launcher's constants) logs
-    "Setting accelerator to CPU" unless DS_ACCELERATOR says so, as the ranks do
-    (toolkit.strategy.distributed.build_accelerator)."""
+    warning box. (DeepSpeed's import here, for its launcher's constants, finds DS_ACCELERATOR set by
+    the toolkit's import on a machine without a GPU, and logs no guess.)"""
 
     def launch(args):
-        import torch
-
         os.environ.setdefault("OMP_NUM_THREADS", str(args.num_cpu_threads_per_process or 1))
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         return deepspeed_launcher(args)
 
     return launch
