@@ -41,6 +41,7 @@ from toolkit.export.hf_folder import save_adapter, save_final_model, write_model
 from toolkit.models.adapter import (
     apply_adapter,
     check_qlora_device,
+    leave_out_bitsandbytes,
     load_with_adapter,
     merge,
     quantization_config,
@@ -63,6 +64,8 @@ class FinetuneRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         check_qlora_device(cfg.adapter)
+        if cfg.adapter.method != "qlora":
+            leave_out_bitsandbytes()
         self.trainer = trainer = Trainer("finetune", cfg)
         strategy = trainer.strategy
 

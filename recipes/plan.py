@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.config import UserError, load_config, read_config_file, read_yaml  # noqa: E402
+from toolkit.models.adapter import leave_out_bitsandbytes  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
 from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
 from toolkit.strategy.memory import Run, StrategyFacts, estimate, rank_key, read_strategy  # noqa: E402
@@ -279,6 +280,7 @@ def table(rows: list[dict], args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    leave_out_bitsandbytes()  # a QLoRA is planned on the meta device, without its 4-bit kernels
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="a recipe YAML from recipes/configs/")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs the run will use (its world size)")

@@ -37,6 +37,7 @@ from toolkit.data.packing import collate, packed_dataset, packed_splits, target_
 from toolkit.data.streaming import StreamingBlocks, held_out_documents
 from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
+from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, hf_config, meta_model
@@ -54,6 +55,7 @@ class PretrainRecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
+        leave_out_bitsandbytes()
         check_seq_len(cfg.model, cfg.data.seq_len)
         self.trainer = trainer = Trainer("pretrain", cfg)
         strategy = trainer.strategy

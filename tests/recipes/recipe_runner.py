@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,13 +41,15 @@ TINY = [
 
 def run_recipe(
     recipe: str, overrides: list[str], nproc: int, cache: Path, config: str = "pretrain_tiny.yaml",
-    accelerate_config: str = "ddp.yaml", check: bool = True, env: dict[str, str] | None = None,
+    accelerate_config: str = "ddp.yaml", check: bool = True, env: dict[str, str | None] | None = None,
     timeout: float = LAUNCH_TIMEOUT_S, script: list[str] | None = None, launch: bool = False,
-    launch_args: list[str] | None = None,
+    launch_args: list[str] | None = None, wrapper: bool = False,
 ) -> subprocess.CompletedProcess:
     """1 process: plain `python` (unless `launch`); more: `accelerate launch` with its own port.
 
-    `launch_args` go to `accelerate launch` before the script. `script` replaces `recipes/{recipe}.py` (e.g. a test-only wrapper). A launch still running
+    `launch_args` go to `accelerate launch` before the script. `script` replaces `recipes/{recipe}.py` (e.g. a test-only wrapper).
+    `wrapper`: recipes/launch.sh's launcher instead of `accelerate launch`, with the same arguments.
+    An `env` value None removes that variable. A launch still running
     after `timeout` seconds is killed with all its ranks and fails the test: a hang never
     stalls the suite.
     """
@@ -55,12 +58,13 @@ def run_recipe(
         cmd = [sys.executable, *script]
     else:
         cmd = [
-            sys.executable, "-m", "accelerate.commands.launch",
+            sys.executable, "-m", "toolkit.strategy.launcher" if wrapper else "accelerate.commands.launch",
             "--config_file", accelerate_config if "/" in accelerate_config else f"accelerate_configs/{accelerate_config}",
             "--num_processes", str(nproc), "--main_process_port", str(launching.free_port()), *(launch_args or []), *script,
         ]
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     proc = launching.run(cmd, timeout, cwd=ROOT, env=env)
     if check and proc.returncode != 0:
         _keep_log(proc.stdout, proc.stderr)
@@ -99,3 +103,28 @@ FT_TINY = [
     "checkpoint.every=3",
     "samples.max_new_tokens=0",
 ]
+
+
+# What a run prints, line by line (README, "What a run prints"): the recipe's own lines, its end summary,
+# progress bars (one terminal line holds a bar's every update, "\r"-separated) and blank lines.
+TOOLKIT_LINE = re.compile(
+    r"\[(pretrain|finetune|export)\] .*"                       # the recipe's log lines
+    r"|error: .*"                                                # a user error, one line
+    r"|[a-z][a-z ]{11}: .*"                                      # the summary: 'final model : runs/ft/final'
+    r"|(held-out|-{10}|loss|perplexity) {2,}\S.*"                # the fine-tune's before/after table
+)
+PROGRESS_BAR = re.compile(r"([^:]{1,60}: *)?\d+%\|[^|]*\| .*")
+
+
+def foreign_lines(output: str) -> list[str]:
+    """The lines of a launch's stdout + stderr that are none of the toolkit's shapes: another library's
+    warnings, logs or prints, which the run should not produce."""
+    foreign = []
+    for line in output.splitlines():
+        parts = [p for p in line.split("\r") if p.strip()]
+        if not parts or all(PROGRESS_BAR.fullmatch(p) for p in parts):
+            continue
+        last = parts[-1]  # a line may start after a bar's last update, without a newline between them
+        if not (TOOLKIT_LINE.fullmatch(last) and all(PROGRESS_BAR.fullmatch(p) for p in parts[:-1])):
+            foreign.append(last[:300])
+    return foreign

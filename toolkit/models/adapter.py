@@ -12,6 +12,7 @@ there is none the recipe stops with a message; it never trains in full precision
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -66,6 +67,18 @@ def check_qlora_device(cfg: AdapterConfig) -> None:
         )
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UserError("adapter.method=qlora needs bitsandbytes; pip install bitsandbytes")
+
+
+def leave_out_bitsandbytes() -> None:
+    """Mark bitsandbytes absent for this process: for a run that does not load a 4-bit base.
+
+    peft imports bitsandbytes whenever it is installed (peft/helpers.py), and transformers' schedules
+    import peft; bitsandbytes 0.50 then logs "Failed to load CPU gemm_4bit_forward from
+    kernels-community" on each rank of a run that never calls it. A `None` in sys.modules is Python's
+    own "not installed": peft and transformers take it so. Call it before anything imports peft.
+    """
+    if "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None
 
 
 def quantization_config(cfg: AdapterConfig):

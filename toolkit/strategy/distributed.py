@@ -13,8 +13,8 @@ silently trains unsharded or unsynchronised:
   losses diverge). So with no GPU we force `cpu=True`, and name gloo (`cpu=True` alone picks
   MPI when torch was built with it).
 - DeepSpeed: `cpu=True` makes Accelerate drop DeepSpeed altogether, and without a backend it
-  reports a single process. So on CPU we leave `cpu` off, pass gloo, and select DeepSpeed's
-  CPU accelerator (DS_ACCELERATOR=cpu) before DeepSpeed is imported.
+  reports a single process. So on CPU we leave `cpu` off, pass gloo, and DeepSpeed runs on its
+  CPU accelerator (DS_ACCELERATOR=cpu, set when the toolkit is imported, before DeepSpeed is).
 - FSDP: Accelerate applies FSDP only on GPU-like devices; on CPU the config would do nothing.
   torch's FSDP2 `fully_shard` does shard and train on CPU over gloo, so after creating the
   Accelerator on CPU we set its distributed type to FSDP and give it the plugin from the
@@ -131,6 +131,8 @@ def check_deepspeed_config() -> dict | None:
             f"the accelerate config asks for DeepSpeed, but it cannot be imported ({exc}); "
             "install it with pip install 'llm-toolkit[deepspeed]' or launch with accelerate_configs/ddp.yaml"
         ) from None
+    if not has_gpu():
+        skip_shared_memory_kernel()
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not path or path == "none":
         return None  # stage etc. given inline in the accelerate config
@@ -141,6 +143,20 @@ def check_deepspeed_config() -> dict | None:
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
     return ds
+
+
+def skip_shared_memory_kernel() -> None:
+    """DeepSpeed's process group on CPU builds and loads a shared-memory all-reduce kernel and prints
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank. Only its
+    inference all-reduce (DeepSpeed-Inference, AutoTP) calls the kernel, and falls back to the process
+    group's all_reduce without it; training never does. Marked incompatible (DeepSpeed's own table of
+    the ops this machine can build), it is neither built nor loaded."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if isinstance(compatible, dict):
+        compatible[ShareMemCommBuilder.NAME] = False
 
 
 _LIVE_UNTIL_EXIT: list = []
@@ -232,7 +248,6 @@ def build_accelerator(
     kwargs: dict = {}
     if not has_gpu():
         if strategy == "deepspeed":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         else:
             kwargs["cpu"] = True
@@ -842,6 +857,7 @@ class Strategy:
     pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
     sequence: SequenceParallel | None = None  # sequences split over groups of ranks (parallelism_config_sp_size)
     optimizer: torch.optim.Optimizer | None = None  # a pipeline's: its stage's state is saved by each stage
+    notes: list[str] = dataclasses.field(default_factory=list)  # for the recipe's log, once the model is split
 
     @classmethod
     def launch(
@@ -974,7 +990,7 @@ class Strategy:
             model = split(model, self.tp, self.world_size // self.tp, attn_implementation)
             self.ep = expert_ranks(model)
             whole = model.tp_whole_between_layers
-            self.print(f"tensor_parallel={self.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
+            self.notes.append(f"tensor_parallel={self.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
                        "between layers" if whole is None else f"hidden states whole between layers ({whole})"))
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)

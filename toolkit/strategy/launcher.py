@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # returns as if all went well (exit 0); it must raise for the ranks' codes to be read
     accelerate_launch.is_rich_available = lambda: False
     os.environ[LAUNCHER_PID] = str(os.getpid())  # a rank's parent: how it knows it was not orphaned while starting
+    accelerate_launch.deepspeed_launcher = _with_launch_environment(accelerate_launch.deepspeed_launcher)
     stop = StopForwarder()
     held = HeldLog(logging.getLogger(ELASTIC_LOGGER))
     try:
@@ -92,6 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.finished = True
     return 0
+
+
+def _with_launch_environment(deepspeed_launcher):
+    """accelerate's DeepSpeed launcher, with what its DDP and FSDP launchers set and it does not.
+
+    They pass --num_cpu_threads_per_process (default: OMP_NUM_THREADS, else 1) on to the ranks as
+    OMP_NUM_THREADS; the DeepSpeed one does not, and torchrun then sets 1 itself under a 4-line
+    warning box. (DeepSpeed's import here, for its launcher's constants, finds DS_ACCELERATOR set by
+    the toolkit's import on a machine without a GPU, and logs no guess.)"""
+
+    def launch(args):
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.num_cpu_threads_per_process or 1))
+        return deepspeed_launcher(args)
+
+    return launch
 
 
 def missing_file(args) -> str | None:

@@ -40,7 +40,9 @@ of the 2-D DTensors) and final/ (gathered whole) follow the FSDP2 contract.
 
 from __future__ import annotations
 
+import logging
 import re
+import warnings
 
 import torch
 from transformers import PretrainedConfig
@@ -197,6 +199,13 @@ def split(model: torch.nn.Module, tp: int, dp: int = 1, attn_implementation: str
     else:
         model = _split_by_plan(model, tp, dp, partial, tied)
     model.tp_whole_between_layers = whole
+    # The head's output is its DTensor's local tensor, a view (torch's to_local), and the FSDP2 root
+    # (FSDPLlamaForCausalLM, say) warns that an in-place op on it would skip the backward's all-gather;
+    # the loss only reads it.
+    warnings.filterwarnings(
+        "ignore", message=rf"FSDP2-wrapped module \({re.escape(type(model).__name__)}\) returned a view tensor",
+        category=UserWarning,
+    )
     return model
 
 
@@ -220,6 +229,15 @@ def _split_by_plan(model, tp: int, dp: int, partial: list[str], tied: bool) -> t
     return model
 
 
+def _mergeable_or_other(record: logging.LogRecord) -> bool:
+    """False for torch's note that a redistribution over both mesh axes takes one collective per axis
+    where no flattened mesh could merge them (axes in descending order, as when a weight sharded by FSDP2
+    and by tp is gathered whole for saving; or a size the axes do not divide): nothing to change. The
+    note that asks for a flattened mesh still shows."""
+    return not (str(record.msg).startswith("While redistributing from")
+                and "flatten mesh dimensions" not in str(record.args[-1] if record.args else ""))
+
+
 def _split_sequence(model, tp: int, dp: int, layout: dict, partial: list[str], tied: bool) -> torch.nn.Module:
     """torch's parallelize_module with Megatron's sequence-parallel `layout` over the tp axis, then
     FSDP2 over the dp axis, each decoder layer its own unit."""
@@ -229,6 +247,10 @@ def _split_sequence(model, tp: int, dp: int, layout: dict, partial: list[str], t
 
     device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    # a DTensor placed on both axes (the gradient norm, a weight gathered whole) then moves in one
+    # collective over the flattened mesh, not one per axis (torch logs each such pair as suboptimal)
+    mesh._flatten("dp_tp")
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_mergeable_or_other)
     parallelize_module(model, mesh["tp"], layout)
     if tied:
         model.tie_weights()  # both halves cut by vocabulary (Shard(0)): one weight again, before FSDP2 sees it

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from transformers import get_scheduler
 
 from toolkit.config import field
 
@@ -88,6 +87,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
     """transformers' schedules: cosine decays to min_lr_ratio x peak, linear to 0."""
     name = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}[cfg.schedule]
     extra = {"min_lr_rate": cfg.min_lr_ratio} if cfg.schedule == "cosine" else None
+    # imported here: transformers.optimization imports peft, and peft bitsandbytes, which a run marks
+    # absent first when it does not use it (toolkit.models.adapter.leave_out_bitsandbytes)
+    from transformers import get_scheduler
+
     return get_scheduler(
         name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max_steps, scheduler_specific_kwargs=extra
     )

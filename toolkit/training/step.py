@@ -68,6 +68,10 @@ def optimizer_step(
                 if accelerator.sync_gradients:
                     (loss_bad,) = _any_nonfinite(accelerator, loss_sum + router_sum)
                     nonfinite = engine_step_unless_nonfinite(engine, loss_bad)
+                    if nonfinite is None:
+                        # Accelerate's DeepSpeed optimizer does nothing here (the engine stepped), but a
+                        # schedule built on it learns that the optimizer stepped before it is stepped
+                        optimizer.step()
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
                 continue
             accelerator.backward(micro_loss)

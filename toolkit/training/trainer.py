@@ -367,6 +367,8 @@ class Trainer:
             raise UserError("model.loss=chunked is not supported with tensor parallel (parallelism_config_tp_size) "
                             "yet; use model.loss=full")
         model = self.strategy.apply_model_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
+        for line in self.strategy.notes:
+            self.print(line)
         if self.strategy.ep > 1:  # the first line is logged before the model is known: say it again, whole
             self.print(self.strategy.describe())
         self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(

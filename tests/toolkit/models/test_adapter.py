@@ -204,3 +204,38 @@ def test_lora_on_a_mixture_of_experts_takes_its_experts_and_refuses_dropout_in_o
     router.start()
     model(input_ids=torch.arange(16).reshape(2, 8), use_cache=False)
     assert torch.isfinite(router.loss())
+
+
+def test_a_run_without_a_4bit_base_never_imports_bitsandbytes(tmp_path):
+    """peft imports bitsandbytes whenever it is installed (and transformers' schedules import peft);
+    bitsandbytes 0.50 then prints "Failed to load CPU gemm_4bit_forward …" on a machine without the
+    `kernels` package. A stand-in that records its import: after leave_out_bitsandbytes(), a LoRA, its
+    save and load, and a schedule never touch it, and peft and transformers see it as not installed."""
+    import os
+    import subprocess
+    import sys
+
+    imported = tmp_path / "imported"
+    package = tmp_path / "site" / "bitsandbytes"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"open({str(imported)!r}, 'w').close()\n")
+    code = f"""
+from toolkit.models.adapter import AdapterConfig, apply_adapter, leave_out_bitsandbytes, load_with_adapter
+leave_out_bitsandbytes()
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from toolkit.training.optim import OptimConfig, build_scheduler
+from peft.import_utils import is_bnb_available
+from transformers.utils import is_bitsandbytes_available
+config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=64)
+model, _ = apply_adapter(LlamaForCausalLM(config), AdapterConfig(r=2))
+model.save_pretrained({str(tmp_path / 'adapter')!r})
+load_with_adapter(LlamaForCausalLM(config), {str(tmp_path / 'adapter')!r})
+build_scheduler(torch.optim.AdamW(model.parameters()), OptimConfig(), 10)
+assert not is_bnb_available() and not is_bitsandbytes_available()
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package.parent), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not imported.exists()
