@@ -43,6 +43,7 @@ from toolkit.data.corpus import read_utf8
 from toolkit.export import destination
 from toolkit.export.consolidate import adapter_base, load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder
+from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
 
 FORMATS = ("hf", "gguf", "int8", "int4")
@@ -124,6 +125,7 @@ def check_args(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    leave_out_bitsandbytes()  # an export never loads a 4-bit base; a LoRA merge imports peft, which imports it
     try:
         args = parse_args(argv)
         output = check_args(args)
