@@ -43,8 +43,8 @@ from toolkit.data.corpus import read_utf8
 from toolkit.export import destination
 from toolkit.export.consolidate import adapter_base, load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder
-from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
+from toolkit.models.adapter import leave_out_bitsandbytes
 
 FORMATS = ("hf", "gguf", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
