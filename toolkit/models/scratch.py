@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -76,8 +76,11 @@ def meta_model(cfg: ModelConfig, vocab_size: int | None = None) -> torch.nn.Modu
     """The architecture without memory (meta device), to check layer names and sizes before any work;
     `vocab_size` where model.config does not set one (the tokenizer's)."""
     sizes = dict(cfg.config) if vocab_size is None else {"vocab_size": vocab_size, **cfg.config}
+    config = AutoConfig.for_model(cfg.model_type, **sizes)
+    # the class itself, not from_config: under a ZeRO-3 launch from_config partitions the model with
+    # deepspeed.zero.Init and then initialises its weights, which a meta tensor cannot be copied from
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.model_type, **sizes))
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
 
 
 def describe_sizes(cfg: ModelConfig, config: PretrainedConfig) -> str:
