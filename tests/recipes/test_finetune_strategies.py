@@ -13,6 +13,7 @@ import pytest
 import torch
 from recipe_runner import FT_TINY, run_recipe
 from safetensors.torch import load_file
+from same_training import assert_same_weights, lr_sum
 
 from toolkit.training.metrics import read_metrics
 
@@ -63,18 +64,21 @@ def test_lora_under_sharding_matches_one_process(strategy, lora_reference, tiny_
                accelerate_config=f"{strategy}.yaml")
     expected, got = train_losses(reference), train_losses(out)
     assert len(got) == len(expected) == 4
+    # rel 1e-4, same_training.py's derivation at this run's sizes: N = 16384 trainable weights (LoRA r=8),
+    # K = 1024 tokens a step, sum(lr) = 6.3e-3 over 3 steps, grad_norm <= 0.54, loss ~6: 3 steps x N x
+    # 8 u sqrt(K) x 0.8 = 0.6 sign-unsure weights (4 more for the tail), each moving the loss by
+    # 2 sum(lr) x grad_norm / sqrt(N): 2 x 6.3e-3 x 4.6 x 0.54 / 128 / 6 = 4e-5 of it, within 1e-4
     for step, (a, b) in enumerate(zip(expected, got, strict=True), 1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: 1 process {a}, {strategy} {b}"
     for phase, loss in evals(reference).items():
         assert abs(evals(out)[phase] - loss) <= 1e-4 * loss, phase
-    # the adapter written from sharded weights equals the 1-process one (by norm: Adam amplifies
-    # the reduction-order noise of 2 ranks in individual elements)
+    # the adapter written from sharded weights equals the 1-process one within what the steps' rounding
+    # allows (same_training.py; K = the 1024 tokens a step sums, longer than the 512-token vocabulary).
+    # Each of its 28 tensors has ~585 weights, so ~4 may flip: a strategy that moves every weight by
+    # the peak lr 3e-3 is 3.8x past the bound, while DDP, ZeRO-3 and FSDP2 measured within 4e-5 of it
     ref = load_file(reference / "adapter" / "adapter_model.safetensors")
     mine = load_file(out / "adapter" / "adapter_model.safetensors")
-    assert set(ref) == set(mine)
-    diff = torch.sqrt(sum(((ref[k] - mine[k]) ** 2).sum() for k in ref))
-    norm = torch.sqrt(sum((ref[k] ** 2).sum() for k in ref))
-    assert diff <= 1e-3 * norm, f"adapter differs by {diff / norm:.2e} of its norm"
+    assert_same_weights(mine, ref, lr_sum(reference), steps=4, longest_sum=1024, what=(strategy,))
 
 
 def test_full_finetune_resumes_from_a_checkpoint(tiny_base, data_cache, tmp_path):
