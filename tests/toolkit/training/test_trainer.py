@@ -286,7 +286,7 @@ if stop.training:
         if stop.requested:
             print("flag", flush=True)
             break
-    sys.stdin.readline()  # wait for the second Ctrl-C (a checkpoint being saved)
+    time.sleep(60)  # a checkpoint being saved, until the second Ctrl-C (not stdin: its EOF would end the child)
 else:  # a rank waiting in C++ (a rendezvous): Python runs no handler until the wait ends
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
     store.get("a key no one sets")
