@@ -46,11 +46,12 @@ from toolkit.models.adapter import (
     merge,
     quantization_config,
 )
-from toolkit.models.base_model import load_base_model
+from toolkit.models.base_model import load_base_model, meta_base
 from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import max_positions
 from toolkit.strategy.distributed import exit_process
+from toolkit.strategy.memory import check_base_fits, check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import FinetuneConfig
 from toolkit.training.samples import generate, write_samples
@@ -68,6 +69,14 @@ class FinetuneRecipe:
             leave_out_bitsandbytes()
         self.trainer = trainer = Trainer("finetune", cfg)
         strategy = trainer.strategy
+
+        # A base this machine cannot hold, or train, is refused before it is loaded: loading it is
+        # what the kernel's OOM killer would stop.
+        sized = meta_base(cfg.model) if cfg.adapter.method != "qlora" else None  # QLoRA loads 4-bit on the GPU
+        if sized is not None:
+            check_base_fits(*sized, strategy, f"model.path={cfg.model.path}")
+            if cfg.adapter.method == "full":  # every weight trains: gradients and AdamW state too
+                check_fits(sized[0], strategy, f"model.path={cfg.model.path}")
 
         # Base model: whole on every rank (the strategy shards it at prepare). The main process
         # goes first so that a GGUF is parsed once and the other ranks read its cached copy.

@@ -138,3 +138,25 @@ def test_streaming_is_refused_for_fine_tuning(finetune, capsys, tmp_path):
     err = one_error(finetune, capsys, tmp_path, "data.streaming=true")
     assert err == ("error: data.streaming=true is for pretraining (recipes/pretrain.py); fine-tuning prepares its "
                    "corpus ahead: drop data.streaming")
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_base_model_the_machine_cannot_hold_or_train_is_refused_before_it_is_loaded(method, finetune, capsys,
+                                                                                     tmp_path):
+    """A folder with only a config.json: the refusal comes from the config alone, before any weight is read
+    (loading would fail on the missing weights instead). LoRA keeps the base as it loads: 40x the free
+    memory in fp32 weights is refused; a full fine-tune also trains gradients and AdamW state (16 bytes a
+    weight in fp32): a base of 1/2 the free memory in weights loads, and is refused for training."""
+    import psutil
+    from transformers import LlamaConfig
+
+    free = psutil.virtual_memory().available
+    per_layer, ends = 4 * 4096**2 + 3 * 4096 * 11008, 2 * 32000 * 4096  # LLaMA-2-7B's widths
+    weights = 40 * free if method == "lora" else free // 2
+    layers = max(1, round((weights / 4 - ends) / per_layer))
+    LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
+                vocab_size=32000).save_pretrained(tmp_path / "big")
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tmp_path / 'big'}", f"adapter.method={method}")
+    assert err.startswith(f"error: model.path={tmp_path / 'big'} has ")
+    says = "loads it whole" if method == "lora" else "gradients and AdamW state"
+    assert says in err and "GB available" in err, err

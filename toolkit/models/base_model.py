@@ -37,7 +37,7 @@ from typing import Literal
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config import UserError, cache_dir, field
 from toolkit.data.tokenizer import local_files_only, offline_hint
@@ -187,6 +187,23 @@ def resolve_gguf(cfg: BaseModelConfig) -> Path | None:
             "give a .gguf file, or leave gguf_file empty to load model.path as a Hugging Face folder"
         )
     return found
+
+
+def meta_base(cfg: BaseModelConfig) -> tuple[torch.nn.Module, int] | None:
+    """The base model's architecture on the meta device, from its config.json alone, and the bytes
+    one weight takes as it loads; None for a GGUF (sized by its file) or a config that cannot be read
+    now (the load then says why)."""
+    if not cfg.path or cfg.gguf_file or Path(cfg.path).expanduser().is_file():
+        return None
+    try:
+        config = AutoConfig.from_pretrained(cfg.path, local_files_only=local_files_only(cfg.path))
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (OSError, ValueError, KeyError):
+        return None
+    dtype = DTYPES.get(cfg.dtype) or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):  # the class itself: see toolkit.models.scratch.meta_model
+        return model_class(config).to(dtype), dtype.itemsize
 
 
 def make_ordinary(model: torch.nn.Module) -> list[str]:

@@ -885,5 +885,24 @@ def check_fits(model: torch.nn.Module, strategy, what: str) -> None:
     )
 
 
+def check_base_fits(model: torch.nn.Module, bytes_per_param: int, strategy, what: str) -> None:
+    """Refuse, before it is loaded, a base model that this node cannot hold whole once per process: every
+    rank loads it whole (Strategy.outside_training) before the strategy shards it. `model` is on the meta
+    device; a weight takes `bytes_per_param` as it loads."""
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    n = sum(p.numel() for p in model.parameters())
+    free = psutil.virtual_memory().available
+    if n * bytes_per_param * local <= free:
+        return
+    raise UserError(
+        f"{what} has {_count(n)} parameters: each of the {local} process(es) on this machine loads it whole "
+        f"({n * bytes_per_param / 1e9:.0f} GB) before {strategy.name} shards it, and this machine has "
+        f"{free / 1e9:.0f} GB available; pick a smaller base model, model.dtype=bfloat16, or fewer processes "
+        "per machine (see python recipes/plan.py)"
+    )
+
+
 def _count(n: int) -> str:
     return next((f"{n / 10**e:.1f}{u}" for e, u in ((12, "T"), (9, "B"), (6, "M")) if n >= 10**e), f"{n:,}")
