@@ -242,5 +242,12 @@ def test_final_folder_has_one_dtype_and_the_same_tensors_under_every_strategy(bf
         ratio = float(sum(((tensors[k] - ref[k]) ** 2).sum() for k in ref).sqrt() / moved)
         print(f"final/ under {strategy}: distance to DDP's = {ratio:.4f} x the distance DDP's moved from the init")
         assert ratio < 0.15, (strategy, ratio)
-    # within one family the numerics are the same: ZeRO-2 and ZeRO-3 agree to fp32 rounding
-    assert max((weights["zero2"][k] - weights["zero3"][k]).abs().max().item() for k in ref) < 1e-5
+    # Within one family the numerics are the same. ZeRO-2 and ZeRO-3 both reduce bf16 gradients of 2
+    # ranks (a 2-term sum is the same in either order) into fp32 masters; only the gradient norm is summed
+    # over other partitions, off by ~8 u sqrt(N) of itself (u = 2^-24), and a clip coefficient off by that
+    # much scales g, m and sqrt(v) alike, which Adam's update cancels but for eps: each step is then off by
+    # at most lr * 8 u sqrt(N). Measured: 0 apart (bit-equal).
+    apart = max((weights["zero2"][k] - weights["zero3"][k]).abs().max().item() for k in ref)
+    n = sum(t.numel() for t in ref.values())
+    print(f"final/ under zero2 and zero3: at most {apart:.3g} apart")
+    assert apart <= lr_sum(bf16_finals["zero2"].parent) * 8 * 2.0**-24 * n**0.5
