@@ -20,28 +20,22 @@ Nothing else in the toolkit spells these names or parses `step-N`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
-import struct
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.config import UserError
+from toolkit.run_lock import HELD, LOCK_FILE, OwnerLock, in_use
 
 STATE_FILE = "trainer_state.json"
 PRUNED = ".deleting"  # step-N.deleting: out of rotation, on its way out (a crash may leave it)
 CONVERTED = ".converted"  # step-N.converted: step-N's state by parameter name, for another strategy
 MODEL_FILES = "model_files"  # config, tokenizer (and a LoRA's adapter config) beside the weights
-LOCK_FILE = ".run.lock"  # the owner's lock; neither the run's entry nor a foreign one
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # the longest path a run writes below output_dir, with room to spare (a DeepSpeed shard of a
 # checkpoint with a 9-digit step: checkpoints/step-N.converted/pytorch_model/zero_pp_rank_…)
@@ -254,16 +248,16 @@ class RunDir:
         that a rank of a second launch refuses too instead of waiting for its main process.
         """
         if main:
-            if self.root.absolute() not in _HELD:  # a second Trainer of this process: already its owner
-                _HELD[self.root.absolute()] = _OwnerLock.take(self.root, launch)
+            if self.root.absolute() not in HELD:  # a second Trainer of this process: already its owner
+                HELD[self.root.absolute()] = OwnerLock.take(self.root, launch)
             return
-        holder = _OwnerLock.holder(self.root)
+        holder = OwnerLock.holder(self.root)
         if holder is not None and holder.get("launch") != launch:
-            raise UserError(_in_use(self.root, holder))
+            raise UserError(in_use(self.root, holder))
 
     def release(self) -> None:
         """Give the folder up (the run is over, or was refused); a no-op where it holds no lock."""
-        lock = _HELD.pop(self.root.absolute(), None)
+        lock = HELD.pop(self.root.absolute(), None)
         if lock is not None:
             lock.release()
 
@@ -392,104 +386,7 @@ def _cut(text: str, keep: int = 60) -> str:
     return text if len(text) <= keep else f"{text[: keep // 2]}…{text[-keep // 2 :]}"
 
 
-def _in_use(root: Path, holder: dict) -> str:
-    who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started {holder.get('started', '?')}"
-    return f"output_dir={root} is in use by another run ({who}); wait for it or choose another output_dir"
-
-
-# struct flock on Linux LP64: l_type, l_whence, l_start, l_len, l_pid (and padding)
-_FLOCK = "hhqqi4x"
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
-
-
-class _OwnerLock:
-    """The lock file of a run folder, locked by its owner (see RunDir.claim)."""
-
-    def __init__(self, fd: int | None, path: Path, made: list[Path]):
-        self.fd, self.path, self.made = fd, path, made
-
-    @classmethod
-    def take(cls, root: Path, launch: str) -> _OwnerLock:
-        made = [p for p in (root, *root.parents) if not p.exists()]  # deepest first, removed if left empty
-        root.mkdir(parents=True, exist_ok=True)
-        path = root / LOCK_FILE
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, 0, 0, 0, 0))
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno in (errno.EAGAIN, errno.EACCES):  # the owner may not have written its record yet
-                    raise UserError(_in_use(root, cls.holder(root) or {})) from None
-                if exc.errno in _NO_LOCKS:  # a filesystem without locks: no owner can be kept
-                    return cls(None, path, made)
-                raise
-            # the previous owner deletes the file as it releases it: lock the file that is there now
-            if _same_file(fd, path):
-                break
-            os.close(fd)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "launch": launch}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        return cls(fd, path, made)
-
-    @staticmethod
-    def holder(root: Path, wait_s: float = 5.0) -> dict | None:
-        """Who holds the folder's lock (its record), or None when nobody does."""
-        path = root / LOCK_FILE
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                return None
-            try:
-                probe = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, 0, 0, 0, 0))
-                if struct.unpack(_FLOCK, probe)[0] == fcntl.F_UNLCK:
-                    return None
-                record = _record(fd)
-            except OSError as exc:
-                if exc.errno in _NO_LOCKS:
-                    return None
-                raise
-            finally:
-                os.close(fd)
-            # the owner writes its record right after locking: an empty one is being written
-            if record or time.monotonic() > deadline:
-                return record
-            time.sleep(0.05)
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        # deleted while still locked, so that no one takes the lock of a file that is gone
-        self.path.unlink(missing_ok=True)
-        os.close(self.fd)
-        self.fd = None
-        with contextlib.suppress(OSError):  # not empty: the run wrote there, keep it
-            for folder in self.made:
-                folder.rmdir()
-
-
-_HELD: dict[Path, _OwnerLock] = {}
-
-
 def release_all() -> None:
     """Give up every run folder this process holds (its run is over, whichever way it ended)."""
-    for root in list(_HELD):
+    for root in list(HELD):
         RunDir(root).release()
-
-
-def _record(fd: int) -> dict:
-    try:
-        return json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except (ValueError, OSError):
-        return {}
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False

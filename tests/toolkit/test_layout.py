@@ -1,6 +1,7 @@
 """The architecture, checked: imports point down the layers, and strategy facts live in one package.
 
     config, run_dir      contracts: validated config, the run folder and its TrainerState
+    run_lock             the run folder's one owner
     manifest, faults     a checkpoint's checksums; the kill and write-failure points tests plant
     data                 corpus, tokenizer, packing, chat, batch schedule
     models               build from scratch, load a base, adapters, loss, gradient checkpointing
@@ -18,7 +19,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"config", "run_dir", "manifest", "faults"}, {"data"}, {"models"}, {"strategy"}, {"export"}, {"training"}]
+LAYERS = [{"config", "run_dir", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"strategy"}, {"export"}, {"training"}]
 
 
 def layer(module: str) -> int:
