@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from recipe_runner import recipe_module
 from transformers import AutoModelForCausalLM
 
 from toolkit.config import load_config
@@ -20,14 +24,35 @@ ROOT = Path(__file__).resolve().parents[2]
 STRATEGIES = sorted(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml") if not p.stem.startswith("multinode"))
 
 
-def plan(*args: str) -> subprocess.CompletedProcess:
+def plan_command(*args: str) -> subprocess.CompletedProcess:
+    """`python recipes/plan.py ARGS` as a user types it."""
     return subprocess.run(
         [sys.executable, "recipes/plan.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
 
 
+def plan(*args: str) -> subprocess.CompletedProcess:
+    """What plan_command gives, from recipes/plan.py's main in this process: each Python start costs ~6 s
+    of imports, the table itself a fraction of a second (the first test runs the command itself)."""
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the configs are named relative to the repository, as in the command
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = PLAN.main(list(args))
+            except SystemExit as exc:  # argparse's own refusals
+                code = exc.code
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(["recipes/plan.py", *args], code, out.getvalue(), err.getvalue())
+
+
+PLAN = recipe_module("plan")
+
+
 def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
-    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB", "--json")
+    proc = plan_command("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert sorted({r["strategy"] for r in rows}) == sorted([*STRATEGIES, "pipeline"])
@@ -44,7 +69,7 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     ddp_32 = next(r for r in rows if (r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]) == ("ddp", "none", 32))
     assert not ddp_32["fits"] and ddp_32["peak_bytes"] > 80e9
 
-    text = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB")
+    text = plan_command("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB")
     assert text.returncode == 0, text.stderr
     line = text.stdout.strip().splitlines()[-1]
     assert line.startswith("accelerate launch --config_file accelerate_configs/") and "--num_processes 8" in line
