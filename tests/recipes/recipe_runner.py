@@ -37,6 +37,9 @@ TINY = [
     "checkpoint.every=3",
     "samples.max_new_tokens=0",
 ]
+# 6 steps of TINY (checkpoints and evaluations at 3 and 6) with full gradient checkpointing: the strategy
+# matrix's run (conftest.strategy_runs), whose outputs the pretraining, strategy and export tests all read
+MATRIX_RUN = [*TINY, "train.max_steps=6", "model.gradient_checkpointing=full"]
 
 
 def run_recipe(

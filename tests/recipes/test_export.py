@@ -13,7 +13,7 @@ from pathlib import Path
 import installed
 import pytest
 import torch
-from recipe_runner import FT_TINY, TINY, recipe_module, run_recipe
+from recipe_runner import FT_TINY, recipe_module, run_recipe
 from transformers import AutoModelForCausalLM
 
 from toolkit.export.consolidate import load_model, resolve_source
@@ -28,13 +28,9 @@ def export():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache) -> dict:
-    root = tmp_path_factory.mktemp("export-runs")
-    for strategy in STRATEGIES:
-        run_recipe("pretrain", [*TINY, "train.max_steps=3", "checkpoint.every=3", "eval.every=0",
-                                f"output_dir={root / strategy}"], nproc=2, cache=data_cache,
-                   accelerate_config=f"{strategy}.yaml")
-    return {s: root / s for s in STRATEGIES}
+def runs(strategy_runs) -> dict:
+    """The strategy matrix's runs (conftest.strategy_runs): 6 steps on 2 processes, checkpoints at 3 and 6."""
+    return {s: strategy_runs(s)[0] for s in STRATEGIES}
 
 
 def logits(model, seed: int = 0) -> torch.Tensor:
@@ -46,10 +42,10 @@ def logits(model, seed: int = 0) -> torch.Tensor:
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_checkpoint_consolidates_to_the_model_it_saved(strategy, runs):
-    source = resolve_source(runs[strategy], "step-3")
-    assert source.kind == KIND[strategy] and source.step == 3
+    source = resolve_source(runs[strategy], "step-6")
+    assert source.kind == KIND[strategy] and source.step == 6
     model, tokenizer, _ = load_model(source)
-    live = AutoModelForCausalLM.from_pretrained(runs[strategy] / "final")  # gathered from the live model at step 3
+    live = AutoModelForCausalLM.from_pretrained(runs[strategy] / "final")  # gathered from the live model at step 6
     torch.testing.assert_close(logits(model), logits(live), atol=1e-5, rtol=0)
     assert tokenizer("def f(x):")["input_ids"] == source_tokenizer(runs[strategy])("def f(x):")["input_ids"]
 
@@ -63,13 +59,13 @@ def source_tokenizer(run):
 @pytest.mark.distributed
 def test_hf_export_of_a_zero3_checkpoint(export, runs, tmp_path, capsys):
     out = tmp_path / "z3-hf"
-    code = export.main(["--from", str(runs["zero3"]), "--checkpoint", "step-3", "--format", "hf", "--dtype", "bf16",
+    code = export.main(["--from", str(runs["zero3"]), "--checkpoint", "step-6", "--format", "hf", "--dtype", "bf16",
                         "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     model = AutoModelForCausalLM.from_pretrained(out)
     assert next(model.parameters()).dtype == torch.bfloat16
     card = (out / "README.md").read_text()
-    assert "DeepSpeed ZeRO checkpoint" in card and "| step | 3 |" in card and "| dtype | bf16 |" in card
+    assert "DeepSpeed ZeRO checkpoint" in card and "| step | 6 |" in card and "| dtype | bf16 |" in card
     report = (out / "export_report.md").read_text()
     assert "held-out perplexity (export)" in report and "tokens/s" in report
 

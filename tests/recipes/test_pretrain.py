@@ -1,11 +1,15 @@
-"""The pretraining recipe, launched for real: DDP parity, outputs that load, resume."""
+"""The pretraining recipe, launched for real: DDP parity, outputs that load, resume.
+
+The DDP run and its one-process reference are the strategy matrix's (conftest.strategy_runs, one_process_run).
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
-from recipe_runner import TINY, run_recipe
+from recipe_runner import MATRIX_RUN, TINY, run_recipe
 from safetensors.torch import load_file
 from same_training import assert_same_weights, lr_sum
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -14,32 +18,25 @@ from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 
-STEPS = ["train.max_steps=6"]
-
 
 def losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, data_cache):
-    out = tmp_path_factory.mktemp("ddp") / "run"
-    proc = run_recipe(
-        "pretrain", [*TINY, *STEPS, f"output_dir={out}", "logging.trackers=[tensorboard]"], nproc=2, cache=data_cache
-    )
-    return out, proc
+def ddp_run(strategy_runs):
+    """The strategy matrix's DDP run (conftest.strategy_runs: MATRIX_RUN, 2 processes), shared with test_strategies.py."""
+    return strategy_runs("ddp")
 
 
 @pytest.fixture(scope="module")
-def single_run(tmp_path_factory, data_cache):
-    out = tmp_path_factory.mktemp("single") / "run"
-    run_recipe("pretrain", [*TINY, *STEPS, f"output_dir={out}"], nproc=1, cache=data_cache)
-    return out
+def single_run(one_process_run):
+    return one_process_run
 
 
 def test_ddp_matches_one_process_on_the_same_global_batch(ddp_run, single_run):
-    ddp, proc = ddp_run
-    assert "strategy=DDP world_size=2 backend=gloo" in proc.stdout + proc.stderr
+    ddp, log = ddp_run
+    assert "strategy=DDP world_size=2 backend=gloo" in log
     ref, got = losses(single_run), losses(ddp)
     assert sorted(got) == list(range(1, 7))
     for step in ref:
@@ -75,18 +72,14 @@ def test_final_folder_loads_and_generates(ddp_run):
     assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
     assert all(r["eval_ppl"] > 1 for r in rows if "eval_ppl" in r)
     assert (out / "loss.png").stat().st_size > 1000
-    assert list((out / "tensorboard").rglob("events.out.tfevents.*")), "no tensorboard events written"
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-3", "step-6"]
 
 
 def test_resume_from_checkpoint_continues_at_the_right_step(ddp_run, tmp_path, data_cache):
     straight, _ = ddp_run
     out = tmp_path / "resumed"
-    proc = run_recipe(
-        "pretrain",
-        [*TINY, *STEPS, f"output_dir={out}", f"resume={straight / 'checkpoints' / 'step-3'}"],
-        nproc=2, cache=data_cache,
-    )
+    proc = run_recipe("pretrain", [*MATRIX_RUN, f"output_dir={out}", f"resume={straight / 'checkpoints' / 'step-3'}"],
+                      nproc=2, cache=data_cache)
     assert "at step 3" in proc.stdout + proc.stderr
     resumed, ref = losses(out), losses(straight)
     assert sorted(resumed) == [4, 5, 6]
@@ -96,9 +89,10 @@ def test_resume_from_checkpoint_continues_at_the_right_step(ddp_run, tmp_path, d
     assert state["step"] == 6 and state["tokens_seen"] > 0
 
 
-def test_resume_auto_extends_a_finished_run(ddp_run, data_cache):
-    out, _ = ddp_run
-    run_recipe("pretrain", [*TINY, "train.max_steps=8", f"output_dir={out}", "resume=auto"], nproc=2, cache=data_cache)
+def test_resume_auto_extends_a_finished_run(ddp_run, data_cache, tmp_path):
+    out = shutil.copytree(ddp_run[0], tmp_path / "run")  # the shared run stays as it ended
+    run_recipe("pretrain", [*MATRIX_RUN, "train.max_steps=8", f"output_dir={out}", "resume=auto"], nproc=2,
+               cache=data_cache)
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, 9))  # 1-6 kept from the first run, 7-8 appended once
     # keep_last=2: step-3 was pruned once step-8 completed

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
-from recipe_runner import ROOT, TINY, run_recipe
+from recipe_runner import MATRIX_RUN, ROOT, TINY, run_recipe
 from safetensors.torch import load_file
 from same_training import assert_same_weights, lr_sum
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,8 +33,7 @@ pytestmark = pytest.mark.distributed
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 VOCAB = 512  # TINY's
 SHARDED = {"fsdp", "zero3"}
-REFERENCE = [*TINY, "train.max_steps=6"]
-RUN = [*REFERENCE, "model.gradient_checkpointing=full"]
+RUN = MATRIX_RUN  # conftest.strategy_runs launches it once per strategy; one_process_run is its reference
 BANNER = {
     "ddp": "strategy=DDP world_size=2",
     "fsdp": "strategy=FSDP2 world_size=2",
@@ -48,32 +47,10 @@ def losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_cache):
-    out = tmp_path_factory.mktemp("reference") / "run"
-    run_recipe("pretrain", [*REFERENCE, f"output_dir={out}"], nproc=1, cache=data_cache)
-    return out
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache):
-    """Launch each strategy once and share the run between the tests below."""
-    done = {}
-
-    def get(strategy: str):
-        if strategy not in done:
-            out = tmp_path_factory.mktemp(strategy) / "run"
-            proc = run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=2, cache=data_cache,
-                              accelerate_config=f"{strategy}.yaml")
-            done[strategy] = (out, proc.stdout + proc.stderr)
-        return done[strategy]
-
-    return get
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_loss_curve_and_weights_match_one_process(strategy, runs, reference):
-    out, log = runs(strategy)
+def test_loss_curve_and_weights_match_one_process(strategy, strategy_runs, one_process_run):
+    reference = one_process_run
+    out, log = strategy_runs(strategy)
     assert BANNER[strategy] in log, "the run did not use the strategy its config file names"
     assert "gradient checkpointing full" in log
     ref, got = losses(reference), losses(out)
@@ -95,11 +72,11 @@ def test_loss_curve_and_weights_match_one_process(strategy, runs, reference):
 
 
 @pytest.mark.parametrize("strategy", sorted(SHARDED))
-def test_chunked_loss_gives_the_default_curve(strategy, runs, tmp_path, data_cache):
+def test_chunked_loss_gives_the_default_curve(strategy, strategy_runs, tmp_path, data_cache):
     """model.loss=chunked where the output head's weight is sharded: the loss is computed inside the
     head's forward, while ZeRO-3/FSDP2 hold it gathered. Same training and held-out losses as the
     default run; 50-token chunks do not divide a micro-batch's 128 tokens."""
-    default, _ = runs(strategy)
+    default, _ = strategy_runs(strategy)
     out = tmp_path / "chunked"
     run_recipe("pretrain", [*RUN, "model.loss=chunked", "model.loss_chunk_tokens=50", f"output_dir={out}"],
                nproc=2, cache=data_cache, accelerate_config=f"{strategy}.yaml")
@@ -117,9 +94,9 @@ def test_chunked_loss_gives_the_default_curve(strategy, runs, tmp_path, data_cac
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_consolidated_final_model_reproduces_the_live_model(strategy, runs, data_cache, monkeypatch):
+def test_consolidated_final_model_reproduces_the_live_model(strategy, strategy_runs, data_cache, monkeypatch):
     """The held-out loss the sharded live model measured at the end is what the saved folder gives."""
-    out, _ = runs(strategy)
+    out, _ = strategy_runs(strategy)
     live = [r for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r][-1]
     assert live["step"] == 6
     monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
@@ -145,12 +122,12 @@ KILLS = {
 
 
 @pytest.mark.parametrize("strategy", sorted(KILLS))
-def test_hard_kills_come_back_bit_exact_by_elastic_restarts(strategy, runs, tmp_path, data_cache):
+def test_hard_kills_come_back_bit_exact_by_elastic_restarts(strategy, strategy_runs, tmp_path, data_cache):
     """The soak harness (bench/kill_soak.py) in its small deterministic form: one launch with
     `--max_restarts`, resume=auto, three SIGKILLs of one rank. torchrun restarts the ranks after
     each, they resume from the newest complete checkpoint (never a partial one), and the run ends
     with the uninterrupted run's losses and final weights, bit for bit, nothing lost."""
-    reference, _ = runs(strategy)
+    reference, _ = strategy_runs(strategy)
     overrides = [*RUN, *kill_soak.SAVES, "resume=auto", "train.collective_timeout_s=120"]
     out, log = tmp_path / "run", tmp_path / "kills.log"
     proc = kill_soak.launch(strategy, out, overrides, data_cache, KILLS[strategy], log, restarts=3)
@@ -165,8 +142,8 @@ def test_hard_kills_come_back_bit_exact_by_elastic_restarts(strategy, runs, tmp_
 
 
 @pytest.mark.parametrize("strategy", ["zero1"])  # the other strategies: the hard-kill test above
-def test_resume_is_bit_exact(strategy, runs, tmp_path, data_cache):
-    straight, _ = runs(strategy)
+def test_resume_is_bit_exact(strategy, strategy_runs, tmp_path, data_cache):
+    straight, _ = strategy_runs(strategy)
     out = tmp_path / "resumed"
     proc = run_recipe("pretrain", [*RUN, f"output_dir={out}", f"resume={straight / 'checkpoints' / 'step-3'}"],
                       nproc=2, cache=data_cache, accelerate_config=f"{strategy}.yaml")
@@ -177,12 +154,12 @@ def test_resume_is_bit_exact(strategy, runs, tmp_path, data_cache):
         assert got[step] == ref[step], (strategy, step)
 
 
-def test_zero3_offload_path_runs_on_cpu(tmp_path, data_cache, reference):
+def test_zero3_offload_path_runs_on_cpu(tmp_path, data_cache, one_process_run):
     out = tmp_path / "offload"
     proc = run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=2, cache=data_cache,
                       accelerate_config="zero3_offload.yaml")
     assert "strategy=DeepSpeed ZeRO-3 (offload optimizer+param)" in proc.stdout + proc.stderr
-    ref, got = losses(reference), losses(out)
+    ref, got = losses(one_process_run), losses(out)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
