@@ -316,6 +316,10 @@ def _source(function) -> str:
     (4, {"DP_SHARD": 1, "TP": 2}, "must equal the 4 processes launched; set parallelism_config_dp_shard_size to 2"),
     (2, {"DP_SHARD": 1, "SP": 4}, "parallelism_config_sp_size=4 must equal the 2 processes launched; launch a multiple of 4"),
     (4, {"DP_SHARD": 2, "SP": 2, "CP": 2}, "parallelism_config_cp_size=2 with parallelism_config_sp_size=2 is not supported yet"),
+    # the launches tests/recipes once refused these with (tests/README.md)
+    (2, {"DP_SHARD": 1, "TP": 2, "SP": 2}, "parallelism_config_tp_size=2 with parallelism_config_sp_size=2 is not supported yet"),
+    (2, {"DP_SHARD": 1, "CP": 2, "TP": 2}, "parallelism_config_cp_size=2 with parallelism_config_tp_size=2 is not supported yet"),
+    (2, {"DP_SHARD": 1, "CP": 3}, "parallelism_config_dp_shard_size=1 x parallelism_config_cp_size=3 must equal the 2 processes"),
 ])
 def test_a_parallelism_config_that_does_not_fill_the_launch_says_how_to_fix_it(monkeypatch, world, sizes, says):
     from toolkit.config import UserError
