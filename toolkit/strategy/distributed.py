@@ -877,6 +877,8 @@ class Strategy:
             )
         if accelerator.device.type == "cpu":
             keep_freed_memory()
+            if sp > 1:  # Ulysses starts DeepSpeed's comm under FSDP2 too: a minute's kernel build on a new machine
+                skip_shared_memory_kernel()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
         context = ContextParallel(cp, accelerator.device) if cp > 1 else None
         sequence = SequenceParallel(sp, accelerator.device) if sp > 1 else None
