@@ -6,6 +6,7 @@ small enough that every test file runs in seconds on a 2-core CPU.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import datasets
@@ -14,6 +15,20 @@ import pytest
 import torch
 
 TINY_VOCAB = 300
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # tests/run.sh runs two workers on a 2-core machine: one thread each, not two fighting for both cores
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's `--dist loadgroup` (tests/run.sh), every multi-process test runs on one worker,
+    one after another, while the other worker runs the one-process tests: two launches at once would put
+    four ranks on two cores, under collective timeouts of seconds. Launches of one session also share
+    runs (tests/recipes/conftest.py) only within a worker."""
+    for item in items:
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
 
 # Sizes per model_type for `tiny_model`: hidden 64, 4 heads, fp32.
 _DECODER = dict(

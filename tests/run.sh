@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash recipes/install.sh
 PY=${PYTHON:-python3}
-"$PY" -m pytest "$@"
+# Two workers (pytest-xdist): the multi-process tests one after another on one, the rest on the other
+# (tests/conftest.py); `-n 0` after it runs everything in this process.
+"$PY" -m pytest -n 2 --dist loadgroup "$@"

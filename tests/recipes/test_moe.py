@@ -1,7 +1,7 @@
 """A mixture of experts (Qwen3-MoE: 4 experts, 2 per token) pretrained under the existing strategies:
 the loss and the routers' load-balancing loss logged, the router loss in the objective, and the
 same curves as one process under DDP, ZeRO-3 and FSDP2 on 2 processes (fp32, accumulation 2,
-full gradient checkpointing), with a checkpoint resumed bit for bit; under tensor parallel
+full gradient checkpointing), with a ZeRO-3 checkpoint resumed bit for bit; under tensor parallel
 (fsdp_tp.yaml) its experts spread over the tp ranks (expert parallel), with the same curves too."""
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def test_a_moe_model_gives_the_same_curves_under_each_strategy(strategy, referen
     for step in ref:
         assert got[step][0] == pytest.approx(ref[step][0], rel=1e-4), ("loss", strategy, step)
         assert got[step][1] == pytest.approx(ref[step][1], rel=1e-4), ("router loss", strategy, step)
+    if strategy != "zero3":  # a resume is each strategy's (test_strategies.py); ZeRO-3 holds the experts sharded
+        return
     resumed = tmp_path / "resumed"
     run_recipe("pretrain", [*MOE, "model.gradient_checkpointing=full", f"output_dir={resumed}",
                             f"resume={out / 'checkpoints' / 'step-3'}"], nproc=2, cache=data_cache,
