@@ -167,14 +167,20 @@ def linear_cross_entropy_sum(
     return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk_tokens, needs)
 
 
-def output_head(model: torch.nn.Module) -> torch.nn.Module:
-    """The output projection of a (possibly DDP/DeepSpeed-wrapped, compiled or peft) causal LM."""
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside DDP/DeepSpeed wrappers, torch.compile's and peft's."""
     inner = model
     while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DeepSpeed's engine
         inner = inner.module
     inner = getattr(inner, "_orig_mod", inner)  # torch.compile's wrapper
     if hasattr(inner, "get_base_model"):  # peft
         inner = inner.get_base_model()
+    return inner
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The output projection of a (possibly DDP/DeepSpeed-wrapped, compiled or peft) causal LM."""
+    inner = unwrapped(model)
     name = type(inner).__name__
     cap = getattr(getattr(inner, "config", None), "final_logit_softcapping", None)
     if cap:
