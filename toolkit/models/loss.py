@@ -69,10 +69,11 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
     # No KV cache: training never reads one, and with one transformers stops reading document
     # boundaries from position ids (flex_attention would then let documents see each other).
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")} | {"use_cache": False}
-    if chunk_tokens <= 0:
-        return target_loss_sum(model(**inputs).logits, targets)
-    with loss_in_head(model, targets, chunk_tokens) as returned:
-        loss = model(**inputs).logits
+    with static_flex_on_cpu(model, targets.device):
+        if chunk_tokens <= 0:
+            return target_loss_sum(model(**inputs).logits, targets)
+        with loss_in_head(model, targets, chunk_tokens) as returned:
+            loss = model(**inputs).logits
     if len(returned) != 1 or loss.dim() != 0:
         raise RuntimeError(
             f"model.loss=chunked: {type(model).__name__}'s forward called its output head {len(returned)} times "
@@ -167,14 +168,37 @@ def linear_cross_entropy_sum(
     return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk_tokens, needs)
 
 
-def output_head(model: torch.nn.Module) -> torch.nn.Module:
-    """The output projection of a (possibly DDP/DeepSpeed-wrapped, compiled or peft) causal LM."""
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside DDP/DeepSpeed wrappers, torch.compile's and peft's."""
     inner = model
     while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DeepSpeed's engine
         inner = inner.module
     inner = getattr(inner, "_orig_mod", inner)  # torch.compile's wrapper
     if hasattr(inner, "get_base_model"):  # peft
         inner = inner.get_base_model()
+    return inner
+
+
+def static_flex_on_cpu(model: torch.nn.Module, device: torch.device):
+    """Where `model` runs flex_attention on CPU: no automatic dynamic shapes while it compiles.
+
+    transformers compiles flex_attention with torch.compile's default (dynamic=None), so a forward at a
+    second shape (an evaluation's short last batch, a shorter sequence) recompiles it with symbolic
+    sizes, and inductor's CPU flex template then writes C++ that does not build (torch 2.13:
+    "'cur_qSplitSize2' was not declared"). Which size changes trip it depends on the mask
+    transformers composes (5.23: the batch alone or the length alone; 5.24: both at once), so no
+    transformers version is safe. Static, each new shape compiles a kernel of its own (past dynamo's
+    recompile limit, flex_attention runs uncompiled). GPUs (Triton) keep the default.
+    """
+    attention = getattr(getattr(unwrapped(model), "config", None), "_attn_implementation", None)
+    if device.type == "cpu" and attention == "flex_attention":
+        return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+    return contextlib.nullcontext()
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The output projection of a (possibly DDP/DeepSpeed-wrapped, compiled or peft) causal LM."""
+    inner = unwrapped(model)
     name = type(inner).__name__
     cap = getattr(getattr(inner, "config", None), "final_logit_softcapping", None)
     if cap:

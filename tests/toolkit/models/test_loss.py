@@ -428,3 +428,22 @@ def test_flex_attention_loss_equals_the_masked_sdpa_loss(setup, make_model, chun
         model.set_attn_implementation("flex_attention")
         flex = forward_loss_sum(model, flex_batch, chunk_tokens)
     torch.testing.assert_close(flex, masked, rtol=1e-5, atol=0)
+
+
+def test_flex_attention_compiles_again_at_other_shapes(setup, make_model):
+    """An evaluation's short last batch, or a shorter sequence, compiles flex_attention again. On CPU a
+    recompile with symbolic sizes writes C++ that does not build (torch 2.13); these shapes trip it
+    under transformers 5.23 (the length alone changes) and 5.24 (the rows and the length both), unless
+    forward_loss_sum compiles each shape statically. Dynamo forgets earlier tests' compiles first: they
+    would decide which of these shapes are new."""
+    torch._dynamo.reset()
+    masked_model, flex_model = make_model().eval(), make_model().eval()
+    flex_model.set_attn_implementation("flex_attention")
+    full = setup["full"]
+    for rows, length in [(8, SEQ_LEN), (8, SEQ_LEN // 2), (5, 3 * SEQ_LEN // 4)]:
+        flex_batch = {k: v[:rows, :length] for k, v in full.items() if k != "attention_mask"}
+        mask = full["attention_mask"][:rows, :, :length, :length]
+        with torch.no_grad():
+            masked = forward_loss_sum(masked_model, flex_batch | {"attention_mask": mask})
+            flex = forward_loss_sum(flex_model, flex_batch)
+        torch.testing.assert_close(flex, masked, rtol=1e-5, atol=0)
