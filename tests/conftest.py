@@ -21,6 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's `--dist loadgroup` (tests/run.sh), every multi-process test runs on one worker,
     one after another, while the other worker runs the one-process tests: two launches at once would put
