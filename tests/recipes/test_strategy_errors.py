@@ -66,18 +66,6 @@ def test_micro_batch_that_contradicts_the_recipe(tmp_path, data_cache):
     assert "train_micro_batch_size_per_gpu=4 but the recipe has 2 (train.micro_batch_size)" in err
 
 
-def test_zero_stage_out_of_range(tmp_path, data_cache):
-    ds = zero2_with()
-    ds["zero_optimization"]["stage"] = 4
-    err = launch_error(tmp_path, data_cache, accelerate_config(tmp_path, ds))
-    assert "zero_optimization.stage=4; DeepSpeed ZeRO stages are 0, 1, 2 or 3" in err
-
-
-def test_deepspeed_json_that_does_not_parse(tmp_path, data_cache):
-    err = launch_error(tmp_path, data_cache, accelerate_config(tmp_path, '{\n  "train_batch_size": "auto",\n  oops\n}'))
-    assert "is not valid JSON" in err and "line 3, column 3" in err
-
-
 def test_fsdp_layer_class_the_model_does_not_have(tmp_path, data_cache):
     err = launch_error(tmp_path, data_cache, accelerate_config(tmp_path, fsdp_layer="GPT2Block"))
     assert "wraps GPT2Block, which this LlamaForCausalLM does not have" in err and "LlamaDecoderLayer" in err

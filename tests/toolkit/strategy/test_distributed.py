@@ -363,3 +363,21 @@ def test_a_pipeline_the_launch_cannot_hold_is_refused_before_any_process_group(s
     assert says in str(raised.value)
     check_pipeline_launch(2, 4, 1, "bf16")  # 2 replicas x 2 stages
     check_pipeline_launch(1, 3, 2, "fp16")  # no pipeline: nothing to check
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('{"zero_optimization": {"stage": 4}}', "zero_optimization.stage=4; DeepSpeed ZeRO stages are 0, 1, 2 or 3"),
+    ('{\n  "train_batch_size": "auto",\n  oops\n}', "line 3, column 3"),
+])
+def test_a_deepspeed_json_that_cannot_work_is_one_line(monkeypatch, tmp_path, text, says):
+    """What a launch under such an accelerate config reads first (tests/recipes/test_strategy_errors.py
+    launches one, whose micro-batch contradicts the recipe's)."""
+    from toolkit.config import UserError
+    from toolkit.strategy.distributed import check_deepspeed_config
+
+    (tmp_path / "ds.json").write_text(text)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    with pytest.raises(UserError) as raised:
+        check_deepspeed_config()
+    assert says in str(raised.value)
