@@ -7,4 +7,4 @@ bash recipes/install.sh
 PY=${PYTHON:-python3}
 # Two workers (pytest-xdist): the multi-process tests one after another on one, the rest on the other
 # (tests/conftest.py); `-n 0` after it runs everything in this process.
-"$PY" -m pytest -n 2 --dist loadgroup "$@"
+LLM_TOOLKIT_TESTS_GROUPED=1 "$PY" -m pytest -n 2 --dist loadgroup "$@"
