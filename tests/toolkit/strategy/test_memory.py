@@ -70,8 +70,9 @@ def probe_model(config_class=LlamaConfig) -> torch.nn.Module:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("nproc", [2, 3])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(("strategy", "nproc"), [
+    (s, n) for s in STRATEGIES for n in (2, 3) if (s, n) != ("ddp", 3)  # DDP replicates: 3 ranks hold what 2 do
+])
 def test_model_state_per_rank_equals_the_live_tensors(sharding_probe, strategy, nproc):
     measured = sharding_probe(strategy, nproc)
     run = Run(read_strategy(ROOT / f"accelerate_configs/{strategy}.yaml", 128), nproc, 2, 32, precision="fp32")
