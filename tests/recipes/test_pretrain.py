@@ -29,15 +29,10 @@ def ddp_run(strategy_runs):
     return strategy_runs("ddp")
 
 
-@pytest.fixture(scope="module")
-def single_run(one_process_run):
-    return one_process_run
-
-
-def test_ddp_matches_one_process_on_the_same_global_batch(ddp_run, single_run):
+def test_ddp_matches_one_process_on_the_same_global_batch(ddp_run, one_process_run):
     ddp, log = ddp_run
     assert "strategy=DDP world_size=2 backend=gloo" in log
-    ref, got = losses(single_run), losses(ddp)
+    ref, got = losses(one_process_run), losses(ddp)
     assert sorted(got) == list(range(1, 7))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
@@ -49,8 +44,8 @@ def test_ddp_matches_one_process_on_the_same_global_batch(ddp_run, single_run):
     # Adam divides by sqrt(v): coordinates with near-zero gradients turn last-bit differences in
     # the all-reduce order into lr-sized steps, so weights agree within what same_training.py derives
     a = load_file(ddp / "final" / "model.safetensors")
-    b = load_file(single_run / "final" / "model.safetensors")
-    assert_same_weights(a, b, lr_sum(single_run), steps=6, longest_sum=512)  # TINY's vocabulary
+    b = load_file(one_process_run / "final" / "model.safetensors")
+    assert_same_weights(a, b, lr_sum(one_process_run), steps=6, longest_sum=512)  # TINY's vocabulary
 
 
 def test_final_folder_loads_and_generates(ddp_run):

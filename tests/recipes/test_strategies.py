@@ -33,7 +33,6 @@ pytestmark = pytest.mark.distributed
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 VOCAB = 512  # TINY's
 SHARDED = {"fsdp", "zero3"}
-RUN = MATRIX_RUN  # conftest.strategy_runs launches it once per strategy; one_process_run is its reference
 BANNER = {
     "ddp": "strategy=DDP world_size=2",
     "fsdp": "strategy=FSDP2 world_size=2",
@@ -78,7 +77,7 @@ def test_chunked_loss_gives_the_default_curve(strategy, strategy_runs, tmp_path,
     default run; 50-token chunks do not divide a micro-batch's 128 tokens."""
     default, _ = strategy_runs(strategy)
     out = tmp_path / "chunked"
-    run_recipe("pretrain", [*RUN, "model.loss=chunked", "model.loss_chunk_tokens=50", f"output_dir={out}"],
+    run_recipe("pretrain", [*MATRIX_RUN, "model.loss=chunked", "model.loss_chunk_tokens=50", f"output_dir={out}"],
                nproc=2, cache=data_cache, accelerate_config=f"{strategy}.yaml")
     ref, got = losses(default), losses(out)
     assert sorted(got) == sorted(ref) == list(range(1, 7))
@@ -100,7 +99,7 @@ def test_consolidated_final_model_reproduces_the_live_model(strategy, strategy_r
     live = [r for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r][-1]
     assert live["step"] == 6
     monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
-    cfg = load_config(PretrainConfig, "recipes/configs/pretrain_tiny.yaml", RUN)
+    cfg = load_config(PretrainConfig, "recipes/configs/pretrain_tiny.yaml", MATRIX_RUN)
     corpus, source = load_corpus(cfg.data)
     _, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
@@ -128,7 +127,7 @@ def test_hard_kills_come_back_bit_exact_by_elastic_restarts(strategy, strategy_r
     each, they resume from the newest complete checkpoint (never a partial one), and the run ends
     with the uninterrupted run's losses and final weights, bit for bit, nothing lost."""
     reference, _ = strategy_runs(strategy)
-    overrides = [*RUN, *kill_soak.SAVES, "resume=auto", "train.collective_timeout_s=120"]
+    overrides = [*MATRIX_RUN, *kill_soak.SAVES, "resume=auto", "train.collective_timeout_s=120"]
     out, log = tmp_path / "run", tmp_path / "kills.log"
     proc = kill_soak.launch(strategy, out, overrides, data_cache, KILLS[strategy], log, restarts=3)
     output = proc.stdout + proc.stderr
@@ -145,7 +144,7 @@ def test_hard_kills_come_back_bit_exact_by_elastic_restarts(strategy, strategy_r
 def test_resume_is_bit_exact(strategy, strategy_runs, tmp_path, data_cache):
     straight, _ = strategy_runs(strategy)
     out = tmp_path / "resumed"
-    proc = run_recipe("pretrain", [*RUN, f"output_dir={out}", f"resume={straight / 'checkpoints' / 'step-3'}"],
+    proc = run_recipe("pretrain", [*MATRIX_RUN, f"output_dir={out}", f"resume={straight / 'checkpoints' / 'step-3'}"],
                       nproc=2, cache=data_cache, accelerate_config=f"{strategy}.yaml")
     assert "resumed from" in proc.stdout + proc.stderr
     ref, got = losses(straight), losses(out)
@@ -156,7 +155,7 @@ def test_resume_is_bit_exact(strategy, strategy_runs, tmp_path, data_cache):
 
 def test_zero3_offload_path_runs_on_cpu(tmp_path, data_cache, one_process_run):
     out = tmp_path / "offload"
-    proc = run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=2, cache=data_cache,
+    proc = run_recipe("pretrain", [*MATRIX_RUN, f"output_dir={out}"], nproc=2, cache=data_cache,
                       accelerate_config="zero3_offload.yaml")
     assert "strategy=DeepSpeed ZeRO-3 (offload optimizer+param)" in proc.stdout + proc.stderr
     ref, got = losses(one_process_run), losses(out)
