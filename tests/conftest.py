@@ -21,23 +21,32 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# The multi-process tests run in two lanes, one per pytest-xdist worker (tests/run.sh), side by side: a launch
+# spends much of its time waiting (gloo, a checkpoint's barrier, a timeout being tested), which the other lane
+# fills. This lane holds the tests that read the session's shared runs (tests/recipes/conftest.py, shared
+# within a worker only) and every SmolLM2 launch: two of those at once were killed for memory.
+SHARED_RUNS_LANE = {
+    "tests/recipes/test_export.py", "tests/recipes/test_pretrain.py", "tests/recipes/test_shipped.py",
+    "tests/recipes/test_strategies.py", "tests/recipes/test_finetune_strategies.py",
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's `--dist loadgroup` (tests/run.sh), every multi-process test runs on one worker,
-    one after another, while the other worker runs the one-process tests: two launches at once would put
-    four ranks on two cores, under collective timeouts of seconds. Launches of one session also share
-    runs (tests/recipes/conftest.py) only within a worker."""
+    """Under `--dist loadgroup` each lane is one unit of work: its launches run one after another on one
+    worker, and the one-process tests fill both workers once a lane is done."""
     for item in items:
         if item.get_closest_marker("distributed"):
-            item.add_marker(pytest.mark.xdist_group("distributed"))
+            shared = item.nodeid.split("::")[0] in SHARED_RUNS_LANE
+            item.add_marker(pytest.mark.xdist_group("shared-runs" if shared else "launches"))
 
 
 def pytest_runtest_setup(item):
-    # xdist marks a grouped test by its node id; a multi-process test without the mark would run beside
-    # another on the other worker (two SmolLM2 launches at once were killed for memory)
+    # xdist marks a grouped test by its node id; a multi-process test without the mark could run beside two
+    # others, or beside a SmolLM2 launch
     grouped = os.environ.get("LLM_TOOLKIT_TESTS_GROUPED") and os.environ.get("PYTEST_XDIST_WORKER")  # tests/run.sh
-    if grouped and item.get_closest_marker("distributed") and not item.nodeid.endswith("@distributed"):
-        pytest.fail("pytest-xdist did not keep the multi-process tests on one worker (pytest 9.2 with xdist 3.8 "
+    if grouped and item.get_closest_marker("distributed") and not item.nodeid.endswith(("@shared-runs", "@launches")):
+        pytest.fail("pytest-xdist did not keep the multi-process tests in their lanes (pytest 9.2 with xdist 3.8 "
                     "ignores groups): pip install 'pytest<9.2', or run with -n 0", pytrace=False)
 
 # Sizes per model_type for `tiny_model`: hidden 64, 4 heads, fp32.
