@@ -6,6 +6,7 @@ small enough that every test file runs in seconds on a 2-core CPU.
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -21,33 +22,41 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-# The multi-process tests run in two lanes, one per pytest-xdist worker (tests/run.sh), side by side: a launch
-# spends much of its time waiting (gloo, a checkpoint's barrier, a timeout being tested), which the other lane
-# fills. This lane holds the tests that read the session's shared runs (tests/recipes/conftest.py, shared
-# within a worker only) and every SmolLM2 launch: two of those at once were killed for memory.
-SHARED_RUNS_LANE = {
-    "tests/recipes/test_export.py", "tests/recipes/test_pretrain.py", "tests/recipes/test_shipped.py",
-    "tests/recipes/test_strategies.py", "tests/recipes/test_finetune_strategies.py",
+# tests/run.sh runs two pytest-xdist workers with `--dist loadgroup`: each group below is one unit of work,
+# given whole to whichever worker is free. A test file is a group (its module fixtures are built once), and
+# files that read one session fixture's launches share a group: a worker shares a session fixture only with
+# itself. "shared-runs" (tests/recipes/conftest.py) also keeps the SmolLM2 launches of test_shipped.py one
+# after another: two at once were killed for memory.
+SHARED = {
+    "shared-runs": {"tests/recipes/test_export.py", "tests/recipes/test_pretrain.py", "tests/recipes/test_shipped.py",
+                    "tests/recipes/test_strategies.py", "tests/recipes/test_finetune_strategies.py"},
+    "sharding-probes": {"tests/toolkit/strategy/test_memory.py", "tests/toolkit/strategy/test_sharding.py"},
 }
+
+
+def _group(item) -> str:
+    path = item.nodeid.split("::")[0]
+    return next((name for name, files in SHARED.items() if path in files), path)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadgroup` each lane is one unit of work: its launches run one after another on one
-    worker, and the one-process tests fill both workers once a lane is done."""
+    """Groups, and the order they are handed out in (run.sh keeps it: --no-loadscope-reorder): the groups
+    that start processes first, the most launches first, so that the one-process files fill both workers at
+    the end instead of one worker finishing a long group alone."""
+    launches = collections.Counter(_group(item) for item in items if item.get_closest_marker("distributed"))
     for item in items:
-        if item.get_closest_marker("distributed"):
-            shared = item.nodeid.split("::")[0] in SHARED_RUNS_LANE
-            item.add_marker(pytest.mark.xdist_group("shared-runs" if shared else "launches"))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=lambda item: (_group(item) != "shared-runs", -launches[_group(item)]))
 
 
 def pytest_runtest_setup(item):
-    # xdist marks a grouped test by its node id; a multi-process test without the mark could run beside two
-    # others, or beside a SmolLM2 launch
+    # xdist appends "@group" to a grouped test's node id; a multi-process test without it could run beside a
+    # SmolLM2 launch, or with a fixture of its file built a second time on the other worker
     grouped = os.environ.get("LLM_TOOLKIT_TESTS_GROUPED") and os.environ.get("PYTEST_XDIST_WORKER")  # tests/run.sh
-    if grouped and item.get_closest_marker("distributed") and not item.nodeid.endswith(("@shared-runs", "@launches")):
-        pytest.fail("pytest-xdist did not keep the multi-process tests in their lanes (pytest 9.2 with xdist 3.8 "
-                    "ignores groups): pip install 'pytest<9.2', or run with -n 0", pytrace=False)
+    if grouped and item.get_closest_marker("distributed") and not item.nodeid.rfind("@") > item.nodeid.rfind("]"):
+        pytest.fail("pytest-xdist did not keep the tests in their groups (pytest 9.2 with xdist 3.8 ignores "
+                    "them): pip install 'pytest<9.2', or run with -n 0", pytrace=False)
 
 # Sizes per model_type for `tiny_model`: hidden 64, 4 heads, fp32.
 _DECODER = dict(

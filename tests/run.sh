@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash recipes/install.sh
 PY=${PYTHON:-python3}
-# Two workers (pytest-xdist): the multi-process tests one after another on one, the rest on the other
+# Two workers (pytest-xdist), each taking a whole test file at a time, the files that launch processes first
 # (tests/conftest.py); `-n 0` after it runs everything in this process.
-LLM_TOOLKIT_TESTS_GROUPED=1 "$PY" -m pytest -n 2 --dist loadgroup "$@"
+LLM_TOOLKIT_TESTS_GROUPED=1 "$PY" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder "$@"

@@ -126,6 +126,8 @@ def test_sigterm_stops_after_a_checkpoint_with_code_3_and_resume_continues(tmp_p
     saved = [p.name for p in (out / "checkpoints").iterdir()]
     assert len(saved) == 1 and (out / "checkpoints" / saved[0] / "trainer_state.json").is_file()
     stopped_at = int(saved[0].split("-")[1])
+    if sig == "SIGINT":
+        return  # what it saved is what SIGTERM's stop saves (one handler): resumed once, below
 
     resumed = launch(wrapper("ddp.yaml", [f"train.max_steps={stopped_at + 2}", "eval.every=0", f"output_dir={out}",
                                           "resume=auto"], data_cache), data_cache)

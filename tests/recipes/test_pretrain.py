@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from same_training import assert_same_weights, lr_sum
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.run_dir import RunDir
 from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
@@ -94,7 +95,7 @@ def test_resume_auto_extends_a_finished_run(ddp_run, data_cache, tmp_path):
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-6", "step-8"]
 
 
-def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, data_cache):
+def test_a_stop_signal_to_accelerate_launch_saves_a_complete_checkpoint(tmp_path, data_cache):
     """Cluster preemption (SIGTERM to the launcher, as SLURM sends it): nothing trained is lost."""
     import os
     import signal
@@ -128,9 +129,6 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, data_ca
     assert "stopped by a signal at step" in stderr and "continue with resume=auto" in stderr, stderr[-3000:]
     saved = [p.name for p in (out / "checkpoints").iterdir()]
     assert len(saved) == 1 and (out / "checkpoints" / saved[0] / "trainer_state.json").is_file()
-    stopped_at = int(saved[0].split("-")[1])
-    assert stopped_at >= 3
-
-    run_recipe("pretrain", [*TINY, f"train.max_steps={stopped_at + 2}", f"output_dir={out}", "resume=auto",
-                            "eval.every=0"], nproc=2, cache=data_cache)
-    assert sorted(losses(out)) == list(range(1, stopped_at + 3))
+    assert [p.name for p in RunDir(out).complete_checkpoints()] == saved
+    assert int(saved[0].split("-")[1]) >= 3
+    # the same checkpoint resumed: test_launch_wrapper.py's SIGTERM case (recipes/launch.sh, the same trainer)

@@ -71,7 +71,9 @@ def probe_model(config_class=LlamaConfig) -> torch.nn.Module:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(("strategy", "nproc"), [
-    (s, n) for s in STRATEGIES for n in (2, 3) if (s, n) != ("ddp", 3)  # DDP replicates: 3 ranks hold what 2 do
+    # DDP replicates: 3 ranks hold what 2 do. ZeRO-1 partitions its optimizer state as ZeRO-2 does (one
+    # DeepSpeed optimizer for both stages): zero2 at 3 checks the padding of an odd partition for both.
+    (s, n) for s in STRATEGIES for n in (2, 3) if (s, n) not in {("ddp", 3), ("zero1", 3)}
 ])
 def test_model_state_per_rank_equals_the_live_tensors(sharding_probe, strategy, nproc):
     measured = sharding_probe(strategy, nproc)
