@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from toolkit.config import load_config
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.packing import packed_dataset
+from toolkit.run_dir import RunDir
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import read_metrics
 from toolkit.training.recipe_config import PretrainConfig
@@ -164,14 +165,14 @@ def test_zero3_offload_path_runs_on_cpu(tmp_path, data_cache, one_process_run):
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
 
 
-def test_fsdp_final_evaluation_after_a_checkpoint_at_the_last_step(tmp_path, data_cache):
+def test_fsdp_final_evaluation_after_a_checkpoint_at_the_last_step(strategy_runs):
     """Regression: under FSDP2, an evaluation forward between save_state and gathering the final
-    model left storage that could not be freed; the final evaluation now precedes the checkpoint."""
-    out = tmp_path / "fsdp-last"
-    run_recipe("pretrain", [*TINY, "train.max_steps=3", "checkpoint.every=3", "eval.every=0",
-                            f"output_dir={out}"], nproc=2, cache=data_cache, accelerate_config="fsdp.yaml")
+    model left storage that could not be freed; the final evaluation now precedes the checkpoint.
+    The matrix's FSDP2 run is that case: a checkpoint and an evaluation at its last step (6)."""
+    out, _ = strategy_runs("fsdp")
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows if "eval_loss" in r] == [3]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
+    assert "step-6" in [p.name for p in RunDir(out).complete_checkpoints()]
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
 
 
