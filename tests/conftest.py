@@ -14,6 +14,7 @@ import datasets
 import installed
 import pytest
 import torch
+from recipe_runner import CHATML, MATRIX_RUN, TINY, run_recipe
 
 TINY_VOCAB = 300
 
@@ -25,12 +26,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # tests/run.sh runs two pytest-xdist workers with `--dist loadgroup`: each group below is one unit of work,
 # given whole to whichever worker is free. A test file is a group (its module fixtures are built once), and
 # files that read one session fixture's launches share a group: a worker shares a session fixture only with
-# itself. "shared-runs" (tests/recipes/conftest.py) also keeps the SmolLM2 launches of test_shipped.py one
-# after another: two at once were killed for memory.
+# itself. "shared-runs" (`strategy_runs` below, and the sharding probes of tests/toolkit/strategy) also keeps
+# the SmolLM2 launches of test_shipped.py one after another: two at once were killed for memory.
 SHARED = {
     "shared-runs": {"tests/recipes/test_export.py", "tests/recipes/test_pretrain.py", "tests/recipes/test_shipped.py",
-                    "tests/recipes/test_strategies.py", "tests/recipes/test_finetune_strategies.py"},
-    "sharding-probes": {"tests/toolkit/strategy/test_memory.py", "tests/toolkit/strategy/test_sharding.py"},
+                    "tests/recipes/test_strategies.py", "tests/recipes/test_finetune_strategies.py",
+                    "tests/toolkit/strategy/test_memory.py", "tests/toolkit/strategy/test_sharding.py"},
 }
 
 
@@ -121,6 +122,60 @@ def tiny_model():
     """Factory: `tiny_model("llama", seed=0, tokenizer=tok, num_hidden_layers=4, ...)`.
 
     A fixture rather than an import: `from conftest import ...` is ambiguous once
-    tests/recipes/conftest.py is loaded too.
+    tests/toolkit/strategy/conftest.py is loaded too.
     """
     return build_tiny_model
+
+
+# --- runs of the recipes, shared by the tests that read them (tests/recipes, and the sharding tests) ---
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenizer/packing cache for the session: later runs read it, as a user's second run does."""
+    return tmp_path_factory.mktemp("toolkit-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory, data_cache) -> Path:
+    """A pretrained tiny LLaMA: the final/ folder of a short pretraining run (the fine-tunes' base)."""
+    out = tmp_path_factory.mktemp("tiny-base") / "run"
+    run_recipe("pretrain", [*TINY, "train.max_steps=4", "checkpoint.every=0", f"output_dir={out}"], nproc=1, cache=data_cache)
+    return out / "final"
+
+
+@pytest.fixture(scope="session")
+def chatml_file(tmp_path_factory) -> Path:
+    """A ChatML template for tokenizers that have none (the tiny model's BPE)."""
+    path = tmp_path_factory.mktemp("templates") / "chatml.jinja"
+    path.write_text(CHATML)
+    return path
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory, data_cache) -> Path:
+    """6 steps of TINY on one process (checkpoints and evaluations at 3 and 6): what every 2-process
+    pretraining run of the same 6 steps must equal, whatever its strategy or model-parallel layout."""
+    out = tmp_path_factory.mktemp("one-process") / "run"
+    run_recipe("pretrain", [*TINY, "train.max_steps=6", f"output_dir={out}"], nproc=1, cache=data_cache)
+    return out
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(tmp_path_factory, data_cache):
+    """strategy_runs(strategy) -> (run folder, what it printed): MATRIX_RUN on 2 processes under
+    accelerate_configs/{strategy}.yaml, launched once for the whole session, on first use.
+
+    Many tests read one run (each launch costs ~8 s of imports and start-up for a second of training);
+    none may change it: a test that resumes or damages a run works on a copy."""
+    done = {}
+
+    def get(strategy: str) -> tuple[Path, str]:
+        if strategy not in done:
+            out = tmp_path_factory.mktemp(f"matrix-{strategy}") / "run"
+            proc = run_recipe("pretrain", [*MATRIX_RUN, f"output_dir={out}"], nproc=2, cache=data_cache,
+                              accelerate_config=f"{strategy}.yaml")
+            done[strategy] = (out, proc.stdout + proc.stderr)
+        return done[strategy]
+
+    return get

@@ -1,6 +1,7 @@
-"""Fixtures shared by the strategy tests: the sharding probe's results, launched once per (strategy,
-process count) for the whole session (test_sharding.py and test_memory.py read the same runs), and
-a real one-process checkpoint (test_consolidated.py and test_consolidated_loading.py)."""
+"""Fixtures shared by the strategy tests: what each rank held, from the strategy matrix's runs at 2 processes
+and from the sharding probe's launches otherwise, launched once per (strategy, process count) for the whole
+session (test_sharding.py and test_memory.py read the same runs), and a real one-process checkpoint
+(test_consolidated.py and test_consolidated_loading.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,28 @@ def sharding_probe(tmp_path_factory) -> Callable[[str, int], dict]:
         return results[strategy, nproc, model_type]
 
     return probe
+
+
+@pytest.fixture(scope="session")
+def matrix_sharding(strategy_runs) -> Callable[[str], dict]:
+    """matrix_sharding(strategy) -> the sharding probe's result at 2 ranks, read from the strategy matrix's run
+    (conftest.strategy_runs: the recipe, 2 micro-batches per step): the bytes each rank held after its first
+    step, which the trainer logs (toolkit.strategy.sharding.held_bytes), and under "model" the model it
+    trained, on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.training.metrics import read_metrics
+
+    def get(strategy: str) -> dict:
+        out, _ = strategy_runs(strategy)
+        held = next(r["held_bytes"] for r in read_metrics(out / "metrics.jsonl") if "held_bytes" in r)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out / "final"))
+        return {"strategy": strategy, "world_size": len(held), "n_params": sum(p.numel() for p in model.parameters()),
+                "ranks": held, "model": model}
+
+    return get
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Sharding is real: per-rank bytes held, measured from the live tensors, at 2 ranks.
 
-Each strategy runs tests/toolkit/strategy/sharding_probe.py under `accelerate launch` (conftest.py's `sharding_probe`) (one optimizer step
-of a tiny LLaMA, 2 micro-batches) and reports toolkit.strategy.sharding.held_bytes for every rank. Against
+Each strategy's matrix run (the recipe on 2 processes, tests/conftest.py's `strategy_runs`) logs
+toolkit.strategy.sharding.held_bytes for every rank after its first step (2 micro-batches; conftest.py's
+`matrix_sharding` reads it). Against
 DDP: ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 and FSDP2 also the
 parameters (each <= 0.55x DDP's). `pytest -s` prints the table.
 """
@@ -45,8 +46,8 @@ def table(results: dict[str, dict]) -> str:
 
 
 @pytest.fixture(scope="module")
-def measured(sharding_probe) -> dict[str, dict]:
-    results = {s: sharding_probe(s, NPROC) for s in STRATEGIES}
+def measured(matrix_sharding) -> dict[str, dict]:
+    results = {s: matrix_sharding(s) for s in STRATEGIES}
     print("\n" + table(results))
     return results
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import launching
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600  # one launch; the slowest (SmolLM2 under ZeRO-3, 2 CPU processes) takes ~3 min
 
 # A very small LLaMA and short run, so that a 2-process launch takes seconds on 2 CPU cores.
