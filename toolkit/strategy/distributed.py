@@ -51,7 +51,7 @@ from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
 from toolkit.strategy.pipeline_parallel import Pipeline
 from toolkit.strategy.rank_process import within
-from toolkit.strategy.sequence_parallel import SequenceParallel
+from toolkit.strategy.sequence_parallel import SequenceParallel, skip_shared_memory_kernel
 from toolkit.strategy.sequence_parallel import problems as sequence_parallel_problems
 from toolkit.strategy.sequence_parallel import sequence_problem as sequence_parallel_problem
 from toolkit.strategy.tensor_parallel import expert_ranks, split
@@ -143,20 +143,6 @@ def check_deepspeed_config() -> dict | None:
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
     return ds
-
-
-def skip_shared_memory_kernel() -> None:
-    """DeepSpeed's process group on CPU builds and loads a shared-memory all-reduce kernel and prints
-    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank. Only its
-    inference all-reduce (DeepSpeed-Inference, AutoTP) calls the kernel, and falls back to the process
-    group's all_reduce without it; training never does. Marked incompatible (DeepSpeed's own table of
-    the ops this machine can build), it is neither built nor loaded."""
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    compatible = deepspeed.ops.__compatible_ops__
-    if isinstance(compatible, dict):
-        compatible[ShareMemCommBuilder.NAME] = False
 
 
 _LIVE_UNTIL_EXIT: list = []
@@ -877,8 +863,6 @@ class Strategy:
             )
         if accelerator.device.type == "cpu":
             keep_freed_memory()
-            if sp > 1:  # Ulysses starts DeepSpeed's comm under FSDP2 too: a minute's kernel build on a new machine
-                skip_shared_memory_kernel()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
         context = ContextParallel(cp, accelerator.device) if cp > 1 else None
         sequence = SequenceParallel(sp, accelerator.device) if sp > 1 else None

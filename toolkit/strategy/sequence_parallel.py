@@ -83,6 +83,20 @@ def no_mask(*args, **kwargs):
     return None
 
 
+def skip_shared_memory_kernel() -> None:
+    """DeepSpeed's process group on CPU builds and loads a shared-memory all-reduce kernel and prints
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank. Only its
+    inference all-reduce (DeepSpeed-Inference, AutoTP) calls the kernel, and falls back to the process
+    group's all_reduce without it; training never does. Marked incompatible (DeepSpeed's own table of
+    the ops this machine can build), it is neither built nor loaded."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if isinstance(compatible, dict):
+        compatible[ShareMemCommBuilder.NAME] = False
+
+
 class SequenceParallel:
     """A launch's sequence-parallel groups: ranks [g*sp, (g+1)*sp) split group g's sequences.
 
@@ -92,6 +106,8 @@ class SequenceParallel:
         import deepspeed
         from torch.distributed.device_mesh import init_device_mesh
 
+        if device.type == "cpu":  # Ulysses starts DeepSpeed's comm, under FSDP2 too
+            skip_shared_memory_kernel()
         if not deepspeed.comm.is_initialized():  # the engine's collectives go through DeepSpeed's comm,
             # which wraps the process group Accelerate made (under DDP or FSDP nothing else starts it)
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
