@@ -112,6 +112,8 @@ def test_bf16_from_the_launch_trains_in_bf16_and_says_so(pretrain, capsys, monke
         assert pretrain.main(argv) == 0
     finally:
         AcceleratorState._reset_state(True)
+        # it outlived monkeypatch's undo: later tests in this worker then built bf16 accelerators and failed
+        os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
     out = capsys.readouterr()
     assert "precision=bf16 (the accelerate launch's mixed_precision) device=cpu" in out.out + out.err
 
