@@ -28,16 +28,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # files that read one session fixture's launches share a group: a worker shares a session fixture only with
 # itself. "shared-runs" (`strategy_runs` below, and the sharding probes of tests/toolkit/strategy) also keeps
 # the SmolLM2 launches of test_shipped.py one after another: two at once were killed for memory.
-SHARED = {
-    "shared-runs": {"tests/recipes/test_export.py", "tests/recipes/test_pretrain.py", "tests/recipes/test_shipped.py",
-                    "tests/recipes/test_strategies.py", "tests/recipes/test_finetune_strategies.py",
-                    "tests/toolkit/strategy/test_memory.py", "tests/toolkit/strategy/test_sharding.py"},
+SHARED_RUNS = {
+    "tests/recipes/test_export.py", "tests/recipes/test_pretrain.py", "tests/recipes/test_shipped.py",
+    "tests/recipes/test_strategies.py", "tests/recipes/test_finetune_strategies.py",
+    "tests/toolkit/strategy/test_memory.py", "tests/toolkit/strategy/test_sharding.py",
 }
 
 
 def _group(item) -> str:
     path = item.nodeid.split("::")[0]
-    return next((name for name, files in SHARED.items() if path in files), path)
+    return "shared-runs" if path in SHARED_RUNS else path
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -55,7 +55,7 @@ def pytest_runtest_setup(item):
     # xdist appends "@group" to a grouped test's node id; a multi-process test without it could run beside a
     # SmolLM2 launch, or with a fixture of its file built a second time on the other worker
     grouped = os.environ.get("LLM_TOOLKIT_TESTS_GROUPED") and os.environ.get("PYTEST_XDIST_WORKER")  # tests/run.sh
-    if grouped and item.get_closest_marker("distributed") and not item.nodeid.rfind("@") > item.nodeid.rfind("]"):
+    if grouped and item.get_closest_marker("distributed") and item.nodeid.rfind("@") <= item.nodeid.rfind("]"):
         pytest.fail("pytest-xdist did not keep the tests in their groups (pytest 9.2 with xdist 3.8 ignores "
                     "them): pip install 'pytest<9.2', or run with -n 0", pytrace=False)
 
