@@ -1,4 +1,4 @@
-"""Launched on 2 processes (torchrun, gloo) by test_packing.py: every rank prepares its share of a
+"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_packing.py: every rank prepares its share of a
 corpus through `packed_dataset`, which finds the ranks in the process group. argv: the tokenizer
 folder, the corpus as a JSON list of texts, the cache folder, seq_len. Each rank checks that it
 reads the same blocks, and that both count themselves as one node's ranks."""

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import threading
 from pathlib import Path
 
 import datasets
-import launching
 import numpy as np
+import probe_ranks
 import pytest
 import torch
 
@@ -485,11 +484,8 @@ def test_two_processes_prepare_their_shares_through_the_process_group(docs, tiny
     tiny_tokenizer.save_pretrained(tmp_path / "tokenizer")
     (tmp_path / "corpus.json").write_text(json.dumps(list(docs["text"])))
     probe = Path(__file__).with_name("packing_ranks_probe.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(launching.free_port()), str(probe), str(tmp_path / "tokenizer"), str(tmp_path / "corpus.json"),
-           str(tmp_path / "cache"), str(SEQ_LEN)]
-    proc = launching.run(cmd, 300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = probe_ranks.run(probe, [tmp_path / "tokenizer", tmp_path / "corpus.json", tmp_path / "cache", SEQ_LEN], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     folder = next((tmp_path / "cache").iterdir())
     assert sorted(p.name for p in folder.iterdir()) == [f"blocks-0000{r}-of-00002.arrow" for r in (0, 1)] + ["blocks.json"]
     alone = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "one", "probe")

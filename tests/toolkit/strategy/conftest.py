@@ -6,17 +6,14 @@ session (test_sharding.py and test_memory.py read the same runs), and a real one
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import launching
+import probe_ranks
 import pytest
 from accelerate.state import AcceleratorState, GradientState
 from one_process_checkpoints import saved_checkpoint
 
-ROOT = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).with_name("sharding_probe.py")
 
 
@@ -30,18 +27,9 @@ def sharding_probe(tmp_path_factory) -> Callable[[str, int], dict]:
     def probe(strategy: str, nproc: int, model_type: str = "llama") -> dict:
         if (strategy, nproc, model_type) not in results:
             out = folder / f"{strategy}-{nproc}-{model_type}.json"
-            cmd = [
-                sys.executable, "-m", "accelerate.commands.launch",
-                "--config_file", f"accelerate_configs/{strategy}.yaml", "--num_processes", str(nproc),
-                "--main_process_port", str(launching.free_port()), str(PROBE), str(out), model_type,
-            ]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-            proc = launching.run(cmd, 600, cwd=ROOT, env=env)
+            proc = probe_ranks.run(PROBE, [out, model_type], nproc, accelerate_config=f"{strategy}.yaml", timeout=600)
             if proc.returncode != 0 or not out.is_file():
-                pytest.fail(
-                    f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-                    f"--- stderr\n{proc.stderr[-8000:]}"
-                )
+                pytest.fail(f"{PROBE.name} under {strategy} on {nproc} ranks exited {proc.returncode}\n{proc.stdout[-8000:]}")
             results[strategy, nproc, model_type] = json.loads(out.read_text())
         return results[strategy, nproc, model_type]
 

@@ -1,4 +1,4 @@
-"""Launched on 2 processes (torchrun, gloo) by test_context_parallel.py: a tiny LLaMA on a packed batch
+"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_context_parallel.py: a tiny LLaMA on a packed batch
 (several documents per row, 4-D block-causal mask) whole on every rank, and split over the 2 ranks by
 toolkit.strategy.context_parallel: the summed token loss, the gradient of every weight, the loss after
 one AdamW step. argv: result JSON path, device (cpu: gloo | cuda: a GPU per rank, NCCL), dtype

@@ -1,4 +1,4 @@
-"""Launched on 2 processes (torchrun, gloo) by test_memory.py: what a rank holds under tensor, context
+"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_memory.py: what a rank holds under tensor, context
 and sequence parallel, for the memory model to be compared with. Rank 0 writes to the JSON file argv[1]:
 
 - "tp": test_memory.probe_model() split over the 2 ranks (toolkit.strategy.tensor_parallel.split,

@@ -1,4 +1,4 @@
-"""Launched on 2 processes (torchrun, gloo) by test_memory.py: what a pipeline stage holds, for the
+"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_memory.py: what a pipeline stage holds, for the
 memory model to be compared with. Rank 0 writes to the JSON file argv[1], for each rank: the bytes of
 its stage's parameters, of its gradients after one step of MICRO_BATCHES micro-batches through the 1F1B
 schedule, of AdamW's state after the update, and of the receive buffers torch keeps (hidden states,

@@ -1,4 +1,4 @@
-"""Launched on 2 processes (torchrun, gloo) by test_sequence_parallel.py: a tiny LLaMA on a packed
+"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_sequence_parallel.py: a tiny LLaMA on a packed
 batch (several documents per row) whole on every rank, and split over the 2 ranks by
 toolkit.strategy.sequence_parallel (DeepSpeed Ulysses): the summed token loss, the gradient of every
 weight, the loss after one AdamW step, and the loss of a batch of another size (evaluation's).

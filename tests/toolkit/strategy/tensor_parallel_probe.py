@@ -1,4 +1,4 @@
-"""Launched on N processes (torchrun, gloo) by test_tensor_parallel.py: a tiny model split over the N
+"""Run on N ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_tensor_parallel.py: a tiny model split over the N
 ranks against the same model whole, on every rank, on a packed batch (several documents per row,
 packing's block-causal mask): the token loss, every weight's gradient, the loss after one AdamW step,
 the hidden states a norm saves. argv: result JSON path, model type (llama: tied embedding and head |

@@ -8,20 +8,16 @@ CUDA tensors in torch 2.11, both seen on an H100)."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
-import launching
 import numpy as np
+import probe_ranks
 import pytest
 import torch
 from transformers import AutoConfig
 
 from toolkit.data.packing import IGNORE_INDEX, block_causal_mask, collate
 from toolkit.strategy.context_parallel import SequenceShard, problems
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def packed_batch(length: int = 16) -> dict[str, torch.Tensor]:
@@ -74,11 +70,8 @@ def test_what_cannot_be_split_is_named():
 
 def run_probe(tmp_path, device: str, dtype: str) -> dict:
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(launching.free_port()), str(Path(__file__).with_name("context_parallel_probe.py")),
-           str(out), device, dtype]
-    proc = launching.run(cmd, 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = probe_ranks.run(Path(__file__).with_name("context_parallel_probe.py"), [out, device, dtype], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads(out.read_text())
 
 

@@ -1,4 +1,4 @@
-"""A dropped DeepSpeed update: a real engine (ZeRO-1/2/3, one process, launched as the recipes are)
+"""A dropped DeepSpeed update: a real engine (ZeRO-1/2/3, one process with the variables accelerate launch gives it)
 stepped through toolkit.strategy.deepspeed_step by tests/toolkit/strategy/deepspeed_step_probe.py.
 
 A step whose loss the caller reports non-finite, and one with NaN gradients, leave the fp32 master
@@ -9,31 +9,20 @@ what a resume restores) and its skip (skipped_steps); the next good step trains.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
-import launching
+import probe_ranks
 import pytest
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).with_name("deepspeed_step_probe.py")
 
 
 def launch(strategy: str, out: Path) -> dict:
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", f"accelerate_configs/{strategy}.yaml",
-        "--num_processes", "1", "--main_process_port", str(launching.free_port()), str(PROBE), str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = launching.run(cmd, 600, cwd=ROOT, env=env)
+    proc = probe_ranks.run(PROBE, [out], nproc=1, accelerate_config=f"{strategy}.yaml", timeout=600)
     if proc.returncode != 0 or not out.is_file():
-        pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-8000:]}"
-        )
+        pytest.fail(f"{PROBE.name} under {strategy} exited {proc.returncode}\n{proc.stdout[-8000:]}")
     return json.loads(out.read_text())
 
 

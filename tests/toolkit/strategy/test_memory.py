@@ -20,12 +20,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
-import sys
 import weakref
 from pathlib import Path
 
-import launching
+import probe_ranks
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
@@ -275,10 +273,8 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     rank sends (its half of the tokens) and what its experts receive (half of all the copies), under
     autocast and in fp32, and for Mixtral (fp32 routing weights)."""
     out = tmp_path / "ranks.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(launching.free_port()), str(Path(__file__).with_name("model_parallel_memory_probe.py")), str(out)]
-    proc = launching.run(cmd, 600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = probe_ranks.run(Path(__file__).with_name("model_parallel_memory_probe.py"), [out], nproc=2, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = json.loads(out.read_text())
     world, batch, seq = ranks[0]["world"], ranks[0]["batch"], ranks[0]["seq"]
     model = probe_model()
@@ -367,10 +363,8 @@ def test_pipeline_stages_hold_what_the_estimate_says(tmp_path):
     the final norm and the head (the tied embedding's copy); each its weights, gradients and AdamW state
     whole, and a receive buffer per micro-batch of the step. The estimate is the larger stage's."""
     out = tmp_path / "stages.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(launching.free_port()), str(Path(__file__).with_name("pipeline_memory_probe.py")), str(out)]
-    proc = launching.run(cmd, 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = probe_ranks.run(Path(__file__).with_name("pipeline_memory_probe.py"), [out], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = sorted(json.loads(out.read_text()), key=lambda r: r["stage"])
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=32, use_cache=False, tie_word_embeddings=True)

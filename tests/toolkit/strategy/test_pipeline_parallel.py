@@ -6,18 +6,14 @@ weight's gradient, the clipped norm and the next loss (CPU gloo)."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
-import launching
+import probe_ranks
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from toolkit.strategy.pipeline_parallel import StageModel, layer_ranges, problems
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def tiny(model_type: str = "llama", **extra) -> torch.nn.Module:
@@ -59,11 +55,9 @@ def test_what_cannot_be_cut_is_named():
 
 def run_probe(tmp_path, processes: int, stages: int, tied: bool) -> dict:
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-           "--master_port", str(launching.free_port()), str(Path(__file__).with_name("pipeline_parallel_probe.py")),
-           str(out), str(stages), str(int(tied)), "1.0"]
-    proc = launching.run(cmd, 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = probe_ranks.run(Path(__file__).with_name("pipeline_parallel_probe.py"), [out, stages, int(tied), "1.0"],
+                           nproc=processes)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads(out.read_text())
 
 

@@ -7,20 +7,16 @@ block-causal mask (DeepSpeed's own registration drops it under sdpa) the loss is
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
-import launching
 import numpy as np
+import probe_ranks
 import pytest
 import torch
 from transformers import AutoConfig
 
 from toolkit.data.packing import IGNORE_INDEX, collate
 from toolkit.strategy.sequence_parallel import SequenceParallel, problems
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("sp", [2, 4])
@@ -67,13 +63,10 @@ def test_what_cannot_be_split_is_named():
 
 def run_probe(tmp_path, kv_heads: int, mask: str) -> dict:
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(launching.free_port()), str(Path(__file__).with_name("sequence_parallel_probe.py")),
-           str(out), str(kv_heads), mask]
-    proc = launching.run(cmd, 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = probe_ranks.run(Path(__file__).with_name("sequence_parallel_probe.py"), [out, kv_heads, mask], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     # on CPU, SequenceParallel keeps DeepSpeed's comm from building its shared-memory kernel (~30 s on a new machine)
-    assert "shm_comm" not in proc.stdout + proc.stderr
+    assert "shm_comm" not in proc.stdout
     return json.loads(out.read_text())
 
 

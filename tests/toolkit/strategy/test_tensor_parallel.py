@@ -6,17 +6,14 @@ after an AdamW step, its tied embedding and head still one weight."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import launching
+import probe_ranks
 import pytest
 from transformers import AutoConfig
 
 from toolkit.config import UserError
 from toolkit.strategy.tensor_parallel import expert_parallel, problems, split
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_models_with_a_plan_and_divisible_sizes_split():
@@ -82,11 +79,8 @@ def test_split_refuses_before_touching_the_model(tiny_model):
 
 def probe(tmp_path, model_type: str, attention: str) -> dict:
     out = tmp_path / f"{model_type}-{attention}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(launching.free_port()), str(Path(__file__).with_name("tensor_parallel_probe.py")),
-           str(out), model_type, attention]
-    proc = launching.run(cmd, 300, cwd=ROOT, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = probe_ranks.run(Path(__file__).with_name("tensor_parallel_probe.py"), [out, model_type, attention], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads(out.read_text())
 
 

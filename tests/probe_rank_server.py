@@ -1,0 +1,79 @@
+"""The server of tests/probe_ranks.py: imports torch, transformers, Accelerate and DeepSpeed once,
+then forks the ranks of each probe it is asked for. One request per line on stdin (JSON: script,
+args, each rank's whole environment, one log per rank); it answers with the ranks' pids, then,
+once all have exited, with their exit codes (the first rank to fail ends the others, as torchrun's
+agent does). It ends when its stdin closes: its pytest worker is gone."""
+
+import json
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+# the repository, not tests/ (where tests/toolkit would stand for the toolkit); a probe's folder comes first in its rank
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: each rank computes on one thread
+answers = os.fdopen(os.dup(1), "w")
+nowhere = os.open(os.devnull, os.O_WRONLY)  # the imports' notices (DeepSpeed's accelerator, torchao)
+os.dup2(nowhere, 1)
+os.dup2(nowhere, 2)
+
+import accelerate  # noqa: E402, F401
+import deepspeed  # noqa: E402, F401
+import torch  # noqa: E402, F401
+import torch.distributed  # noqa: E402, F401
+from transformers import AutoModelForCausalLM  # noqa: E402, F401
+from transformers.models.llama import modeling_llama  # noqa: E402, F401
+from transformers.models.qwen3 import modeling_qwen3  # noqa: E402, F401
+from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402, F401
+
+import toolkit.strategy.distributed  # noqa: E402, F401
+import toolkit.strategy.sharding  # noqa: E402, F401
+
+
+def rank(script: str, args: list[str], env: dict[str, str], log: str) -> None:
+    """In the forked child: output to the log, the launcher's variables, the probe as __main__; never returns."""
+    code = 1
+    try:
+        answers.close()
+        sys.stdin.close()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.environ.clear()  # the caller's whole environment, as a subprocess would get it
+        os.environ.update(env)
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+for line in sys.stdin:
+    request = json.loads(line)
+    pids = []
+    for env, log in zip(request["envs"], request["logs"], strict=True):
+        pid = os.fork()
+        if pid == 0:
+            rank(request["script"], request["args"], env, log)
+        pids.append(pid)
+    answers.write(json.dumps({"pids": pids}) + "\n")
+    answers.flush()
+    codes, first = {}, 0
+    while len(codes) < len(pids):
+        pid, status = os.waitpid(-1, 0)
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid] != 0 and first == 0:
+            first = codes[pid]
+            for other in set(pids) - set(codes):
+                os.kill(other, signal.SIGKILL)
+    answers.write(json.dumps({"codes": [codes[pid] for pid in pids], "first": first}) + "\n")
+    answers.flush()
