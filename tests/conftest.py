@@ -140,7 +140,8 @@ def data_cache(tmp_path_factory) -> Path:
 def tiny_base(tmp_path_factory, data_cache) -> Path:
     """A pretrained tiny LLaMA: the final/ folder of a short pretraining run (the fine-tunes' base)."""
     out = tmp_path_factory.mktemp("tiny-base") / "run"
-    run_recipe("pretrain", [*TINY, "train.max_steps=4", "checkpoint.every=0", f"output_dir={out}"], nproc=1, cache=data_cache)
+    run_recipe("pretrain", [*TINY, "train.max_steps=4", "checkpoint.every=0", f"output_dir={out}"], nproc=1, cache=data_cache,
+               forked=True)
     return out / "final"
 
 
@@ -157,7 +158,7 @@ def one_process_run(tmp_path_factory, data_cache) -> Path:
     """6 steps of TINY on one process (checkpoints and evaluations at 3 and 6): what every 2-process
     pretraining run of the same 6 steps must equal, whatever its strategy or model-parallel layout."""
     out = tmp_path_factory.mktemp("one-process") / "run"
-    run_recipe("pretrain", [*TINY, "train.max_steps=6", f"output_dir={out}"], nproc=1, cache=data_cache)
+    run_recipe("pretrain", [*TINY, "train.max_steps=6", f"output_dir={out}"], nproc=1, cache=data_cache, forked=True)
     return out
 
 

@@ -1,6 +1,7 @@
 """The server of tests/probe_ranks.py: imports torch, transformers, Accelerate and DeepSpeed once,
 then forks the ranks of each probe it is asked for. One request per line on stdin (JSON: script,
-args, each rank's whole environment, one log per rank); it answers with the ranks' pids, then,
+args, each rank's whole environment, one log per rank or a
+stdout and a stderr file); it answers with the ranks' pids, then,
 once all have exited, with their exit codes (the first rank to fail ends the others, as torchrun's
 agent does). It ends when its stdin closes: its pytest worker is gone."""
 
@@ -32,15 +33,15 @@ import toolkit.strategy.distributed  # noqa: E402, F401
 import toolkit.strategy.sharding  # noqa: E402, F401
 
 
-def rank(script: str, args: list[str], env: dict[str, str], log: str) -> None:
+def rank(script: str, args: list[str], env: dict[str, str], log: str | list[str]) -> None:
     """In the forked child: output to the log, the launcher's variables, the probe as __main__; never returns."""
     code = 1
     try:
         answers.close()
         sys.stdin.close()
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        out, err = log if isinstance(log, list) else (log, log)  # stdout and stderr apart, or one log
+        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
         os.environ.clear()  # the caller's whole environment, as a subprocess would get it
         os.environ.update(env)
         sys.argv = [script, *args]

@@ -94,22 +94,40 @@ def run(script: Path, args: list[str], nproc: int, accelerate_config: str | None
              **(env or {})} for launched in recorded_environment(accelerate_config, nproc)]
     with tempfile.TemporaryDirectory(prefix="probe-ranks-") as folder:
         logs = [str(Path(folder) / str(rank)) for rank in range(nproc)]
-        request = {"script": str(script), "args": [str(a) for a in args], "envs": envs, "logs": logs}
-        process = server()
-        process.stdin.write(json.dumps(request) + "\n")
-        process.stdin.flush()
-        deadline = time.monotonic() + timeout
-        started = _answer(process, deadline + 60)
-        if started is None:
-            pytest.fail(f"tests/probe_rank_server.py did not start the ranks of {script} in {timeout + 60:.0f} s")
-        pids = started["pids"]
-        done = _answer(process, deadline)
-        if done is None:  # hung: kill the ranks; the server then reports them
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            _answer(process, time.monotonic() + 60)
+        done = _serve(script, args, envs, logs, timeout)
         output = "\n".join(f"--- rank {r}\n{Path(log).read_text(errors='replace')}" for r, log in enumerate(logs))
     if done is None:
         pytest.fail(f"{script} on {nproc} ranks still running after {timeout:.0f} s (killed)\n{output[-8000:]}")
     return subprocess.CompletedProcess([str(script), *map(str, args)], done["first"], output, "")
+
+
+def python(script: Path, args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python script args` with exactly the environment `env`, in a process forked from the server: for
+    a run whose results a test compares, not one whose output it reads as a user would see it (the
+    imports' own notices went to the server)."""
+    with tempfile.TemporaryDirectory(prefix="probe-ranks-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        done = _serve(script, args, [env], [[str(out), str(err)]], timeout)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    if done is None:
+        pytest.fail(f"python {script} still running after {timeout:.0f} s (killed)\n{stdout[-4000:]}\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(["python", str(script), *map(str, args)], done["first"], stdout, stderr)
+
+
+def _serve(script: Path, args: list, envs: list[dict[str, str]], logs: list, timeout: float) -> dict | None:
+    """One request to the server; its answer with the exit codes, or None when the ranks hung and were killed."""
+    request = {"script": str(script), "args": [str(a) for a in args], "envs": envs, "logs": logs}
+    process = server()
+    process.stdin.write(json.dumps(request) + "\n")
+    process.stdin.flush()
+    deadline = time.monotonic() + timeout
+    started = _answer(process, deadline + 60)
+    if started is None:
+        pytest.fail(f"tests/probe_rank_server.py did not start the ranks of {script} in {timeout + 60:.0f} s")
+    done = _answer(process, deadline)
+    if done is None:  # hung: kill the ranks; the server then reports them
+        for pid in started["pids"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _answer(process, time.monotonic() + 60)
+    return done

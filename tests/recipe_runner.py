@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import launching
+import probe_ranks
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,12 +47,14 @@ def run_recipe(
     recipe: str, overrides: list[str], nproc: int, cache: Path, config: str = "pretrain_tiny.yaml",
     accelerate_config: str = "ddp.yaml", check: bool = True, env: dict[str, str | None] | None = None,
     timeout: float = LAUNCH_TIMEOUT_S, script: list[str] | None = None, launch: bool = False,
-    launch_args: list[str] | None = None, wrapper: bool = False,
+    launch_args: list[str] | None = None, wrapper: bool = False, forked: bool = False,
 ) -> subprocess.CompletedProcess:
     """1 process: plain `python` (unless `launch`); more: `accelerate launch` with its own port.
 
     `launch_args` go to `accelerate launch` before the script. `script` replaces `recipes/{recipe}.py` (e.g. a test-only wrapper).
     `wrapper`: recipes/launch.sh's launcher instead of `accelerate launch`, with the same arguments.
+    `forked` (1 process, plain python): forked from tests/probe_ranks.py's server, its imports done once,
+    for a reference run whose numbers tests compare, not whose output they read as a user sees it.
     An `env` value None removes that variable. A launch still running
     after `timeout` seconds is killed with all its ranks and fails the test: a hang never
     stalls the suite.
@@ -68,7 +71,10 @@ def run_recipe(
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
-    proc = launching.run(cmd, timeout, cwd=ROOT, env=env)
+    if forked and nproc == 1 and not launch:
+        proc = probe_ranks.python(ROOT / script[0], script[1:], env, timeout)
+    else:
+        proc = launching.run(cmd, timeout, cwd=ROOT, env=env)
     if check and proc.returncode != 0:
         _keep_log(proc.stdout, proc.stderr)
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")

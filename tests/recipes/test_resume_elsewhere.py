@@ -46,13 +46,13 @@ def described(strategy: str, processes: int) -> str:
 
 def launch(recipe: str, strategy: str, processes: int, overrides: list[str], probe, cache, config: str,
            accelerate_config: str | None = None, check: bool = True):
-    """One process under ddp: plain python (one process); anything else through accelerate launch,
+    """One process under ddp: plain python (forked: recipe_runner.run_recipe); anything else through accelerate launch,
     FSDP2 on one process included."""
     return run_recipe(
         recipe, overrides, nproc=processes, cache=cache, config=config,
         accelerate_config=accelerate_config or f"{strategy}.yaml", check=check,
         env={"RESUME_PROBE_OUT": str(probe), "RESUME_PROBE_STEP": "3"}, script=[*PROBE, recipe],
-        launch=strategy != "ddp",
+        launch=strategy != "ddp", forked=True,
     )
 
 
