@@ -1,9 +1,8 @@
 """The server of tests/probe_ranks.py: imports torch, transformers, Accelerate and DeepSpeed once,
 then forks the ranks of each probe it is asked for. One request per line on stdin (JSON: script,
-args, each rank's whole environment, one log per rank or a
-stdout and a stderr file); it answers with the ranks' pids, then,
-once all have exited, with their exit codes (the first rank to fail ends the others, as torchrun's
-agent does). It ends when its stdin closes: its pytest worker is gone."""
+args, each rank's whole environment, each rank's log or its stdout and stderr files); it answers
+with the ranks' pids, then, once all have exited, with their exit codes (the first rank to fail
+ends the others, as torchrun's agent does). It ends when its stdin closes: its pytest worker is gone."""
 
 import json
 import os
@@ -48,8 +47,11 @@ def rank(script: str, args: list[str], env: dict[str, str], log: str | list[str]
         sys.path.insert(0, os.path.dirname(script))
         runpy.run_path(script, run_name="__main__")
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except SystemExit as e:  # what the interpreter does with sys.exit(x)
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:
