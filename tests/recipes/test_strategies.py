@@ -111,12 +111,15 @@ def test_consolidated_final_model_reproduces_the_live_model(strategy, strategy_r
     assert reloaded["eval_loss"] == pytest.approx(live["eval_loss"], rel=1e-6)
 
 
-# Hard kills, 11 points in all, each kind once (toolkit.faults); each costs a restart of both ranks (~6 s).
+# Hard kills at 8 points, two per strategy (toolkit.faults), each a restart of both ranks (~12 core-s): a kill
+# inside a step before the update (forward) and after it (after_optimizer), in an evaluation, at each stage of a
+# save, in a prune and in final/. The other kinds (backward, between_micro_batches, save.rank_files) are the same
+# moments as far as a resume can tell, and bench/kill_soak.py draws every kind under every strategy.
 # The steps: checkpoints at 2, 4 and 6 with keep_last=1 (so pruning at 4 and 6), evaluations at 3 and 6.
 KILLS = {
-    "ddp": ["forward@1/1", "save.rank_files@2/1", "prune@4/0"],
-    "fsdp": ["backward@3/0", "save.manifest@4/0", "final/0"],
-    "zero2": ["between_micro_batches@2/1", "eval@3/1", "save.state_file@6/0"],
+    "ddp": ["forward@1/1", "prune@4/0"],
+    "fsdp": ["save.manifest@4/0", "final/0"],
+    "zero2": ["eval@3/1", "save.state_file@6/0"],
     "zero3": ["after_optimizer@3/0", "save.start@4/1"],
 }
 
@@ -124,7 +127,7 @@ KILLS = {
 @pytest.mark.parametrize("strategy", sorted(KILLS))
 def test_hard_kills_come_back_bit_exact_by_elastic_restarts(strategy, strategy_runs, tmp_path, data_cache):
     """The soak harness (bench/kill_soak.py) in its small deterministic form: one launch with
-    `--max_restarts`, resume=auto, two or three SIGKILLs of one rank. torchrun restarts the ranks after
+    `--max_restarts`, resume=auto, two SIGKILLs of one rank. torchrun restarts the ranks after
     each, they resume from the newest complete checkpoint (never a partial one), and the run ends
     with the uninterrupted run's losses and final weights, bit for bit, nothing lost."""
     reference, _ = strategy_runs(strategy)
