@@ -43,7 +43,7 @@ from toolkit.models.loss import output_head
 from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
-from toolkit.strategy.distributed import Strategy, is_launch_main
+from toolkit.strategy.distributed import Strategy, is_launch_main, reported_verdict
 from toolkit.strategy.rank_process import launch_id
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.checkpoint import (
@@ -167,21 +167,25 @@ class StopRequest:
 
     def _now_or_later(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        if not self.training and signum == signal.SIGTERM and (code := reported_verdict()) is not None:
+            # torchrun's agent ends the ranks once one exits; a peer's user error was the cause, and its
+            # line is the launch's one line: end with its code, silently, as the rank would on its own
+            self._end(None, code)
         if not self.training:
-            self._end(f"stopped by {name} before training started; nothing was trained, so nothing is saved", signum)
+            self._end(f"stopped by {name} before training started; nothing was trained, so nothing is saved", 128 + signum)
         if signum == signal.SIGINT:
             self.interrupts += 1
             if self.interrupts > 1:
                 self._end(f"stopped at once by a second Ctrl-C at step {self.step()}, without saving it; "
-                          "continue with resume=auto (from the newest checkpoint)", signum)
+                          "continue with resume=auto (from the newest checkpoint)", 128 + signum)
 
-    def _end(self, line: str, signum: int) -> None:
-        if self.main:
+    def _end(self, line: str | None, code: int) -> None:
+        if self.main and line is not None:
             print(f"\n[{self.name}] {line}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # ending is what matters; the lock goes with the process anyway
             self.release()
         sys.stdout.flush()
-        os._exit(128 + signum)
+        os._exit(code)
 
 
 class SaveStopped(Exception):

@@ -320,6 +320,38 @@ def test_ctrl_c_before_training_ends_at_once_and_a_second_one_in_training(phase)
     assert err.strip() == expected, err
 
 
+def test_the_launchers_sigterm_after_a_peers_user_error_ends_a_rank_with_that_error_s_code():
+    """torchrun's agent SIGTERMs the other ranks once one exits: when rank 0 exited 2 on bad input,
+    rank 1 (still waiting for rank 0's data) ends with code 2 too, silently, not 143: the ranks agree,
+    whichever of the broken barrier and the agent's SIGTERM reaches rank 1 first."""
+    import datetime
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agent = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30))
+    agent.set("llm_toolkit/verdict/0", "2 0")  # rank 0's report_once: code 2
+    env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen([sys.executable, "-c", STOPPING, "starting"], cwd=root, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == 2, err
+    assert "released" in out and err == ""
+
+
 def test_the_chosen_trackers_are_logged_to_under_the_runs_project(tmp_path, blocks, tiny_tokenizer, tiny_model,
                                                                    monkeypatch):
     """Any tracker Accelerate drives, started with the run folder's name as its project (it was given
