@@ -62,9 +62,9 @@ def launcher(accelerate_config: str | None) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path]
 
 
-def recorded_environment(accelerate_config: str | None, nproc: int) -> list[dict[str, str]]:
+def recorded_environment(accelerate_config: str | None, nproc: int, launch_args: list[str] = ()) -> list[dict[str, str]]:
     """What the launcher sets for each of `nproc` ranks, beyond this process's own environment."""
-    key = (accelerate_config or "torchrun", str(nproc))
+    key = (accelerate_config or "torchrun", str(nproc), *launch_args)
     if key not in _recorded:
         with tempfile.TemporaryDirectory(prefix="launcher-environment-") as folder:
             out = Path(folder)
@@ -73,7 +73,8 @@ def recorded_environment(accelerate_config: str | None, nproc: int) -> list[dict
             (out / "save_environment.py").write_text(
                 "import json, os, sys\njson.dump(dict(os.environ), open(sys.argv[1] + os.environ['RANK'], 'w'))\n"
             )
-            cmd = [*launcher(accelerate_config), *size, *port, str(out / "save_environment.py"), str(out / "rank")]
+            cmd = [*launcher(accelerate_config), *size, *port, *launch_args, str(out / "save_environment.py"),
+                   str(out / "rank")]
             proc = launching.run(cmd, 120, cwd=ROOT, env=os.environ.copy())
             if proc.returncode != 0:
                 pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -84,14 +85,14 @@ def recorded_environment(accelerate_config: str | None, nproc: int) -> list[dict
 
 
 def run(script: Path, args: list[str], nproc: int, accelerate_config: str | None = None,
-        env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`script args` on `nproc` ranks as `launcher(accelerate_config)` would start them; returncode:
+        env: dict[str, str] | None = None, timeout: float = 300, launch_args: list[str] = ()) -> subprocess.CompletedProcess:
+    """`script args` on `nproc` ranks as `launcher(accelerate_config) *launch_args` would start them; returncode:
     the exit code of the first rank to fail (the others are then killed, as torchrun does), else 0;
     stdout: every rank's output, rank by rank. Ranks still running after `timeout` seconds are
     killed and fail the test."""
     port = str(launching.free_port())
     envs = [{**os.environ, **launched, "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-             **(env or {})} for launched in recorded_environment(accelerate_config, nproc)]
+             **(env or {})} for launched in recorded_environment(accelerate_config, nproc, launch_args)]
     with tempfile.TemporaryDirectory(prefix="probe-ranks-") as folder:
         logs = [str(Path(folder) / str(rank)) for rank in range(nproc)]
         done = _serve(script, args, envs, logs, timeout)
