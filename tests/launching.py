@@ -7,7 +7,10 @@ timeout kills the launcher and every rank it started.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,10 +19,40 @@ import pytest
 
 
 def free_port() -> int:
-    """A free TCP port for one launch's rendezvous, so that launches never share one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for one launch's rendezvous, so that launches never share one.
+
+    Not one the kernel picks (bind to port 0): that comes from the ephemeral range, where any process's
+    outgoing connection (gloo's, a store client's) may take it as its own port in the seconds before the
+    launch listens on it; measured, once in ~8 runs of the suite a launch failed with EADDRINUSE. So
+    ports come from outside the ephemeral range, each pytest worker its own share of it, handed out in
+    turn, skipping any in use.
+    """
+    low, high = _PORTS
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    share = (high - low) // 4  # up to 4 workers
+    if share < 64:  # the ephemeral range takes nearly every port: the kernel's pick it is
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    first = low + (worker % 4) * share
+    for _ in range(share):
+        port = first + next(_handed) % share
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + share}")
+
+
+def _outside_ephemeral() -> tuple[int, int]:
+    try:
+        start, end = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        start, end = 32768, 60999  # Linux's default
+    return (start - 12000, start) if start >= 22000 else (end + 1, 65536)
+
+
+_PORTS = _outside_ephemeral()
+_handed = itertools.count(random.randrange(1000))  # a rerun in the same minute starts elsewhere
 
 
 def start(cmd: list[str], **kwargs) -> subprocess.Popen:

@@ -53,7 +53,7 @@ def launch(recipe: str, strategy: str, processes: int, overrides: list[str], pro
         recipe, overrides, nproc=processes, cache=cache, config=config,
         accelerate_config=accelerate_config or f"{strategy}.yaml", check=check,
         env={"RESUME_PROBE_OUT": str(probe), "RESUME_PROBE_STEP": "3"}, script=[*PROBE, recipe],
-        launch=strategy != "ddp", forked=forked,
+        launch=strategy != "ddp", forked=forked and processes == 1,
     )
 
 

@@ -326,7 +326,6 @@ def test_the_launchers_sigterm_after_a_peers_user_error_ends_a_rank_with_that_er
     whichever of the broken barrier and the agent's SIGTERM reaches rank 1 first."""
     import datetime
     import os
-    import socket
     import subprocess
     import sys
     import time
@@ -334,10 +333,8 @@ def test_the_launchers_sigterm_after_a_peers_user_error_ends_a_rank_with_that_er
 
     import torch.distributed as dist
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    agent = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30))
+    agent = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))  # port 0: the kernel's pick
+    port = agent.port
     agent.set("llm_toolkit/verdict/0", "2 0")  # rank 0's report_once: code 2
     env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}
