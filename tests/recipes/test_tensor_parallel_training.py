@@ -35,8 +35,8 @@ def test_dp_shard_2_by_tp_2_on_4_processes_equals_one_process(one_process_run, t
     assert_2d_run_equals_one_process("fsdp_tp.yaml", "tensor_parallel=2: Megatron sequence parallel", one_process_run, tmp_path / "2d", data_cache)
 
 
-# One launch per place the recipe refuses a split (the model's sizes, the launch's sizes, the loss, the
-# sequence); every message of each place is checked in tests/toolkit/strategy (tests/README.md lists them).
+# One run (2 ranks forked with accelerate launch's variables) per place the recipe refuses a split (the model's
+# sizes, the launch's sizes, the loss, the sequence); every message of each place is checked in tests/toolkit/strategy (tests/README.md lists them).
 @pytest.mark.parametrize(("extra", "launch_args", "says"), [
     (["model.config.num_key_value_heads=1"], [], "model.config.num_key_value_heads=1 is not divisible by tp=2"),
     ([], ["--parallelism_config_cp_size", "2"], "parallelism_config_cp_size=2 with parallelism_config_tp_size=2 is not supported yet"),
