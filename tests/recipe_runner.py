@@ -53,7 +53,7 @@ def run_recipe(
 
     `launch_args` go to `accelerate launch` before the script. `script` replaces `recipes/{recipe}.py` (e.g. a test-only wrapper).
     `wrapper`: recipes/launch.sh's launcher instead of `accelerate launch`, with the same arguments.
-    `forked`: the process (1, plain python) or the ranks (with the launcher's environment for each) forked
+    `forked`: the process (1, plain python) or the ranks (2 or more, with the launcher's environment for each) forked
     from tests/probe_ranks.py's server, its imports done once: for a reference run whose numbers tests
     compare, or a refusal whose `error:` line they read, not for what the launcher itself does or prints.
     Forked ranks' output, rank by rank, is the result's stdout (stderr is empty).
@@ -75,7 +75,7 @@ def run_recipe(
     env = {k: v for k, v in env.items() if v is not None}
     if forked and nproc == 1 and not launch:
         proc = probe_ranks.python(ROOT / script[0], script[1:], env, timeout)
-    elif forked and not wrapper:
+    elif forked and nproc > 1 and not wrapper:
         proc = probe_ranks.run(ROOT / script[0], script[1:], nproc, accelerate_config, env, timeout, launch_args or [])
     else:
         proc = launching.run(cmd, timeout, cwd=ROOT, env=env)
