@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ def main(out: str) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    acc = build_accelerator("no", 1, tempfile.mkdtemp(prefix="deepspeed-step-probe-"))
+    acc = build_accelerator("no", 1, str(Path(out).parent))  # the test's tmp_path: nothing left in /tmp
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
     with outside_training(acc):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ def main(out: str, model_type: str = "llama") -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     _, _, sp = parallelism_sizes(world_size())  # before the Accelerator, which is told nothing of sp
-    acc = build_accelerator("no", ACCUMULATION, tempfile.mkdtemp(prefix="sharding-probe-"))
+    acc = build_accelerator("no", ACCUMULATION, str(Path(out).parent))
     sizes = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
     if model_type == "qwen3_moe":  # a mixture of experts of the same sizes: 4 experts, 2 per token
