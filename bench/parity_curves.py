@@ -7,8 +7,11 @@ A change that should not change behaviour (a refactor of the loop, the strategy 
 checkpoints) must leave every number a run logs bit-identical on CPU. This launches the runs of
 the strategy matrix the way tests/recipes/test_strategies.py and test_finetune_strategies.py do
 (tiny LLaMA, fp32, 2 CPU processes for each strategy, accumulation 2, gradient checkpointing,
-evaluation and checkpoints on) plus the fine-tunes on the tiny base the pretraining wrote, and
-keeps every logged record except wall-clock figures (tokens/s, MFU, peak memory): losses,
+evaluation and checkpoints on), the fine-tunes on the tiny base the pretraining wrote, and the
+model-parallel layouts (a pipeline of 2 stages, tensor, context and sequence parallel, a mixture
+of experts split over tensor-parallel ranks), then resumes from step 3: under the strategy that
+saved it and converted to another (ZeRO-3 to FSDP2, FSDP2 to ZeRO-2, ZeRO-2 to one process, a
+pipeline to DDP and back). It keeps every logged record except wall-clock figures (tokens/s, MFU, peak memory): losses,
 learning rates, gradient norms, held-out losses, bytes held per rank and the bit-level parameter
 digests at the end. Values of the keys both recordings have must be equal; a key that one has
 and the other lacks (a new label) is listed, not failed.
@@ -39,6 +42,9 @@ FT_TINY = [
     "optim.warmup_steps=1", "logging.every=1", "eval.every=2", "eval.blocks=4", "logging.trackers=[]",
     "checkpoint.every=3",
 ]
+MOE = ["model.model_type=qwen3_moe", "model.config.num_experts=4", "model.config.num_experts_per_tok=2",
+       "model.config.moe_intermediate_size=64", "model.config.decoder_sparse_step=1",
+       "model.config.router_aux_loss_coef=0.05"]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -89,7 +95,25 @@ def record_all(work: Path, only: set[str] | None) -> dict[str, list[dict]]:
         "finetune lora chat 1 process": ("finetune", "finetune_smollm2_lora.yaml", lora, None),
         **{f"finetune lora chat {s}": ("finetune", "finetune_smollm2_lora.yaml", lora, s) for s in ("ddp", "zero3", "fsdp")},
         "finetune full text zero2": ("finetune", "finetune_smollm2_lora.yaml", full, "zero2"),
+        # the model-parallel layouts (tests/recipes/test_*_parallel_training.py, test_moe.py)
+        "pretrain pipeline 2 stages": ("pretrain", "pretrain_tiny.yaml", [*pre, "train.pipeline_stages=2"], "ddp"),
+        **{f"pretrain {s}": ("pretrain", "pretrain_tiny.yaml", pre, s) for s in ("fsdp_tp", "fsdp_cp", "fsdp_sp", "zero3_sp")},
+        "pretrain moe fsdp_tp": ("pretrain", "pretrain_tiny.yaml", [*pre, *MOE], "fsdp_tp"),
     }
+
+    def step_3(run: str) -> str:
+        return f"resume={work / run.replace(' ', '-') / 'checkpoints' / 'step-3'}"
+
+    # resumed from step 3: as saved (each strategy's own loader), and converted to another strategy
+    for s in ("ddp", "fsdp", "zero1", "zero2", "zero3"):
+        runs[f"resume {s} as saved"] = ("pretrain", "pretrain_tiny.yaml", [*pre, "model.gradient_checkpointing=full",
+                                                                          step_3(f"pretrain {s}")], s)
+    for source, target in (("zero3", "fsdp"), ("fsdp", "zero2"), ("zero2", None)):
+        runs[f"resume {source} as {target or '1 process'}"] = (
+            "pretrain", "pretrain_tiny.yaml", [*pre, "model.gradient_checkpointing=full", step_3(f"pretrain {source}")], target)
+    runs["resume pipeline as ddp"] = ("pretrain", "pretrain_tiny.yaml", [*pre, step_3("pretrain pipeline 2 stages")], "ddp")
+    runs["resume 1 process as pipeline"] = ("pretrain", "pretrain_tiny.yaml", [*pre, "train.pipeline_stages=2",
+                                                                              step_3("pretrain 1 process")], "ddp")
     found = {}
     for name, (recipe, config, overrides, strategy) in runs.items():
         if only and not any(word in name for word in only):
