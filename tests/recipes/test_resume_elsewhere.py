@@ -4,9 +4,11 @@ batch (12 sequences in micro-batches of 2: accumulation 6, 3 or 2 on 1, 2 or 3 p
 run continues the uninterrupted run's loss curve within the parity tolerance (rel 1e-4, fp32, CPU),
 with Adam's moments and step carried over parameter by parameter and the LR schedule going on.
 
+The source checkpoints were saved by an earlier commit (tests/fixtures/checkpoints, made by
+tests/saved_checkpoints.py): every case is also a checkpoint written before the code that resumes it.
 Every run goes through tests/recipes/resume_probe.py, the recipe unchanged plus a dump of its
-optimizer: a source run dumps what it holds when it saves step 3, a resumed run what it loaded.
-Each source run is shared by the cases that resume from it; its own steps 4-6 are the reference.
+optimizer: a source run dumped what it held when it saved step 3 (the fixture's saved.pt), a resumed
+run what it loaded. The source run's own steps 4-6 (the fixture's metrics.jsonl) are the reference.
 Where Accelerate loads the files as they are (DDP at any world size, FSDP2 at any world size:
 Strategy.resumes_natively) nothing is converted, and that is checked too.
 """
@@ -19,23 +21,24 @@ import pytest
 import torch
 import yaml
 from recipe_runner import FT_TINY, ROOT, TINY, run_recipe
+from saved_checkpoints import GLOBAL_BATCH, PRETRAIN
+from saved_checkpoints import copy as copy_fixture
 
 from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 
-GLOBAL_BATCH = 12
-PRETRAIN = [*TINY, f"train.global_batch_size={GLOBAL_BATCH}", "train.max_steps=6", "checkpoint.every=3", "eval.every=0"]
 PROBE = ["tests/recipes/resume_probe.py"]
 NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2",
-         "zero3": "DeepSpeed ZeRO-3"}
-CONVERTED = [  # (source, target) as (accelerate config, processes)
+         "zero3": "DeepSpeed ZeRO-3", "pipeline": "pipeline of 2 stages"}
+CONVERTED = [  # (source, target) as (accelerate config, processes); "pipeline": 2 stages under ddp.yaml
     (("zero2", 2), ("fsdp", 1)),
     (("fsdp", 2), ("zero3", 3)),
     (("ddp", 3), ("zero1", 2)),
     (("zero3", 2), ("ddp", 1)),
+    (("pipeline", 2), ("ddp", 1)),
 ]
-NATIVE = [(("fsdp", 2), ("fsdp", 1)), (("ddp", 3), ("ddp", 1))]
+NATIVE = [(("fsdp", 2), ("fsdp", 1)), (("ddp", 3), ("ddp", 1)), (("zero3", 2), ("zero3", 2))]
 
 
 def described(strategy: str, processes: int) -> str:
@@ -62,17 +65,13 @@ def curve(out) -> dict[int, tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory, data_cache):
-    """A 6-step run per source strategy, checkpointing at 3 and 6; launched once, on first use."""
-    done = {}
+def sources(tmp_path_factory):
+    """(run folder, saved.pt) of a source strategy's fixture, copied once per module on first use."""
+    folder, done = tmp_path_factory.mktemp("sources"), {}
 
     def get(strategy: str, processes: int):
         if (strategy, processes) not in done:
-            work = tmp_path_factory.mktemp(f"{strategy}{processes}")
-            out, probe = work / "run", work / "saved.pt"
-            launch("pretrain", strategy, processes, [*PRETRAIN, f"output_dir={out}"], probe, data_cache,
-                   "pretrain_tiny.yaml")
-            done[strategy, processes] = out, probe
+            done[strategy, processes] = copy_fixture(f"{strategy}@{processes}", folder)
         return done[strategy, processes]
 
     return get
@@ -109,8 +108,8 @@ def carried_over(saved_probe, loaded_probe, accumulation: int) -> None:
 
 
 @pytest.mark.parametrize(("source", "target"), [*CONVERTED, *NATIVE], ids=[
-    "zero2@2-to-fsdp@1", "fsdp@2-to-zero3@3", "ddp@3-to-zero1@2", "zero3@2-to-ddp@1",  # converted
-    "fsdp@2-to-fsdp@1", "ddp@3-to-ddp@1",  # loaded as they are
+    "zero2@2-to-fsdp@1", "fsdp@2-to-zero3@3", "ddp@3-to-zero1@2", "zero3@2-to-ddp@1", "pipeline@2-to-ddp@1",  # converted
+    "fsdp@2-to-fsdp@1", "ddp@3-to-ddp@1", "zero3@2-to-zero3@2",  # loaded as they are
 ])
 def test_a_checkpoint_resumes_under_another_strategy_or_world_size(source, target, sources, tmp_path, data_cache):
     source_out, saved_probe = sources(*source)
@@ -130,7 +129,8 @@ def test_a_checkpoint_resumes_under_another_strategy_or_world_size(source, targe
         assert said == [], "a checkpoint that loads as it is was converted"
     assert f"resumed from {checkpoint} at step 3" in log
     continues(source_out, out)
-    carried_over(saved_probe, probe, accumulation=GLOBAL_BATCH // (2 * target[1]))
+    if saved_probe.is_file():  # a pipeline's source run had no probe
+        carried_over(saved_probe, probe, accumulation=GLOBAL_BATCH // (2 * target[1]))
 
 
 def test_a_lora_checkpoint_moves_between_strategies(tiny_base, chatml_file, data_cache, tmp_path):
