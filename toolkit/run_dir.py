@@ -76,14 +76,14 @@ class TrainerState:
     # a skipped non-finite step, or with non-finite weights; rotation keeps the newest that passed
     suspect: str = ""
     # what wrote the checkpoint's files ("" / 0 in checkpoints older than these fields): a resume
-    # under another strategy or world size converts them (toolkit.strategy.consolidated)
+    # under another strategy or world size converts them (toolkit.checkpoint.by_name)
     strategy: str = ""  # e.g. "DeepSpeed ZeRO-2", "FSDP2", "DDP", "single process"
     world_size: int = 0
     # sequences per optimizer step (0 in older checkpoints): the data position is a function of
     # (seed, step, global batch), so a resume must keep it
     global_batch_size: int = 0
     # the optimizer and schedule settings it trained with ({} in older checkpoints): a resume says how
-    # it takes a change, or refuses one it cannot take (toolkit.training.checkpoint.check_same_settings)
+    # it takes a change, or refuses one it cannot take (toolkit.checkpoint.settings.check_same_settings)
     settings: dict = field(default_factory=dict)
 
     def write(self, folder: Path) -> None:

@@ -6,6 +6,7 @@
     data                 corpus, tokenizer, packing, chat, batch schedule
     models               build from scratch, load a base, adapters, loss, gradient checkpointing
     strategy             the Strategy object and every DDP/FSDP/DeepSpeed quirk
+    checkpoint           save, resume, each strategy's files, the state by parameter name
     export               HF folder, consolidate, GGUF, quantize, report
     training             the trainer loop, step, optimizer, checkpoints, metrics, evaluation, samples
 
@@ -19,7 +20,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"config", "run_dir", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"strategy"}, {"export"}, {"training"}]
+LAYERS = [{"config", "run_dir", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"strategy"}, {"checkpoint"},
+          {"export"}, {"training"}]
+KNOW_THE_LAUNCH = ("strategy", "checkpoint")  # the packages that may read the launcher's variables and import deepspeed
 
 
 def layer(module: str) -> int:
@@ -27,11 +30,15 @@ def layer(module: str) -> int:
     return next(i for i, names in enumerate(LAYERS) if top in names)
 
 
-def toolkit_imports(path: Path) -> set[str]:
+def toolkit_imports(path: Path, modules: bool = False) -> set[str]:
+    """The toolkit modules `path` imports, at the top or inside functions; with `modules`, `from toolkit.x import y`
+    counts as an import of toolkit.x.y where y is a module."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("toolkit."):
             found.add(node.module)
+            if modules:
+                found |= {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("toolkit.")}
     return found
@@ -60,18 +67,40 @@ def test_imports_only_point_down_the_layers():
     assert not upward, upward
 
 
-def test_only_the_strategy_package_knows_the_launcher_and_deepspeed():
-    """Nothing outside toolkit/strategy reads WORLD_SIZE/RANK, imports deepspeed or branches on the
-    distributed type: the rest asks the Strategy object."""
+def test_only_the_strategy_and_checkpoint_packages_know_the_launcher_and_deepspeed():
+    """Nothing outside toolkit/strategy and toolkit/checkpoint reads WORLD_SIZE/RANK, imports deepspeed or
+    branches on the distributed type: the rest asks the Strategy object."""
     banned = ("WORLD_SIZE", '"RANK"', "LOCAL_RANK", "import deepspeed", "from deepspeed", "DistributedType",
               "distributed_type")
     offenders = []
     for path in [*sorted((ROOT / "toolkit").rglob("*.py")), *sorted((ROOT / "recipes").glob("*.py"))]:
-        if path.is_relative_to(ROOT / "toolkit" / "strategy"):
+        if any(path.is_relative_to(ROOT / "toolkit" / package) for package in KNOW_THE_LAUNCH):
             continue
         text = path.read_text()
         offenders += [f"{path.relative_to(ROOT)}: {word}" for word in banned if word in text]
     assert not offenders, offenders
+
+
+def test_no_import_circle_anywhere_in_the_toolkit():
+    """Inside a package too, and counting imports inside functions: a circle hidden by a lazy import is
+    still one (a module that cannot be understood, or moved, without the others)."""
+    graph = {name: {t for t in toolkit_imports(path, modules=True) if t in modules() and t != name}
+             for name, path in modules().items()}
+    circles, done = [], set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            circles.append(" -> ".join(path[path.index(name):] + [name]))
+            return
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, path + [name])
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])
+    assert not circles, circles
 
 
 def test_tests_mirror_the_toolkit_layout():

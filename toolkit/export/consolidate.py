@@ -3,7 +3,7 @@
 Sources: a Hugging Face model folder (a run's final/, or any other); a run folder (its final/,
 or a checkpoint chosen by name); a training checkpoint of any strategy; a LoRA adapter folder
 with its base. A checkpoint's weights are gathered by the tools its strategy ships, never by
-hand (toolkit.strategy.saved knows each strategy's files): DeepSpeed's `zero_to_fp32` for
+hand (toolkit.checkpoint.formats knows each strategy's files): DeepSpeed's `zero_to_fp32` for
 ZeRO-1/2/3, torch's `dcp_to_torch_save` for FSDP (what Accelerate's `merge_fsdp_weights` wraps), plain safetensors for DDP. The architecture and tokenizer come from the
 checkpoint's `model_files/` (written beside every checkpoint), or from the run's final/.
 
@@ -27,11 +27,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.checkpoint.formats import gather_full_weights, saved_by
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, check_manifest, crc32
 from toolkit.models.adapter import BASE_MODEL_FILE
 from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState, checkpoint_step, is_complete
-from toolkit.strategy.saved import gather_full_weights, saved_by
 
 # The files of a checkpoint that export reads, by the strategy that saved it (beside model_files/):
 # a damaged optimizer or RNG state does not stop an export of intact weights. DeepSpeed's fp32

@@ -358,50 +358,6 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, max_grad_nor
 FSDP_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
 
 
-# DeepSpeed's own classes inside its checkpoint files: an enum, the loss scaler's attributes and a
-# dataclass of offsets. Allowed by name, they are rebuilt as data; nothing they name runs code.
-DEEPSPEED_CHECKPOINT_CLASSES = (
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-
-
-def deepspeed_checkpoint_classes() -> list[type]:
-    """DEEPSPEED_CHECKPOINT_CLASSES as classes, for torch.serialization.safe_globals."""
-    import importlib
-
-    allowed = []
-    for name in DEEPSPEED_CHECKPOINT_CLASSES:
-        module, _, attr = name.rpartition(".")
-        allowed.append(getattr(importlib.import_module(module), attr))
-    return allowed
-
-
-@contextlib.contextmanager
-def numbers_only_loading():
-    """DeepSpeed's checkpoint files read with torch's weights_only unpickler (DeepSpeed itself passes
-    weights_only=False, which runs whatever code a tampered file names): tensors, numbers, strings,
-    containers and DEEPSPEED_CHECKPOINT_CLASSES only; anything else raises pickle.UnpicklingError."""
-    try:
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    except ImportError:
-        yield
-        return
-    allowed = deepspeed_checkpoint_classes()
-    real = TorchCheckpointEngine.load
-
-    def load(self, path: str, map_location=None):
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-    TorchCheckpointEngine.load = load
-    try:
-        yield
-    finally:
-        TorchCheckpointEngine.load = real
-
-
 @contextlib.contextmanager
 def outside_training(accelerator: Accelerator):
     """Build, load and generate in here as in a new single process, whatever the strategy.
@@ -1066,18 +1022,6 @@ class Strategy:
             return self.pipeline.whole_model(state_dict)
         return self.accelerator.unwrap_model(model)
 
-    def save_state(self, folder: Path) -> None:
-        """Collective: this launch's checkpoint files in `folder` (Accelerate's save_state, and each
-        pipeline stage's weights and optimizer state)."""
-        self.accelerator.save_state(str(folder))
-        if self.pipeline is not None:
-            self.pipeline.save(folder, self.optimizer)
-
-    def load_stage_state(self, folder: Path) -> None:
-        """A pipeline stage's weights and optimizer state (what Accelerate's load_state does not hold)."""
-        if self.pipeline is not None:
-            self.pipeline.load(folder, self.optimizer)
-
     def check_replicas_in_sync(self, model: torch.nn.Module) -> list[str]:
         if self.pipeline is None:
             return check_replicas_in_sync(self.accelerator, model)
@@ -1094,39 +1038,13 @@ class Strategy:
         """Where a quantised (QLoRA) base loads: this rank's own GPU."""
         return {"": self.accelerator.local_process_index}
 
-    # ------------------------------------------- resuming under another strategy or world size
-    @property
-    def layout(self) -> str:
-        """The file layout this launch's checkpoints have (toolkit.strategy.saved.layout_of)."""
-        from toolkit.strategy.saved import layout_of
-
-        return layout_of(self.name)
-
-    def resumes_natively(self, saved) -> bool:
-        """Whether Accelerate's load_state reads a checkpoint `saved` (a SavedLayout) as it is.
-
-        Measured on CPU: DDP's files (the whole model, an optimizer keyed by parameter order) are the
-        same for any number of processes, and torch.distributed.checkpoint reshards FSDP2's DCP files
-        to any number on load; DeepSpeed's ZeRO partitions fit only the stage and world size that
-        wrote them. Anything else goes through the state by parameter name (toolkit.strategy.consolidated)."""
-        if saved.layout != self.layout:
-            return False
-        if self.layout == "pipeline":
-            return saved.strategy == self.name  # the same cut: stage i's files are stage i's weights
-        return self.layout in ("ddp", "fsdp2") or saved.world_size in (0, self.world_size)
-
-    def optimizer_parameter_names(self) -> list[list[str]] | None:
-        """DDP / one process: the parameter names of the optimizer's groups, in the order that
-        optimizer.bin numbers them (saved beside it: saved.OPTIMIZER_NAMES). None elsewhere: FSDP2 and
-        DeepSpeed checkpoints name their parameters themselves."""
+    def prepared(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer], list]:
+        """(models, optimizers, registered objects) as `prepare` and register_for_checkpointing handed them
+        to Accelerate, unwrapped: the modules, the torch optimizers, the LR schedule. Accelerate keeps them
+        in private lists only; they are read here alone, so that a change of its internals breaks one place."""
         acc = self.accelerator
-        if self.kind not in ("single", "ddp") or len(acc._models) != 1 or len(acc._optimizers) != 1:
-            return None
-        from toolkit.strategy.consolidated import parameter_names
-
-        names = parameter_names(acc.unwrap_model(acc._models[0]))
-        optimizer = getattr(acc._optimizers[0], "optimizer", acc._optimizers[0])
-        return [[names[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
+        return ([acc.unwrap_model(m) for m in acc._models], [getattr(o, "optimizer", o) for o in acc._optimizers],
+                list(acc._custom_objects))
 
     def on_main(self, compute: Callable[[], T]) -> T:
         """Collective: `compute()` run by the main process alone while the others wait, its value (or
@@ -1144,30 +1062,3 @@ class Strategy:
         if verdict[1] is not None:
             raise UserError(verdict[1])
         return verdict[0]
-
-    def converted_checkpoint(self, folder: Path) -> tuple[Path, bool]:
-        """Collective: checkpoint `folder`'s state by parameter name, made by the main process alone
-        (or found made before: the bool) while the others wait; a UserError is raised on every rank."""
-        from toolkit.strategy.consolidated import cached_conversion
-
-        return self.on_main(lambda: cached_conversion(folder))
-
-    def load_consolidated(self, folder: Path) -> None:
-        """Collective: a converted checkpoint (toolkit.strategy.consolidated) into the prepared model
-        and optimizer, with this strategy's own setters (toolkit.strategy.consolidated_loading)."""
-        from toolkit.strategy import consolidated_loading as load
-        from toolkit.strategy.consolidated import ConsolidatedState
-
-        acc = self.accelerator
-        state = ConsolidatedState(folder)
-        if self.pipeline is not None:
-            load.load_into_pipeline(self.pipeline, self.optimizer, state)
-            return
-        if self.kind == "deepspeed":
-            load.load_into_deepspeed(acc.deepspeed_engine_wrapped.engine, state)
-            return
-        model, optimizer = acc.unwrap_model(acc._models[0]), acc._optimizers[0].optimizer
-        if self.kind == "fsdp":
-            load.load_into_fsdp(model, optimizer, state)
-        else:
-            load.load_into_ddp(model, optimizer, state)

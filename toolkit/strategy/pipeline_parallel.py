@@ -32,18 +32,15 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.config import UserError
 from toolkit.data.packing import MASKED_ATTENTION, block_causal_mask
 from toolkit.models.loss import target_loss_sum, targets_of
+from toolkit.models.parameters import parameter_names
 from toolkit.models.router import expert_count
-from toolkit.strategy.consolidated import parameter_names
-from toolkit.strategy.saved import PIPELINE_OPTIMIZER, PIPELINE_STAGE
 
 # decoders whose forward is embedding -> layers -> norm and nothing else (checked in transformers 5.23)
 SPLITTABLE = ("llama", "mistral", "qwen2", "qwen3")
@@ -256,49 +253,7 @@ class Pipeline:
         for name, p in self.module.named_parameters():
             yield self.module.whole_name(name), p
 
-    # ------------------------------------------------------------ checkpoints and final/
-    def stage_files(self, folder: Path, index: int | None = None) -> tuple[Path, Path]:
-        """(weights, optimizer state) of stage `index` (this rank's by default) in a checkpoint folder."""
-        index = self.index if index is None else index
-        return folder / PIPELINE_STAGE.format(index), folder / PIPELINE_OPTIMIZER.format(index)
-
-    def save(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Collective over nothing: the first replica's rank of each stage writes its weights (by their
-        whole-model names) and its optimizer's state; the other replicas hold the same."""
-        if self.replica != 0:
-            return
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file
-
-        weights, state = self.stage_files(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        names = {id(p): n for n, p in self.named_parameters()}
-        # the optimizer numbers its parameters: their names beside it, to move the state elsewhere
-        groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-        try:
-            save_file({n: p.detach().contiguous().cpu() for n, p in self.named_parameters()}, str(weights))
-        except SafetensorError as exc:  # a full disk, as the checkpoint's other writes report it
-            raise OSError(f"{weights}: {exc}") from exc
-        torch.save({"optimizer": optimizer.state_dict(), "parameter_names": groups}, state)
-
-    def load(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        """This stage's weights and optimizer state from a checkpoint of the same pipeline."""
-        from safetensors.torch import load_file
-
-        weights, state = self.stage_files(folder)
-        if not weights.exists() or not state.exists():
-            raise UserError(f"checkpoint {folder} has no {weights.name}: it was not written by a pipeline of "
-                            f"{self.stages} stages; resume it with the train.pipeline_stages it was trained with")
-        saved = load_file(str(weights))
-        mine = dict(self.named_parameters())
-        if sorted(saved) != sorted(mine):
-            raise UserError(f"checkpoint {folder}: {weights.name} holds other weights than this stage "
-                            "(another model or another cut); resume with the config it was trained with")
-        with torch.no_grad():
-            for name, p in mine.items():
-                p.copy_(saved[name])
-        optimizer.load_state_dict(torch.load(state, map_location=p.device, weights_only=True)["optimizer"])
-
+    # ------------------------------------------------------------ final/
     def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the whole model's weights (fp32, on the CPU) on rank 0, None elsewhere; a tied
         head is left to the embedding it is tied to."""

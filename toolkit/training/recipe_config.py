@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from toolkit.checkpoint.manager import CheckpointConfig
 from toolkit.config import field
 from toolkit.data.chat import ChatDataConfig
 from toolkit.data.corpus import DataConfig
@@ -12,7 +13,6 @@ from toolkit.data.tokenizer import TokenizerConfig
 from toolkit.models.adapter import AdapterConfig
 from toolkit.models.base_model import BaseModelConfig
 from toolkit.models.scratch import ModelConfig
-from toolkit.training.checkpoint import CheckpointConfig
 from toolkit.training.evaluation import EvalConfig
 from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig

@@ -33,6 +33,14 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
+from toolkit.checkpoint.integrity import intact_checkpoint
+from toolkit.checkpoint.manager import SaveFailed, load_checkpoint, save_checkpoint
+from toolkit.checkpoint.settings import (
+    check_same_data_order,
+    check_same_settings,
+    take_changed_settings,
+    trained_settings,
+)
 from toolkit.config import UserError, field, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.packing import block_targets, check_attention, column
@@ -46,16 +54,6 @@ from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy, is_launch_main, reported_verdict
 from toolkit.strategy.rank_process import launch_id
 from toolkit.strategy.sharding import GradientMeter, held_bytes
-from toolkit.training.checkpoint import (
-    SaveFailed,
-    check_same_data_order,
-    check_same_settings,
-    intact_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    take_changed_settings,
-    trained_settings,
-)
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import (
     MetricsWriter,

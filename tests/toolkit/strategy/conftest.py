@@ -1,7 +1,6 @@
 """Fixtures shared by the strategy tests: what each rank held, from the strategy matrix's runs at 2 processes
 and from the sharding probe's launches otherwise, launched once per (strategy, process count) for the whole
-session (test_sharding.py and test_memory.py read the same runs), and a real one-process checkpoint
-(test_consolidated.py and test_consolidated_loading.py)."""
+session (test_sharding.py and test_memory.py read the same runs)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ from pathlib import Path
 
 import probe_ranks
 import pytest
-from accelerate.state import AcceleratorState, GradientState
-from one_process_checkpoints import saved_checkpoint
 
 PROBE = Path(__file__).with_name("sharding_probe.py")
 
@@ -56,17 +53,3 @@ def matrix_sharding(strategy_runs) -> Callable[[str], dict]:
                 "ranks": held, "model": model}
 
     return get
-
-
-@pytest.fixture
-def fresh_accelerate():
-    """Accelerate's process-wide state dropped after the test, so the next one launches anew."""
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture
-def one_process_checkpoint(tmp_path, tiny_model, fresh_accelerate):
-    """(checkpoint folder, the model and optimizer that wrote it) after 2 steps, one process."""
-    return saved_checkpoint(tmp_path, tiny_model)

@@ -251,7 +251,7 @@ def test_low_disk_space_is_said_before_the_save(tmp_path, blocks, tiny_tokenizer
         usage = real(path)
         return usage._replace(free=1000) if trainer.run.latest_checkpoint() is not None else usage
 
-    monkeypatch.setattr("toolkit.training.checkpoint.shutil.disk_usage", nearly_full)
+    monkeypatch.setattr("toolkit.checkpoint.manager.shutil.disk_usage", nearly_full)
     trainer.fit()
     trainer.close()
     assert "warning: 1,000 bytes free for checkpoint step-4, the previous one took" in capsys.readouterr().out

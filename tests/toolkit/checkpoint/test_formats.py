@@ -1,4 +1,4 @@
-"""Which strategy wrote a checkpoint folder (toolkit.strategy.saved.saved_by), from folders laid out
+"""Which strategy wrote a checkpoint folder (toolkit.checkpoint.formats.saved_by), from folders laid out
 as each strategy's `save_state` leaves them, and gathering full weights from the DDP and FSDP
 layouts into files that load."""
 
@@ -11,8 +11,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file, save_file
 
-from toolkit.run_dir import TrainerState
-from toolkit.strategy.saved import (
+from toolkit.checkpoint.formats import (
     OPTIMIZER_NAMES,
     SavedLayout,
     gather_full_weights,
@@ -21,6 +20,7 @@ from toolkit.strategy.saved import (
     saved_by,
     saved_layout,
 )
+from toolkit.run_dir import TrainerState
 
 # what Accelerate's save_state writes besides the model, whatever the strategy
 ACCELERATE_EXTRAS = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")

@@ -1,4 +1,4 @@
-"""A checkpoint as its state by parameter name (toolkit.strategy.consolidated), from real one-process
+"""A checkpoint as its state by parameter name (toolkit.checkpoint.by_name), from real one-process
 checkpoints written by save_checkpoint: the conversion equals what the optimizer held, is cached
 beside the checkpoint and made again when the checkpoint changes, and what cannot be converted is
 refused in one line. The FSDP2 and DeepSpeed readers need a launch: tests/recipes/test_resume_elsewhere.py
@@ -16,17 +16,12 @@ import torch
 from one_process_checkpoints import launch, trained
 from unprivileged import error_as_nobody
 
+from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, cached_conversion, convert
+from toolkit.checkpoint.formats import OPTIMIZER_NAMES
+from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.config import UserError
+from toolkit.models.parameters import parameter_names
 from toolkit.run_dir import RunDir, TrainerState, converted_state
-from toolkit.strategy.consolidated import (
-    MOMENTS,
-    ConsolidatedState,
-    cached_conversion,
-    convert,
-    parameter_names,
-)
-from toolkit.strategy.saved import OPTIMIZER_NAMES
-from toolkit.training.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 

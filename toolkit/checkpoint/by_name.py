@@ -5,7 +5,7 @@ and an optimizer.bin keyed by integer ids, FSDP2 DCP shards, DeepSpeed ZeRO flat
 file per rank. To resume it under another strategy or world size it is converted once into the
 state by parameter name, kept beside it (`step-N.converted/`, toolkit.run_dir.converted_state):
 
-    weights/                 the full fp32 weights (saved.gather_full_weights: DDP's safetensors as
+    weights/                 the full fp32 weights (formats.gather_full_weights: DDP's safetensors as
                              they are, FSDP's DCP files through dcp_to_torch_save, DeepSpeed's zero_to_fp32)
     exp_avg.safetensors      Adam's first and second moments of every trained parameter, by name
     exp_avg_sq.safetensors
@@ -17,7 +17,7 @@ torch.distributed.checkpoint reshards FSDP2/DTensor state (it reads neither Deep
 nor DDP's id-keyed optimizer.bin), and DeepSpeed's universal checkpoint loads only into DeepSpeed.
 Both serve here as readers:
 - DDP / one process: optimizer.bin (torch's optimizer state dict), its ids named by the list the
-  toolkit records at save time (saved.OPTIMIZER_NAMES); an older checkpoint without that list is
+  toolkit records at save time (formats.OPTIMIZER_NAMES); an older checkpoint without that list is
   refused rather than matched by guessing.
 - FSDP2: optimizer_0/, the DCP save of `get_optimizer_state_dict` (keyed by name), read into one
   process with torch.distributed.checkpoint.format_utils.dcp_to_torch_save.
@@ -30,7 +30,7 @@ and trainer_state.json hold no strategy and are read as they are.
 
 The conversion runs in one process (the main rank, no launcher) while the others wait, leaves
 the checkpoint untouched, and is reused by a later resume of the same checkpoint. Every rank then
-loads it with its strategy's own setters (toolkit.strategy.consolidated_loading).
+loads it with its strategy's own setters (toolkit.checkpoint.loading).
 
 Not convertible, in one line (UserError): a DeepSpeed JSON with its own optimizer or scheduler on
 either side (that state is DeepSpeed's, not the recipe's AdamW and schedule), DeepSpeed without
@@ -44,7 +44,6 @@ import io
 import json
 import os
 import pickle
-import re
 import shutil
 import tempfile
 from argparse import Namespace
@@ -54,10 +53,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from toolkit.config import UserError
-from toolkit.manifest import crc32
-from toolkit.run_dir import STATE_FILE, converted_state
-from toolkit.strategy.saved import (
+from toolkit.checkpoint.formats import (
     PIPELINE_OPTIMIZER,
     SavedLayout,
     deepspeed_config,
@@ -68,6 +64,10 @@ from toolkit.strategy.saved import (
     saved_by,
     saved_layout,
 )
+from toolkit.checkpoint.unpickling import load, not_only_numbers, numbers_only_torch_load
+from toolkit.config import UserError
+from toolkit.manifest import crc32
+from toolkit.run_dir import STATE_FILE, converted_state
 
 VERSION = 1
 WEIGHTS = "weights"
@@ -92,7 +92,7 @@ def convert(folder: Path, into: Path) -> None:
     log = io.StringIO()  # what DeepSpeed's converters print, shown only if they fail
     try:
         with (
-            weights_only_torch_load(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log),
+            numbers_only_torch_load(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log),
             tempfile.TemporaryDirectory(dir=into) as scratch,
         ):
             if kind == "ddp":
@@ -108,12 +108,7 @@ def convert(folder: Path, into: Path) -> None:
     except (UserError, OSError):
         raise
     except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        raise UserError(
-            f"checkpoint {folder} holds pickled objects beyond tensors and numbers"
-            f"{f' ({found.group(1)})' if found else ''}; the toolkit never unpickles those (they can run code): "
-            "resume from a checkpoint the toolkit wrote"
-        ) from None
+        raise UserError(not_only_numbers(f"checkpoint {folder}", exc)) from None
     except Exception as exc:
         raise RuntimeError(f"converting {folder} failed: {exc}\n--- its tools printed:\n{log.getvalue()[-3000:]}") from exc
     for key in MOMENTS:
@@ -157,7 +152,7 @@ def _ddp_moments(folder: Path) -> tuple[dict, dict]:
             "entries belongs to, so its Adam state cannot be moved to another strategy; resume it under DDP or one "
             "process (any number of processes)"
         )
-    saved = torch.load(folder / "optimizer.bin", map_location="cpu", weights_only=True, mmap=True)
+    saved = load(folder / "optimizer.bin", mmap=True)
     groups = saved["param_groups"]
     if [len(g["params"]) for g in groups] != [len(n) for n in names]:
         raise UserError(f"checkpoint {folder}: optimizer.bin and its parameter names disagree (another save's files)")
@@ -175,7 +170,7 @@ def _pipeline_moments(folder: Path) -> tuple[dict, dict]:
     """Each stage's optimizer state, by the whole-model names saved beside it."""
     moments, steps = {}, {}
     for stage in range(len(pipeline_stage_files(folder))):
-        saved = torch.load(folder / PIPELINE_OPTIMIZER.format(stage), map_location="cpu", weights_only=True)
+        saved = load(folder / PIPELINE_OPTIMIZER.format(stage))
         optimizer = saved["optimizer"]
         for group, names in zip(optimizer["param_groups"], saved["parameter_names"], strict=True):
             for index, name in zip(group["params"], names, strict=True):
@@ -191,7 +186,7 @@ def _fsdp_moments(folder: Path, scratch: Path) -> tuple[dict, dict]:
 
     whole = scratch / "optimizer.pt"
     dcp_to_torch_save(str(folder / "optimizer_0"), str(whole))  # Accelerate saves {"optimizer": state dict}
-    saved = torch.load(whole, map_location="cpu", weights_only=True, mmap=True)["optimizer"]
+    saved = load(whole, mmap=True)["optimizer"]
     moments = {plain_name(name): {key: state[key] for key in MOMENTS} for name, state in saved["state"].items()}
     steps = {plain_name(name): _step(state["step"]) for name, state in saved["state"].items()}
     return moments, steps
@@ -211,7 +206,7 @@ def _deepspeed_moments(folder: Path, scratch: Path) -> tuple[dict, dict]:
     zero = out / "zero"
     # ZeRO-1/2 write each parameter's step; ZeRO-3 one step for all, in its optimizer state (DeepSpeed's
     # own universal loader reads it from there the same way)
-    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)
+    common = load(zero / "optimizer_state.pt")
     group_state = common.get("optimizer_state_dict", {}).get("state", {})
     zero3_step = _step(group_state[0]["step"]) if 0 in group_state else None
     shapes = _deepspeed_shapes(folder)  # ZeRO-3's universal tensors are flat
@@ -223,43 +218,20 @@ def _deepspeed_moments(folder: Path, scratch: Path) -> tuple[dict, dict]:
             key: _universal_tensor(param / f"{key}.pt").reshape(shapes[param.name]) for key in MOMENTS
         }
         step = param / "step.pt"
-        steps[param.name] = _step(torch.load(step, weights_only=True)) if step.is_file() else zero3_step
+        steps[param.name] = _step(load(step)) if step.is_file() else zero3_step
     return moments, steps
 
 
 def _deepspeed_shapes(folder: Path) -> dict[str, torch.Size]:
     """The trained parameters' shapes, as DeepSpeed records them in its model states files."""
     first = sorted(deepspeed_tag_folder(folder).glob("*model_states.pt"))[0]
-    saved = torch.load(first, map_location="cpu", weights_only=True, mmap=True)
+    saved = load(first, mmap=True)
     return {name: shape for group in saved["param_shapes"] for name, shape in group.items()}
 
 
 def _universal_tensor(path: Path) -> torch.Tensor:
-    value = torch.load(path, map_location="cpu", weights_only=True)
+    value = load(path)
     return value["param"] if isinstance(value, dict) else value  # ZeRO-1/2: {"param", "cat_dim"}; ZeRO-3: the tensor
-
-
-@contextlib.contextmanager
-def weights_only_torch_load():
-    """Every torch.load in here through the weights_only unpickler (DeepSpeed's converters pass
-    weights_only=False, which runs whatever code a tampered file names)."""
-    from toolkit.strategy.distributed import deepspeed_checkpoint_classes
-
-    real = torch.load
-    try:
-        allowed = deepspeed_checkpoint_classes()
-    except ImportError:
-        allowed = []
-
-    def load(f, map_location=None, *args, weights_only=True, **kwargs):
-        with torch.serialization.safe_globals(allowed):
-            return real(f, map_location, *args, weights_only=True, **kwargs)
-
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = real
 
 
 def cached_conversion(folder: Path) -> tuple[Path, bool]:
@@ -310,7 +282,7 @@ class ConsolidatedState:
             handle = safe_open(str(f), "pt")
             self._weights.update({plain_name(k): handle for k in handle.keys()})
         for f in sorted((folder / WEIGHTS).glob("pytorch_model*.bin")):
-            shard = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            shard = load(f, mmap=True)
             self._weights.update({plain_name(k): shard for k in shard})
         self._moments = {key: safe_open(str(folder / f"{key}.safetensors"), "pt") for key in MOMENTS}
 
@@ -339,11 +311,3 @@ class ConsolidatedState:
     @property
     def trained(self) -> int:
         return len(self.meta["steps"])
-
-
-def parameter_names(module: torch.nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> every name it goes by (a tied embedding and output head share one)."""
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return names

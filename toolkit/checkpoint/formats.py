@@ -25,6 +25,8 @@ from typing import Literal
 
 import torch
 
+from toolkit.checkpoint.unpickling import load
+from toolkit.config import UserError
 from toolkit.run_dir import TrainerState, is_complete
 
 SavedBy = Literal["ddp", "fsdp", "deepspeed", "pipeline"]
@@ -58,7 +60,7 @@ def layout_of(strategy: str) -> str:
     if zero:
         return f"zero{zero.group(1)}"
     if strategy.startswith("pipeline"):
-        return "pipeline"  # each stage's weights and optimizer state (toolkit.strategy.pipeline_parallel)
+        return "pipeline"  # each stage's weights and optimizer state (save_pipeline_stage)
     if strategy.startswith("FSDP"):
         return "fsdp1" if strategy == "FSDP1" else "fsdp2"
     return "ddp"
@@ -92,14 +94,11 @@ def deepspeed_tag_folder(folder: Path) -> Path:
 
 def deepspeed_config(folder: Path) -> dict:
     """The DeepSpeed config a DeepSpeed checkpoint was trained with (kept in its model states files)."""
-    from toolkit.strategy.distributed import deepspeed_checkpoint_classes
-
     files = sorted(deepspeed_tag_folder(folder).glob("*model_states.pt"))
     if not files:
         return {}
     # mmap: the file holds the module's weights too, which are not read
-    with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
-        return torch.load(files[0], map_location="cpu", weights_only=True, mmap=True).get("ds_config", {})
+    return load(files[0], mmap=True).get("ds_config", {})
 
 
 def read_optimizer_names(folder: Path) -> list[list[str]] | None:
@@ -131,13 +130,13 @@ def gather_full_weights(kind: SavedBy, folder: Path, into: Path) -> Path:
     elif kind == "fsdp":
         # torch's own DCP reader, in this process alone. Accelerate's merge_fsdp_weights wraps the
         # same call but ends in a barrier of every rank: a main process converting a checkpoint by
-        # itself inside a launched run (toolkit.strategy.consolidated) would wait there for ever.
+        # itself inside a launched run (toolkit.checkpoint.by_name) would wait there for ever.
         from safetensors.torch import save_file
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         whole = into / "dcp_model.pt"
         dcp_to_torch_save(str(_fsdp_model_dir(folder)), str(whole))
-        state = torch.load(whole, map_location="cpu", weights_only=True, mmap=True)
+        state = load(whole, mmap=True)
         state = state["model"] if set(state) == {"model"} else state  # Accelerate saves {"model": ...}
         save_file({k: v.contiguous() for k, v in state.items()}, into / "model.safetensors", metadata={"format": "pt"})
         del state
@@ -158,6 +157,45 @@ def gather_full_weights(kind: SavedBy, folder: Path, into: Path) -> Path:
     else:
         raise ValueError(f"not a checkpoint kind: {kind}")
     return into
+
+
+def save_pipeline_stage(pipeline, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+    """A pipeline stage's weights (by their whole-model names) and its optimizer's state, written by
+    the first replica's rank of each stage; the other replicas hold the same."""
+    if pipeline.replica != 0:
+        return
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    weights, state = folder / PIPELINE_STAGE.format(pipeline.index), folder / PIPELINE_OPTIMIZER.format(pipeline.index)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = {id(p): n for n, p in pipeline.named_parameters()}
+    # the optimizer numbers its parameters: their names beside it, to move the state elsewhere
+    groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    try:
+        save_file({n: p.detach().contiguous().cpu() for n, p in pipeline.named_parameters()}, str(weights))
+    except SafetensorError as exc:  # a full disk, as the checkpoint's other writes report it
+        raise OSError(f"{weights}: {exc}") from exc
+    torch.save({"optimizer": optimizer.state_dict(), "parameter_names": groups}, state)
+
+
+def load_pipeline_stage(pipeline, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+    """This rank's stage's weights and optimizer state from a checkpoint of the same pipeline."""
+    from safetensors.torch import load_file
+
+    weights, state = folder / PIPELINE_STAGE.format(pipeline.index), folder / PIPELINE_OPTIMIZER.format(pipeline.index)
+    if not weights.exists() or not state.exists():
+        raise UserError(f"checkpoint {folder} has no {weights.name}: it was not written by a pipeline of "
+                        f"{pipeline.stages} stages; resume it with the train.pipeline_stages it was trained with")
+    saved = load_file(str(weights))
+    mine = dict(pipeline.named_parameters())
+    if sorted(saved) != sorted(mine):
+        raise UserError(f"checkpoint {folder}: {weights.name} holds other weights than this stage "
+                        "(another model or another cut); resume with the config it was trained with")
+    with torch.no_grad():
+        for name, p in mine.items():
+            p.copy_(saved[name])
+    optimizer.load_state_dict(load(state, map_location=p.device)["optimizer"])
 
 
 def pipeline_stage_files(folder: Path) -> list[Path]:

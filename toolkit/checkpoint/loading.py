@@ -1,4 +1,4 @@
-"""A converted checkpoint (toolkit.strategy.consolidated) into a prepared model and optimizer, on
+"""A converted checkpoint (toolkit.checkpoint.by_name) into a prepared model and optimizer, on
 every rank after `prepare`, with each strategy's own setters:
 
 - DDP / one process: load_state_dict on the model; the optimizer's state dict built by name.
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, plain_name
 from toolkit.config import UserError
-from toolkit.strategy.consolidated import MOMENTS, ConsolidatedState, parameter_names, plain_name
+from toolkit.models.parameters import parameter_names
 
 
 def _check_moments(state: ConsolidatedState, module: torch.nn.Module, names: dict[int, list[str]]) -> None:

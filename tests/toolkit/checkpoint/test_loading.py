@@ -1,4 +1,4 @@
-"""A converted checkpoint loaded into a fresh run (toolkit.strategy.consolidated_loading), from real
+"""A converted checkpoint loaded into a fresh run (toolkit.checkpoint.loading), from real
 one-process checkpoints: weights and Adam state as the run that saved them held them, and a run
 that trains parameters the checkpoint has no state for, or lacks weights for, refused in one line.
 The FSDP2 and DeepSpeed setters need a launch: tests/recipes/test_resume_elsewhere.py runs them."""
@@ -9,9 +9,10 @@ import pytest
 import torch
 from one_process_checkpoints import launch, trained
 
+from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, cached_conversion
+from toolkit.checkpoint.loading import load_into_ddp
 from toolkit.config import UserError
-from toolkit.strategy.consolidated import MOMENTS, ConsolidatedState, cached_conversion, parameter_names
-from toolkit.strategy.consolidated_loading import load_into_ddp
+from toolkit.models.parameters import parameter_names
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 

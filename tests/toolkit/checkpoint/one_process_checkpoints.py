@@ -1,4 +1,4 @@
-"""Real one-process checkpoints for the tests of toolkit.strategy.consolidated and consolidated_loading:
+"""Real one-process checkpoints for the tests of toolkit.checkpoint.by_name and loading:
 a tiny LLaMA (tied embeddings) under AdamW with the recipe's two parameter groups and a schedule,
 trained a few steps by a real single-process Strategy and saved by save_checkpoint."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
+from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
-from toolkit.training.checkpoint import save_checkpoint
 
 
 def launch(tmp_path: Path) -> Strategy:

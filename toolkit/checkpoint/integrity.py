@@ -1,0 +1,84 @@
+"""Which checkpoint a resume may trust: its manifest, its state file and every rank's files checked first;
+resume=auto falls back past damaged ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from toolkit.checkpoint.formats import deepspeed_tag_folder, saved_layout
+from toolkit.config import UserError
+from toolkit.manifest import MANIFEST, check_manifest, crc32
+from toolkit.run_dir import STATE_FILE, RunDir, TrainerState, checkpoint_step
+from toolkit.strategy.distributed import Strategy
+
+
+def intact_checkpoint(
+    strategy: Strategy, run: RunDir, chosen: Path, auto: bool, say: Callable[[str], None] = print
+) -> Path:
+    """Collective: the checkpoint to resume from once its manifest is checked (on the main process;
+    every rank gets the same verdict).
+
+    resume=auto falls back to the newest older checkpoint that is intact, saying so, and moves
+    each damaged one aside (`step-N.damaged`: kept for a post-mortem, out of rotation, never
+    resumed from); resume=PATH stops in one line that names the damaged file.
+    """
+
+    def choose() -> Path:
+        run.drop_pruned()
+        candidates = [chosen] + ([c for c in reversed(run.complete_checkpoints()) if c != chosen] if auto else [])
+        problems = []
+        for folder in candidates:
+            problem = check_manifest(folder) or check_state_file(folder)
+            if problem is None:
+                return folder
+            problems.append(problem)
+            if not auto:
+                break
+            aside = folder.with_name(folder.name + ".damaged")
+            folder.rename(aside)
+            say(f"checkpoint {folder.name} is damaged ({problem}); moved to {aside.name}, trying the one before")
+        where = f"resume={chosen}" if not auto else f"resume=auto: no intact checkpoint in {run.checkpoints}"
+        raise UserError(f"{where}: {problems[0]}; resume from an intact checkpoint or start a new output_dir")
+
+    return strategy.on_main(choose)
+
+
+def check_state_file(folder: Path) -> str | None:
+    """None if the checkpoint's trainer_state.json is its own: readable, of the folder's step, and
+    naming the checksum of the manifest beside it (checkpoints older than that field pass on the step)."""
+    path = folder / STATE_FILE
+    try:
+        state = TrainerState.read(folder)
+    except (OSError, ValueError, TypeError) as exc:
+        return f"{path} is not a readable trainer state ({exc})"
+    step = checkpoint_step(folder)
+    if step is not None and state.step != step:
+        return f"{path} is of step {state.step}, not {step}: a state file from another checkpoint"
+    manifest = folder / MANIFEST
+    if state.manifest_crc32 and not manifest.is_file():  # else every file it lists would go unchecked
+        return f"{manifest} is missing (its {STATE_FILE} names one), so its files cannot be checked"
+    if state.manifest_crc32 and crc32(manifest) != state.manifest_crc32:
+        return f"{path} belongs to another checkpoint (it names another manifest than {manifest})"
+    if not manifest.is_file():  # a checkpoint older than manifests: at least every rank's files
+        return missing_rank_file(folder)
+    return None
+
+
+def missing_rank_file(folder: Path) -> str | None:
+    """The first file one rank of the run that saved `folder` should have written and did not: its
+    random states (every strategy), its ZeRO optimizer partition (DeepSpeed ZeRO-1/2/3, which
+    otherwise fails deep in DeepSpeed with a ValueError that names no rank)."""
+    saved = saved_layout(folder)
+    if saved is None or not saved.world_size:
+        return None
+    for rank in range(saved.world_size):
+        if not (folder / f"random_states_{rank}.pkl").is_file():
+            return f"{folder / f'random_states_{rank}.pkl'} is missing (rank {rank} of {saved.world_size} writes it)"
+    if saved.layout in ("zero1", "zero2", "zero3"):
+        tag = deepspeed_tag_folder(folder)
+        for rank in range(saved.world_size):
+            if not any(tag.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
+                return (f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank "
+                        f"{rank} of {saved.world_size})")
+    return None

@@ -1,0 +1,358 @@
+"""Training checkpoints: the strategy's save_state in checkpoints/step-N/, keep the last K, resume.
+
+A checkpoint is complete only once its TrainerState (`trainer_state.json`) is written, after
+every rank has finished its part of `save_state`; a folder without it (a crash mid-save) is
+never resumed from and never counts towards `keep_last` (see toolkit.run_dir). Just before it,
+the manifest records every file's size and CRC-32 (toolkit.manifest), checked before a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from toolkit.checkpoint import loading
+from toolkit.checkpoint.by_name import ConsolidatedState, cached_conversion
+from toolkit.checkpoint.formats import (
+    OPTIMIZER_NAMES,
+    SavedLayout,
+    layout_of,
+    load_pipeline_stage,
+    save_pipeline_stage,
+    saved_layout,
+)
+from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
+from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
+from toolkit.config import UserError, field
+from toolkit.faults import fail_point, kill_point
+from toolkit.manifest import MANIFEST, crc32, write_manifest
+from toolkit.models.parameters import parameter_names
+from toolkit.run_dir import (
+    MODEL_FILES,
+    PRUNED,
+    RunDir,
+    TrainerState,
+    converted_state,
+)
+from toolkit.strategy.distributed import Strategy
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = field(100, help="save a checkpoint every N optimizer steps (0 = only at the end)")
+    keep_last: int = field(2, help="complete checkpoints to keep; older ones are deleted")
+    final_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        "float32", help="dtype of the weights in final/ and adapter/: the fp32 master weights cast to it, under every strategy"
+    )
+    on_save_error: Literal["stop", "continue"] = field(
+        "stop", help="when a checkpoint cannot be written (disk full, I/O error): stop the run (exit 5; resume=auto "
+        "continues from the previous checkpoint once there is room) or train on and try again at the next save"
+    )
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.every < 0:
+            problems.append(f"every={self.every} must be >= 0")
+        if self.keep_last < 1:
+            problems.append(f"keep_last={self.keep_last} must be at least 1")
+        return problems
+
+
+def save_checkpoint(
+    strategy: Strategy,
+    run: RunDir,
+    state: TrainerState,
+    keep_last: int,
+    model_files: Callable[[Path], None] | None = None,
+    say: Callable[[str], None] = print,
+    rank_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Collective: every rank must call it.
+
+    `model_files(folder)` writes what turns the saved weights back into a model without the
+    run (config, tokenizer): recipes/export.py consolidates any checkpoint from it alone.
+    `rank_files(folder)` is called on every rank, for what each rank keeps of its own (a stream's position).
+    """
+    acc = strategy.accelerator
+    folder = run.checkpoint(state.step)
+    # what wrote the files: a resume under another strategy or world size converts them
+    state.strategy, state.world_size = strategy.name, strategy.world_size
+    optimizer_names = optimizer_parameter_names(strategy)
+    kill_point("save.start", state.step)
+    if acc.is_main_process:
+        if folder.exists():
+            shutil.rmtree(folder)  # a stale, incomplete save of the same step
+        shutil.rmtree(converted_state(folder), ignore_errors=True)  # made from a checkpoint of this step before
+        run.drop_pruned()
+    previous = run.latest_checkpoint()
+    if acc.is_main_process and previous is not None:
+        warn_low_space(folder, previous, say)
+    acc.wait_for_everyone()
+    # A write that fails (disk full, I/O error, permission) on any rank fails the save on every
+    # rank: the partial folder goes, the previous checkpoint was never touched, and the trainer
+    # stops or goes on as checkpoint.on_save_error says.
+    failure = None
+    try:
+        strategy.accelerator.save_state(str(folder))
+        if strategy.pipeline is not None:  # each stage's weights and optimizer state, which Accelerate does not hold
+            save_pipeline_stage(strategy.pipeline, folder, strategy.optimizer)
+        if rank_files is not None:
+            rank_files(folder)
+        fail_point("save.rank_files", state.step, folder)
+    except (OSError, RuntimeError) as exc:
+        failure = _write_failure(exc, strategy.rank, folder)
+    kill_point("save.rank_files", state.step)
+    failure = _first(strategy, failure)
+    if failure is None and acc.is_main_process:
+        try:
+            if model_files is not None:
+                model_files(folder / MODEL_FILES)
+            if optimizer_names is not None:  # optimizer.bin numbers its parameters; say which is which
+                (folder / OPTIMIZER_NAMES).write_text(json.dumps({"groups": optimizer_names}))
+            fail_point("save.manifest", state.step, folder / MANIFEST)
+            # The manifest before the state file (a complete checkpoint always has one), and its
+            # checksum in the state: a state file copied in from another checkpoint is told apart.
+            state.manifest_crc32 = crc32(write_manifest(folder))
+            kill_point("save.manifest", state.step)
+            state.write(folder)
+        except (OSError, RuntimeError) as exc:
+            failure = _write_failure(exc, strategy.rank, folder)
+    failure = _first(strategy, failure)
+    if failure is not None:
+        if acc.is_main_process:
+            written = _bytes(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            needed = _bytes(previous) if previous is not None else written
+            failure += f"; a checkpoint needs about {_size(needed)}, {_size(_free(folder))} is free there"
+            failure += f"; {previous.name} is intact" if previous is not None else "; no earlier checkpoint exists"
+        failure = _first(strategy, failure if acc.is_main_process else None)
+        raise SaveFailed(f"checkpoint {folder.name} could not be written: {failure}")
+    if acc.is_main_process:
+        kill_point("save.state_file", state.step)
+        done = run.complete_checkpoints()
+        # never the newest one that passed its checks: after a skipped non-finite step or with
+        # non-finite weights, the last keep_last saves may all hold a model that diverged
+        passed = [c for c in done if not TrainerState.read(c).suspect][-1:]
+        for old in [c for c in done[:-keep_last] if c not in passed]:
+            # Out of rotation in one rename, then deleted: a crash mid-delete leaves a folder
+            # that is plainly not a checkpoint, never a step-N that lost some of its files.
+            going = old.rename(old.with_name(old.name + PRUNED))
+            kill_point("prune", state.step)
+            shutil.rmtree(going)
+            converted = converted_state(old)  # its state by parameter name goes with it, the same way
+            if converted.exists():
+                shutil.rmtree(converted.rename(converted.with_name(converted.name + PRUNED)))
+    acc.wait_for_everyone()
+    return folder
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written; its partial folder is gone and the previous one is intact."""
+
+
+def _write_failure(exc: Exception, rank: int, folder: Path) -> str:
+    """One line for a failed write; anything else is re-raised. torch.save reports a full disk
+    as a RuntimeError from its zip writer ("unexpected pos ..."), not as an OSError."""
+    if isinstance(exc, OSError):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return f"rank {rank}{where}: {exc.strerror or exc}"
+    text = str(exc)
+    if "inline_container" not in text and "write" not in text.lower():
+        raise exc
+    full = " (the disk is full)" if _free(folder) == 0 else ""
+    return f"rank {rank} writing into {folder}: {text.splitlines()[0][:200]}{full}"
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _first(strategy: Strategy, failure: str | None) -> str | None:
+    """Collective: the first rank's failure, the same verdict on every rank."""
+    if strategy.world_size == 1:
+        return failure
+    from accelerate.utils import gather_object
+
+    return next((f for f in gather_object([failure]) if f is not None), None)
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def _free(folder: Path) -> int:
+    """Free bytes on the filesystem that holds `folder` (or its nearest existing parent)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def warn_low_space(folder: Path, previous: Path, say: Callable[[str], None]) -> None:
+    """Before a save: say so when the disk has less room than the previous checkpoint took (a
+    save of the same model needs as much), while there is still time to free some."""
+    needed, free = _bytes(previous), _free(folder)
+    if free < needed:
+        say(f"warning: {_size(free)} free for checkpoint {folder.name}, the previous one took {_size(needed)}: "
+            "it will likely fail; free space or lower checkpoint.keep_last")
+
+
+def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None] = print) -> TrainerState:
+    """Collective. A checkpoint of another model shape is refused with one line, before loading.
+
+    The shapes are compared from the configs (the checkpoint's model_files/ and the live model's),
+    which reads the same under every strategy and on every rank; a size mismatch that still
+    reaches the strategy's loader is translated the same way.
+
+    A checkpoint of another strategy or world size that Accelerate cannot load as it is (see
+    resumes_natively) is converted to its state by parameter name and loaded from that
+    (toolkit.checkpoint.by_name), with one line saying so."""
+    # outside_training: the meta models are built as in a single process (under ZeRO-3 too)
+    with strategy.outside_training():
+        for model in strategy.prepared()[0]:  # the trainer hands over only the strategy
+            check_same_model(folder, model)
+    saved = saved_layout(folder)
+    if saved is not None and not resumes_natively(strategy, saved):
+        _load_converted(strategy, folder, saved, say)
+    else:
+        _load_native(strategy, folder)
+        if strategy.pipeline is not None:
+            load_pipeline_stage(strategy.pipeline, folder, strategy.optimizer)
+    state = TrainerState.read(folder)
+    # Accelerate counts micro-batches to know which one closes an optimizer step, and load_state
+    # restores the count of the run that saved: with another accumulation (another world size)
+    # the steps would close on the wrong micro-batch (measured: FSDP2 from 2 processes to 1 went
+    # off the curve at the first step). Every optimizer step is `accumulation` micro-batches.
+    strategy.accelerator.step = state.step * strategy.accumulation
+    return state
+
+
+def _load_native(strategy: Strategy, folder: Path) -> None:
+    try:
+        with numbers_only_resume():
+            strategy.accelerator.load_state(str(folder))
+    except pickle.UnpicklingError as exc:
+        raise UserError(not_only_numbers(folder, exc)) from None
+    except RuntimeError as exc:
+        found = first_mismatch_in(str(exc))
+        if found is None:
+            raise
+        raise UserError(different_model(folder, found)) from None
+
+
+def _load_converted(strategy: Strategy, folder: Path, saved: SavedLayout, say: Callable[[str], None]) -> None:
+    """Weights and Adam state from the checkpoint's state by parameter name; the LR schedule and the
+    random states (of the ranks that exist in both) from the checkpoint itself."""
+    here = SavedLayout(strategy.name, strategy.world_size).describe()
+    if strategy.ds_owned:
+        raise UserError(
+            f"checkpoint {folder} was saved under {saved.describe()}; resuming it under {here} needs a conversion, "
+            f"and this launch's DeepSpeed JSON defines its own {' and '.join(strategy.ds_owned)}, whose state the "
+            f"conversion cannot fill: remove them from the JSON, or resume under {saved.describe()}"
+        )
+    # made by the main process alone (or found made before) while the others wait
+    converted, cached = strategy.on_main(lambda: cached_conversion(folder))
+    _load_by_name(strategy, ConsolidatedState(converted))
+    for index, obj in enumerate(strategy.prepared()[2]):  # the LR schedule
+        saved_state = numbers(folder / f"custom_checkpoint_{index}.pkl")
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            _load_schedule(obj, saved_state, folder)
+        else:
+            obj.load_state_dict(saved_state)
+    _restore_random_states(folder / f"random_states_{strategy.rank}.pkl")
+    how = f"reused its conversion {converted.name}" if cached else f"converted it into {converted.name}"
+    say(f"checkpoint {folder.name} was saved under {saved.describe()}, this run is {here}: {how} (weights and "
+        "Adam state by parameter name) and loaded it")
+
+
+def _load_schedule(schedule: torch.optim.lr_scheduler.LRScheduler, saved: dict, folder: Path) -> None:
+    """The saved schedule onto this run's parameter groups, and the rate of the next step into each
+    group (a native load takes it from the optimizer's saved groups).
+
+    A schedule keeps one rate (and one rate function) per parameter group of the run that saved it,
+    and strategies do not agree on empty groups: DeepSpeed drops the recipe's no-decay group when it
+    is empty (LoRA, whose adapter weights are all matrices), torch keeps it. The recipe gives every
+    group the same rate and schedule, so the saved values are then one value, given to every group."""
+    groups = schedule.optimizer.param_groups
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = saved.get(key)
+        if not isinstance(values, list) or len(values) == len(groups):
+            continue
+        if any(value != values[0] for value in values):
+            raise UserError(
+                f"checkpoint {folder} has a learning rate for each of {len(values)} parameter groups and this run "
+                f"has {len(groups)}, with different rates: they cannot be matched; resume it under the strategy "
+                "it was saved with"
+            )
+        saved[key] = [values[0]] * len(groups)
+    schedule.load_state_dict(saved)
+    for group, lr in zip(groups, schedule.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
+def _restore_random_states(file: Path) -> None:
+    """This rank's random generators as the rank of the same number left them, where it existed
+    (dropout is the only consumer: the batch order is a function of the seed and step)."""
+    if not file.is_file():
+        return
+    import random
+
+    import numpy as np
+    from accelerate.utils import load
+
+    states = load(file)  # weights_only, numpy's state allowed
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+
+
+def resumes_natively(strategy: Strategy, saved: SavedLayout) -> bool:
+    """Whether Accelerate's load_state (and a pipeline's stage files) read checkpoint `saved` as it is.
+
+    Measured on CPU: DDP's files (the whole model, an optimizer keyed by parameter order) are the
+    same for any number of processes, and torch.distributed.checkpoint reshards FSDP2's DCP files
+    to any number on load; DeepSpeed's ZeRO partitions fit only the stage and world size that
+    wrote them, a pipeline's stage files only the same cut. Anything else goes through the state by
+    parameter name (toolkit.checkpoint.by_name)."""
+    layout = layout_of(strategy.name)
+    if saved.layout != layout:
+        return False
+    if layout == "pipeline":
+        return saved.strategy == strategy.name
+    return layout in ("ddp", "fsdp2") or saved.world_size in (0, strategy.world_size)
+
+
+def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
+    """DDP / one process: the parameter names of the optimizer's groups, in the order that
+    optimizer.bin numbers them (saved beside it: formats.OPTIMIZER_NAMES). None elsewhere: FSDP2 and
+    DeepSpeed checkpoints name their parameters themselves."""
+    models, optimizers, _ = strategy.prepared()
+    if strategy.kind not in ("single", "ddp") or len(models) != 1 or len(optimizers) != 1:
+        return None
+    names = parameter_names(models[0])
+    return [[names[id(p)][0] for p in group["params"]] for group in optimizers[0].param_groups]
+
+
+def _load_by_name(strategy: Strategy, state: ConsolidatedState) -> None:
+    """Collective: a converted checkpoint into the prepared model and optimizer, with this strategy's
+    own setters (toolkit.checkpoint.loading)."""
+    if strategy.pipeline is not None:
+        loading.load_into_pipeline(strategy.pipeline, strategy.optimizer, state)
+        return
+    if strategy.kind == "deepspeed":
+        loading.load_into_deepspeed(strategy.accelerator.deepspeed_engine_wrapped.engine, state)
+        return
+    models, optimizers, _ = strategy.prepared()
+    into = loading.load_into_fsdp if strategy.kind == "fsdp" else loading.load_into_ddp
+    into(models[0], optimizers[0], state)
