@@ -38,6 +38,7 @@ from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.packing import collate, packed_splits, target_counts
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
+from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import (
     apply_adapter,
     check_qlora_device,
@@ -50,7 +51,6 @@ from toolkit.models.base_model import load_base_model, meta_base
 from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import max_positions
-from toolkit.strategy.distributed import exit_process
 from toolkit.strategy.memory import check_base_fits, check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import FinetuneConfig

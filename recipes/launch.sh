@@ -7,7 +7,7 @@
 #       recipes/pretrain.py --config recipes/configs/pretrain_tiny.yaml
 # SIGTERM/SIGUSR1/SIGINT (Ctrl-C) sent to it reach the ranks, which save a checkpoint and exit with 3
 # (a second Ctrl-C ends them at once); the ranks die with it when it is killed.
-# How and why: toolkit/strategy/launcher.py.
+# How and why: toolkit/launch/launcher.py.
 set -euo pipefail
 # exec: the launcher itself receives the signals (bash would hold them until its child exits)
-exec "${PYTHON:-python3}" -m toolkit.strategy.launcher "$@"
+exec "${PYTHON:-python3}" -m toolkit.launch.launcher "$@"

@@ -37,11 +37,11 @@ from toolkit.data.packing import collate, packed_dataset, packed_splits, target_
 from toolkit.data.streaming import StreamingBlocks, held_out_documents
 from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
+from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, hf_config, meta_model
-from toolkit.strategy.distributed import exit_process
 from toolkit.strategy.memory import check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import PretrainConfig

@@ -66,7 +66,7 @@ def run_recipe(
         cmd = [sys.executable, *script]
     else:
         cmd = [
-            sys.executable, "-m", "toolkit.strategy.launcher" if wrapper else "accelerate.commands.launch",
+            sys.executable, "-m", "toolkit.launch.launcher" if wrapper else "accelerate.commands.launch",
             "--config_file", accelerate_config if "/" in accelerate_config else f"accelerate_configs/{accelerate_config}",
             "--num_processes", str(nproc), "--main_process_port", str(launching.free_port()), *(launch_args or []), *script,
         ]

@@ -117,6 +117,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from toolkit.strategy.distributed import exit_process
+    from toolkit.launch.verdict import exit_process
 
     exit_process(main())

@@ -5,6 +5,7 @@
     manifest, faults     a checkpoint's checksums; the kill and write-failure points tests plant
     data                 corpus, tokenizer, packing, chat, batch schedule
     models               build from scratch, load a base, adapters, loss, gradient checkpointing
+    launch               the launcher, what a rank knows from it, one error line and exit code per launch
     strategy             the Strategy object and every DDP/FSDP/DeepSpeed quirk
     checkpoint           save, resume, each strategy's files, the state by parameter name
     export               HF folder, consolidate, GGUF, quantize, report
@@ -20,9 +21,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"config", "run_dir", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"strategy"}, {"checkpoint"},
-          {"export"}, {"training"}]
-KNOW_THE_LAUNCH = ("strategy", "checkpoint")  # the packages that may read the launcher's variables and import deepspeed
+LAYERS = [{"config", "run_dir", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
+          {"checkpoint"}, {"export"}, {"training"}]
+KNOW_THE_LAUNCH = ("launch", "strategy", "checkpoint")  # the packages that may read the launcher's variables and import deepspeed
 
 
 def layer(module: str) -> int:
@@ -67,9 +68,9 @@ def test_imports_only_point_down_the_layers():
     assert not upward, upward
 
 
-def test_only_the_strategy_and_checkpoint_packages_know_the_launcher_and_deepspeed():
-    """Nothing outside toolkit/strategy and toolkit/checkpoint reads WORLD_SIZE/RANK, imports deepspeed or
-    branches on the distributed type: the rest asks the Strategy object."""
+def test_only_the_launch_strategy_and_checkpoint_packages_know_the_launcher_and_deepspeed():
+    """Nothing outside toolkit/launch, toolkit/strategy and toolkit/checkpoint reads WORLD_SIZE/RANK, imports
+    deepspeed or branches on the distributed type: the rest asks the Strategy object."""
     banned = ("WORLD_SIZE", '"RANK"', "LOCAL_RANK", "import deepspeed", "from deepspeed", "DistributedType",
               "distributed_type")
     offenders = []

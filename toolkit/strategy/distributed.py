@@ -32,7 +32,6 @@ import hashlib
 import os
 import re
 import sys
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -46,11 +45,18 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.config import UserError, read_json
+from toolkit.launch.environment import (
+    LAUNCHED_PRECISION,
+    has_gpu,
+    launched_mixed_precision,
+    launched_strategy,
+    world_size,
+)
+from toolkit.launch.rank_process import within
 from toolkit.models.loss import backward_scale
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
 from toolkit.strategy.pipeline_parallel import Pipeline
-from toolkit.strategy.rank_process import within
 from toolkit.strategy.sequence_parallel import SequenceParallel, skip_shared_memory_kernel
 from toolkit.strategy.sequence_parallel import problems as sequence_parallel_problems
 from toolkit.strategy.sequence_parallel import sequence_problem as sequence_parallel_problem
@@ -59,36 +65,11 @@ from toolkit.strategy.tensor_parallel import sequence_problem as tensor_parallel
 
 T = TypeVar("T")
 
-ERROR_GRACE_S = 15.0  # how long ranks other than 0 let rank 0 report a shared error first: rank 0 can lag
-# that much behind in importing on a loaded 2-core machine (seen at 5 s: rank 1 reported a config error every rank met)
 DATA_PARALLEL = {
     DistributedType.NO: "single process",
     DistributedType.MULTI_CPU: "DDP",
     DistributedType.MULTI_GPU: "DDP",
 }
-
-
-def has_gpu() -> bool:
-    return torch.cuda.is_available()
-
-
-def launched_strategy() -> str:
-    """What the accelerate config asked for, read from the launcher's environment."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return "deepspeed"
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return "fsdp"
-    return "ddp"
-
-
-LAUNCHED_PRECISION = "the accelerate launch's mixed_precision"
-
-
-def launched_mixed_precision() -> str | None:
-    """The precision `accelerate launch` asked for (its config file's mixed_precision, or
-    --mixed_precision), None for "no" or no launcher. The shipped configs say "no": the recipe decides."""
-    value = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    return None if value == "no" else value
 
 
 def resolve_mixed_precision(choice: str) -> str:
@@ -513,89 +494,6 @@ def describe(accelerator: Accelerator) -> str:
     )
 
 
-def is_launch_main() -> bool:
-    """Rank 0 of the launch, known before any process group exists (the launcher's environment)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def report_once(line: str, code: int) -> None:
-    """Print a recipe's one-line error once per launch, on stderr; `code` is the exit code it goes with.
-
-    Every rank normally hits the same bad input at the same place, and the launcher (torchrun's
-    agent) kills all ranks as soon as one exits with an error: had rank 1 exited first, rank 0
-    could be killed before printing anything. So rank 0 reports at once and the other ranks give
-    it a few seconds first; one that then finds no report met an error of its own (a file
-    missing on one node only) and reports it with its rank.
-
-    Under torchrun the report is also recorded in the launch's store (held by torchrun's agent,
-    so it outlives the rank): the first rank to record it prints, the others stay quiet, and
-    ranks whose collectives fail because the reporting rank exited stay quiet too
-    (`reported_verdict`). Some errors are met by one rank only: rank 0 reads and packs the data
-    while the others wait in a barrier, which fails with "Connection reset by peer" once rank 0
-    exits. Without a store (a launch by other means) the other ranks wait, then print.
-    """
-    rank = int(os.environ.get("RANK", "0"))
-    if _first_to_report(code, rank):
-        print(line if rank == 0 else f"[rank {rank}] {line}", file=sys.stderr, flush=True)
-
-
-def reported_verdict() -> int | None:
-    """The exit code another rank reported with `report_once` in this launch, or None.
-
-    A rank whose collective failed because its peer exited after a user error ends with that
-    code and says nothing: the peer's line is the run's one line.
-    """
-    store = _launch_store()
-    try:
-        if store is None or not store.check([_verdict_key()]):
-            return None
-        code, rank = store.get(_verdict_key()).decode().split()
-    except RuntimeError:  # the store went away with the launch: nothing known
-        return None
-    return int(code) if int(rank) != int(os.environ.get("RANK", "0")) else None
-
-
-def _first_to_report(code: int, rank: int) -> bool:
-    """Whether this rank's report is the launch's one (rank 0's, unless it has none within the grace)."""
-    store = _launch_store()
-    if store is not None:
-        try:
-            if rank != 0:
-                deadline = time.monotonic() + ERROR_GRACE_S
-                while time.monotonic() < deadline and not store.check([_verdict_key()]):
-                    time.sleep(0.1)
-            mine = f"{code} {rank}"
-            # compare_set with "" sets the key only where it is absent: exactly one rank reports
-            return store.compare_set(_verdict_key(), "", mine).decode() == mine
-        except RuntimeError:  # the store went away with the launch: report as without one
-            pass
-    if rank != 0:
-        time.sleep(ERROR_GRACE_S)
-    return True
-
-
-@functools.cache
-def _launch_store():
-    """torchrun's key-value store, where the ranks of a launch agree on its one error line; None elsewhere.
-
-    torchrun's agent holds it (TORCHELASTIC_USE_AGENT_STORE) for the whole launch, and it exists
-    before any process group, so ranks reach it in config errors and after a peer has exited.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    try:
-        return torch.distributed.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=10)
-        )
-    except (RuntimeError, KeyError, ValueError):  # agent gone or variables missing: report as without a store
-        return None
-
-
-def _verdict_key() -> str:
-    # per restart: a launch with --max_restarts starts its ranks again against the same store
-    return f"llm_toolkit/verdict/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
 def collective_failure(exc: BaseException, step: int | None = None) -> str | None:
     """One line for an error raised inside a collective (timed out, or a peer gone); None for any other error.
 
@@ -654,29 +552,6 @@ _TIMED_OUT = re.compile(r"[Tt]imed out|operation timeout|Timeout")
 _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|[Bb]roken pipe")
 
 
-def exit_process(code: int) -> None:
-    """End the process with `code` once everything is written and closed.
-
-    On CPU (gloo), torch tears the process group down during interpreter finalization, where
-    it can deadlock or abort: the DDP Reducer / DeepSpeed engine still holds the gloo group, and
-    its destructor joins a worker thread that needs the GIL the exiting main thread holds
-    (py-spy: `~ProcessGroupGloo` -> `std::thread::join` vs `AsyncAllgatherWork` waiting for the
-    GIL), or destroys it while joinable ("terminate called without an active exception",
-    SIGABRT). Seen in ~3 of 100 CPU launches, always after all work was done. So a multi-process
-    CPU run leaves without running destructors; everything else exits normally.
-
-    The same deadlock happens earlier if the prepared model is freed when the function holding
-    it returns (py-spy: `~Reducer` -> `~ProcessGroupGloo` waiting on the mutex that the gloo
-    worker holds while `~AsyncAllgatherWork` waits for the GIL), so `prepare` keeps every
-    prepared object alive until this call.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if not has_gpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        os._exit(code)
-    sys.exit(code)
-
-
 def parameter_digest(model: torch.nn.Module) -> str:
     """Exact fingerprint of the parameters held by this rank (bit-level)."""
     h = hashlib.sha256()
@@ -699,11 +574,6 @@ def check_replicas_in_sync(accelerator: Accelerator, model: torch.nn.Module) -> 
             "synchronised. Report this with the launch command and accelerate config."
         )
     return digests
-
-
-def world_size() -> int:
-    """Processes in this launch, before any process group exists (the launcher's environment)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:

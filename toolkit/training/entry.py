@@ -10,13 +10,13 @@ the previous checkpoint is intact and resume=auto continues once the cause is fi
 
 A user error met by one rank only (rank 0 reads the data while the others wait in a barrier)
 is still one line: the rank records it in torchrun's store before exiting, and the ranks whose
-collectives then fail exit with its code, silently (toolkit.strategy.distributed.report_once).
+collectives then fail exit with its code, silently (toolkit.launch.verdict.report_once).
 
 These are each rank's codes. `accelerate launch` (torchrun) turns any of them into exit code 1
 and a 25-40 line ChildFailedError report, and it SIGKILLs ranks still saving their stop
 checkpoint 30 s after a SIGTERM. Launch with `bash recipes/launch.sh` instead (the same
 arguments) for the recipe's code, the one line alone, SIGTERM/SIGUSR1 passed on to the ranks
-with no time limit, and a missing --config_file refused in one line (toolkit.strategy.launcher).
+with no time limit, and a missing --config_file refused in one line (toolkit.launch.launcher).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from __future__ import annotations
 import sys
 
 from toolkit.config import UserError, load_config
+from toolkit.launch.environment import is_launch_main
+from toolkit.launch.rank_process import die_with_launcher
+from toolkit.launch.verdict import report_once, reported_verdict
 from toolkit.run_dir import release_all
-from toolkit.strategy.distributed import collective_failure, is_launch_main, report_once, reported_verdict
-from toolkit.strategy.rank_process import die_with_launcher
+from toolkit.strategy.distributed import collective_failure
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
 
 

@@ -47,12 +47,14 @@ from toolkit.data.packing import block_targets, check_attention, column
 from toolkit.data.streaming import StreamingBlocks, state_file
 from toolkit.export.hf_folder import write_model_files
 from toolkit.faults import kill_point, killing_batches, model_kill_points
+from toolkit.launch.environment import is_launch_main
+from toolkit.launch.rank_process import launch_id
+from toolkit.launch.verdict import reported_verdict
 from toolkit.models.loss import output_head
 from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
-from toolkit.strategy.distributed import Strategy, is_launch_main, reported_verdict
-from toolkit.strategy.rank_process import launch_id
+from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import (

@@ -93,7 +93,7 @@ def main(out: str, model_type: str = "llama") -> None:
 
 
 if __name__ == "__main__":
-    from toolkit.strategy.distributed import exit_process
+    from toolkit.launch.verdict import exit_process
 
     main(*sys.argv[1:3])
     exit_process(0)

@@ -139,17 +139,6 @@ def test_check_whole_refuses_an_fsdp2_dtensor():
         check_whole(model)
 
 
-@pytest.mark.parametrize("rank, main", [(None, True), ("0", True), ("1", False), ("3", False)])
-def test_is_launch_main_follows_the_launchers_rank(monkeypatch, rank, main):
-    from toolkit.strategy.distributed import is_launch_main
-
-    if rank is None:
-        monkeypatch.delenv("RANK", raising=False)
-    else:
-        monkeypatch.setenv("RANK", rank)
-    assert is_launch_main() is main
-
-
 FAULTS_PROBE = """
 import ctypes, resource, sys, torch
 from toolkit.strategy.distributed import keep_freed_memory
@@ -200,77 +189,6 @@ def test_fsdp2_reduces_gradients_in_fp32_under_mixed_precision(precision, param_
     plain = FullyShardedDataParallelPlugin(fsdp_version=2)  # fp32: no policy, nothing to change
     reduce_gradients_in_fp32(plain)
     assert plain.mixed_precision_policy is None
-
-
-@pytest.fixture
-def launch_store(monkeypatch):
-    """A store where torchrun's agent would hold one, and the variables with which ranks find it."""
-    from datetime import timedelta
-
-    from toolkit.strategy import distributed
-
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=10))
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(store.port))
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setattr(distributed, "ERROR_GRACE_S", 1.0)
-    distributed._launch_store.cache_clear()
-    yield store
-    distributed._launch_store.cache_clear()
-
-
-def as_rank(monkeypatch, rank: int) -> None:
-    """This test process plays another rank: its own connection to the store, as a rank process has."""
-    from toolkit.strategy import distributed
-
-    monkeypatch.setenv("RANK", str(rank))
-    distributed._launch_store.cache_clear()
-
-
-def test_a_user_error_is_one_line_however_many_ranks_meet_it(launch_store, monkeypatch, capsys):
-    import time
-
-    from toolkit.strategy.distributed import report_once, reported_verdict
-
-    as_rank(monkeypatch, 0)
-    report_once("error: data.path=x holds no text", 2)
-    as_rank(monkeypatch, 1)
-    start = time.monotonic()
-    report_once("error: data.path=x holds no text", 2)
-    assert time.monotonic() - start < 0.5  # rank 0's report is there: no waiting out the grace
-    assert capsys.readouterr().err == "error: data.path=x holds no text\n"  # rank 0's line only
-    # rank 1, its barrier broken by rank 0's exit, takes rank 0's code and says nothing
-    assert reported_verdict() == 2
-    as_rank(monkeypatch, 0)
-    assert reported_verdict() is None  # its own report is not a peer's
-
-
-def test_an_error_of_one_other_rank_is_reported_with_its_rank(launch_store, monkeypatch, capsys):
-    from toolkit.strategy.distributed import report_once, reported_verdict
-
-    as_rank(monkeypatch, 1)
-    report_once("error: data.path=/local/x does not exist", 2)  # rank 0 reported nothing within the grace
-    assert capsys.readouterr().err == "[rank 1] error: data.path=/local/x does not exist\n"
-    as_rank(monkeypatch, 0)
-    assert reported_verdict() == 2
-    report_once("error: something rank 0 met later", 2)
-    assert capsys.readouterr().err == ""  # the launch already has its line
-
-
-def test_without_torchruns_store_every_rank_reports(monkeypatch, capsys):
-    from toolkit.strategy import distributed
-
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    monkeypatch.setattr(distributed, "ERROR_GRACE_S", 0.1)
-    distributed._launch_store.cache_clear()
-    for rank in (0, 1):
-        monkeypatch.setenv("RANK", str(rank))
-        distributed.report_once("error: bad", 2)
-        assert distributed.reported_verdict() is None
-    assert capsys.readouterr().err == "error: bad\n[rank 1] error: bad\n"
-    distributed._launch_store.cache_clear()
 
 
 @pytest.mark.parametrize(("world", "sizes", "says"), [

@@ -17,7 +17,7 @@ with four differences:
 - SIGTERM, SIGUSR1 (preemption, `scancel`, a time limit) and SIGINT (Ctrl-C) are forwarded to
   the ranks, which save a checkpoint at the end of the step and exit with 3; the launcher waits
   for them as for any exit. A second Ctrl-C reaches them too, and they end at once. The ranks
-  die with the launcher (toolkit.strategy.rank_process.die_with_launcher). torchrun would instead forward SIGTERM itself and SIGKILL the ranks 30 s later
+  die with the launcher (toolkit.launch.rank_process.die_with_launcher). torchrun would instead forward SIGTERM itself and SIGKILL the ranks 30 s later
   (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), whether or not the step and checkpoint were done, then end
   with a SignalException traceback and exit code 1; SIGUSR1 it does not handle at all: the
   launcher dies and the ranks train on, orphaned. Leaving both signals to us needs torch >= 2.9
@@ -45,7 +45,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolkit.strategy.rank_process import LAUNCHER_PID
+from toolkit.launch.rank_process import LAUNCHER_PID
 
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
 # peers' collectives fail (4), and a rank stops (3) only when every rank does

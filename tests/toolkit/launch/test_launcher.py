@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.strategy.launcher import HeldLog, missing_file, verdict
+from toolkit.launch.launcher import HeldLog, missing_file, verdict
 
 ROOT = Path(__file__).resolve().parents[3]
 TERM, KILL, USR1, INT = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1), int(signal.SIGINT)
@@ -77,7 +77,7 @@ def test_torchruns_exit_warnings_are_held_back_until_released(caplog):
 
 FORWARDING = textwrap.dedent("""
     import signal, subprocess, sys, os, time
-    from toolkit.strategy.launcher import StopForwarder
+    from toolkit.launch.launcher import StopForwarder
     stop = StopForwarder()
     # a rank: stops on SIGUSR1 with the recipe's code 3
     rank = subprocess.Popen([sys.executable, "-c",
@@ -95,7 +95,7 @@ def test_a_stop_signal_to_the_launcher_reaches_its_ranks():
 
 
 def test_a_stop_signal_before_any_rank_started_ends_the_launch():
-    code = "from toolkit.strategy.launcher import StopForwarder; import os, signal, time\n" \
+    code = "from toolkit.launch.launcher import StopForwarder; import os, signal, time\n" \
            "StopForwarder(); os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 128 + TERM, done.stderr
@@ -104,7 +104,7 @@ def test_a_stop_signal_before_any_rank_started_ends_the_launch():
 def test_a_second_ctrl_c_after_the_ranks_exited_does_not_raise_in_the_launcher():
     """The ranks stopped at the first Ctrl-C and exited; a second one must not raise SystemExit
     while the launcher returns their code (it did, inside an atexit callback: a traceback)."""
-    code = "from toolkit.strategy.launcher import StopForwarder; import os, signal, time\n" \
+    code = "from toolkit.launch.launcher import StopForwarder; import os, signal, time\n" \
            "stop = StopForwarder(); stop.signal = signal.SIGINT; os.kill(os.getpid(), signal.SIGINT); " \
            "time.sleep(0.2); print('returned')"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

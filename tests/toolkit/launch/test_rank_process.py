@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from toolkit.strategy.rank_process import launch_id, within
+from toolkit.launch.rank_process import launch_id, within
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 LAUNCHER = textwrap.dedent("""
     import os, subprocess, sys, time
     rank = subprocess.Popen([sys.executable, "-c",
-        "from toolkit.strategy.rank_process import die_with_launcher; import time; "
+        "from toolkit.launch.rank_process import die_with_launcher; import time; "
         "die_with_launcher(); print('started', flush=True); time.sleep(120)"],
         start_new_session=True, env={**os.environ, "TORCHELASTIC_RUN_ID": "test"})
     print(rank.pid, flush=True)

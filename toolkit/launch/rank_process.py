@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-LAUNCHER_PID = "LLM_TOOLKIT_LAUNCHER_PID"  # set by toolkit.strategy.launcher for its ranks
+LAUNCHER_PID = "LLM_TOOLKIT_LAUNCHER_PID"  # set by toolkit.launch.launcher for its ranks
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,48 @@
+"""What a rank knows from its launcher before any process group exists: the strategy and precision the
+accelerate config asked for, how many processes, whether this is rank 0, whether a GPU is there.
+
+Read from the variables `accelerate launch` (torchrun) sets for each rank; a plain `python` run has
+none of them and is one process of DDP's file layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def launched_strategy() -> str:
+    """What the accelerate config asked for, read from the launcher's environment."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    return "ddp"
+
+
+LAUNCHED_PRECISION = "the accelerate launch's mixed_precision"
+
+
+def launched_mixed_precision() -> str | None:
+    """The precision `accelerate launch` asked for (its config file's mixed_precision, or
+    --mixed_precision), None for "no" or no launcher. The shipped configs say "no": the recipe decides."""
+    value = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    return None if value == "no" else value
+
+
+
+def world_size() -> int:
+    """Processes in this launch, before any process group exists (the launcher's environment)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+
+
+def is_launch_main() -> bool:
+    """Rank 0 of the launch."""
+    return int(os.environ.get("RANK", "0")) == 0
