@@ -28,7 +28,7 @@ from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
 from toolkit.launch.verdict import report_once, reported_verdict
 from toolkit.run_dir import release_all
-from toolkit.strategy.distributed import collective_failure
+from toolkit.strategy.collectives import collective_failure
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
 
 

@@ -62,7 +62,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_tem
 def sample_folder(folder: Path, prompt: str, max_new_tokens: int, seed: int) -> str:
     """A sampled continuation from a saved HF folder (which also proves that it loads).
 
-    Call it inside `toolkit.strategy.distributed.outside_training` when training ran in this process.
+    Call it inside `toolkit.strategy.accelerator.outside_training` when training ran in this process.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

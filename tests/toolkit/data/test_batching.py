@@ -7,7 +7,7 @@ import pytest
 
 from toolkit.config import UserError
 from toolkit.data.batching import BatchSchedule
-from toolkit.strategy.distributed import accumulation_steps
+from toolkit.strategy.parallelism import accumulation_steps
 
 N_BLOCKS, GLOBAL, MICRO, SEED = 103, 8, 2, 1234  # 103 % 8 != 0: a remainder is left out each epoch
 

@@ -65,7 +65,7 @@ def test_groups_created_later_get_the_collective_timeout(tmp_path):
     without a timeout: they get train.collective_timeout_s, and their creation is bounded."""
     code = textwrap.dedent(f"""
         import datetime, torch, torch.distributed as dist
-        from toolkit.strategy.distributed import set_collective_timeout
+        from toolkit.strategy.collectives import set_collective_timeout
         dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1)
         set_collective_timeout(7)
         group = dist.new_group([0])
@@ -84,7 +84,7 @@ def test_a_group_that_never_forms_ends_the_rank_with_exit_code_4(tmp_path, secon
     too; here the store waits longer than the bound, as a wait for an orphan's listener did."""
     code = textwrap.dedent(f"""
         import datetime, os, torch.distributed as dist
-        import toolkit.strategy.distributed as d
+        import toolkit.strategy.collectives as d
         d.set_collective_timeout({seconds})
         os.environ["RANK"] = "0"
         with d.creating_groups("creating the launch's process group"):

@@ -21,14 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
+from toolkit.strategy.accelerator import build_accelerator, configure_deepspeed, outside_training, prepare  # noqa: E402
 from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite  # noqa: E402
-from toolkit.strategy.distributed import (  # noqa: E402
-    build_accelerator,
-    configure_deepspeed,
-    outside_training,
-    prepare,
-    strategy_name,
-)
+from toolkit.strategy.distributed import strategy_name  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 

@@ -24,15 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.strategy.distributed import (  # noqa: E402
-    build_accelerator,
-    configure_deepspeed,
-    outside_training,
-    parallelism_sizes,
-    prepare,
-    strategy_name,
-    world_size,
-)
+from toolkit.launch.environment import world_size  # noqa: E402
+from toolkit.strategy.accelerator import build_accelerator, configure_deepspeed, outside_training, prepare  # noqa: E402
+from toolkit.strategy.distributed import strategy_name  # noqa: E402
+from toolkit.strategy.parallelism import parallelism_sizes  # noqa: E402
 from toolkit.strategy.sharding import GradientMeter, held_bytes  # noqa: E402
 
 MICRO_BATCH, ACCUMULATION, SEQ, VOCAB = 2, 2, 32, 512

@@ -12,6 +12,7 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 from accelerate.state import AcceleratorState, GradientState
 
+import toolkit.strategy.collectives as collectives
 import toolkit.strategy.distributed as distributed
 from toolkit.config import ConfigError, load_config
 from toolkit.training.optim import OptimConfig, build_optimizer, build_scheduler, prepare_optimization
@@ -224,7 +225,7 @@ def strategy(tmp_path_factory):
         mp.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
         # launch sets the process-wide collective timeout (torch's defaults too): restored afterwards
         for module, name in [(c10d, "default_pg_timeout"), (c10d, "default_pg_nccl_timeout"),
-                             (distributed, "_COLLECTIVE_TIMEOUT_S")]:
+                             (collectives, "_COLLECTIVE_TIMEOUT_S")]:
             mp.setattr(module, name, getattr(module, name))
         yield distributed.Strategy.launch(
             mixed_precision="no", global_batch=4, micro_batch=2, max_grad_norm=1.0,

@@ -1,0 +1,76 @@
+"""The Accelerator for the launched strategy (toolkit.strategy.accelerator): what it does with the process's
+memory, FSDP2's reduction precision, and a DeepSpeed JSON read before Accelerate sees it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+FAULTS_PROBE = """
+import ctypes, resource, sys, torch
+from toolkit.strategy.accelerator import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+else:  # the control: glibc told to map every block afresh and give it back on free
+    libc = ctypes.CDLL("libc.so.6")
+    assert libc.mallopt(-3, 1 << 20) and libc.mallopt(-1, 0)  # M_MMAP_THRESHOLD 1 MB, M_TRIM_THRESHOLD 0
+faults = []
+for _ in range(20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    xs = [torch.ones(4 << 20) for _ in range(3)]  # 3 x 16 MB, like a micro-batch's logits and grads
+    del xs
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[5:]))
+"""
+
+
+def test_cpu_runs_keep_freed_memory_instead_of_faulting_it_back_in():
+    """Three 16 MB tensors allocated and freed 20 times. When glibc gives freed memory back to the
+    OS (what its defaults do, depending on the heap's history), each allocation faults its pages in
+    again; after keep_freed_memory() the same memory is reused without a fault."""
+    import subprocess
+    import sys
+
+    faults = {}
+    for mode in ("control", "keep"):
+        done = subprocess.run([sys.executable, "-c", FAULTS_PROBE, mode], capture_output=True, text=True)
+        assert done.returncode == 0 and done.stdout.split(), (mode, done.returncode, done.stderr[-3000:])
+        faults[mode] = int(done.stdout.split()[-1])
+    assert faults["control"] > 15 * 3 * 4000 // 512, faults  # the probe sees faults (4k pages; 2 MB ones under THP)
+    assert faults["keep"] < 100, faults
+
+
+@pytest.mark.parametrize("precision, param_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_fsdp2_reduces_gradients_in_fp32_under_mixed_precision(precision, param_dtype):
+    """What Accelerate sets for FSDP2 under bf16 on a GPU (params and reduction in bf16), then ours."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from toolkit.strategy.accelerator import reduce_gradients_in_fp32
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision(precision)
+    assert plugin.mixed_precision_policy.reduce_dtype == param_dtype  # Accelerate's own choice
+    reduce_gradients_in_fp32(plugin)
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (param_dtype, torch.float32, param_dtype)
+    plain = FullyShardedDataParallelPlugin(fsdp_version=2)  # fp32: no policy, nothing to change
+    reduce_gradients_in_fp32(plain)
+    assert plain.mixed_precision_policy is None
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('{"zero_optimization": {"stage": 4}}', "zero_optimization.stage=4; DeepSpeed ZeRO stages are 0, 1, 2 or 3"),
+    ('{\n  "train_batch_size": "auto",\n  oops\n}', "line 3, column 3"),
+])
+def test_a_deepspeed_json_that_cannot_work_is_one_line(monkeypatch, tmp_path, text, says):
+    """What a launch under such an accelerate config reads first (tests/recipes/test_strategy_errors.py
+    launches one, whose micro-batch contradicts the recipe's)."""
+    from toolkit.config import UserError
+    from toolkit.strategy.accelerator import check_deepspeed_config
+
+    (tmp_path / "ds.json").write_text(text)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    with pytest.raises(UserError) as raised:
+        check_deepspeed_config()
+    assert says in str(raised.value)

@@ -1,0 +1,312 @@
+"""The Accelerator for the launched strategy, configured alike on CPU (gloo) and GPU (NCCL).
+
+`Strategy.launch(...)` is built once per run, from the accelerate config file the user launched
+with (DDP, FSDP, DeepSpeed ZeRO-1/2/3) and the recipe's batch sizes. It holds every fact about
+how this launch trains (world size, accumulation, backend, ZeRO stage, offload, which blocks a
+DeepSpeed JSON owns, FSDP version), and the rest of the toolkit asks it: nothing outside this
+package reads WORLD_SIZE/RANK, imports deepspeed or branches on the distributed type. Accelerate's quirks on CPU-only machines are handled here, each with the
+reason, so that the same file trains the same way on CPU (gloo) and GPU (NCCL), and never
+silently trains unsharded or unsynchronised:
+
+- DDP: without `cpu=True`, Accelerate on a CPU machine treats a multi-process launch as a
+  single process: the model is not wrapped in DDP and ranks silently train apart (measured:
+  losses diverge). So with no GPU we force `cpu=True`, and name gloo (`cpu=True` alone picks
+  MPI when torch was built with it).
+- DeepSpeed: `cpu=True` makes Accelerate drop DeepSpeed altogether, and without a backend it
+  reports a single process. So on CPU we leave `cpu` off, pass gloo, and DeepSpeed runs on its
+  CPU accelerator (DS_ACCELERATOR=cpu, set when the toolkit is imported, before DeepSpeed is).
+- FSDP: Accelerate applies FSDP only on GPU-like devices; on CPU the config would do nothing.
+  torch's FSDP2 `fully_shard` does shard and train on CPU over gloo, so after creating the
+  Accelerator on CPU we set its distributed type to FSDP and give it the plugin from the
+  launch environment; `prepare` then takes Accelerate's own FSDP2 path. A launch of one process
+  gets it too (over a gloo group of one), as it does on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import re
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from toolkit.config import UserError, read_json
+from toolkit.launch.environment import (
+    LAUNCHED_PRECISION,
+    has_gpu,
+    launched_mixed_precision,
+    launched_strategy,
+)
+from toolkit.strategy.collectives import creating_groups, set_collective_timeout
+from toolkit.strategy.sequence_parallel import skip_shared_memory_kernel
+
+
+def resolve_mixed_precision(choice: str) -> str:
+    """train.mixed_precision, with the launcher's request honoured or refused, never dropped:
+    Accelerate takes the Accelerator's argument over the launcher's, so a launch with fp16 trained in
+    fp32 and said precision=fp32. A request for what train.mixed_precision=auto leaves open is taken
+    (and describe() says where it came from); one that contradicts an explicit choice is refused."""
+    launched = launched_mixed_precision()
+    source = f"train.mixed_precision={choice}"
+    if launched is not None:
+        if launched not in ("bf16", "fp16"):
+            raise UserError(
+                f"{LAUNCHED_PRECISION} is {launched}; the toolkit trains in bf16, fp16 or fp32: set mixed_precision "
+                "\"no\" in the accelerate config (and drop --mixed_precision), then choose with train.mixed_precision"
+            )
+        if choice not in ("auto", launched):
+            raise UserError(
+                f"{LAUNCHED_PRECISION} is {launched} (its config file or --mixed_precision) and "
+                f"train.mixed_precision={choice}: they contradict each other; keep one (the shipped accelerate configs "
+                "say \"no\" so that train.mixed_precision decides)"
+            )
+        choice, source = launched, f"{LAUNCHED_PRECISION}={launched}"
+    if choice == "fp16" and not has_gpu():
+        raise UserError(f"{source} needs a GPU; this machine has none (use auto or no for fp32, or bf16)")
+    if choice != "auto":
+        return choice
+    if has_gpu() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def check_deepspeed_config() -> dict | None:
+    """Read the launched DeepSpeed JSON ourselves first, so that mistakes are one clear line."""
+    if launched_strategy() != "deepspeed":
+        return None
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as exc:
+        raise UserError(
+            f"the accelerate config asks for DeepSpeed, but it cannot be imported ({exc}); "
+            "install it with pip install 'llm-toolkit[deepspeed]' or launch with accelerate_configs/ddp.yaml"
+        ) from None
+    if not has_gpu():
+        skip_shared_memory_kernel()
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or path == "none":
+        return None  # stage etc. given inline in the accelerate config
+    if not Path(path).is_file():
+        raise UserError(f"deepspeed_config_file {path} does not exist (paths are relative to where you launch)")
+    ds = read_json(path)  # a key written twice is refused, not the last one taken
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
+    return ds
+
+
+_LIVE_UNTIL_EXIT: list = []
+
+
+def prepare(accelerator: Accelerator, *objects):
+    """`accelerator.prepare`, with what it returns kept alive until the process exits.
+
+    Freeing a DDP model drops its Reducer and with it the gloo process group, while the main
+    thread holds the GIL: that can deadlock (see exit_process). Accelerate keeps only the
+    unwrapped module of a DDP model, so without this the wrapper dies when the function holding
+    it returns, before exit_process can skip destructors.
+    """
+    prepared = accelerator.prepare(*objects)
+    _LIVE_UNTIL_EXIT.append(prepared)
+    return prepared
+
+
+def build_accelerator(
+    mixed_precision: str, accumulation_steps: int, project_dir: str, trackers: list[str] | None = None,
+    timeout_s: int = 1800,
+) -> Accelerator:
+    """The Accelerator for the launched strategy; `timeout_s` bounds every collective (see set_collective_timeout)."""
+    strategy = launched_strategy()
+    check_deepspeed_config()
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # FSDP2 under a launcher (torchrun's MASTER_ADDR), even of one process: on a GPU Accelerate
+    # applies FSDP to one process too, and a checkpoint must move between FSDP2 at any world size
+    fsdp_on_cpu = strategy == "fsdp" and not has_gpu() and (multi or "MASTER_ADDR" in os.environ)
+    timeout = set_collective_timeout(timeout_s)
+    kwargs: dict = {}
+    if not has_gpu():
+        if strategy == "deepspeed":
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
+        else:
+            kwargs["cpu"] = True
+            if multi or fsdp_on_cpu:  # one plain process: no process group at all
+                kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
+    elif multi:
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timeout)]
+    with creating_groups("creating the launch's process group") if multi else contextlib.nullcontext():
+        if multi:
+            join_restarted_group("nccl" if has_gpu() else "gloo", timeout)
+        try:
+            accelerator = Accelerator(
+                mixed_precision=resolve_mixed_precision(mixed_precision),
+                gradient_accumulation_steps=accumulation_steps,
+                log_with=trackers or None,
+                project_dir=project_dir,
+                **kwargs,
+            )
+        except ValueError as exc:
+            raise UserError(ignored_beside_deepspeed_json(exc)) from None
+    if accelerator.distributed_type == DistributedType.FSDP:
+        reduce_gradients_in_fp32(accelerator.state.fsdp_plugin)
+    if fsdp_on_cpu:
+        from accelerate.state import PartialState
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        accelerator.state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return accelerator
+
+
+def ignored_beside_deepspeed_json(exc: ValueError) -> str:
+    """Accelerate's 5-line refusal of accelerate-config keys that a deepspeed_config_file overrides
+    (mixed_precision among them), as one line naming those the launch set; anything else is re-raised."""
+    found = re.search(r"deepspeed_config_file`, the following accelerate config variables will be ignored: \[([^\]]*)\]",
+                      str(exc))
+    if found is None:
+        raise exc
+    ignored = {name.strip(" '") for name in found.group(1).split(",")}
+    given = [name for name in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if name in ignored]
+    return (
+        f"the accelerate config sets {', '.join(given or sorted(ignored))} beside deepspeed_config_file, which "
+        "decides them: remove them from the accelerate config (precision: train.mixed_precision; the DeepSpeed "
+        "JSON's \"auto\" values follow the recipe)"
+    )
+
+
+def join_restarted_group(backend: str, timeout: timedelta) -> None:
+    """After an elastic restart (`--max_restarts`), the process group on its own key prefix.
+
+    torchrun hands the restarted ranks the store its agent kept from the first attempt, keys and
+    all (TORCHELASTIC_USE_AGENT_STORE), and init_process_group adds no per-attempt prefix: the new
+    ranks read their dead predecessors' addresses from it and fail to connect ("Connection
+    refused" in gloo's connectFullMesh, torch 2.13). Under a prefix named after the attempt they
+    meet only each other. Accelerate then finds the group initialised and keeps it."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or torch.distributed.is_initialized():
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=rank == 0 and not agent_store, timeout=timeout,
+    )
+    torch.distributed.init_process_group(
+        backend, store=torch.distributed.PrefixStore(f"llm-toolkit/attempt-{attempt}", store),
+        rank=rank, world_size=world, timeout=timeout,
+    )
+
+
+def reduce_gradients_in_fp32(fsdp_plugin) -> None:
+    """FSDP2 under bf16/fp16: parameters gathered in the low precision, gradients reduced in fp32.
+
+    Accelerate's policy reduces in the low precision too; DDP and ZeRO reduce the fp32 gradients
+    that autocast leaves on fp32 weights, so an 8-rank FSDP2 average would be the one rounded to
+    bf16 (8 significant bits) at every step. fp32 reduction is torchtitan's default as well; it
+    doubles the reduce-scatter's bytes, small next to a step's compute.
+    """
+    policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
+    if dataclasses.is_dataclass(policy) and getattr(policy, "reduce_dtype", None) in (torch.bfloat16, torch.float16):
+        fsdp_plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+
+
+# torch 2.13 deprecates the collectives DeepSpeed 0.19 calls in every ZeRO step, and transformers'
+# catch_warnings blocks reset Python's once-per-place memory, so the same two lines came back ~80 times
+# a step (486 lines in 6 steps of pretrain_tiny under zero3.yaml): nothing a user can act on.
+DEEPSPEED_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def configure_deepspeed(accelerator: Accelerator, micro_batch: int, max_grad_norm: float) -> list[str]:
+    """Fill DeepSpeed's "auto" values from the recipe; refuse values that contradict it.
+
+    Returns what the DeepSpeed JSON itself takes over (its own optimizer/scheduler), for the log.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return []
+    warnings.filterwarnings("ignore", message=DEEPSPEED_DEPRECATIONS, category=FutureWarning)
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "the DeepSpeed config")
+    wanted = {
+        "train_micro_batch_size_per_gpu": (micro_batch, "train.micro_batch_size"),
+        "gradient_accumulation_steps": (accelerator.gradient_accumulation_steps, "the accumulation derived from train.global_batch_size"),
+        "train_batch_size": (micro_batch * accelerator.gradient_accumulation_steps * accelerator.num_processes, "train.global_batch_size"),
+        "gradient_clipping": (max_grad_norm, "optim.max_grad_norm"),
+    }
+    problems = []
+    for key, (value, origin) in wanted.items():
+        current = ds.get(key, "auto")
+        if current == "auto":
+            ds[key] = value
+        elif float(current) != float(value):
+            problems.append(f"{source} sets {key}={current} but the recipe has {value} ({origin}); set it to \"auto\"")
+    if problems:
+        raise UserError("; ".join(problems))
+    return [block for block in ("optimizer", "scheduler") if block in ds]
+
+
+# Launch variables with which transformers' from_pretrained loads weights on rank 0 only (the
+# other ranks' stay on the meta device, to be filled by FSDP's sync_module_states at prepare).
+FSDP_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
+@contextlib.contextmanager
+def outside_training(accelerator: Accelerator):
+    """Build, load and generate in here as in a new single process, whatever the strategy.
+
+    Training leaves process-wide state that transformers reads, and only some ranks may be in
+    here (rank 0 generating samples, reloading what it wrote):
+    - Accelerate registers its DeepSpeed config with transformers (a module-global reference)
+      even with zero3_init_flag off. While it is set under ZeRO-3, `from_config` and
+      `from_pretrained` build the model inside `deepspeed.zero.Init`: partitioned (with another
+      random init than every other strategy gets) and checked against the training batch sizes
+      ("train_batch_size is not equal to micro_batch_per_gpu * ..."); and `generate` syncs every
+      decoding step with the other ranks, an all-reduce that hangs when one rank generates alone.
+    - FSDP with cpu_ram_efficient_loading: `from_pretrained` fills the weights on rank 0 only.
+
+    So the reference and those variables are set aside in here and restored on the way out.
+    Building a model whole costs host RAM for the full model once; `prepare` shards it right after.
+    """
+    saved_env = {k: os.environ.pop(k) for k in FSDP_LOADING_ENV if k in os.environ}
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if deepspeed:
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        os.environ.update(saved_env)
+        if deepspeed:
+            accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def keep_freed_memory() -> bool:
+    """CPU runs: keep freed memory in the process for the next step (glibc only; False elsewhere).
+
+    torch's CPU tensors come from malloc. By default glibc hands memory at the top of the heap
+    back to the OS on free and maps large blocks afresh, so every step faults the same pages in
+    again, zero-filled; how often depends on the process's heap history, not on the loop. Measured
+    with bench/step_overhead.py (tiny config, 1 thread): 16-31k minor page faults per step in the
+    recipe against 8-12k in the bare loop, +10 % step time; with trimming off, none on either side
+    and 0.0 % overhead. The cost: a CPU process's resident memory stays at its peak. CUDA memory
+    has its own caching allocator and is not affected.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc's <malloc.h>
+    never = 2**31 - 1
+    return bool(
+        libc.mallopt(m_trim_threshold, never)
+        and libc.mallopt(m_top_pad, 64 << 20)
+        and libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest: blocks up to 32 MB reuse the heap
+    )

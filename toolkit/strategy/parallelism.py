@@ -1,0 +1,74 @@
+"""The parallel layout a launch asks for: how many ranks split a model (context, tensor, sequence parallel,
+pipeline stages) and how many micro-batches each data-parallel rank accumulates, checked before any process
+group exists."""
+
+from __future__ import annotations
+
+import os
+
+from toolkit.config import UserError
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
+    """Micro-batches per rank per optimizer step, so that every strategy sees the same global batch."""
+    per_step = micro_batch * world
+    if global_batch % per_step:
+        raise UserError(
+            f"train.global_batch_size={global_batch} is not divisible by "
+            f"train.micro_batch_size={micro_batch} x {world} process(es) = {per_step}; "
+            f"use a multiple of {per_step} or change train.micro_batch_size"
+        )
+    return global_batch // per_step
+
+
+def parallelism_sizes(world: int) -> tuple[int, int, int]:
+    """(cp, tp, sp): the context-, tensor- and sequence-parallel sizes an accelerate config's
+    parallelism_config asks for, checked against the launch; its other axes are refused in one line
+    until they are built. Accelerate is then told nothing of it: its ParallelismConfig refuses CPU
+    processes, its context parallel (torch's ring attention) and its sequence parallel (DeepSpeed's
+    registration) drop the attention mask, so that packed documents would see each other, and its
+    FSDP2 + TP branch imports a class transformers 5.23 no longer has."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1, 1, 1
+    size = {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    if size["dp_replicate"] > 1:
+        raise UserError(
+            f"accelerate config: parallelism_config_dp_replicate_size={size['dp_replicate']} is not supported yet; use "
+            "parallelism_config_dp_shard_size with parallelism_config_cp_size (accelerate_configs/fsdp_cp.yaml), "
+            "parallelism_config_tp_size (accelerate_configs/fsdp_tp.yaml) or parallelism_config_sp_size "
+            "(accelerate_configs/zero3_sp.yaml)"
+        )
+    axes = [axis for axis in ("cp", "tp", "sp") if size[axis] > 1]
+    if len(axes) > 1:
+        first, second = axes[:2]
+        raise UserError(
+            f"accelerate config: parallelism_config_{first}_size={size[first]} with parallelism_config_{second}_size="
+            f"{size[second]} is not supported yet; use one of them"
+        )
+    cp, tp, sp = size["cp"], size["tp"], size["sp"]
+    model = cp * tp * sp
+    if min(cp, tp, sp, size["dp_shard"]) < 1 or size["dp_shard"] * model != world:
+        axis = axes[0] if axes else "tp"
+        fix = (f"set parallelism_config_dp_shard_size to {world // model}" if world % model == 0 and world >= model
+               else f"launch a multiple of {model} processes (--num_processes {model * max(1, size['dp_shard'])})")
+        raise UserError(
+            f"accelerate config: parallelism_config_dp_shard_size={size['dp_shard']} x parallelism_config_{axis}_size="
+            f"{model} must equal the {world} processes launched; {fix}"
+        )
+    os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    return cp, tp, sp
+
+
+def check_pipeline_launch(stages: int, world: int, model_parallel: int, mixed_precision: str = "no") -> None:
+    """Refuses, before any process group exists, a pipeline the launch cannot hold."""
+    if stages == 1:
+        return
+    if mixed_precision == "fp16":
+        raise UserError(f"train.pipeline_stages={stages} with train.mixed_precision=fp16 is not supported (the schedule "
+                        "runs the backward itself, without fp16's loss scaling); use bf16")
+    if model_parallel > 1:
+        raise UserError(f"train.pipeline_stages={stages} with an accelerate parallelism_config (cp, tp or sp) is not "
+                        "supported yet; use accelerate_configs/ddp.yaml")
+    if world % stages:
+        raise UserError(f"train.pipeline_stages={stages} does not divide the {world} processes launched; launch a "
+                        f"multiple of {stages} processes (replicas x stages)")
