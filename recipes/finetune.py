@@ -51,7 +51,7 @@ from toolkit.models.base_model import load_base_model, meta_base
 from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import max_positions
-from toolkit.strategy.memory import check_base_fits, check_fits
+from toolkit.planner.estimate import check_base_fits, check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import FinetuneConfig
 from toolkit.training.samples import generate, write_samples

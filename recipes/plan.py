@@ -7,7 +7,7 @@ Reads the recipe YAML and key=value overrides as the recipe does, builds the mod
 device (no weights, no GPU) and, for every accelerate config in accelerate_configs/ x gradient
 checkpointing (none / every_k / full) x micro-batch, estimates the per-GPU peak broken into
 parameters, gradients, optimizer state (fp32 masters included), activations, logits and loss,
-and communication/gathering buffers (toolkit.strategy.memory; docs/memory.md has the formulas).
+and communication/gathering buffers (toolkit.planner; docs/memory.md has the formulas).
 `fits` means the peak plus the CUDA context and allocator slack stays under (1 - headroom) of the
 GPU's memory. It then names the fastest row that fits and prints its launch line. The global
 batch stays the recipe's: a micro-batch is listed only if it divides it over the data-parallel ranks.
@@ -50,8 +50,9 @@ sys.path.insert(0, str(ROOT))
 from toolkit.config import UserError, load_config, read_config_file, read_yaml  # noqa: E402
 from toolkit.models.adapter import leave_out_bitsandbytes  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
+from toolkit.planner.estimate import estimate  # noqa: E402
+from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy  # noqa: E402
 from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
-from toolkit.strategy.memory import Run, StrategyFacts, estimate, rank_key, read_strategy  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)

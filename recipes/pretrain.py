@@ -42,7 +42,7 @@ from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.models.compilation import compile_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, hf_config, meta_model
-from toolkit.strategy.memory import check_fits
+from toolkit.planner.estimate import check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.samples import sample_folder

@@ -7,6 +7,7 @@
     models               build from scratch, load a base, adapters, loss, gradient checkpointing
     launch               the launcher, what a rank knows from it, one error line and exit code per launch
     strategy             the Strategy object and every DDP/FSDP/DeepSpeed quirk
+    planner              the per-GPU memory estimate behind recipes/plan.py
     checkpoint           save, resume, each strategy's files, the state by parameter name
     export               HF folder, consolidate, GGUF, quantize, report
     training             the trainer loop, step, optimizer, checkpoints, metrics, evaluation, samples
@@ -18,12 +19,14 @@ that later trips over it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [{"config", "run_dir", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
-          {"checkpoint"}, {"export"}, {"training"}]
-KNOW_THE_LAUNCH = ("launch", "strategy", "checkpoint")  # the packages that may read the launcher's variables and import deepspeed
+          {"planner"}, {"checkpoint"}, {"export"}, {"training"}]
+# the packages that may read the launcher's variables and import deepspeed (the planner reads an accelerate config)
+KNOW_THE_LAUNCH = ("launch", "strategy", "planner", "checkpoint")
 
 
 def layer(module: str) -> int:
@@ -68,9 +71,9 @@ def test_imports_only_point_down_the_layers():
     assert not upward, upward
 
 
-def test_only_the_launch_strategy_and_checkpoint_packages_know_the_launcher_and_deepspeed():
-    """Nothing outside toolkit/launch, toolkit/strategy and toolkit/checkpoint reads WORLD_SIZE/RANK, imports
-    deepspeed or branches on the distributed type: the rest asks the Strategy object."""
+def test_only_the_packages_of_the_launch_know_the_launcher_and_deepspeed():
+    """Nothing outside KNOW_THE_LAUNCH reads WORLD_SIZE/RANK, imports deepspeed or branches on the distributed
+    type: the rest asks the Strategy object."""
     banned = ("WORLD_SIZE", '"RANK"', "LOCAL_RANK", "import deepspeed", "from deepspeed", "DistributedType",
               "distributed_type")
     offenders = []
@@ -102,6 +105,27 @@ def test_no_import_circle_anywhere_in_the_toolkit():
     for name in graph:
         visit(name, [])
     assert not circles, circles
+
+
+def test_every_module_is_named_in_the_architecture_doc():
+    """docs/architecture.md's map of the layers names every toolkit module under its package's entry."""
+    block = (ROOT / "docs" / "architecture.md").read_text().split("```")[1]
+    entries, current = {}, None
+    for line in block.splitlines():
+        if line.startswith("toolkit/"):
+            current = line.split()[0]
+            entries[current] = line[len(current):]
+        elif current and line.startswith(" " * 10):
+            entries[current] += " " + line
+        else:
+            current = None
+    missing = []
+    for name, path in modules().items():
+        parts = path.relative_to(ROOT / "toolkit").parts
+        entry = f"toolkit/{parts[0]}" if len(parts) == 1 else f"toolkit/{parts[0]}/"
+        if entry not in entries or (len(parts) > 1 and not re.search(rf"\b{path.stem}\b", entries[entry])):
+            missing.append(name)
+    assert not missing, missing
 
 
 def test_tests_mirror_the_toolkit_layout():

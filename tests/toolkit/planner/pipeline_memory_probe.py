@@ -1,10 +1,10 @@
-"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_memory.py: what a pipeline stage holds, for the
+"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_estimate.py: what a pipeline stage holds, for the
 memory model to be compared with. Rank 0 writes to the JSON file argv[1], for each rank: the bytes of
 its stage's parameters, of its gradients after one step of MICRO_BATCHES micro-batches through the 1F1B
 schedule, of AdamW's state after the update, and of the receive buffers torch keeps (hidden states,
 position ids and gradients, per micro-batch).
 
-The model is test_memory.probe_model()'s with 3 layers (stage 0 takes the remainder: layers 0-1) and a
+The model is test_estimate.probe_model()'s with 3 layers (stage 0 takes the remainder: layers 0-1) and a
 tied embedding/head (a copy on each end), fp32, as a stage trains (Accelerate adds no autocast to it).
 """
 

@@ -1,7 +1,7 @@
-"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_memory.py: what a rank holds under tensor, context
+"""Run on 2 ranks with torchrun's variables (gloo, tests/probe_ranks.py) by test_estimate.py: what a rank holds under tensor, context
 and sequence parallel, for the memory model to be compared with. Rank 0 writes to the JSON file argv[1]:
 
-- "tp": test_memory.probe_model() split over the 2 ranks (toolkit.strategy.tensor_parallel.split,
+- "tp": test_estimate.probe_model() split over the 2 ranks (toolkit.strategy.tensor_parallel.split,
   fsdp_tp.yaml's tp 2 x dp_shard 1): this rank's bytes of parameters, of gradients after one backward
   and of AdamW's state after one step (the local shards of the DTensors), and the bytes autograd keeps
   inside decoder layer 1 in a forward under CPU bf16 autocast over the fp32 weights, as the recipe
@@ -23,7 +23,7 @@ and sequence parallel, for the memory model to be compared with. Rank 0 writes t
 
 Saved weights and autocast's copies of them (their shapes, and the experts' 3-D weights transposed as
 grouped_mm takes them), and rotary cos/sin (shared by all layers,
-counted apart by the model), are left out, as in test_memory.saved_by_one_layer; the block-causal mask
+counted apart by the model), are left out, as in test_estimate.saved_by_one_layer; the block-causal mask
 in the compute dtype that sdpa keeps is counted, in each layer that keeps it.
 """
 
@@ -48,7 +48,7 @@ from toolkit.strategy.tensor_parallel import split  # noqa: E402
 
 BATCH, SEQ = 3, 32
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)  # test_memory.probe_model's
+              num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)  # test_estimate.probe_model's
 # tensor parallel with sequence parallel: (model, precision, packed documents)
 TP_SEQUENCE_CASES = [("llama", "bf16", False), ("llama", "bf16", True), ("llama", "fp32", False), ("llama", "fp32", True),
                      ("qwen3", "bf16", True)]

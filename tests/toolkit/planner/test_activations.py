@@ -1,0 +1,164 @@
+"""Activations saved for backward (toolkit.planner.activations): what one decoder layer keeps, counted by
+autograd's saved_tensors_hooks on CPU, equal to the per-token formula (fp32, autocast over fp32 weights,
+weights cast to bf16; LLaMA, Qwen3, mixtures of experts), with sdpa's copy of a document mask."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
+
+from toolkit.planner.activations import Shapes, layer_bytes, layer_bytes_per_token
+from toolkit.planner.facts import Run, StrategyFacts
+
+
+def saved_by_one_layer(config: PretrainedConfig, mode: str, batch: int, seq: int, mask: torch.Tensor | None = None) -> int:
+    """Bytes autograd keeps for backward inside decoder layer 1 (parameters excluded; rotary
+    cos/sin, which every layer shares, excluded), with `mask` as the attention mask if given."""
+    dtype = torch.bfloat16 if mode == "bf16 weights" else torch.float32
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, tuple[int, tuple]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = (storage.nbytes(), tuple(t.shape))
+        return t
+
+    layer = model.model.layers[1]
+    forward = layer.forward
+
+    def hooked(*args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return forward(*args, **kwargs)
+
+    layer.forward = hooked
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    with autocast:
+        model.model(input_ids=torch.randint(0, config.vocab_size, (batch, seq)), attention_mask=mask)
+    weights = {tuple(p.shape) for p in layer.parameters()} | {tuple(p.shape)[::-1] for p in layer.parameters()}  # autocast's casts
+    rotary = (1, 1, seq, config.hidden_size // config.num_attention_heads)
+    return sum(n for n, shape in kept.values() if shape not in weights and shape != rotary)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
+@pytest.mark.parametrize("sizes", [(256, 1024, 4, 2), (192, 512, 6, 3)])
+def test_saved_activations_per_layer_equal_the_formula(mode, sizes):
+    hidden, inter, heads, kv = sizes
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv, max_position_embeddings=64, use_cache=False,
+    )
+    batch, seq = 3, 40
+    measured = saved_by_one_layer(config, mode, batch, seq)
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
+    assert layer_bytes_per_token(shapes, run) * batch * seq == measured
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe 4x2", "qwen3_moe 8x3 norm_topk", "mixtral 4x2", "mixtral 8x3"])
+def test_qwen3_and_mixture_of_experts_layers_save_what_the_formula_says(mode, model):
+    """Qwen3's per-head q_norm and k_norm (their fp32 inputs, 1/rms and outputs), and a Qwen3-MoE layer:
+    the router's fp32 softmax and top-k indices, and per routed copy of a token transformers'
+    grouped_mm experts' gathered input, gate_up output, silu, product and down output in the weights'
+    dtype (fp32 under autocast: grouped_mm is not autocast), its routing weight and three index vectors;
+    Mixtral's the same, its routing weights fp32."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64, use_cache=False)
+    if model == "qwen3":
+        config = Qwen3Config(**sizes)
+    elif model.startswith("mixtral"):
+        experts, top_k = (4, 2) if "4x2" in model else (8, 3)
+        config = MixtralConfig(**{**sizes, "intermediate_size": 32 if experts == 4 else 48}, num_local_experts=experts,
+                               num_experts_per_tok=top_k)
+    else:
+        experts, top_k = (4, 2) if "4x2" in model else (8, 3)
+        config = Qwen3MoeConfig(**sizes, moe_intermediate_size=32 if experts == 4 else 48, num_experts=experts,
+                                num_experts_per_tok=top_k, norm_topk_prob="norm_topk" in model)
+    batch, seq = 3, 40
+    measured = saved_by_one_layer(config, mode, batch, seq)
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    assert shapes.qk_norm == (not model.startswith("mixtral"))
+    assert shapes.experts == (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
+    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
+    assert layer_bytes(shapes, run) == measured
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_the_router_loss_keeps_what_the_estimate_says(mode, model_type):
+    """toolkit.models.router.RouterLoss over 3 Qwen3-MoE (or Mixtral) layers: the recorded router logits until the loss,
+    then what the loss keeps alive for backward, as large (a softmax of each layer's logits)."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from toolkit.models.router import RouterLoss
+    from toolkit.planner.activations import router_loss_bytes
+
+    sizes = dict(vocab_size=128, hidden_size=64, num_experts_per_tok=3, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, use_cache=False)
+    if model_type == "mixtral":
+        config = MixtralConfig(**sizes, intermediate_size=32, num_local_experts=8)
+    else:
+        config = Qwen3MoeConfig(**sizes, intermediate_size=128, moe_intermediate_size=32, num_experts=8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mode == "bf16 weights" else torch.float32)
+    router = RouterLoss.of(model)
+    batch, seq = 3, 40
+    saved: list = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(weakref.ref(t))  # what a freed node saved dies with it: only the living are kept
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    with autocast:
+        router.start()
+        model(input_ids=torch.randint(0, 128, (batch, seq)))
+        recorded = sum(t.untyped_storage().nbytes() for t in router._logits)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = router.loss()
+    gc.collect()
+    assert loss.requires_grad and not router._logits
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for ref in saved if (t := ref()) is not None}
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
+    compute = 4 if mode == "fp32" else 2
+    assert recorded == 3 * batch * seq * 8 * compute
+    assert router_loss_bytes(shapes, run, 3) == sum(kept.values()) == recorded + 4 * 8, kept
+
+
+def test_sdpa_with_the_document_mask_keeps_repeated_keys_and_a_mask_copy_in_every_layer():
+    """transformers repeats k and v to every query head when sdpa gets a mask (use_gqa_in_sdpa), and
+    sdpa converts a boolean mask to the compute dtype in each call and keeps it; an H100 (torch 2.11,
+    cuDNN attention) keeps the same tensors."""
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )
+    batch, seq = 3, 40
+    documents = torch.arange(seq) // 16  # three packed documents, each attending to itself only
+    mask = (documents[:, None] == documents[None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    measured = saved_by_one_layer(config, "bf16 weights", batch, seq, mask.expand(batch, 1, seq, seq))
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    run = Run(StrategyFacts("fsdp", "fsdp"), 1, batch, seq)
+    assert layer_bytes(shapes, run) == measured
+    # beside the unmasked layer: k and v repeated to the 4 query heads, and the mask's bf16 copy
+    unmasked = Run(StrategyFacts("fsdp", "fsdp"), 1, batch, seq, packed_documents=False)
+    repeated_kv = 2 * 2 * (4 - 2) * 64 * batch * seq
+    assert layer_bytes(shapes, run) - layer_bytes(shapes, unmasked) == repeated_kv + 2 * batch * seq * seq

@@ -1,0 +1,166 @@
+"""What the memory estimate is asked about: the strategy an accelerate config (or a live launch) lays the
+model out by, and the run (world, batch, sequence, checkpointing, precision)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from toolkit.config import UserError, read_json, read_yaml
+
+STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
+                  "zero3_sp": 1.15, "fsdp_sp": 1.1, "pipeline": 1.0}  # see rank_key
+
+
+@dataclass
+class StrategyFacts:
+    """What decides the memory layout, read from an accelerate config (and its DeepSpeed JSON)."""
+
+    name: str  # the config's file stem: ddp, fsdp, zero1, ...
+    kind: Literal["ddp", "fsdp", "deepspeed"]
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    reduce_bucket: int = 0  # elements
+    prefetch_bucket: int = 0  # elements (ZeRO-3)
+    persistence_threshold: int = 0  # elements (ZeRO-3): parameters this small are also kept whole
+    overlap_comm: bool = False
+    reshard_after_forward: bool = True  # FSDP2
+    cp: int = 1  # ranks each sequence is split over (parallelism_config_cp_size)
+    tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
+    sp: int = 1  # ranks each sequence is split over by sequence parallel, attention by heads (parallelism_config_sp_size)
+    stages: int = 1  # pipeline stages, one per rank (train.pipeline_stages under ddp.yaml)
+
+
+def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
+    """An accelerate config file -> StrategyFacts; DeepSpeed "auto" sizes as Accelerate fills them."""
+    path = Path(path)
+    cfg = read_yaml(path) or {}
+    kind = cfg.get("distributed_type", "NO")
+    parallel = cfg.get("parallelism_config") or {}
+    sp = int(parallel.get("parallelism_config_sp_size", 1))
+    if kind == "FSDP":
+        fsdp = cfg.get("fsdp_config") or {}
+        if str(fsdp.get("fsdp_version", 1)) != "2":
+            raise UserError(f"{path}: the planner models FSDP2 (fsdp_version: 2)")
+        return StrategyFacts(
+            path.stem, "fsdp", offload_params=bool(fsdp.get("fsdp_offload_params", False)),
+            reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
+            cp=int(parallel.get("parallelism_config_cp_size", 1)), tp=int(parallel.get("parallelism_config_tp_size", 1)),
+            sp=sp,
+        )
+    if kind == "DEEPSPEED":
+        ds = cfg.get("deepspeed_config") or {}
+        file = ds.get("deepspeed_config_file")
+        if not file:
+            raise UserError(f"{path}: the planner needs a deepspeed_config_file")
+        json_path = Path(file) if Path(file).is_absolute() else path.parent.parent / file
+        zero = read_json(json_path).get("zero_optimization", {})
+        h2 = hidden_size * hidden_size
+
+        def size(key: str, auto: float, default: float) -> int:
+            """A DeepSpeed size: Accelerate's fill for "auto", DeepSpeed's default when absent."""
+            value = zero.get(key, default)
+            return int(auto if value == "auto" else value)
+
+        def offloaded(key: str) -> bool:
+            return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
+
+        return StrategyFacts(
+            path.stem, "deepspeed", zero_stage=int(zero.get("stage", 0)),
+            offload_optimizer=offloaded("offload_optimizer"), offload_params=offloaded("offload_param"),
+            reduce_bucket=size("reduce_bucket_size", h2, 5e8),
+            prefetch_bucket=size("stage3_prefetch_bucket_size", 0.9 * h2, 5e7),
+            persistence_threshold=size("stage3_param_persistence_threshold", 10 * hidden_size, 1e5),
+            overlap_comm=bool(zero.get("overlap_comm", False)), sp=sp,
+        )
+    return StrategyFacts(path.stem, "ddp")
+
+
+@dataclass
+class Run:
+    strategy: StrategyFacts
+    world: int
+    micro_batch: int
+    seq_len: int
+    accumulation: int = 1
+    checkpointing: Literal["none", "full", "every_k"] = "none"
+    every_k: int = 2
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # the compute dtype (autocast or cast weights)
+    param_dtype: torch.dtype = torch.float32  # the model's own weights (a fine-tune may load bf16)
+    attention: str = "sdpa"  # sdpa | flash_attention_2 | flex_attention | eager
+    loss_chunk_tokens: int = 0  # 0 = full logits; > 0 = model.loss=chunked
+    packed_documents: bool = True  # sdpa/eager build a (batch, 1, seq, seq) mask from the document positions
+    quantized_base: bool = False  # QLoRA: frozen linear weights in 4-bit NF4 with double quantisation
+    fused_adam: bool = True  # torch's fused AdamW (CUDA): no temporaries beside the state
+
+    def __post_init__(self):
+        if self.world < 1 or self.micro_batch < 1 or self.seq_len < 1 or self.accumulation < 1:
+            raise UserError(f"world={self.world}, micro_batch={self.micro_batch}, seq_len={self.seq_len} must be positive")
+        group = self.strategy.cp * self.strategy.tp * self.strategy.sp
+        if self.world % group:
+            raise UserError(f"{self.strategy.name}: cp x tp x sp = {group} ranks do not divide world={self.world}; "
+                            f"use a multiple of {group} processes")
+        if self.world % self.strategy.stages:
+            raise UserError(f"train.pipeline_stages={self.strategy.stages} does not divide world={self.world}; use a "
+                            f"multiple of {self.strategy.stages} processes (replicas x stages)")
+        if self.strategy.stages > 1 and self.loss_chunk_tokens > 0:
+            # the last stage's loss is the schedule's loss_fn of its logits (toolkit.strategy.pipeline_parallel)
+            raise UserError(f"train.pipeline_stages={self.strategy.stages}: model.loss=chunked does not run in a "
+                            "pipeline; use model.loss=full")
+        if self.strategy.tp > 1 and self.loss_chunk_tokens > 0:
+            # the chunked loss multiplies the hidden states by the head's weight itself, and under tensor
+            # parallel that weight is a DTensor: torch refuses the mixed matmul
+            raise UserError(f"{self.strategy.name}: model.loss=chunked does not run under tensor parallel; "
+                            "use model.loss=full")
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence this rank holds: 1/cp of them under context parallel, 1/sp under
+        sequence parallel."""
+        return self.seq_len // (self.strategy.cp * self.strategy.sp)
+
+    @property
+    def own_attention(self) -> bool:
+        """Whether the attention is the toolkit's own sdpa call with enable_gqa (context and sequence
+        parallel: k and v never repeated, the block-causal mask always given), not transformers'."""
+        return self.strategy.cp > 1 or self.strategy.sp > 1
+
+
+
+
+def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, offload: bool, stages: int = 1,
+             micro_batches: int = 1) -> float:
+    """Relative step time, for ranking what fits (a heuristic, not a measurement): recomputation
+    costs about one more forward (a third of forward + backward) per checkpointed layer share;
+    sharded parameters are gathered every layer (ZeRO-3, FSDP2), context parallel also gathers every
+    layer's keys and values, sequence parallel all-to-alls every layer's q, k, v and output, tensor parallel all-reduces activations twice a layer each way (fast
+    only inside a node); offload moves the optimizer to the CPU; DeepSpeed's engine adds a little
+    per step; a small micro-batch leaves the GPU underused; a pipeline of `stages` idles (stages - 1) /
+    (micro_batches + stages - 1) of each step (1F1B's bubble)."""
+    recompute = {"none": 0.0, "full": 1 / 3, "every_k": 1 / (3 * max(1, every_k))}[checkpointing]
+    bubble = (micro_batches + stages - 1) / micro_batches
+    return ((1 + recompute) * STRATEGY_SPEED.get(strategy, 1.1) * (2.0 if offload else 1.0) * (1 + 0.5 / micro_batch)
+            * bubble)
+
+
+# ---------------------------------------------------------------------------- a model the machine cannot hold
+
+
+def live_facts(strategy) -> StrategyFacts:
+    """StrategyFacts of a launched toolkit.strategy.distributed.Strategy (what read_strategy reads
+    from its config file), for the sizes of model state."""
+    acc = strategy.accelerator
+    kind = {"single": "ddp", "ddp": "ddp"}.get(strategy.kind, strategy.kind)
+    offload_params = False
+    if kind == "deepspeed":
+        zero = (acc.state.deepspeed_plugin.deepspeed_config or {}).get("zero_optimization", {})
+        offload_params = (zero.get("offload_param") or {}).get("device", "none") in ("cpu", "nvme")
+    elif kind == "fsdp":
+        offload_params = bool(getattr(getattr(acc.state.fsdp_plugin, "cpu_offload", None), "offload_params", False))
+    return StrategyFacts(strategy.name, kind, zero_stage=strategy.zero_stage or 0,
+                         offload_optimizer=strategy.offloads_optimizer, offload_params=offload_params,
+                         cp=strategy.cp, tp=strategy.tp, sp=strategy.sp, stages=strategy.stages)
