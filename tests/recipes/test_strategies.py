@@ -8,6 +8,8 @@ together change nothing.
 
 from __future__ import annotations
 
+import re
+import shutil
 import sys
 
 import pytest
@@ -16,8 +18,10 @@ from accelerate import Accelerator
 from recipe_runner import MATRIX_RUN, ROOT, TINY, run_recipe
 from safetensors.torch import load_file
 from same_training import assert_same_weights, lr_sum
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from saved_checkpoints import FIXTURES
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.checkpoint.by_name import ConsolidatedState, cached_conversion
 from toolkit.config import load_config
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.packing import packed_dataset
@@ -109,6 +113,31 @@ def test_consolidated_final_model_reproduces_the_live_model(strategy, strategy_r
     model = AutoModelForCausalLM.from_pretrained(out / "final", attn_implementation="sdpa").eval()
     reloaded = evaluate(Accelerator(cpu=True), model, val, 2, cfg.eval.blocks, "sdpa")
     assert reloaded["eval_loss"] == pytest.approx(live["eval_loss"], rel=1e-6)
+
+
+def _files(folder) -> set[str]:
+    """A checkpoint's file layout: its files' paths, rank and step numbers aside."""
+    return {re.sub(r"\d+", "N", str(f.relative_to(folder))) for f in folder.rglob("*") if f.is_file()}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
+def test_a_fresh_checkpoint_has_the_files_of_the_saved_fixtures_and_converts(strategy, strategy_runs, tmp_path):
+    """test_resume_elsewhere.py resumes checkpoints an earlier commit saved (tests/fixtures/checkpoints). This
+    run's step-3 must still have their files, and convert by parameter name in one process (what every resume
+    under another strategy starts with), every parameter with its Adam state: a change of format fails here,
+    and the fixtures are then made again (tests/saved_checkpoints.py) beside the old ones'."""
+    out, _ = strategy_runs(strategy)
+    fresh = shutil.copytree(out / "checkpoints" / "step-3", tmp_path / "step-3")
+    assert _files(fresh) == _files(FIXTURES / {"ddp": "ddp@3", "fsdp": "fsdp@2", "zero2": "zero2@2",
+                                                "zero3": "zero3@2"}[strategy] / "step-3")
+    converted, cached = cached_conversion(fresh)
+    state = ConsolidatedState(converted)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out / "final"))
+    names = [n for n, _ in model.named_parameters()]
+    assert not cached and state.trained == len(names)
+    assert all(state.moments(n) is not None and state.step(n) == 3.0 for n in names)
+    assert state.weight(names[:1]).shape == model.get_parameter(names[0]).shape
 
 
 # Hard kills at 8 points, two per strategy (toolkit.faults), each a restart of both ranks (~12 core-s): a kill

@@ -107,6 +107,12 @@ def test_no_import_circle_anywhere_in_the_toolkit():
     assert not circles, circles
 
 
+def test_no_module_is_over_600_lines():
+    """A module holds one job; past 600 lines it holds several (STYLE.md: ~400 at most)."""
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 600}
+    assert not long, long
+
+
 def test_every_module_is_named_in_the_architecture_doc():
     """docs/architecture.md's map of the layers names every toolkit module under its package's entry."""
     block = (ROOT / "docs" / "architecture.md").read_text().split("```")[1]

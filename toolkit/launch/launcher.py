@@ -137,7 +137,7 @@ def verdict(codes: dict[int, int], forwarded: int | None) -> int | None:
     """
     recipe = [c for c in codes.values() if c in RECIPE_CODES]
     ended = [c for c in codes.values() if c not in RECIPE_CODES]
-    # a rank that was not training yet ends at once on a signal, with 128 + n (toolkit.training.trainer.StopRequest)
+    # a rank that was not training yet ends at once on a signal, with 128 + n (toolkit.training.stop.StopRequest)
     if recipe and all(c in (-signal.SIGTERM, 128 + signal.SIGTERM) for c in ended):
         return min(recipe, key=RECIPE_CODES.index)
     if forwarded is not None and codes and all(c in (-forwarded, 128 + forwarded) for c in codes.values()):

@@ -1,0 +1,84 @@
+"""A stop signal (toolkit.training.stop), in a child process that plays a rank: before training it ends the
+process at once, even inside a C++ wait; in training it sets the flag, and a second Ctrl-C ends it at once."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+STOPPING = """
+import datetime, sys, time
+import torch.distributed as dist
+from toolkit.training.stop import StopRequest
+stop = StopRequest("unit", main=True, release=lambda: print("released", flush=True))
+stop.training = sys.argv[1] == "training"
+stop.step = lambda: 7
+print("ready", flush=True)
+if stop.training:
+    while True:
+        time.sleep(0.05)
+        if stop.requested:
+            print("flag", flush=True)
+            break
+    time.sleep(60)  # a checkpoint being saved, until the second Ctrl-C (not stdin: its EOF would end the child)
+else:  # a rank waiting in C++ (a rendezvous): Python runs no handler until the wait ends
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    store.get("a key no one sets")
+"""
+
+
+@pytest.mark.parametrize("phase", ["starting", "training"])
+def test_ctrl_c_before_training_ends_at_once_and_a_second_one_in_training(phase):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen([sys.executable, "-c", STOPPING, phase], cwd=root, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGINT)
+    if phase == "training":
+        assert child.stdout.readline().strip() == "flag"  # the first one: stop at the end of the step
+        child.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    out, err = child.communicate(timeout=30)
+    assert time.monotonic() - start < 10  # not the store's 60 s
+    assert child.returncode == 128 + signal.SIGINT
+    assert "released" in out  # the run folder's lock
+    expected = ("[unit] stopped by SIGINT before training started; nothing was trained, so nothing is saved"
+                if phase == "starting" else "[unit] stopped at once by a second Ctrl-C at step 7, without saving "
+                "it; continue with resume=auto (from the newest checkpoint)")
+    assert err.strip() == expected, err
+
+
+def test_the_launchers_sigterm_after_a_peers_user_error_ends_a_rank_with_that_error_s_code():
+    """torchrun's agent SIGTERMs the other ranks once one exits: when rank 0 exited 2 on bad input,
+    rank 1 (still waiting for rank 0's data) ends with code 2 too, silently, not 143: the ranks agree,
+    whichever of the broken barrier and the agent's SIGTERM reaches rank 1 first."""
+    import datetime
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    agent = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))  # port 0: the kernel's pick
+    port = agent.port
+    agent.set("llm_toolkit/verdict/0", "2 0")  # rank 0's report_once: code 2
+    env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen([sys.executable, "-c", STOPPING, "starting"], cwd=root, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == 2, err
+    assert "released" in out and err == ""

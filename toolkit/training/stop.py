@@ -1,0 +1,86 @@
+"""A stop signal: a flag the loop checks once per step while training, the end of the process before it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from toolkit.launch.verdict import reported_verdict
+
+
+class StopRequest:
+    """SIGTERM, SIGUSR1 (cluster preemption, `scancel`, a time limit) and SIGINT (Ctrl-C) stop the run.
+
+    In training the handler only sets a flag; the loop checks it once per optimizer step, agreed
+    across ranks (a rank that saw no signal must still stop with the others), saves a checkpoint
+    and exits 3, so `resume=auto` continues where the run was stopped. Before training starts
+    (data, model load, the launch's process group) there is nothing to save: the process ends at
+    once, one line, exit code 128 + the signal. A second Ctrl-C ends it at once wherever it is.
+
+    "At once" must hold while the main thread waits inside C++ (a rendezvous, a collective, a
+    tokenizer), where Python runs no handler until the call returns (measured: a SIGTERM to a
+    rank in a TCPStore wait ran its handler when the wait timed out). So a thread reads the
+    signal numbers from the wakeup fd, which the C-level handler writes as the signal arrives,
+    and ends the process from there; `release` (the run folder's lock) runs first.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    _watched: StopRequest | None = None  # the newest one; one watcher thread per process
+
+    def __init__(self, name: str = "run", main: bool = True, release: Callable[[], None] = lambda: None,
+                 signals: tuple[int, ...] = SIGNALS):
+        self.name, self.main, self.release = name, main, release
+        self.signal: int | None = None
+        self.training = False  # set by fit: from then on a signal stops at the end of a step
+        self.step: Callable[[], int] = lambda: 0
+        self.interrupts = 0
+        for sig in signals:
+            signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            if StopRequest._watched is None:
+                read, write = os.pipe()
+                os.set_blocking(write, False)
+                signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+                threading.Thread(target=StopRequest._watch, args=(read,), daemon=True, name="stop-signals").start()
+            StopRequest._watched = self
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum  # before training, the watcher has ended the process already
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    @staticmethod
+    def _watch(fd: int) -> None:
+        while True:
+            for signum in os.read(fd, 64):
+                stop = StopRequest._watched
+                if stop is not None and signum in StopRequest.SIGNALS:
+                    stop._now_or_later(signum)
+
+    def _now_or_later(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if not self.training and signum == signal.SIGTERM and (code := reported_verdict()) is not None:
+            # torchrun's agent ends the ranks once one exits; a peer's user error was the cause, and its
+            # line is the launch's one line: end with its code, silently, as the rank would on its own
+            self._end(None, code)
+        if not self.training:
+            self._end(f"stopped by {name} before training started; nothing was trained, so nothing is saved", 128 + signum)
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                self._end(f"stopped at once by a second Ctrl-C at step {self.step()}, without saving it; "
+                          "continue with resume=auto (from the newest checkpoint)", 128 + signum)
+
+    def _end(self, line: str | None, code: int) -> None:
+        if self.main and line is not None:
+            print(f"\n[{self.name}] {line}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # ending is what matters; the lock goes with the process anyway
+            self.release()
+        sys.stdout.flush()
+        os._exit(code)
