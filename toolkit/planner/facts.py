@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from toolkit.config import UserError, read_json, read_yaml
+from toolkit.strategy.parallelism import AXES, model_parallel_sizes
 
 STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
                   "zero3_sp": 1.15, "fsdp_sp": 1.1, "pipeline": 1.0}  # see rank_key
@@ -41,7 +42,8 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
     cfg = read_yaml(path) or {}
     kind = cfg.get("distributed_type", "NO")
     parallel = cfg.get("parallelism_config") or {}
-    sp = int(parallel.get("parallelism_config_sp_size", 1))
+    # read as a launch reads them: one function decides what the sizes mean and which are refused
+    cp, tp, sp = model_parallel_sizes({axis: int(parallel.get(f"parallelism_config_{axis}_size", 1)) for axis in AXES})
     if kind == "FSDP":
         fsdp = cfg.get("fsdp_config") or {}
         if str(fsdp.get("fsdp_version", 1)) != "2":
@@ -49,8 +51,7 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
         return StrategyFacts(
             path.stem, "fsdp", offload_params=bool(fsdp.get("fsdp_offload_params", False)),
             reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
-            cp=int(parallel.get("parallelism_config_cp_size", 1)), tp=int(parallel.get("parallelism_config_tp_size", 1)),
-            sp=sp,
+            cp=cp, tp=tp, sp=sp,
         )
     if kind == "DEEPSPEED":
         ds = cfg.get("deepspeed_config") or {}

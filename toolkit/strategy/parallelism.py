@@ -21,6 +21,9 @@ def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
     return global_batch // per_step
 
 
+AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
 def parallelism_sizes(world: int) -> tuple[int, int, int]:
     """(cp, tp, sp): the context-, tensor- and sequence-parallel sizes an accelerate config's
     parallelism_config asks for, checked against the launch; its other axes are refused in one line
@@ -30,24 +33,11 @@ def parallelism_sizes(world: int) -> tuple[int, int, int]:
     FSDP2 + TP branch imports a class transformers 5.23 no longer has."""
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return 1, 1, 1
-    size = {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
-    if size["dp_replicate"] > 1:
-        raise UserError(
-            f"accelerate config: parallelism_config_dp_replicate_size={size['dp_replicate']} is not supported yet; use "
-            "parallelism_config_dp_shard_size with parallelism_config_cp_size (accelerate_configs/fsdp_cp.yaml), "
-            "parallelism_config_tp_size (accelerate_configs/fsdp_tp.yaml) or parallelism_config_sp_size "
-            "(accelerate_configs/zero3_sp.yaml)"
-        )
-    axes = [axis for axis in ("cp", "tp", "sp") if size[axis] > 1]
-    if len(axes) > 1:
-        first, second = axes[:2]
-        raise UserError(
-            f"accelerate config: parallelism_config_{first}_size={size[first]} with parallelism_config_{second}_size="
-            f"{size[second]} is not supported yet; use one of them"
-        )
-    cp, tp, sp = size["cp"], size["tp"], size["sp"]
+    size = {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in AXES}
+    cp, tp, sp = model_parallel_sizes(size)
     model = cp * tp * sp
     if min(cp, tp, sp, size["dp_shard"]) < 1 or size["dp_shard"] * model != world:
+        axes = [axis for axis in ("cp", "tp", "sp") if size[axis] > 1]
         axis = axes[0] if axes else "tp"
         fix = (f"set parallelism_config_dp_shard_size to {world // model}" if world % model == 0 and world >= model
                else f"launch a multiple of {model} processes (--num_processes {model * max(1, size['dp_shard'])})")
@@ -57,6 +47,26 @@ def parallelism_sizes(world: int) -> tuple[int, int, int]:
         )
     os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     return cp, tp, sp
+
+
+def model_parallel_sizes(size: dict[str, int]) -> tuple[int, int, int]:
+    """(cp, tp, sp) of a parallelism_config's sizes by axis (AXES: what a launch reads from its environment,
+    and recipes/plan.py from the accelerate config file); the axes not built yet refused in one line."""
+    if size.get("dp_replicate", 1) > 1:
+        raise UserError(
+            f"accelerate config: parallelism_config_dp_replicate_size={size['dp_replicate']} is not supported yet; use "
+            "parallelism_config_dp_shard_size with parallelism_config_cp_size (accelerate_configs/fsdp_cp.yaml), "
+            "parallelism_config_tp_size (accelerate_configs/fsdp_tp.yaml) or parallelism_config_sp_size "
+            "(accelerate_configs/zero3_sp.yaml)"
+        )
+    axes = [axis for axis in ("cp", "tp", "sp") if size.get(axis, 1) > 1]
+    if len(axes) > 1:
+        first, second = axes[:2]
+        raise UserError(
+            f"accelerate config: parallelism_config_{first}_size={size[first]} with parallelism_config_{second}_size="
+            f"{size[second]} is not supported yet; use one of them"
+        )
+    return size.get("cp", 1), size.get("tp", 1), size.get("sp", 1)
 
 
 def check_pipeline_launch(stages: int, world: int, model_parallel: int, mixed_precision: str = "no") -> None:

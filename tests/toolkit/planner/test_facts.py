@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+import yaml
 from planner_models import ROOT
 
+from toolkit.config import UserError
 from toolkit.planner.facts import read_strategy
+from toolkit.strategy.parallelism import parallelism_sizes
 
 
 def test_the_shipped_configs_read_as_their_strategies():
@@ -18,3 +22,24 @@ def test_the_shipped_configs_read_as_their_strategies():
     assert (facts["fsdp_tp"].kind, facts["fsdp_tp"].cp, facts["fsdp_tp"].tp) == ("fsdp", 1, 2)
     assert (facts["zero3_sp"].kind, facts["zero3_sp"].zero_stage, facts["zero3_sp"].sp) == ("deepspeed", 3, 2)
     assert all(f.sp == 1 for name, f in facts.items() if not name.endswith("_sp"))
+
+
+@pytest.mark.parametrize(("sizes", "says"), [
+    ({"dp_replicate": 2, "dp_shard": 2}, "parallelism_config_dp_replicate_size=2 is not supported yet"),
+    ({"dp_shard": 1, "cp": 2, "tp": 2}, "parallelism_config_cp_size=2 with parallelism_config_tp_size=2 is not "
+                                        "supported yet; use one of them"),
+])
+def test_a_parallelism_config_the_launch_refuses_is_refused_by_the_planner_in_the_same_words(tmp_path, monkeypatch,
+                                                                                             sizes, says):
+    """One function reads a parallelism_config for both (toolkit.strategy.parallelism.model_parallel_sizes)."""
+    config = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2},
+              "parallelism_config": {f"parallelism_config_{axis}_size": n for axis, n in sizes.items()}}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(UserError) as planned:
+        read_strategy(tmp_path / "mine.yaml", 64)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for axis, n in sizes.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE", str(n))
+    with pytest.raises(UserError) as launched:
+        parallelism_sizes(4)
+    assert says in str(planned.value) and str(planned.value) == str(launched.value)
