@@ -76,7 +76,7 @@ class TrainerState:
     # a skipped non-finite step, or with non-finite weights; rotation keeps the newest that passed
     suspect: str = ""
     # what wrote the checkpoint's files ("" / 0 in checkpoints older than these fields): a resume
-    # under another strategy or world size converts them (toolkit.checkpoint.by_name)
+    # under another strategy or world size converts them (toolkit.checkpoint.conversion)
     strategy: str = ""  # e.g. "DeepSpeed ZeRO-2", "FSDP2", "DDP", "single process"
     world_size: int = 0
     # sequences per optimizer step (0 in older checkpoints): the data position is a function of

@@ -21,7 +21,8 @@ from same_training import assert_same_weights, lr_sum
 from saved_checkpoints import FIXTURES
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.checkpoint.by_name import ConsolidatedState, cached_conversion
+from toolkit.checkpoint.by_name import ConsolidatedState
+from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.config import load_config
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.packing import packed_dataset

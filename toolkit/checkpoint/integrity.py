@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.checkpoint.formats import deepspeed_tag_folder, saved_layout
+from toolkit.checkpoint import deepspeed
+from toolkit.checkpoint.formats import saved_layout
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, check_manifest, crc32
 from toolkit.run_dir import STATE_FILE, RunDir, TrainerState, checkpoint_step
@@ -76,7 +77,7 @@ def missing_rank_file(folder: Path) -> str | None:
         if not (folder / f"random_states_{rank}.pkl").is_file():
             return f"{folder / f'random_states_{rank}.pkl'} is missing (rank {rank} of {saved.world_size} writes it)"
     if saved.layout in ("zero1", "zero2", "zero3"):
-        tag = deepspeed_tag_folder(folder)
+        tag = deepspeed.tag_folder(folder)
         for rank in range(saved.world_size):
             if not any(tag.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
                 return (f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank "

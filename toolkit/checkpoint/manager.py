@@ -18,16 +18,11 @@ from typing import Literal
 
 import torch
 
-from toolkit.checkpoint import loading
-from toolkit.checkpoint.by_name import ConsolidatedState, cached_conversion
-from toolkit.checkpoint.formats import (
-    OPTIMIZER_NAMES,
-    SavedLayout,
-    layout_of,
-    load_pipeline_stage,
-    save_pipeline_stage,
-    saved_layout,
-)
+from toolkit.checkpoint import ddp, deepspeed, fsdp, pipeline
+from toolkit.checkpoint.by_name import ConsolidatedState
+from toolkit.checkpoint.conversion import cached_conversion
+from toolkit.checkpoint.formats import saved_layout
+from toolkit.checkpoint.origin import SavedLayout, layout_of
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
 from toolkit.config import UserError, field
@@ -102,7 +97,7 @@ def save_checkpoint(
     try:
         strategy.accelerator.save_state(str(folder))
         if strategy.pipeline is not None:  # each stage's weights and optimizer state, which Accelerate does not hold
-            save_pipeline_stage(strategy.pipeline, folder, strategy.optimizer)
+            pipeline.save_stage(strategy.pipeline, folder, strategy.optimizer)
         if rank_files is not None:
             rank_files(folder)
         fail_point("save.rank_files", state.step, folder)
@@ -115,7 +110,7 @@ def save_checkpoint(
             if model_files is not None:
                 model_files(folder / MODEL_FILES)
             if optimizer_names is not None:  # optimizer.bin numbers its parameters; say which is which
-                (folder / OPTIMIZER_NAMES).write_text(json.dumps({"groups": optimizer_names}))
+                (folder / ddp.OPTIMIZER_NAMES).write_text(json.dumps({"groups": optimizer_names}))
             fail_point("save.manifest", state.step, folder / MANIFEST)
             # The manifest before the state file (a complete checkpoint always has one), and its
             # checksum in the state: a state file copied in from another checkpoint is told apart.
@@ -215,7 +210,7 @@ def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None]
 
     A checkpoint of another strategy or world size that Accelerate cannot load as it is (see
     resumes_natively) is converted to its state by parameter name and loaded from that
-    (toolkit.checkpoint.by_name), with one line saying so."""
+    (toolkit.checkpoint.conversion), with one line saying so."""
     # outside_training: the meta models are built as in a single process (under ZeRO-3 too)
     with strategy.outside_training():
         for model in strategy.prepared()[0]:  # the trainer hands over only the strategy
@@ -226,7 +221,7 @@ def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None]
     else:
         _load_native(strategy, folder)
         if strategy.pipeline is not None:
-            load_pipeline_stage(strategy.pipeline, folder, strategy.optimizer)
+            pipeline.load_stage(strategy.pipeline, folder, strategy.optimizer)
     state = TrainerState.read(folder)
     # Accelerate counts micro-batches to know which one closes an optimizer step, and load_state
     # restores the count of the run that saved: with another accumulation (another world size)
@@ -324,7 +319,7 @@ def resumes_natively(strategy: Strategy, saved: SavedLayout) -> bool:
     same for any number of processes, and torch.distributed.checkpoint reshards FSDP2's DCP files
     to any number on load; DeepSpeed's ZeRO partitions fit only the stage and world size that
     wrote them, a pipeline's stage files only the same cut. Anything else goes through the state by
-    parameter name (toolkit.checkpoint.by_name)."""
+    parameter name (toolkit.checkpoint.conversion)."""
     layout = layout_of(strategy.name)
     if saved.layout != layout:
         return False
@@ -335,7 +330,7 @@ def resumes_natively(strategy: Strategy, saved: SavedLayout) -> bool:
 
 def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
     """DDP / one process: the parameter names of the optimizer's groups, in the order that
-    optimizer.bin numbers them (saved beside it: formats.OPTIMIZER_NAMES). None elsewhere: FSDP2 and
+    optimizer.bin numbers them (saved beside it: ddp.OPTIMIZER_NAMES). None elsewhere: FSDP2 and
     DeepSpeed checkpoints name their parameters themselves."""
     models, optimizers, _ = strategy.prepared()
     if strategy.kind not in ("single", "ddp") or len(models) != 1 or len(optimizers) != 1:
@@ -346,13 +341,12 @@ def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
 
 def _load_by_name(strategy: Strategy, state: ConsolidatedState) -> None:
     """Collective: a converted checkpoint into the prepared model and optimizer, with this strategy's
-    own setters (toolkit.checkpoint.loading)."""
+    own setters (each format's load_into)."""
     if strategy.pipeline is not None:
-        loading.load_into_pipeline(strategy.pipeline, strategy.optimizer, state)
+        pipeline.load_into(strategy.pipeline, strategy.optimizer, state)
         return
     if strategy.kind == "deepspeed":
-        loading.load_into_deepspeed(strategy.accelerator.deepspeed_engine_wrapped.engine, state)
+        deepspeed.load_into(strategy.accelerator.deepspeed_engine_wrapped.engine, state)
         return
     models, optimizers, _ = strategy.prepared()
-    into = loading.load_into_fsdp if strategy.kind == "fsdp" else loading.load_into_ddp
-    into(models[0], optimizers[0], state)
+    (fsdp if strategy.kind == "fsdp" else ddp).load_into(models[0], optimizers[0], state)

@@ -11,15 +11,9 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file, save_file
 
-from toolkit.checkpoint.formats import (
-    OPTIMIZER_NAMES,
-    SavedLayout,
-    gather_full_weights,
-    layout_of,
-    read_optimizer_names,
-    saved_by,
-    saved_layout,
-)
+from toolkit.checkpoint.ddp import OPTIMIZER_NAMES, read_optimizer_names
+from toolkit.checkpoint.formats import gather_full_weights, saved_by, saved_layout
+from toolkit.checkpoint.origin import SavedLayout
 from toolkit.run_dir import TrainerState
 
 # what Accelerate's save_state writes besides the model, whatever the strategy
@@ -159,15 +153,6 @@ def test_an_unknown_kind_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------ saved_layout
-
-
-@pytest.mark.parametrize(("strategy", "layout"), [
-    ("single process", "ddp"), ("DDP", "ddp"), ("FSDP2", "fsdp2"), ("FSDP1", "fsdp1"), ("DeepSpeed ZeRO-1", "zero1"),
-    ("DeepSpeed ZeRO-3 (offload optimizer+param)", "zero3"),
-])
-def test_the_file_layout_of_each_strategy(strategy, layout):
-    """DDP and one process write the same files; offload changes nothing in DeepSpeed's."""
-    assert layout_of(strategy) == layout
 
 
 def test_the_layout_a_checkpoint_records(tmp_path):

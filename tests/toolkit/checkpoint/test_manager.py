@@ -10,7 +10,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from toolkit.checkpoint.formats import OPTIMIZER_NAMES
+from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
 from toolkit.checkpoint.manager import CheckpointConfig, _load_schedule, load_checkpoint, save_checkpoint
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, crc32

@@ -1,0 +1,118 @@
+"""Resuming under another strategy or world size: a checkpoint converted once into its state by
+parameter name (toolkit.checkpoint.by_name), by the main process alone (no launcher), while the others
+wait; the checkpoint is left untouched, and the conversion reused by a later resume of it. Every file
+is read by the weights-only unpickler (toolkit.checkpoint.unpickling), even where DeepSpeed's tools
+ask for weights_only=False. Every rank then loads it with its strategy's own setters (each format's
+`load_into`).
+
+Not convertible, in one line (UserError): a DeepSpeed JSON with its own optimizer or scheduler on
+either side (that state is DeepSpeed's, not the recipe's AdamW and schedule), DeepSpeed without
+ZeRO (stage 0: ds_to_universal reads ZeRO partitions only), a DDP checkpoint older than the names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from toolkit.checkpoint import deepspeed
+from toolkit.checkpoint.by_name import MOMENTS, OPTIMIZER, VERSION, WEIGHTS
+from toolkit.checkpoint.formats import FORMATS, gather_full_weights, saved_by, saved_layout
+from toolkit.checkpoint.origin import SavedLayout
+from toolkit.checkpoint.unpickling import not_only_numbers, numbers_only_torch_load
+from toolkit.config import UserError
+from toolkit.manifest import crc32
+from toolkit.run_dir import STATE_FILE, converted_state
+
+
+# ---------------------------------------------------------------- conversion (one process)
+def convert(folder: Path, into: Path) -> None:
+    """Write checkpoint `folder`'s state by parameter name into the new folder `into`."""
+    saved = saved_layout(folder)
+    kind = saved_by(folder)
+    if saved is None or kind is None:
+        raise UserError(f"checkpoint {folder} holds no strategy's files; it cannot be converted")
+    _check_convertible(folder, kind, saved)
+    into.mkdir(parents=True)
+    if kind == "deepspeed" and not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's tools, not its engine: no device needed
+    log = io.StringIO()  # what DeepSpeed's converters print, shown only if they fail
+    try:
+        with (
+            numbers_only_torch_load(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log),
+            tempfile.TemporaryDirectory(dir=into) as scratch,
+        ):
+            moments, steps = FORMATS[kind].moments(folder, Path(scratch))
+            (into / WEIGHTS).mkdir()
+            gather_full_weights(kind, folder, into / WEIGHTS)
+    except (UserError, OSError):
+        raise
+    except pickle.UnpicklingError as exc:
+        raise UserError(not_only_numbers(f"checkpoint {folder}", exc)) from None
+    except Exception as exc:
+        raise RuntimeError(f"converting {folder} failed: {exc}\n--- its tools printed:\n{log.getvalue()[-3000:]}") from exc
+    for key in MOMENTS:
+        save_file({name: m[key].float().contiguous() for name, m in moments.items()}, into / f"{key}.safetensors")
+    (into / OPTIMIZER).write_text(json.dumps({
+        "version": VERSION,
+        "source": {"folder": str(folder), "strategy": saved.strategy, "world_size": saved.world_size,
+                   "state_crc32": crc32(folder / STATE_FILE)},
+        "steps": steps,
+    }, indent=1))
+
+
+def _check_convertible(folder: Path, kind: str, saved: SavedLayout) -> None:
+    where = f"checkpoint {folder} ({saved.describe()})"
+    if not (folder / "custom_checkpoint_0.pkl").is_file():
+        raise UserError(f"{where} holds no LR schedule of the recipe's (custom_checkpoint_0.pkl), so it cannot be "
+                        f"converted for another strategy or world size; resume it under {saved.describe()}")
+    if kind != "deepspeed":
+        return
+    owned = [block for block in ("optimizer", "scheduler") if block in deepspeed.config(folder)]
+    if owned:
+        raise UserError(
+            f"{where} was trained with the {' and '.join(owned)} its DeepSpeed JSON defines, whose state is "
+            "DeepSpeed's own: it cannot be converted for another strategy or world size; resume it under "
+            f"{saved.describe()} with the same DeepSpeed JSON"
+        )
+    if saved.layout == "zero0":
+        raise UserError(f"{where}: DeepSpeed without ZeRO (stage 0) keeps no per-parameter state that DeepSpeed's "
+                        f"converter reads; resume it under {saved.describe()}")
+
+
+def cached_conversion(folder: Path) -> tuple[Path, bool]:
+    """(checkpoint `folder` converted, whether it was already): made beside it, or reused when it was
+    made from this very checkpoint (its state file's CRC), in one rename so that a crash leaves none."""
+    target = converted_state(folder)
+    source = crc32(folder / STATE_FILE)
+    if target.is_dir():
+        try:
+            made = json.loads((target / OPTIMIZER).read_text())
+            if made["version"] == VERSION and made["source"]["state_crc32"] == source:
+                return target, True
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        shutil.rmtree(target)
+    partial = target.with_name(target.name + ".tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        convert(folder, partial)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        why = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else exc.strerror or str(exc)
+        raise UserError(f"checkpoint {folder} could not be converted into {target} ({why}); copy the checkpoint "
+                        "into a writable folder with room for its weights and Adam state") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    partial.rename(target)
+    return target, False
