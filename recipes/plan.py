@@ -172,7 +172,7 @@ def pipelines(model: torch.nn.Module, cfg, gpus: int, precision: str) -> tuple[l
         if gpus % p:
             continue
         found = pipeline_parallel.problems(model, p)
-        if precision == "fp16":  # toolkit.strategy.distributed.check_pipeline_launch
+        if precision == "fp16":  # toolkit.strategy.parallelism.check_pipeline_launch
             found.append("train.mixed_precision=fp16 does not run in a pipeline (no loss scaling in the schedule's "
                          "backward); use bf16")
         if found:

@@ -31,7 +31,7 @@ def layout_of(strategy: str) -> str:
     if zero:
         return f"zero{zero.group(1)}"
     if strategy.startswith("pipeline"):
-        return "pipeline"  # each stage's weights and optimizer state (save_pipeline_stage)
+        return "pipeline"  # each stage's weights and optimizer state (toolkit.checkpoint.pipeline.save_stage)
     if strategy.startswith("FSDP"):
         return "fsdp1" if strategy == "FSDP1" else "fsdp2"
     return "ddp"

@@ -1,8 +1,8 @@
 """The one rule for reading a checkpoint's pickled files: numbers only.
 
 torch.load with weights_only=False runs whatever code a tampered file names, and DeepSpeed's engine,
-its converters and Accelerate's custom-state loader all pass it. Every checkpoint file the toolkit
-reads goes through `load` instead: tensors, numbers, strings, containers and DeepSpeed's three
+its converters and Accelerate's custom-state loader all pass it. Every checkpoint file a resume reads
+goes through `load` instead: tensors, numbers, strings, containers and DeepSpeed's three
 classes below, nothing else (pickle.UnpicklingError). The two context managers put `load` in
 place of the other libraries' calls while they read a checkpoint.
 """

@@ -178,7 +178,7 @@ def save_adapter(
     """Collective (gathers sharded weights); the main process writes the peft folder atomically.
 
     The adapter weights are the fp32 master weights cast to `dtype`, the same under every
-    strategy (see toolkit.strategy.distributed.master_weights). `base_model` (the run's base_model
+    strategy (see Strategy.master_weights). `base_model` (the run's base_model
     section) is kept as base_model.json, so that the base can be found again for merging, even
     when it was a GGUF that peft's own `base_model_name_or_path` cannot load."""
     state_dict = strategy.master_weights(model)

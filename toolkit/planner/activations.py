@@ -328,6 +328,3 @@ def loss_bytes(shapes: Shapes, run: Run, head_trainable: bool) -> dict[str, int]
     kept = tokens * h * rb + (4 * v * h if head_trainable else 0)  # d(loss)/d(hidden) and the head's fp32 gradient
     weight_cast = cb * v * h if casts else 0
     return {"forward": final_norm + kept + weight_cast + chunk * v * (2 * cb + 4), "kept": final_norm + kept, "backward": 0}
-
-
-# ---------------------------------------------------------------------------- the estimate

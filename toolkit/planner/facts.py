@@ -43,7 +43,10 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
     kind = cfg.get("distributed_type", "NO")
     parallel = cfg.get("parallelism_config") or {}
     # read as a launch reads them: one function decides what the sizes mean and which are refused
-    cp, tp, sp = model_parallel_sizes({axis: int(parallel.get(f"parallelism_config_{axis}_size", 1)) for axis in AXES})
+    try:
+        cp, tp, sp = model_parallel_sizes({axis: int(parallel.get(f"parallelism_config_{axis}_size", 1)) for axis in AXES})
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}") from None
     if kind == "FSDP":
         fsdp = cfg.get("fsdp_config") or {}
         if str(fsdp.get("fsdp_version", 1)) != "2":
@@ -148,7 +151,6 @@ def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, 
             * bubble)
 
 
-# ---------------------------------------------------------------------------- a model the machine cannot hold
 
 
 def live_facts(strategy) -> StrategyFacts:

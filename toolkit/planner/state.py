@@ -197,6 +197,3 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
         "optimizer": 0 if s.offload_optimizer else 8 * master + step * len(groups),
         "master": 0 if s.offload_optimizer else 4 * master,
     }
-
-
-# ---------------------------------------------------------------------------- activations

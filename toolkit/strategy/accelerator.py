@@ -1,12 +1,8 @@
 """The Accelerator for the launched strategy, configured alike on CPU (gloo) and GPU (NCCL).
 
-`Strategy.launch(...)` is built once per run, from the accelerate config file the user launched
-with (DDP, FSDP, DeepSpeed ZeRO-1/2/3) and the recipe's batch sizes. It holds every fact about
-how this launch trains (world size, accumulation, backend, ZeRO stage, offload, which blocks a
-DeepSpeed JSON owns, FSDP version), and the rest of the toolkit asks it: nothing outside this
-package reads WORLD_SIZE/RANK, imports deepspeed or branches on the distributed type. Accelerate's quirks on CPU-only machines are handled here, each with the
-reason, so that the same file trains the same way on CPU (gloo) and GPU (NCCL), and never
-silently trains unsharded or unsynchronised:
+Accelerate's quirks on CPU-only machines are handled here, each with the reason, so that the same
+accelerate config trains the same way on CPU (gloo) and GPU (NCCL), and never silently trains
+unsharded or unsynchronised:
 
 - DDP: without `cpu=True`, Accelerate on a CPU machine treats a multi-process launch as a
   single process: the model is not wrapped in DDP and ranks silently train apart (measured:

@@ -152,7 +152,7 @@ class Strategy:
         """Whether every rank holds the full parameters (DDP, ZeRO-1/2) rather than shards or stages."""
         if self.stages > 1:
             return False
-        return self.kind in ("single", "ddp") or (self.kind == "deepspeed" and (self.zero_stage or 0) < 3)
+        return self.accelerator.distributed_type in DATA_PARALLEL or (self.kind == "deepspeed" and (self.zero_stage or 0) < 3)
 
     @property
     def offloads_optimizer(self) -> bool:

@@ -42,4 +42,4 @@ def test_a_parallelism_config_the_launch_refuses_is_refused_by_the_planner_in_th
         monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE", str(n))
     with pytest.raises(UserError) as launched:
         parallelism_sizes(4)
-    assert says in str(planned.value) and str(planned.value) == str(launched.value)
+    assert says in str(launched.value) and str(planned.value) == f"{tmp_path / 'mine.yaml'}: {launched.value}"
