@@ -27,7 +27,7 @@ print(sum(faults[5:]))
 def test_cpu_runs_keep_freed_memory_instead_of_faulting_it_back_in():
     """Three 16 MB tensors allocated and freed 20 times. When glibc gives freed memory back to the
     OS (what its defaults do, depending on the heap's history), each allocation faults its pages in
-    again; after keep_freed_memory() the same memory is reused without a fault."""
+    again; after keep_freed_memory() the same memory is reused, not faulted in again at every step."""
     import subprocess
     import sys
 
@@ -37,7 +37,9 @@ def test_cpu_runs_keep_freed_memory_instead_of_faulting_it_back_in():
         assert done.returncode == 0 and done.stdout.split(), (mode, done.returncode, done.stderr[-3000:])
         faults[mode] = int(done.stdout.split()[-1])
     assert faults["control"] > 15 * 3 * 4000 // 512, faults  # the probe sees faults (4k pages; 2 MB ones under THP)
-    assert faults["keep"] < 100, faults
+    # kept: at most one step's pages over the 15 measured steps, where the control faults them all in every step.
+    # Usually 0; once in a whole suite 4096 (one 16 MB tensor's pages, faulted in once: r15), so not `< 100`
+    assert faults["keep"] <= faults["control"] // 15, faults
 
 
 @pytest.mark.parametrize("precision, param_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
