@@ -34,7 +34,7 @@ from toolkit.manifest import crc32
 from toolkit.run_dir import STATE_FILE, converted_state
 
 
-# ---------------------------------------------------------------- conversion (one process)
+
 def convert(folder: Path, into: Path) -> None:
     """Write checkpoint `folder`'s state by parameter name into the new folder `into`."""
     saved = saved_layout(folder)
