@@ -34,7 +34,6 @@ from toolkit.manifest import crc32
 from toolkit.run_dir import STATE_FILE, converted_state
 
 
-
 def convert(folder: Path, into: Path) -> None:
     """Write checkpoint `folder`'s state by parameter name into the new folder `into`."""
     saved = saved_layout(folder)
