@@ -53,6 +53,7 @@ from toolkit.models.router import expert_count  # noqa: E402
 from toolkit.planner.estimate import estimate  # noqa: E402
 from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy  # noqa: E402
 from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
+from toolkit.strategy.parallelism import parallel_layout  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -122,23 +123,23 @@ def strategies(folder: Path, hidden: int) -> list[StrategyFacts]:
 def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus: int) -> tuple[dict[str, str], str | None]:
     """(overrides a launch of `facts` needs beyond the recipe's, why it cannot run at all) for context,
     tensor and sequence parallel, by the checks the launch itself makes (toolkit.strategy.*.problems)."""
-    group = facts.cp * facts.tp * facts.sp
+    group = facts.layout.cp * facts.layout.tp * facts.layout.sp
     if group == 1:
         return {}, None
     if gpus % group:
         return {}, f"{group} ranks per {axis_name(facts)} group do not divide --gpus {gpus}"
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     m, needs = cfg.model, {}
-    if facts.cp > 1 or facts.sp > 1:
-        module = context_parallel if facts.cp > 1 else sequence_parallel
+    if facts.layout.cp > 1 or facts.layout.sp > 1:
+        module = context_parallel if facts.layout.cp > 1 else sequence_parallel
         if m.attn_implementation not in module.SUPPORTED_ATTENTION:
             needs["model.attn_implementation"] = "sdpa"
-        found = module.problems(config, max(facts.cp, facts.sp), cfg.data.seq_len, "sdpa")
+        found = module.problems(config, max(facts.layout.cp, facts.layout.sp), cfg.data.seq_len, "sdpa")
     else:
         if m.chunk_tokens:
             needs["model.loss"] = "full"  # memory.Run says why
-        found = tensor_parallel.problems(config, facts.tp)
-        if problem := tensor_parallel.sequence_problem(facts.tp, cfg.data.seq_len):  # as the launch refuses it
+        found = tensor_parallel.problems(config, facts.layout.tp)
+        if problem := tensor_parallel.sequence_problem(facts.layout.tp, cfg.data.seq_len):  # as the launch refuses it
             found.append(problem)
         if hasattr(model, "peft_config"):
             found.append("tensor parallel trains a whole model, not a LoRA adapter")
@@ -148,10 +149,10 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
 def tp_layout(facts: StrategyFacts, attention: str, experts: int) -> str:
     """How tensor parallel lays the activations out under `attention` (the launch's
     toolkit.strategy.tensor_parallel.sequence_layout), and a mixture of `experts` its experts."""
-    if facts.tp == 1:
+    if facts.layout.tp == 1:
         return ""
     if experts:
-        return (f", experts spread over the tp ranks (ep {facts.tp}: {experts // facts.tp} of {experts} on each), "
+        return (f", experts spread over the tp ranks (ep {facts.layout.tp}: {experts // facts.layout.tp} of {experts} on each), "
                 "activations whole between the layers (a mixture of experts: transformers' plan); estimated with "
                 "balanced routing: a rank whose experts get more of the tokens holds more")
     if attention in tensor_parallel.SEQUENCE_ATTENTION:
@@ -161,7 +162,7 @@ def tp_layout(facts: StrategyFacts, attention: str, experts: int) -> str:
 
 def axis_name(facts: StrategyFacts) -> str:
     """The model-parallel axis a config splits over: cp, tp or sp."""
-    return "cp" if facts.cp > 1 else "sp" if facts.sp > 1 else "tp"
+    return "cp" if facts.layout.cp > 1 else "sp" if facts.layout.sp > 1 else "tp"
 
 
 def pipelines(model: torch.nn.Module, cfg, gpus: int, precision: str) -> tuple[list[StrategyFacts], dict[str, str], list[str]]:
@@ -178,7 +179,7 @@ def pipelines(model: torch.nn.Module, cfg, gpus: int, precision: str) -> tuple[l
         if found:
             notes.append(f"pipeline, train.pipeline_stages={p}: not listed: {found[0]}")
             continue
-        facts.append(StrategyFacts("pipeline", "ddp", stages=p))
+        facts.append(StrategyFacts("pipeline", parallel_layout("MULTI_GPU", {}, stages=p)))
     # the last stage computes the loss from its logits: no chunked loss (the recipe refuses it)
     return facts, ({"model.loss": "full"} if cfg.model.chunk_tokens else {}), notes
 
@@ -200,17 +201,17 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
         if refused:
             notes.append(f"{facts.name}: not listed: {refused}")
             continue
-        if facts.stages > 1:
+        if facts.layout.pp > 1:
             needs = pipeline_needs
-        group = facts.cp * facts.tp * facts.sp
-        data_ranks = args.gpus // (group * facts.stages)  # a cp, tp or sp group, or a pipeline, reads one micro-batch
+        group = facts.layout.cp * facts.layout.tp * facts.layout.sp
+        data_ranks = args.gpus // (group * facts.layout.pp)  # a cp, tp or sp group, or a pipeline, reads one micro-batch
         required = " ".join(f"{k}={v}" for k, v in needs.items())
         attention = needs.get("model.attn_implementation", m.attn_implementation)
         if group > 1:
             notes.append(f"{facts.name}: {axis_name(facts)} {group} x dp_shard {data_ranks}" + tp_layout(facts, attention, experts)
                          + (f", as launched with {required}" if needs else ""))
-        if facts.stages > 1:
-            notes.append(f"pp{facts.stages}: ddp.yaml + train.pipeline_stages={facts.stages} ({facts.stages} stages x "
+        if facts.layout.pp > 1:
+            notes.append(f"pp{facts.layout.pp}: ddp.yaml + train.pipeline_stages={facts.layout.pp} ({facts.layout.pp} stages x "
                          f"{data_ranks} replicas), each row is the rank of its largest stage"
                          + (f", as launched with {required}" if needs else ""))
         for ckpt in CHECKPOINTING:
@@ -228,13 +229,13 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                 offload = facts.offload_optimizer or facts.offload_params
                 rows.append({
                     "strategy": facts.name, "gradient_checkpointing": ckpt, "micro_batch_size": mb,
-                    "accumulation": run.accumulation, "cp": facts.cp, "tp": facts.tp, "sp": facts.sp,
-                    "dp_shard": data_ranks, "pipeline_stages": facts.stages, "stage": est.stage,
+                    "accumulation": run.accumulation, "cp": facts.layout.cp, "tp": facts.layout.tp, "sp": facts.layout.sp,
+                    "dp_shard": data_ranks, "pipeline_stages": facts.layout.pp, "stage": est.stage,
                     "requires": [f"{k}={v}" for k, v in needs.items()], **{f"{k}_bytes": v for k, v in est.parts.items()},
                     "peak_bytes": est.peak_bytes, "reserve_bytes": est.reserve_bytes, "peak_at": est.moment,
                     "fits": est.peak_bytes + est.reserve_bytes <= budget,
                     "relative_step_time": round(rank_key(facts.name, ckpt, m.gradient_checkpointing_k, mb, offload,
-                                                         facts.stages, run.accumulation), 3),
+                                                         facts.layout.pp, run.accumulation), 3),
                 })
     notes += pipeline_notes
     if not rows:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.config import UserError
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_lock import HELD, LOCK_FILE, OwnerLock, in_use
 
 STATE_FILE = "trainer_state.json"
@@ -75,10 +76,9 @@ class TrainerState:
     # why this checkpoint may hold a diverged model ("" = it passed its checks): saved right after
     # a skipped non-finite step, or with non-finite weights; rotation keeps the newest that passed
     suspect: str = ""
-    # what wrote the checkpoint's files ("" / 0 in checkpoints older than these fields): a resume
-    # under another strategy or world size converts them (toolkit.checkpoint.conversion)
-    strategy: str = ""  # e.g. "DeepSpeed ZeRO-2", "FSDP2", "DDP", "single process"
-    world_size: int = 0
+    # what wrote the checkpoint's files (None in checkpoints older than the record): a resume under
+    # another layout converts them (toolkit.checkpoint.conversion)
+    layout: ParallelLayout | None = None
     # sequences per optimizer step (0 in older checkpoints): the data position is a function of
     # (seed, step, global batch), so a resume must keep it
     global_batch_size: int = 0
@@ -89,14 +89,19 @@ class TrainerState:
     def write(self, folder: Path) -> None:
         """Atomically, so that a reader sees the whole state or none (the completeness marker)."""
         tmp = folder / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        tmp.write_text(json.dumps({**dataclasses.asdict(self), "layout": self.layout and self.layout.record()}, indent=2))
         tmp.rename(folder / STATE_FILE)
 
     @classmethod
     def read(cls, folder: Path) -> TrainerState:
         saved = json.loads((folder / STATE_FILE).read_text())
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in saved.items() if k in known})
+        state = cls(**{k: v for k, v in saved.items() if k in known})
+        if isinstance(saved.get("layout"), dict):
+            state.layout = ParallelLayout.from_record(saved["layout"])
+        elif saved.get("strategy"):  # saved before the layout was recorded: its strategy's name and world size
+            state.layout = ParallelLayout.from_name(saved["strategy"], saved.get("world_size", 0))
+        return state
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def optimizer_state(trainer) -> dict:
     module = acc.unwrap_model(trainer.model)
     main = strategy.is_main
     moments, steps, copies = {}, {}, {}
-    if strategy.kind == "deepspeed":
+    if strategy.layout.kind == "deepspeed":
         import deepspeed
         from deepspeed.utils import safe_get_full_optimizer_state
 
@@ -63,7 +63,7 @@ def optimizer_state(trainer) -> dict:
             with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
                 copies[name] = p.detach().float().cpu().clone()
         counters = {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps}
-    elif strategy.kind == "fsdp":
+    elif strategy.layout.kind == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         full = get_optimizer_state_dict(module, trainer.optimizer.optimizer, options=StateDictOptions(full_state_dict=True))

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from toolkit.checkpoint.origin import SavedLayout
 from toolkit.checkpoint.unpickling import load
 from toolkit.config import UserError
+from toolkit.parallel_layout import ParallelLayout
 
 VERSION = 1
 WEIGHTS = "weights"
@@ -64,8 +64,8 @@ class ConsolidatedState:
         self._moments = {key: safe_open(str(folder / f"{key}.safetensors"), "pt") for key in MOMENTS}
 
     @property
-    def source(self) -> SavedLayout:
-        return SavedLayout(self.meta["source"]["strategy"], self.meta["source"]["world_size"])
+    def source(self) -> ParallelLayout:
+        return ParallelLayout.from_record(self.meta["source"]["layout"])
 
     def weight(self, names: list[str]) -> torch.Tensor:
         """The full fp32 value of the parameter known by `names` (tied parameters have several)."""

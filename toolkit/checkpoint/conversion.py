@@ -27,22 +27,22 @@ from safetensors.torch import save_file
 from toolkit.checkpoint import deepspeed
 from toolkit.checkpoint.by_name import MOMENTS, OPTIMIZER, VERSION, WEIGHTS
 from toolkit.checkpoint.formats import FORMATS, gather_full_weights, saved_by, saved_layout
-from toolkit.checkpoint.origin import SavedLayout
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers_only_torch_load
 from toolkit.config import UserError
 from toolkit.manifest import crc32
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import STATE_FILE, converted_state
 
 
 def convert(folder: Path, into: Path) -> None:
     """Write checkpoint `folder`'s state by parameter name into the new folder `into`."""
     saved = saved_layout(folder)
-    kind = saved_by(folder)
-    if saved is None or kind is None:
+    format = saved_by(folder)
+    if saved is None or format is None:
         raise UserError(f"checkpoint {folder} holds no strategy's files; it cannot be converted")
-    _check_convertible(folder, kind, saved)
+    _check_convertible(folder, format, saved)
     into.mkdir(parents=True)
-    if kind == "deepspeed" and not torch.cuda.is_available():
+    if format == "deepspeed" and not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's tools, not its engine: no device needed
     log = io.StringIO()  # what DeepSpeed's converters print, shown only if they fail
     try:
@@ -50,9 +50,9 @@ def convert(folder: Path, into: Path) -> None:
             numbers_only_torch_load(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log),
             tempfile.TemporaryDirectory(dir=into) as scratch,
         ):
-            moments, steps = FORMATS[kind].moments(folder, Path(scratch))
+            moments, steps = FORMATS[format].moments(folder, Path(scratch))
             (into / WEIGHTS).mkdir()
-            gather_full_weights(kind, folder, into / WEIGHTS)
+            gather_full_weights(format, folder, into / WEIGHTS)
     except (UserError, OSError):
         raise
     except pickle.UnpicklingError as exc:
@@ -63,18 +63,17 @@ def convert(folder: Path, into: Path) -> None:
         save_file({name: m[key].float().contiguous() for name, m in moments.items()}, into / f"{key}.safetensors")
     (into / OPTIMIZER).write_text(json.dumps({
         "version": VERSION,
-        "source": {"folder": str(folder), "strategy": saved.strategy, "world_size": saved.world_size,
-                   "state_crc32": crc32(folder / STATE_FILE)},
+        "source": {"folder": str(folder), "layout": saved.record(), "state_crc32": crc32(folder / STATE_FILE)},
         "steps": steps,
     }, indent=1))
 
 
-def _check_convertible(folder: Path, kind: str, saved: SavedLayout) -> None:
+def _check_convertible(folder: Path, format: str, saved: ParallelLayout) -> None:
     where = f"checkpoint {folder} ({saved.describe()})"
     if not (folder / "custom_checkpoint_0.pkl").is_file():
         raise UserError(f"{where} holds no LR schedule of the recipe's (custom_checkpoint_0.pkl), so it cannot be "
                         f"converted for another strategy or world size; resume it under {saved.describe()}")
-    if kind != "deepspeed":
+    if format != "deepspeed":
         return
     owned = [block for block in ("optimizer", "scheduler") if block in deepspeed.config(folder)]
     if owned:
@@ -83,7 +82,7 @@ def _check_convertible(folder: Path, kind: str, saved: SavedLayout) -> None:
             "DeepSpeed's own: it cannot be converted for another strategy or world size; resume it under "
             f"{saved.describe()} with the same DeepSpeed JSON"
         )
-    if saved.layout == "zero0":
+    if saved.files == "zero0":
         raise UserError(f"{where}: DeepSpeed without ZeRO (stage 0) keeps no per-parameter state that DeepSpeed's "
                         f"converter reads; resume it under {saved.describe()}")
 

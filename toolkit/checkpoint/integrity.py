@@ -71,15 +71,15 @@ def missing_rank_file(folder: Path) -> str | None:
     random states (every strategy), its ZeRO optimizer partition (DeepSpeed ZeRO-1/2/3, which
     otherwise fails deep in DeepSpeed with a ValueError that names no rank)."""
     saved = saved_layout(folder)
-    if saved is None or not saved.world_size:
+    if saved is None or not saved.world:
         return None
-    for rank in range(saved.world_size):
+    for rank in range(saved.world):
         if not (folder / f"random_states_{rank}.pkl").is_file():
-            return f"{folder / f'random_states_{rank}.pkl'} is missing (rank {rank} of {saved.world_size} writes it)"
-    if saved.layout in ("zero1", "zero2", "zero3"):
+            return f"{folder / f'random_states_{rank}.pkl'} is missing (rank {rank} of {saved.world} writes it)"
+    if saved.files in ("zero1", "zero2", "zero3"):
         tag = deepspeed.tag_folder(folder)
-        for rank in range(saved.world_size):
+        for rank in range(saved.world):
             if not any(tag.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
                 return (f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank "
-                        f"{rank} of {saved.world_size})")
+                        f"{rank} of {saved.world})")
     return None

@@ -22,13 +22,13 @@ from toolkit.checkpoint import ddp, deepspeed, fsdp, pipeline
 from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.formats import saved_layout
-from toolkit.checkpoint.origin import SavedLayout, layout_of
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
 from toolkit.config import UserError, field
 from toolkit.faults import fail_point, kill_point
 from toolkit.manifest import MANIFEST, crc32, write_manifest
 from toolkit.models.parameters import parameter_names
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import (
     MODEL_FILES,
     PRUNED,
@@ -78,7 +78,7 @@ def save_checkpoint(
     acc = strategy.accelerator
     folder = run.checkpoint(state.step)
     # what wrote the files: a resume under another strategy or world size converts them
-    state.strategy, state.world_size = strategy.name, strategy.world_size
+    state.layout = strategy.layout
     optimizer_names = optimizer_parameter_names(strategy)
     kill_point("save.start", state.step)
     if acc.is_main_process:
@@ -97,7 +97,7 @@ def save_checkpoint(
     try:
         strategy.accelerator.save_state(str(folder))
         if strategy.pipeline is not None:  # each stage's weights and optimizer state, which Accelerate does not hold
-            pipeline.save_stage(strategy.pipeline, folder, strategy.optimizer)
+            pipeline.save_stage(strategy.pipeline, folder, strategy.pipeline.optimizer)
         if rank_files is not None:
             rank_files(folder)
         fail_point("save.rank_files", state.step, folder)
@@ -175,7 +175,7 @@ def _size(n: int) -> str:
 
 def _first(strategy: Strategy, failure: str | None) -> str | None:
     """Collective: the first rank's failure, the same verdict on every rank."""
-    if strategy.world_size == 1:
+    if strategy.layout.world == 1:
         return failure
     from accelerate.utils import gather_object
 
@@ -221,7 +221,7 @@ def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None]
     else:
         _load_native(strategy, folder)
         if strategy.pipeline is not None:
-            pipeline.load_stage(strategy.pipeline, folder, strategy.optimizer)
+            pipeline.load_stage(strategy.pipeline, folder, strategy.pipeline.optimizer)
     state = TrainerState.read(folder)
     # Accelerate counts micro-batches to know which one closes an optimizer step, and load_state
     # restores the count of the run that saved: with another accumulation (another world size)
@@ -244,10 +244,10 @@ def _load_native(strategy: Strategy, folder: Path) -> None:
         raise UserError(different_model(folder, found)) from None
 
 
-def _load_converted(strategy: Strategy, folder: Path, saved: SavedLayout, say: Callable[[str], None]) -> None:
+def _load_converted(strategy: Strategy, folder: Path, saved: ParallelLayout, say: Callable[[str], None]) -> None:
     """Weights and Adam state from the checkpoint's state by parameter name; the LR schedule and the
     random states (of the ranks that exist in both) from the checkpoint itself."""
-    here = SavedLayout(strategy.name, strategy.world_size).describe()
+    here = strategy.layout.describe()
     if strategy.ds_owned:
         raise UserError(
             f"checkpoint {folder} was saved under {saved.describe()}; resuming it under {here} needs a conversion, "
@@ -312,7 +312,7 @@ def _restore_random_states(file: Path) -> None:
         torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
 
 
-def resumes_natively(strategy: Strategy, saved: SavedLayout) -> bool:
+def resumes_natively(strategy: Strategy, saved: ParallelLayout) -> bool:
     """Whether Accelerate's load_state (and a pipeline's stage files) read checkpoint `saved` as it is.
 
     Measured on CPU: DDP's files (the whole model, an optimizer keyed by parameter order) are the
@@ -320,12 +320,12 @@ def resumes_natively(strategy: Strategy, saved: SavedLayout) -> bool:
     to any number on load; DeepSpeed's ZeRO partitions fit only the stage and world size that
     wrote them, a pipeline's stage files only the same cut. Anything else goes through the state by
     parameter name (toolkit.checkpoint.conversion)."""
-    layout = layout_of(strategy.name)
-    if saved.layout != layout:
+    files = strategy.layout.files
+    if saved.files != files:
         return False
-    if layout == "pipeline":
-        return saved.strategy == strategy.name
-    return layout in ("ddp", "fsdp2") or saved.world_size in (0, strategy.world_size)
+    if files == "pipeline":
+        return saved.pp == strategy.layout.pp
+    return files in ("ddp", "fsdp2") or saved.world in (0, strategy.layout.world)
 
 
 def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
@@ -333,7 +333,7 @@ def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
     optimizer.bin numbers them (saved beside it: ddp.OPTIMIZER_NAMES). None elsewhere: FSDP2 and
     DeepSpeed checkpoints name their parameters themselves."""
     models, optimizers, _ = strategy.prepared()
-    if strategy.kind not in ("single", "ddp") or len(models) != 1 or len(optimizers) != 1:
+    if strategy.layout.kind not in ("single", "ddp") or len(models) != 1 or len(optimizers) != 1:
         return None
     names = parameter_names(models[0])
     return [[names[id(p)][0] for p in group["params"]] for group in optimizers[0].param_groups]
@@ -343,10 +343,10 @@ def _load_by_name(strategy: Strategy, state: ConsolidatedState) -> None:
     """Collective: a converted checkpoint into the prepared model and optimizer, with this strategy's
     own setters (each format's load_into)."""
     if strategy.pipeline is not None:
-        pipeline.load_into(strategy.pipeline, strategy.optimizer, state)
+        pipeline.load_into(strategy.pipeline, strategy.pipeline.optimizer, state)
         return
-    if strategy.kind == "deepspeed":
+    if strategy.layout.kind == "deepspeed":
         deepspeed.load_into(strategy.accelerator.deepspeed_engine_wrapped.engine, state)
         return
     models, optimizers, _ = strategy.prepared()
-    (fsdp if strategy.kind == "fsdp" else ddp).load_into(models[0], optimizers[0], state)
+    (fsdp if strategy.layout.kind == "fsdp" else ddp).load_into(models[0], optimizers[0], state)

@@ -16,6 +16,7 @@ and what to export instead, never a model that loads and is wrong, nor a traceba
 from __future__ import annotations
 
 import json
+import pickle
 import tempfile
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.checkpoint.formats import gather_full_weights, saved_by
+from toolkit.checkpoint.unpickling import not_only_numbers
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, check_manifest, crc32
 from toolkit.models.adapter import BASE_MODEL_FILE
@@ -122,7 +124,10 @@ def gather_weights(source: Source, into: Path) -> Path:
     """Write a checkpoint's full float32 weights into `into`, gathered by its strategy's own tools."""
     if source.kind not in ("ddp", "fsdp", "deepspeed", "pipeline"):
         raise ValueError(f"not a checkpoint: {source.kind}")
-    return gather_full_weights(source.kind, source.path, into)
+    try:
+        return gather_full_weights(source.kind, source.path, into)
+    except pickle.UnpicklingError as exc:
+        raise UserError(not_only_numbers(f"checkpoint {source.path}", exc)) from None
 
 
 def _load_checkpoint(source: Source, merge_lora: bool):

@@ -16,7 +16,7 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def launched_strategy() -> str:
+def launched_kind() -> str:
     """What the accelerate config asked for, read from the launcher's environment."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         return "deepspeed"
@@ -35,12 +35,14 @@ def launched_mixed_precision() -> str | None:
     return None if value == "no" else value
 
 
-
 def world_size() -> int:
     """Processes in this launch, before any process group exists (the launcher's environment)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size() -> int:
+    """Processes of this launch on this machine: they share its memory."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def is_launch_main() -> bool:

@@ -91,8 +91,8 @@ def dtypes(run: Run) -> tuple[int, int, bool]:
     fsdp_mixed_precision is off) and Accelerate takes that model as it is."""
     if run.precision == "fp32":
         return 4, 4, False
-    cast_by_fsdp = run.strategy.kind == "fsdp" and run.strategy.tp == 1
-    weights_cast = cast_by_fsdp or run.strategy.kind == "deepspeed" or run.param_dtype != torch.float32
+    cast_by_fsdp = run.strategy.layout.kind == "fsdp" and run.strategy.layout.tp == 1
+    weights_cast = cast_by_fsdp or run.strategy.layout.kind == "deepspeed" or run.param_dtype != torch.float32
     return (2, 2, False) if weights_cast else (4, 2, True)
 
 
@@ -118,7 +118,7 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
     v are max(kv_heads, sp) x head_dim per local token (each rank gets kv_heads / sp heads, or one
     replicated head when sp exceeds them), never repeated to the query heads (enable_gqa). The
     all-to-all back gives o_proj an input of its own (c·q), beside sdpa's output."""
-    h, r, tp = shapes.hidden, run, run.strategy.tp
+    h, r, tp = shapes.hidden, run, run.strategy.layout.tp
     i, heads = shapes.intermediate // tp, shapes.heads // tp
     q, kv = heads * shapes.head_dim, shapes.kv_heads // tp * shapes.head_dim
     rb, cb, casts = dtypes(r)
@@ -138,9 +138,9 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
         if shapes.kv_heads // tp == 1:
             k, v = (q if casts else kv), kv
     attention = cb * (2 * q + k + v) + 4 * heads
-    if run.strategy.sp > 1:  # the gathered k and v, and o_proj's input apart from sdpa's output
-        attention = cb * (3 * q + 2 * max(shapes.kv_heads, run.strategy.sp) * shapes.head_dim) + 4 * heads
-    elif run.attention == "eager" and run.strategy.cp == 1:  # context parallel runs its own sdpa attention
+    if run.strategy.layout.sp > 1:  # the gathered k and v, and o_proj's input apart from sdpa's output
+        attention = cb * (3 * q + 2 * max(shapes.kv_heads, run.strategy.layout.sp) * shapes.head_dim) + 4 * heads
+    elif run.attention == "eager" and run.strategy.layout.cp == 1:  # context parallel runs its own sdpa attention
         attention = cb * 4 * q + (4 + cb) * heads * run.seq_len
     if shapes.qk_norm:  # per head: the fp32 input, 1/rms, the output in the projections' dtype (before any all-to-all)
         local_kv = shapes.kv_heads // tp
@@ -187,7 +187,7 @@ def moe_bytes_per_token(shapes: Shapes, run: Run) -> float:
     xb = rb  # the experts' dtype: the weights' (the residual stream's under autocast, cb when cast)
     weight = 4 if shapes.fp32_routing else cb  # a routing weight
     router = 4 * shapes.experts + 8 * k + ((4 * k + 4) if shapes.norm_topk else 0) + (cb * h if casts else 0)
-    ep = run.strategy.tp  # expert parallel spreads the experts over the tp ranks
+    ep = run.strategy.layout.tp  # expert parallel spreads the experts over the tp ranks
     if ep == 1:
         return router + k * (xb * (2 * h + 4 * i) + 24 + weight)
     sent = 8 + 8 + xb * h + weight
@@ -198,7 +198,7 @@ def moe_bytes_per_token(shapes: Shapes, run: Run) -> float:
 def gathered_kv_bytes(shapes: Shapes, run: Run) -> int:
     """Context parallel: the keys and values of the whole sequence that each layer all-gathers from
     its group and sdpa keeps for backward (0 without context parallel)."""
-    if run.strategy.cp == 1:
+    if run.strategy.layout.cp == 1:
         return 0
     return 2 * dtypes(run)[1] * shapes.kv_heads * shapes.head_dim * run.micro_batch * run.seq_len
 
@@ -213,10 +213,10 @@ def layer_bytes(shapes: Shapes, run: Run) -> int:
     sequence_mask_bytes, counted once by activation_bytes, not here."""
     tokens = run.micro_batch * run.local_seq
     cb = dtypes(run)[1]
-    own_kv = 2 * cb * shapes.kv_heads * shapes.head_dim * tokens if run.strategy.cp > 1 else 0
-    masked = run.strategy.cp > 1 or (run.packed_documents and run.attention == "sdpa" and not run.own_attention)
+    own_kv = 2 * cb * shapes.kv_heads * shapes.head_dim * tokens if run.strategy.layout.cp > 1 else 0
+    masked = run.strategy.layout.cp > 1 or (run.packed_documents and run.attention == "sdpa" and not run.own_attention)
     mask = cb * run.micro_batch * run.local_seq * run.seq_len if masked else 0
-    offsets = 4 * shapes.experts // run.strategy.tp  # grouped_mm's int32 offsets, one per expert of the rank
+    offsets = 4 * shapes.experts // run.strategy.layout.tp  # grouped_mm's int32 offsets, one per expert of the rank
     # tensor parallel's sequence parallel: the two norms keep their own tensors for the rank's part only
     norms_apart = 2 * norm_core_bytes_per_token(shapes, run) * (tokens - stream_tokens(shapes, run))
     return (round(layer_bytes_per_token(shapes, run) * tokens) - norms_apart - own_kv + gathered_kv_bytes(shapes, run)
@@ -227,7 +227,7 @@ def tp_sequence_parallel(shapes: Shapes, run: Run) -> bool:
     """Whether tensor parallel also shards the sequence between the layers (Megatron's sequence
     parallel, toolkit.strategy.tensor_parallel.sequence_layout): a dense model under sdpa or eager
     attention. A mixture of experts, or flex/flash attention, keeps transformers' plan."""
-    return run.strategy.tp > 1 and not shapes.experts and run.attention in SEQUENCE_ATTENTION
+    return run.strategy.layout.tp > 1 and not shapes.experts and run.attention in SEQUENCE_ATTENTION
 
 
 def stream_tokens(shapes: Shapes, run: Run) -> int:
@@ -235,7 +235,7 @@ def stream_tokens(shapes: Shapes, run: Run) -> int:
     / cp (or / sp) of each sequence, and under tensor parallel's sequence parallel the first rank's
     ceil(seq_len / tp) (DTensor's Shard(1))."""
     if tp_sequence_parallel(shapes, run):
-        return run.micro_batch * math.ceil(run.seq_len / run.strategy.tp)
+        return run.micro_batch * math.ceil(run.seq_len / run.strategy.layout.tp)
     return run.micro_batch * run.local_seq
 
 
@@ -251,7 +251,7 @@ def sequence_mask_bytes(run: Run) -> int:
     which keeps that one tensor (measured: two layers keep one storage); the strategy holds it until the
     next forward makes another, so through the backward and the optimizer step too. 0 without sequence
     parallel."""
-    if run.strategy.sp == 1:
+    if run.strategy.layout.sp == 1:
         return 0
     return dtypes(run)[1] * run.micro_batch * run.seq_len * run.seq_len
 
@@ -287,24 +287,24 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     # sequence parallel its whole-sequence mask in the compute dtype, one for all the layers
     shared = 2 * run.local_seq * shapes.head_dim * rb + 8 * tokens + sequence_mask_bytes(run)
     shared += router_loss_bytes(shapes, run, len(layers))
-    if run.strategy.sp == 1 and (run.strategy.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager"))):
+    if run.strategy.layout.sp == 1 and (run.strategy.layout.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager"))):
         shared += run.micro_batch * run.local_seq * run.seq_len
     # autocast's weight copies, saved by the matmuls (under tensor parallel each rank's slice, a router
     # whole; the norms' weights, whole on every rank, are ~1e-4 of a layer). grouped_mm's experts are not cast
     router = shapes.experts * shapes.hidden
-    layer_params = (shapes.layer_params - shapes.expert_params - router) // run.strategy.tp + router
+    layer_params = (shapes.layer_params - shapes.expert_params - router) // run.strategy.layout.tp + router
     casts_kept = cb * layer_params * kept if casts else 0
     recompute = per_layer + (cb * layer_params if casts else 0) if ckpt else 0
     # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through
     # it; under context parallel also the gathered keys' and values' gradients, until reduce-scattered
-    inner = 2 * cb * shapes.intermediate // run.strategy.tp
+    inner = 2 * cb * shapes.intermediate // run.strategy.layout.tp
     if shapes.experts:  # not measured: per routed copy the gradients of gate_up's output, the product and the input
         # (expert parallel: of the copies the rank's experts receive, k / tp per token when balanced)
-        inner = dtypes(run)[0] * shapes.top_k * (3 * shapes.intermediate + shapes.hidden) / run.strategy.tp
-    if run.strategy.sp > 1:
+        inner = dtypes(run)[0] * shapes.top_k * (3 * shapes.intermediate + shapes.hidden) / run.strategy.layout.tp
+    if run.strategy.layout.sp > 1:
         # or, in the attention's backward, sdpa's gradients of q, k, v (whole sequence, heads / sp) beside
         # the all-to-all's outputs (this rank's tokens, every head), whichever the larger
-        inner = max(inner, 2 * cb * (shapes.heads + 2 * max(shapes.kv_heads, run.strategy.sp)) * shapes.head_dim)
+        inner = max(inner, 2 * cb * (shapes.heads + 2 * max(shapes.kv_heads, run.strategy.layout.sp)) * shapes.head_dim)
     transient = stream * 2 * rb * shapes.hidden + tokens * inner + gathered_kv_bytes(shapes, run)
     return {"saved": int(saved + shared + casts_kept), "recompute": int(recompute), "transient": int(transient)}
 
@@ -313,7 +313,7 @@ def loss_bytes(shapes: Shapes, run: Run, head_trainable: bool) -> dict[str, int]
     """The output head and the loss: at the end of the forward, and what stays for backward."""
     tokens = run.micro_batch * run.local_seq
     rb, cb, casts = dtypes(run)
-    h, v, tp = shapes.hidden, shapes.vocab, run.strategy.tp
+    h, v, tp = shapes.hidden, shapes.vocab, run.strategy.layout.tp
     final_norm = stream_tokens(shapes, run) * norm_core_bytes_per_token(shapes, run)  # 1/tp under sequence parallel
     if run.loss_chunk_tokens <= 0:
         # logits in the compute dtype, their fp32 copy and log-softmax (saved); backward: two fp32 gradients.

@@ -3,14 +3,15 @@ model out by, and the run (world, batch, sequence, checkpointing, precision)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from toolkit.config import UserError, read_json, read_yaml
-from toolkit.strategy.parallelism import AXES, model_parallel_sizes
+from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.parallelism import AXES, parallel_layout
 
 STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
                   "zero3_sp": 1.15, "fsdp_sp": 1.1, "pipeline": 1.0}  # see rank_key
@@ -21,8 +22,7 @@ class StrategyFacts:
     """What decides the memory layout, read from an accelerate config (and its DeepSpeed JSON)."""
 
     name: str  # the config's file stem: ddp, fsdp, zero1, ...
-    kind: Literal["ddp", "fsdp", "deepspeed"]
-    zero_stage: int = 0
+    layout: ParallelLayout  # of any world: a Run says how many processes
     offload_optimizer: bool = False
     offload_params: bool = False
     reduce_bucket: int = 0  # elements
@@ -30,10 +30,6 @@ class StrategyFacts:
     persistence_threshold: int = 0  # elements (ZeRO-3): parameters this small are also kept whole
     overlap_comm: bool = False
     reshard_after_forward: bool = True  # FSDP2
-    cp: int = 1  # ranks each sequence is split over (parallelism_config_cp_size)
-    tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
-    sp: int = 1  # ranks each sequence is split over by sequence parallel, attention by heads (parallelism_config_sp_size)
-    stages: int = 1  # pipeline stages, one per rank (train.pipeline_stages under ddp.yaml)
 
 
 def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
@@ -42,9 +38,10 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
     cfg = read_yaml(path) or {}
     kind = cfg.get("distributed_type", "NO")
     parallel = cfg.get("parallelism_config") or {}
-    # read as a launch reads them: one function decides what the sizes mean and which are refused
+    sizes = {axis: int(parallel.get(f"parallelism_config_{axis}_size", 1)) for axis in AXES}
+    # made as a launch makes it: one function decides what the sizes mean and which are refused
     try:
-        cp, tp, sp = model_parallel_sizes({axis: int(parallel.get(f"parallelism_config_{axis}_size", 1)) for axis in AXES})
+        layout = parallel_layout(kind, sizes)
     except UserError as exc:
         raise UserError(f"{path}: {exc}") from None
     if kind == "FSDP":
@@ -52,9 +49,8 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
         if str(fsdp.get("fsdp_version", 1)) != "2":
             raise UserError(f"{path}: the planner models FSDP2 (fsdp_version: 2)")
         return StrategyFacts(
-            path.stem, "fsdp", offload_params=bool(fsdp.get("fsdp_offload_params", False)),
+            path.stem, layout, offload_params=bool(fsdp.get("fsdp_offload_params", False)),
             reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
-            cp=cp, tp=tp, sp=sp,
         )
     if kind == "DEEPSPEED":
         ds = cfg.get("deepspeed_config") or {}
@@ -74,14 +70,14 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
             return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
 
         return StrategyFacts(
-            path.stem, "deepspeed", zero_stage=int(zero.get("stage", 0)),
+            path.stem, replace(layout, zero_stage=int(zero.get("stage", 0))),
             offload_optimizer=offloaded("offload_optimizer"), offload_params=offloaded("offload_param"),
             reduce_bucket=size("reduce_bucket_size", h2, 5e8),
             prefetch_bucket=size("stage3_prefetch_bucket_size", 0.9 * h2, 5e7),
             persistence_threshold=size("stage3_param_persistence_threshold", 10 * hidden_size, 1e5),
-            overlap_comm=bool(zero.get("overlap_comm", False)), sp=sp,
+            overlap_comm=bool(zero.get("overlap_comm", False)),
         )
-    return StrategyFacts(path.stem, "ddp")
+    return StrategyFacts(path.stem, layout)
 
 
 @dataclass
@@ -104,18 +100,18 @@ class Run:
     def __post_init__(self):
         if self.world < 1 or self.micro_batch < 1 or self.seq_len < 1 or self.accumulation < 1:
             raise UserError(f"world={self.world}, micro_batch={self.micro_batch}, seq_len={self.seq_len} must be positive")
-        group = self.strategy.cp * self.strategy.tp * self.strategy.sp
+        group = self.strategy.layout.cp * self.strategy.layout.tp * self.strategy.layout.sp
         if self.world % group:
             raise UserError(f"{self.strategy.name}: cp x tp x sp = {group} ranks do not divide world={self.world}; "
                             f"use a multiple of {group} processes")
-        if self.world % self.strategy.stages:
-            raise UserError(f"train.pipeline_stages={self.strategy.stages} does not divide world={self.world}; use a "
-                            f"multiple of {self.strategy.stages} processes (replicas x stages)")
-        if self.strategy.stages > 1 and self.loss_chunk_tokens > 0:
+        if self.world % self.strategy.layout.pp:
+            raise UserError(f"train.pipeline_stages={self.strategy.layout.pp} does not divide world={self.world}; use a "
+                            f"multiple of {self.strategy.layout.pp} processes (replicas x stages)")
+        if self.strategy.layout.pp > 1 and self.loss_chunk_tokens > 0:
             # the last stage's loss is the schedule's loss_fn of its logits (toolkit.strategy.pipeline_parallel)
-            raise UserError(f"train.pipeline_stages={self.strategy.stages}: model.loss=chunked does not run in a "
+            raise UserError(f"train.pipeline_stages={self.strategy.layout.pp}: model.loss=chunked does not run in a "
                             "pipeline; use model.loss=full")
-        if self.strategy.tp > 1 and self.loss_chunk_tokens > 0:
+        if self.strategy.layout.tp > 1 and self.loss_chunk_tokens > 0:
             # the chunked loss multiplies the hidden states by the head's weight itself, and under tensor
             # parallel that weight is a DTensor: torch refuses the mixed matmul
             raise UserError(f"{self.strategy.name}: model.loss=chunked does not run under tensor parallel; "
@@ -125,13 +121,13 @@ class Run:
     def local_seq(self) -> int:
         """Tokens of each sequence this rank holds: 1/cp of them under context parallel, 1/sp under
         sequence parallel."""
-        return self.seq_len // (self.strategy.cp * self.strategy.sp)
+        return self.seq_len // (self.strategy.layout.cp * self.strategy.layout.sp)
 
     @property
     def own_attention(self) -> bool:
         """Whether the attention is the toolkit's own sdpa call with enable_gqa (context and sequence
         parallel: k and v never repeated, the block-causal mask always given), not transformers'."""
-        return self.strategy.cp > 1 or self.strategy.sp > 1
+        return self.strategy.layout.cp > 1 or self.strategy.layout.sp > 1
 
 
 
@@ -156,14 +152,11 @@ def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, 
 def live_facts(strategy) -> StrategyFacts:
     """StrategyFacts of a launched toolkit.strategy.distributed.Strategy (what read_strategy reads
     from its config file), for the sizes of model state."""
-    acc = strategy.accelerator
-    kind = {"single": "ddp", "ddp": "ddp"}.get(strategy.kind, strategy.kind)
+    acc, layout = strategy.accelerator, strategy.layout
     offload_params = False
-    if kind == "deepspeed":
+    if layout.kind == "deepspeed":
         zero = (acc.state.deepspeed_plugin.deepspeed_config or {}).get("zero_optimization", {})
         offload_params = (zero.get("offload_param") or {}).get("device", "none") in ("cpu", "nvme")
-    elif kind == "fsdp":
+    elif layout.kind == "fsdp":
         offload_params = bool(getattr(getattr(acc.state.fsdp_plugin, "cpu_offload", None), "offload_params", False))
-    return StrategyFacts(strategy.name, kind, zero_stage=strategy.zero_stage or 0,
-                         offload_optimizer=strategy.offloads_optimizer, offload_params=offload_params,
-                         cp=strategy.cp, tp=strategy.tp, sp=strategy.sp, stages=strategy.stages)
+    return StrategyFacts(layout.name, layout, offload_optimizer=strategy.offloads_optimizer, offload_params=offload_params)

@@ -135,7 +135,7 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
     master weights, in the terms of toolkit.strategy.sharding.held_bytes."""
     s, w = run.strategy, run.world
     pb = torch.finfo(run.param_dtype).bits // 8
-    if s.kind == "deepspeed" and run.precision != "fp32":
+    if s.layout.kind == "deepspeed" and run.precision != "fp32":
         pb = 2  # DeepSpeed's bf16/fp16 mode turns the module's weights to 16 bits; fp32 masters apart
     gb = pb  # gradients come in the weights' dtype
     step = 4  # torch AdamW's step: one fp32 scalar per state-holding tensor
@@ -145,7 +145,7 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
         n = t.numel if numel is None else numel
         return n * 0.516 if t.quantized else n * (2 if run.quantized_base and not t.trainable else pb)
 
-    if s.kind == "ddp" or (s.kind == "deepspeed" and s.zero_stage == 0):
+    if s.layout.kind in ("single", "ddp") or (s.layout.kind == "deepspeed" and s.layout.zero_stage == 0):
         train = sum(t.numel for g in groups for t in g)
         n_state = sum(len(g) for g in groups)
         return {
@@ -154,13 +154,13 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
             "optimizer": 8 * train + step * n_state,
             "master": 0,
         }
-    if s.kind == "fsdp":
+    if s.layout.kind == "fsdp":
         # tensor parallel: FSDP2 shards each rank's slice over the data-parallel groups (the 2-D
         # mesh dp x tp); context parallel: over every rank (Accelerate's FSDP2, as fsdp.yaml)
-        dp = w // s.tp
+        dp = w // s.layout.tp
 
         def shard(t: Held) -> int:  # rank 0 holds the first ceil(dim0 / dp) rows of its slice
-            shape = t.tp_slice(s.tp)
+            shape = t.tp_slice(s.layout.tp)
             rows = min(math.ceil(shape[0] / dp), shape[0]) if shape else 1
             return math.prod(shape) // max(1, shape[0]) * rows if shape else 1
 
@@ -171,7 +171,7 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
             "optimizer": sum(8 * shard(t) + step for t in train),
             "master": 0,
         }
-    if s.zero_stage in (1, 2):
+    if s.layout.zero_stage in (1, 2):
         # stage_1_and_2.py: each group flattened, padded to a multiple of 2 x world, cut in world parts
         parts = [math.ceil(sum(t.numel for t in g) / (2 * w)) * 2 for g in groups]
         part = sum(parts)
@@ -181,7 +181,7 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
             "grads": part * gb,  # measured at the boundary: ZeRO-1 has reduced them into its partition too
             "optimizer": 0 if s.offload_optimizer else 8 * part + step * len(parts),
             "master": 0 if s.offload_optimizer else 4 * part,
-            "grads_peak": full_grads if s.zero_stage == 1 else part * gb,
+            "grads_peak": full_grads if s.layout.zero_stage == 1 else part * gb,
         }
     # ZeRO-3: every parameter partitioned; the small ones (persistence threshold) also whole
     def part3(t: Held) -> int:

@@ -37,8 +37,8 @@ from toolkit.config import UserError, read_json
 from toolkit.launch.environment import (
     LAUNCHED_PRECISION,
     has_gpu,
+    launched_kind,
     launched_mixed_precision,
-    launched_strategy,
 )
 from toolkit.strategy.collectives import creating_groups, set_collective_timeout
 from toolkit.strategy.sequence_parallel import skip_shared_memory_kernel
@@ -75,7 +75,7 @@ def resolve_mixed_precision(choice: str) -> str:
 
 def check_deepspeed_config() -> dict | None:
     """Read the launched DeepSpeed JSON ourselves first, so that mistakes are one clear line."""
-    if launched_strategy() != "deepspeed":
+    if launched_kind() != "deepspeed":
         return None
     try:
         import deepspeed  # noqa: F401
@@ -119,16 +119,16 @@ def build_accelerator(
     timeout_s: int = 1800,
 ) -> Accelerator:
     """The Accelerator for the launched strategy; `timeout_s` bounds every collective (see set_collective_timeout)."""
-    strategy = launched_strategy()
+    kind = launched_kind()
     check_deepspeed_config()
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     # FSDP2 under a launcher (torchrun's MASTER_ADDR), even of one process: on a GPU Accelerate
     # applies FSDP to one process too, and a checkpoint must move between FSDP2 at any world size
-    fsdp_on_cpu = strategy == "fsdp" and not has_gpu() and (multi or "MASTER_ADDR" in os.environ)
+    fsdp_on_cpu = kind == "fsdp" and not has_gpu() and (multi or "MASTER_ADDR" in os.environ)
     timeout = set_collective_timeout(timeout_s)
     kwargs: dict = {}
     if not has_gpu():
-        if strategy == "deepspeed":
+        if kind == "deepspeed":
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         else:
             kwargs["cpu"] = True

@@ -1,19 +1,12 @@
-"""The strategy: one place that turns an `accelerate launch` into a correctly configured run.
-
-`Strategy.launch(...)` is built once per run, from the accelerate config file the user launched
-with (DDP, FSDP, DeepSpeed ZeRO-1/2/3, and the parallel layouts) and the recipe's batch sizes. It
-holds every fact about how this launch trains (world size, accumulation, backend, ZeRO stage,
-offload, which blocks a DeepSpeed JSON owns, FSDP version, the model-parallel degrees), and the
-rest of the toolkit asks it: nothing outside toolkit/launch, toolkit/strategy and toolkit/checkpoint
-reads WORLD_SIZE/RANK, imports deepspeed or branches on the distributed type. The Accelerator it
-holds is built by toolkit.strategy.accelerator, where Accelerate's quirks on CPU are handled.
-"""
+"""The Strategy: what this launch is (its ParallelLayout, accumulation, the blocks a DeepSpeed JSON owns),
+built once per run by `Strategy.launch`, and the strategy-specific operations the trainer and recipes ask
+of it (docs/architecture.md, "Where a strategy quirk goes")."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import torch
@@ -23,6 +16,7 @@ from accelerate.utils import DistributedType
 from toolkit.config import UserError
 from toolkit.launch.environment import LAUNCHED_PRECISION, has_gpu, launched_mixed_precision, world_size
 from toolkit.models.loss import backward_scale
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.accelerator import (
     build_accelerator,
     configure_deepspeed,
@@ -32,7 +26,13 @@ from toolkit.strategy.accelerator import (
 )
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
-from toolkit.strategy.parallelism import accumulation_steps, check_pipeline_launch, parallelism_sizes
+from toolkit.strategy.parallelism import (
+    accumulation_steps,
+    check_pipeline_launch,
+    launched_sizes,
+    model_parallel_sizes,
+    parallel_layout,
+)
 from toolkit.strategy.pipeline_parallel import Pipeline
 from toolkit.strategy.sequence_parallel import SequenceParallel
 from toolkit.strategy.sequence_parallel import problems as sequence_parallel_problems
@@ -42,21 +42,19 @@ from toolkit.strategy.tensor_parallel import sequence_problem as tensor_parallel
 
 T = TypeVar("T")
 
-DATA_PARALLEL = {
-    DistributedType.NO: "single process",
-    DistributedType.MULTI_CPU: "DDP",
-    DistributedType.MULTI_GPU: "DDP",
-}
-
-
-def strategy_name(accelerator: Accelerator) -> str:
+def launched_layout(accelerator: Accelerator, sizes: dict[str, int], world: int, stages: int = 1) -> ParallelLayout:
+    """This launch's ParallelLayout: the strategy kind, ZeRO stage, offload and FSDP version as the
+    Accelerator took them from the accelerate config (and its DeepSpeed JSON)."""
+    zero_stage, offload, fsdp_version = 0, (), 2
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        ds = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        offload = [k.split("_")[1] for k in ("offload_optimizer", "offload_param") if ds.get(k, {}).get("device", "none") != "none"]
-        return f"DeepSpeed ZeRO-{int(accelerator.state.deepspeed_plugin.zero_stage)}" + (f" (offload {'+'.join(offload)})" if offload else "")
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
-    return DATA_PARALLEL.get(accelerator.distributed_type, str(accelerator.distributed_type).split(".")[-1])
+        plugin = accelerator.state.deepspeed_plugin
+        ds = plugin.deepspeed_config.get("zero_optimization", {})
+        zero_stage = int(plugin.zero_stage)
+        offload = tuple(k.split("_")[1] for k in ("offload_optimizer", "offload_param")
+                        if ds.get(k, {}).get("device", "none") != "none")
+    elif accelerator.distributed_type == DistributedType.FSDP:
+        fsdp_version = int(accelerator.state.fsdp_plugin.fsdp_version)
+    return parallel_layout(accelerator.distributed_type, sizes, world, stages, zero_stage, fsdp_version, offload)
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
@@ -88,16 +86,12 @@ class Strategy:
     strategy-neutral calls (accumulate, backward, reduce, save_state)."""
 
     accelerator: Accelerator
-    world_size: int
+    layout: ParallelLayout  # its ep is known once the model is: apply_model_parallel replaces it then
     accumulation: int
     ds_owned: tuple[str, ...]  # "optimizer"/"scheduler" blocks a user's DeepSpeed JSON defines
     context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
-    tp: int = 1  # ranks each layer is split over (parallelism_config_tp_size)
-    ep: int = 1  # ranks a mixture of experts' experts are spread over: tp for an MoE (known once the model is)
-    stages: int = 1  # pipeline stages the decoder layers are cut into (train.pipeline_stages)
-    pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
     sequence: SequenceParallel | None = None  # sequences split over groups of ranks (parallelism_config_sp_size)
-    optimizer: torch.optim.Optimizer | None = None  # a pipeline's: its stage's state is saved by each stage
+    pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
     notes: list[str] = field(default_factory=list)  # for the recipe's log, once the model is split
 
     @classmethod
@@ -107,89 +101,56 @@ class Strategy:
     ) -> Strategy:
         """Collective: every rank. Batch sizes that do not divide fail before any process group exists."""
         world = world_size()
-        cp, tp, sp = parallelism_sizes(world)
+        sizes = launched_sizes(world)
+        cp, tp, sp = model_parallel_sizes(sizes)
         check_pipeline_launch(pipeline_stages, world, cp * tp * sp, mixed_precision)
         accumulation = accumulation_steps(global_batch, micro_batch, world // (cp * tp * sp * pipeline_stages))
         accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
-        if pipeline_stages > 1 and accelerator.distributed_type not in DATA_PARALLEL:
+        layout = launched_layout(accelerator, sizes, world, pipeline_stages)
+        if pipeline_stages > 1 and layout.kind not in ("single", "ddp"):
             raise UserError(
                 f"train.pipeline_stages={pipeline_stages} runs under accelerate_configs/ddp.yaml (the pipelines side "
-                f"by side average their gradients themselves), not under {strategy_name(accelerator)}"
+                f"by side average their gradients themselves), not under {layout.accelerate_name}"
             )
         if accelerator.device.type == "cpu":
             keep_freed_memory()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
         context = ContextParallel(cp, accelerator.device) if cp > 1 else None
         sequence = SequenceParallel(sp, accelerator.device) if sp > 1 else None
-        return cls(accelerator, world, accumulation, tuple(owned), context, tp=tp, stages=pipeline_stages,
-                   sequence=sequence)
+        return cls(accelerator, layout, accumulation, tuple(owned), context, sequence)
 
     # ----------------------------------------------------------------- facts
     @property
-    def kind(self) -> str:
-        """single, ddp, fsdp or deepspeed."""
-        t = self.accelerator.distributed_type
-        if t == DistributedType.DEEPSPEED:
-            return "deepspeed"
-        if t == DistributedType.FSDP:
-            return "fsdp"
-        return "single" if t == DistributedType.NO else "ddp"
-
-    @property
-    def name(self) -> str:
-        if self.stages > 1:
-            return f"pipeline of {self.stages} stages"
-        return strategy_name(self.accelerator)
-
-    @property
-    def zero_stage(self) -> int | None:
-        if self.kind != "deepspeed":
-            return None
-        return int(self.accelerator.state.deepspeed_plugin.zero_stage)
-
-    @property
     def is_replicated(self) -> bool:
         """Whether every rank holds the full parameters (DDP, ZeRO-1/2) rather than shards or stages."""
-        if self.stages > 1:
-            return False
-        return self.accelerator.distributed_type in DATA_PARALLEL or (self.kind == "deepspeed" and (self.zero_stage or 0) < 3)
+        kind = self.layout.kind
+        return self.layout.pp == 1 and (kind in ("single", "ddp") or (kind == "deepspeed" and self.layout.zero_stage < 3))
 
     @property
     def offloads_optimizer(self) -> bool:
         """DeepSpeed optimizer offload on a GPU machine (on a CPU machine there is nothing to offload)."""
-        if self.kind != "deepspeed" or not has_gpu():
+        if self.layout.kind != "deepspeed" or not has_gpu():
             return False
         zero = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         return zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
 
     @property
-    def cp(self) -> int:
-        """Ranks each sequence is split over (1 without context parallel)."""
-        return 1 if self.context is None else self.context.cp
-
-    @property
-    def sp(self) -> int:
-        """Ranks each sequence is split over by sequence parallel (1 without it)."""
-        return 1 if self.sequence is None else self.sequence.sp
-
-    @property
     def data_ranks(self) -> tuple[int, int]:
         """(ranks that read different data, this rank's index among them): a context-, tensor- or
         sequence-parallel group, and the stages of a pipeline, read the same blocks."""
-        group = self.cp * self.tp * self.sp * self.stages
-        return self.world_size // group, self.rank // group
+        return self.layout.dp, self.rank // self.layout.model_parallel
 
     @property
     def gradient_ranks(self) -> int:
         """Ranks the data-parallel wrapper averages gradients over: all of them, but the ranks of a
         tensor-parallel group hold different slices of one model (FSDP2 averages over its dp axis)."""
-        return self.world_size // self.tp
+        return self.layout.world // self.layout.tp
 
     @property
     def loss_copies(self) -> int:
         """How many ranks compute each token's loss: the ranks of a tensor-parallel group compute the
         same one, so a sum over all ranks counts it tp times."""
-        return self.tp
+        return self.layout.tp
 
     def backward_scale(self, global_targets: int) -> float:
         """Factor turning a micro-batch's token loss sum into its share of the global per-token mean
@@ -208,10 +169,10 @@ class Strategy:
 
     def check_sequence_length(self, seq_len: int) -> None:
         """Refuses, before any data is prepared, blocks that context, sequence or tensor parallel cannot split evenly."""
-        problem = None if self.context is None else sequence_problem(self.cp, seq_len)
+        problem = None if self.context is None else sequence_problem(self.layout.cp, seq_len)
         if self.sequence is not None:
-            problem = sequence_parallel_problem(self.sp, seq_len)
-        problem = tensor_parallel_sequence_problem(self.tp, seq_len) or problem
+            problem = sequence_parallel_problem(self.layout.sp, seq_len)
+        problem = tensor_parallel_sequence_problem(self.layout.tp, seq_len) or problem
         if problem:
             raise UserError(problem)
 
@@ -223,35 +184,35 @@ class Strategy:
         in one line. A dense model's tp split shards the sequence between layers too (Megatron's sequence
         parallel, tensor_parallel.sequence_layout)."""
         if self.context is not None:
-            found = context_parallel_problems(model.config, self.cp, seq_len, attn_implementation)
+            found = context_parallel_problems(model.config, self.layout.cp, seq_len, attn_implementation)
             if found:
                 raise UserError(found[0])
             self.context.apply(model)
         if self.sequence is not None:
-            found = sequence_parallel_problems(model.config, self.sp, seq_len, attn_implementation)
+            found = sequence_parallel_problems(model.config, self.layout.sp, seq_len, attn_implementation)
             if found:
                 raise UserError(found[0])
             self.sequence.apply(model)
-        if self.tp > 1:
+        if self.layout.tp > 1:
             if hasattr(model, "peft_config"):
                 raise UserError(
                     "tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs"
                 )
-            model = split(model, self.tp, self.world_size // self.tp, attn_implementation)
-            self.ep = expert_ranks(model)
+            model = split(model, self.layout.tp, self.layout.world // self.layout.tp, attn_implementation)
+            self.layout = replace(self.layout, ep=expert_ranks(model))
             whole = model.tp_whole_between_layers
-            self.notes.append(f"tensor_parallel={self.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
+            self.notes.append(f"tensor_parallel={self.layout.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
                        "between layers" if whole is None else f"hidden states whole between layers ({whole})"))
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
             self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
-        if self.stages > 1:
+        if self.layout.pp > 1:
             from toolkit.strategy.pipeline_parallel import problems as pipeline_problems
 
-            found = pipeline_problems(model, self.stages)
+            found = pipeline_problems(model, self.layout.pp)
             if found:
                 raise UserError(found[0])
-            self.pipeline = Pipeline(model, self.stages, self.accumulation, attn_implementation, self.device,
+            self.pipeline = Pipeline(model, self.layout.pp, self.accumulation, attn_implementation, self.device,
                                      self.accelerator.autocast)
             model = self.pipeline.module
         return model
@@ -274,17 +235,17 @@ class Strategy:
         precision = {"no": "fp32"}.get(str(acc.mixed_precision), str(acc.mixed_precision))
         if launched_mixed_precision() is not None:  # taken from the launcher, not train.mixed_precision
             precision += f" ({LAUNCHED_PRECISION})"
-        line = (f"strategy={strategy_name(acc)} world_size={acc.num_processes} backend={acc.state.backend or 'none'} "
+        line = (f"strategy={self.layout.accelerate_name} world_size={acc.num_processes} backend={acc.state.backend or 'none'} "
                 f"precision={precision} device={acc.device} grad_accum={acc.gradient_accumulation_steps}")
         if self.context is not None:
-            line += f" context_parallel={self.cp} (data_parallel={self.data_ranks[0]})"
+            line += f" context_parallel={self.layout.cp} (data_parallel={self.data_ranks[0]})"
         if self.sequence is not None:
-            line += f" sequence_parallel={self.sp} (data_parallel={self.data_ranks[0]})"
-        if self.tp > 1:
-            experts = f" expert_parallel={self.ep}" if self.ep > 1 else ""
-            line += f" tensor_parallel={self.tp}{experts} (data_parallel={self.data_ranks[0]})"
-        if self.stages > 1:
-            line += f" pipeline_stages={self.stages} (data_parallel={self.data_ranks[0]})"
+            line += f" sequence_parallel={self.layout.sp} (data_parallel={self.data_ranks[0]})"
+        if self.layout.tp > 1:
+            experts = f" expert_parallel={self.layout.ep}" if self.layout.ep > 1 else ""
+            line += f" tensor_parallel={self.layout.tp}{experts} (data_parallel={self.data_ranks[0]})"
+        if self.layout.pp > 1:
+            line += f" pipeline_stages={self.layout.pp} (data_parallel={self.data_ranks[0]})"
         return line
 
     def print(self, *args) -> None:
@@ -296,7 +257,7 @@ class Strategy:
         prepare; check it first. `model` may be a function building it (the pretraining recipe
         builds a memory-free meta copy, and only under FSDP: under ZeRO-3 a model constructed
         while DeepSpeed's config is registered would go through zero.Init)."""
-        if self.kind != "fsdp":
+        if self.layout.kind != "fsdp":
             return
         if not isinstance(model, torch.nn.Module):
             model = model()
@@ -338,7 +299,7 @@ class Strategy:
             return prepare(self.accelerator, *objects)
         # a stage is not wrapped (DDP would average it with the other stages); its optimizer is kept
         # to save with the stage
-        self.optimizer = next((o for o in objects if isinstance(o, torch.optim.Optimizer)), None)
+        self.pipeline.optimizer = next((o for o in objects if isinstance(o, torch.optim.Optimizer)), None)
         return objects if len(objects) > 1 else objects[0]
 
     def master_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -355,7 +316,7 @@ class Strategy:
         if self.pipeline is not None:
             return self.pipeline.gathered_state_dict()
         acc = self.accelerator
-        if self.kind != "deepspeed":
+        if self.layout.kind != "deepspeed":
             state_dict = acc.get_state_dict(model)
             if not acc.is_main_process:
                 return None
@@ -399,8 +360,8 @@ class Strategy:
                 )
             return digests
         digests = gather_object([parameter_digest(model)])
-        for stage in range(self.stages):
-            if len(set(digests[stage::self.stages])) > 1:
+        for stage in range(self.layout.pp):
+            if len(set(digests[stage::self.layout.pp])) > 1:
                 raise RuntimeError(f"the replicas of pipeline stage {stage} ended with different weights ({digests}); "
                                    "gradients were not synchronised. Report this with the launch command")
         return digests
@@ -428,7 +389,7 @@ class Strategy:
                 verdict[0] = compute()
             except UserError as exc:
                 verdict[1] = str(exc)
-        if self.world_size > 1:
+        if self.layout.world > 1:
             broadcast_object_list(verdict)
         if verdict[1] is not None:
             raise UserError(verdict[1])

@@ -5,8 +5,10 @@ group exists."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from toolkit.config import UserError
+from toolkit.parallel_layout import ParallelLayout
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
@@ -24,15 +26,14 @@ def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
 AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 
-def parallelism_sizes(world: int) -> tuple[int, int, int]:
-    """(cp, tp, sp): the context-, tensor- and sequence-parallel sizes an accelerate config's
-    parallelism_config asks for, checked against the launch; its other axes are refused in one line
-    until they are built. Accelerate is then told nothing of it: its ParallelismConfig refuses CPU
-    processes, its context parallel (torch's ring attention) and its sequence parallel (DeepSpeed's
-    registration) drop the attention mask, so that packed documents would see each other, and its
-    FSDP2 + TP branch imports a class transformers 5.23 no longer has."""
+def launched_sizes(world: int) -> dict[str, int]:
+    """The sizes by axis (AXES) an accelerate config's parallelism_config asks for, checked against the
+    launch; its other axes are refused in one line until they are built. Accelerate is then told nothing
+    of it: its ParallelismConfig refuses CPU processes, its context parallel (torch's ring attention) and
+    its sequence parallel (DeepSpeed's registration) drop the attention mask, so that packed documents
+    would see each other, and its FSDP2 + TP branch imports a class transformers 5.23 no longer has."""
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return 1, 1, 1
+        return {}
     size = {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in AXES}
     cp, tp, sp = model_parallel_sizes(size)
     model = cp * tp * sp
@@ -46,7 +47,18 @@ def parallelism_sizes(world: int) -> tuple[int, int, int]:
             f"{model} must equal the {world} processes launched; {fix}"
         )
     os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
-    return cp, tp, sp
+    return size
+
+
+def parallel_layout(distributed_type: str, sizes: Mapping[str, int], world: int = 0, stages: int = 1,
+                    zero_stage: int = 0, fsdp_version: int = 2, offload: tuple[str, ...] = ()) -> ParallelLayout:
+    """The one way a ParallelLayout is made: from an accelerate config's distributed_type (a launch's
+    Accelerator has the same) and parallelism_config sizes, for a launch (whose world is known) and for
+    the planner (an accelerate config file alone) alike."""
+    cp, tp, sp = model_parallel_sizes(sizes)
+    kind = {"NO": "single", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(getattr(distributed_type, "value", distributed_type), "ddp")
+    return ParallelLayout(kind, world, tp=tp, cp=cp, sp=sp, pp=stages, zero_stage=zero_stage if kind == "deepspeed" else 0,
+                          fsdp_version=fsdp_version, offload=offload if kind == "deepspeed" else ())
 
 
 def model_parallel_sizes(size: dict[str, int]) -> tuple[int, int, int]:

@@ -174,6 +174,8 @@ class Pipeline:
         # mixed precision: the forwards run under the launch's autocast, as a prepared model's would
         self.autocast = autocast
         self._scale, self._sums = 1.0, []
+        # the stage's optimizer, saved with its weights by each stage: known once the strategy prepares it
+        self.optimizer: torch.optim.Optimizer | None = None
         # gradients are the global per-token mean exactly: each micro-batch's token loss sum x scale
         self.schedule = Schedule1F1B(self.stage, micro_batches, loss_fn=self._loss, scale_grads=False)
 

@@ -253,7 +253,7 @@ class Trainer:
         blocks = self.stream.take(t.global_batch_size // world)
         mine = [float(block_targets(blocks).sum()), float(blocks["num_tokens"].sum())]
         # every rank of a tensor/context/sequence-parallel group or pipeline holds the same blocks
-        copies = self.strategy.world_size // world
+        copies = self.strategy.layout.world // world
         totals = self.accelerator.reduce(torch.tensor(mine, dtype=torch.float64, device=self.accelerator.device), "sum")
         targets, tokens = (int(x) // copies for x in totals.tolist())
         micro = ({k: v[i : i + t.micro_batch_size] for k, v in blocks.items()}
@@ -284,10 +284,10 @@ class Trainer:
                 f"{cfg.optim.lr_scaling} to train.global_batch_size={cfg.train.global_batch_size}: peak lr "
                 f"{cfg.optim.peak_lr(cfg.train.global_batch_size):g}"
             )
-        if self.strategy.stages > 1 and cfg.model.chunk_tokens:
+        if self.strategy.layout.pp > 1 and cfg.model.chunk_tokens:
             raise UserError("model.loss=chunked is not supported with train.pipeline_stages > 1 yet (the last stage "
                             "computes the loss from its logits); use model.loss=full")
-        if self.strategy.tp > 1 and cfg.model.chunk_tokens:
+        if self.strategy.layout.tp > 1 and cfg.model.chunk_tokens:
             # the head's weight is split by vocabulary over the tp ranks: its loss needs the vocab-parallel
             # cross-entropy, which the chunked head does not compute (it failed on mixed Tensor/DTensor)
             raise UserError("model.loss=chunked is not supported with tensor parallel (parallelism_config_tp_size) "
@@ -295,7 +295,7 @@ class Trainer:
         model = self.strategy.apply_model_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
         for line in self.strategy.notes:
             self.print(line)
-        if self.strategy.ep > 1:  # the first line is logged before the model is known: say it again, whole
+        if self.strategy.layout.ep > 1:  # the first line is logged before the model is known: say it again, whole
             self.print(self.strategy.describe())
         self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
             self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
@@ -550,7 +550,7 @@ class Trainer:
         """What every model card says about the run."""
         return {
             "recipe": self.name, "model_type": model_type, "params": self.n_params, "step": self.step,
-            "tokens": self.state.tokens_seen, "strategy": self.strategy.name, **self.state.last_eval,
+            "tokens": self.state.tokens_seen, "strategy": self.strategy.layout.name, **self.state.last_eval,
         }
 
     def close(self) -> Path | None:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint.ddp import OPTIMIZER_NAMES, read_optimizer_names
 from toolkit.checkpoint.formats import gather_full_weights, saved_by, saved_layout
-from toolkit.checkpoint.origin import SavedLayout
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import TrainerState
 
 # what Accelerate's save_state writes besides the model, whatever the strategy
@@ -147,8 +147,8 @@ def test_a_real_single_process_save_state_is_recognised_and_gathered(tmp_path):
     torch.testing.assert_close(load_file(str(into / "model.safetensors")), model.state_dict())
 
 
-def test_an_unknown_kind_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="not a checkpoint kind: zero3"):
+def test_an_unknown_format_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a checkpoint format: zero3"):
         gather_full_weights("zero3", tmp_path, tmp_path / "full")
 
 
@@ -156,12 +156,9 @@ def test_an_unknown_kind_is_refused(tmp_path):
 
 
 def test_the_layout_a_checkpoint_records(tmp_path):
-    TrainerState(step=3, strategy="DeepSpeed ZeRO-2", world_size=2).write(tmp_path)
+    TrainerState(step=3, layout=ParallelLayout("deepspeed", 2, zero_stage=2)).write(tmp_path)
     saved = saved_layout(tmp_path)
-    assert saved == SavedLayout("DeepSpeed ZeRO-2", 2) and saved.layout == "zero2"
-    assert saved.describe() == "DeepSpeed ZeRO-2 on 2 processes"
-    assert SavedLayout("single process", 1).describe() == "one process"
-    assert SavedLayout("FSDP2", 1).describe() == "FSDP2 on 1 process"
+    assert saved == ParallelLayout("deepspeed", 2, zero_stage=2) and saved.files == "zero2"
 
 
 def test_the_layout_of_an_older_checkpoint_is_read_from_its_files(tmp_path):
@@ -169,17 +166,20 @@ def test_the_layout_of_an_older_checkpoint_is_read_from_its_files(tmp_path):
     states (one per rank), DeepSpeed's stage from the config in its model states."""
     ddp = _touch(tmp_path / "ddp", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl")
     TrainerState(step=3).write(ddp)
-    assert saved_layout(ddp) == SavedLayout("DDP", 2)
+    assert saved_layout(ddp) == ParallelLayout("ddp", 2)
     one = _touch(tmp_path / "one", "model.safetensors", "optimizer.bin", "random_states_0.pkl")
-    assert saved_layout(one) == SavedLayout("single process", 1)
+    assert saved_layout(one) == ParallelLayout("single", 1)
     fsdp = _touch(tmp_path / "fsdp", "pytorch_model_fsdp_0/.metadata", *(f"random_states_{r}.pkl" for r in range(3)))
-    assert saved_layout(fsdp) == SavedLayout("FSDP2", 3)
+    assert saved_layout(fsdp) == ParallelLayout("fsdp", 3)
     zero = _touch(tmp_path / "zero", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt", "random_states_0.pkl",
                   "random_states_1.pkl")
     (zero / "latest").write_text("pytorch_model")
     torch.save({"ds_config": {"zero_optimization": {"stage": 1}}, "module": {}},
                zero / "pytorch_model" / "mp_rank_00_model_states.pt")
-    assert saved_layout(zero) == SavedLayout("DeepSpeed ZeRO-1", 2)
+    assert saved_layout(zero) == ParallelLayout("deepspeed", 2, zero_stage=1)
+    stages = _touch(tmp_path / "stages", "pipeline_stage_0.safetensors", "pipeline_stage_1.safetensors", "random_states_0.pkl",
+                    "random_states_1.pkl")
+    assert saved_layout(stages) == ParallelLayout("ddp", 2, pp=2)
     assert saved_layout(_touch(tmp_path / "none", "notes.txt")) is None
 
 

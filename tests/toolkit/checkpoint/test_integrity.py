@@ -7,6 +7,7 @@ import pytest
 
 from toolkit.checkpoint.integrity import check_state_file
 from toolkit.manifest import MANIFEST, crc32, write_manifest
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import TrainerState
 
 
@@ -18,7 +19,7 @@ def a_zero3_checkpoint(folder, missing: str | None = None):
         if name != missing:
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text("pytorch_model" if name == "latest" else "")
-    TrainerState(step=4, strategy="DeepSpeed ZeRO-3", world_size=2).write(folder)
+    TrainerState(step=4, layout=ParallelLayout("deepspeed", 2, zero_stage=3)).write(folder)
     return folder
 
 

@@ -14,6 +14,7 @@ from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
 from toolkit.checkpoint.manager import CheckpointConfig, _load_schedule, load_checkpoint, save_checkpoint
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, crc32
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState, converted_state
 from toolkit.strategy.distributed import Strategy
 
@@ -43,7 +44,7 @@ def test_a_checkpoint_round_trips_weights_and_state_and_keeps_the_last_k(tmp_pat
     state = load_checkpoint(strategy, run.checkpoint(3))
     assert state.manifest_crc32 == crc32(run.checkpoint(3) / MANIFEST)  # bound to the files beside it
     assert state == TrainerState(step=3, tokens_seen=30, manifest_crc32=state.manifest_crc32,
-                                 strategy="single process", world_size=1)  # what wrote the files
+                                 layout=ParallelLayout("single", 1))  # what wrote the files
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
     # optimizer.bin numbers the parameters; the checkpoint says which is which (a conversion needs it)
     assert json.loads((run.checkpoint(3) / OPTIMIZER_NAMES).read_text()) == {"groups": [["weight", "bias"]]}
@@ -99,7 +100,7 @@ def test_a_conversion_into_a_deepspeed_json_that_owns_the_optimizer_is_refused(t
     strategy.prepare(torch.nn.Linear(2, 2))
     folder = save_checkpoint(strategy, RunDir(tmp_path / "run"), TrainerState(step=1), keep_last=1)
     state = TrainerState.read(folder)
-    state.strategy, state.world_size = "FSDP2", 2  # as an FSDP2 run on 2 processes records it
+    state.layout = ParallelLayout("fsdp", 2)  # as an FSDP2 run on 2 processes records it
     state.write(folder)
     owning = dataclasses.replace(strategy, ds_owned=("optimizer", "scheduler"))
     with pytest.raises(UserError) as info:

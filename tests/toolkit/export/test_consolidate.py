@@ -375,3 +375,24 @@ def test_a_pipeline_checkpoint_loads_identical_weights(model, tiny_tokenizer, tm
     source = resolve_source(folder)
     assert source.kind == "pipeline" and source.describe().startswith("pipeline-parallel checkpoint")
     assert_same_weights(load_model(source)[0], model)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("code ran while unpickling",))
+
+
+def test_a_deepspeed_checkpoint_that_pickles_code_is_refused_before_its_weights_are_gathered(tmp_path, capsys):
+    """DeepSpeed's zero_to_fp32 reads its files with torch.load(weights_only=False); the export gathers them
+    through the weights-only unpickler all the same."""
+    import shutil
+
+    from toolkit.export.consolidate import gather_weights
+
+    folder = shutil.copytree(Path(__file__).parents[2] / "fixtures/checkpoints/zero2@2/step-3", tmp_path / "step-3")
+    source = resolve_source(folder)
+    assert source.kind == "deepspeed"
+    torch.save({"optimizer_state_dict": _Payload()}, folder / "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(UserError, match=r"holds pickled objects beyond tensors and numbers \(print\)"):
+        gather_weights(source, tmp_path / "full")
+    assert "code ran" not in capsys.readouterr().out

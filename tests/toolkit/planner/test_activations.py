@@ -12,8 +12,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
 
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.planner.activations import Shapes, layer_bytes, layer_bytes_per_token
 from toolkit.planner.facts import Run, StrategyFacts
+
+
+def facts_of(mode: str) -> StrategyFacts:
+    """bf16 weights: FSDP2's mixed-precision policy casts the weights; the other modes run DDP's fp32 weights."""
+    kind = "fsdp" if mode == "bf16 weights" else "ddp"
+    return StrategyFacts(kind, ParallelLayout(kind))
 
 
 def saved_by_one_layer(config: PretrainedConfig, mode: str, batch: int, seq: int, mask: torch.Tensor | None = None) -> int:
@@ -59,7 +66,7 @@ def test_saved_activations_per_layer_equal_the_formula(mode, sizes):
     measured = saved_by_one_layer(config, mode, batch, seq)
     with torch.device("meta"):
         shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
-    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    facts = facts_of(mode)
     run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
     assert layer_bytes_per_token(shapes, run) * batch * seq == measured
 
@@ -92,7 +99,7 @@ def test_qwen3_and_mixture_of_experts_layers_save_what_the_formula_says(mode, mo
         shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
     assert shapes.qk_norm == (not model.startswith("mixtral"))
     assert shapes.experts == (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
-    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    facts = facts_of(mode)
     run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
     assert layer_bytes(shapes, run) == measured
 
@@ -135,7 +142,7 @@ def test_the_router_loss_keeps_what_the_estimate_says(mode, model_type):
     kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for ref in saved if (t := ref()) is not None}
     with torch.device("meta"):
         shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
-    facts = StrategyFacts("fsdp" if mode == "bf16 weights" else "ddp", "fsdp" if mode == "bf16 weights" else "ddp")
+    facts = facts_of(mode)
     run = Run(facts, 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False)
     compute = 4 if mode == "fp32" else 2
     assert recorded == 3 * batch * seq * 8 * compute
@@ -156,9 +163,9 @@ def test_sdpa_with_the_document_mask_keeps_repeated_keys_and_a_mask_copy_in_ever
     measured = saved_by_one_layer(config, "bf16 weights", batch, seq, mask.expand(batch, 1, seq, seq))
     with torch.device("meta"):
         shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
-    run = Run(StrategyFacts("fsdp", "fsdp"), 1, batch, seq)
+    run = Run(StrategyFacts("fsdp", ParallelLayout("fsdp")), 1, batch, seq)
     assert layer_bytes(shapes, run) == measured
     # beside the unmasked layer: k and v repeated to the 4 query heads, and the mask's bf16 copy
-    unmasked = Run(StrategyFacts("fsdp", "fsdp"), 1, batch, seq, packed_documents=False)
+    unmasked = Run(StrategyFacts("fsdp", ParallelLayout("fsdp")), 1, batch, seq, packed_documents=False)
     repeated_kv = 2 * 2 * (4 - 2) * 64 * batch * seq
     assert layer_bytes(shapes, run) - layer_bytes(shapes, unmasked) == repeated_kv + 2 * batch * seq * seq

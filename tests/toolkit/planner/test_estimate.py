@@ -27,6 +27,7 @@ from planner_models import PROBE_SIZES, ROOT, llama_1b, probe_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from toolkit.config import UserError
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.planner.activations import (
     Shapes,
     layer_bytes,
@@ -72,7 +73,7 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     held = state_bytes(model_tensors(model), tp)
     for key in ("params", "grads", "optimizer"):
         assert held[key] == max(rank["tp"][key] for rank in ranks), key
-    whole = state_bytes(model_tensors(model), Run(StrategyFacts("ddp", "ddp"), 1, batch, seq, precision="fp32"))
+    whole = state_bytes(model_tensors(model), Run(StrategyFacts("ddp", ParallelLayout("ddp")), 1, batch, seq, precision="fp32"))
     assert held["params"] > whole["params"] / 2, "the norms stay whole on every rank"
 
     # the probe's "tp" is split by transformers' plan and runs sdpa without a mask, which keeps what flex keeps
@@ -106,7 +107,7 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
         assert [rank[case]["shared"] for rank in ranks] == [mask] * world, case
         assert [rank[case]["saved_two_layers"] for rank in ranks] == [2 * layer_bytes(case_shapes, sp) + mask] * world, case
     assert layer_bytes(one_kv, sp) == layer_bytes(shapes, sp)
-    whole = Run(StrategyFacts("zero3", "deepspeed", zero_stage=3), 1, batch, seq, precision="bf16", packed_documents=False)
+    whole = Run(StrategyFacts("zero3", ParallelLayout("deepspeed", zero_stage=3)), 1, batch, seq, precision="bf16", packed_documents=False)
     halves = 2 * batch * seq // 2 * 128  # o_proj's bf16 input, apart from sdpa's output, for this rank's tokens
     assert layer_bytes(shapes, sp) == pytest.approx(layer_bytes(shapes, whole) / 2 + halves, abs=8)
 
@@ -123,14 +124,14 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     for key in ("params", "grads", "optimizer"):
         assert [rank["ep"][key] for rank in ranks] == [moe_held[key]] * world, key
     experts = sum(p.numel() for name, p in moe.named_parameters() if ".experts." in name)
-    whole = state_bytes(model_tensors(moe), Run(StrategyFacts("ddp", "ddp"), 1, batch, seq, precision="fp32"))
+    whole = state_bytes(model_tensors(moe), Run(StrategyFacts("ddp", ParallelLayout("ddp")), 1, batch, seq, precision="fp32"))
     assert whole["params"] - moe_held["params"] > 4 * experts / 2, "half of the experts, and half of the attention"
     # what its layer 1 keeps, the routing forced balanced: the router's tensors for every token, the copies of
     # the rank's half of the tokens it sends, and the half of all the copies its experts receive
     for case, case_model, precision in (("ep", moe, "bf16"), ("ep_fp32", moe, "fp32"), ("ep_mixtral", mixtral, "bf16")):
         run = Run(tp.strategy, world, batch, seq, precision=precision, packed_documents=False)
         assert [rank[case]["saved"] for rank in ranks] == [layer_bytes(Shapes.of(case_model), run)] * world, case
-    one = Run(StrategyFacts("ddp", "ddp"), 1, batch, seq, precision="bf16", packed_documents=False)
+    one = Run(StrategyFacts("ddp", ParallelLayout("ddp")), 1, batch, seq, precision="bf16", packed_documents=False)
     assert ranks[0]["ep"]["saved"] < layer_bytes(Shapes.of(moe), one), "half of the heads and of the routed copies"
 
 
@@ -148,7 +149,7 @@ def test_pipeline_stages_hold_what_the_estimate_says(tmp_path):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     first = ranks[0]
-    run = Run(StrategyFacts("pipeline", "ddp", stages=2), 2, first["batch"], first["seq"],
+    run = Run(StrategyFacts("pipeline", ParallelLayout("ddp", pp=2)), 2, first["batch"], first["seq"],
               accumulation=first["micro_batches"], precision="fp32")
     stages = pipeline_stages(3, 2, run.accumulation)
     assert [(list(st.layers), st.in_flight) for st in stages] == [([0, 1], 2), ([2], 1)]
@@ -199,8 +200,8 @@ def test_an_architecture_it_does_not_model_is_refused():
 
 
 # ---------------------------------------------------------------- a model the machine cannot hold (issue 26)
-def launched(kind: str = "single", world: int = 1, device: str = "cpu", precision: str = "no", zero_stage=None,
-             offload_optimizer: bool = False, offload_params: bool = False, name: str = "single process"):
+def launched(kind: str = "single", world: int = 1, device: str = "cpu", precision: str = "no", zero_stage: int = 0,
+             offload_optimizer: bool = False, offload_params: bool = False):
     """What check_fits reads of a launched toolkit.strategy.distributed.Strategy."""
     from types import SimpleNamespace
 
@@ -208,9 +209,8 @@ def launched(kind: str = "single", world: int = 1, device: str = "cpu", precisio
                          if offload_params else {})
     fsdp = SimpleNamespace(cpu_offload=SimpleNamespace(offload_params=offload_params))
     accelerator = SimpleNamespace(mixed_precision=precision, state=SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp))
-    return SimpleNamespace(accelerator=accelerator, kind=kind, name=name, zero_stage=zero_stage,
-                           offloads_optimizer=offload_optimizer, cp=1, tp=1, sp=1, stages=1, world_size=world,
-                           device=torch.device(device))
+    return SimpleNamespace(accelerator=accelerator, layout=ParallelLayout(kind, world, zero_stage=zero_stage),
+                           offloads_optimizer=offload_optimizer, device=torch.device(device))
 
 
 def meta_llama(**sizes) -> torch.nn.Module:
@@ -250,13 +250,13 @@ def test_on_a_gpu_the_free_device_memory_decides_as_the_strategy_shards(monkeypa
     from toolkit.planner.estimate import check_fits
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
-    check_fits(llama_1b(), launched("ddp", 8, "cuda", "bf16", name="DDP"), "1b")
+    check_fits(llama_1b(), launched("ddp", 8, "cuda", "bf16"), "1b")
     eight_b = meta_llama(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_key_value_heads=8)
     with pytest.raises(UserError, match=r"has 7\.0B parameters; training it needs ~112 GB per process under DDP"):
-        check_fits(eight_b, launched("ddp", 8, "cuda", "bf16", name="DDP"), "8b")
-    check_fits(eight_b, launched("deepspeed", 8, "cuda", "bf16", zero_stage=3, name="zero3"), "8b")
+        check_fits(eight_b, launched("ddp", 8, "cuda", "bf16"), "8b")
+    check_fits(eight_b, launched("deepspeed", 8, "cuda", "bf16", zero_stage=3), "8b")
     with pytest.raises(UserError, match="this GPU has 79 GB available"):
-        check_fits(eight_b, launched("deepspeed", 1, "cuda", "bf16", zero_stage=3, name="zero3"), "8b")
+        check_fits(eight_b, launched("deepspeed", 1, "cuda", "bf16", zero_stage=3), "8b")
     check_fits(eight_b, launched("deepspeed", 1, "cuda", "bf16", zero_stage=3, offload_optimizer=True,
-                                 offload_params=True, name="zero3_offload"), "8b")
-    check_fits(eight_b, launched("fsdp", 1, "cuda", "bf16", offload_params=True, name="fsdp_offload"), "8b")
+                                 offload_params=True), "8b")
+    check_fits(eight_b, launched("fsdp", 1, "cuda", "bf16", offload_params=True), "8b")

@@ -8,20 +8,20 @@ from planner_models import ROOT
 
 from toolkit.config import UserError
 from toolkit.planner.facts import read_strategy
-from toolkit.strategy.parallelism import parallelism_sizes
+from toolkit.strategy.parallelism import launched_sizes
 
 
 def test_the_shipped_configs_read_as_their_strategies():
     facts = {p.stem: read_strategy(p, 2048) for p in (ROOT / "accelerate_configs").glob("*.yaml")}
-    assert facts["ddp"].kind == "ddp" and facts["fsdp"].kind == "fsdp"
-    assert [facts[f"zero{n}"].zero_stage for n in (1, 2, 3)] == [1, 2, 3]
+    assert facts["ddp"].layout.kind == "ddp" and facts["fsdp"].layout.kind == "fsdp"
+    assert [facts[f"zero{n}"].layout.zero_stage for n in (1, 2, 3)] == [1, 2, 3]
     assert facts["zero3"].reduce_bucket == 2048 * 2048, "Accelerate fills reduce_bucket_size=auto with hidden^2"
     assert facts["zero3"].persistence_threshold == 10 * 2048
     assert facts["zero3_offload"].offload_optimizer and not facts["zero3"].offload_optimizer
-    assert (facts["fsdp_cp"].kind, facts["fsdp_cp"].cp, facts["fsdp_cp"].tp) == ("fsdp", 2, 1)
-    assert (facts["fsdp_tp"].kind, facts["fsdp_tp"].cp, facts["fsdp_tp"].tp) == ("fsdp", 1, 2)
-    assert (facts["zero3_sp"].kind, facts["zero3_sp"].zero_stage, facts["zero3_sp"].sp) == ("deepspeed", 3, 2)
-    assert all(f.sp == 1 for name, f in facts.items() if not name.endswith("_sp"))
+    assert (facts["fsdp_cp"].layout.kind, facts["fsdp_cp"].layout.cp, facts["fsdp_cp"].layout.tp) == ("fsdp", 2, 1)
+    assert (facts["fsdp_tp"].layout.kind, facts["fsdp_tp"].layout.cp, facts["fsdp_tp"].layout.tp) == ("fsdp", 1, 2)
+    assert (facts["zero3_sp"].layout.kind, facts["zero3_sp"].layout.zero_stage, facts["zero3_sp"].layout.sp) == ("deepspeed", 3, 2)
+    assert all(f.layout.sp == 1 for name, f in facts.items() if not name.endswith("_sp"))
 
 
 @pytest.mark.parametrize(("sizes", "says"), [
@@ -41,5 +41,5 @@ def test_a_parallelism_config_the_launch_refuses_is_refused_by_the_planner_in_th
     for axis, n in sizes.items():
         monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE", str(n))
     with pytest.raises(UserError) as launched:
-        parallelism_sizes(4)
+        launched_sizes(4)
     assert says in str(launched.value) and str(planned.value) == f"{tmp_path / 'mine.yaml'}: {launched.value}"

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from toolkit.strategy.accelerator import build_accelerator, configure_deepspeed, outside_training, prepare  # noqa: E402
 from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite  # noqa: E402
-from toolkit.strategy.distributed import strategy_name  # noqa: E402
+from toolkit.strategy.distributed import launched_layout  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -64,7 +64,7 @@ def main(out: str) -> None:
         # "grad": NaN gradients, reported by the norm alone; "loss": finite gradients, the caller's verdict
         found = engine_step_unless_nonfinite(engine, loss_nonfinite=kind == "loss")
         steps.append({"kind": kind, "found": found, **state()})
-    Path(out).write_text(json.dumps({"strategy": strategy_name(acc), "steps": steps}))
+    Path(out).write_text(json.dumps({"strategy": launched_layout(acc, {}, acc.num_processes).accelerate_name, "steps": steps}))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from toolkit.launch.environment import world_size  # noqa: E402
 from toolkit.strategy.accelerator import build_accelerator, configure_deepspeed, outside_training, prepare  # noqa: E402
-from toolkit.strategy.distributed import strategy_name  # noqa: E402
-from toolkit.strategy.parallelism import parallelism_sizes  # noqa: E402
+from toolkit.strategy.distributed import launched_layout  # noqa: E402
+from toolkit.strategy.parallelism import launched_sizes  # noqa: E402
 from toolkit.strategy.sharding import GradientMeter, held_bytes  # noqa: E402
 
 MICRO_BATCH, ACCUMULATION, SEQ, VOCAB = 2, 2, 32, 512
@@ -37,7 +37,7 @@ def main(out: str, model_type: str = "llama") -> None:
     from accelerate.utils import gather_object
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-    _, _, sp = parallelism_sizes(world_size())  # before the Accelerator, which is told nothing of sp
+    sp = launched_sizes(world_size()).get("sp", 1)  # before the Accelerator, which is told nothing of sp
     acc = build_accelerator("no", ACCUMULATION, str(Path(out).parent))
     sizes = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
@@ -82,7 +82,7 @@ def main(out: str, model_type: str = "llama") -> None:
     ranks = gather_object([held])
     if acc.is_main_process:
         Path(out).write_text(json.dumps({
-            "strategy": strategy_name(acc), "world_size": acc.num_processes, "n_params": n_params, "ranks": ranks,
+            "strategy": launched_layout(acc, {}, acc.num_processes).accelerate_name, "world_size": acc.num_processes, "n_params": n_params, "ranks": ranks,
         }))
     acc.end_training()
 

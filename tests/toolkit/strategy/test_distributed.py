@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from toolkit.parallel_layout import ParallelLayout
+
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
@@ -37,11 +39,11 @@ def single(tmp_path_factory):
 
 
 def test_one_process_is_the_single_strategy(single):
-    assert single.kind == "single" and single.name == "single process"
-    assert (single.world_size, single.rank, single.is_main) == (1, 0, True)
+    assert single.layout == ParallelLayout("single", 1) and single.layout.name == "single process"
+    assert (single.rank, single.is_main) == (0, True)
     assert single.accumulation == 2 and single.accelerator.gradient_accumulation_steps == 2
     assert single.is_replicated is True
-    assert single.zero_stage is None and single.ds_owned == ()
+    assert single.ds_owned == ()
     assert single.offloads_optimizer is False
     assert single.device == torch.device("cpu")
 

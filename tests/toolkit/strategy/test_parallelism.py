@@ -22,28 +22,33 @@ from toolkit.config import UserError
     (2, {"DP_SHARD": 1, "CP": 3}, "parallelism_config_dp_shard_size=1 x parallelism_config_cp_size=3 must equal the 2 processes"),
 ])
 def test_a_parallelism_config_that_does_not_fill_the_launch_says_how_to_fix_it(monkeypatch, world, sizes, says):
-    from toolkit.strategy.parallelism import parallelism_sizes
+    from toolkit.strategy.parallelism import launched_sizes
 
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     for axis, size in sizes.items():
         monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis}_SIZE", str(size))
     with pytest.raises(UserError) as raised:
-        parallelism_sizes(world)
+        launched_sizes(world)
     assert says in str(raised.value)
 
 
-def test_a_parallelism_config_that_fills_the_launch_gives_its_sizes(monkeypatch):
-    from toolkit.strategy.parallelism import parallelism_sizes
+def test_a_parallelism_config_that_fills_the_launch_gives_its_layout(monkeypatch):
+    from toolkit.parallel_layout import ParallelLayout
+    from toolkit.strategy.parallelism import launched_sizes, parallel_layout
 
+    assert parallel_layout("MULTI_CPU", launched_sizes(2), 2) == ParallelLayout("ddp", 2)
+    assert parallel_layout("NO", launched_sizes(1), 1) == ParallelLayout("single", 1)
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
-    assert parallelism_sizes(4) == (1, 2, 1)
+    layout = parallel_layout("FSDP", launched_sizes(4), 4)
+    assert layout == ParallelLayout("fsdp", 4, tp=2) and layout.dp_shard == 2
     assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ  # kept from Accelerate, which refuses CPU
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
-    assert parallelism_sizes(4) == (1, 1, 2)
+    layout = parallel_layout("DEEPSPEED", launched_sizes(4), 4, zero_stage=3)
+    assert layout == ParallelLayout("deepspeed", 4, sp=2, zero_stage=3) and layout.dp_shard == 2
     assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ  # kept from Accelerate, which refuses CPU
 
 

@@ -62,10 +62,11 @@ def test_a_mixture_of_experts_spreads_its_experts_over_the_tp_ranks_if_they_divi
 def test_a_lora_adapter_under_tensor_parallel_is_refused_before_the_split(tiny_model):
     from peft import LoraConfig, get_peft_model
 
+    from toolkit.parallel_layout import ParallelLayout
     from toolkit.strategy.distributed import Strategy
 
     model = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
-    strategy = Strategy(accelerator=None, world_size=2, accumulation=1, ds_owned=(), tp=2)
+    strategy = Strategy(accelerator=None, layout=ParallelLayout("fsdp", 2, tp=2), accumulation=1, ds_owned=())
     with pytest.raises(UserError, match="tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml"):
         strategy.apply_model_parallel(model, 64, "sdpa")
 

@@ -243,7 +243,7 @@ def _step(model, optimizer, scheduler) -> None:
 
 
 def test_prepare_optimization_steps_our_scheduler_and_registers_it(strategy):
-    assert strategy.kind == "single" and strategy.accumulation == 2
+    assert strategy.layout.kind == "single" and strategy.accumulation == 2
     cfg = OptimConfig(lr=LR, warmup_steps=WARMUP, weight_decay=0.05)
     model, optimizer, scheduler, step_scheduler = prepare_optimization(strategy, Tiny(), cfg, MAX_STEPS, 4)
     assert step_scheduler is True  # no DeepSpeed engine to step it: the trainer does
