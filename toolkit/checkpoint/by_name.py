@@ -65,7 +65,10 @@ class ConsolidatedState:
 
     @property
     def source(self) -> ParallelLayout:
-        return ParallelLayout.from_record(self.meta["source"]["layout"])
+        source = self.meta["source"]
+        if "layout" in source:
+            return ParallelLayout.from_record(source["layout"])
+        return ParallelLayout.from_name(source["strategy"], source["world_size"])  # converted before the record
 
     def weight(self, names: list[str]) -> torch.Tensor:
         """The full fp32 value of the parameter known by `names` (tied parameters have several)."""

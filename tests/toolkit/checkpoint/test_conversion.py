@@ -22,17 +22,23 @@ from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
 from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.config import UserError
 from toolkit.models.parameters import parameter_names
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import RunDir, TrainerState, converted_state
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
-def test_the_conversion_holds_the_weights_and_adam_state_by_name(one_process_checkpoint):
+def test_the_conversion_holds_the_weights_and_adam_state_by_name(one_process_checkpoint, tmp_path):
     folder, model, optimizer = one_process_checkpoint
     made, cached = cached_conversion(folder)
     assert made == converted_state(folder) == folder.with_name("step-2.converted") and not cached
     state = ConsolidatedState(made)
-    assert state.source.describe() == "one process"
+    assert state.source == ParallelLayout("single", 1) and state.source.describe() == "one process"
+    older = shutil.copytree(made, tmp_path / "older")  # converted before the layout was recorded
+    meta = json.loads((older / "optimizer.json").read_text())
+    meta["source"] = {"folder": str(folder), "strategy": "DeepSpeed ZeRO-2", "world_size": 2, "state_crc32": "0"}
+    (older / "optimizer.json").write_text(json.dumps(meta))
+    assert ConsolidatedState(older).source == ParallelLayout("deepspeed", 2, zero_stage=2)
     names = parameter_names(model)
     assert ["model.embed_tokens.weight", "lm_head.weight"] in names.values()  # tied: one parameter, two names
     for param, held in optimizer.optimizer.state.items():
