@@ -7,6 +7,7 @@ The embedded default is the Python language documentation that ships inside ever
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import glob
 import hashlib
 import json
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from toolkit.config import UserError, cache_dir, field
+from toolkit.data.mixture import SourceConfig, StageConfig, mixture_problems
 from toolkit.data.packing import column_windows
 
 EMBEDDED = "embedded:python-docs"
@@ -50,6 +52,13 @@ class DataConfig:
     stream_val_documents: int = field(
         100, help="with streaming: the stream's first N documents are held out for evaluation (when val_fraction > 0)"
     )
+    sources: list[SourceConfig] = field(
+        default_factory=list, help="corpora mixed by weight, each {name, path, weight, text_column, sample_by, "
+        "subset, split}, instead of data.path (docs/data.md)"
+    )
+    stages: list[StageConfig] = field(
+        default_factory=list, help="from a step on, other weights for data.sources: [{start_step, weights: {name: w}}]"
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -61,7 +70,19 @@ class DataConfig:
             problems.append(f"num_proc={self.num_proc} must be at least 1")
         if self.streaming and self.val_fraction > 0 and self.stream_val_documents < 1:
             problems.append(f"stream_val_documents={self.stream_val_documents} must be at least 1 (or set val_fraction=0)")
-        return problems
+        if self.sources and self.path:
+            problems.append(f"path={self.path} and sources are both set; list it in data.sources as one more source, "
+                            "or drop data.sources")
+        if self.sources and self.streaming:
+            problems.append("sources with streaming=true is not supported yet; drop data.streaming")
+        return problems + mixture_problems(self.sources, self.stages)
+
+    def of_sources(self) -> list[DataConfig]:
+        """Each of data.sources as a data section of its own (the one corpus of data.path is the only one)."""
+        if not self.sources:
+            return [self]
+        return [dataclasses.replace(self, path=s.path, text_column=s.text_column, sample_by=s.sample_by,
+                                    name=s.subset, split=s.split, sources=[], stages=[]) for s in self.sources]
 
     def resolved_cache_dir(self) -> Path:
         return cache_dir(self.cache_dir)

@@ -1,0 +1,149 @@
+"""Several corpora mixed by weight (toolkit.data.mixture): each step's share of every source, its order,
+what a stage changes, what a resume sees, and the one-line refusals of a mixture that cannot be."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toolkit.config import UserError, load_config
+from toolkit.data.corpus import DataConfig
+from toolkit.data.mixture import (
+    MixtureSchedule,
+    SourceConfig,
+    StageConfig,
+    blocks_per_step,
+    trained_part,
+    weight_plan,
+)
+
+SIZES = [300, 90, 25]  # a large source, one about its share, one far smaller than its share (repeated)
+SOURCES = [SourceConfig("web", weight=0.7), SourceConfig("code", weight=0.2), SourceConfig("docs", weight=0.1)]
+
+
+def schedule(world: int = 1, rank: int = 0, stages=(), global_batch: int = 16, micro_batch: int = 2, seed: int = 3):
+    return MixtureSchedule(SIZES, weight_plan(SOURCES, list(stages)), [s.name for s in SOURCES], global_batch,
+                           micro_batch, world, rank, seed)
+
+
+def per_source(mixture: MixtureSchedule, indices: np.ndarray) -> np.ndarray:
+    return np.bincount(mixture.source_of(indices), minlength=len(SIZES))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_step_holds_each_source_within_one_block_of_its_weight(world):
+    """50 steps of a 0.7/0.2/0.1 mixture: each step's blocks by source, on 1 and 2 ranks; the ranks' parts are the
+    global batch of one process."""
+    one, ranks = schedule(), [schedule(world, r) for r in range(world)]
+    for step in range(50):
+        counts = per_source(one, one.global_indices(step))
+        assert counts.sum() == 16 and np.all(np.abs(counts - np.array([0.7, 0.2, 0.1]) * 16) < 1), (step, counts)
+        taken = np.concatenate([np.concatenate(r.micro_batches(step)) for r in ranks])
+        assert np.array_equal(taken, one.global_indices(step))
+
+
+def test_each_source_is_read_in_a_fresh_order_each_pass_and_a_small_one_is_repeated():
+    mixture = schedule()
+    drawn = [[] for _ in SIZES]
+    for step in range(50):
+        indices = mixture.global_indices(step)
+        for source, index in zip(mixture.source_of(indices), indices, strict=True):
+            drawn[source].append(index - mixture.offsets[source])
+    docs = drawn[2]  # 2 blocks a step of a 25-block source: 100 blocks, 4 passes
+    assert len(docs) == 100 and mixture.passes(50)[2] == 4.0
+    assert np.bincount(docs).tolist() == [4] * 25  # each block once a pass
+    first, second = docs[:24], docs[26:50]  # steps 0-11 and 13-24, inside the first and second pass
+    assert len(set(first)) == len(set(second)) == 24 and first != second  # another order
+    web = drawn[0][: 11 * 25]  # 11 blocks a step of 300: 25 steps read 275 of them, none twice
+    assert len(set(web)) == len(web) == 275 and mixture.passes(25)[0] < 1
+
+
+def test_the_order_is_a_function_of_seed_and_step():
+    """A resume computes step N without the steps before it; another seed gives another order."""
+    walked = schedule()
+    for step in range(30):
+        walked.global_indices(step)
+    assert np.array_equal(schedule().global_indices(29), walked.global_indices(29))
+    assert not np.array_equal(schedule(seed=4).global_indices(29), walked.global_indices(29))
+
+
+def test_a_stage_changes_the_weights_from_its_step_on():
+    annealing = [StageConfig(40, {"code": 0.5, "web": 0})]  # docs keeps its 0.1; step 40 is batch 39
+    staged, plain = schedule(stages=annealing), schedule()
+    for batch in range(39):
+        assert np.array_equal(staged.global_indices(batch), plain.global_indices(batch))
+    counts = per_source(staged, staged.global_indices(39))
+    assert counts.tolist() == [0, 13, 3]  # 0 : 0.5/0.6 : 0.1/0.6 of 16, by largest remainder
+    assert staged.drawn_before(45).tolist() == (plain.drawn_before(39) + 6 * np.array([0, 13, 3])).tolist()
+
+
+def test_a_stage_edited_for_steps_not_trained_leaves_the_trained_steps_as_they_were():
+    before = schedule(stages=[StageConfig(40, {"code": 0.5})])
+    after = schedule(stages=[StageConfig(60, {"docs": 0.6}), StageConfig(80, {"web": 0.0})])
+    for batch in range(39):  # steps 1-39
+        assert np.array_equal(before.global_indices(batch), after.global_indices(batch))
+    plan = weight_plan(SOURCES, [StageConfig(40, {"code": 0.5})])
+    assert trained_part(plan, 39) == trained_part(weight_plan(SOURCES, []), 39) != trained_part(plan, 40)
+
+
+def test_blocks_per_step_rounds_by_largest_remainder():
+    assert blocks_per_step([0.7, 0.2, 0.1], 16).tolist() == [11, 3, 2]
+    assert blocks_per_step([1 / 3] * 3, 16).tolist() == [6, 5, 5]  # ties to the first
+    assert blocks_per_step([0.5, 0.5, 0.0], 3).tolist() == [2, 1, 0]
+
+
+def test_a_source_with_a_weight_and_no_block_is_refused():
+    with pytest.raises(UserError, match="data source docs packs to no block; add data to it, lower data.seq_len or "
+                                        "give it weight 0"):
+        MixtureSchedule([10, 10, 0], weight_plan(SOURCES, []), ["web", "code", "docs"], 4, 2, 1, 0, 0)
+    off = [SourceConfig("web"), SourceConfig("docs", weight=0.0)]
+    MixtureSchedule([10, 0], weight_plan(off, []), ["web", "docs"], 4, 2, 1, 0, 0)  # weight 0: never read
+
+
+def data_section(tmp_path, sources: list, stages: list | None = None, **keys) -> DataConfig:
+    import yaml
+
+    from toolkit.training.recipe_config import PretrainConfig
+
+    config = tmp_path / "mix.yaml"
+    config.write_text(yaml.safe_dump({"data": {"sources": sources, "stages": stages or [], **keys}}))
+    return load_config(PretrainConfig, config).data
+
+
+@pytest.mark.parametrize(("sources", "stages", "keys", "says"), [
+    ([{"name": "web", "weight": -0.2}], [], {}, "data.sources[0].weight=-0.2 (web) must be at least 0"),
+    ([{"name": "web", "weight": 0}, {"name": "code", "weight": 0}], [], {},
+     "data.sources: the weights sum to 0; give at least one source a positive weight"),
+    ([{"name": "web"}, {"name": "web", "path": "x"}], [], {}, "data.sources: 2 sources are named web; give each its "
+                                                             "own name"),
+    ([{"name": "web"}], [{"start_step": 10, "weights": {"cod": 1}}], {},
+     "data.stages[0].weights names cod, which is not a source (the sources: web)"),
+    ([{"name": "web"}, {"name": "code"}], [{"start_step": 50, "weights": {"code": 1}},
+                                           {"start_step": 20, "weights": {"web": 1}}], {},
+     "data.stages[1].start_step=20 is not after the stage before it (start_step=50); list the stages in the order "
+     "they start"),
+    ([{"name": "web"}], [{"start_step": 5, "weights": {"web": 0}}], {},
+     "data.stages[0]: the weights from step 5 on sum to 0; give at least one source a positive weight"),
+    ([{"name": "web/en"}], [], {}, "data.sources[0].name='web/en' must be letters, digits"),
+    ([{"name": "web"}], [], {"path": "data/web"}, "data.path=data/web and sources are both set"),
+    ([{"name": "web"}], [], {"streaming": True}, "data.sources with streaming=true is not supported yet"),
+    ([{"path": "data/web"}], [], {}, "missing required key data.sources[0].name"),
+    ([{"name": "web", "wieght": 2}], [], {}, "unknown key data.sources[0].wieght; did you mean data.sources[0].weight?"),
+])
+def test_a_mixture_that_cannot_be_is_refused_in_one_line(tmp_path, sources, stages, keys, says):
+    from toolkit.config import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        data_section(tmp_path, sources, stages, **keys)
+    assert says in str(raised.value)
+
+
+def test_each_source_is_a_data_section_of_its_own(tmp_path):
+    data = data_section(tmp_path, [{"name": "web", "weight": 0.7}, {"name": "wiki", "path": "wikitext", "weight": 0.3,
+                                                                    "subset": "wikitext-2-raw-v1", "split": "test"}],
+                        [{"start_step": 100, "weights": {"web": 0}}], seq_len=64)
+    web, wiki = data.of_sources()
+    assert (web.path, web.seq_len, web.sources) == (None, 64, [])
+    assert (wiki.path, wiki.name, wiki.split, wiki.seq_len) == ("wikitext", "wikitext-2-raw-v1", "test", 64)
+    assert weight_plan(data.sources, data.stages) == [(0, [0.7, 0.3]), (99, [0.0, 1.0])]
+    assert DataConfig().of_sources() == [DataConfig()]

@@ -1,0 +1,191 @@
+"""Several corpora mixed by weight (data.sources), in stages (data.stages): which blocks of which source
+every global batch holds.
+
+Every step's global batch takes from each source its weight's share of the blocks, rounded by largest
+remainder, so that each source is within one block of its weight at every step. Each source is read in
+its own shuffled order, a fresh one per pass over it (a source smaller than its share is repeated), and
+the blocks of a step are shuffled together before the ranks take their parts. All of it is a function of
+(seed, step, the weights of the steps before): a resume needs no data position, and a 2-process run sees
+the global batches of a 1-process run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from toolkit.config import UserError, field
+
+NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source's name is part of metric keys (eval_loss/<name>, tokens/<name>)
+
+
+@dataclass
+class SourceConfig:
+    name: str = field(help="what the logs and metrics call it: eval_loss/<name>, tokens/<name>")
+    path: str | None = field(
+        None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs"
+    )
+    weight: float = field(1.0, help="its share of every global batch's blocks (the weights are normalised)")
+    text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data")
+    sample_by: Literal["document", "paragraph", "line"] = field(
+        "paragraph", help="how plain-text files split into documents"
+    )
+    subset: str | None = field(None, help="hub dataset config name (data.name of a single source)")
+    split: str = field("train", help="split to read from a hub dataset")
+
+
+@dataclass
+class StageConfig:
+    start_step: int = field(help="the first step these weights are in force")
+    weights: dict = field(default_factory=dict, help="{source name: weight}; a source not named keeps its weight")
+
+
+def mixture_problems(sources: list[SourceConfig], stages: list[StageConfig]) -> list[str]:
+    """What is wrong with data.sources and data.stages, one line each (keys relative to data.)."""
+    if any(s is None for s in [*sources, *stages]):
+        return []  # an entry the loader could not build, and said why
+    problems = []
+    names = [s.name for s in sources]
+    for i, source in enumerate(sources):
+        if not NAME.fullmatch(str(source.name)):
+            problems.append(f"sources[{i}].name={source.name!r} must be letters, digits, '_', '.' or '-' "
+                            "(it names the source's metrics)")
+        if source.weight < 0:
+            problems.append(f"sources[{i}].weight={source.weight} ({source.name}) must be at least 0")
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"sources: {names.count(name)} sources are named {name}; give each its own name")
+    if sources and sum(max(0.0, s.weight) for s in sources) == 0:
+        problems.append("sources: the weights sum to 0; give at least one source a positive weight")
+    if stages and not sources:
+        problems.append("stages change the weights of data.sources, and there are none; list the sources in "
+                        "data.sources")
+        return problems
+    weights = {s.name: max(0.0, s.weight) for s in sources}
+    for i, stage in enumerate(stages):
+        if stage.start_step < 0:
+            problems.append(f"stages[{i}].start_step={stage.start_step} must be at least 0")
+        if i and stage.start_step <= stages[i - 1].start_step:
+            problems.append(f"stages[{i}].start_step={stage.start_step} is not after the stage before it "
+                            f"(start_step={stages[i - 1].start_step}); list the stages in the order they start")
+        for name, weight in stage.weights.items():
+            if name not in weights:
+                problems.append(f"stages[{i}].weights names {name}, which is not a source (the sources: "
+                                f"{', '.join(names)})")
+            elif not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight >= 0:
+                problems.append(f"stages[{i}].weights.{name}={weight!r} must be a number, at least 0")
+            else:
+                weights[name] = float(weight)
+        if weights and sum(weights.values()) == 0:
+            problems.append(f"stages[{i}]: the weights from step {stage.start_step} on sum to 0; give at least one "
+                            "source a positive weight")
+    return problems
+
+
+def weight_plan(sources: list[SourceConfig], stages: list[StageConfig]) -> list[tuple[int, list[float]]]:
+    """[(first global batch, each source's normalised weight)], from batch 0 on: the sources' weights, then each
+    stage's. A stage's start_step is the step as the logs count it (1 = the first), whose batch is number
+    start_step - 1."""
+    weights = [max(0.0, s.weight) for s in sources]
+    plan = [(0, weights)]
+    for stage in stages:
+        weights = [float(stage.weights.get(s.name, w)) for s, w in zip(sources, weights, strict=True)]
+        start = max(0, stage.start_step - 1)
+        plan = [(first, ws) for first, ws in plan if first < start] + [(start, weights)]
+    return [(start, [w / sum(ws) for w in ws]) for start, ws in plan]
+
+
+def trained_part(plan: list, steps: int) -> list:
+    """The weights of the first `steps` global batches, as [first batch, weights] pairs (a checkpoint records its
+    plan as lists): what a resume after `steps` steps must keep."""
+    kept = [[start, list(weights)] for start, weights in plan if start < steps]
+    return [pair for i, pair in enumerate(kept) if i == 0 or pair[1] != kept[i - 1][1]]
+
+
+def blocks_per_step(weights: list[float], global_batch: int) -> np.ndarray:
+    """Each source's blocks of a global batch: its weight's share, rounded by largest remainder (ties to the
+    first source), so that each is within one block of its share and they add up to the batch."""
+    exact = np.asarray(weights, dtype=np.float64) * global_batch
+    counts = np.floor(exact).astype(np.int64)
+    short = global_batch - int(counts.sum())
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:short]:
+        counts[i] += 1
+    return counts
+
+
+class MixtureSchedule:
+    """BatchSchedule's contract (global_indices, micro_batches, epoch) over the blocks of several sources laid
+    end to end: `sizes` holds each source's block count, in the order of the concatenated dataset."""
+
+    def __init__(self, sizes: list[int], plan: list[tuple[int, list[float]]], names: list[str], global_batch: int,
+                 micro_batch: int, world_size: int, rank: int, seed: int):
+        for size, name, used in zip(sizes, names, np.any([w for _, w in plan], axis=0), strict=True):
+            if size == 0 and used:
+                raise UserError(f"data source {name} packs to no block; add data to it, lower data.seq_len or give "
+                                "it weight 0")
+        self.sizes, self.names = np.asarray(sizes, dtype=np.int64), names
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
+        self.plan = [(start, blocks_per_step(weights, global_batch)) for start, weights in plan]
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.steps_per_epoch = max(1, int(self.sizes.sum()) // global_batch)  # of all the blocks, for the log
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
+        self._last: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
+
+    def counts(self, step: int) -> np.ndarray:
+        """Each source's blocks in global batch `step`."""
+        return next(counts for start, counts in reversed(self.plan) if start <= step)
+
+    def drawn_before(self, step: int) -> np.ndarray:
+        """Each source's blocks taken by the steps before `step`."""
+        drawn = np.zeros(len(self.sizes), dtype=np.int64)
+        ends = [start for start, _ in self.plan[1:]] + [step]
+        for (start, counts), end in zip(self.plan, ends, strict=True):
+            drawn += counts * max(0, min(end, step) - start)
+        return drawn
+
+    def _order(self, source: int, epoch: int) -> np.ndarray:
+        """Source `source`'s blocks in the order of its pass number `epoch` (reproducible from the seed)."""
+        key = (source, epoch)
+        if key not in self._orders:
+            if len(self._orders) > 4 * len(self.sizes):
+                self._orders.clear()
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1_009 + source)
+            self._orders[key] = torch.randperm(int(self.sizes[source]), generator=gen).numpy()
+        return self._orders[key]
+
+    def global_indices(self, step: int) -> np.ndarray:
+        if self._last[0] == step:  # the loop asks twice a step: for the blocks, and for each source's tokens
+            return self._last[1]
+        taken = []
+        for source, (first, count) in enumerate(zip(self.drawn_before(step), self.counts(step), strict=True)):
+            size = int(self.sizes[source])
+            for k in range(int(first), int(first + count)):
+                epoch, position = divmod(k, size)
+                taken.append(self.offsets[source] + self._order(source, epoch)[position])
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 7 * step + 1)
+        mixed = torch.randperm(len(taken), generator=gen).numpy()
+        self._last = (step, np.asarray(taken, dtype=np.int64)[mixed])
+        return self._last[1]
+
+    def micro_batches(self, step: int) -> list[np.ndarray]:
+        """This rank's share of the global batch, cut into micro-batches."""
+        per_rank = self.global_batch // self.world_size
+        mine = self.global_indices(step)[self.rank * per_rank : (self.rank + 1) * per_rank]
+        return [mine[i : i + self.micro_batch] for i in range(0, per_rank, self.micro_batch)]
+
+    def epoch(self, step: int) -> float:
+        """Passes over all the blocks so far."""
+        return float(self.drawn_before(step).sum()) / max(1, int(self.sizes.sum()))
+
+    def source_of(self, indices: np.ndarray) -> np.ndarray:
+        """The source of each block index."""
+        return np.searchsorted(self.offsets, indices, side="right") - 1
+
+    def passes(self, steps: int) -> np.ndarray:
+        """Each source's passes over its blocks in `steps` steps (above 1: repeated)."""
+        return self.drawn_before(steps) / np.maximum(1, self.sizes)
