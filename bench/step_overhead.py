@@ -98,7 +98,7 @@ def worker(side: str, config: str, out: str, cache: str, steps: int) -> dict:
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items()), (
         "model differs from the recipe's"
     )
-    blocks, attn, t = recipe.trainer.train_blocks, cfg.model.attn_implementation, cfg.train
+    blocks, attn, t = recipe.trainer.feed.blocks, cfg.model.attn_implementation, cfg.train
     del recipe, reference, ref
     accelerator = Accelerator(gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size, cpu=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)

@@ -134,7 +134,7 @@ class FinetuneRecipe:
         trainer.prepare(model, self.tokenizer, n_params, flops_token, {"base_model.json": to_dict(cfg.model)})
 
         # Held-out loss of the base model, the "before" of the comparison at the end.
-        if trainer.val_blocks is not None and not trainer.resumed:
+        if trainer.feed.val is not None and not trainer.resumed:
             trainer.state.eval_before = trainer.evaluate("before")
 
     def train(self) -> None:

@@ -29,11 +29,14 @@ train.collective_timeout_s): one line per rank, exit code 4.
 
 from __future__ import annotations
 
+import hashlib
+
 import datasets
 
 from toolkit.config import UserError, to_dict
 from toolkit.data.corpus import EMBEDDED, load_corpus, split_documents, stream_corpus
-from toolkit.data.packing import collate, packed_dataset, packed_splits, target_counts
+from toolkit.data.mixture import weight_plan
+from toolkit.data.packing import collate, column, packed_dataset, packed_splits, target_counts
 from toolkit.data.streaming import StreamingBlocks, held_out_documents
 from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
@@ -71,6 +74,8 @@ class PretrainRecipe:
         data_notes: list[str] = []
         if cfg.data.streaming:
             self.stream_data(data_notes)
+        elif cfg.data.sources:
+            self.mixture_data(data_notes)
         else:
             with strategy.accelerator.main_process_first():
                 corpus, source = load_corpus(cfg.data, data_notes)
@@ -105,6 +110,38 @@ class PretrainRecipe:
         cfg = self.cfg
         folder = cfg.data.resolved_cache_dir() / f"tokenizer-{source}-{cfg.tokenizer.key()}"
         return get_tokenizer(cfg.tokenizer, train_docs, folder)
+
+    def mixture_data(self, notes: list[str]) -> None:
+        """data.sources: each source read, split and packed on its own; one tokenizer trained on them all; every
+        step's blocks drawn from them by weight (toolkit.data.mixture)."""
+        cfg, trainer = self.cfg, self.trainer
+        sources = cfg.data.sources
+        with trainer.strategy.accelerator.main_process_first():
+            loaded = [load_corpus(one, notes) for one in cfg.data.of_sources()]
+            splits = [split_documents(corpus, cfg.data.val_fraction, cfg.seed) for corpus, _ in loaded]
+            mixed = hashlib.sha256("+".join(fingerprint for _, fingerprint in loaded).encode()).hexdigest()[:16]
+            self.tokenizer = self.tokenizer_of(datasets.concatenate_datasets([t for t, _ in splits]), f"mixture-{mixed}")
+        train, val = {}, {}
+        for source, (_, fingerprint), (train_docs, val_docs) in zip(sources, loaded, splits, strict=True):
+            train[source.name], held = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, fingerprint,
+                                                     cfg.seed)
+            if held is not None:
+                val[source.name] = held
+        plan = weight_plan(sources, cfg.data.stages)
+        schedule = trainer.use_mixture(train, val, plan, collate, target_counts)
+        passes = schedule.passes(cfg.train.max_steps)
+        for i, (source, (train_docs, val_docs)) in enumerate(zip(sources, splits, strict=True)):
+            blocks = train[source.name]
+            trainer.print(
+                f"data: {source.name}: weight {plan[0][1][i]:.3f}, {len(train_docs)} train / {len(val_docs or [])} "
+                f"held-out documents -> {len(blocks)} blocks of {cfg.data.seq_len} tokens "
+                f"({int(column(blocks, 'num_tokens').sum()):,} tokens); {passes[i]:.2f} passes over them in "
+                f"train.max_steps={cfg.train.max_steps}"
+            )
+        for start, weights in plan[1:]:
+            trainer.print(f"data: from step {start + 1}: weights "
+                          + ", ".join(f"{s.name} {w:.3f}" for s, w in zip(sources, weights, strict=True)))
+        trainer.print(f"data: vocab {len(self.tokenizer)}")
 
     def stream_data(self, notes: list[str]) -> None:
         """data.streaming: the held-out documents are the stream's first ones; each data rank then packs

@@ -82,6 +82,10 @@ class TrainerState:
     # sequences per optimizer step (0 in older checkpoints): the data position is a function of
     # (seed, step, global batch), so a resume must keep it
     global_batch_size: int = 0
+    # a mixture's sources and weights ({} for one corpus): {"sources": names, "plan": [[first batch, weights]]}
+    # (toolkit.data.mixture.weight_plan), and its tokens trained from each source so far (tokens/<name>)
+    mixture: dict = field(default_factory=dict)
+    source_tokens: dict[str, int] = field(default_factory=dict)
     # the optimizer and schedule settings it trained with ({} in older checkpoints): a resume says how
     # it takes a change, or refuses one it cannot take (toolkit.checkpoint.settings.check_same_settings)
     settings: dict = field(default_factory=dict)

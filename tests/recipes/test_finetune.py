@@ -46,7 +46,7 @@ def smol_run(tmp_path_factory, monkeypatch_module, smollm2_gguf_path):
     recipe.train()
     recipe.cleanup()
     trainer = recipe.trainer
-    batch = trainer.collate(trainer.val_blocks.with_format("numpy")[:2], "sdpa")
+    batch = trainer.feed.collate(trainer.feed.val.with_format("numpy")[:2], "sdpa")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     live = trainer.accelerator.unwrap_model(trainer.model).eval()
     with torch.no_grad():

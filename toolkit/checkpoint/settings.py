@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.config import UserError
+from toolkit.data.mixture import trained_part
 from toolkit.run_dir import TrainerState
 
 
@@ -22,6 +23,33 @@ def check_same_data_order(folder: Path, seed: int, global_batch_size: int) -> No
                 f"checkpoint {folder} was trained with {key}={was} and this run has {key}={now}: the data "
                 f"position would not carry over; resume with {key}={was} (or start a new output_dir)"
             )
+
+
+def check_same_mixture(folder: Path, mixture: dict, say: Callable[[str], None]) -> None:
+    """A mixture's sources and the weights of the steps trained are part of the data order: a resume that
+    changes them is refused in one line; other weights for the steps to come are taken, said in one line.
+    `mixture` is this run's TrainerState.mixture ({} for one corpus)."""
+    saved = TrainerState.read(folder)
+    was, step = saved.mixture, saved.step
+    if not was and not mixture:
+        return
+
+    def names(m: dict) -> str:
+        return f"the mixture of {', '.join(m['sources'])} (data.sources)" if m else "one corpus (data.path)"
+
+    if not was or not mixture or was["sources"] != mixture["sources"]:
+        raise UserError(f"checkpoint {folder} was trained on {names(was)} and this run reads {names(mixture)}: the "
+                        "data position would not carry over; resume with the checkpoint's data section (or start a "
+                        "new output_dir)")
+    if trained_part(was["plan"], step) != trained_part(mixture["plan"], step):
+        raise UserError(f"checkpoint {folder} trained steps 1-{step} with other data.sources weights or data.stages "
+                        f"than this run gives those steps; resume with them as they were: only the weights from step "
+                        f"{step + 1} on may change")
+    if was["plan"] != mixture["plan"]:
+        say(f"resumed with changed data.stages, taken from step {step + 1} on: "
+            + "; ".join(f"from step {start + 1}: " + ", ".join(f"{n} {w:.3f}" for n, w in zip(mixture["sources"],
+                                                                                             weights, strict=True))
+                        for start, weights in mixture["plan"] if start + 1 > step))
 
 
 # What a resume does with each optimizer/schedule setting changed since the checkpoint (the README's

@@ -24,8 +24,24 @@ class EvalConfig:
         return [f"{name}={getattr(self, name)} must be >= 0" for name in ("every", "blocks") if getattr(self, name) < 0]
 
 
+def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[str, datasets.Dataset], *args,
+             **kwargs) -> dict[str, float]:
+    """eval_loss and eval_ppl over the held-out `blocks` (held_out_sums' arguments); for a mixture's held-out
+    blocks by source, also each source's eval_loss/<name>, of which the whole is the token-weighted mean."""
+    if not isinstance(blocks, dict):
+        return _loss_and_ppl(*held_out_sums(accelerator, model, blocks, *args, **kwargs))
+    sums = {name: held_out_sums(accelerator, model, b, *args, **kwargs) for name, b in blocks.items()}
+    result = _loss_and_ppl(sum(s for s, _ in sums.values()), sum(t for _, t in sums.values()))
+    return {**result, **{f"eval_loss/{name}": s / max(1.0, t) for name, (s, t) in sums.items()}}
+
+
+def _loss_and_ppl(loss_sum: float, targets: float) -> dict[str, float]:
+    loss = loss_sum / max(1.0, targets)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
 @torch.no_grad()
-def evaluate(
+def held_out_sums(
     accelerator: Accelerator,
     model,
     blocks: datasets.Dataset,
@@ -37,8 +53,8 @@ def evaluate(
     data_ranks: tuple[int, int] | None = None,
     split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     pipeline=None,
-) -> dict[str, float]:
-    """Mean token loss over the first `max_blocks` held-out blocks, split across ranks.
+) -> tuple[float, float]:
+    """(token loss sum, targets) over the first `max_blocks` held-out blocks, split across ranks.
 
     `collate_fn` turns block columns into model inputs with `labels` (packed text by default;
     `toolkit.data.chat.collate_chat` for chat blocks, whose labels keep only assistant tokens).
@@ -90,5 +106,4 @@ def evaluate(
         loss_sum += pipeline.loss_sum(queued + [empty] * (pipeline.micro_batches - len(queued)))
     model.train()
     total = accelerator.reduce(torch.stack([loss_sum, targets]), reduction="sum")
-    loss = (total[0] / total[1].clamp(min=1)).item()
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+    return total[0].item(), total[1].item()

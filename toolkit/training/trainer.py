@@ -33,13 +33,15 @@ from toolkit.checkpoint.integrity import intact_checkpoint
 from toolkit.checkpoint.manager import SaveFailed, load_checkpoint, save_checkpoint
 from toolkit.checkpoint.settings import (
     check_same_data_order,
+    check_same_mixture,
     check_same_settings,
     take_changed_settings,
     trained_settings,
 )
 from toolkit.config import UserError, field, to_dict
 from toolkit.data.batching import BatchSchedule
-from toolkit.data.packing import block_targets, check_attention, column
+from toolkit.data.mixture import MixtureSchedule
+from toolkit.data.packing import check_attention
 from toolkit.data.streaming import StreamingBlocks, state_file
 from toolkit.export.hf_folder import write_model_files
 from toolkit.faults import kill_point, killing_batches, model_kill_points
@@ -52,6 +54,7 @@ from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.evaluation import evaluate
+from toolkit.training.feed import Feed
 from toolkit.training.metrics import (
     MetricsWriter,
     check_trackers,
@@ -203,7 +206,7 @@ class Trainer:
 
         self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
                                   settings={} if strategy.ds_owned else trained_settings(cfg))
-        self.stream: StreamingBlocks | None = None  # set by use_stream
+        self.feed: Feed | None = None  # set by use_data, use_mixture or use_stream
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
         self.metrics: MetricsWriter | None = None
@@ -226,39 +229,36 @@ class Trainer:
         self, train: datasets.Dataset, val: datasets.Dataset | None, collate: Callable, target_counts: Callable
     ) -> BatchSchedule:
         """Packed blocks, their collate (blocks -> model inputs with labels) and per-block target counts."""
-        cfg = self.cfg
-        self.train_blocks = train.with_format("numpy")
-        self.val_blocks = val
-        self.collate = collate
-        self.block_targets = target_counts(self.train_blocks)
-        self.block_tokens = column(self.train_blocks, "num_tokens").astype("int64")
-        self.schedule = BatchSchedule(
-            len(self.train_blocks), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-            *self.strategy.data_ranks, cfg.seed,
-        )
-        return self.schedule
+        t = self.cfg.train
+        schedule = BatchSchedule(len(train), t.global_batch_size, t.micro_batch_size, *self.strategy.data_ranks,
+                                 self.cfg.seed)
+        self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, train, target_counts, schedule)
+        return schedule
+
+    def use_mixture(self, train: dict[str, datasets.Dataset], val: dict[str, datasets.Dataset], plan: list,
+                    collate: Callable, target_counts: Callable) -> MixtureSchedule:
+        """use_data for several sources mixed by weight: each one's packed and held-out blocks by name, and the
+        weights from each step on (toolkit.data.mixture.weight_plan)."""
+        t, names = self.cfg.train, list(train)
+        schedule = MixtureSchedule([len(train[n]) for n in names], plan, names, t.global_batch_size,
+                                   t.micro_batch_size, *self.strategy.data_ranks, self.cfg.seed)
+        blocks = datasets.concatenate_datasets([train[n] for n in names])
+        self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, blocks, target_counts, schedule)
+        self.state.mixture = {"sources": names, "plan": [[start, list(weights)] for start, weights in plan]}
+        return schedule
 
     def use_stream(self, train: StreamingBlocks, val: datasets.Dataset | None, collate: Callable) -> None:
         """Blocks packed as the steps take them (data.streaming): each rank takes its next
         global_batch / data ranks blocks a step, and the loss normaliser is summed over the ranks."""
-        self.stream, self.val_blocks, self.collate = train, val, collate
+        t = self.cfg.train
+        self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, stream=train)
 
     def step_data(self, step: int) -> tuple[Iterator[dict], int, int]:
         """This rank's micro-batches (block columns) of `step`, and the global batch's target and token counts."""
-        if self.stream is None:
-            global_idx = self.schedule.global_indices(step)
-            micro = (self.train_blocks[m] for m in self.schedule.micro_batches(step))
-            return micro, int(self.block_targets[global_idx].sum()), int(self.block_tokens[global_idx].sum())
-        t, (world, _) = self.cfg.train, self.strategy.data_ranks
-        blocks = self.stream.take(t.global_batch_size // world)
-        mine = [float(block_targets(blocks).sum()), float(blocks["num_tokens"].sum())]
+        acc, (world, _) = self.accelerator, self.strategy.data_ranks
         # every rank of a tensor/context/sequence-parallel group or pipeline holds the same blocks
-        copies = self.strategy.layout.world // world
-        totals = self.accelerator.reduce(torch.tensor(mine, dtype=torch.float64, device=self.accelerator.device), "sum")
-        targets, tokens = (int(x) // copies for x in totals.tolist())
-        micro = ({k: v[i : i + t.micro_batch_size] for k, v in blocks.items()}
-                 for i in range(0, len(blocks["num_tokens"]), t.micro_batch_size))
-        return micro, targets, tokens
+        return self.feed.step_data(step, world, self.strategy.layout.world // world,
+                                   lambda t: acc.reduce(t.to(acc.device), "sum").cpu())
 
     def prepare(
         self, model: torch.nn.Module, tokenizer, n_params: int, flops_token: float,
@@ -305,11 +305,13 @@ class Trainer:
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
             )
             check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size)
+            check_same_mixture(self.resume_from, mixture := self.state.mixture, self.print)
             changed = check_same_settings(self.resume_from, self.state.settings, cfg.train.max_steps)
             self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
             take_changed_settings(changed, self.scheduler if self.step_scheduler else None, self.step,
                                   cfg.optim.peak_lr(cfg.train.global_batch_size), self.print)
             self.state.settings = {} if self.strategy.ds_owned else trained_settings(cfg)  # for the next checkpoint
+            self.state.mixture = mixture
             self.resume_data(self.resume_from)
             self.state.global_batch_size = cfg.train.global_batch_size  # a checkpoint older than the field
             bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
@@ -332,8 +334,8 @@ class Trainer:
 
     def resume_data(self, folder: Path) -> None:
         """A streamed run's position in its stream; prepared data needs none (its order is (seed, step))."""
-        if self.stream is not None:
-            self.stream.load(folder)
+        if self.feed.stream is not None:
+            self.feed.stream.load(folder)
         elif state_file(folder, 0).is_file():
             raise UserError(
                 f"checkpoint {folder} was trained with data.streaming=true: its data position is a place in the "
@@ -364,7 +366,7 @@ class Trainer:
             scale = self.strategy.backward_scale(global_targets)
             micro_batches = acc.num_processes * self.strategy.accumulation
             split = self.strategy.split_sequences
-            batches = (split(self.collate(columns, attn)) for columns in blocks)
+            batches = (split(self.feed.collate(columns, attn)) for columns in blocks)
             # Once per run, measure the bytes each rank really holds (sharding made visible).
             meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
             with (
@@ -388,6 +390,8 @@ class Trainer:
             state.step += 1
             if nonfinite is None:
                 state.tokens_seen += step_tokens
+                for name, tokens in self.feed.source_tokens(state.step - 1).items():
+                    state.source_tokens[name] = state.source_tokens.get(name, 0) + tokens
                 self.nonfinite_in_a_row = 0
             # One all-reduce for the global loss and for "did any rank get a stop signal", read on
             # the host only where a value is needed: waiting for it each step would leave the GPU
@@ -396,7 +400,7 @@ class Trainer:
             totals = HostCopy(acc.reduce(torch.stack([loss_sum, stop_flag, router_sum]), reduction="sum"))
             last = state.step == cfg.train.max_steps
             log_now = state.step % cfg.logging.every == 0 or last
-            eval_now = self.val_blocks is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
+            eval_now = self.feed.val is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
             save_now = bool(cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
             # Inside the timed window, so that tokens/s counts the device's work, not its queueing.
             needed = log_now or eval_now or save_now or self.dead_check_pending
@@ -421,7 +425,8 @@ class Trainer:
                     "tokens": state.tokens_seen,
                     "tokens_per_s": tps,
                     "mfu": estimate_mfu(tps, self.flops_token, acc.num_processes, self.peak),
-                    "epoch": self.schedule.epoch(state.step) if self.stream is None else self.stream.epoch,
+                    "epoch": self.feed.epoch(state.step),
+                    **{f"tokens/{name}": n for name, n in state.source_tokens.items()},
                     # a mixture of experts: the routers' load-balancing loss, mean over every micro-batch
                     **({} if self.router is None else {"router_aux_loss": values[2] / micro_batches}),
                 })
@@ -494,16 +499,16 @@ class Trainer:
         cfg = self.cfg
         with model_kill_points(self.accelerator.unwrap_model(self.model), self.step, "eval"):
             result = evaluate(
-                self.accelerator, self.model, self.val_blocks, cfg.train.micro_batch_size,
-                cfg.eval.blocks, cfg.model.attn_implementation, self.collate,
+                self.accelerator, self.model, self.feed.val, cfg.train.micro_batch_size,
+                cfg.eval.blocks, cfg.model.attn_implementation, self.feed.collate,
                 cfg.model.chunk_tokens, self.strategy.data_ranks, self.strategy.split_sequences,
                 self.strategy.pipeline,
             )
         self.eval_step = self.state.eval_step = self.step
         self.log({"step": self.step, "phase": phase, **result})
-        self.print(
-            f"step {self.step} ({phase}): held-out loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}"
-        )
+        sources = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in result.items() if k.startswith("eval_loss/"))
+        self.print(f"step {self.step} ({phase}): held-out loss {result['eval_loss']:.4f}"
+                   + (f" ({sources})" if sources else "") + f", perplexity {result['eval_ppl']:.2f}")
         return result
 
     def save_checkpoint(self) -> Path | None:
@@ -521,7 +526,7 @@ class Trainer:
             folder = save_checkpoint(
                 self.strategy, self.run, self.state, self.cfg.checkpoint.keep_last,
                 lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files), self.print,
-                rank_files=self.stream.save if self.stream is not None else None,
+                rank_files=self.feed.stream.save if self.feed.stream is not None else None,
             )
         except SaveFailed as exc:
             self.checkpoint_step = -1  # the step has no checkpoint: finish() and a stop try again
@@ -537,7 +542,7 @@ class Trainer:
     def finish(self) -> None:
         """Collective: the last evaluation and checkpoint (so that resume=auto can always extend
         the run), then the replica check and every rank's peak memory."""
-        if self.val_blocks is not None and self.eval_step != self.step:
+        if self.feed.val is not None and self.eval_step != self.step:
             self.state.last_eval = self.evaluate("after")
         if self.checkpoint_step != self.step:
             self.save_checkpoint()

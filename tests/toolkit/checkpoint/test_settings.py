@@ -21,3 +21,34 @@ def test_a_resume_with_another_seed_or_global_batch_is_refused_and_anything_else
         check_same_data_order(tmp_path, seed=8, global_batch_size=12)
     TrainerState(step=3, seed=7).write(tmp_path)  # written before the field existed: 0
     check_same_data_order(tmp_path, seed=7, global_batch_size=16)
+
+
+def test_a_mixtures_trained_weights_are_kept_and_its_coming_stages_may_change(tmp_path):
+    """The weights of the steps trained are part of the data order; a stage that starts after the checkpoint may be
+    added, moved or changed (said in one line)."""
+    from toolkit.checkpoint.settings import check_same_mixture
+    from toolkit.data.mixture import SourceConfig, StageConfig, weight_plan
+
+    sources = [SourceConfig("web", weight=0.7), SourceConfig("code", weight=0.3)]
+
+    def mixture(*stages: StageConfig) -> dict:
+        return {"sources": ["web", "code"], "plan": [[s, list(w)] for s, w in weight_plan(sources, list(stages))]}
+
+    TrainerState(step=50, mixture=mixture(StageConfig(80, {"code": 0.9}))).write(tmp_path)
+    said: list[str] = []
+    check_same_mixture(tmp_path, mixture(StageConfig(80, {"code": 0.9})), said.append)
+    assert said == []
+    check_same_mixture(tmp_path, mixture(StageConfig(51, {"code": 1.0}), StageConfig(90, {"web": 0})), said.append)
+    assert said == ["resumed with changed data.stages, taken from step 51 on: from step 51: web 0.412, code 0.588; "
+                    "from step 90: web 0.000, code 1.000"]
+    with pytest.raises(UserError, match=r"trained steps 1-50 with other data.sources weights or data.stages than "
+                                        r"this run gives those steps; resume with them as they were: only the weights "
+                                        r"from step 51 on may change"):
+        check_same_mixture(tmp_path, mixture(StageConfig(50, {"code": 0.9})), said.append)
+    with pytest.raises(UserError, match=r"was trained on the mixture of web, code \(data.sources\) and this run reads "
+                                        r"one corpus \(data.path\): the data position would not carry over"):
+        check_same_mixture(tmp_path, {}, said.append)
+    TrainerState(step=50).write(tmp_path)
+    check_same_mixture(tmp_path, {}, said.append)
+    with pytest.raises(UserError, match=r"was trained on one corpus \(data.path\) and this run reads the mixture"):
+        check_same_mixture(tmp_path, mixture(), said.append)

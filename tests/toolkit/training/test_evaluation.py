@@ -140,3 +140,17 @@ def test_a_custom_collate_counts_only_its_labels(model, blocks):
                     count += 1
     result = run(model, blocks, micro_batch=4, max_blocks=6, collate_fn=second_half_only)
     assert result["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_a_mixtures_held_out_loss_is_each_sources_and_their_token_weighted_mean(model, blocks):
+    """data.sources: eval_loss/<name> per source, and eval_loss over all of them, which is their mean weighted by
+    each source's targets (the first max_blocks blocks of each)."""
+    first, second = blocks.select(range(0, 5)), blocks.select(range(5, len(blocks)))
+    (l1, t1), (l2, t2) = hand_loss(model.eval(), first, 4), hand_loss(model.eval(), second, 4)
+    result = run(model, {"web": first, "code": second}, micro_batch=2, max_blocks=4)
+    assert set(result) == {"eval_loss", "eval_ppl", "eval_loss/web", "eval_loss/code"}
+    assert result["eval_loss/web"] == pytest.approx(l1 / t1, rel=1e-5)
+    assert result["eval_loss/code"] == pytest.approx(l2 / t2, rel=1e-5)
+    assert abs(result["eval_loss/web"] - result["eval_loss/code"]) > 0.01  # the weighting below can show
+    assert result["eval_loss"] == pytest.approx((l1 + l2) / (t1 + t2), rel=1e-5)
+    assert result["eval_ppl"] == pytest.approx(math.exp(result["eval_loss"]), rel=1e-12)

@@ -85,9 +85,9 @@ def test_a_skipped_step_changes_nothing_and_the_next_batch_trains(tmp_path, bloc
 
     # the next step trains on its own batch (step 3's), not step 2's again, from the weights before the skip
     with torch.no_grad():
-        micro = [collate(trainer.train_blocks[m], "sdpa") for m in trainer.schedule.micro_batches(2)]
+        micro = [collate(trainer.feed.blocks[m], "sdpa") for m in trainer.feed.schedule.micro_batches(2)]
         expected = sum(forward_loss_sum(trainer.model, b).double().item() for b in micro)
-        expected /= int(trainer.block_targets[trainer.schedule.global_indices(2)].sum())
+        expected /= int(trainer.feed.targets[trainer.feed.schedule.global_indices(2)].sum())
     train_to(trainer, 3)
     trainer.close()
     assert rows(trainer, "nonfinite") == [{"step": 2, "nonfinite": "loss", "action": "skip", "in_a_row": 1}]
@@ -95,7 +95,7 @@ def test_a_skipped_step_changes_nothing_and_the_next_batch_trains(tmp_path, bloc
     assert sorted(losses) == [1, 3]
     assert losses[3]["loss"] == pytest.approx(expected, rel=1e-6)
     assert losses[3]["lr"] == before["lr"]  # the rate step 2 would have trained with: the schedule did not move
-    step3 = int(trainer.block_tokens[trainer.schedule.global_indices(2)].sum())
+    step3 = int(trainer.feed.tokens[trainer.feed.schedule.global_indices(2)].sum())
     assert losses[3]["tokens"] == losses[1]["tokens"] + step3  # the skipped batch was not trained on
     assert not any(not torch.isfinite(p).all() for p in trainer.model.parameters())
 
