@@ -51,6 +51,27 @@ CASES = {
     "tracker not installed": (["logging.trackers=[tensorboard,wandb]"], "logging.trackers has wandb, but the wandb package is not installed"),
     "out of range": (["train.max_steps=-1"], "train.max_steps=-1 must be at least 1"),
     "non-finite number": (["optim.lr=nan"], "optim.lr must be a finite number, found 'nan'"),
+    "mixture: a negative weight": (["data.sources=[{name: web, weight: -0.2}, {name: docs}]"],
+                                   "data.sources[0].weight=-0.2 (web) must be at least 0"),
+    "mixture: weights summing to 0": (["data.sources=[{name: web, weight: 0}, {name: docs, weight: 0}]"],
+                                      "data.sources: the weights sum to 0; give at least one source a positive weight"),
+    "mixture: two sources of one name": (["data.sources=[{name: web}, {name: web, path: x.txt}]"],
+                                         "data.sources: 2 sources are named web; give each its own name"),
+    "mixture: a stage naming no source": (["data.sources=[{name: web}]", "data.stages=[{start_step: 9, weights: {cod: 1}}]"],
+                                          "data.stages[0].weights names cod, which is not a source (the sources: web)"),
+    "mixture: stages out of order": (["data.sources=[{name: web}, {name: code}]",
+                                      "data.stages=[{start_step: 50, weights: {code: 1}}, {start_step: 20, weights: {web: 1}}]"],
+                                     "data.stages[1].start_step=20 is not after the stage before it (start_step=50); list "
+                                     "the stages in the order they start"),
+    "mixture: a stage turning every source off": (["data.sources=[{name: web}]", "data.stages=[{start_step: 5, weights: {web: 0}}]"],
+                                                  "data.stages[0]: the weights from step 5 on sum to 0"),
+    "mixture: a name that cannot be a metric key": (["data.sources=[{name: web/en}]"],
+                                                    "data.sources[0].name='web/en' must be letters, digits, '_', '.' or '-'"),
+    "mixture and data.path": (["data.path=corpus.txt", "data.sources=[{name: web}]"],
+                              "data.path=corpus.txt and sources are both set; list it in data.sources as one more source, "
+                              "or drop data.sources"),
+    "mixture streamed": (["data.streaming=true", "train.max_steps=3", "data.sources=[{name: web}]"],
+                         "data.sources with streaming=true is not supported yet; drop data.streaming"),
     "architecture without a causal LM": (["model.model_type=t5"], "model.model_type=t5 has no causal LM in transformers (it "
                                          "is not a text decoder); use one that has, e.g. llama, gpt2, qwen2, mistral"),
 }

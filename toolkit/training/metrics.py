@@ -169,6 +169,10 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path:
         ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1)
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="held-out loss")
+    sources = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("eval_loss/")})
+    for name in sources:  # a mixture's sources (data.sources), each its own curve
+        points = [(r["step"], r[f"eval_loss/{name}"]) for r in rows if f"eval_loss/{name}" in r]
+        ax.plot(*zip(*points, strict=True), ".--", linewidth=1, label=f"held-out loss: {name}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)

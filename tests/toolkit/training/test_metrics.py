@@ -202,6 +202,22 @@ def test_plot_loss_writes_a_png(tmp_path):
     assert (width, height) == (770, 440)  # figsize (7, 4) at 110 dpi
 
 
+def test_a_mixtures_sources_each_get_a_held_out_curve(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    labels, real = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **kw: labels.append(kw.get("label")) or real(ax, *a, **kw))
+    path = tmp_path / "metrics.jsonl"
+    with path.open("w") as f:
+        for step in range(1, 7):
+            f.write(json.dumps({"step": step, "loss": 5.0 / step, "tokens/web": step, "tokens/code": step}) + "\n")
+            if step % 3 == 0:
+                f.write(json.dumps({"step": step, "eval_loss": 5.5 / step, "eval_loss/web": 5.0 / step,
+                                    "eval_loss/code": 6.0 / step}) + "\n")
+    assert plot_loss(path, tmp_path / "loss.png").read_bytes().startswith(PNG_MAGIC)
+    assert labels == ["train loss", "held-out loss", "held-out loss: code", "held-out loss: web"]
+
+
 def test_plot_loss_with_train_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write_steps(path, [1, 2, 3])
