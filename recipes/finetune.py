@@ -36,6 +36,7 @@ import torch
 from toolkit.config import UserError, to_dict
 from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
 from toolkit.data.corpus import load_corpus, split_documents
+from toolkit.data.mixture import weight_plan
 from toolkit.data.packing import collate, packed_splits, target_counts
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
@@ -91,30 +92,36 @@ class FinetuneRecipe:
                 f"data.seq_len={cfg.data.seq_len} is larger than the base model's max positions ({limit}); lower data.seq_len"
             )
 
-        # Data: packed raw text (continued pretraining) or packed chat turns (SFT).
+        # Data: packed raw text (continued pretraining) or packed chat turns (SFT), of one corpus or of
+        # several mixed by weight (data.sources).
         self.chat_template = None
         if cfg.data.format == "chat":
             with strategy.accelerator.main_process_first():
                 self.chat_template = chat_template_for(self.tokenizer, cfg.data.chat_template)
-                train, val, data_notes = chat_blocks(cfg.data.chat(), self.tokenizer, cfg.seed)
+        parts = [self.blocks_of(data) for data in cfg.data.of_sources()]
+        collate_fn, counts = (collate_chat, chat_target_counts) if cfg.data.format == "chat" else (collate, target_counts)
+        if cfg.data.sources:
+            names = [s.name for s in cfg.data.sources]
+            plan = weight_plan(cfg.data.sources, cfg.data.stages)
+            schedule = trainer.use_mixture({n: train for n, (train, _, _) in zip(names, parts, strict=True)},
+                                           {n: val for n, (_, val, _) in zip(names, parts, strict=True) if val is not None},
+                                           plan, collate_fn, counts)
+            passes = schedule.passes(cfg.train.max_steps)
+            for i, (name, (train, _, notes)) in enumerate(zip(names, parts, strict=True)):
+                for line in notes:
+                    trainer.print(f"data: {name}: {line}")
+                trainer.print(f"data: {name}: weight {plan[0][1][i]:.3f}, {len(train)} blocks of {cfg.data.seq_len} "
+                              f"tokens; {passes[i]:.2f} passes over them in train.max_steps={cfg.train.max_steps}")
+            for start, weights in plan[1:]:
+                trainer.print(f"data: from step {start + 1}: weights "
+                              + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, weights, strict=True)))
         else:
-            data_notes = []
-            with strategy.accelerator.main_process_first():  # the main process reads the corpus into the cache
-                corpus, source = load_corpus(cfg.data, data_notes)
-                train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
-            # every rank tokenizes and packs its share of the documents
-            train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
-            data_notes += [f"{len(train_docs)} train / {len(val_docs or [])} held-out documents of {source}"]
-        if cfg.data.format == "chat":
-            schedule = trainer.use_data(train, val, collate_chat, chat_target_counts)
-        else:
-            schedule = trainer.use_data(train, val, collate, target_counts)
-        for line in data_notes:
-            trainer.print(f"data: {line}")
-        trainer.print(
-            f"data: {cfg.data.format}, {len(train)} blocks of {cfg.data.seq_len} tokens "
-            f"({schedule.steps_per_epoch} steps per epoch)"
-        )
+            train, val, notes = parts[0]
+            schedule = trainer.use_data(train, val, collate_fn, counts)
+            for line in notes:
+                trainer.print(f"data: {line}")
+            trainer.print(f"data: {cfg.data.format}, {len(train)} blocks of {cfg.data.seq_len} tokens "
+                          f"({schedule.steps_per_epoch} steps per epoch)")
 
         # Samples from the untouched base, generated here while the model is still whole.
         if strategy.is_main and cfg.samples.max_new_tokens and not trainer.resumed:
@@ -136,6 +143,21 @@ class FinetuneRecipe:
         # Held-out loss of the base model, the "before" of the comparison at the end.
         if trainer.feed.val is not None and not trainer.resumed:
             trainer.state.eval_before = trainer.evaluate("before")
+
+    def blocks_of(self, data) -> tuple:
+        """(train blocks, held-out blocks or None, lines for the log) of one corpus: chat records packed by turns,
+        or text documents packed as pretraining packs them."""
+        cfg, strategy = self.cfg, self.trainer.strategy
+        if data.format == "chat":
+            with strategy.accelerator.main_process_first():
+                return chat_blocks(data.chat(), self.tokenizer, cfg.seed)
+        notes = []
+        with strategy.accelerator.main_process_first():  # the main process reads the corpus into the cache
+            corpus, source = load_corpus(data, notes)
+            train_docs, val_docs = split_documents(corpus, data.val_fraction, cfg.seed)
+        # every rank tokenizes and packs its share of the documents
+        train, val = packed_splits(train_docs, val_docs, self.tokenizer, data, source, cfg.seed)
+        return train, val, [*notes, f"{len(train_docs)} train / {len(val_docs or [])} held-out documents of {source}"]
 
     def train(self) -> None:
         self.trainer.fit()

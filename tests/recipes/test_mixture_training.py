@@ -64,3 +64,29 @@ def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp
     keys = ("loss", "grad_norm", "tokens", "tokens/docs", "tokens/code")
     after = {r["step"]: [r[k] for k in keys] for r in rows(resumed) if "loss" in r}
     assert after == {r["step"]: [r[k] for k in keys] for r in trained if r["step"] > 3}
+
+
+def test_a_fine_tune_mixes_chat_sets_by_weight(tiny_base, chatml_file, tmp_path, data_cache):
+    """SFT on two chat sets (the embedded Python Q&A and one of arithmetic): each source's turns packed on its
+    own, its held-out loss measured before and after, and its tokens counted."""
+    from recipe_runner import FT_TINY
+
+    sums = tmp_path / "sums.jsonl"
+    sums.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]})
+        for a in range(30) for b in range(0, 30, 3)))
+    out = tmp_path / "sft"
+    proc = run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
+                                   f"data.chat_template={chatml_file}", "train.max_steps=3", f"output_dir={out}",
+                                   f"data.sources=[{{name: python, weight: 0.5}}, {{name: sums, path: {sums}, "
+                                   "weight: 0.5}]"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml",
+                      forked=True)
+    said = proc.stdout + proc.stderr
+    assert "data: python: weight 0.500, " in said and "data: sums: weight 0.500, " in said
+    before, after = ([r for r in rows(out) if r.get("phase") == phase] for phase in ("before", "after"))
+    for r in (*before, *after):
+        assert {"eval_loss/python", "eval_loss/sums"} <= set(r) and r["eval_loss/python"] != r["eval_loss/sums"]
+    assert after[0]["eval_loss/sums"] < before[0]["eval_loss/sums"]  # the arithmetic is being learnt
+    last = [r for r in rows(out) if "loss" in r][-1]
+    assert last["tokens/python"] > 0 and last["tokens/sums"] > 0
+    assert last["tokens/python"] + last["tokens/sums"] == last["tokens"]

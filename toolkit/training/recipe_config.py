@@ -84,9 +84,6 @@ class FinetuneDataConfig(DataConfig):
         if self.streaming:
             problems.append("streaming=true is for pretraining (recipes/pretrain.py); fine-tuning prepares its "
                             "corpus ahead: drop data.streaming")
-        if self.sources:
-            problems.append("sources (a mixture) is for pretraining (recipes/pretrain.py) yet; fine-tune on one "
-                            "corpus, data.path")
         if self.format == "chat":
             problems += [p for p in self.chat().validate() if p not in problems and not p.startswith("val_fraction")]
         return problems

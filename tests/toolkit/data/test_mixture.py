@@ -58,13 +58,20 @@ def test_each_source_is_read_in_a_fresh_order_each_pass_and_a_small_one_is_repea
     assert len(set(web)) == len(web) == 275 and mixture.passes(25)[0] < 1
 
 
-def test_the_order_is_a_function_of_seed_and_step():
-    """A resume computes step N without the steps before it; another seed gives another order."""
-    walked = schedule()
-    for step in range(30):
-        walked.global_indices(step)
-    assert np.array_equal(schedule().global_indices(29), walked.global_indices(29))
-    assert not np.array_equal(schedule(seed=4).global_indices(29), walked.global_indices(29))
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_resume_after_any_step_trains_the_remaining_batches_of_the_uninterrupted_run(world):
+    """The order is a function of (seed, step): a schedule made at a resume, after each step in turn, gives each
+    rank the rest of the batches it would have had; another seed gives another order."""
+    stages = [StageConfig(12, {"code": 0.6})]
+    for rank in range(world):
+        walked = schedule(world, rank, stages)
+        uninterrupted = [walked.micro_batches(step) for step in range(20)]
+        for resumed_at in range(20):
+            resumed = schedule(world, rank, stages)
+            rest = [resumed.micro_batches(step) for step in range(resumed_at, 20)]
+            assert all(np.array_equal(a, b) for got, want in zip(rest, uninterrupted[resumed_at:], strict=True)
+                       for a, b in zip(got, want, strict=True)), (rank, resumed_at)
+    assert not np.array_equal(schedule(seed=4).global_indices(19), schedule().global_indices(19))
 
 
 def test_a_stage_changes_the_weights_from_its_step_on():
