@@ -37,7 +37,7 @@ from toolkit.config import UserError, to_dict
 from toolkit.data.corpus import EMBEDDED, load_corpus, split_documents, stream_corpus
 from toolkit.data.mixture import weight_plan
 from toolkit.data.packing import collate, column, packed_dataset, packed_splits, target_counts
-from toolkit.data.streaming import StreamingBlocks, held_out_documents
+from toolkit.data.streaming import MixedStreams, StreamingBlocks, held_out_documents
 from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
 from toolkit.launch.verdict import exit_process
@@ -145,36 +145,54 @@ class PretrainRecipe:
 
     def stream_data(self, notes: list[str]) -> None:
         """data.streaming: the held-out documents are the stream's first ones; each data rank then packs
-        its part of the rest as the steps take it. A tokenizer to train sees the next documents."""
+        its part of the rest as the steps take it (of each source's stream by weight, for a mixture). A
+        tokenizer to train sees the next documents."""
         cfg, trainer = self.cfg, self.trainer
-        column = cfg.data.text_column if cfg.data.path else "text"
+        names = [s.name for s in cfg.data.sources] or [""]
         n_val = cfg.data.stream_val_documents if cfg.data.val_fraction else 0
+        n_tok = 0 if cfg.tokenizer.path else cfg.tokenizer.train_documents or STREAM_DOCUMENTS
+        opened = []
         with trainer.strategy.accelerator.main_process_first():
-            stream, source = stream_corpus(cfg.data, notes)
-            n_tok = 0 if cfg.tokenizer.path else cfg.tokenizer.train_documents or STREAM_DOCUMENTS
-            first = held_out_documents(stream, n_val + n_tok, column)
-            held_out = first[:n_val]
-            if n_val and len(first) <= n_val:
-                raise UserError(
-                    f"data.stream_val_documents={n_val} holds out the whole stream ({len(first)} documents) and "
-                    f"leaves none to train on; lower it (e.g. {max(1, len(first) // 20)}) or set data.val_fraction=0"
-                )
-            learn_from = datasets.Dataset.from_dict({"text": first[n_val:]})
-            self.tokenizer = self.tokenizer_of(learn_from, f"{source}-after-{n_val}")
-        val = None
-        if held_out:
-            val = packed_dataset(datasets.Dataset.from_dict({"text": held_out}), self.tokenizer, cfg.data.seq_len,
-                                 cfg.data.resolved_cache_dir(), f"{source}-held-out-{n_val}", cfg.data.num_proc)
+            for name, data in zip(names, cfg.data.of_sources(), strict=True):
+                stream, source = stream_corpus(data, notes)
+                column = data.text_column if data.path else "text"
+                first = held_out_documents(stream, n_val + n_tok, column)
+                if n_val and len(first) <= n_val:
+                    of = f" of source {name}" if name else ""
+                    raise UserError(
+                        f"data.stream_val_documents={n_val} holds out the whole stream{of} ({len(first)} documents) and "
+                        f"leaves none to train on; lower it (e.g. {max(1, len(first) // 20)}) or set data.val_fraction=0"
+                    )
+                opened.append((data, stream, source, column, first))
+            learn_from = datasets.Dataset.from_dict({"text": [t for *_, first in opened for t in first[n_val:]]})
+            key = "+".join(source for _, _, source, _, _ in opened)
+            self.tokenizer = self.tokenizer_of(learn_from, f"{key}-after-{n_val}")
         world, rank = trainer.strategy.data_ranks
-        train = StreamingBlocks(stream, self.tokenizer, cfg.data.seq_len, (world, rank), held_out, column,
-                                cfg.data.path or EMBEDDED)
-        trainer.use_stream(train, val, collate)
-        tokenizer = "" if cfg.tokenizer.path else f"; the tokenizer trained on the next {len(first) - n_val} documents"
+        streams, val = [], {}
+        for name, (data, stream, source, column, first) in zip(names, opened, strict=True):
+            if n_val:
+                val[name] = packed_dataset(datasets.Dataset.from_dict({"text": first[:n_val]}), self.tokenizer,
+                                           cfg.data.seq_len, cfg.data.resolved_cache_dir(), f"{source}-held-out-{n_val}",
+                                           cfg.data.num_proc)
+            streams.append(StreamingBlocks(stream, self.tokenizer, cfg.data.seq_len, (world, rank), first[:n_val], column,
+                                           data.path or EMBEDDED, name))
+        if cfg.data.sources:
+            plan = weight_plan(cfg.data.sources, cfg.data.stages)
+            trainer.use_stream(MixedStreams(streams, plan, cfg.seed), val, collate)
+            mixed = ", ".join(f"{n} {w:.3f}" for n, w in zip(names, plan[0][1], strict=True))
+            what, stages = f"each source's stream by weight ({mixed})", plan[1:]
+        else:
+            trainer.use_stream(streams[0], val.get(""), collate)
+            what, stages = "the stream", []
+        tokenizer = "" if cfg.tokenizer.path else f"; the tokenizer trained on the next {len(learn_from)} documents"
         trainer.print(
-            f"data: streaming: {world} data rank(s) each pack their part of the stream as the steps take it; "
-            f"{len(held_out)} held-out documents (the stream's first) -> {len(val or [])} blocks{tokenizer}; "
-            f"vocab {len(self.tokenizer)}"
+            f"data: streaming: {world} data rank(s) each pack their part of {what} as the steps take it; "
+            f"{n_val * len(opened) if n_val else 0} held-out documents (the stream's first) -> "
+            f"{sum(len(v) for v in val.values())} blocks{tokenizer}; vocab {len(self.tokenizer)}"
         )
+        for start, weights in stages:
+            trainer.print(f"data: from step {start + 1}: weights "
+                          + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, weights, strict=True)))
 
     def train(self) -> None:
         self.trainer.fit()

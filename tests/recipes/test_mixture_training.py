@@ -37,13 +37,18 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp_path, data_cache):
-    overrides = mixture(code_corpus(tmp_path / "code"))
+@pytest.mark.parametrize("data", ["prepared", "streamed"])
+def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp_path, data_cache, data):
+    streamed = ["data.streaming=true", "data.stream_val_documents=4"] if data == "streamed" else []
+    overrides = [*mixture(code_corpus(tmp_path / "code")), *streamed]
     out = tmp_path / "run"
     proc = run_recipe("pretrain", [*overrides, f"output_dir={out}"], nproc=2, cache=data_cache,
                       accelerate_config="zero3.yaml", forked=True)
     said = proc.stdout + proc.stderr
-    assert "data: docs: weight 0.600, " in said and "data: code: weight 0.400, " in said
+    if data == "prepared":
+        assert "data: docs: weight 0.600, " in said and "data: code: weight 0.400, " in said
+    else:
+        assert "each pack their part of each source's stream by weight (docs 0.600, code 0.400)" in said
     assert "data: from step 4: weights docs 0.400, code 0.600" in said
     trained = [r for r in rows(out) if "loss" in r]
     assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6]

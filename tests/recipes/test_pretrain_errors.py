@@ -70,8 +70,6 @@ CASES = {
     "mixture and data.path": (["data.path=corpus.txt", "data.sources=[{name: web}]"],
                               "data.path=corpus.txt and sources are both set; list it in data.sources as one more source, "
                               "or drop data.sources"),
-    "mixture streamed": (["data.streaming=true", "train.max_steps=3", "data.sources=[{name: web}]"],
-                         "data.sources with streaming=true is not supported yet; drop data.streaming"),
     "architecture without a causal LM": (["model.model_type=t5"], "model.model_type=t5 has no causal LM in transformers (it "
                                          "is not a text decoder); use one that has, e.g. llama, gpt2, qwen2, mistral"),
 }

@@ -73,8 +73,6 @@ class DataConfig:
         if self.sources and self.path:
             problems.append(f"path={self.path} and sources are both set; list it in data.sources as one more source, "
                             "or drop data.sources")
-        if self.sources and self.streaming:
-            problems.append("sources with streaming=true is not supported yet; drop data.streaming")
         return problems + mixture_problems(self.sources, self.stages)
 
     def of_sources(self) -> list[DataConfig]:

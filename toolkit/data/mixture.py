@@ -129,6 +129,7 @@ class MixtureSchedule:
                                 "it weight 0")
         self.sizes, self.names = np.asarray(sizes, dtype=np.int64), names
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
+        self.weights = plan
         self.plan = [(start, blocks_per_step(weights, global_batch)) for start, weights in plan]
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.world_size, self.rank, self.seed = world_size, rank, seed

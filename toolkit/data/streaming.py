@@ -25,10 +25,12 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import torch
 from datasets.distributed import split_dataset_by_node
 
 from toolkit.config import UserError
 from toolkit.data.corpus import not_text
+from toolkit.data.mixture import blocks_per_step
 from toolkit.data.packing import Layout, document_chunks, encoder
 
 READ_DOCUMENTS = 256  # documents tokenized at a time: one Rust tokenizer call
@@ -36,23 +38,25 @@ STATE_VERSION = 1
 COLUMNS = ("input_ids", "position_ids", "num_tokens")
 
 
-def state_file(folder: Path, rank: int) -> Path:
-    return folder / f"stream_{rank}.npz"
+def state_file(folder: Path, rank: int, name: str = "") -> Path:
+    """A data rank's position in its stream, or (`name`) in one source's of a mixture."""
+    return folder / (f"stream_{name}_{rank}.npz" if name else f"stream_{rank}.npz")
 
 
 class StreamingBlocks:
     """This data rank's packed blocks, made from the stream as they are taken.
 
     `ranks` is (data ranks, this rank's index); `held_out` are texts that training skips (the
-    documents held out for evaluation, and any copy of them); `column` the stream's text column."""
+    documents held out for evaluation, and any copy of them); `column` the stream's text column; `name`
+    the source's, in a mixture (MixedStreams)."""
 
     def __init__(
         self, stream: datasets.IterableDataset, tokenizer, seq_len: int, ranks: tuple[int, int] = (1, 0),
-        held_out: Collection[str] = (), column: str = "text", source: str = "the stream",
+        held_out: Collection[str] = (), column: str = "text", source: str = "the stream", name: str = "",
     ):
         self.source_stream, self.ranks, self.seq_len = stream, ranks, seq_len
         self.encode, self.pad_id = encoder(tokenizer), tokenizer.pad_token_id
-        self.held_out, self.column, self.source = frozenset(held_out), column, source
+        self.held_out, self.column, self.source, self.name = frozenset(held_out), column, source, name
         self.epoch = 0
         self.position: dict | None = None  # the stream's state after the last document read; None = its start
         self.layout = Layout(seq_len)
@@ -60,8 +64,9 @@ class StreamingBlocks:
         self._documents = None  # the live iterator
 
     # ------------------------------------------------------------------ reading
-    def take(self, n: int) -> dict[str, np.ndarray]:
-        """The next `n` blocks: input_ids and position_ids (n, seq_len), num_tokens (n,)."""
+    def take(self, n: int, step: int = 0) -> dict[str, np.ndarray]:
+        """The next `n` blocks: input_ids and position_ids (n, seq_len), num_tokens (n,). One stream is read in
+        its order whatever the step (MixedStreams' take needs it)."""
         while len(self.pending["num_tokens"]) < n:
             self._read()
         out = {k: v[:n] for k, v in self.pending.items()}
@@ -130,12 +135,12 @@ class StreamingBlocks:
         """This rank's position, unfinished block and blocks not yet taken, into the checkpoint folder."""
         meta = {"version": STATE_VERSION, "ranks": list(self.ranks), "seq_len": self.seq_len, "epoch": self.epoch,
                 "position": self.position, "laid": self.layout.laid}
-        np.savez(state_file(folder, self.ranks[1]), meta=np.array(json.dumps(meta)), carry_ids=self.layout.carry_ids,
+        np.savez(state_file(folder, self.ranks[1], self.name), meta=np.array(json.dumps(meta)), carry_ids=self.layout.carry_ids,
                  carry_pos=self.layout.carry_pos, **self.pending)
 
     def load(self, folder: Path) -> None:
         world, rank = self.ranks
-        file = state_file(folder, rank)
+        file = state_file(folder, rank, self.name)
         if not file.is_file():
             raise UserError(
                 f"checkpoint {folder} has no stream position for data rank {rank} ({file.name}): it was trained on "
@@ -154,6 +159,39 @@ class StreamingBlocks:
                                  carry_pos=saved["carry_pos"])
             self.pending = {k: saved[k] for k in COLUMNS}
         self._documents = None
+
+
+class MixedStreams:
+    """StreamingBlocks' contract (take, save, load, epoch) over the streams of a mixture's sources: at each step a
+    data rank takes from each source its weight's share of its blocks (largest remainder, the stage of the step
+    in force), in an order shuffled by (seed, step, rank); each source's position is saved and resumed as one
+    stream's is. The blocks and tokens each source gave this rank's last take: `source_blocks`, `source_tokens`."""
+
+    def __init__(self, streams: list[StreamingBlocks], plan: list[tuple[int, list[float]]], seed: int):
+        self.streams, self.weights, self.seed = streams, plan, seed
+        self.source_blocks = self.source_tokens = [0] * len(streams)
+
+    @property
+    def epoch(self) -> int:
+        """Passes over the source read furthest."""
+        return max(s.epoch for s in self.streams)
+
+    def take(self, n: int, step: int) -> dict[str, np.ndarray]:
+        weights = next(w for start, w in reversed(self.weights) if start <= step)
+        parts = [stream.take(int(k)) for stream, k in zip(self.streams, blocks_per_step(weights, n), strict=True)]
+        self.source_blocks = [len(p["num_tokens"]) for p in parts]
+        self.source_tokens = [int(p["num_tokens"].sum()) for p in parts]
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + self.streams[0].ranks[1])
+        order = torch.randperm(n, generator=gen).numpy()
+        return {k: np.concatenate([p[k] for p in parts])[order] for k in COLUMNS}
+
+    def save(self, folder: Path) -> None:
+        for stream in self.streams:
+            stream.save(folder)
+
+    def load(self, folder: Path) -> None:
+        for stream in self.streams:
+            stream.load(folder)
 
 
 def held_out_documents(stream: datasets.IterableDataset, n: int, column: str = "text") -> list[str]:

@@ -12,7 +12,7 @@ import torch
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
 from toolkit.data.packing import block_targets, column
-from toolkit.data.streaming import StreamingBlocks
+from toolkit.data.streaming import MixedStreams, StreamingBlocks
 
 
 class Feed:
@@ -21,9 +21,10 @@ class Feed:
     def __init__(self, collate: Callable, val: datasets.Dataset | dict[str, datasets.Dataset] | None,
                  global_batch: int, micro_batch: int, blocks: datasets.Dataset | None = None,
                  target_counts: Callable | None = None, schedule: BatchSchedule | MixtureSchedule | None = None,
-                 stream: StreamingBlocks | None = None):
+                 stream: StreamingBlocks | MixedStreams | None = None):
         self.collate, self.val, self.schedule, self.stream = collate, val or None, schedule, stream
         self.global_batch, self.micro_batch = global_batch, micro_batch
+        self._streamed: list[int] = []  # a mixed stream's tokens by source in the last step, all ranks
         if blocks is not None:
             self.blocks = blocks.with_format("numpy")
             self.targets = target_counts(self.blocks)
@@ -32,7 +33,17 @@ class Feed:
     @property
     def sources(self) -> list[str]:
         """The names of a mixture's sources (none for one corpus)."""
+        if isinstance(self.stream, MixedStreams):
+            return [s.name for s in self.stream.streams]
         return self.schedule.names if isinstance(self.schedule, MixtureSchedule) else []
+
+    @property
+    def mixture(self) -> dict:
+        """What a checkpoint records of a mixture ({} for one corpus): TrainerState.mixture."""
+        if not self.sources:
+            return {}
+        mixed = self.stream if self.stream is not None else self.schedule
+        return {"sources": self.sources, "plan": [[start, list(weights)] for start, weights in mixed.weights]}
 
     def step_data(self, step: int, data_ranks: int, copies: int, reduce: Callable) -> tuple[Iterator[dict], int, int]:
         """This rank's micro-batches (block columns) of `step`, and the global batch's target and token counts.
@@ -41,9 +52,11 @@ class Feed:
             global_idx = self.schedule.global_indices(step)
             micro = (self.blocks[m] for m in self.schedule.micro_batches(step))
             return micro, int(self.targets[global_idx].sum()), int(self.tokens[global_idx].sum())
-        blocks = self.stream.take(self.global_batch // data_ranks)
-        mine = torch.tensor([float(block_targets(blocks).sum()), float(blocks["num_tokens"].sum())], dtype=torch.float64)
-        targets, tokens = (int(x) // copies for x in reduce(mine).tolist())
+        blocks = self.stream.take(self.global_batch // data_ranks, step)
+        by_source = getattr(self.stream, "source_tokens", [])
+        mine = torch.tensor([float(block_targets(blocks).sum()), float(blocks["num_tokens"].sum()), *by_source],
+                            dtype=torch.float64)
+        targets, tokens, *self._streamed = (int(x) // copies for x in reduce(mine).tolist())
         micro = ({k: v[i : i + self.micro_batch] for k, v in blocks.items()}
                  for i in range(0, len(blocks["num_tokens"]), self.micro_batch))
         return micro, targets, tokens
@@ -52,6 +65,8 @@ class Feed:
         """The tokens each source of a mixture gives global batch `step`."""
         if not self.sources:
             return {}
+        if self.stream is not None:  # summed over the ranks by step_data
+            return dict(zip(self.sources, self._streamed, strict=True))
         global_idx = self.schedule.global_indices(step)
         counts = np.bincount(self.schedule.source_of(global_idx), weights=self.tokens[global_idx],
                              minlength=len(self.sources))

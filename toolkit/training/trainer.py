@@ -42,7 +42,7 @@ from toolkit.config import UserError, field, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
 from toolkit.data.packing import check_attention
-from toolkit.data.streaming import StreamingBlocks, state_file
+from toolkit.data.streaming import MixedStreams, StreamingBlocks
 from toolkit.export.hf_folder import write_model_files
 from toolkit.faults import kill_point, killing_batches, model_kill_points
 from toolkit.launch.environment import is_launch_main
@@ -244,14 +244,16 @@ class Trainer:
                                    t.micro_batch_size, *self.strategy.data_ranks, self.cfg.seed)
         blocks = datasets.concatenate_datasets([train[n] for n in names])
         self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, blocks, target_counts, schedule)
-        self.state.mixture = {"sources": names, "plan": [[start, list(weights)] for start, weights in plan]}
+        self.state.mixture = self.feed.mixture
         return schedule
 
-    def use_stream(self, train: StreamingBlocks, val: datasets.Dataset | None, collate: Callable) -> None:
+    def use_stream(self, train: StreamingBlocks | MixedStreams, val: datasets.Dataset | dict | None,
+                   collate: Callable) -> None:
         """Blocks packed as the steps take them (data.streaming): each rank takes its next
         global_batch / data ranks blocks a step, and the loss normaliser is summed over the ranks."""
         t = self.cfg.train
         self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, stream=train)
+        self.state.mixture = self.feed.mixture
 
     def step_data(self, step: int) -> tuple[Iterator[dict], int, int]:
         """This rank's micro-batches (block columns) of `step`, and the global batch's target and token counts."""
@@ -336,7 +338,7 @@ class Trainer:
         """A streamed run's position in its stream; prepared data needs none (its order is (seed, step))."""
         if self.feed.stream is not None:
             self.feed.stream.load(folder)
-        elif state_file(folder, 0).is_file():
+        elif any(folder.glob("stream_*.npz")):
             raise UserError(
                 f"checkpoint {folder} was trained with data.streaming=true: its data position is a place in the "
                 "stream; resume it with data.streaming=true"
