@@ -40,6 +40,8 @@ import pyarrow.compute as pc
 
 SIZES = {"10M": 10_000_000, "100M": 100_000_000, "1B": 1_000_000_000}
 FILE_TOKENS = 20_000_000  # tokens per jsonl file of a corpus
+# --mixture: three sources of a corpus size, by weight (synthetic, real, synthetic of another seed)
+MIXTURE = (0.5, 0.3, 0.2)
 
 
 def rss_mb() -> float:
@@ -97,7 +99,7 @@ def tokenizer_for(work: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def make_corpus(kind: str, tokens: int, folder: Path, tokenizer) -> None:
+def make_corpus(kind: str, tokens: int, folder: Path, tokenizer, seed: int = 0) -> None:
     """A folder of jsonl files holding about `tokens` tokens of `kind` documents (kept between runs)."""
     if (folder / "done").is_file():
         return
@@ -108,7 +110,7 @@ def make_corpus(kind: str, tokens: int, folder: Path, tokenizer) -> None:
     texts = [topics[k] for k in sorted(topics)]
     words = np.array(sorted({w for t in texts for w in t.split()}))
     sample = " ".join(texts)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     per_char = len(tokenizer(sample[:200_000])["input_ids"]) / 200_000
     per_word = len(tokenizer(" ".join(words[rng.integers(0, len(words), 50_000)]))["input_ids"]) / 50_000
     made, part = 0, 0
@@ -139,21 +141,34 @@ def one(args) -> None:
     import datasets
 
     from toolkit.data.corpus import DataConfig, load_corpus
+    from toolkit.data.mixture import MixtureSchedule, SourceConfig, weight_plan
     from toolkit.data.packing import packed_dataset
 
     datasets.disable_progress_bars()
     tokenizer, base_rss, base_anon, sampler = start_measuring(Path(args.work))
     cache = Path(args.cache)  # HF_DATASETS_CACHE points under it (set by the parent), so all of it is ours
     t0, cpu0 = time.perf_counter(), time.process_time()
-    docs, source = load_corpus(DataConfig(path=args.corpus))
+    corpora = args.corpus.split(",")  # several: a mixture's sources, each loaded and packed as the recipe does
+    loaded = [load_corpus(DataConfig(path=corpus)) for corpus in corpora]
     t1 = time.perf_counter()
-    blocks = packed_dataset(docs, tokenizer, args.seq_len, cache / "blocks", source, num_proc=args.num_proc)
+    packed = [packed_dataset(docs, tokenizer, args.seq_len, cache / "blocks", source, num_proc=args.num_proc)
+              for docs, source in loaded]
     t2 = time.perf_counter()
+    schedule_us = 0.0
+    if len(packed) > 1:  # what drawing a step's blocks by weight costs the loop (global batch 512, 200 steps)
+        names = [f"s{i}" for i in range(len(packed))]
+        plan = weight_plan([SourceConfig(n, weight=w) for n, w in zip(names, MIXTURE, strict=True)], [])
+        schedule = MixtureSchedule([len(b) for b in packed], plan, names, 512, 8, 1, 0, 0)
+        t_s = time.perf_counter()
+        for step in range(200):
+            schedule.global_indices(step)
+        schedule_us = (time.perf_counter() - t_s) / 200 * 1e6
     sampler.stop.set()
     sampler.join()
-    num_tokens = np.asarray(blocks.data.column("num_tokens")).sum()
+    num_tokens = sum(int(np.asarray(b.data.column("num_tokens")).sum()) for b in packed)
+    docs = sum(len(d) for d, _ in loaded)
     print(json.dumps({
-        "docs": len(docs), "tokens": int(num_tokens) - len(docs), "blocks": len(blocks),
+        "docs": docs, "tokens": num_tokens - docs, "blocks": sum(len(b) for b in packed), "schedule_us": schedule_us,
         "load_s": t1 - t0, "pack_s": t2 - t1, "cpu_s": time.process_time() - cpu0,
         "base_mb": base_rss, "peak_mb": peak_mb(), "base_anon_mb": base_anon,
         "anon_main_mb": sampler.main_mb, "anon_worker_mb": sampler.worker_mb, "worker_peak_mb": peak_mb(resource.RUSAGE_CHILDREN),
@@ -191,6 +206,8 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--num-proc", type=int, default=2)
     p.add_argument("--work", default="/tmp/data_scale", help="corpora, tokenizer and caches live here")
+    p.add_argument("--mixture", action="store_true", help="a 3-source mixture of each size (data.sources) "
+                   "instead of the --kinds")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--corpus", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -203,19 +220,26 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer_for(work)
     rows = []
-    for kind in args.kinds:
+    for kind in ["mixture"] if args.mixture else args.kinds:
         for size in args.sizes:
             corpus = work / f"{kind}-{size}"
-            make_corpus(kind, SIZES[size], corpus, tokenizer)
+            if kind == "mixture":
+                parts = [("synthetic", 0), ("real", 0), ("synthetic", 1)]
+                folders = [work / f"mixture-{size}-{i}-{k}" for i, (k, _) in enumerate(parts)]
+                for (k, seed), share, folder in zip(parts, MIXTURE, folders, strict=True):
+                    make_corpus(k, int(SIZES[size] * share), folder, tokenizer, seed)
+                corpus = ",".join(str(f) for f in folders)
+            else:
+                make_corpus(kind, SIZES[size], corpus, tokenizer)
             cmd = [sys.executable, __file__, "--one", "--work", str(work), "--corpus", str(corpus),
                    "--cache", str(work / "cache"), "--seq-len", str(args.seq_len), "--num-proc", str(args.num_proc)]
             env = dict(os.environ, HF_DATASETS_CACHE=str(work / "cache" / "hf"))
             shutil.rmtree(work / "cache", ignore_errors=True)
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
             r = json.loads(out.strip().splitlines()[-1])
-            r.update(kind=kind, size=size, corpus_gb=du(corpus) / 1e9)
+            r.update(kind=kind, size=size, corpus_gb=sum(du(Path(c)) for c in str(corpus).split(",")) / 1e9)
             print(f"  {kind} {size}: {r}", file=sys.stderr)
-            if size == args.sizes[0]:  # tokenize + group against the toolkit's tokenize + pack
+            if size == args.sizes[0] and kind != "mixture":  # tokenize + group against the toolkit's tokenize + pack
                 r["run_clm"] = run_clm_tokens_per_s(str(corpus), work, args.seq_len, args.num_proc)
             rows.append(r)
             shutil.rmtree(work / "cache", ignore_errors=True)
@@ -224,16 +248,18 @@ def main() -> int:
     print(f"\nseq_len {args.seq_len}, num_proc {args.num_proc}, BPE vocab 4096; time = load (jsonl -> arrow) + "
           "tokenize and pack; RSS growth = peak less the interpreter after imports\n")
     print("| corpus | tokens | docs | load s | tokenize+pack s | tokens/s per core | vs run_clm | anon growth MB "
-          "| worker anon MB | peak RSS growth MB | worker peak RSS MB | jsonl GB | arrow GB | blocks GB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| worker anon MB | peak RSS growth MB | worker peak RSS MB | jsonl GB | arrow GB | blocks GB "
+          "| µs a step to draw 512 blocks by weight |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         wall = r["load_s"] + r["pack_s"]
         per_core = r["tokens"] / wall / args.num_proc
         ratio = f"{r['tokens'] / r['pack_s'] / r['run_clm']:.2f}x" if "run_clm" in r else ""
+        draw = f"{r['schedule_us']:,.0f}" if r["schedule_us"] else ""
         print(f"| {r['kind']} {r['size']} | {r['tokens']:,} | {r['docs']:,} | {r['load_s']:.1f} | {r['pack_s']:.1f} | "
               f"{per_core:,.0f} | {ratio} | {r['anon_main_mb'] - r['base_anon_mb']:,.0f} | {r['anon_worker_mb']:,.0f} | "
               f"{r['peak_mb'] - r['base_mb']:,.0f} | {r['worker_peak_mb']:,.0f} | "
-              f"{r['corpus_gb']:.2f} | {r['arrow_gb']:.2f} | {r['blocks_gb']:.2f} |")
+              f"{r['corpus_gb']:.2f} | {r['arrow_gb']:.2f} | {r['blocks_gb']:.2f} | {draw} |")
     return 0
 
 
