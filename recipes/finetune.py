@@ -37,7 +37,7 @@ from toolkit.config import UserError, to_dict
 from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.mixture import weight_plan
-from toolkit.data.packing import collate, packed_splits, target_counts
+from toolkit.data.packing import collate, column, packed_splits, target_counts
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import (
@@ -111,7 +111,8 @@ class FinetuneRecipe:
                 for line in notes:
                     trainer.print(f"data: {name}: {line}")
                 trainer.print(f"data: {name}: weight {plan[0][1][i]:.3f}, {len(train)} blocks of {cfg.data.seq_len} "
-                              f"tokens; {passes[i]:.2f} passes over them in train.max_steps={cfg.train.max_steps}")
+                              f"tokens ({int(column(train, 'num_tokens').sum()):,} tokens); {passes[i]:.2f} passes over "
+                              f"them in train.max_steps={cfg.train.max_steps}")
             for start, weights in plan[1:]:
                 trainer.print(f"data: from step {start + 1}: weights "
                               + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, weights, strict=True)))

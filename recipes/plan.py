@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -251,7 +252,9 @@ def launch_line(best: dict, recipe: str, args) -> str:
     replaced = ("train.micro_batch_size=", "model.gradient_checkpointing=", "train.pipeline_stages=",
                 *(o.split("=")[0] + "=" for o in best["requires"]))
     stages = [f"train.pipeline_stages={best['pipeline_stages']}"] if best["pipeline_stages"] > 1 else []
-    extra = "".join(f" {o}" for o in [*(o for o in args.overrides if not o.startswith(replaced)), *best["requires"], *stages])
+    # quoted for the shell: an override may hold spaces (data.sources=[{name: web, ...}])
+    extra = "".join(f" {shlex.quote(o)}" for o in [*(o for o in args.overrides if not o.startswith(replaced)),
+                                                    *best["requires"], *stages])
     groups = f" --parallelism_config_dp_shard_size {best['dp_shard']}" if best["cp"] * best["tp"] * best["sp"] > 1 else ""
     config = "ddp" if best["pipeline_stages"] > 1 else best["strategy"]
     return (

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -69,10 +70,13 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     ddp_32 = next(r for r in rows if (r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]) == ("ddp", "none", 32))
     assert not ddp_32["fits"] and ddp_32["peak_bytes"] > 80e9
 
-    text = plan_command("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB")
+    mixture = "data.sources=[{name: web, weight: 0.7}, {name: docs, weight: 0.3}]"  # the planner holds for a mixture
+    text = plan_command("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB",
+                        "data.path=", mixture)
     assert text.returncode == 0, text.stderr
     line = text.stdout.strip().splitlines()[-1]
     assert line.startswith("accelerate launch --config_file accelerate_configs/") and "--num_processes 8" in line
+    assert mixture in shlex.split(line)  # quoted for the shell, as a user pastes it
     assert "recipes/pretrain.py --config recipes/configs/pretrain_llama_1b.yaml" in line
     best = text.stdout.strip().splitlines()[-2]
     assert best.startswith("fastest that fits:")

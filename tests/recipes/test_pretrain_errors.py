@@ -68,8 +68,8 @@ CASES = {
     "mixture: a name that cannot be a metric key": (["data.sources=[{name: web/en}]"],
                                                     "data.sources[0].name='web/en' must be letters, digits, '_', '.' or '-'"),
     "mixture and data.path": (["data.path=corpus.txt", "data.sources=[{name: web}]"],
-                              "data.path=corpus.txt and sources are both set; list it in data.sources as one more source, "
-                              "or drop data.sources"),
+                              "data.path=corpus.txt and sources are both set; list it in data.sources as one more source "
+                              "and leave data.path empty (data.path=), or drop data.sources"),
     "architecture without a causal LM": (["model.model_type=t5"], "model.model_type=t5 has no causal LM in transformers (it "
                                          "is not a text decoder); use one that has, e.g. llama, gpt2, qwen2, mistral"),
 }

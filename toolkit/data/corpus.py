@@ -71,8 +71,8 @@ class DataConfig:
         if self.streaming and self.val_fraction > 0 and self.stream_val_documents < 1:
             problems.append(f"stream_val_documents={self.stream_val_documents} must be at least 1 (or set val_fraction=0)")
         if self.sources and self.path:
-            problems.append(f"path={self.path} and sources are both set; list it in data.sources as one more source, "
-                            "or drop data.sources")
+            problems.append(f"path={self.path} and sources are both set; list it in data.sources as one more source "
+                            "and leave data.path empty (data.path=), or drop data.sources")
         return problems + mixture_problems(self.sources, self.stages)
 
     def of_sources(self) -> list[DataConfig]:
