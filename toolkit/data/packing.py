@@ -386,7 +386,11 @@ def packed_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
     ranks.gather(None)  # cleared before anyone writes into it
     tmp.mkdir(parents=True, exist_ok=True)
-    shard = docs.shard(ranks.world, ranks.rank, contiguous=True) if ranks.world > 1 else docs
+    # the contiguous share datasets' shard(contiguous=True) takes, which may be empty: fewer documents than ranks
+    div, extra = divmod(len(docs), ranks.world)
+    first = ranks.rank * div + min(ranks.rank, extra)
+    size = div + (ranks.rank < extra)
+    shard = (docs.select(range(first, first + size)) if size else docs.select([])) if ranks.world > 1 else docs
     ids_file = tmp / f"ids-{ranks.rank:05d}.arrow"
     # num_proc is the node's: its ranks tokenize at once, so each takes its part of the processes
     per_rank = max(1, num_proc // ranks.local_world)
@@ -394,7 +398,8 @@ def packed_dataset(
     # holds the text pages of one window (datasets reads the text through its memory map), not the
     # pages of its whole part, which grow with the corpus.
     window = TOKENIZE_DOCUMENTS * per_rank
-    parts = [tokenize_documents(shard.select(range(a, min(a + window, len(shard)))), tokenizer, per_rank,
+    parts = [tokenize_documents(shard.select(range(a, min(a + window, len(shard)))) if len(shard) else shard,
+                                tokenizer, per_rank,
                                 cache_file=str(tmp / f"{ids_file.stem}-w{i:05d}.arrow"))
              for i, a in enumerate(range(0, max(1, len(shard)), window))]
     tokenized = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)

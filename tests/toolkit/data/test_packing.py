@@ -597,3 +597,15 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
     assert int(out.stdout.split()[-1]) < 350, out.stdout
+
+
+def test_a_corpus_of_fewer_documents_than_ranks_is_packed_by_the_ranks_that_have_one(tiny_texts, tiny_tokenizer,
+                                                                                    tmp_path):
+    """A small source of a mixture (or a held-out split of one document) on more ranks than it has documents:
+    the ranks without one pack nothing (was datasets' IndexError on rank 1 of 2 for a 1-document split)."""
+    docs = datasets.Dataset.from_dict({"text": tiny_texts[:2]})
+    alone = packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "one", "few")
+    shared = run_ranks(3, lambda ranks: packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path / "three", "few",
+                                                       ranks=ranks))
+    for blocks in shared:
+        assert_blocks_equal(blocks, tuple(column(alone, n) for n in ("input_ids", "position_ids", "num_tokens")))
