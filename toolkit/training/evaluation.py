@@ -18,7 +18,8 @@ from toolkit.models.loss import forward_loss_sum, targets_of
 @dataclass
 class EvalConfig:
     every: int = field(50, help="held-out loss and perplexity every N optimizer steps (0 = only at the end)")
-    blocks: int = field(64, help="held-out blocks per evaluation, the same on any number of processes (0 = all)")
+    blocks: int = field(64, help="held-out blocks per evaluation (of each source of a mixture), the same on any "
+                        "number of processes (0 = all)")
 
     def validate(self) -> list[str]:
         return [f"{name}={getattr(self, name)} must be >= 0" for name in ("every", "blocks") if getattr(self, name) < 0]
