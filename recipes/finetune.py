@@ -224,6 +224,9 @@ def _reload(final: Path | None, adapter_dir: Path | None, cfg: FinetuneConfig):
 def _before_after(before: dict[str, float], after: dict[str, float]) -> str:
     rows = [("held-out", "before", "after"), ("-" * 10, "-" * 10, "-" * 10)]
     rows += [(name, f"{before[key]:.4f}", f"{after[key]:.4f}") for name, key in (("loss", "eval_loss"), ("perplexity", "eval_ppl"))]
+    # a mixture's sources: what each gained or lost (a domain's, and the general text it should not forget)
+    rows += [(f"loss: {key.split('/', 1)[1]}", f"{before[key]:.4f}", f"{after[key]:.4f}")
+             for key in before if key.startswith("eval_loss/") and key in after]
     return "\n".join(f"{a:<12}{b:>12}{c:>12}" for a, b, c in rows)
 
 

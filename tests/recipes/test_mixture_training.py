@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,7 @@ def test_a_fine_tune_mixes_chat_sets_by_weight(tiny_base, chatml_file, tmp_path,
                       forked=True)
     said = proc.stdout + proc.stderr
     assert "data: python: weight 0.500, " in said and "data: sums: weight 0.500, " in said
+    assert re.search(r"loss: python +\d+\.\d{4} +\d+\.\d{4}\nloss: sums ", said)  # the end's before/after table
     before, after = ([r for r in rows(out) if r.get("phase") == phase] for phase in ("before", "after"))
     for r in (*before, *after):
         assert {"eval_loss/python", "eval_loss/sums"} <= set(r) and r["eval_loss/python"] != r["eval_loss/sums"]
