@@ -36,7 +36,7 @@ import torch
 from toolkit.config import UserError, to_dict
 from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
 from toolkit.data.corpus import load_corpus, split_documents
-from toolkit.data.mixture import weight_plan
+from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import collate, column, packed_splits, target_counts
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
@@ -98,7 +98,10 @@ class FinetuneRecipe:
         if cfg.data.format == "chat":
             with strategy.accelerator.main_process_first():
                 self.chat_template = chat_template_for(self.tokenizer, cfg.data.chat_template)
-        parts = [self.blocks_of(data) for data in cfg.data.of_sources()]
+        parts = []
+        for i, data in enumerate(cfg.data.of_sources()):
+            with naming(i, cfg.data.sources):
+                parts.append(self.blocks_of(data))
         collate_fn, counts = (collate_chat, chat_target_counts) if cfg.data.format == "chat" else (collate, target_counts)
         if cfg.data.sources:
             names = [s.name for s in cfg.data.sources]
@@ -113,9 +116,8 @@ class FinetuneRecipe:
                 trainer.print(f"data: {name}: weight {plan[0][1][i]:.3f}, {len(train)} blocks of {cfg.data.seq_len} "
                               f"tokens ({int(column(train, 'num_tokens').sum()):,} tokens); {passes[i]:.2f} passes over "
                               f"them in train.max_steps={cfg.train.max_steps}")
-            for start, weights in plan[1:]:
-                trainer.print(f"data: from step {start + 1}: weights "
-                              + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, weights, strict=True)))
+            for line in stages_said(names, plan[1:]):
+                trainer.print(f"data: {line}")
         else:
             train, val, notes = parts[0]
             schedule = trainer.use_data(train, val, collate_fn, counts)

@@ -35,7 +35,7 @@ import datasets
 
 from toolkit.config import UserError, to_dict
 from toolkit.data.corpus import EMBEDDED, load_corpus, split_documents, stream_corpus
-from toolkit.data.mixture import weight_plan
+from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import collate, column, packed_dataset, packed_splits, target_counts
 from toolkit.data.streaming import MixedStreams, StreamingBlocks, held_out_documents
 from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
@@ -116,15 +116,19 @@ class PretrainRecipe:
         step's blocks drawn from them by weight (toolkit.data.mixture)."""
         cfg, trainer = self.cfg, self.trainer
         sources = cfg.data.sources
+        loaded, splits = [], []
         with trainer.strategy.accelerator.main_process_first():
-            loaded = [load_corpus(one, notes) for one in cfg.data.of_sources()]
-            splits = [split_documents(corpus, cfg.data.val_fraction, cfg.seed) for corpus, _ in loaded]
+            for i, one in enumerate(cfg.data.of_sources()):
+                with naming(i, sources):
+                    loaded.append(load_corpus(one, notes))
+                    splits.append(split_documents(loaded[-1][0], cfg.data.val_fraction, cfg.seed))
             mixed = hashlib.sha256("+".join(fingerprint for _, fingerprint in loaded).encode()).hexdigest()[:16]
             self.tokenizer = self.tokenizer_of(datasets.concatenate_datasets([t for t, _ in splits]), f"mixture-{mixed}")
         train, val = {}, {}
-        for source, (_, fingerprint), (train_docs, val_docs) in zip(sources, loaded, splits, strict=True):
-            train[source.name], held = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, fingerprint,
-                                                     cfg.seed)
+        for i, (source, (_, fingerprint), (train_docs, val_docs)) in enumerate(zip(sources, loaded, splits, strict=True)):
+            with naming(i, sources):
+                train[source.name], held = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, fingerprint,
+                                                         cfg.seed)
             if held is not None:
                 val[source.name] = held
         plan = weight_plan(sources, cfg.data.stages)
@@ -138,9 +142,8 @@ class PretrainRecipe:
                 f"({int(column(blocks, 'num_tokens').sum()):,} tokens); {passes[i]:.2f} passes over them in "
                 f"train.max_steps={cfg.train.max_steps}"
             )
-        for start, weights in plan[1:]:
-            trainer.print(f"data: from step {start + 1}: weights "
-                          + ", ".join(f"{s.name} {w:.3f}" for s, w in zip(sources, weights, strict=True)))
+        for line in stages_said([s.name for s in sources], plan[1:]):
+            trainer.print(f"data: {line}")
         trainer.print(f"data: vocab {len(self.tokenizer)}")
 
     def stream_data(self, notes: list[str]) -> None:
@@ -153,10 +156,11 @@ class PretrainRecipe:
         n_tok = 0 if cfg.tokenizer.path else cfg.tokenizer.train_documents or STREAM_DOCUMENTS
         opened = []
         with trainer.strategy.accelerator.main_process_first():
-            for name, data in zip(names, cfg.data.of_sources(), strict=True):
-                stream, source = stream_corpus(data, notes)
-                column = data.text_column if data.path else "text"
-                first = held_out_documents(stream, n_val + n_tok, column)
+            for i, (name, data) in enumerate(zip(names, cfg.data.of_sources(), strict=True)):
+                with naming(i, cfg.data.sources):
+                    stream, source = stream_corpus(data, notes)
+                    column = data.text_column if data.path else "text"
+                    first = held_out_documents(stream, n_val + n_tok, column)
                 if n_val and len(first) <= n_val:
                     of = f" of source {name}" if name else ""
                     raise UserError(
@@ -169,12 +173,13 @@ class PretrainRecipe:
             self.tokenizer = self.tokenizer_of(learn_from, f"{key}-after-{n_val}")
         world, rank = trainer.strategy.data_ranks
         streams, val = [], {}
+        held_out = [t for *_, first in opened for t in first[:n_val]]  # skipped by every source's stream
         for name, (data, stream, source, column, first) in zip(names, opened, strict=True):
             if n_val:
                 val[name] = packed_dataset(datasets.Dataset.from_dict({"text": first[:n_val]}), self.tokenizer,
                                            cfg.data.seq_len, cfg.data.resolved_cache_dir(), f"{source}-held-out-{n_val}",
                                            cfg.data.num_proc)
-            streams.append(StreamingBlocks(stream, self.tokenizer, cfg.data.seq_len, (world, rank), first[:n_val], column,
+            streams.append(StreamingBlocks(stream, self.tokenizer, cfg.data.seq_len, (world, rank), held_out, column,
                                            data.path or EMBEDDED, name))
         if cfg.data.sources:
             plan = weight_plan(cfg.data.sources, cfg.data.stages)
@@ -190,9 +195,8 @@ class PretrainRecipe:
             f"{n_val * len(opened) if n_val else 0} held-out documents (the stream's first) -> "
             f"{sum(len(v) for v in val.values())} blocks{tokenizer}; vocab {len(self.tokenizer)}"
         )
-        for start, weights in stages:
-            trainer.print(f"data: from step {start + 1}: weights "
-                          + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, weights, strict=True)))
+        for line in stages_said(names, stages):
+            trainer.print(f"data: {line}")
 
     def train(self) -> None:
         self.trainer.fit()

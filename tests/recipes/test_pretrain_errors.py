@@ -67,6 +67,10 @@ CASES = {
                                                   "data.stages[0]: the weights from step 5 on sum to 0"),
     "mixture: a name that cannot be a metric key": (["data.sources=[{name: web/en}]"],
                                                     "data.sources[0].name='web/en' must be letters, digits, '_', '.' or '-'"),
+    "mixture: a stage at step 0": (["data.sources=[{name: web}]", "data.stages=[{start_step: 0, weights: {web: 2}}]"],
+                                   "data.stages[0].start_step=0 must be at least 1 (steps count from 1, as the logs do)"),
+    "mixture: a source's path that is not there": (["data.sources=[{name: docs}, {name: web, path: /nonexistent/web.txt}]"],
+                                                   "data.sources[1].path=/nonexistent/web.txt does not exist"),
     "mixture and data.path": (["data.path=corpus.txt", "data.sources=[{name: web}]"],
                               "data.path=corpus.txt and sources are both set; list it in data.sources as one more source "
                               "and leave data.path empty (data.path=), or drop data.sources"),

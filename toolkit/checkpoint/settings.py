@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.config import UserError
-from toolkit.data.mixture import trained_part
+from toolkit.data.mixture import stages_said, trained_part
 from toolkit.run_dir import TrainerState
 
 
@@ -46,10 +46,10 @@ def check_same_mixture(folder: Path, mixture: dict, say: Callable[[str], None]) 
                         f"than this run gives those steps; resume with them as they were: only the weights from step "
                         f"{step + 1} on may change")
     if was["plan"] != mixture["plan"]:
+        in_force = next(weights for start, weights in reversed(mixture["plan"]) if start <= step)
+        coming = [(step, in_force)] + [(start, weights) for start, weights in mixture["plan"] if start > step]
         say(f"resumed with changed data.stages, taken from step {step + 1} on: "
-            + "; ".join(f"from step {start + 1}: " + ", ".join(f"{n} {w:.3f}" for n, w in zip(mixture["sources"],
-                                                                                             weights, strict=True))
-                        for start, weights in mixture["plan"] if start + 1 > step))
+            + "; ".join(stages_said(mixture["sources"], coming)))
 
 
 # What a resume does with each optimizer/schedule setting changed since the checkpoint (the README's

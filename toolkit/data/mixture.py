@@ -11,8 +11,11 @@ the global batches of a 1-process run.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 import numpy as np
@@ -66,8 +69,9 @@ def mixture_problems(sources: list[SourceConfig], stages: list[StageConfig]) -> 
         return problems
     weights = {s.name: max(0.0, s.weight) for s in sources}
     for i, stage in enumerate(stages):
-        if stage.start_step < 0:
-            problems.append(f"stages[{i}].start_step={stage.start_step} must be at least 0")
+        if stage.start_step < 1:
+            problems.append(f"stages[{i}].start_step={stage.start_step} must be at least 1 (steps count from 1, as the "
+                            "logs do)")
         if i and stage.start_step <= stages[i - 1].start_step:
             problems.append(f"stages[{i}].start_step={stage.start_step} is not after the stage before it "
                             f"(start_step={stages[i - 1].start_step}); list the stages in the order they start")
@@ -93,9 +97,29 @@ def weight_plan(sources: list[SourceConfig], stages: list[StageConfig]) -> list[
     plan = [(0, weights)]
     for stage in stages:
         weights = [float(stage.weights.get(s.name, w)) for s, w in zip(sources, weights, strict=True)]
-        start = max(0, stage.start_step - 1)
+        start = stage.start_step - 1
         plan = [(first, ws) for first, ws in plan if first < start] + [(start, weights)]
     return [(start, [w / sum(ws) for w in ws]) for start, ws in plan]
+
+
+def stages_said(names: list[str], plan: list) -> list[str]:
+    """"from step N: weights a 0.700, b 0.300", one line for each (first batch, weights) of `plan`."""
+    return [f"from step {start + 1}: weights " + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, weights, strict=True))
+            for start, weights in plan]
+
+
+@contextlib.contextmanager
+def naming(index: int, sources: list[SourceConfig]):
+    """A corpus error of data.sources[index] names its keys there (the corpus readers name a single source's)."""
+    try:
+        yield
+    except UserError as exc:
+        if not sources:
+            raise
+        text = str(exc).replace("data.name", f"data.sources[{index}].subset")
+        for key in ("path", "text_column", "sample_by", "split"):
+            text = text.replace(f"data.{key}", f"data.sources[{index}].{key}")
+        raise UserError(text if text != str(exc) else f"data source {sources[index].name}: {text}") from None
 
 
 def trained_part(plan: list, steps: int) -> list:
@@ -105,16 +129,56 @@ def trained_part(plan: list, steps: int) -> list:
     return [pair for i, pair in enumerate(kept) if i == 0 or pair[1] != kept[i - 1][1]]
 
 
-def blocks_per_step(weights: list[float], global_batch: int) -> np.ndarray:
-    """Each source's blocks of a global batch: its weight's share, rounded by largest remainder (ties to the
-    first source), so that each is within one block of its share and they add up to the batch."""
-    exact = np.asarray(weights, dtype=np.float64) * global_batch
-    counts = np.floor(exact).astype(np.int64)
-    short = global_batch - int(counts.sum())
-    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[:short]:
-        counts[i] += 1
-    return counts
+class Shares:
+    """How many blocks of each source every global batch holds, by the weights in force at its step.
+
+    A step gives each source the floor or the ceiling of its weight's share (within one block of it), and
+    the ceilings go to the sources furthest behind their share so far: over any number of steps each source
+    stays within a block or two of its share, where rounding every step alike would starve a small weight
+    for the whole run (0.1 of 16 blocks: 1 a step, 6.25 %). Exact fractions, so that every rank computes the
+    same; a function of the step, walked from step 0 (a resume replays the arithmetic, not the data)."""
+
+    def __init__(self, plan: list[tuple[int, list[float]]], global_batch: int):
+        self.global_batch = global_batch
+        shares = []
+        for start, weights in plan:
+            exact = [Fraction(w) for w in weights]
+            shares.append((start, [w * global_batch / sum(exact) for w in exact]))
+        # the fractions of a block in units of 1/scale, as integers: the walk is integer arithmetic
+        scale = math.lcm(*(x.denominator for _, share in shares for x in share))
+        self.plan = [(start, [math.floor(x) for x in share], [int((x - math.floor(x)) * scale) for x in share])
+                     for start, share in shares]
+        self._unit = scale
+        self._at, self._drawn, self._behind = 0, [0] * len(plan[0][1]), [0] * len(plan[0][1])
+
+    def counts(self, step: int) -> np.ndarray:
+        """Each source's blocks in global batch `step`."""
+        self._walk(step)
+        return np.asarray(self._step_counts(step)[0], dtype=np.int64)
+
+    def drawn_before(self, step: int) -> np.ndarray:
+        """Each source's blocks taken by the steps before `step`."""
+        self._walk(step)
+        return np.asarray(self._drawn, dtype=np.int64)
+
+    def _step_counts(self, step: int) -> tuple[list[int], list[int]]:
+        base, fraction = next((b, f) for start, b, f in reversed(self.plan) if start <= step)
+        extra = self.global_batch - sum(base)  # the ceilings this step hands out
+        ahead = sorted((i for i in range(len(base)) if fraction[i]), key=lambda i: (-(self._behind[i] + fraction[i]), i))
+        up = set(ahead[:extra])
+        return [b + (i in up) for i, b in enumerate(base)], fraction
+
+    def _walk(self, step: int) -> None:
+        if step < self._at:  # asked about an earlier step: walk again from the start
+            self._at, self._drawn, self._behind = 0, [0] * len(self._drawn), [0] * len(self._drawn)
+        while self._at < step:
+            counts, fraction = self._step_counts(self._at)
+            base = next(b for start, b, _ in reversed(self.plan) if start <= self._at)
+            # behind by the fraction owed this step, ahead by a ceiling taken (one block: `unit`)
+            self._behind = [d + f - (c - b) * self._unit for d, f, c, b in zip(self._behind, fraction, counts, base,
+                                                                                strict=True)]
+            self._drawn = [d + c for d, c in zip(self._drawn, counts, strict=True)]
+            self._at += 1
 
 
 class MixtureSchedule:
@@ -129,8 +193,7 @@ class MixtureSchedule:
                                 "it weight 0")
         self.sizes, self.names = np.asarray(sizes, dtype=np.int64), names
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
-        self.weights = plan
-        self.plan = [(start, blocks_per_step(weights, global_batch)) for start, weights in plan]
+        self.plan, self.shares = plan, Shares(plan, global_batch)
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.steps_per_epoch = max(1, int(self.sizes.sum()) // global_batch)  # of all the blocks, for the log
@@ -139,15 +202,11 @@ class MixtureSchedule:
 
     def counts(self, step: int) -> np.ndarray:
         """Each source's blocks in global batch `step`."""
-        return next(counts for start, counts in reversed(self.plan) if start <= step)
+        return self.shares.counts(step)
 
     def drawn_before(self, step: int) -> np.ndarray:
         """Each source's blocks taken by the steps before `step`."""
-        drawn = np.zeros(len(self.sizes), dtype=np.int64)
-        ends = [start for start, _ in self.plan[1:]] + [step]
-        for (start, counts), end in zip(self.plan, ends, strict=True):
-            drawn += counts * max(0, min(end, step) - start)
-        return drawn
+        return self.shares.drawn_before(step)
 
     def _order(self, source: int, epoch: int) -> np.ndarray:
         """Source `source`'s blocks in the order of its pass number `epoch` (reproducible from the seed)."""

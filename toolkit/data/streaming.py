@@ -30,7 +30,7 @@ from datasets.distributed import split_dataset_by_node
 
 from toolkit.config import UserError
 from toolkit.data.corpus import not_text
-from toolkit.data.mixture import blocks_per_step
+from toolkit.data.mixture import Shares
 from toolkit.data.packing import Layout, document_chunks, encoder
 
 READ_DOCUMENTS = 256  # documents tokenized at a time: one Rust tokenizer call
@@ -162,13 +162,16 @@ class StreamingBlocks:
 
 
 class MixedStreams:
-    """StreamingBlocks' contract (take, save, load, epoch) over the streams of a mixture's sources: at each step a
-    data rank takes from each source its weight's share of its blocks (largest remainder, the stage of the step
-    in force), in an order shuffled by (seed, step, rank); each source's position is saved and resumed as one
-    stream's is. The blocks and tokens each source gave this rank's last take: `source_blocks`, `source_tokens`."""
+    """StreamingBlocks' contract (take, save, load, epoch) over the streams of a mixture's sources. Each step's
+    global batch holds each source's share (toolkit.data.mixture.Shares, the same on every rank), laid out as
+    a sequence of sources shuffled by (seed, step), of which each data rank takes its part from its streams;
+    each source's position is saved and resumed as one stream's is. The blocks and tokens each source gave
+    this rank's last take: `source_blocks`, `source_tokens`."""
 
     def __init__(self, streams: list[StreamingBlocks], plan: list[tuple[int, list[float]]], seed: int):
-        self.streams, self.weights, self.seed = streams, plan, seed
+        self.streams, self.plan, self.seed = streams, plan, seed
+        self.world, self.rank = streams[0].ranks
+        self._shares: Shares | None = None  # made at the first take, which says the rank's part of a batch
         self.source_blocks = self.source_tokens = [0] * len(streams)
 
     @property
@@ -177,13 +180,22 @@ class MixedStreams:
         return max(s.epoch for s in self.streams)
 
     def take(self, n: int, step: int) -> dict[str, np.ndarray]:
-        weights = next(w for start, w in reversed(self.weights) if start <= step)
-        parts = [stream.take(int(k)) for stream, k in zip(self.streams, blocks_per_step(weights, n), strict=True)]
-        self.source_blocks = [len(p["num_tokens"]) for p in parts]
-        self.source_tokens = [int(p["num_tokens"].sum()) for p in parts]
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + self.streams[0].ranks[1])
-        order = torch.randperm(n, generator=gen).numpy()
-        return {k: np.concatenate([p[k] for p in parts])[order] for k in COLUMNS}
+        if self._shares is None:
+            self._shares = Shares(self.plan, n * self.world)
+        counts = self._shares.counts(step)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 7 * step + 1)
+        order = np.repeat(np.arange(len(self.streams)), counts)[torch.randperm(int(counts.sum()), generator=gen).numpy()]
+        mine = order[self.rank * n : (self.rank + 1) * n]
+        wheres = [np.flatnonzero(mine == source) for source in range(len(self.streams))]
+        parts = [stream.take(len(where)) for stream, where in zip(self.streams, wheres, strict=True)]
+        self.source_blocks = [len(where) for where in wheres]
+        self.source_tokens = [int(part["num_tokens"].sum()) for part in parts]
+        out = {}
+        for k in COLUMNS:  # each source's blocks where the step's order puts them
+            out[k] = np.empty((n, *parts[0][k].shape[1:]), dtype=np.result_type(*(part[k] for part in parts)))
+            for where, part in zip(wheres, parts, strict=True):
+                out[k][where] = part[k]
+        return out
 
     def save(self, folder: Path) -> None:
         for stream in self.streams:

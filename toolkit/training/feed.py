@@ -22,7 +22,8 @@ class Feed:
                  global_batch: int, micro_batch: int, blocks: datasets.Dataset | None = None,
                  target_counts: Callable | None = None, schedule: BatchSchedule | MixtureSchedule | None = None,
                  stream: StreamingBlocks | MixedStreams | None = None):
-        self.collate, self.val, self.schedule, self.stream = collate, val or None, schedule, stream
+        self.collate, self.schedule, self.stream = collate, schedule, stream
+        self.val = None if isinstance(val, dict) and not val else val  # a mixture's: none of its sources held out
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self._streamed: list[int] = []  # a mixed stream's tokens by source in the last step, all ranks
         if blocks is not None:
@@ -43,7 +44,7 @@ class Feed:
         if not self.sources:
             return {}
         mixed = self.stream if self.stream is not None else self.schedule
-        return {"sources": self.sources, "plan": [[start, list(weights)] for start, weights in mixed.weights]}
+        return {"sources": self.sources, "plan": [[start, list(weights)] for start, weights in mixed.plan]}
 
     def step_data(self, step: int, data_ranks: int, copies: int, reduce: Callable) -> tuple[Iterator[dict], int, int]:
         """This rank's micro-batches (block columns) of `step`, and the global batch's target and token counts.

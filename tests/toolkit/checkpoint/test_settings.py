@@ -39,8 +39,10 @@ def test_a_mixtures_trained_weights_are_kept_and_its_coming_stages_may_change(tm
     check_same_mixture(tmp_path, mixture(StageConfig(80, {"code": 0.9})), said.append)
     assert said == []
     check_same_mixture(tmp_path, mixture(StageConfig(51, {"code": 1.0}), StageConfig(90, {"web": 0})), said.append)
-    assert said == ["resumed with changed data.stages, taken from step 51 on: from step 51: web 0.412, code 0.588; "
-                    "from step 90: web 0.000, code 1.000"]
+    assert said == ["resumed with changed data.stages, taken from step 51 on: from step 51: weights web 0.412, code "
+                    "0.588; from step 90: weights web 0.000, code 1.000"]
+    check_same_mixture(tmp_path, mixture(), said.append)  # the stage to come dropped: the weights in force said
+    assert said[-1] == "resumed with changed data.stages, taken from step 51 on: from step 51: weights web 0.700, code 0.300"
     with pytest.raises(UserError, match=r"trained steps 1-50 with other data.sources weights or data.stages than "
                                         r"this run gives those steps; resume with them as they were: only the weights "
                                         r"from step 51 on may change"):

@@ -166,36 +166,42 @@ def test_a_long_document_streams_a_chunk_at_a_time(tiny_texts, tiny_tokenizer, m
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_mixture_of_streams_takes_each_source_by_weight_and_resumes_at_any_step(texts, tiny_tokenizer, tmp_path,
                                                                                   small_reads, world):
-    """Two sources' streams (the second short: it wraps into new passes) at 0.75/0.25 of each rank's 4 blocks, then
-    0.25/0.75 from step 6: each step's blocks by source within one block of the weights, and a resume after any
-    step (each source's position saved by name) takes the uninterrupted run's blocks."""
+    """Two sources' streams (the second short: it wraps into new passes) at 0.7/0.3 of a global batch of 8 blocks,
+    then 0.25/0.75 from step 6: each step's blocks by source, over the ranks, within one block of the weights
+    (the ranks' parts add up to the global shares, which do not divide), and a resume after any step (each
+    source's position saved by name) takes the uninterrupted run's blocks."""
     from toolkit.data.mixture import SourceConfig, StageConfig, weight_plan
     from toolkit.data.streaming import MixedStreams
 
     long, short = jsonl_stream(tmp_path / "long", texts, 2), jsonl_stream(tmp_path / "short", texts[:8], 2)
-    plan = weight_plan([SourceConfig("long", weight=3), SourceConfig("short", weight=1)], [StageConfig(7, {"short": 9})])
+    plan = weight_plan([SourceConfig("long", weight=0.7), SourceConfig("short", weight=0.3)],
+                       [StageConfig(7, {"long": 0.1})])
 
     def mixed(rank: int) -> MixedStreams:
         return MixedStreams([StreamingBlocks(s, tiny_tokenizer, SEQ_LEN, (world, rank), name=n)
                              for s, n in ((long, "long"), (short, "short"))], plan, seed=5)
 
-    steps = 10
+    steps, n = 10, 8 // world
+    by_step = np.zeros((steps, 2), dtype=int)
     for rank in range(world):
         whole = mixed(rank)
         uninterrupted = []
         for step in range(steps):
-            uninterrupted.append(whole.take(4, step))
-            assert whole.source_blocks == ([3, 1] if step < 6 else [1, 3])  # step 7 is batch 6
+            uninterrupted.append(whole.take(n, step))
+            by_step[step] += whole.source_blocks
             assert sum(whole.source_tokens) == int(uninterrupted[-1]["num_tokens"].sum())
         assert whole.streams[1].epoch >= 1  # the short source was read again
         for stop in range(1, steps):
             first = mixed(rank)
             for step in range(stop):
-                first.take(4, step)
+                first.take(n, step)
             folder = tmp_path / f"mix-{rank}-{stop}"
             folder.mkdir()
             first.save(folder)
             assert sorted(p.name for p in folder.iterdir()) == [f"stream_long_{rank}.npz", f"stream_short_{rank}.npz"]
             resumed = mixed(rank)
             resumed.load(folder)
-            assert_same(joined([resumed.take(4, step) for step in range(stop, steps)]), joined(uninterrupted[stop:]))
+            assert_same(joined([resumed.take(n, step) for step in range(stop, steps)]), joined(uninterrupted[stop:]))
+    for step, counts in enumerate(by_step):  # step 7 is batch 6
+        share = np.array([0.7, 0.3] if step < 6 else [0.25, 0.75]) * 8
+        assert counts.sum() == 8 and np.all(np.abs(counts - share) < 1), (step, counts)
