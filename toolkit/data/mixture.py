@@ -1,12 +1,12 @@
 """Several corpora mixed by weight (data.sources), in stages (data.stages): which blocks of which source
 every global batch holds.
 
-Every step's global batch takes from each source its weight's share of the blocks, rounded by largest
-remainder, so that each source is within one block of its weight at every step. Each source is read in
-its own shuffled order, a fresh one per pass over it (a source smaller than its share is repeated), and
-the blocks of a step are shuffled together before the ranks take their parts. All of it is a function of
-(seed, step, the weights of the steps before): a resume needs no data position, and a 2-process run sees
-the global batches of a 1-process run.
+Every step's global batch takes from each source its weight's share of the blocks, rounded down or up
+(Shares), so that each source is within one block of its weight at every step and of its share over the
+run. Each source is read in its own shuffled order, a fresh one per pass over it (a source smaller than its
+share is repeated), and the blocks of a step are shuffled together before the ranks take their parts. All
+of it is a function of (seed, step, the weights of the steps before): a resume needs no data position, and
+a 2-process run sees the global batches of a 1-process run.
 """
 
 from __future__ import annotations
@@ -129,6 +129,12 @@ def trained_part(plan: list, steps: int) -> list:
     return [pair for i, pair in enumerate(kept) if i == 0 or pair[1] != kept[i - 1][1]]
 
 
+def step_order(seed: int, step: int, n: int) -> np.ndarray:
+    """The order the `n` blocks of global batch `step` are shuffled into, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + 7 * step + 1)
+    return torch.randperm(n, generator=gen).numpy()
+
+
 class Shares:
     """How many blocks of each source every global batch holds, by the weights in force at its step.
 
@@ -161,19 +167,19 @@ class Shares:
         self._walk(step)
         return np.asarray(self._drawn, dtype=np.int64)
 
-    def _step_counts(self, step: int) -> tuple[list[int], list[int]]:
+    def _step_counts(self, step: int) -> tuple[list[int], list[int], list[int]]:
+        """(counts, floors, fractions in 1/unit) of global batch `step`, given how far behind each source is."""
         base, fraction = next((b, f) for start, b, f in reversed(self.plan) if start <= step)
         extra = self.global_batch - sum(base)  # the ceilings this step hands out
         ahead = sorted((i for i in range(len(base)) if fraction[i]), key=lambda i: (-(self._behind[i] + fraction[i]), i))
         up = set(ahead[:extra])
-        return [b + (i in up) for i, b in enumerate(base)], fraction
+        return [b + (i in up) for i, b in enumerate(base)], base, fraction
 
     def _walk(self, step: int) -> None:
         if step < self._at:  # asked about an earlier step: walk again from the start
             self._at, self._drawn, self._behind = 0, [0] * len(self._drawn), [0] * len(self._drawn)
         while self._at < step:
-            counts, fraction = self._step_counts(self._at)
-            base = next(b for start, b, _ in reversed(self.plan) if start <= self._at)
+            counts, base, fraction = self._step_counts(self._at)
             # behind by the fraction owed this step, ahead by a ceiling taken (one block: `unit`)
             self._behind = [d + f - (c - b) * self._unit for d, f, c, b in zip(self._behind, fraction, counts, base,
                                                                                 strict=True)]
@@ -227,9 +233,7 @@ class MixtureSchedule:
             for k in range(int(first), int(first + count)):
                 epoch, position = divmod(k, size)
                 taken.append(self.offsets[source] + self._order(source, epoch)[position])
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 7 * step + 1)
-        mixed = torch.randperm(len(taken), generator=gen).numpy()
-        self._last = (step, np.asarray(taken, dtype=np.int64)[mixed])
+        self._last = (step, np.asarray(taken, dtype=np.int64)[step_order(self.seed, step, len(taken))])
         return self._last[1]
 
     def micro_batches(self, step: int) -> list[np.ndarray]:

@@ -25,12 +25,11 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import torch
 from datasets.distributed import split_dataset_by_node
 
 from toolkit.config import UserError
 from toolkit.data.corpus import not_text
-from toolkit.data.mixture import Shares
+from toolkit.data.mixture import Shares, step_order
 from toolkit.data.packing import Layout, document_chunks, encoder
 
 READ_DOCUMENTS = 256  # documents tokenized at a time: one Rust tokenizer call
@@ -183,8 +182,7 @@ class MixedStreams:
         if self._shares is None:
             self._shares = Shares(self.plan, n * self.world)
         counts = self._shares.counts(step)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 7 * step + 1)
-        order = np.repeat(np.arange(len(self.streams)), counts)[torch.randperm(int(counts.sum()), generator=gen).numpy()]
+        order = np.repeat(np.arange(len(self.streams)), counts)[step_order(self.seed, step, int(counts.sum()))]
         mine = order[self.rank * n : (self.rank + 1) * n]
         wheres = [np.flatnonzero(mine == source) for source in range(len(self.streams))]
         parts = [stream.take(len(where)) for stream, where in zip(self.streams, wheres, strict=True)]
