@@ -57,12 +57,24 @@ def launched_layout(accelerator: Accelerator, sizes: dict[str, int], world: int,
     return parallel_layout(accelerator.distributed_type, sizes, world, stages, zero_stage, fsdp_version, offload)
 
 
+def held_values(param: torch.Tensor) -> torch.Tensor:
+    """The values of a parameter that this rank holds: FSDP2's local shard of a DTensor, or ZeRO-3's
+    partition (`ds_tensor`) without its padding. DeepSpeed pads the last partitions of a parameter whose
+    size the world does not divide with uninitialised memory, which may read as NaN."""
+    if hasattr(param, "to_local"):
+        return param.to_local()
+    part = getattr(param, "ds_tensor", None)
+    if part is None:
+        return param
+    start = param.ds_zero_partition_rank * part.numel()
+    return part.narrow(0, 0, max(0, min(part.numel(), param.ds_numel - start)))
+
+
 def parameter_digest(model: torch.nn.Module) -> str:
     """Exact fingerprint of the parameters held by this rank (bit-level)."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
-        # FSDP2 holds DTensors, ZeRO-3 keeps this rank's partition in `ds_tensor`
-        local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+        local = held_values(p)
         h.update(name.encode())
         h.update(local.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]

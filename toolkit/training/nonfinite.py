@@ -29,6 +29,8 @@ import os
 import torch
 from accelerate.utils import gather_object
 
+from toolkit.strategy.distributed import held_values
+
 ENV = "LLM_TOOLKIT_NONFINITE"
 KINDS = ("batch", "loss", "grad")
 DEAD_LOSS_RTOL = 1e-3  # how close to ln(vocab size) a loss is uniform guessing
@@ -94,16 +96,9 @@ def injected(model, step: int):
             handle.remove()
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: FSDP2 holds DTensors, ZeRO-3 keeps its partition in `ds_tensor`."""
-    if hasattr(param, "to_local"):
-        return param.to_local()
-    return getattr(param, "ds_tensor", param)
-
-
 def nonfinite_weight(accelerator, model: torch.nn.Module) -> str | None:
     """Collective: the name of a weight holding NaN or inf on some rank (each checks its own part), or None."""
-    params = [(name, _local(p).detach()) for name, p in model.named_parameters()]
+    params = [(name, held_values(p).detach()) for name, p in model.named_parameters()]
     flags = [torch.isfinite(t).all() for _, t in params if t.numel()]
     # one host sync for all weights; the names only when something is wrong
     found = None
