@@ -72,10 +72,15 @@ def load_chat_records(cfg: ChatDataConfig) -> list[dict]:
         from toolkit.data.python_chats import PYTHON_CHATS
 
         return [dict(r) for r in PYTHON_CHATS]
-    path = Path(cfg.path).expanduser()
+    return read_records(cfg.path, "chat")
+
+
+def read_records(name: str, kind: str) -> list:
+    """The records of a .jsonl (one per line) or .json (a list) file; `kind` names them in errors."""
+    path = Path(name).expanduser()
     if not path.is_file():
-        raise UserError(f"data.path={cfg.path} does not exist; give a .jsonl or .json file of chat records")
-    text = read_utf8(path, f"data.path={cfg.path}")
+        raise UserError(f"data.path={name} does not exist; give a .jsonl or .json file of {kind} records")
+    text = read_utf8(path, f"data.path={name}")
     if path.suffix.lower() == ".jsonl":
         records = []
         for number, line in enumerate(text.splitlines(), 1):
@@ -83,18 +88,18 @@ def load_chat_records(cfg: ChatDataConfig) -> list[dict]:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise UserError(f"data.path={cfg.path} line {number} is not valid JSON: {exc.msg}") from None
+                    raise UserError(f"data.path={name} line {number} is not valid JSON: {exc.msg}") from None
     elif path.suffix.lower() == ".json":
         try:
             records = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UserError(f"data.path={cfg.path} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
+            raise UserError(f"data.path={name} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
         if not isinstance(records, list):
-            raise UserError(f"data.path={cfg.path} must hold a JSON list of records, found {type(records).__name__}")
+            raise UserError(f"data.path={name} must hold a JSON list of records, found {type(records).__name__}")
     else:
-        raise UserError(f"data.path={cfg.path} has suffix {path.suffix or '(none)'}; use .jsonl or .json")
+        raise UserError(f"data.path={name} has suffix {path.suffix or '(none)'}; use .jsonl or .json")
     if not records:
-        raise UserError(f"data.path={cfg.path} holds no records")
+        raise UserError(f"data.path={name} holds no records")
     return records
 
 
@@ -149,9 +154,10 @@ def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
 
 
 def render_conversation(
-    tokenizer, messages: list[dict[str, str]], chat_template: str | None = None
+    tokenizer, messages: list[dict[str, str]], chat_template: str | None = None, last_only: bool = False
 ) -> tuple[list[int], list[int]]:
-    """(input_ids, labels): labels are the ids on assistant output (content + turn end), -100 elsewhere."""
+    """(input_ids, labels): labels are the ids on assistant output (content + turn end), -100 elsewhere;
+    `last_only`: on the last assistant message's only (a preference pair's answer after its prompt)."""
     if not getattr(tokenizer, "is_fast", False):
         raise UserError("chat SFT needs a fast tokenizer (character offsets); load one with use_fast=True")
     template = chat_template_for(tokenizer, chat_template)
@@ -192,6 +198,8 @@ def render_conversation(
             )
         spans.append((start, start + len(content), len(through)))
 
+    if last_only:
+        spans = spans[-1:]
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))

@@ -1,0 +1,156 @@
+"""The preference objectives against TRL, and packed against unpacked.
+
+TRL's DPOTrainer computes its loss, rewards and gradients on the same tiny model, pairs and beta from its
+own padded batch (its collator, its `compute_loss`, its reference copy of the model); the toolkit's come
+from one pair per block (unpacked) and from pairs packed several to a block: all three agree within fp32
+rounding. SimPO and ORPO have no reference: packed equals unpacked, and their formulas are checked on
+hand-computed sums.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toolkit.data.preference import (
+    collate_pairs,
+    embedded_records,
+    pack_pairs,
+    tokenize_pairs,
+    with_reference,
+)
+from toolkit.models.preference_loss import PreferenceLoss, sequence_sums, token_logps
+
+BETA = 0.1
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tiny_tokenizer, chatml_file):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = chatml_file.read_text()
+    return tok
+
+
+@pytest.fixture(scope="module")
+def pairs(chat_tokenizer):
+    """Six tokenized pairs of the embedded set (multi-turn prompts and non-answers among them)."""
+    rows, _ = tokenize_pairs(embedded_records()[:6], chat_tokenizer, None)
+    return rows
+
+
+def blocks_of(rows, seq_len, tok):
+    blocks, _ = pack_pairs(rows, seq_len, tok.pad_token_id)
+    return blocks
+
+
+def reference_column(model, blocks):
+    """What the reference pass stores: the untrained model's log-probability of each target."""
+    with torch.no_grad():
+        logps = token_logps(model, collate_pairs(blocks.with_format("numpy")[:], "sdpa"))
+    return with_reference(blocks, logps.numpy())
+
+
+def toolkit_loss(model, blocks, loss: PreferenceLoss):
+    """(mean loss over the pairs, per-pair chosen and rejected rewards, gradients) from the packed blocks."""
+    model.zero_grad()
+    batch = collate_pairs(blocks.with_format("numpy")[:], "sdpa")
+    total, stats = loss.sums(model, batch)
+    (total / stats[3]).backward()
+    with torch.no_grad():
+        logps, counts = sequence_sums(batch, token_logps(model, batch))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (total / stats[3]).item(), stats, logps, counts, grads
+
+
+def trl_loss(model, reference, tokenizer, rows, tmp_path):
+    """TRL's DPOTrainer on the same pairs, as its collator pads them: (loss, rewards/chosen mean, grads)."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    examples = []
+    for ids_c, lab_c, ids_r, lab_r in rows:
+        start_c = next(i for i, x in enumerate(lab_c) if x != -100)
+        start_r = next(i for i, x in enumerate(lab_r) if x != -100)
+        assert start_c == start_r and ids_c[:start_c] == ids_r[:start_r]  # one prompt, then each answer
+        examples.append({"prompt_ids": ids_c[:start_c], "chosen_ids": ids_c[start_c:], "rejected_ids": ids_r[start_r:]})
+    args = DPOConfig(output_dir=str(tmp_path), beta=BETA, report_to=[], per_device_train_batch_size=len(rows),
+                     use_cpu=True, bf16=False, max_length=None, disable_tqdm=True)
+    dataset = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # unread: the batch is built below
+    trainer = DPOTrainer(model=model, ref_model=reference, args=args, processing_class=tokenizer,
+                         train_dataset=dataset)
+    batch = trainer.data_collator(examples)
+    model.zero_grad()
+    model.train()
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.item(), metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_dpo_equals_trl_unpacked_and_packed(tiny_model, chat_tokenizer, pairs, tmp_path):
+    torch.manual_seed(0)
+    reference = tiny_model("llama", tokenizer=chat_tokenizer)
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():  # the policy a little away from its reference, so that rewards are not 0
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    loss = PreferenceLoss("dpo", BETA)
+    longest = max(len(a) + len(c) for a, _, c, _ in pairs)
+    unpacked = reference_column(reference, blocks_of(pairs, longest, chat_tokenizer))
+    packed = reference_column(reference, blocks_of(pairs, 4 * longest, chat_tokenizer))
+    assert len(unpacked) == len(pairs) > len(packed)  # one pair a block, against several
+
+    ours = toolkit_loss(policy, unpacked, loss)
+    ours_packed = toolkit_loss(policy, packed, loss)
+    theirs, metrics, their_grads = trl_loss(policy, reference, chat_tokenizer, pairs, tmp_path)
+
+    # TRL sums each answer's ~100 log-probabilities in fp32, the toolkit in fp64: 5e-6 apart here, while a token
+    # counted on the wrong side or a prompt token counted moves the loss by ~1e-2
+    assert ours[0] == pytest.approx(theirs, rel=2e-5)
+    assert ours_packed[0] == pytest.approx(ours[0], rel=1e-6)
+    pairs_n = ours[1][3].item()
+    assert pairs_n == len(pairs)
+    # a reward is beta x the difference of two such sums: the same fp32 rounding, in absolute terms
+    assert ours[1][0].item() / pairs_n == pytest.approx(metrics["rewards/chosen"], abs=2e-5)
+    assert ours[1][1].item() / pairs_n == pytest.approx(metrics["rewards/rejected"], abs=2e-5)
+    assert ours[1][2].item() / pairs_n == pytest.approx(metrics["rewards/accuracies"])
+    assert abs(metrics["rewards/margins"]) > 1e-4  # a real difference was compared
+    for name, grad in their_grads.items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(ours[4][name], grad, rtol=1e-3, atol=2e-5 * scale, msg=name)
+        torch.testing.assert_close(ours_packed[4][name], ours[4][name], rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+@pytest.mark.parametrize("objective", ["simpo", "orpo"])
+def test_reference_free_objectives_packed_equal_unpacked_and_their_formula(objective, tiny_model, chat_tokenizer,
+                                                                            pairs):
+    model = tiny_model("llama", tokenizer=chat_tokenizer)
+    loss = PreferenceLoss(objective, beta=2.0, gamma=0.5, orpo_lambda=0.3)
+    longest = max(len(a) + len(c) for a, _, c, _ in pairs)
+    unpacked = toolkit_loss(model, blocks_of(pairs, longest, chat_tokenizer), loss)
+    packed = toolkit_loss(model, blocks_of(pairs, 4 * longest, chat_tokenizer), loss)
+    assert packed[0] == pytest.approx(unpacked[0], rel=1e-5)
+    for name, grad in unpacked[4].items():
+        torch.testing.assert_close(packed[4][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    # the formula, from the per-answer sums and counts (the unpacked blocks keep the pairs in order)
+    mean = unpacked[2] / unpacked[3]
+    if objective == "simpo":
+        expected = -F.logsigmoid(2.0 * (mean[:, 0] - mean[:, 1]) - 0.5)
+    else:
+        odds = mean - torch.log1p(-torch.exp(mean))
+        expected = -mean[:, 0] - 0.3 * F.logsigmoid(odds[:, 0] - odds[:, 1])
+    assert unpacked[0] == pytest.approx(expected.mean().item(), rel=1e-5)
+    assert unpacked[1][0].item() == pytest.approx(2.0 * mean[:, 0].sum().item(), rel=1e-5)
+
+
+def test_a_policy_equal_to_its_reference_has_loss_log2_and_no_reward(tiny_model, chat_tokenizer, pairs):
+    model = tiny_model("llama", tokenizer=chat_tokenizer)
+    blocks = reference_column(model, blocks_of(pairs, 512, chat_tokenizer))
+    loss, stats, *_ = toolkit_loss(model, blocks, PreferenceLoss("dpo", BETA))
+    assert loss == pytest.approx(math.log(2), rel=1e-6)
+    assert stats.tolist() == [0.0, 0.0, 0.0, len(pairs)]

@@ -1,0 +1,98 @@
+"""Preference objectives on packed pair blocks (toolkit.data.preference): DPO, SimPO and ORPO.
+
+Each pair's answers are scored by their summed log-probability under the policy, read from one
+forward over the packed micro-batch: the per-token log-probabilities of the targets are summed by
+`sequence` (chosen 2k, rejected 2k + 1). Per pair, with c and r those sums, |c| and |r| the answers'
+token counts, and c_ref and r_ref the reference model's sums (`ref_logps`, computed once before
+training):
+
+    dpo    -log sigmoid(beta ((c - c_ref) - (r - r_ref)))               rewards beta (c - c_ref), beta (r - r_ref)
+    simpo  -log sigmoid(beta (c/|c| - r/|r|) - gamma)                   rewards beta c/|c|, beta r/|r|
+    orpo   -c/|c| - lambda log sigmoid(log odds(c/|c|) - log odds(r/|r|)),  odds(p) = e^p / (1 - e^p)
+                                                                         rewards beta c/|c|, beta r/|r|
+
+A micro-batch gives the *sum* of its pairs' losses; the step divides by the pairs of the whole
+global batch (toolkit.models.loss.backward_scale), so accumulation and data parallelism change
+nothing. ORPO's first term is each pair's mean token loss on its chosen answer, as in the paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.data.packing import IGNORE_INDEX
+from toolkit.models.loss import static_flex_on_cpu, targets_of
+
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
+STATS = ("chosen", "rejected", "accuracy", "pairs")  # what `PreferenceLoss.sums` adds up besides the loss
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "sequence", "ref_logps")
+
+
+def token_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's log-probability of each position's target (fp32; 0 where there is none)."""
+    targets = targets_of(batch)
+    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS} | {"use_cache": False}
+    with static_flex_on_cpu(model, targets.device):
+        logits = model(**inputs).logits
+    flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="none")
+    return -flat.view(targets.shape)
+
+
+def sequence_sums(batch: dict[str, torch.Tensor], values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-pair sums of `values` over the targets, per-pair target counts), each (pairs x 2: chosen, rejected),
+    for the pairs of the micro-batch that have targets on both sides."""
+    targets = targets_of(batch) != IGNORE_INDEX
+    slots = 2 * batch["sequence"].numel() + 2  # collate_pairs numbers sequences below 2 x rows x length
+    index = batch["sequence"][targets]
+    # in float64: a reward is the small difference of two sums of hundreds of log-probabilities
+    sums = torch.zeros(slots, dtype=torch.float64, device=values.device).index_add(0, index, values[targets].double())
+    counts = torch.zeros(slots, dtype=torch.float64, device=values.device).index_add(
+        0, index, torch.ones_like(index, dtype=torch.float64))
+    sums, counts = sums.view(-1, 2), counts.view(-1, 2)
+    real = (counts > 0).all(dim=1)
+    return sums[real], counts[real]
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    objective: str
+    beta: float
+    gamma: float = 0.0
+    orpo_lambda: float = 0.0
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.objective == "dpo"
+
+    def sums(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the summed loss of the micro-batch's pairs, 0-d; the sums of STATS, detached): chosen and rejected
+        rewards, pairs whose chosen reward is the higher, pairs."""
+        logps, counts = sequence_sums(batch, token_logps(model, batch))
+        if self.objective == "dpo":
+            ref, _ = sequence_sums(batch, batch["ref_logps"])
+            rewards = self.beta * (logps - ref)
+            losses = -F.logsigmoid(rewards[:, 0] - rewards[:, 1])
+        else:
+            mean = logps / counts
+            rewards = self.beta * mean
+            if self.objective == "simpo":
+                losses = -F.logsigmoid(rewards[:, 0] - rewards[:, 1] - self.gamma)
+            else:  # orpo
+                log_odds = mean - torch.log1p(-torch.exp(mean))
+                losses = -mean[:, 0] - self.orpo_lambda * F.logsigmoid(log_odds[:, 0] - log_odds[:, 1])
+        rewards = rewards.detach()
+        stats = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] > rewards[:, 1]).sum().float(),
+                             torch.tensor(float(len(rewards)), device=rewards.device)])
+        return losses.sum().float(), stats
+
+    @staticmethod
+    def means(stats: list[float], prefix: str) -> dict[str, float]:
+        """The logged means of summed STATS: `{prefix}/chosen`, `/rejected`, `/margin`, `/accuracy`."""
+        chosen, rejected, correct, pairs = stats
+        n = max(1.0, pairs)
+        return {f"{prefix}/chosen": chosen / n, f"{prefix}/rejected": rejected / n,
+                f"{prefix}/margin": (chosen - rejected) / n, f"{prefix}/accuracy": correct / n}
