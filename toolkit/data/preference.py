@@ -199,7 +199,8 @@ def pack_pairs(rows: list[tuple], seq_len: int, pad_id: int,
 
 def with_reference(blocks: datasets.Dataset, logps: np.ndarray) -> datasets.Dataset:
     """The blocks with a `ref_logps` column: the reference model's log-probability of each position's target."""
-    table = blocks.with_format(None).data.table.drop_columns([c for c in ("ref_logps",) if c in blocks.column_names])
+    table = blocks.with_format("arrow")[:]  # honours a selection of the blocks
+    table = table.drop_columns([c for c in ("ref_logps",) if c in table.column_names])
     seq_len = logps.shape[1]
     column = pa.FixedSizeListArray.from_arrays(pa.array(logps.astype(np.float32).reshape(-1)), seq_len)
     return datasets.Dataset(table.append_column("ref_logps", column))

@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from toolkit.config import field
 from toolkit.data.packing import IGNORE_INDEX, collate
 from toolkit.models.loss import forward_loss_sum, targets_of
+from toolkit.models.preference_loss import STATS, PreferenceLoss
 
 
 @dataclass
@@ -28,7 +29,11 @@ class EvalConfig:
 def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[str, datasets.Dataset], *args,
              **kwargs) -> dict[str, float]:
     """eval_loss and eval_ppl over the held-out `blocks` (held_out_sums' arguments); for a mixture's held-out
-    blocks by source, also each source's eval_loss/<name>, of which the whole is the token-weighted mean."""
+    blocks by source, also each source's eval_loss/<name>, of which the whole is the token-weighted mean.
+    With a preference `objective`: eval_loss, the mean over the held-out pairs, and eval_rewards/*."""
+    if kwargs.get("objective") is not None:
+        loss_sum, pairs, *stats = held_out_sums(accelerator, model, blocks, *args, **kwargs)
+        return {"eval_loss": loss_sum / max(1.0, pairs), **PreferenceLoss.means(stats, "eval_rewards")}
     if not isinstance(blocks, dict):
         return _loss_and_ppl(*held_out_sums(accelerator, model, blocks, *args, **kwargs))
     sums = {name: held_out_sums(accelerator, model, b, *args, **kwargs) for name, b in blocks.items()}
@@ -54,8 +59,10 @@ def held_out_sums(
     data_ranks: tuple[int, int] | None = None,
     split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     pipeline=None,
-) -> tuple[float, float]:
-    """(token loss sum, targets) over the first `max_blocks` held-out blocks, split across ranks.
+    objective: PreferenceLoss | None = None,
+) -> tuple[float, ...]:
+    """(token loss sum, targets) over the first `max_blocks` held-out blocks, split across ranks; with a
+    preference `objective`, (pair loss sum, pairs, the sums of its STATS).
 
     `collate_fn` turns block columns into model inputs with `labels` (packed text by default;
     `toolkit.data.chat.collate_chat` for chat blocks, whose labels keep only assistant tokens).
@@ -78,6 +85,7 @@ def held_out_sums(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     targets = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    stats = torch.zeros(len(STATS) if objective is not None else 0, dtype=torch.float64, device=accelerator.device)
     queued: list[dict[str, torch.Tensor]] = []
     for start in range(0, per_rank, micro_batch):
         idx = mine[start : start + micro_batch]
@@ -92,6 +100,11 @@ def held_out_sums(
         if split is not None:
             batch = split(batch)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        if objective is not None:
+            pair_loss, micro_stats = objective.sums(model, batch)
+            loss_sum += pair_loss.double()
+            stats += micro_stats.double()
+            continue
         if pipeline is None or pipeline.is_last:  # a pipeline's loss is its last stage's alone
             targets += (targets_of(batch) != IGNORE_INDEX).sum()
         if pipeline is None:
@@ -106,5 +119,7 @@ def held_out_sums(
         empty["labels"][:] = IGNORE_INDEX
         loss_sum += pipeline.loss_sum(queued + [empty] * (pipeline.micro_batches - len(queued)))
     model.train()
+    if objective is not None:  # (loss, pairs, *STATS): the pairs are STATS' last
+        return tuple(accelerator.reduce(torch.cat([loss_sum[None], stats[-1:], stats]), reduction="sum").tolist())
     total = accelerator.reduce(torch.stack([loss_sum, targets]), reduction="sum")
     return total[0].item(), total[1].item()

@@ -12,6 +12,7 @@ import torch
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
 from toolkit.data.packing import block_targets, column
+from toolkit.data.preference import with_reference
 from toolkit.data.streaming import MixedStreams, StreamingBlocks
 
 
@@ -30,6 +31,12 @@ class Feed:
             self.blocks = blocks.with_format("numpy")
             self.targets = target_counts(self.blocks)
             self.tokens = column(self.blocks, "num_tokens").astype("int64")
+
+    def add_reference(self, train: np.ndarray, val: np.ndarray | None) -> None:
+        """The reference model's log-probabilities as the `ref_logps` column of the blocks (DPO)."""
+        self.blocks = with_reference(self.blocks, train).with_format("numpy")
+        if val is not None:
+            self.val = with_reference(self.val, val)
 
     @property
     def sources(self) -> list[str]:

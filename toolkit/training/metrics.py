@@ -1,4 +1,5 @@
-"""Training metrics: `metrics.jsonl`, model FLOPs utilisation, and the loss-curve plot."""
+"""Training metrics: `metrics.jsonl`, model FLOPs utilisation, the loss-curve plot, and the copy of a step's
+numbers to the host."""
 
 from __future__ import annotations
 
@@ -164,7 +165,9 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path:
     rows = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    preference = any("rewards/margin" in r or "eval_rewards/margin" in r for r in rows)
+    fig, axes = plt.subplots(1, 2 if preference else 1, figsize=(12 if preference else 7, 4), dpi=110, squeeze=False)
+    ax = axes[0][0]
     if train:
         ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1)
     if evals:
@@ -174,9 +177,21 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path:
         points = [(r["step"], r[f"eval_loss/{name}"]) for r in rows if f"eval_loss/{name}" in r]
         ax.plot(*zip(*points, strict=True), ".--", linewidth=1, label=f"held-out loss: {name}")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("preference loss (mean over pairs)" if preference else "cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if preference:  # the rewards beside the loss: the margin should widen, the accuracy rise
+        ax = axes[0][1]
+        for key, style, label in (("rewards/margin", "-", "train reward margin"),
+                                  ("eval_rewards/margin", "o-", "held-out reward margin"),
+                                  ("rewards/accuracy", "-", "train reward accuracy"),
+                                  ("eval_rewards/accuracy", "o-", "held-out reward accuracy")):
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), style, linewidth=1, label=label)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
@@ -192,3 +207,31 @@ def flat_hparams(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return out
+
+
+class HostCopy:
+    """A few numbers of a device tensor, copied to the host without waiting for the device.
+
+    On CUDA the copy goes to pinned memory behind an event; `get` waits for that event only,
+    not for whatever the device was given afterwards. On the CPU the values are there at once.
+    """
+
+    def __init__(self, values: torch.Tensor):
+        self.event = None
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values
+
+    @property
+    def immediate(self) -> bool:
+        """Whether `get` never waits (the same on every rank, unlike asking the event)."""
+        return self.event is None
+
+    def get(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -12,6 +12,7 @@ from toolkit.data.corpus import DataConfig
 from toolkit.data.tokenizer import TokenizerConfig
 from toolkit.models.adapter import AdapterConfig
 from toolkit.models.base_model import BaseModelConfig
+from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.scratch import ModelConfig
 from toolkit.training.evaluation import EvalConfig
 from toolkit.training.metrics import LoggingConfig
@@ -69,8 +70,9 @@ class PretrainConfig(RunConfig):
 class FinetuneDataConfig(DataConfig):
     """The pretraining corpus options plus what chat SFT needs; `format` picks the mode."""
 
-    format: Literal["text", "chat"] = field(
-        "text", help="text = continued pretraining on raw text; chat = SFT on chat records (loss on assistant tokens)"
+    format: Literal["text", "chat", "preference"] = field(
+        "text", help="text = continued pretraining on raw text; chat = SFT on chat records (loss on assistant tokens); "
+        "preference = prompt/chosen/rejected records for train.objective dpo, simpo or orpo"
     )
     overlong: Literal["truncate", "drop"] = field(
         "truncate", help="chat: a conversation longer than seq_len is truncated (keeps its start) or dropped"
@@ -84,8 +86,11 @@ class FinetuneDataConfig(DataConfig):
         if self.streaming:
             problems.append("streaming=true is for pretraining (recipes/pretrain.py); fine-tuning prepares its "
                             "corpus ahead: drop data.streaming")
-        if self.format == "chat":
+        if self.format in ("chat", "preference"):
             problems += [p for p in self.chat().validate() if p not in problems and not p.startswith("val_fraction")]
+        if self.format == "preference" and self.sources:
+            problems.append("sources are not supported with format=preference yet; give one preference file in "
+                            "data.path")
         return problems
 
     def chat(self) -> ChatDataConfig:
@@ -96,11 +101,54 @@ class FinetuneDataConfig(DataConfig):
 
 
 @dataclass
+class FinetuneTrainConfig(TrainConfig):
+    """The shared loop's options plus what the model is trained to do."""
+
+    objective: Literal["sft", "dpo", "simpo", "orpo"] = field(
+        "sft", help="sft = next-token loss on the targets; dpo, simpo, orpo = preference tuning on "
+        "data.format=preference pairs (docs/preference.md)"
+    )
+    beta: float = field(0.1, help="dpo: strength of the pull toward the reference; simpo (~2) and orpo: the "
+                        "rewards' scale")
+    gamma: float = field(0.5, help="simpo: the margin the chosen answer's reward must clear")
+    orpo_lambda: float = field(0.1, help="orpo: weight of the odds-ratio term beside the chosen answer's loss")
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if self.beta <= 0:
+            problems.append(f"beta={self.beta} must be > 0")
+        if self.gamma < 0:
+            problems.append(f"gamma={self.gamma} must be >= 0")
+        if self.orpo_lambda < 0:
+            problems.append(f"orpo_lambda={self.orpo_lambda} must be >= 0")
+        return problems
+
+    def preference(self) -> PreferenceLoss | None:
+        """The preference loss of train.objective, or None for sft."""
+        if self.objective == "sft":
+            return None
+        return PreferenceLoss(self.objective, self.beta, self.gamma, self.orpo_lambda)
+
+
+@dataclass
 class FinetuneConfig(RunConfig):
     output_dir: str = field("runs/finetune", help="where checkpoints, metrics, samples, adapter/ and final/ go")
+    train: FinetuneTrainConfig = field(default_factory=FinetuneTrainConfig, help="steps, batch sizes, precision, "
+                                       "objective")
     model: BaseModelConfig = field(default_factory=BaseModelConfig, help="the pretrained model to adapt")
     adapter: AdapterConfig = field(default_factory=AdapterConfig, help="full, LoRA or QLoRA")
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig, help="domain text or chat records")
     samples: SamplesConfig = field(default_factory=SamplesConfig, help="generations before and after, into samples.md")
 
     RENAMED: ClassVar[dict] = {"base_model": "model", **EVAL_RENAMED}
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        preference = self.data.format == "preference"
+        if preference and self.train.objective == "sft":
+            problems.append("data.format=preference holds pairs to prefer, not text to imitate; set train.objective to "
+                            "dpo, simpo or orpo")
+        elif not preference and self.train.objective != "sft":
+            problems.append(f"train.objective={self.train.objective} trains on preference pairs; set "
+                            "data.format=preference (records with prompt, chosen and rejected)")
+        return problems

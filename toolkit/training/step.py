@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from toolkit.models.loss import forward_loss_sum
+from toolkit.models.preference_loss import STATS, PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite
 
@@ -33,9 +34,10 @@ def optimizer_step(
     max_grad_norm: float,
     loss_chunk_tokens: int = 0,
     router: RouterLoss | None = None,
+    objective: PreferenceLoss | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, str | None, torch.Tensor]:
-    """(this rank's summed token loss as float64, the pre-clipping gradient norm or None, what was
-    not finite, this rank's summed router loss as float64).
+    """(this rank's summed loss as float64, the pre-clipping gradient norm or None, what was not
+    finite, this rank's sums of what else it counts: the router loss, then the objective's STATS).
 
     The third value is None when the optimizer stepped; "loss" (a rank's loss was NaN/inf) or
     "grad" (the gradients were) when it did not: weights and optimizer state are untouched and
@@ -45,17 +47,24 @@ def optimizer_step(
     its loss with weight router.coef, so that the gradient is of the mean over all ranks'
     micro-batches (the backward's division by ranks x accumulation does the averaging); the
     fourth value sums the unweighted router losses (zero for a model without routers).
+    `objective` (a preference objective, toolkit.models.preference_loss): each micro-batch gives its
+    pairs' summed loss in place of the token loss, and `scale` divides by the global batch's pairs.
     """
     engine = engine_of(accelerator)
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     router_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    stats = torch.zeros(len(STATS) if objective is not None else 0, device=accelerator.device, dtype=torch.float64)
     grad_norm = nonfinite = None
     for batch in micro_batches:
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         with accelerator.accumulate(model):
             if router is not None:
                 router.start()
-            token_sum = forward_loss_sum(model, batch, loss_chunk_tokens)
+            if objective is None:
+                token_sum = forward_loss_sum(model, batch, loss_chunk_tokens)
+            else:
+                token_sum, micro_stats = objective.sums(model, batch)
+                stats += micro_stats.double()
             micro_loss = token_sum * scale
             if router is not None:
                 router_loss = router.loss()
@@ -88,7 +97,7 @@ def optimizer_step(
                 elif accelerator.scaler is not None:
                     accelerator.scaler.update()  # closes the unscale_ that clipping did, without a step
             optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, nonfinite, router_sum
+    return loss_sum, grad_norm, nonfinite, torch.cat([router_sum[None], stats])
 
 
 def _any_nonfinite(accelerator: Accelerator, *values: torch.Tensor) -> list[bool]:
@@ -122,4 +131,4 @@ def pipeline_step(
     if nonfinite is None:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, nonfinite, torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    return loss_sum, grad_norm, nonfinite, torch.zeros(1, dtype=torch.float64, device=accelerator.device)

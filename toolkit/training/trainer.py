@@ -48,6 +48,7 @@ from toolkit.faults import kill_point, killing_batches, model_kill_points
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import launch_id
 from toolkit.models.loss import output_head
+from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
 from toolkit.run_dir import RunDir, TrainerState
@@ -56,6 +57,7 @@ from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.evaluation import evaluate
 from toolkit.training.feed import Feed
 from toolkit.training.metrics import (
+    HostCopy,
     MetricsWriter,
     check_trackers,
     estimate_mfu,
@@ -128,34 +130,6 @@ class Diverged(Exception):
     The message is the run's one `error:` line."""
 
 
-class HostCopy:
-    """A few numbers of a device tensor, copied to the host without waiting for the device.
-
-    On CUDA the copy goes to pinned memory behind an event; `get` waits for that event only,
-    not for whatever the device was given afterwards. On the CPU the values are there at once.
-    """
-
-    def __init__(self, values: torch.Tensor):
-        self.event = None
-        if values.device.type == "cuda":
-            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.host.copy_(values, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = values
-
-    @property
-    def immediate(self) -> bool:
-        """Whether `get` never waits (the same on every rank, unlike asking the event)."""
-        return self.event is None
-
-    def get(self) -> list[float]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
-
-
 class Trainer:
     """One run's loop. `cfg` is a recipe config with output_dir, seed, resume, overwrite and the
     sections model (attn_implementation), train, optim, checkpoint, logging and eval."""
@@ -207,6 +181,7 @@ class Trainer:
         self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
                                   settings={} if strategy.ds_owned else trained_settings(cfg))
         self.feed: Feed | None = None  # set by use_data, use_mixture or use_stream
+        self.objective: PreferenceLoss | None = None  # set by use_data: the loss of preference pairs
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
         self.metrics: MetricsWriter | None = None
@@ -226,9 +201,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def use_data(
-        self, train: datasets.Dataset, val: datasets.Dataset | None, collate: Callable, target_counts: Callable
+        self, train: datasets.Dataset, val: datasets.Dataset | None, collate: Callable, target_counts: Callable,
+        objective: PreferenceLoss | None = None,
     ) -> BatchSchedule:
-        """Packed blocks, their collate (blocks -> model inputs with labels) and per-block target counts."""
+        """Packed blocks, their collate (blocks -> model inputs with labels) and per-block target counts; with a
+        preference `objective`, blocks of pairs and their counts of pairs (toolkit.data.preference)."""
+        self.objective = objective
         t = self.cfg.train
         schedule = BatchSchedule(len(train), t.global_batch_size, t.micro_batch_size, *self.strategy.data_ranks,
                                  self.cfg.seed)
@@ -294,6 +272,12 @@ class Trainer:
             # cross-entropy, which the chunked head does not compute (it failed on mixed Tensor/DTensor)
             raise UserError("model.loss=chunked is not supported with tensor parallel (parallelism_config_tp_size) "
                             "yet; use model.loss=full")
+        layout = self.strategy.layout
+        if self.objective is not None and (layout.model_parallel > 1 or cfg.model.chunk_tokens):
+            # a pair's two answers are scored in one forward, whole: not split over ranks or stages
+            raise UserError(f"train.objective={self.objective.objective} trains under DDP, FSDP and ZeRO (data "
+                            f"parallel), not under {layout.name} or with model.loss=chunked yet; use one of "
+                            "accelerate_configs/ddp.yaml, fsdp.yaml or zero*.yaml and model.loss=full")
         model = self.strategy.apply_model_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
         for line in self.strategy.notes:
             self.print(line)
@@ -377,14 +361,14 @@ class Trainer:
                 injected(acc.unwrap_model(self.model), state.step + 1),
             ):
                 if self.strategy.pipeline is not None:
-                    loss_sum, grad_norm, nonfinite, router_sum = pipeline_step(
+                    loss_sum, grad_norm, nonfinite, extras = pipeline_step(
                         acc, self.strategy.pipeline, self.optimizer, killing_batches(batches, state.step + 1), scale,
                         cfg.optim.max_grad_norm, meter,
                     )
                 else:
-                    loss_sum, grad_norm, nonfinite, router_sum = optimizer_step(
+                    loss_sum, grad_norm, nonfinite, extras = optimizer_step(
                         acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
-                        cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router,
+                        cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router, self.objective,
                     )
             kill_point("after_optimizer", state.step + 1)
             if self.step_scheduler and nonfinite is None:  # a skipped step leaves the schedule where it was
@@ -399,7 +383,8 @@ class Trainer:
             # the host only where a value is needed: waiting for it each step would leave the GPU
             # idle while the host prepares the next step.
             stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
-            totals = HostCopy(acc.reduce(torch.stack([loss_sum, stop_flag, router_sum]), reduction="sum"))
+            # [loss, stop, router loss, the objective's STATS]
+            totals = HostCopy(acc.reduce(torch.cat([torch.stack([loss_sum, stop_flag]), extras]), reduction="sum"))
             last = state.step == cfg.train.max_steps
             log_now = state.step % cfg.logging.every == 0 or last
             eval_now = self.feed.val is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
@@ -431,6 +416,7 @@ class Trainer:
                     **{f"tokens/{name}": n for name, n in state.source_tokens.items()},
                     # a mixture of experts: the routers' load-balancing loss, mean over every micro-batch
                     **({} if self.router is None else {"router_aux_loss": values[2] / micro_batches}),
+                    **({} if self.objective is None else PreferenceLoss.means(values[3:], "rewards")),
                 })
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
                 window_tokens, window_time = 0, 0.0
@@ -504,13 +490,15 @@ class Trainer:
                 self.accelerator, self.model, self.feed.val, cfg.train.micro_batch_size,
                 cfg.eval.blocks, cfg.model.attn_implementation, self.feed.collate,
                 cfg.model.chunk_tokens, self.strategy.data_ranks, self.strategy.split_sequences,
-                self.strategy.pipeline,
+                self.strategy.pipeline, objective=self.objective,
             )
         self.eval_step = self.state.eval_step = self.step
         self.log({"step": self.step, "phase": phase, **result})
         sources = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in result.items() if k.startswith("eval_loss/"))
         self.print(f"step {self.step} ({phase}): held-out loss {result['eval_loss']:.4f}"
-                   + (f" ({sources})" if sources else "") + f", perplexity {result['eval_ppl']:.2f}")
+                   + (f" ({sources})" if sources else "")
+                   + (f", perplexity {result['eval_ppl']:.2f}" if "eval_ppl" in result else
+                      f", reward margin {result['eval_rewards/margin']:.4f}, accuracy {result['eval_rewards/accuracy']:.2f}"))
         return result
 
     def save_checkpoint(self) -> Path | None:

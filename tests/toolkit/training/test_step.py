@@ -239,7 +239,7 @@ def test_a_moe_router_loss_is_weighted_once_per_global_batch(data, tiny_model, t
     model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
     model.train()
     scale = backward_scale(step["targets"], accelerator.num_processes, ACCUM)
-    _, _, nonfinite, router_sum = optimizer_step(accelerator, model, optimizer, step["micro"], scale, 0.0, 0, router)
+    _, _, nonfinite, (router_sum,) = optimizer_step(accelerator, model, optimizer, step["micro"], scale, 0.0, 0, router)
     assert nonfinite is None
     assert router_sum.item() == pytest.approx(sum(r.item() for r in routers), rel=1e-6)
     assert_same_weights(accelerator.unwrap_model(model), reference)

@@ -102,7 +102,7 @@ def test_flex_attention_is_refused_on_cpu_before_anything_is_written(tmp_path):
 
 
 def test_host_copy_on_cpu_is_immediate():
-    from toolkit.training.trainer import HostCopy
+    from toolkit.training.metrics import HostCopy
 
     copy = HostCopy(torch.tensor([3.5, 1.0], dtype=torch.float64))
     assert copy.immediate and copy.get() == [3.5, 1.0]
@@ -110,7 +110,7 @@ def test_host_copy_on_cpu_is_immediate():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_host_copy_on_cuda_arrives_without_a_device_wide_wait():
-    from toolkit.training.trainer import HostCopy
+    from toolkit.training.metrics import HostCopy
 
     values = torch.tensor([2.0, 0.0], dtype=torch.float64, device="cuda")
     copy = HostCopy(values)

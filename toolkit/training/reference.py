@@ -1,0 +1,107 @@
+"""DPO's reference: each target's log-probability under the model before training, computed once.
+
+One forward pass over the training and held-out pairs before the first step, through the model as
+the strategy prepared it (sharded under FSDP and ZeRO-3), with a LoRA adapter switched off (the
+base) or, for a full fine-tune, before any weight has changed: no second model is held. The values
+become the blocks' `ref_logps` column and are kept in the run folder with a fingerprint of the
+blocks and the base, so that a resumed run reads them back: a full fine-tune could not compute them
+again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+
+from toolkit.config import UserError
+from toolkit.data.preference import collate_pairs
+from toolkit.models.preference_loss import token_logps
+from toolkit.run_dir import RunDir
+
+
+@torch.no_grad()
+def reference_logps(accelerator, model, blocks: datasets.Dataset, micro_batch: int, attn: str) -> np.ndarray:
+    """Collective: the model's log-probability of each position's target in every block (blocks x seq_len, float32).
+
+    The blocks are split across ranks, every rank running the same number of forwards (a sharded model
+    gathers its weights inside them), and the results gathered so that every rank holds all of them."""
+    n, world, rank = len(blocks), accelerator.num_processes, accelerator.process_index
+    seq_len = len(blocks[0]["input_ids"])
+    per_rank = math.ceil(n / world)
+    mine = list(range(rank, n, world))
+    out = torch.zeros(per_rank, seq_len, dtype=torch.float32, device=accelerator.device)
+    unwrapped = accelerator.unwrap_model(model)
+    was_training = model.training
+    model.eval()
+    with unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else contextlib.nullcontext():
+        for start in range(0, per_rank, micro_batch):
+            rows = min(micro_batch, per_rank - start)
+            idx = mine[start:start + rows]
+            idx = idx + [0] * (rows - len(idx))  # a rank short of blocks repeats one and drops it below
+            batch = {k: v.to(accelerator.device) for k, v in collate_pairs(blocks[idx], attn).items()}
+            with accelerator.autocast():
+                out[start:start + rows] = token_logps(model, batch).float().reshape(rows, seq_len)
+    model.train(was_training)
+    gathered = accelerator.gather(out).cpu().numpy()
+    result = np.zeros((n, seq_len), dtype=np.float32)
+    for r in range(world):
+        count = len(range(r, n, world))
+        result[r::world] = gathered[r * per_rank:r * per_rank + count]
+    return result
+
+
+def fingerprint(train: datasets.Dataset, val: datasets.Dataset | None, base: str) -> str:
+    """What the reference values belong to: the blocks' tokens and the base model."""
+    h = hashlib.sha256(base.encode())
+    for blocks in (train, val):
+        if blocks is not None:
+            h.update(np.ascontiguousarray(blocks.with_format("numpy")[:]["input_ids"]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def use_reference(trainer, base: str, lora: bool) -> None:
+    """The feed's blocks get their reference log-probabilities: read from the run folder that a resumed
+    checkpoint belongs to, else computed now (collective) and saved in this run's folder."""
+    feed, acc, cfg = trainer.feed, trainer.accelerator, trainer.cfg
+    key = fingerprint(feed.blocks, feed.val, base)
+    kept = RunDir(Path(trainer.resume_from).parent.parent).reference if trainer.resumed else trainer.run.reference
+    values = _read(kept, key)
+    if values is None and trainer.resumed and not lora:
+        raise UserError(
+            f"{kept} is missing or was made for other data or another base: the reference of a full fine-tune is "
+            f"the model before training, which {trainer.resume_from} no longer holds; start the run over "
+            "(overwrite=true) or resume it with the data and base it was started with")
+    if values is None:
+        trainer.print("reference: one forward pass over the pairs with the "
+                      f"{'adapter off' if lora else 'weights before training'} (DPO's reference log-probabilities)")
+        values = {"train": reference_logps(acc, trainer.model, feed.blocks, cfg.train.micro_batch_size,
+                                           cfg.model.attn_implementation)}
+        if feed.val is not None:
+            values["val"] = reference_logps(acc, trainer.model, feed.val, cfg.train.micro_batch_size,
+                                            cfg.model.attn_implementation)
+        if trainer.strategy.is_main:
+            _write(trainer.run.reference, key, values)
+    feed.add_reference(values["train"], values.get("val"))
+
+
+def _read(path: Path, key: str) -> dict[str, np.ndarray] | None:
+    if not path.is_file():
+        return None
+    with np.load(path) as saved:
+        if str(saved["fingerprint"]) != key:
+            return None
+        return {name: saved[name] for name in ("train", "val") if name in saved}
+
+
+def _write(path: Path, key: str, values: dict[str, np.ndarray]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, fingerprint=np.array(key), **values)
+    os.replace(tmp, path)
