@@ -160,3 +160,40 @@ def test_a_base_model_the_machine_cannot_hold_or_train_is_refused_before_it_is_l
     assert err.startswith(f"error: model.path={tmp_path / 'big'} has ")
     says = "loads it whole" if method == "lora" else "gradients and AdamW state"
     assert says in err and "GB available" in err, err
+
+
+# --- preference tuning (data.format=preference, train.objective): docs/faults.md
+PAIR = {"prompt": "How do I reverse a list?", "chosen": "Use items[::-1].", "rejected": "You cannot."}
+
+
+@pytest.mark.parametrize(("overrides", "said"), [
+    (["train.objective=dpo", "data.format=chat"], "train.objective=dpo trains on preference pairs; set "
+                                                  "data.format=preference"),
+    (["data.format=preference"], "data.format=preference holds pairs to prefer, not text to imitate; set "
+                                 "train.objective to dpo, simpo or orpo"),
+    (["train.objective=dpo", "data.format=preference", "train.beta=0"], "train.beta=0.0 must be > 0"),
+    (["train.objective=dpo", "data.format=preference", "data.sources=[{name: a, weight: 1}]"],
+     "data.sources are not supported with format=preference yet"),
+    (["train.objective=dpo", "data.format=preference", "model.loss=chunked"],
+     "train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel), not under single process or with "
+     "model.loss=chunked yet"),
+])
+def test_preference_settings_that_contradict(finetune, capsys, tmp_path, overrides, said):
+    assert said in one_error(finetune, capsys, tmp_path, *overrides)
+
+
+@pytest.mark.parametrize(("records", "said"), [
+    ([PAIR, {"prompt": "Hi", "chosen": "Hello"}], "record 1 lacks `rejected` (has ['chosen', 'prompt']); a "
+                                                  "preference record needs `prompt`, `chosen` and `rejected`"),
+    ([{**PAIR, "prompt": [{"role": "assistant", "content": "Hi"}]}], "record 0: the prompt's last message is the "
+                                                                     "assistant's; end it with the user's turn"),
+    ([{**PAIR, "chosen": {"role": "user", "content": "x"}}], "record 0: `chosen` must be a string or one assistant "
+                                                             "message"),
+    ([{**PAIR, "rejected": PAIR["chosen"]}, {**PAIR, "chosen": " "}], "2 preference records: 1 with chosen equal to "
+                                                                      "rejected and 1 with an empty answer left out: "
+                                                                      "none has two different, non-empty answers"),
+])
+def test_preference_records_that_cannot_train(finetune, capsys, tmp_path, records, said):
+    path = write_jsonl(tmp_path / "pairs.jsonl", records)
+    err = one_error(finetune, capsys, tmp_path, "train.objective=dpo", "data.format=preference", f"data.path={path}")
+    assert said in err

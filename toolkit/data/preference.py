@@ -68,7 +68,8 @@ def _prompt(value, index: int) -> list[dict[str, str]]:
         if role not in ROLES or not isinstance(m.get("content"), str):
             raise UserError(f"record {index}: prompt message {j} needs a role ({', '.join(ROLES)}) and text `content`")
     if value[-1]["role"] != "user":
-        raise UserError(f"record {index}: the prompt ends with a {value[-1]['role']} message; end it with the user's turn")
+        raise UserError(f"record {index}: the prompt's last message is the {value[-1]['role']}'s; end it with the "
+                        "user's turn")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

@@ -86,8 +86,9 @@ def use_reference(trainer, base: str, lora: bool) -> None:
         if feed.val is not None:
             values["val"] = reference_logps(acc, trainer.model, feed.val, cfg.train.micro_batch_size,
                                             cfg.model.attn_implementation)
-        if trainer.strategy.is_main:
-            _write(trainer.run.reference, key, values)
+        kept = None
+    if trainer.strategy.is_main and kept != trainer.run.reference:  # computed, or read from another run's folder:
+        _write(trainer.run.reference, key, values)  # this run's own checkpoints resume from it
     feed.add_reference(values["train"], values.get("val"))
 
 

@@ -1,0 +1,108 @@
+"""Preference tuning in the fine-tuning recipe, on the tiny model the pretraining recipe wrote and the embedded pairs.
+
+DPO with LoRA and full under DDP, ZeRO-3 and FSDP2 (2 CPU processes, gradient accumulation 2) follows the
+1-process curve (loss and rewards, rel 1e-4); the reference is one pass before training, kept in the run
+folder and read back by a resume, which continues bit for bit; SimPO and ORPO need no reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from recipe_runner import FT_TINY, run_recipe
+
+from toolkit.training.metrics import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = "finetune_smollm2_dpo_lora.yaml"
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
+
+
+def dpo(tiny_base, chatml_file, out, method: str, *more: str) -> list[str]:
+    return [
+        *FT_TINY, f"model.path={tiny_base}", f"data.chat_template={chatml_file}", "data.seq_len=256",
+        f"adapter.method={method}", "adapter.r=8", "optim.lr=1e-3", "train.max_steps=3", "eval.every=0",
+        "eval.blocks=0", "checkpoint.every=2", f"output_dir={out}", *more,
+    ]
+
+
+def steps(out) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def phases(out) -> dict[str, dict]:
+    return {r["phase"]: r for r in read_metrics(out / "metrics.jsonl") if "phase" in r}
+
+
+@pytest.fixture(scope="module")
+def single(tiny_base, chatml_file, data_cache, tmp_path_factory):
+    """The 1-process DPO runs, LoRA and full, that the strategies are compared with."""
+    runs = {}
+    for method in ("lora", "full"):
+        out = tmp_path_factory.mktemp(f"dpo-{method}") / "single"
+        proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, method), nproc=1, cache=data_cache,
+                          config=CONFIG, forked=True)
+        runs[method] = out, proc.stdout + proc.stderr
+    return runs
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_dpo_trains_from_a_reference_pass_and_logs_rewards(method, single):
+    out, log = single[method]
+    assert log.count("reference: one forward pass over the pairs") == 1
+    assert (out / "reference_logps.npz").is_file()
+    rows = steps(out)
+    assert len(rows) == 3 and all(set(REWARDS) <= r.keys() for r in rows)
+    # the first step's policy is its reference: every reward 0 and the loss log 2
+    assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and rows[0]["rewards/margin"] == 0
+    assert rows[-1]["rewards/margin"] > 0 and rows[-1]["loss"] < math.log(2)
+    before, after = phases(out)["before"], phases(out)["after"]
+    assert before["eval_rewards/margin"] == 0 and before["eval_rewards/accuracy"] == 0
+    assert after["eval_rewards/margin"] != 0  # trained (3 steps of a tiny model need not generalise to held-out)
+    assert "eval_ppl" not in after
+    assert "reward margin" in log and "reward accuracy" in log  # the table at the end
+
+
+@pytest.mark.parametrize(("method", "strategy"), [(m, s) for m in ("lora", "full") for s in ("ddp", "zero3", "fsdp")])
+def test_dpo_under_each_strategy_follows_one_process(method, strategy, single, tiny_base, chatml_file, data_cache,
+                                                     tmp_path):
+    reference, _ = single[method]
+    out = tmp_path / strategy
+    run_recipe("finetune", dpo(tiny_base, chatml_file, out, method), nproc=2, cache=data_cache, config=CONFIG,
+               accelerate_config=f"{strategy}.yaml", forked=True)
+    for a, b in zip(steps(reference), steps(out), strict=True):
+        for key in ("loss", *REWARDS):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    for phase, row in phases(reference).items():
+        for key in ("eval_loss", "eval_rewards/margin", "eval_rewards/accuracy"):
+            assert phases(out)[phase][key] == pytest.approx(row[key], rel=1e-4, abs=1e-6), (phase, key)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_resumed_dpo_run_reads_its_reference_back_and_continues_bit_for_bit(method, single, tiny_base,
+                                                                              chatml_file, data_cache, tmp_path):
+    straight, _ = single[method]
+    out = tmp_path / "resumed"
+    proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, method,
+                                      f"resume={straight / 'checkpoints' / 'step-2'}"),
+                      nproc=1, cache=data_cache, config=CONFIG, forked=True)
+    log = proc.stdout + proc.stderr
+    assert "at step 2" in log and "reference: one forward pass" not in log
+    assert (out / "reference_logps.npz").is_file()  # copied: a resume of this run's own checkpoints reads it
+    assert [r["loss"] for r in steps(out)] == [r["loss"] for r in steps(straight)][2:]
+
+
+@pytest.mark.parametrize("objective", ["simpo", "orpo"])
+def test_simpo_and_orpo_train_without_a_reference(objective, tiny_base, chatml_file, data_cache, tmp_path):
+    out = tmp_path / objective
+    proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, "lora", f"train.objective={objective}",
+                                      "train.beta=2.0", "train.max_steps=2", "checkpoint.every=0"),
+                      nproc=1, cache=data_cache, config=CONFIG, forked=True)
+    assert "reference:" not in proc.stdout + proc.stderr and not (out / "reference_logps.npz").exists()
+    rows = steps(out)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and set(REWARDS) <= r.keys() for r in rows)
+    # reference-free rewards are beta x an answer's mean log-probability: below 0, and not equal at the start
+    assert rows[0]["rewards/chosen"] < 0 and rows[0]["rewards/margin"] != 0
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
