@@ -197,8 +197,14 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     micro = [int(x) for x in args.micro_batch.split(",")] if args.micro_batch else MICRO_BATCHES
     rows, notes = [], []
     staged, pipeline_needs, pipeline_notes = pipelines(model, cfg, args.gpus, precision)
+    objective = cfg.train.objective if recipe == "finetune" else "sft"
     for facts in [*strategies(ROOT / "accelerate_configs", hidden), *staged]:
         needs, refused = model_parallel_needs(facts, model, cfg, args.gpus)
+        if objective != "sft":  # the trainer's refusals: a pair is scored whole, in one forward of full logits
+            if facts.layout.model_parallel > 1:
+                refused = f"train.objective={objective} trains under DDP, FSDP and ZeRO (data parallel) only"
+            elif m.chunk_tokens:
+                needs = {**needs, "model.loss": "full"}
         if refused:
             notes.append(f"{facts.name}: not listed: {refused}")
             continue

@@ -305,6 +305,22 @@ def test_what_a_pipeline_refuses_is_named_under_the_table():
     assert "pipeline, train.pipeline_stages=2: not listed: train.mixed_precision=fp16 does not run in a pipeline" in fp16.stderr
 
 
+def test_preference_tuning_is_planned_data_parallel_with_full_logits():
+    proc = plan("--config", "recipes/configs/finetune_smollm2_dpo_lora.yaml", "--gpus", "2", "--json",
+                "model.loss=chunked", "adapter.method=full")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert rows and {r["cp"] * r["tp"] * r["sp"] * r["pipeline_stages"] for r in rows} == {1}
+    assert all(r["requires"] == ["model.loss=full"] for r in rows)
+    assert "not listed: train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel) only" in proc.stderr
+    sft = json.loads(plan("--config", "recipes/configs/finetune_smollm2_chat_lora.yaml", "--gpus", "2", "--json",
+                          "model.loss=chunked", "adapter.method=full", "data.seq_len=512").stdout)
+    # the same model and blocks, trained on the full logits: what the chunked SFT loss saves is held
+    ddp = {r["strategy"]: r for r in sft if r["micro_batch_size"] == 2 and r["gradient_checkpointing"] == "none"}
+    dpo = {r["strategy"]: r for r in rows if r["micro_batch_size"] == 2 and r["gradient_checkpointing"] == "none"}
+    assert dpo["ddp"]["peak_bytes"] > ddp["ddp"]["peak_bytes"]
+
+
 def test_a_mixture_of_experts_is_planned_with_expert_parallel():
     """Qwen3-MoE (pretrain_tiny's sizes, 4 experts): parameters with every expert's, each routed copy of a
     token's expert activations (top-k 2 -> 4: two more per token and layer, in the weights' dtype: fp32

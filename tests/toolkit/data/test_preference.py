@@ -1,0 +1,115 @@
+"""Preference records -> pairs -> packed blocks: the targets are each answer's tokens only, a pair is never split,
+each sequence is its own document, and the counts, truncation and odd records are as the log says."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from toolkit.config import UserError
+from toolkit.data.chat import ChatDataConfig
+from toolkit.data.packing import IGNORE_INDEX
+from toolkit.data.preference import (
+    collate_pairs,
+    embedded_records,
+    pack_pairs,
+    pair_counts,
+    preference_blocks,
+    to_pair,
+    tokenize_pairs,
+    with_reference,
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tiny_tokenizer, chatml_file):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = chatml_file.read_text()
+    return tok
+
+
+def test_record_forms():
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    assert to_pair({"prompt": "Q", "chosen": "a", "rejected": "b"}, 0) == ([{"role": "user", "content": "Q"}], "a", "b")
+    # TRL's conversational form: the answers as one-message lists
+    assert to_pair({"prompt": messages, "chosen": [{"role": "assistant", "content": "a"}],
+                    "rejected": {"role": "assistant", "content": "b"}}, 0) == (messages, "a", "b")
+    with pytest.raises(UserError, match="record 3 lacks `chosen`, `rejected`"):
+        to_pair({"prompt": "Q"}, 3)
+    with pytest.raises(UserError, match="record 0: `rejected` must be a string or one assistant message"):
+        to_pair({"prompt": "Q", "chosen": "a", "rejected": 7}, 0)
+
+
+def test_targets_are_each_answer_and_its_turn_end_after_one_prompt(chat_tokenizer):
+    record = {"prompt": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "earlier answer"},
+                         {"role": "user", "content": "Q2"}], "chosen": "the good one", "rejected": "the bad one"}
+    (ids_c, lab_c, ids_r, lab_r), = tokenize_pairs([record], chat_tokenizer, None)[0]
+    for ids, labels, answer in ((ids_c, lab_c, "the good one"), (ids_r, lab_r, "the bad one")):
+        targets = [t for t in labels if t != IGNORE_INDEX]
+        assert chat_tokenizer.decode(targets) == answer + "<|im_end|>"  # not the earlier assistant turn
+        assert labels[-1] != IGNORE_INDEX  # the sequence ends at its answer's turn end
+    start = next(i for i, t in enumerate(lab_c) if t != IGNORE_INDEX)
+    assert ids_c[:start] == ids_r[:start]  # one prompt, rendered alike before each answer
+
+
+def test_equal_and_empty_answers_are_left_out_and_counted(chat_tokenizer):
+    records = [{"prompt": "Q", "chosen": "a", "rejected": "a"}, {"prompt": "Q", "chosen": "", "rejected": "b"},
+               {"prompt": "Q", "chosen": "a", "rejected": "b"}]
+    rows, said = tokenize_pairs(records, chat_tokenizer, None)
+    assert len(rows) == 1
+    assert said == "3 preference records: 1 with chosen equal to rejected and 1 with an empty answer left out"
+
+
+def test_blocks_hold_whole_pairs_chosen_then_rejected_each_its_own_document(chat_tokenizer):
+    rows, _ = tokenize_pairs(embedded_records(), chat_tokenizer, None)
+    blocks, stats = pack_pairs(rows, 2048, chat_tokenizer.pad_token_id)
+    cols = blocks.with_format("numpy")[:]
+    assert stats.truncated == stats.dropped == 0
+    assert stats.kept == len(rows) == int(pair_counts(blocks).sum()) and stats.blocks == len(blocks) < len(rows)
+    found = []
+    for b in range(len(blocks)):
+        seq, pos, ids, labels = cols["sequence"][b], cols["position_ids"][b], cols["input_ids"][b], cols["labels"][b]
+        assert sorted(set(seq[seq >= 0].tolist())) == list(range(2 * cols["pairs"][b]))
+        sides = []
+        for s in range(2 * cols["pairs"][b]):
+            where = np.flatnonzero(seq == s)
+            assert np.array_equal(pos[where], np.arange(len(where)))  # a document of its own, contiguous
+            assert labels[where[0]] == IGNORE_INDEX  # nothing before it in the block predicts its first token
+            sides.append((tuple(ids[where]), tuple(labels[where][1:])))
+        found += [(sides[k], sides[k + 1]) for k in range(0, len(sides), 2)]
+        assert (labels[seq < 0] == IGNORE_INDEX).all() and (seq[cols["num_tokens"][b]:] == -1).all()
+    # every pair is in the blocks whole, its chosen sequence (2k) before its rejected one (2k + 1), tokens unchanged
+    expected = [((tuple(c), tuple(lc[1:])), (tuple(r), tuple(lr[1:]))) for c, lc, r, lr in rows]
+    assert sorted(found) == sorted(expected)
+
+
+def test_a_pair_longer_than_a_block_is_cut_to_fit_or_dropped(chat_tokenizer):
+    long = "word " * 200
+    rows, _ = tokenize_pairs([{"prompt": "Q", "chosen": long, "rejected": "short"}], chat_tokenizer, None)
+    blocks, stats = pack_pairs(rows, 64, chat_tokenizer.pad_token_id, "truncate")
+    cols = blocks.with_format("numpy")[0]
+    assert stats.truncated == 1 and cols["num_tokens"] == 64 == len(rows[0][0][:64 - len(rows[0][2])]) + len(rows[0][2])
+    assert (cols["sequence"] == 1).sum() == len(rows[0][2])  # the short answer kept whole, the long one cut
+    with pytest.raises(UserError, match="none of 1 preference pairs fits data.seq_len=64"):
+        pack_pairs(rows, 64, chat_tokenizer.pad_token_id, "drop")
+
+
+def test_collate_numbers_sequences_apart_across_rows_and_carries_the_reference(chat_tokenizer):
+    train, val, notes = preference_blocks(ChatDataConfig(seq_len=512, val_fraction=0.25), chat_tokenizer, 1)
+    assert notes[1].startswith("train: packed 24 of 24 pairs") and "held-out: packed 8 of 8" in notes[2]
+    assert notes[3].endswith("training pairs are longer than data.seq_len=512 and were truncated "
+                             "(data.overlong=truncate); raise data.seq_len to keep them whole")
+    logps = np.random.default_rng(0).standard_normal((len(train), 512)).astype(np.float32)
+    blocks = with_reference(train, logps).with_format("numpy")
+    batch = collate_pairs(blocks[:2], "sdpa")
+    assert torch.equal(batch["ref_logps"], torch.as_tensor(logps[:2]))
+    first, second = batch["sequence"][0], batch["sequence"][1]
+    assert set(first[first >= 0].tolist()).isdisjoint(second[second >= 0].tolist())
+    assert batch["attention_mask"].shape == (2, 1, 512, 512)
+    # varlen attention joins the rows into one: the numbers stay apart
+    flat = collate_pairs(blocks[:2], "flash_attention_2")
+    assert flat["sequence"].shape == (1, 1024) and torch.equal(flat["sequence"][0], batch["sequence"].reshape(-1))
