@@ -175,8 +175,8 @@ PAIR = {"prompt": "How do I reverse a list?", "chosen": "Use items[::-1].", "rej
     (["train.objective=dpo", "data.format=preference", "data.sources=[{name: a, weight: 1}]"],
      "data.sources are not supported with format=preference yet"),
     (["train.objective=dpo", "data.format=preference", "model.loss=chunked"],
-     "train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel), not under single process or with "
-     "model.loss=chunked yet"),
+     "train.objective=dpo scores each answer from the full logits: model.loss=chunked is not supported with it "
+     "yet; use model.loss=full"),
 ])
 def test_preference_settings_that_contradict(finetune, capsys, tmp_path, overrides, said):
     assert said in one_error(finetune, capsys, tmp_path, *overrides)

@@ -106,3 +106,12 @@ def test_simpo_and_orpo_train_without_a_reference(objective, tiny_base, chatml_f
     # reference-free rewards are beta x an answer's mean log-probability: below 0, and not equal at the start
     assert rows[0]["rewards/chosen"] < 0 and rows[0]["rewards/margin"] != 0
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_under_tensor_parallel_is_refused_in_one_line(tiny_base, chatml_file, data_cache, tmp_path):
+    proc = run_recipe("finetune", dpo(tiny_base, chatml_file, tmp_path / "tp", "full"), nproc=2, cache=data_cache,
+                      config=CONFIG, accelerate_config="fsdp_tp.yaml", forked=True, check=False)
+    errors = {line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")}
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
+    assert errors.pop().startswith("error: train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel), not "
+                                   "with model parallel (tp 2) yet")

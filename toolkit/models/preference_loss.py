@@ -1,19 +1,9 @@
-"""Preference objectives on packed pair blocks (toolkit.data.preference): DPO, SimPO and ORPO.
+"""Preference objectives on packed pair blocks (toolkit.data.preference): DPO, SimPO and ORPO (docs/preference.md).
 
-Each pair's answers are scored by their summed log-probability under the policy, read from one
-forward over the packed micro-batch: the per-token log-probabilities of the targets are summed by
-`sequence` (chosen 2k, rejected 2k + 1). Per pair, with c and r those sums, |c| and |r| the answers'
-token counts, and c_ref and r_ref the reference model's sums (`ref_logps`, computed once before
-training):
-
-    dpo    -log sigmoid(beta ((c - c_ref) - (r - r_ref)))               rewards beta (c - c_ref), beta (r - r_ref)
-    simpo  -log sigmoid(beta (c/|c| - r/|r|) - gamma)                   rewards beta c/|c|, beta r/|r|
-    orpo   -c/|c| - lambda log sigmoid(log odds(c/|c|) - log odds(r/|r|)),  odds(p) = e^p / (1 - e^p)
-                                                                         rewards beta c/|c|, beta r/|r|
-
-A micro-batch gives the *sum* of its pairs' losses; the step divides by the pairs of the whole
-global batch (toolkit.models.loss.backward_scale), so accumulation and data parallelism change
-nothing. ORPO's first term is each pair's mean token loss on its chosen answer, as in the paper.
+Each pair's answers are scored by their summed log-probability under the model, read from one forward
+over the packed micro-batch: the per-token log-probabilities of the targets are summed by `sequence`
+(chosen 2k, rejected 2k + 1). A micro-batch gives the *sum* of its pairs' losses; the step divides by
+the pairs of the whole global batch (toolkit.models.loss.backward_scale).
 """
 
 from __future__ import annotations

@@ -273,11 +273,16 @@ class Trainer:
             raise UserError("model.loss=chunked is not supported with tensor parallel (parallelism_config_tp_size) "
                             "yet; use model.loss=full")
         layout = self.strategy.layout
-        if self.objective is not None and (layout.model_parallel > 1 or cfg.model.chunk_tokens):
+        if self.objective is not None and layout.model_parallel > 1:
             # a pair's two answers are scored in one forward, whole: not split over ranks or stages
+            degrees = ", ".join(f"{axis} {getattr(layout, axis)}" for axis in ("tp", "cp", "sp", "pp")
+                                if getattr(layout, axis) > 1)
             raise UserError(f"train.objective={self.objective.objective} trains under DDP, FSDP and ZeRO (data "
-                            f"parallel), not under {layout.name} or with model.loss=chunked yet; use one of "
-                            "accelerate_configs/ddp.yaml, fsdp.yaml or zero*.yaml and model.loss=full")
+                            f"parallel), not with model parallel ({degrees}) yet; use accelerate_configs/ddp.yaml, "
+                            "fsdp.yaml or a zero*.yaml, and train.pipeline_stages=1")
+        if self.objective is not None and cfg.model.chunk_tokens:
+            raise UserError(f"train.objective={self.objective.objective} scores each answer from the full logits: "
+                            "model.loss=chunked is not supported with it yet; use model.loss=full")
         model = self.strategy.apply_model_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
         for line in self.strategy.notes:
             self.print(line)

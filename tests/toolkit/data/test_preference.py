@@ -51,6 +51,7 @@ def test_targets_are_each_answer_and_its_turn_end_after_one_prompt(chat_tokenize
     for ids, labels, answer in ((ids_c, lab_c, "the good one"), (ids_r, lab_r, "the bad one")):
         targets = [t for t in labels if t != IGNORE_INDEX]
         assert chat_tokenizer.decode(targets) == answer + "<|im_end|>"  # not the earlier assistant turn
+        assert len(ids) == len(labels) and ids[-len(targets):] == targets
         assert labels[-1] != IGNORE_INDEX  # the sequence ends at its answer's turn end
     start = next(i for i, t in enumerate(lab_c) if t != IGNORE_INDEX)
     assert ids_c[:start] == ids_r[:start]  # one prompt, rendered alike before each answer
