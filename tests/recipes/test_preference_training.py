@@ -8,6 +8,7 @@ folder and read back by a resume, which continues bit for bit; SimPO and ORPO ne
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 from recipe_runner import FT_TINY, run_recipe
@@ -92,6 +93,29 @@ def test_a_resumed_dpo_run_reads_its_reference_back_and_continues_bit_for_bit(me
     assert "at step 2" in log and "reference: one forward pass" not in log
     assert (out / "reference_logps.npz").is_file()  # copied: a resume of this run's own checkpoints reads it
     assert [r["loss"] for r in steps(out)] == [r["loss"] for r in steps(straight)][2:]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_dpo_resume_without_its_reference_file(method, single, tiny_base, chatml_file, data_cache, tmp_path):
+    """LoRA scores the pairs again with its adapter off (the base is unchanged) and goes on as before; a full
+    fine-tune's weights have changed, so it is refused in one line."""
+    straight, _ = single[method]
+    copy = tmp_path / "copy"
+    shutil.copytree(straight, copy)
+    (copy / "reference_logps.npz").unlink()
+    proc = run_recipe("finetune", dpo(tiny_base, chatml_file, tmp_path / "resumed", method,
+                                      f"resume={copy / 'checkpoints' / 'step-2'}"),
+                      nproc=1, cache=data_cache, config=CONFIG, forked=True, check=False)
+    log = proc.stdout + proc.stderr
+    if method == "lora":
+        assert proc.returncode == 0 and "reference: one forward pass over the pairs with the adapter off" in log
+        assert [r["loss"] for r in steps(tmp_path / "resumed")] == [r["loss"] for r in steps(straight)][2:]
+        return
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == [
+        f"error: {copy / 'reference_logps.npz'} is missing or was made for other data or another base: the reference "
+        f"of a full fine-tune is the model before training, which {copy / 'checkpoints' / 'step-2'} no longer holds; "
+        "start the run over (overwrite=true) or resume it with the data and base it was started with"]
 
 
 @pytest.mark.parametrize("objective", ["simpo", "orpo"])
