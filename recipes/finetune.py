@@ -56,7 +56,7 @@ from toolkit.models.scratch import max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import FinetuneConfig
-from toolkit.training.reference import use_reference
+from toolkit.training.reference import base_identity, use_reference
 from toolkit.training.samples import generate, write_samples
 from toolkit.training.trainer import Trainer, model_size
 
@@ -147,7 +147,7 @@ class FinetuneRecipe:
             compile_layers(model)
         trainer.prepare(model, self.tokenizer, n_params, flops_token, {"base_model.json": to_dict(cfg.model)})
         if trainer.objective is not None and trainer.objective.needs_reference:  # DPO: the model before training
-            use_reference(trainer, self.base_name, cfg.adapter.is_lora)
+            use_reference(trainer, base_identity(cfg.model), cfg.adapter.is_lora)
 
         # Held-out loss of the base model, the "before" of the comparison at the end.
         if trainer.feed.val is not None and not trainer.resumed:

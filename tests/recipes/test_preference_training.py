@@ -118,6 +118,32 @@ def test_a_dpo_resume_without_its_reference_file(method, single, tiny_base, chat
         "start the run over (overwrite=true) or resume it with the data and base it was started with"]
 
 
+def test_a_dpo_resume_of_zeroed_weights_stops_as_a_dead_model(single, tiny_base, chatml_file, data_cache, tmp_path):
+    """Zeroed weights are finite, and a pair loss never nears ln(vocabulary): what shows them is a first step
+    with no gradient at all."""
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.manifest import crc32, write_manifest
+    from toolkit.run_dir import STATE_FILE, TrainerState
+
+    straight, _ = single["full"]
+    copy = tmp_path / "copy"
+    shutil.copytree(straight, copy)
+    folder = copy / "checkpoints" / "step-2"
+    save_file({k: v.zero_() for k, v in load_file(folder / "model.safetensors").items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    state = TrainerState.read(folder)
+    state.manifest_crc32 = crc32(write_manifest(folder, skip=(STATE_FILE,)))  # as a save writes it: state last
+    state.write(folder)
+    proc = run_recipe("finetune", dpo(tiny_base, chatml_file, tmp_path / "resumed", "full", f"resume={folder}"),
+                      nproc=1, cache=data_cache, config=CONFIG, forked=True, check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == [
+        f"error: checkpoint {folder} holds a dead model: the first step after resuming got a gradient norm of exactly "
+        "0 (its weights are garbage, e.g. zeroed); resume from an earlier checkpoint with resume=PATH, or start a new "
+        "output_dir"]
+
+
 @pytest.mark.parametrize("objective", ["simpo", "orpo"])
 def test_simpo_and_orpo_train_without_a_reference(objective, tiny_base, chatml_file, data_cache, tmp_path):
     out = tmp_path / objective

@@ -98,8 +98,10 @@ def render_answer(tokenizer, prompt: list[dict[str, str]], answer: str, template
     """(input_ids, labels) of prompt + answer, the labels on the answer only, cut after its last target."""
     ids, labels = render_conversation(tokenizer, [*prompt, {"role": "assistant", "content": answer}], template,
                                       last_only=True)
-    end = max(i for i, label in enumerate(labels) if label != IGNORE_INDEX) + 1
-    return ids[:end], labels[:end]
+    targets = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
+    if not targets:
+        raise UserError(f"the chat template renders no token of the answer {answer[:40]!r}; set data.chat_template")
+    return ids[:targets[-1] + 1], labels[:targets[-1] + 1]
 
 
 @dataclass

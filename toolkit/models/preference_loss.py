@@ -72,7 +72,10 @@ class PreferenceLoss:
             if self.objective == "simpo":
                 losses = -F.logsigmoid(rewards[:, 0] - rewards[:, 1] - self.gamma)
             else:  # orpo
-                log_odds = mean - torch.log1p(-torch.exp(mean))
+                # log(1 - e^p) as log(-expm1(p)): exact for p near 0, where 1 - e^p cancels; a mean of exactly 0
+                # (every token certain) is kept off the pole
+                mean = mean.clamp(max=-1e-12)
+                log_odds = mean - torch.log(-torch.expm1(mean))
                 losses = -mean[:, 0] - self.orpo_lambda * F.logsigmoid(log_odds[:, 0] - log_odds[:, 1])
         rewards = rewards.detach()
         stats = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] > rewards[:, 1]).sum().float(),

@@ -95,8 +95,8 @@ def held_out_sums(
         if not idx:
             continue
         batch = collate_fn(blocks[idx], attn)
-        if real < len(idx):
-            batch["labels"][real:] = IGNORE_INDEX
+        if real < len(idx):  # varlen attention has joined the rows into one: mask by the blocks' rows
+            batch["labels"].view(len(idx), -1)[real:] = IGNORE_INDEX
         if split is not None:
             batch = split(batch)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}

@@ -100,6 +100,9 @@ class FinetuneDataConfig(DataConfig):
         )
 
 
+BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}  # train.beta when empty: the papers' (and TRL's) usual values
+
+
 @dataclass
 class FinetuneTrainConfig(TrainConfig):
     """The shared loop's options plus what the model is trained to do."""
@@ -108,14 +111,15 @@ class FinetuneTrainConfig(TrainConfig):
         "sft", help="sft = next-token loss on the targets; dpo, simpo, orpo = preference tuning on "
         "data.format=preference pairs (docs/preference.md)"
     )
-    beta: float = field(0.1, help="dpo: strength of the pull toward the reference; simpo (~2) and orpo: the "
-                        "rewards' scale")
+    beta: float | None = field(None, help="dpo: how strongly the model is held to its reference (empty: 0.1); "
+                               "simpo: the scale of its length-normalised rewards (empty: 2.0); orpo: of its "
+                               "rewards (empty: 0.1)")
     gamma: float = field(0.5, help="simpo: the margin the chosen answer's reward must clear")
     orpo_lambda: float = field(0.1, help="orpo: weight of the odds-ratio term beside the chosen answer's loss")
 
     def validate(self) -> list[str]:
         problems = super().validate()
-        if self.beta <= 0:
+        if self.beta is not None and self.beta <= 0:
             problems.append(f"beta={self.beta} must be > 0")
         if self.gamma < 0:
             problems.append(f"gamma={self.gamma} must be >= 0")
@@ -127,7 +131,8 @@ class FinetuneTrainConfig(TrainConfig):
         """The preference loss of train.objective, or None for sft."""
         if self.objective == "sft":
             return None
-        return PreferenceLoss(self.objective, self.beta, self.gamma, self.orpo_lambda)
+        beta = self.beta if self.beta is not None else BETA[self.objective]
+        return PreferenceLoss(self.objective, beta, self.gamma, self.orpo_lambda)
 
 
 @dataclass

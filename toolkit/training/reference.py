@@ -22,6 +22,7 @@ import torch
 
 from toolkit.config import UserError
 from toolkit.data.preference import collate_pairs
+from toolkit.models.base_model import BaseModelConfig, resolve_gguf
 from toolkit.models.preference_loss import token_logps
 from toolkit.run_dir import RunDir
 
@@ -57,8 +58,22 @@ def reference_logps(accelerator, model, blocks: datasets.Dataset, micro_batch: i
     return result
 
 
+def base_identity(cfg: BaseModelConfig) -> str:
+    """The base model as the reference depends on it: its name and, where it is on this machine, its files'
+    names and sizes and its config (another model written to the same folder is another base)."""
+    gguf = resolve_gguf(cfg)
+    local = gguf if gguf is not None else Path(cfg.path).expanduser() if cfg.path else None
+    parts = [str(cfg.path), str(cfg.gguf_file), cfg.dtype]
+    if local is not None and local.exists():
+        files = [local] if local.is_file() else sorted(p for p in local.iterdir() if p.is_file())
+        parts += [f"{p.name}:{p.stat().st_size}" for p in files]
+        if local.is_dir() and (local / "config.json").is_file():
+            parts.append((local / "config.json").read_text())
+    return "\n".join(parts)
+
+
 def fingerprint(train: datasets.Dataset, val: datasets.Dataset | None, base: str) -> str:
-    """What the reference values belong to: the blocks' tokens and the base model."""
+    """What the reference values belong to: the blocks' tokens and the base model (base_identity)."""
     h = hashlib.sha256(base.encode())
     for blocks in (train, val):
         if blocks is not None:

@@ -477,8 +477,17 @@ class Trainer:
 
     def check_alive(self, loss: float, grad_norm, bar) -> None:
         """The first step after a resume: a model that guesses uniformly and gets no gradient at all
-        is garbage loaded from the checkpoint (finite weights pass every other check)."""
-        if self.vocab_size and dead_model(loss, grad_norm, self.vocab_size):
+        is garbage loaded from the checkpoint (finite weights pass every other check). A preference loss
+        is not a token loss: there, no gradient at all is the sign (a pair's loss has one wherever
+        the model is alive, its first step included)."""
+        if self.objective is not None and grad_norm is not None and float(grad_norm) == 0.0:
+            bar.close()
+            raise UserError(
+                f"checkpoint {self.resume_from} holds a dead model: the first step after resuming got a gradient "
+                "norm of exactly 0 (its weights are garbage, e.g. zeroed); resume from an earlier checkpoint with "
+                "resume=PATH, or start a new output_dir"
+            )
+        if self.objective is None and self.vocab_size and dead_model(loss, grad_norm, self.vocab_size):
             bar.close()
             raise UserError(
                 f"checkpoint {self.resume_from} holds a dead model: the first step after resuming gave a loss of "

@@ -54,3 +54,23 @@ def test_a_mixtures_trained_weights_are_kept_and_its_coming_stages_may_change(tm
     check_same_mixture(tmp_path, {}, said.append)
     with pytest.raises(UserError, match=r"was trained on one corpus \(data.path\) and this run reads the mixture"):
         check_same_mixture(tmp_path, mixture(), said.append)
+
+
+def test_a_resume_takes_a_changed_preference_setting_from_the_next_step_and_says_so(tmp_path):
+    """The objective and its beta, gamma and lambda are read at every step: a checkpoint records them and a resume
+    that changes one names it in the resume line (a pretraining config has none of them)."""
+    from toolkit.checkpoint.settings import check_same_settings, take_changed_settings, trained_settings
+    from toolkit.config import load_config
+    from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
+
+    dpo = ["train.objective=dpo", "data.format=preference"]
+    saved = trained_settings(load_config(FinetuneConfig, None, [*dpo, "train.beta=0.1"]))
+    assert {"train.objective", "train.beta", "train.gamma", "train.orpo_lambda"} <= saved.keys()
+    assert "train.objective" not in trained_settings(load_config(PretrainConfig, None, []))
+    TrainerState(step=3, seed=1, settings=saved).write(tmp_path)
+    changed = check_same_settings(tmp_path, trained_settings(load_config(FinetuneConfig, None, [*dpo, "train.beta=0.2"])),
+                                  10)
+    assert changed == {"train.beta": (0.1, 0.2)}
+    said: list[str] = []
+    take_changed_settings(changed, None, 3, 1e-3, said.append)
+    assert said == ["resumed with changed settings, taken from step 4 on: train.beta 0.1 -> 0.2"]

@@ -3,18 +3,18 @@
 TRL's DPOTrainer computes its loss, rewards and gradients on the same tiny model, pairs and beta from its
 own padded batch (its collator, its `compute_loss`, its reference copy of the model); the toolkit's come
 from one pair per block (unpacked) and from pairs packed several to a block: all three agree within fp32
-rounding. SimPO and ORPO have no reference: packed equals unpacked, and their formulas are checked on
-hand-computed sums.
+rounding. SimPO and ORPO have no reference: packed equals unpacked, and their losses equal TRL's formulas
+(its CPO trainer's simpo loss, its ORPO trainer's odds ratio) on the same answers' log-probabilities.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from toolkit.data.preference import (
     collate_pairs,
@@ -137,15 +137,25 @@ def test_reference_free_objectives_packed_equal_unpacked_and_their_formula(objec
     assert packed[0] == pytest.approx(unpacked[0], rel=1e-5)
     for name, grad in unpacked[4].items():
         torch.testing.assert_close(packed[4][name], grad, rtol=1e-4, atol=1e-7, msg=name)
-    # the formula, from the per-answer sums and counts (the unpacked blocks keep the pairs in order)
-    mean = unpacked[2] / unpacked[3]
+    # the formula is TRL's (its CPO trainer's simpo loss, its ORPO trainer's odds-ratio term), given the same
+    # length-normalised log-probabilities of each answer; ORPO's first term is each pair's mean loss on its chosen
+    # answer (docs/preference.md)
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    mean = (unpacked[2] / unpacked[3]).float()
+    device = SimpleNamespace(device="cpu")
     if objective == "simpo":
-        expected = -F.logsigmoid(2.0 * (mean[:, 0] - mean[:, 1]) - 0.5)
+        trl = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.5, beta=2.0, label_smoothing=0.0,
+                              accelerator=device)
+        expected, chosen, _ = CPOTrainer.cpo_loss(trl, mean[:, 0], mean[:, 1])
     else:
-        odds = mean - torch.log1p(-torch.exp(mean))
-        expected = -mean[:, 0] - 0.3 * F.logsigmoid(odds[:, 0] - odds[:, 1])
+        odds, chosen, *_ = ORPOTrainer.odds_ratio_loss(SimpleNamespace(beta=0.3, accelerator=device), mean[:, 0],
+                                                       mean[:, 1])
+        expected = -mean[:, 0] - odds
     assert unpacked[0] == pytest.approx(expected.mean().item(), rel=1e-5)
-    assert unpacked[1][0].item() == pytest.approx(2.0 * mean[:, 0].sum().item(), rel=1e-5)
+    if objective == "simpo":  # ORPO's rewards are TRL's at its beta, which is the toolkit's lambda: not compared
+        assert unpacked[1][0].item() == pytest.approx(chosen.sum().item(), rel=1e-5)
 
 
 def test_a_policy_equal_to_its_reference_has_loss_log2_and_no_reward(tiny_model, chat_tokenizer, pairs):

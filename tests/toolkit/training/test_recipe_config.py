@@ -27,8 +27,10 @@ def test_both_recipes_name_the_shared_sections_alike():
     pre = set(PretrainConfig.__dataclass_fields__)
     fine = set(FinetuneConfig.__dataclass_fields__)
     assert shared <= pre and shared <= fine
-    for section in ("train", "optim", "checkpoint", "logging", "eval", "samples"):
+    for section in ("optim", "checkpoint", "logging", "eval", "samples"):
         assert type(getattr(PretrainConfig(), section)) is type(getattr(FinetuneConfig(), section)), section
+    # fine-tuning's train section is the shared one plus what the model is trained to do (train.objective)
+    assert isinstance(FinetuneConfig().train, type(PretrainConfig().train))
     for key in ("attn_implementation", "gradient_checkpointing", "gradient_checkpointing_k"):
         assert key in PretrainConfig().model.__dataclass_fields__ and key in FinetuneConfig().model.__dataclass_fields__
 
@@ -85,3 +87,12 @@ def test_a_collective_timeout_beyond_a_year_is_refused():
     with pytest.raises(ConfigError) as excinfo:
         load_config(PretrainConfig, None, ["train.collective_timeout_s=9223372036854775807"])
     assert excinfo.value.problems == ["train.collective_timeout_s=9223372036854775807 must be at most 31536000 (a year)"]
+
+
+@pytest.mark.parametrize(("objective", "beta"), [("dpo", 0.1), ("simpo", 2.0), ("orpo", 0.1)])
+def test_an_empty_beta_is_the_objectives_usual_value_and_a_given_one_is_kept(objective, beta, tmp_path):
+    cfg = load_config(FinetuneConfig, None, [f"train.objective={objective}", "data.format=preference"])
+    assert cfg.train.beta is None and cfg.train.preference().beta == beta
+    cfg = load_config(FinetuneConfig, None, [f"train.objective={objective}", "data.format=preference", "train.beta=0.5"])
+    assert cfg.train.preference().beta == 0.5 and cfg.train.preference().objective == objective
+    assert load_config(FinetuneConfig, None, []).train.preference() is None  # sft

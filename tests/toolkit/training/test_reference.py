@@ -67,3 +67,21 @@ def test_saved_values_are_read_back_only_for_their_data_and_base(blocks, tmp_pat
     assert read.keys() == values.keys() and all(np.array_equal(read[k], values[k]) for k in values)
     assert _read(path, fingerprint(train, val, "base-b")) is None and _read(tmp_path / "none.npz", key) is None
     assert not (tmp_path / "reference_logps.npz.tmp").exists()
+
+
+def test_another_model_in_the_base_folder_is_another_base(tmp_path):
+    from toolkit.models.base_model import BaseModelConfig
+    from toolkit.training.reference import base_identity
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"hidden_size": 64}')
+    (folder / "model.safetensors").write_bytes(b"0" * 100)
+    cfg = BaseModelConfig(path=str(folder))
+    first = base_identity(cfg)
+    assert base_identity(cfg) == first  # read twice: the same
+    (folder / "model.safetensors").write_bytes(b"0" * 101)  # other weights written to the same folder
+    assert base_identity(cfg) != first
+    second = base_identity(cfg)
+    (folder / "config.json").write_text('{"hidden_size": 65}')
+    assert base_identity(cfg) != second
