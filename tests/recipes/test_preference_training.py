@@ -11,7 +11,7 @@ import math
 import shutil
 
 import pytest
-from recipe_runner import FT_TINY, run_recipe
+from recipe_runner import FT_TINY, foreign_lines, run_recipe
 
 from toolkit.training.metrics import read_metrics
 
@@ -91,6 +91,7 @@ def test_a_resumed_dpo_run_reads_its_reference_back_and_continues_bit_for_bit(me
                       nproc=1, cache=data_cache, config=CONFIG, forked=True)
     log = proc.stdout + proc.stderr
     assert "at step 2" in log and "reference: one forward pass" not in log
+    assert not foreign_lines(log)  # a LoRA resume printed peft's warning that the base had been renamed
     assert (out / "reference_logps.npz").is_file()  # copied: a resume of this run's own checkpoints reads it
     assert [r["loss"] for r in steps(out)] == [r["loss"] for r in steps(straight)][2:]
 

@@ -45,7 +45,9 @@ def _shapes(config: PretrainedConfig, adapter) -> dict[str, list[int]]:
         if adapter is not None:
             from peft import get_peft_model
 
-            model = get_peft_model(model, copy.deepcopy(adapter))
+            adapter = copy.deepcopy(adapter)
+            adapter.base_model_name_or_path = None  # a meta copy: peft would warn that its base was renamed
+            model = get_peft_model(model, adapter)
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
