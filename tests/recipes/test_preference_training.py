@@ -43,7 +43,8 @@ def single(tiny_base, chatml_file, data_cache, tmp_path_factory):
     runs = {}
     for method in ("lora", "full"):
         out = tmp_path_factory.mktemp(f"dpo-{method}") / "single"
-        proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, method), nproc=1, cache=data_cache,
+        trackers = ["logging.trackers=[tensorboard]"] if method == "lora" else []
+        proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, method, *trackers), nproc=1, cache=data_cache,
                           config=CONFIG, forked=True)
         runs[method] = out, proc.stdout + proc.stderr
     return runs
@@ -64,6 +65,12 @@ def test_dpo_trains_from_a_reference_pass_and_logs_rewards(method, single):
     assert after["eval_rewards/margin"] != 0  # trained (3 steps of a tiny model need not generalise to held-out)
     assert "eval_ppl" not in after
     assert "reward margin" in log and "reward accuracy" in log  # the table at the end
+    if method == "lora":  # tensorboard has what metrics.jsonl has
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent))
+        events.Reload()
+        assert {*REWARDS, "eval_rewards/margin", "eval_rewards/accuracy"} <= set(events.Tags()["scalars"])
 
 
 @pytest.mark.parametrize(("method", "strategy"), [(m, s) for m in ("lora", "full") for s in ("ddp", "zero3", "fsdp")])

@@ -218,6 +218,20 @@ def test_a_mixtures_sources_each_get_a_held_out_curve(tmp_path, monkeypatch):
     assert labels == ["train loss", "held-out loss", "held-out loss: code", "held-out loss: web"]
 
 
+def test_a_preference_run_is_plotted_with_its_rewards_beside_the_loss(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with path.open("w") as f:
+        for step in range(1, 11):
+            f.write(json.dumps({"step": step, "loss": 0.69 / step, "rewards/margin": step / 10,
+                                "rewards/accuracy": 0.5}) + "\n")
+        for step, phase in ((0, "before"), (10, "after")):
+            f.write(json.dumps({"step": step, "phase": phase, "eval_loss": 0.69 - step / 100,
+                                "eval_rewards/margin": step / 20, "eval_rewards/accuracy": step / 10}) + "\n")
+    data = plot_loss(path, tmp_path / "loss.png").read_bytes()
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1320, 440)  # a second panel: figsize (12, 4) at 110 dpi
+
+
 def test_plot_loss_with_train_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write_steps(path, [1, 2, 3])
