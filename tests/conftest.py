@@ -157,6 +157,17 @@ def chatml_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_tokenizer(tiny_tokenizer):
+    """The tiny BPE with ChatML's turn markers as special tokens and ChatML as its template (a chat model's shape)."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="session")
 def one_process_run(tmp_path_factory, data_cache) -> Path:
     """6 steps of TINY on one process (checkpoints and evaluations at 3 and 6): what every 2-process
     pretraining run of the same 6 steps must equal, whatever its strategy or model-parallel layout."""

@@ -3,8 +3,6 @@ each sequence is its own document, and the counts, truncation and odd records ar
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -22,14 +20,6 @@ from toolkit.data.preference import (
     tokenize_pairs,
     with_reference,
 )
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tiny_tokenizer, chatml_file):
-    tok = copy.deepcopy(tiny_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = chatml_file.read_text()
-    return tok
 
 
 def test_record_forms():

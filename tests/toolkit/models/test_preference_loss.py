@@ -29,14 +29,6 @@ BETA = 0.1
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer(tiny_tokenizer, chatml_file):
-    tok = copy.deepcopy(tiny_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = chatml_file.read_text()
-    return tok
-
-
-@pytest.fixture(scope="module")
 def pairs(chat_tokenizer):
     """Six tokenized pairs of the embedded set (multi-turn prompts and non-answers among them)."""
     rows, _ = tokenize_pairs(embedded_records()[:6], chat_tokenizer, None)

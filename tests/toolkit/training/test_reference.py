@@ -21,11 +21,9 @@ from toolkit.training.reference import _read, _write, fingerprint, reference_log
 
 
 @pytest.fixture(scope="module")
-def blocks(tiny_tokenizer, chatml_file):
-    tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = chatml_file.read_text()
-    train, val, _ = preference_blocks(ChatDataConfig(seq_len=256, val_fraction=0.25), tok, 1)
-    return tok, train, val
+def blocks(chat_tokenizer):
+    train, val, _ = preference_blocks(ChatDataConfig(seq_len=256, val_fraction=0.25), chat_tokenizer, 1)
+    return chat_tokenizer, train, val
 
 
 @pytest.fixture
