@@ -1,4 +1,4 @@
-"""Adapt a pretrained LLaMA/GPT-style model to a domain: continued pretraining or chat SFT.
+"""Adapt a pretrained LLaMA/GPT-style model to a domain: continued pretraining, chat SFT or preference tuning.
 
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/finetune.py \\
         --config recipes/configs/finetune_smollm2_lora.yaml output_dir=runs/ft
@@ -10,21 +10,26 @@ Features
   docs when no data is given). data.format=chat: SFT on `messages` or instruction/input/output
   records, rendered with the chat template, loss on assistant tokens only, conversations
   packed without attending to each other (an embedded Python Q&A set when no data is given).
+  data.format=preference with train.objective=dpo|simpo|orpo: prompt/chosen/rejected pairs packed
+  whole, several per block; DPO's reference is the base scored once before training
+  (docs/preference.md).
 - adapter.method: full, lora (peft) or qlora (4-bit base, CUDA only); the same under DDP, FSDP
   and DeepSpeed ZeRO-1/2/3.
-- Held-out loss and perplexity before and after training, side by side; greedy generations for
-  the YAML's prompts before and after, in samples.md.
+- Held-out loss and perplexity (pairs: loss and rewards) before and after training, side by
+  side; greedy generations for the YAML's prompts before and after, in samples.md.
 - Output: final/ (HF folder) for a full fine-tune; adapter/ (peft) for LoRA, plus final/ with
   the adapter merged in when adapter.merge=true. Checkpoints and resume as in pretraining.
 
 The loop, checkpoints, resume and metrics are toolkit.training.trainer's, shared with the
-pretraining recipe; this file loads the base, packs text or chat data, applies the adapter and
-compares before with after.
+pretraining recipe; this file loads the base, packs text, chat or preference data, applies the
+adapter and compares before with after.
 
 Errors (one line, exit code 2): everything the pretraining recipe refuses, plus a missing base
 model or GGUF, chat records that are not UTF-8, lack `messages` or have an unknown role, a
 tokenizer without a chat template, LoRA target modules that match no layer, QLoRA without a CUDA
-GPU. Ranks that fall out of step: one line per rank, exit code 4, as in pretraining.
+GPU, preference records without prompt/chosen/rejected, a preference objective without preference
+data (or the other way round) or under model parallel. Ranks that fall out of step: one line per
+rank, exit code 4, as in pretraining.
 """
 
 from __future__ import annotations
