@@ -2,7 +2,8 @@
 
 DPO with LoRA and full under DDP, ZeRO-3 and FSDP2 (2 CPU processes, gradient accumulation 2) follows the
 1-process curve (loss and rewards, rel 1e-4); the reference is one pass before training, kept in the run
-folder and read back by a resume, which continues bit for bit; SimPO and ORPO need no reference.
+folder and read back by a resume, which continues bit for bit; SimPO and ORPO need no reference. A run's
+final/ (LoRA: adapter/ merged into the base) reloads trained, and export gives the same model.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import math
 import shutil
 
 import pytest
-from recipe_runner import FT_TINY, foreign_lines, run_recipe
+import torch
+from recipe_runner import FT_TINY, foreign_lines, recipe_module, run_recipe
 
 from toolkit.training.metrics import read_metrics
 
@@ -71,6 +73,38 @@ def test_dpo_trains_from_a_reference_pass_and_logs_rewards(method, single):
         events = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent))
         events.Reload()
         assert {*REWARDS, "eval_rewards/margin", "eval_rewards/accuracy"} <= set(events.Tags()["scalars"])
+
+
+def logits(model) -> torch.Tensor:
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_dpo_run_s_model_reloads_as_trained_and_exports(method, single, tiny_base, tmp_path, capsys):
+    """LoRA: adapter/ on the base is the model final/ holds merged (adapter.merge=true, as shipped); full: final/.
+    Either differs from the base, and export merges the LoRA run's last checkpoint into that same final/ model."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, _ = single[method]
+    # the base's tensors, no adapter's
+    assert load_file(out / "final" / "model.safetensors").keys() == load_file(tiny_base / "model.safetensors").keys()
+    base = logits(AutoModelForCausalLM.from_pretrained(tiny_base))
+    trained = logits(AutoModelForCausalLM.from_pretrained(out / "final"))
+    assert (trained - base).abs().max() > 1e-3  # 3 steps moved the model away from its base
+    if method == "full":
+        assert not (out / "adapter").exists()
+        return
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), out / "adapter")
+    torch.testing.assert_close(trained, logits(with_adapter), atol=1e-5, rtol=0)
+    exported = tmp_path / "hf"
+    code = recipe_module("export").main(["--from", str(out), "--checkpoint", "step-3", "--merge-lora", "--format", "hf",
+                                         "--output", str(exported)])
+    assert code == 0, capsys.readouterr().err
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(exported)), trained, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(("method", "strategy"), [(m, s) for m in ("lora", "full") for s in ("ddp", "zero3", "fsdp")])

@@ -3,6 +3,8 @@ each sequence is its own document, and the counts, truncation and odd records ar
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -87,6 +89,26 @@ def test_a_pair_longer_than_a_block_is_cut_to_fit_or_dropped(chat_tokenizer):
     assert (cols["sequence"] == 1).sum() == len(rows[0][2])  # the short answer kept whole, the long one cut
     with pytest.raises(UserError, match="none of 1 preference pairs fits data.seq_len=64"):
         pack_pairs(rows, 64, chat_tokenizer.pad_token_id, "drop")
+
+
+def test_overlong_drop_keeps_the_pairs_that_fit_and_counts_the_dropped(chat_tokenizer, tmp_path):
+    long = "word " * 200
+    short = [{"prompt": f"Q{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(3)]
+    records = [short[0], {"prompt": "Q", "chosen": long, "rejected": "short"}, short[1],
+               {"prompt": "Q", "chosen": "short", "rejected": long}, short[2]]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = ChatDataConfig(path=str(path), seq_len=64, overlong="drop", val_fraction=0)
+    train, val, notes = preference_blocks(cfg, chat_tokenizer, 1)
+    assert val is None and notes[1].startswith("train: packed 3 of 5 pairs")
+    assert "0 truncated to seq_len, 2 dropped" in notes[1]
+    assert notes[-1] == ("2 training pairs are longer than data.seq_len=64 and were dropped (data.overlong=drop); "
+                         "raise data.seq_len to keep them whole")
+    cols = train.with_format("numpy")[:]
+    found = sorted(tuple(cols["input_ids"][b][cols["sequence"][b] == s])
+                   for b in range(len(train)) for s in range(2 * cols["pairs"][b]))
+    rows, _ = tokenize_pairs(short, chat_tokenizer, None)
+    assert found == sorted(tuple(ids) for row in rows for ids in (row[0], row[2]))  # the short pairs, whole
 
 
 def test_collate_numbers_sequences_apart_across_rows_and_carries_the_reference(chat_tokenizer):
