@@ -1,9 +1,11 @@
 """One optimizer step over micro-batches (step.optimizer_step + loss.backward_scale) with a real
 Accelerator accumulating 2 micro-batches: the update must be the one full-batch step on the mean
-token loss over all target tokens, however unevenly the targets fall into micro-batches."""
+token loss over all target tokens, however unevenly the targets fall into micro-batches. A preference
+objective's step is likewise the one full-batch step on the mean over all pairs."""
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import datasets
@@ -15,8 +17,18 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from toolkit.data.packing import IGNORE_INDEX, collate, pack_documents, target_counts, tokenize_documents
+from toolkit.data.preference import (
+    collate_pairs,
+    embedded_records,
+    pack_pairs,
+    pair_counts,
+    tokenize_pairs,
+    with_reference,
+)
 from toolkit.models.loss import backward_scale
+from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
+from toolkit.training.reference import reference_logps
 from toolkit.training.step import optimizer_step
 
 SEQ_LEN = 32
@@ -243,3 +255,72 @@ def test_a_moe_router_loss_is_weighted_once_per_global_batch(data, tiny_model, t
     assert nonfinite is None
     assert router_sum.item() == pytest.approx(sum(r.item() for r in routers), rel=1e-6)
     assert_same_weights(accelerator.unwrap_model(model), reference)
+
+
+# ---------------------------------------------------------------------------------- preference pairs
+@pytest.fixture(scope="module")
+def pair_blocks(chat_tokenizer):
+    """One global batch of 4 blocks holding the embedded set's 6 shortest pairs, 2, 2, 1 and 1 to a block."""
+    rows, _ = tokenize_pairs(embedded_records(), chat_tokenizer, None)
+    rows = sorted(rows, key=lambda r: len(r[0]) + len(r[2]))[:6]
+    blocks, stats = pack_pairs(rows, 448, chat_tokenizer.pad_token_id)
+    assert stats.kept == 6 and stats.truncated == 0
+    return blocks.select(np.argsort(-pair_counts(blocks), kind="stable").tolist())
+
+
+@pytest.mark.parametrize("blocks_per_micro", [1, 2, 4])
+def test_a_dpo_step_is_the_mean_over_the_global_batch_pairs_whatever_the_accumulation(
+        blocks_per_micro, pair_blocks, tiny_model, chat_tokenizer):
+    """DPO on pairs packed unevenly into blocks, one global batch cut into micro-batches of 1, 2 or 4 blocks: the
+    accumulated gradient is that of the mean loss over all its pairs (one plain-autograd forward of the whole
+    batch), not a mean of the micro-batches' means, which weights a pair of a sparse micro-batch more."""
+    objective = PreferenceLoss("dpo", beta=0.1)
+    reference = tiny_model("llama", seed=0, tokenizer=chat_tokenizer, initializer_range=INIT_RANGE)
+
+    def make_policy():  # moved away from its reference, so that the pairs' losses differ
+        policy = copy.deepcopy(reference)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+        return policy.train()
+
+    accumulation = len(pair_blocks) // blocks_per_micro
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    # the reference pass as the trainer runs it, before the policy is prepared
+    blocks = with_reference(pair_blocks, reference_logps(accelerator, reference, pair_blocks, 2, "sdpa"))
+    blocks = blocks.with_format("numpy")
+    counts = pair_counts(blocks)
+    pairs = int(counts.sum())
+    cuts = range(0, len(blocks), blocks_per_micro)
+    micro = [collate_pairs(blocks[i:i + blocks_per_micro], "sdpa") for i in cuts]
+    micro_pairs = [int(counts[i:i + blocks_per_micro].sum()) for i in cuts]
+    assert counts.tolist() == [2, 2, 1, 1] and len(micro) == accumulation
+    assert accumulation == 1 or len(set(micro_pairs)) > 1, micro_pairs  # a mean of micro-batch means would be off
+
+    expected_model = make_policy()
+    expected_sum, expected_stats = objective.sums(expected_model, collate_pairs(blocks[:], "sdpa"))
+    assert expected_stats[3].item() == pairs == 6
+    (expected_sum / pairs).backward()
+    expected = {n: p.grad.clone() for n, p in expected_model.named_parameters()}
+    tolerance = 1e-5 * max(g.abs().max().item() for g in expected.values())
+    if accumulation > 1:  # the per-micro-batch mean this step must not be
+        naive_model = make_policy()
+        for batch, n in zip(micro, micro_pairs, strict=True):
+            (objective.sums(naive_model, batch)[0] / n / accumulation).backward()
+        off = max((p.grad - expected[name]).abs().max().item() for name, p in naive_model.named_parameters())
+        assert off > 100 * tolerance, (off, tolerance)
+
+    model = make_policy()
+    model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
+    scale = backward_scale(pairs, accelerator.num_processes, accumulation)
+    loss_sum, _, nonfinite, extras = optimizer_step(accelerator, model, optimizer, micro, scale, 0.0,
+                                                    objective=objective)
+    assert nonfinite is None
+    assert loss_sum.item() == pytest.approx(expected_sum.item(), rel=1e-6)
+    assert extras[1:].tolist() == pytest.approx(expected_stats.tolist(), rel=1e-6)  # after the router's sum
+    # SGD: the weights moved by exactly -lr * (the accumulated gradient)
+    initial = dict(make_policy().named_parameters())
+    for name, p in accelerator.unwrap_model(model).named_parameters():
+        torch.testing.assert_close((initial[name] - p) / LR, expected[name], rtol=1e-4, atol=tolerance,
+                                   msg=lambda m, name=name: f"{name}: {m}")
