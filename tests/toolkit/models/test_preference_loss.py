@@ -5,6 +5,7 @@ own padded batch (its collator, its `compute_loss`, its reference copy of the mo
 from one pair per block (unpacked) and from pairs packed several to a block: all three agree within fp32
 rounding. SimPO and ORPO have no reference: packed equals unpacked, and their losses equal TRL's formulas
 (its CPO trainer's simpo loss, its ORPO trainer's odds ratio) on the same answers' log-probabilities.
+Packed pairs score as they do one to a row under flex_attention and, joined into one row, under varlen attention.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from toolkit.data.packing import block_causal_mask
 from toolkit.data.preference import (
     collate_pairs,
     embedded_records,
@@ -40,11 +42,43 @@ def blocks_of(rows, seq_len, tok):
     return blocks
 
 
-def reference_column(model, blocks):
+def reference_column(model, blocks, attn: str = "sdpa"):
     """What the reference pass stores: the untrained model's log-probability of each target."""
     with torch.no_grad():
-        logps = token_logps(model, collate_pairs(blocks.with_format("numpy")[:], "sdpa"))
+        logps = token_logps(model, collate_pairs(blocks.with_format("numpy")[:], attn))
     return with_reference(blocks, logps.numpy())
+
+
+def moved_away(model):
+    """A copy of `model` a little away from it (a policy some steps from its reference), so that rewards are not 0."""
+    policy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+    return policy
+
+
+def pair_order(blocks, rows) -> list[int]:
+    """Each pair's index in `rows`, in the order sequence_sums gives the pairs of the collated blocks."""
+    index = {(tuple(c), tuple(r)): i for i, (c, _, r, _) in enumerate(rows)}
+    cols = blocks.with_format("numpy")[:]
+    order = []
+    for ids, seq, n in zip(cols["input_ids"], cols["sequence"], cols["pairs"], strict=True):
+        order += [index[tuple(ids[seq == 2 * k].tolist()), tuple(ids[seq == 2 * k + 1].tolist())] for k in range(n)]
+    return order
+
+
+def alone(model, blocks, rows, loss):
+    """(mean DPO loss, per-pair summed log-probabilities in `rows` order) from one pair per row under sdpa."""
+    batch = collate_pairs(blocks.with_format("numpy")[:], "sdpa")
+    with torch.no_grad():
+        total, stats = loss.sums(model, batch)
+        logps, _ = sequence_sums(batch, token_logps(model, batch))
+    assert stats[3].item() == len(rows)
+    by_row = torch.empty_like(logps)
+    by_row[pair_order(blocks, rows)] = logps
+    return (total / stats[3]).item(), by_row
 
 
 def toolkit_loss(model, blocks, loss: PreferenceLoss):
@@ -156,3 +190,87 @@ def test_a_policy_equal_to_its_reference_has_loss_log2_and_no_reward(tiny_model,
     loss, stats, *_ = toolkit_loss(model, blocks, PreferenceLoss("dpo", BETA))
     assert loss == pytest.approx(math.log(2), rel=1e-6)
     assert stats.tolist() == [0.0, 0.0, 0.0, len(pairs)]
+
+
+def test_packed_pairs_under_flex_attention_score_as_one_pair_a_row(tiny_model, chat_tokenizer, pairs):
+    """flex_attention (forward only: torch has no CPU backward for it) keeps a block's answers apart from each other
+    as sdpa's mask does: each answer's summed log-probability and DPO's loss, the reference pass run under flex
+    too, equal those of one pair per row under sdpa."""
+    reference = tiny_model("llama", tokenizer=chat_tokenizer)
+    policy = moved_away(reference)
+    loss = PreferenceLoss("dpo", BETA)
+    longest = max(len(a) + len(c) for a, _, c, _ in pairs)
+    unpacked = reference_column(reference, blocks_of(pairs, longest, chat_tokenizer))
+    expected_loss, expected = alone(policy, unpacked, pairs, loss)
+
+    packed = blocks_of(pairs, 2 * longest, chat_tokenizer)
+    assert len(packed) < len(pairs)
+    for model in (reference, policy):
+        model.set_attn_implementation("flex_attention")
+    packed = reference_column(reference, packed, "flex_attention")
+    batch = collate_pairs(packed.with_format("numpy")[:], "flex_attention")
+    assert "attention_mask" not in batch and policy.config._attn_implementation == "flex_attention"
+    with torch.no_grad():
+        total, stats = loss.sums(policy, batch)
+        logps, _ = sequence_sums(batch, token_logps(policy, batch))
+        # Control: sdpa with a causal mask that lets a block's answers see each other gives other sums
+        policy.set_attn_implementation("sdpa")
+        causal = torch.ones(batch["input_ids"].shape[1], batch["input_ids"].shape[1], dtype=torch.bool).tril()
+        leaky, _ = sequence_sums(batch, token_logps(policy, batch | {"attention_mask": causal.expand(
+            len(packed), 1, *causal.shape)}))
+    order = pair_order(packed, pairs)
+    assert stats[3].item() == len(pairs)
+    torch.testing.assert_close(logps, expected[order], rtol=1e-6, atol=1e-4)
+    assert (total / stats[3]).item() == pytest.approx(expected_loss, rel=1e-5)
+    assert (leaky - expected[order]).abs().max() > 1e-1
+
+
+def test_packed_pairs_joined_into_one_row_for_varlen_attention_score_as_row_by_row(tiny_model, chat_tokenizer,
+                                                                                    pairs):
+    """Varlen attention (flash_attention_2) gets the micro-batch's rows joined into one, documents read from position
+    ids that restart at each answer: the reference pass, each answer's summed log-probability, DPO's loss and its
+    gradients equal those of the rows apart, and of one pair per row. (flash-attention needs CUDA: the joined row
+    goes through sdpa with the mask its own position ids give, which is what varlen attention computes.)"""
+    reference = tiny_model("llama", tokenizer=chat_tokenizer)
+    policy = moved_away(reference)
+    loss = PreferenceLoss("dpo", BETA)
+    longest = max(len(a) + len(c) for a, _, c, _ in pairs)
+    _, alone_logps = alone(policy, reference_column(reference, blocks_of(pairs, longest, chat_tokenizer)), pairs, loss)
+    packed = blocks_of(pairs, 2 * longest, chat_tokenizer)
+    rows, seq_len = len(packed), len(packed[0]["input_ids"])
+    assert 1 < rows < len(pairs)
+
+    def joined(blocks):
+        flat = collate_pairs(blocks.with_format("numpy")[:], "flash_attention_2")
+        assert {k: tuple(v.shape) for k, v in flat.items()} == {k: (1, rows * seq_len) for k in flat}
+        return flat | {"attention_mask": block_causal_mask(flat["position_ids"])}
+
+    # the reference pass under varlen attention: one row's log-probabilities, cut back into the blocks' rows
+    with torch.no_grad():
+        flat_reference = token_logps(reference, joined(packed)).reshape(rows, seq_len)
+    packed = reference_column(reference, packed)
+    torch.testing.assert_close(torch.as_tensor(packed.with_format("numpy")[:]["ref_logps"]), flat_reference,
+                               rtol=0, atol=1e-5)
+
+    results = []
+    for batch in (collate_pairs(packed.with_format("numpy")[:], "sdpa"), joined(packed)):
+        policy.zero_grad()
+        total, stats = loss.sums(policy, batch)
+        (total / stats[3]).backward()
+        with torch.no_grad():
+            logps, _ = sequence_sums(batch, token_logps(policy, batch))
+        results.append((total.item(), stats, logps, {n: p.grad.clone() for n, p in policy.named_parameters()}))
+    (row_total, row_stats, row_logps, row_grads), (flat_total, flat_stats, flat_logps, flat_grads) = results
+    assert flat_stats[3].item() == row_stats[3].item() == len(pairs)
+    torch.testing.assert_close(flat_logps, row_logps, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(flat_logps, alone_logps[pair_order(packed, pairs)], rtol=1e-6, atol=1e-4)
+    assert flat_total == pytest.approx(row_total, rel=1e-5)
+    torch.testing.assert_close(flat_stats, row_stats, rtol=1e-5, atol=1e-6)
+    for name, grad in row_grads.items():
+        torch.testing.assert_close(flat_grads[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item(), msg=name)
+    # Control: the joined row under a plain causal mask, each answer seeing the rows and answers before it
+    flat = joined(packed)
+    causal = torch.ones(rows * seq_len, rows * seq_len, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        leaky, _ = sequence_sums(flat, token_logps(policy, flat | {"attention_mask": causal}))
+    assert (leaky - row_logps).abs().max() > 1e-1
