@@ -209,7 +209,9 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
             f"the weights and {MODEL_FILES}/ come from different models"
         ) from None
     del state
-    model = get_peft_model(model, LoraConfig.from_pretrained(str(files)))
+    adapter_config = LoraConfig.from_pretrained(str(files))
+    adapter_config.base_model_name_or_path = None  # the base was built from the checkpoint: peft would warn
+    model = get_peft_model(model, adapter_config)
     result = model.load_state_dict(adapter, strict=False)  # the checkpoint's names are peft's own
     if result.unexpected_keys or not adapter:
         raise UserError(
