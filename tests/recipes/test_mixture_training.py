@@ -1,7 +1,7 @@
 """A mixture as a user runs it: recipes/pretrain.py with data.sources (the CPython docs, and the standard library's
-own source code as a second corpus that reads differently) and an annealing stage, on 2 processes under ZeRO-3:
-each source said in the first lines, its held-out loss and tokens in metrics.jsonl, and a resume from before the
-stage that trains the uninterrupted run's steps bit for bit."""
+own source code as a second corpus that reads differently) and two stages, on 2 processes under ZeRO-3: each
+source said in the first lines, its held-out loss and tokens in metrics.jsonl and tensorboard, and a resume in the
+middle of the first stage, across the second, that trains the uninterrupted run's steps bit for bit."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def code_corpus(folder: Path) -> Path:
 
 def mixture(code: Path) -> list[str]:
     return [*TINY, "train.max_steps=6", "eval.every=2", f"data.sources=[{{name: docs, weight: 0.6}}, "
-            f"{{name: code, path: {code}, weight: 0.4}}]", "data.stages=[{start_step: 4, weights: {code: 0.9}}]"]
+            f"{{name: code, path: {code}, weight: 0.4}}]",
+            "data.stages=[{start_step: 3, weights: {code: 0.9}}, {start_step: 5, weights: {docs: 0.9, code: 0.1}}]"]
 
 
 def rows(run: Path) -> list[dict]:
@@ -43,14 +44,18 @@ def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp
     streamed = ["data.streaming=true", "data.stream_val_documents=4"] if data == "streamed" else []
     overrides = [*mixture(code_corpus(tmp_path / "code")), *streamed]
     out = tmp_path / "run"
-    proc = run_recipe("pretrain", [*overrides, f"output_dir={out}"], nproc=2, cache=data_cache,
+    trackers = ["logging.trackers=[tensorboard]"] if data == "prepared" else []
+    proc = run_recipe("pretrain", [*overrides, f"output_dir={out}", *trackers], nproc=2, cache=data_cache,
                       accelerate_config="zero3.yaml", forked=True)
     said = proc.stdout + proc.stderr
     if data == "prepared":
-        assert "data: docs: weight 0.600, " in said and "data: code: weight 0.400, " in said
+        for name, weight in (("docs", "0.600"), ("code", "0.400")):  # its documents, blocks, tokens and passes
+            assert re.search(rf"data: {name}: weight {weight}, \d+ train / \d+ held-out documents -> \d+ blocks of 64 "
+                             r"tokens \([\d,]+ tokens\); \d+\.\d\d passes over them in train.max_steps=6", said), name
     else:
         assert "each pack their part of each source's stream by weight (docs 0.600, code 0.400)" in said
-    assert "data: from step 4: weights docs 0.400, code 0.600" in said
+    assert "data: from step 3: weights docs 0.400, code 0.600" in said
+    assert "data: from step 5: weights docs 0.900, code 0.100" in said
     trained = [r for r in rows(out) if "loss" in r]
     assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6]
     for before, row in zip([{"tokens/docs": 0, "tokens/code": 0}, *trained], trained, strict=False):
@@ -58,12 +63,21 @@ def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp
         assert row["tokens/docs"] > before["tokens/docs"] and row["tokens/code"] > before["tokens/code"]
     evals = [r for r in rows(out) if "eval_loss/docs" in r]
     assert [r["step"] for r in evals] == [2, 4, 6]
-    for r in evals:  # two corpora that read differently, and the whole between them
+    for r in evals:  # two corpora that read differently, and the whole their mean weighted by held-out tokens
         low, high = sorted([r["eval_loss/docs"], r["eval_loss/code"]])
         assert high - low > 1e-3 and low < r["eval_loss"] < high
+        weighted = sum(r[f"eval_loss/{s}"] * r[f"eval_tokens/{s}"] for s in ("docs", "code"))
+        assert r["eval_loss"] == pytest.approx(weighted / (r["eval_tokens/docs"] + r["eval_tokens/code"]), rel=1e-12)
     assert "held-out loss" in said and "(docs " in said
+    if data == "prepared":  # tensorboard has what metrics.jsonl has
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # resumed from step 3, before the stage: steps 4-6 as the run that was not interrupted
+        events = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent))
+        events.Reload()
+        assert {"eval_loss/docs", "eval_loss/code", "tokens/docs", "tokens/code"} <= set(events.Tags()["scalars"])
+        assert [e.value for e in events.Scalars("eval_loss/code")] == pytest.approx([r["eval_loss/code"] for r in evals])
+
+    # resumed from step 3, in the first stage, across the second: steps 4-6 as the run that was not interrupted
     resumed = tmp_path / "resumed"
     run_recipe("pretrain", [*overrides, f"output_dir={resumed}", f"resume={out / 'checkpoints' / 'step-3'}"], nproc=2,
                cache=data_cache, accelerate_config="zero3.yaml", forked=True)

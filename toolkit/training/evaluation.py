@@ -29,7 +29,8 @@ class EvalConfig:
 def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[str, datasets.Dataset], *args,
              **kwargs) -> dict[str, float]:
     """eval_loss and eval_ppl over the held-out `blocks` (held_out_sums' arguments); for a mixture's held-out
-    blocks by source, also each source's eval_loss/<name>, of which the whole is the token-weighted mean.
+    blocks by source, also each source's eval_loss/<name> and eval_tokens/<name> (its held-out targets): the
+    whole is the mean of the former weighted by the latter.
     With a preference `objective`: eval_loss, the mean over the held-out pairs, and eval_rewards/*."""
     if kwargs.get("objective") is not None:
         loss_sum, pairs, *stats = held_out_sums(accelerator, model, blocks, *args, **kwargs)
@@ -38,7 +39,8 @@ def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[st
         return _loss_and_ppl(*held_out_sums(accelerator, model, blocks, *args, **kwargs))
     sums = {name: held_out_sums(accelerator, model, b, *args, **kwargs) for name, b in blocks.items()}
     result = _loss_and_ppl(sum(s for s, _ in sums.values()), sum(t for _, t in sums.values()))
-    return {**result, **{f"eval_loss/{name}": s / max(1.0, t) for name, (s, t) in sums.items()}}
+    return {**result, **{f"eval_loss/{name}": s / max(1.0, t) for name, (s, t) in sums.items()},
+            **{f"eval_tokens/{name}": int(t) for name, (_, t) in sums.items()}}
 
 
 def _loss_and_ppl(loss_sum: float, targets: float) -> dict[str, float]:

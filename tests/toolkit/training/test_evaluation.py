@@ -148,7 +148,9 @@ def test_a_mixtures_held_out_loss_is_each_sources_and_their_token_weighted_mean(
     first, second = blocks.select(range(0, 5)), blocks.select(range(5, len(blocks)))
     (l1, t1), (l2, t2) = hand_loss(model.eval(), first, 4), hand_loss(model.eval(), second, 4)
     result = run(model, {"web": first, "code": second}, micro_batch=2, max_blocks=4)
-    assert set(result) == {"eval_loss", "eval_ppl", "eval_loss/web", "eval_loss/code"}
+    assert set(result) == {"eval_loss", "eval_ppl", "eval_loss/web", "eval_loss/code", "eval_tokens/web",
+                           "eval_tokens/code"}
+    assert (result["eval_tokens/web"], result["eval_tokens/code"]) == (t1, t2)
     assert result["eval_loss/web"] == pytest.approx(l1 / t1, rel=1e-5)
     assert result["eval_loss/code"] == pytest.approx(l2 / t2, rel=1e-5)
     assert abs(result["eval_loss/web"] - result["eval_loss/code"]) > 0.01  # the weighting below can show
