@@ -63,8 +63,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         key, raw = arg.split("=", 1)
         try:
             value = parse_yaml(raw, f"override {key}") if raw != "" else None
-        except _NotYaml:
-            value = raw  # `data.path=*.txt` is a YAML alias that does not parse: the text as written, typed by its key
+        except _NotYaml as exc:
+            # `data.path=*.txt` is a YAML alias that does not parse: the text as written, typed by its key
+            value = _Unparsed(raw, exc.problems[0])
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -173,6 +174,16 @@ def read_yaml(path: str | Path) -> Any:
 
 class _NotYaml(ConfigError):
     """Text that does not parse as YAML."""
+
+
+class _Unparsed(str):
+    """An override's text that is not YAML: a string where a string is wanted, its YAML error where a list or
+    mapping is."""
+
+    def __new__(cls, text: str, problem: str):
+        out = super().__new__(cls, text)
+        out.problem = problem
+        return out
 
 
 class _HugeNumber(str):
@@ -315,7 +326,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
     if not isinstance(raw, dict):
-        problems.append(f"{prefix.rstrip('.') or 'config'} must be a mapping, found {raw!r}")
+        problems.append(_not_a(raw, "a mapping", prefix.rstrip(".") or "config"))
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -355,7 +366,16 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
+def _not_a(value: Any, wanted: str, key: str) -> str:
+    if isinstance(value, _Unparsed):
+        return f"{value.problem} ({key} must be {wanted})"
+    return f"{key} must be {wanted}, found {value!r}"
+
+
 def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
+    wants_structure = dataclasses.is_dataclass(hint) or hint is dict or typing.get_origin(hint) in (list, tuple, dict)
+    if isinstance(value, _Unparsed) and not wants_structure:
+        value = str(value)  # the text as written, a plain string from here on
     if isinstance(value, (_HugeNumber, int)) and not isinstance(value, bool) and hint not in (str, float) and (
         isinstance(value, _HugeNumber) or abs(value) > INT_MAX
     ):
@@ -389,13 +409,16 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
         return value
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            problems.append(f"{key} must be a list, found {value!r}")
-            return value
+            problems.append(_not_a(value, "a list", key))
+            return []  # reported: the sections' range checks see an empty list
         item = args[0] if args else Any
-        return [_coerce(item, v, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+        items = [_coerce(item, v, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+        # a section that did not build is reported: the range checks see the others
+        return [v for v in items if v is not None] if dataclasses.is_dataclass(item) else items
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
-            problems.append(f"{key} must be a mapping, found {value!r}")
+            problems.append(_not_a(value, "a mapping", key))
+            return {}
         return value
     if hint is Any:
         return value

@@ -314,6 +314,45 @@ def test_an_override_that_is_not_yaml_is_its_text():
     assert load_config(Recipe, None, ["data.path=*.txt"]).data.path == "*.txt"
 
 
+@dataclass
+class Source:
+    name: str = field(help="what it is called")
+
+
+@dataclass
+class Mixture:
+    sources: list[Source] = field(default_factory=list, help="sources")
+    weights: dict = field(default_factory=dict, help="{name: weight}")
+
+    def validate(self) -> list[str]:  # reads its items' fields, as data.sources' checks do
+        return [f"{s.name} twice" for s in self.sources if [t.name for t in self.sources].count(s.name) > 1]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("sources=[{name: a}, {name: b}", "override sources is not valid YAML at line 1, column 22: expected ',' or ']', "
+                                      "but got '<stream end>' (sources must be a list)"),
+    ("sources=[{name: a} {name: b}]", "override sources is not valid YAML at line 1, column 12: expected ',' or ']', "
+                                      "but got '{' (sources must be a list)"),
+    ("sources={name: a}", "sources must be a list, found {'name': 'a'}"),
+    ("weights={a: 1", "override weights is not valid YAML at line 1, column 6: expected ',' or '}', but got "
+                      "'<stream end>' (weights must be a mapping)"),
+])
+def test_an_override_that_is_not_yaml_where_a_list_is_wanted_says_its_yaml_error(override, message):
+    """A bracket left open in data.sources was an AttributeError traceback from the mixture's checks, which read the
+    text as written as if it were the list."""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Mixture, None, [override])
+    assert problems_of(excinfo) == [message]
+
+
+def test_a_list_item_that_is_no_section_is_reported_and_the_others_range_checked():
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Mixture, None, ["sources=[{name: a}, x.txt, {nme: b}, {name: a}]"])
+    assert problems_of(excinfo) == [
+        "sources[1] must be a mapping, found 'x.txt'", "unknown key sources[2].nme; did you mean sources[2].name?",
+        "missing required key sources[2].name (what it is called)", "a twice"]
+
+
 BEYOND = "beyond what any setting takes (at most 9,223,372,036,854,775,807)"
 TOO_LARGE = {
     "5000-digit max_steps": ("train.max_steps=" + "9" * 5000, f"train.max_steps is a 5000-digit number, {BEYOND}"),
