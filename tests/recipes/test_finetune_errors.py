@@ -172,6 +172,12 @@ PAIR = {"prompt": "How do I reverse a list?", "chosen": "Use items[::-1].", "rej
     (["data.format=preference"], "data.format=preference holds pairs to prefer, not text to imitate; set "
                                  "train.objective to dpo, simpo or orpo"),
     (["train.objective=dpo", "data.format=preference", "train.beta=0"], "train.beta=0.0 must be > 0"),
+    (["train.objective=dpo", "data.format=preference", "train.gamma=0.5"], "train.gamma=0.5 is simpo's; "
+     "train.objective=dpo does not use it: drop it, or set train.objective=simpo"),
+    (["train.objective=simpo", "data.format=preference", "train.orpo_lambda=0.2"], "train.orpo_lambda=0.2 is orpo's; "
+     "train.objective=simpo does not use it: drop it, or set train.objective=orpo"),
+    (["train.beta=0.1"], "train.beta=0.1 is a preference objective's; train.objective=sft does not use it: drop it, "
+     "or set train.objective to dpo, simpo or orpo"),
     (["train.objective=dpo", "data.format=preference", "data.sources=[{name: a, weight: 1}]"],
      "data.sources are not supported with format=preference yet"),
     (["train.objective=dpo", "data.format=preference", "model.loss=chunked"],

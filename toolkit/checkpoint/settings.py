@@ -59,18 +59,19 @@ def check_same_mixture(folder: Path, mixture: dict, say: Callable[[str], None]) 
 SCHEDULE = ("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch", "optim.warmup_steps", "optim.schedule",
             "optim.min_lr_ratio", "train.max_steps")
 FROM_NEXT_STEP = ("optim.max_grad_norm",)  # read at every step
-OBJECTIVE = ("train.objective", "train.beta", "train.gamma", "train.orpo_lambda")  # fine-tuning's, read at every step
 KEPT_BY_THE_OPTIMIZER = ("optim.betas", "optim.eps", "optim.weight_decay")
 
 
 def trained_settings(cfg) -> dict:
-    """The settings a checkpoint records, by their dotted keys (a recipe config's optim and train)."""
+    """The settings a checkpoint records, by their dotted keys (a recipe config's optim and train); the
+    fine-tuning objective's too, read at every step like FROM_NEXT_STEP."""
     values = {}
-    for key in SCHEDULE + FROM_NEXT_STEP + KEPT_BY_THE_OPTIMIZER + OBJECTIVE:
+    for key in SCHEDULE + FROM_NEXT_STEP + KEPT_BY_THE_OPTIMIZER:
         section, name = key.split(".")
-        if hasattr(getattr(cfg, section), name):  # the objective is the fine-tuning recipe's
-            values[key] = getattr(getattr(cfg, section), name)
+        values[key] = getattr(getattr(cfg, section), name)
     values["optim.betas"] = list(values["optim.betas"])
+    if hasattr(cfg.train, "objective_settings"):
+        values.update(cfg.train.objective_settings())
     return values
 
 

@@ -101,6 +101,7 @@ class FinetuneDataConfig(DataConfig):
 
 
 BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}  # train.beta when empty: the papers' (and TRL's) usual values
+OWN = {"gamma": ("simpo", 0.5), "orpo_lambda": ("orpo", 0.1)}  # a setting of one objective, and its value when empty
 
 
 @dataclass
@@ -114,25 +115,42 @@ class FinetuneTrainConfig(TrainConfig):
     beta: float | None = field(None, help="dpo: how strongly the model is held to its reference (empty: 0.1); "
                                "simpo: the scale of its length-normalised rewards (empty: 2.0); orpo: of its "
                                "rewards (empty: 0.1)")
-    gamma: float = field(0.5, help="simpo: the margin the chosen answer's reward must clear")
-    orpo_lambda: float = field(0.1, help="orpo: weight of the odds-ratio term beside the chosen answer's loss")
+    gamma: float | None = field(None, help="simpo: the margin the chosen answer's reward must clear (empty: 0.5)")
+    orpo_lambda: float | None = field(None, help="orpo: weight of the odds-ratio term beside the chosen answer's "
+                                      "loss (empty: 0.1)")
 
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.beta is not None and self.beta <= 0:
             problems.append(f"beta={self.beta} must be > 0")
-        if self.gamma < 0:
-            problems.append(f"gamma={self.gamma} must be >= 0")
-        if self.orpo_lambda < 0:
-            problems.append(f"orpo_lambda={self.orpo_lambda} must be >= 0")
+        if self.beta is not None and self.objective == "sft":
+            problems.append(f"beta={self.beta} is a preference objective's; train.objective=sft does not use it: "
+                            "drop it, or set train.objective to dpo, simpo or orpo")
+        for name, (objective, _) in OWN.items():
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                problems.append(f"{name}={value} must be >= 0")
+            elif value is not None and self.objective != objective:  # set, and silently not used
+                problems.append(f"{name}={value} is {objective}'s; train.objective={self.objective} does not use it: "
+                                f"drop it, or set train.objective={objective}")
         return problems
+
+    def objective_settings(self) -> dict:
+        """What a checkpoint records of the objective (toolkit.checkpoint.settings): gamma and orpo_lambda only
+        where the objective uses them, at the value it uses."""
+        used = {f"train.{name}": self.setting(name) for name, (objective, _) in OWN.items() if objective == self.objective}
+        return {"train.objective": self.objective, "train.beta": self.beta, **used}
+
+    def setting(self, name: str) -> float:
+        value = getattr(self, name)
+        return OWN[name][1] if value is None else value
 
     def preference(self) -> PreferenceLoss | None:
         """The preference loss of train.objective, or None for sft."""
         if self.objective == "sft":
             return None
         beta = self.beta if self.beta is not None else BETA[self.objective]
-        return PreferenceLoss(self.objective, beta, self.gamma, self.orpo_lambda)
+        return PreferenceLoss(self.objective, beta, self.setting("gamma"), self.setting("orpo_lambda"))
 
 
 @dataclass

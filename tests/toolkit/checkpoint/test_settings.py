@@ -65,7 +65,11 @@ def test_a_resume_takes_a_changed_preference_setting_from_the_next_step_and_says
 
     dpo = ["train.objective=dpo", "data.format=preference"]
     saved = trained_settings(load_config(FinetuneConfig, None, [*dpo, "train.beta=0.1"]))
-    assert {"train.objective", "train.beta", "train.gamma", "train.orpo_lambda"} <= saved.keys()
+    assert {"train.objective", "train.beta"} <= saved.keys()
+    # gamma and lambda where the objective uses them, at the value it uses (empty: its usual one)
+    assert not {"train.gamma", "train.orpo_lambda"} & saved.keys()
+    simpo = trained_settings(load_config(FinetuneConfig, None, ["train.objective=simpo", "data.format=preference"]))
+    assert simpo["train.gamma"] == 0.5 and "train.orpo_lambda" not in simpo
     assert "train.objective" not in trained_settings(load_config(PretrainConfig, None, []))
     TrainerState(step=3, seed=1, settings=saved).write(tmp_path)
     changed = check_same_settings(tmp_path, trained_settings(load_config(FinetuneConfig, None, [*dpo, "train.beta=0.2"])),

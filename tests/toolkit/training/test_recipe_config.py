@@ -96,3 +96,6 @@ def test_an_empty_beta_is_the_objectives_usual_value_and_a_given_one_is_kept(obj
     cfg = load_config(FinetuneConfig, None, [f"train.objective={objective}", "data.format=preference", "train.beta=0.5"])
     assert cfg.train.preference().beta == 0.5 and cfg.train.preference().objective == objective
     assert load_config(FinetuneConfig, None, []).train.preference() is None  # sft
+    used = {"simpo": ("gamma", 0.5), "orpo": ("orpo_lambda", 0.1)}.get(objective)  # its own setting, when empty
+    if used:
+        assert getattr(cfg.train, used[0]) is None and getattr(cfg.train.preference(), used[0]) == used[1]
