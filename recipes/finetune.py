@@ -125,7 +125,7 @@ class FinetuneRecipe:
                 trainer.print(f"data: {name}: weight {plan[0][1][i]:.3f}, {len(train)} blocks of {cfg.data.seq_len} "
                               f"tokens ({int(column(train, 'num_tokens').sum()):,} tokens); {passes[i]:.2f} passes over "
                               f"them in train.max_steps={cfg.train.max_steps}")
-            for line in stages_said(names, plan[1:]):
+            for line in stages_said(names, plan[1:], cfg.train.max_steps):
                 trainer.print(f"data: {line}")
         else:
             train, val, notes = parts[0]

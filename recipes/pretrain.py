@@ -142,7 +142,7 @@ class PretrainRecipe:
                 f"({int(column(blocks, 'num_tokens').sum()):,} tokens); {passes[i]:.2f} passes over them in "
                 f"train.max_steps={cfg.train.max_steps}"
             )
-        for line in stages_said([s.name for s in sources], plan[1:]):
+        for line in stages_said([s.name for s in sources], plan[1:], cfg.train.max_steps):
             trainer.print(f"data: {line}")
         trainer.print(f"data: vocab {len(self.tokenizer)}")
 
@@ -195,7 +195,7 @@ class PretrainRecipe:
             f"{n_val * len(opened) if n_val else 0} held-out documents (the stream's first) -> "
             f"{sum(len(v) for v in val.values())} blocks{tokenizer}; vocab {len(self.tokenizer)}"
         )
-        for line in stages_said(names, stages):
+        for line in stages_said(names, stages, cfg.train.max_steps):
             trainer.print(f"data: {line}")
 
     def train(self) -> None:

@@ -102,9 +102,12 @@ def weight_plan(sources: list[SourceConfig], stages: list[StageConfig]) -> list[
     return [(start, [w / sum(ws) for w in ws]) for start, ws in plan]
 
 
-def stages_said(names: list[str], plan: list) -> list[str]:
-    """"from step N: weights a 0.700, b 0.300", one line for each (first batch, weights) of `plan`."""
+def stages_said(names: list[str], plan: list, max_steps: int | None = None) -> list[str]:
+    """"from step N: weights a 0.700, b 0.300", one line for each (first batch, weights) of `plan`; a stage that
+    starts after `max_steps` says so (a mistyped step, or one meant for a resume that trains longer)."""
     return [f"from step {start + 1}: weights " + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, weights, strict=True))
+            + (f" (after train.max_steps={max_steps}: not reached unless a resume raises it)"
+               if max_steps is not None and start >= max_steps else "")
             for start, weights in plan]
 
 

@@ -13,6 +13,7 @@ from toolkit.data.mixture import (
     Shares,
     SourceConfig,
     StageConfig,
+    stages_said,
     trained_part,
     weight_plan,
 )
@@ -84,6 +85,16 @@ def test_a_stage_changes_the_weights_from_its_step_on():
         counts = per_source(staged, staged.global_indices(batch))
         assert counts[0] == 0 and np.all(np.abs(counts - share) < 1), (batch, counts)
     assert np.all(np.abs(staged.drawn_before(60) - plain.drawn_before(39) - 21 * share) < 2)
+
+
+def test_the_stages_are_said_as_the_weights_they_give_and_one_past_the_run_says_so():
+    """A stage's weights are said normalised with the weights it keeps (code 0.5 beside web 0.7 and docs 0.1 is
+    0.385); one that starts after train.max_steps (a mistyped step) says that it is not reached."""
+    plan = weight_plan(SOURCES, [StageConfig(40, {"code": 0.5}), StageConfig(90, {"web": 0})])
+    assert stages_said(["web", "code", "docs"], plan[1:], 60) == [
+        "from step 40: weights web 0.538, code 0.385, docs 0.077",
+        "from step 90: weights web 0.000, code 0.833, docs 0.167 (after train.max_steps=60: not reached unless a "
+        "resume raises it)"]
 
 
 def test_a_stage_edited_for_steps_not_trained_leaves_the_trained_steps_as_they_were():
