@@ -440,7 +440,9 @@ def test_flex_attention_compiles_again_at_other_shapes(setup, make_model):
     masked_model, flex_model = make_model().eval(), make_model().eval()
     flex_model.set_attn_implementation("flex_attention")
     full = setup["full"]
-    for rows, length in [(8, SEQ_LEN), (8, SEQ_LEN // 2), (5, 3 * SEQ_LEN // 4)]:
+    # not a length of 8 past a multiple of 16: torch 2.13's compiled CPU flex_attention computes those wrong
+    # on a CPU without AVX-512 (8, 24, 40: off by 0.6, at times NaN), with or without a mask
+    for rows, length in [(8, SEQ_LEN), (8, SEQ_LEN // 2), (5, 7 * SEQ_LEN // 8)]:
         flex_batch = {k: v[:rows, :length] for k, v in full.items() if k != "attention_mask"}
         mask = full["attention_mask"][:rows, :, :length, :length]
         with torch.no_grad():
