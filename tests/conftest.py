@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import cost
 import datasets
 import installed
 import probe_ranks
@@ -52,6 +53,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
     items.sort(key=lambda item: (_group(item) != "shared-runs", -launches[_group(item)]))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(cost, "cost")  # what each test costs, against tests/README.md's budget
 
 
 def pytest_runtest_setup(item):
@@ -143,8 +148,7 @@ def data_cache(tmp_path_factory) -> Path:
 def tiny_base(tmp_path_factory, data_cache) -> Path:
     """A pretrained tiny LLaMA: the final/ folder of a short pretraining run (the fine-tunes' base)."""
     out = tmp_path_factory.mktemp("tiny-base") / "run"
-    run_recipe("pretrain", [*TINY, "train.max_steps=4", "checkpoint.every=0", f"output_dir={out}"], nproc=1, cache=data_cache,
-               forked=True)
+    run_recipe("pretrain", [*TINY, "train.max_steps=4", "checkpoint.every=0", f"output_dir={out}"], nproc=1, cache=data_cache)
     return out / "final"
 
 
@@ -172,7 +176,7 @@ def one_process_run(tmp_path_factory, data_cache) -> Path:
     """6 steps of TINY on one process (checkpoints and evaluations at 3 and 6): what every 2-process
     pretraining run of the same 6 steps must equal, whatever its strategy or model-parallel layout."""
     out = tmp_path_factory.mktemp("one-process") / "run"
-    run_recipe("pretrain", [*TINY, "train.max_steps=6", f"output_dir={out}"], nproc=1, cache=data_cache, forked=True)
+    run_recipe("pretrain", [*TINY, "train.max_steps=6", f"output_dir={out}"], nproc=1, cache=data_cache)
     return out
 
 

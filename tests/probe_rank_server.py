@@ -1,8 +1,8 @@
 """The server of tests/probe_ranks.py: imports torch, transformers, Accelerate and DeepSpeed once,
 then forks the ranks of each probe it is asked for. One request per line on stdin (JSON: script,
 args, each rank's whole environment, each rank's log or its stdout and stderr files); it answers
-with the ranks' pids, then, once all have exited, with their exit codes (the first rank to fail
-ends the others, as torchrun's agent does). It ends when its stdin closes: its pytest worker is gone."""
+with the ranks' pids, then, once all have exited, with their exit codes and CPU time (the first
+rank to fail ends the others, as torchrun's agent does). It ends when its stdin closes: its pytest worker is gone."""
 
 import json
 import os
@@ -70,13 +70,14 @@ for line in sys.stdin:
         pids.append(pid)
     answers.write(json.dumps({"pids": pids}) + "\n")
     answers.flush()
-    codes, first = {}, 0
+    codes, first, cpu_s = {}, 0, 0.0
     while len(codes) < len(pids):
-        pid, status = os.waitpid(-1, 0)
+        pid, status, usage = os.wait4(-1, 0)
         codes[pid] = os.waitstatus_to_exitcode(status)
+        cpu_s += usage.ru_utime + usage.ru_stime
         if codes[pid] != 0 and first == 0:
             first = codes[pid]
             for other in set(pids) - set(codes):
                 os.kill(other, signal.SIGKILL)
-    answers.write(json.dumps({"codes": [codes[pid] for pid in pids], "first": first}) + "\n")
+    answers.write(json.dumps({"codes": [codes[pid] for pid in pids], "first": first, "cpu_s": cpu_s}) + "\n")
     answers.flush()

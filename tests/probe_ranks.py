@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import cost
 import launching
 import pytest
 
@@ -131,4 +132,7 @@ def _serve(script: Path, args: list, envs: list[dict[str, str]], logs: list, tim
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _answer(process, time.monotonic() + 60)
+    else:
+        cost.tally["forked_cpu_s"] += done["cpu_s"]
+        cost.tally["forked_runs"] += 1
     return done

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cost
 import launching
 import probe_ranks
 import pytest
@@ -47,20 +48,25 @@ def run_recipe(
     recipe: str, overrides: list[str], nproc: int, cache: Path, config: str = "pretrain_tiny.yaml",
     accelerate_config: str = "ddp.yaml", check: bool = True, env: dict[str, str | None] | None = None,
     timeout: float = LAUNCH_TIMEOUT_S, script: list[str] | None = None, launch: bool = False,
-    launch_args: list[str] | None = None, wrapper: bool = False, forked: bool = False,
+    launch_args: list[str] | None = None, wrapper: bool = False, launcher: bool = False,
 ) -> subprocess.CompletedProcess:
-    """1 process: plain `python` (unless `launch`); more: `accelerate launch` with its own port.
+    """The recipe on `nproc` ranks forked from tests/probe_ranks.py's server (each with the environment
+    `accelerate launch --config_file accelerate_config` gives it; plain `python` for one process), its
+    imports done once: ~1 CPU-s of start-up instead of ~13 for a 2-process launch (`launch`: one process with
+    that launcher's environment too). Forked ranks' output, rank by rank, is the result's stdout (stderr is
+    empty). That is every run whose numbers, files or `error:` line a test reads.
 
-    `launch_args` go to `accelerate launch` before the script. `script` replaces `recipes/{recipe}.py` (e.g. a test-only wrapper).
-    `wrapper`: recipes/launch.sh's launcher instead of `accelerate launch`, with the same arguments.
-    `forked`: the process (1, plain python) or the ranks (2 or more, with the launcher's environment for each) forked
-    from tests/probe_ranks.py's server, its imports done once: for a reference run whose numbers tests
-    compare, or a refusal whose `error:` line they read, not for what the launcher itself does or prints.
-    Forked ranks' output, rank by rank, is the result's stdout (stderr is empty).
-    An `env` value None removes that variable. A launch still running
-    after `timeout` seconds is killed with all its ranks and fails the test: a hang never
-    stalls the suite.
+    `launcher`: start it as a user's command does, for a test of what the launcher does or of what a run
+    prints as a user reads it (the imports' notices included): 1 process, a new `python`; more (or
+    `launch`), `accelerate launch` with its own port; `wrapper` (implies `launcher`), recipes/launch.sh's
+    launcher with the same arguments. Each costs the imports of every process it starts, and the suite's launches have a budget
+    (tests/README.md, "Budget"). `launch_args` go to `accelerate launch` before the script. `script`
+    replaces `recipes/{recipe}.py` (e.g. a test-only wrapper). An `env` value None removes that variable.
+    A run still going after `timeout` seconds is killed with all its ranks and fails the test: a hang
+    never stalls the suite.
     """
+    if config.startswith("finetune_smollm2") and not any(o.startswith("model.path=") for o in overrides):
+        cost.tally["real_model"] += 1  # the shipped SmolLM2 configs' base
     script = [*(script or [f"recipes/{recipe}.py"]), "--config", f"recipes/configs/{config}", *overrides]
     if nproc == 1 and not launch:
         cmd = [sys.executable, *script]
@@ -73,9 +79,9 @@ def run_recipe(
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
-    if forked and nproc == 1 and not launch:
+    if not (launcher or wrapper) and nproc == 1 and not launch:
         proc = probe_ranks.python(ROOT / script[0], script[1:], env, timeout)
-    elif forked and nproc > 1 and not wrapper:
+    elif not (launcher or wrapper):
         proc = probe_ranks.run(ROOT / script[0], script[1:], nproc, accelerate_config, env, timeout, launch_args or [])
     else:
         proc = launching.run(cmd, timeout, cwd=ROOT, env=env)

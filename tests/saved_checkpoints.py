@@ -57,7 +57,7 @@ def make(cache: Path) -> None:
             overrides = [*PRETRAIN, *(PIPELINE if pipeline else []), f"output_dir={out}"]
             run_recipe("pretrain", overrides, nproc=processes, cache=cache, accelerate_config=f"{strategy}.yaml",
                        env={"RESUME_PROBE_OUT": str(probe), "RESUME_PROBE_STEP": "3"},
-                       script=None if pipeline else [*PROBE, "pretrain"])
+                       script=None if pipeline else [*PROBE, "pretrain"], launcher=True)
             fixture = FIXTURES / name(strategy, processes, pipeline)
             shutil.copytree(out / "checkpoints" / "step-3", fixture / "step-3")
             shutil.copy(out / "metrics.jsonl", fixture)

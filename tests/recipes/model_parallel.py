@@ -58,7 +58,7 @@ def assert_same_logits(folder, reference_folder) -> None:
 
 
 def assert_refused_in_one_line(proc: subprocess.CompletedProcess, says: str) -> None:
-    """A refusal (a run_recipe(..., forked=True) of 2 ranks): exit code 2, one `error:` line, no traceback."""
+    """A refusal (a run_recipe(...) of 2 ranks): exit code 2, one `error:` line, no traceback."""
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("error: ")]

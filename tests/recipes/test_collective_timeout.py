@@ -22,7 +22,7 @@ def desync_run(tmp_path, data_cache):
     start = time.monotonic()
     proc = run_recipe(
         "pretrain", [*TINY, "train.max_steps=6", f"train.collective_timeout_s={TIMEOUT_S}", f"output_dir={tmp_path}"],
-        nproc=2, cache=data_cache, check=False, timeout=240,
+        nproc=2, cache=data_cache, check=False, timeout=240, launcher=True,
         script=["tests/recipes/desync_launch.py", "pretrain"],
     )
     elapsed = time.monotonic() - start

@@ -35,6 +35,6 @@ def test_dp_shard_2_by_cp_2_on_4_processes_equals_one_process(one_process_run, t
 ])
 def test_what_cannot_be_split_is_refused_in_one_line(tmp_path, data_cache, extra, launch_args, says):
     proc = run_recipe("pretrain", [*TINY, "train.max_steps=2", f"output_dir={tmp_path / 'run'}", *extra], nproc=2,
-                      cache=data_cache, accelerate_config="fsdp_cp.yaml", check=False, forked=True, launch_args=launch_args)
+                      cache=data_cache, accelerate_config="fsdp_cp.yaml", check=False, launch_args=launch_args)
     assert_refused_in_one_line(proc, says)
 

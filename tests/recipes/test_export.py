@@ -75,8 +75,7 @@ def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, d
     out = tmp_path / "lora"
     run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
                             f"data.chat_template={chatml_file}", "train.max_steps=2", "checkpoint.every=2",
-                            f"output_dir={out}"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml",
-               forked=True)
+                            f"output_dir={out}"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
     source = resolve_source(out, "step-2")
     with warnings.catch_warnings(record=True) as said:  # no library noise (peft's "base was renamed")
         warnings.simplefilter("always")

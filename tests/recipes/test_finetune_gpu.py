@@ -25,7 +25,7 @@ def test_qlora_trains_on_a_4bit_base_and_merges(tmp_path, data_cache, smollm2_gg
     proc = run_recipe(
         "finetune",
         ["train.max_steps=6", "logging.trackers=[]", "samples.max_new_tokens=16", "checkpoint.every=0", f"output_dir={out}"],
-        nproc=1, cache=data_cache, config="finetune_smollm2_qlora.yaml",
+        nproc=1, cache=data_cache, config="finetune_smollm2_qlora.yaml", launcher=True,
     )
     log = proc.stdout + proc.stderr
     assert "quantised by BitsAndBytesConfig" in log and "weights: qlora" in log
@@ -45,7 +45,7 @@ def test_dpo_on_a_4bit_base_scores_its_reference_with_the_adapter_off(tmp_path, 
         "finetune",
         ["adapter.method=qlora", "train.max_steps=6", "eval.every=0", "logging.trackers=[]", "samples.max_new_tokens=0",
          "checkpoint.every=0", f"output_dir={out}"],
-        nproc=1, cache=data_cache, config="finetune_smollm2_dpo_lora.yaml",
+        nproc=1, cache=data_cache, config="finetune_smollm2_dpo_lora.yaml", launcher=True,
     )
     log = proc.stdout + proc.stderr
     assert "weights: qlora" in log and "reference: one forward pass over the pairs with the adapter off" in log

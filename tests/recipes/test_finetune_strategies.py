@@ -40,8 +40,7 @@ def evals(out) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def lora_reference(tiny_base, chatml_file, data_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("ft-lora") / "single"
-    proc = run_recipe("finetune", lora_chat(tiny_base, chatml_file, out), nproc=1, cache=data_cache, config=CONFIG,
-                      forked=True)
+    proc = run_recipe("finetune", lora_chat(tiny_base, chatml_file, out), nproc=1, cache=data_cache, config=CONFIG)
     return out, proc.stdout + proc.stderr
 
 

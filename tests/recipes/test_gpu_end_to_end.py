@@ -43,7 +43,7 @@ def launch(recipe: str, overrides: list[str], cache, accelerate_config: str = "d
     kwargs = {"config": config} if config else {}
     nproc = 2 if accelerate_config in MODEL_PARALLEL else 1
     return run_recipe(recipe, overrides, nproc=nproc, cache=cache, accelerate_config=accelerate_config,
-                      launch=True, launch_args=extra, **kwargs)
+                      launch=True, launcher=True, launch_args=extra, **kwargs)
 
 
 @pytest.mark.parametrize("accelerate_config", CONFIGS)

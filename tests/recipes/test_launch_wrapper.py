@@ -142,7 +142,7 @@ def test_plain_accelerate_launch_shows_a_rank_0_data_error_as_one_error_line(tmp
     data = tmp_path / "corpus.txt"
     data.write_bytes(b"\x00\x01\xff\xfe not text")
     proc = run_recipe("pretrain", [*TINY, f"data.path={data}", f"output_dir={tmp_path / 'run'}"], nproc=2,
-                      cache=data_cache, check=False)
+                      cache=data_cache, check=False, launcher=True)
     assert proc.returncode == 1  # accelerate launch passes no rank's code through
     errors = re.findall(r"error: .*", proc.stdout + proc.stderr)
     assert errors == [f"error: data.path={data} is not UTF-8 text (byte 0xff at offset 2, line 1); re-encode it "

@@ -46,7 +46,7 @@ def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp
     out = tmp_path / "run"
     trackers = ["logging.trackers=[tensorboard]"] if data == "prepared" else []
     proc = run_recipe("pretrain", [*overrides, f"output_dir={out}", *trackers], nproc=2, cache=data_cache,
-                      accelerate_config="zero3.yaml", forked=True)
+                      accelerate_config="zero3.yaml")
     said = proc.stdout + proc.stderr
     if data == "prepared":
         for name, weight in (("docs", "0.600"), ("code", "0.400")):  # its documents, blocks, tokens and passes
@@ -80,7 +80,7 @@ def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp
     # resumed from step 3, in the first stage, across the second: steps 4-6 as the run that was not interrupted
     resumed = tmp_path / "resumed"
     run_recipe("pretrain", [*overrides, f"output_dir={resumed}", f"resume={out / 'checkpoints' / 'step-3'}"], nproc=2,
-               cache=data_cache, accelerate_config="zero3.yaml", forked=True)
+               cache=data_cache, accelerate_config="zero3.yaml")
     keys = ("loss", "grad_norm", "tokens", "tokens/docs", "tokens/code")
     after = {r["step"]: [r[k] for k in keys] for r in rows(resumed) if "loss" in r}
     assert after == {r["step"]: [r[k] for k in keys] for r in trained if r["step"] > 3}
@@ -99,8 +99,7 @@ def test_a_fine_tune_mixes_chat_sets_by_weight(tiny_base, chatml_file, tmp_path,
     proc = run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
                                    f"data.chat_template={chatml_file}", "train.max_steps=3", f"output_dir={out}",
                                    f"data.sources=[{{name: python, weight: 0.5}}, {{name: sums, path: {sums}, "
-                                   "weight: 0.5}]"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml",
-                      forked=True)
+                                   "weight: 0.5}]"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
     said = proc.stdout + proc.stderr
     assert "data: python: weight 0.500, " in said and "data: sums: weight 0.500, " in said
     assert re.search(r"loss: python +\d+\.\d{4} +\d+\.\d{4}\nloss: sums ", said)  # the end's before/after table

@@ -27,7 +27,7 @@ def curves(out) -> dict[int, tuple[float, float]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_cache):
     out = tmp_path_factory.mktemp("moe") / "run"
-    run_recipe("pretrain", [*MOE, f"output_dir={out}"], nproc=1, cache=data_cache, forked=True)
+    run_recipe("pretrain", [*MOE, f"output_dir={out}"], nproc=1, cache=data_cache)
     return out
 
 
@@ -39,7 +39,7 @@ def test_a_moe_model_trains_with_its_router_loss_logged_and_in_the_objective(ref
     # without the router loss in the objective the run is another one
     out = tmp_path / "coef0"
     run_recipe("pretrain", [*MOE, "model.config.router_aux_loss_coef=0", f"output_dir={out}"], nproc=1,
-               cache=data_cache, forked=True)
+               cache=data_cache)
     assert curves(out)[1] == ref[1], "the first loss is computed before any update"
     assert curves(out)[6][0] != ref[6][0], "router_aux_loss_coef changed nothing: the router loss is not trained"
     model = AutoModelForCausalLM.from_pretrained(reference / "final")

@@ -48,8 +48,7 @@ def deepspeed_counters(checkpoint) -> dict[str, int]:
 def reference(tmp_path_factory, data_cache):
     """One process skipping the same step."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=1, cache=data_cache, env={ENV: "batch@3"},
-               forked=True)
+    run_recipe("pretrain", [*RUN, f"output_dir={out}"], nproc=1, cache=data_cache, env={ENV: "batch@3"})
     return out
 
 

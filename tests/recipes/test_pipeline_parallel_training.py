@@ -51,5 +51,5 @@ def test_a_pipeline_of_2_stages_equals_one_process_and_resumes_bit_exact(one_pro
 ])
 def test_what_cannot_be_cut_is_refused_in_one_line(tmp_path, data_cache, extra, config, says):
     proc = run_recipe("pretrain", [*TINY, "train.max_steps=2", *STAGES, *extra, f"output_dir={tmp_path / 'run'}"],
-                      nproc=2, cache=data_cache, accelerate_config=config, check=False, forked=True)
+                      nproc=2, cache=data_cache, accelerate_config=config, check=False)
     assert_refused_in_one_line(proc, says)

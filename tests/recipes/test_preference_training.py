@@ -47,7 +47,7 @@ def single(tiny_base, chatml_file, data_cache, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"dpo-{method}") / "single"
         trackers = ["logging.trackers=[tensorboard]"] if method == "lora" else []
         proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, method, *trackers), nproc=1, cache=data_cache,
-                          config=CONFIG, forked=True)
+                          config=CONFIG)
         runs[method] = out, proc.stdout + proc.stderr
     return runs
 
@@ -113,7 +113,7 @@ def test_dpo_under_each_strategy_follows_one_process(method, strategy, single, t
     reference, _ = single[method]
     out = tmp_path / strategy
     run_recipe("finetune", dpo(tiny_base, chatml_file, out, method), nproc=2, cache=data_cache, config=CONFIG,
-               accelerate_config=f"{strategy}.yaml", forked=True)
+               accelerate_config=f"{strategy}.yaml")
     for a, b in zip(steps(reference), steps(out), strict=True):
         for key in ("loss", *REWARDS):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
@@ -129,7 +129,7 @@ def test_a_resumed_dpo_run_reads_its_reference_back_and_continues_bit_for_bit(me
     out = tmp_path / "resumed"
     proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, method,
                                       f"resume={straight / 'checkpoints' / 'step-2'}"),
-                      nproc=1, cache=data_cache, config=CONFIG, forked=True)
+                      nproc=1, cache=data_cache, config=CONFIG)
     log = proc.stdout + proc.stderr
     assert "at step 2" in log and "reference: one forward pass" not in log
     assert not foreign_lines(log)  # a LoRA resume printed peft's warning that the base had been renamed
@@ -147,7 +147,7 @@ def test_a_dpo_resume_without_its_reference_file(method, single, tiny_base, chat
     (copy / "reference_logps.npz").unlink()
     proc = run_recipe("finetune", dpo(tiny_base, chatml_file, tmp_path / "resumed", method,
                                       f"resume={copy / 'checkpoints' / 'step-2'}"),
-                      nproc=1, cache=data_cache, config=CONFIG, forked=True, check=False)
+                      nproc=1, cache=data_cache, config=CONFIG, check=False)
     log = proc.stdout + proc.stderr
     if method == "lora":
         assert proc.returncode == 0 and "reference: one forward pass over the pairs with the adapter off" in log
@@ -178,7 +178,7 @@ def test_a_dpo_resume_of_zeroed_weights_stops_as_a_dead_model(single, tiny_base,
     state.manifest_crc32 = crc32(write_manifest(folder, skip=(STATE_FILE,)))  # as a save writes it: state last
     state.write(folder)
     proc = run_recipe("finetune", dpo(tiny_base, chatml_file, tmp_path / "resumed", "full", f"resume={folder}"),
-                      nproc=1, cache=data_cache, config=CONFIG, forked=True, check=False)
+                      nproc=1, cache=data_cache, config=CONFIG, check=False)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == [
         f"error: checkpoint {folder} holds a dead model: the first step after resuming got a gradient norm of exactly "
@@ -191,7 +191,7 @@ def test_simpo_and_orpo_train_without_a_reference(objective, tiny_base, chatml_f
     out = tmp_path / objective
     proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, "lora", f"train.objective={objective}",
                                       "train.beta=2.0", "train.max_steps=2", "checkpoint.every=0"),
-                      nproc=1, cache=data_cache, config=CONFIG, forked=True)
+                      nproc=1, cache=data_cache, config=CONFIG)
     assert "reference:" not in proc.stdout + proc.stderr and not (out / "reference_logps.npz").exists()
     rows = steps(out)
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and set(REWARDS) <= r.keys() for r in rows)
@@ -202,7 +202,7 @@ def test_simpo_and_orpo_train_without_a_reference(objective, tiny_base, chatml_f
 
 def test_dpo_under_tensor_parallel_is_refused_in_one_line(tiny_base, chatml_file, data_cache, tmp_path):
     proc = run_recipe("finetune", dpo(tiny_base, chatml_file, tmp_path / "tp", "full"), nproc=2, cache=data_cache,
-                      config=CONFIG, accelerate_config="fsdp_tp.yaml", forked=True, check=False)
+                      config=CONFIG, accelerate_config="fsdp_tp.yaml", check=False)
     errors = {line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")}
     assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
     assert errors.pop().startswith("error: train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel), not "

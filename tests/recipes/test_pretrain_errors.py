@@ -371,7 +371,7 @@ def test_incomplete_checkpoint_is_refused(pretrain, capsys, monkeypatch, tmp_pat
 @pytest.mark.distributed
 def test_two_process_launch_prints_the_error_first(tmp_path, data_cache):
     proc = run_recipe("pretrain", [*TINY, "train.max_stepz=3", f"output_dir={tmp_path}"], nproc=2,
-                      cache=data_cache, check=False)
+                      cache=data_cache, check=False, launcher=True)
     assert proc.returncode != 0
     first = proc.stderr.strip().splitlines()[0]
     assert first == "error: unknown key train.max_stepz; did you mean train.max_steps?"

@@ -48,15 +48,15 @@ def described(strategy: str, processes: int) -> str:
 
 
 def launch(recipe: str, strategy: str, processes: int, overrides: list[str], probe, cache, config: str,
-           accelerate_config: str | None = None, check: bool = True, forked: bool = True):
-    """One process under ddp: plain python (forked from the probe server unless `forked=False`, for a run whose output
-    is read as a user sees it); anything else through accelerate launch,
-    FSDP2 on one process included."""
+           accelerate_config: str | None = None, check: bool = True, launcher: bool = False):
+    """One process under ddp: plain python; anything else with accelerate launch's environment, FSDP2 on one
+    process included. Forked from the probe server unless `launcher`, for a run whose output is read as a user
+    sees it."""
     return run_recipe(
         recipe, overrides, nproc=processes, cache=cache, config=config,
         accelerate_config=accelerate_config or f"{strategy}.yaml", check=check,
         env={"RESUME_PROBE_OUT": str(probe), "RESUME_PROBE_STEP": "3"}, script=[*PROBE, recipe],
-        launch=strategy != "ddp", forked=forked and processes == 1,
+        launch=strategy != "ddp", launcher=launcher,
     )
 
 
@@ -167,7 +167,7 @@ def test_a_checkpoint_of_a_deepspeed_json_with_its_own_optimizer_is_refused_in_o
            "pretrain_tiny.yaml", accelerate_config=str(tmp_path / "accelerate.yaml"))
     checkpoint = source / "checkpoints" / "step-3"
     proc = launch("pretrain", "ddp", 1, [*common, "train.max_steps=4", f"output_dir={resumed}", f"resume={checkpoint}"],
-                  tmp_path / "loaded.pt", data_cache, "pretrain_tiny.yaml", check=False, forked=False)
+                  tmp_path / "loaded.pt", data_cache, "pretrain_tiny.yaml", check=False, launcher=True)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {checkpoint} (DeepSpeed ZeRO-2 on 1 process) was trained with the optimizer its DeepSpeed "

@@ -48,7 +48,7 @@ def as_a_new_user(tmp_path) -> dict[str, str | None]:
 
 def launched(recipe: str, overrides: list[str], strategy: str, cache, env, **kwargs):
     proc = run_recipe(recipe, overrides, nproc=2, cache=cache, accelerate_config=f"{strategy}.yaml", env=env,
-                      wrapper=strategy.startswith("zero"), **kwargs)
+                      launcher=True, wrapper=strategy.startswith("zero"), **kwargs)
     foreign = foreign_lines(proc.stdout + proc.stderr)
     assert not foreign, "lines that are not the toolkit's:\n" + "\n".join(foreign)
     return proc

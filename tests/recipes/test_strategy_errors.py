@@ -36,7 +36,7 @@ def zero2_with(**changes) -> dict:
 
 def launch_error(tmp_path, data_cache, config: str, *extra: str) -> str:
     proc = run_recipe("pretrain", [*TINY, "train.max_steps=2", f"output_dir={tmp_path / 'run'}", *extra],
-                      nproc=2, cache=data_cache, accelerate_config=config, check=False)
+                      nproc=2, cache=data_cache, accelerate_config=config, check=False, launcher=True)
     assert proc.returncode != 0
     first = proc.stderr.strip().splitlines()[0]
     assert first.startswith("error: "), proc.stderr[-3000:]
@@ -80,7 +80,7 @@ def test_deepspeed_config_without_deepspeed_importable(tmp_path, data_cache):
     env = {"PYTHONPATH": str(blocker.parent), "ACCELERATE_USE_DEEPSPEED": "true",
            "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json"}
     proc = run_recipe("pretrain", [*TINY, f"output_dir={tmp_path / 'run'}"], nproc=1, cache=data_cache,
-                      check=False, env=env)
+                      check=False, env=env, launcher=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: the accelerate config asks for DeepSpeed, but it cannot be imported")
     assert "Traceback" not in proc.stderr

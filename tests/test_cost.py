@@ -1,0 +1,106 @@
+"""tests/cost.py: what a test costs is measured where it is spent, each test lands in its area, and a run over
+the launch budget fails naming the tests that launched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import cost
+import probe_ranks
+import pytest
+
+BUDGET = """## Budget
+
+| area | what | budget (CPU min) | now (CPU min) |
+| --- | --- | --- | --- |
+| real model | SmolLM2 | 1 | 0.5 |
+| launches | launchers | 2 | 1 |
+| forked ranks | forked | 3 | 2 |
+| in-process | the rest | 4 | 3 |
+| launches counted | commands | 2 | 1 |
+"""
+
+
+def test_the_shipped_budget_names_every_area():
+    minutes, launches = cost.budget()
+    assert set(minutes) == set(cost.AREAS) and all(m > 0 for m in minutes.values()) and launches > 0
+
+
+def test_a_budget_without_a_row_for_an_area_is_refused(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(BUDGET.replace("| in-process | the rest | 4 | 3 |\n", ""))
+    with pytest.raises(ValueError, match=r"lacks rows for \['in-process'\]"):
+        cost.budget(readme)
+
+
+def test_launches_and_cpu_time_are_counted_where_they_are_spent(tmp_path):
+    before = cost._snapshot()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)  # not a launch: a Python of no recipe
+    assert cost._snapshot()["launches"] == before["launches"]
+    busy = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n"
+    subprocess.run([sys.executable, "-c", busy, "recipes/pretrain.py"], check=True)  # a recipe's Python
+    after = cost._snapshot()
+    assert after["launches"] == before["launches"] + 1
+    assert after["cpu_s"] - before["cpu_s"] >= 0.5  # a child's CPU time, once waited for
+
+    probe = tmp_path / "busy.py"
+    probe.write_text(busy)
+    start = time.monotonic()
+    assert probe_ranks.run(probe, [], nproc=2).returncode == 0  # 2 ranks forked from the server, 0.5 CPU-s each
+    forked = cost._snapshot()
+    assert forked["forked_runs"] == after["forked_runs"] + 1
+    assert forked["cpu_s"] - after["cpu_s"] >= 1.0  # the ranks' CPU time, as the server measured it
+    assert time.monotonic() - start < 60
+
+
+def report(nodeid: str, **spent) -> SimpleNamespace:
+    counts = {"cpu_s": 0.0, "launches": 0, "forked_runs": 0, "real_model": 0, **spent}
+    return SimpleNamespace(nodeid=nodeid, user_properties=[("cost", counts)])
+
+
+class Terminal:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def section(self, title, **_):
+        self.lines.append(f"== {title}")
+
+    def write_line(self, line, **_):
+        self.lines.append(line)
+
+
+def test_each_test_lands_in_its_area_and_a_run_over_the_launch_budget_fails(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(BUDGET)
+    ledger = cost.Ledger(readme)
+    for r in [report("t.py::smol", cpu_s=30, real_model=1, launches=1),  # setup and call of one test add up
+              report("t.py::smol", cpu_s=60),
+              report("t.py::launch@shared-runs", cpu_s=90, launches=2),
+              report("t.py::forked[a@2]", cpu_s=120, forked_runs=3),
+              report("t.py::plain", cpu_s=6)]:
+        ledger.pytest_runtest_logreport(r)
+    assert {n: cost.area(c) for n, c in ledger.tests.items()} == {
+        "t.py::smol": "real model", "t.py::launch": "launches", "t.py::forked[a@2]": "forked ranks",
+        "t.py::plain": "in-process"}
+    terminal = Terminal()
+    ledger.pytest_terminal_summary(terminal, 0, None)
+    rows = {line.split()[0] + (" " + line.split()[1] if line.startswith(("real", "forked")) else ""): line
+            for line in terminal.lines if line[:1].isalpha()}
+    assert rows["real model"].split()[2:5] == ["1", "1.5", "1.0"] and "over its budget" in rows["real model"]
+    assert rows["forked ranks"].split()[2:5] == ["1", "2.0", "3.0"] and "over" not in rows["forked ranks"]
+    assert "launches counted: 3 (budget 2) in 2 tests" in terminal.lines
+    error = next(line for line in terminal.lines if line.startswith("error: "))
+    assert "t.py::launch (2)" in error and "t.py::smol (1)" in error
+    session = SimpleNamespace(exitstatus=0)
+    ledger.pytest_sessionfinish(session, 0)
+    assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
+
+    within = cost.Ledger(readme)
+    within.pytest_runtest_logreport(report("t.py::launch", cpu_s=9, launches=2))
+    session = SimpleNamespace(exitstatus=0)
+    within.pytest_sessionfinish(session, 0)
+    assert session.exitstatus == 0
+
