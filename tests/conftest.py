@@ -29,14 +29,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # tests/run.sh runs two pytest-xdist workers with `--dist loadgroup`: each group below is one unit of work,
 # given whole to whichever worker is free. A test file is a group (its module fixtures are built once), and
-# files that read one session fixture's launches share a group: a worker shares a session fixture only with
-# itself. "shared-runs" (`strategy_runs` below, and the sharding probes of tests/toolkit/strategy) also keeps
-# the SmolLM2 launches of test_shipped.py one after another: two at once were killed for memory.
+# files that read one session fixture's runs share a group: a worker shares a session fixture only with
+# itself. "shared-runs" is `strategy_runs` below (and the sharding probes of tests/toolkit/strategy).
 SHARED_RUNS = {
-    "tests/recipes/test_export.py", "tests/recipes/test_pretrain.py", "tests/recipes/test_shipped.py",
-    "tests/recipes/test_strategies.py", "tests/recipes/test_finetune_strategies.py",
+    "tests/recipes/test_export.py", "tests/recipes/test_pretrain.py", "tests/recipes/test_strategies.py",
     "tests/toolkit/planner/test_state.py", "tests/toolkit/strategy/test_sharding.py",
 }
+# The longest groups, handed out first: the suite cannot end before its longest group does, so these start at
+# once, one on each worker. test_shipped.py also holds the only SmolLM2 launches, one after the other (two at
+# once were killed for memory).
+LONGEST = ["shared-runs", "tests/recipes/test_shipped.py"]
 
 
 def _group(item) -> str:
@@ -46,13 +48,14 @@ def _group(item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Groups, and the order they are handed out in (run.sh keeps it: --no-loadscope-reorder): the groups
-    that start processes first, the most launches first, so that the one-process files fill both workers at
-    the end instead of one worker finishing a long group alone."""
-    launches = collections.Counter(_group(item) for item in items if item.get_closest_marker("distributed"))
+    """Groups, and the order they are handed out in (run.sh keeps it: --no-loadscope-reorder): the longest
+    groups, then the groups that start processes, the most runs first, so that the one-process files fill both
+    workers at the end instead of one worker finishing a long group alone."""
+    runs = collections.Counter(_group(item) for item in items if item.get_closest_marker("distributed"))
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: (_group(item) != "shared-runs", -launches[_group(item)]))
+    first = {group: i for i, group in enumerate(LONGEST)}
+    items.sort(key=lambda item: (first.get(_group(item), len(first)), -runs[_group(item)]))
 
 
 def pytest_configure(config):
