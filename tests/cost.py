@@ -19,6 +19,8 @@ forked instead. A run that starts more launches than the budget fails, naming th
 from __future__ import annotations
 
 import collections
+import json
+import os
 import re
 import resource
 import subprocess
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).with_name("README.md")
+COSTS_ENV = "LLM_TOOLKIT_TEST_COSTS"  # a file to write every test's cost to, as JSON
 AREAS = ("real model", "launches", "forked ranks", "in-process")
 # a subprocess that runs a recipe (recipes/*.py, recipes/launch.sh, or a test's wrapper of one in tests/recipes),
 # through a launcher or as a new Python; the launches that only record a launcher's environment for the forked
@@ -127,6 +130,8 @@ class Ledger:
         write("the 10 costliest tests (CPU s):")
         for node, spent in sorted(self.tests.items(), key=lambda kv: -kv[1]["cpu_s"])[:10]:
             write(f"{spent['cpu_s']:8.1f}  {area(spent):<13} {node}")
+        if os.environ.get(COSTS_ENV):  # every test's cost, for a closer look than the table
+            Path(os.environ[COSTS_ENV]).write_text(json.dumps({n: {**c, "area": area(c)} for n, c in self.tests.items()}))
         if sum(launches.values()) > launch_budget:
             write(f"error: {sum(launches.values())} launches, over the budget of {launch_budget} (tests/README.md, "
                   "Budget): share a launch, fork the ranks or retire one. Launched: "

@@ -34,7 +34,7 @@ def plan_command(*args: str) -> subprocess.CompletedProcess:
 
 def plan(*args: str) -> subprocess.CompletedProcess:
     """What plan_command gives, from recipes/plan.py's main in this process: each Python start costs ~6 s
-    of imports, the table itself a fraction of a second (the first test runs the command itself)."""
+    of imports, the table itself a fraction of a second (the first test runs the command itself, once)."""
     out, err = io.StringIO(), io.StringIO()
     cwd = os.getcwd()
     os.chdir(ROOT)  # the configs are named relative to the repository, as in the command
@@ -53,7 +53,7 @@ PLAN = recipe_module("plan")
 
 
 def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
-    proc = plan_command("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB", "--json")
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert sorted({r["strategy"] for r in rows}) == sorted([*STRATEGIES, "pipeline"])
