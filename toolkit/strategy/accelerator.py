@@ -98,6 +98,17 @@ def check_deepspeed_config() -> dict | None:
     return ds
 
 
+def count_cpu_devices_once() -> None:
+    """DeepSpeed's CPU accelerator counts its devices by running `numactl --hardware` each time it is asked,
+    unless LOCAL_SIZE (which its own launcher sets) says: ~36 times a step, each a fork of the whole rank
+    (216 forks in 6 tiny ZeRO-3 steps, ~2 CPU-s a rank; the fork happens even where numactl is missing).
+    Asked once here and kept in LOCAL_SIZE, which only that count reads: the same number, one fork."""
+    if "LOCAL_SIZE" not in os.environ:
+        from deepspeed.accelerator import get_accelerator
+
+        os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
+
+
 _LIVE_UNTIL_EXIT: list = []
 
 
@@ -129,6 +140,7 @@ def build_accelerator(
     kwargs: dict = {}
     if not has_gpu():
         if kind == "deepspeed":
+            count_cpu_devices_once()
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         else:
             kwargs["cpu"] = True

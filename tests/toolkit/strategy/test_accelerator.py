@@ -3,6 +3,8 @@ memory, FSDP2's reduction precision, and a DeepSpeed JSON read before Accelerate
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -76,3 +78,25 @@ def test_a_deepspeed_json_that_cannot_work_is_one_line(monkeypatch, tmp_path, te
     with pytest.raises(UserError) as raised:
         check_deepspeed_config()
     assert says in str(raised.value)
+
+
+def test_deepspeeds_cpu_device_count_is_asked_once(monkeypatch):
+    """DeepSpeed's CPU accelerator ran `numactl --hardware` each time its device count was asked (~36 times a
+    step, each a fork of the rank); the count is now kept in LOCAL_SIZE, the same number, and asked no more."""
+    import subprocess
+
+    from deepspeed.accelerator import get_accelerator
+
+    from toolkit.strategy.accelerator import count_cpu_devices_once
+
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    forks = []
+    real = subprocess.check_output
+    monkeypatch.setattr(subprocess, "check_output", lambda *a, **k: forks.append(a) or real(*a, **k))
+    expected = get_accelerator().device_count()
+    assert len(forks) == 1  # what DeepSpeed does on its own, each time
+    count_cpu_devices_once()
+    assert os.environ["LOCAL_SIZE"] == str(expected)
+    for _ in range(36):
+        assert get_accelerator().device_count() == expected
+    assert len(forks) == 2  # the one count_cpu_devices_once asked for
