@@ -59,8 +59,8 @@ def run_recipe(
     `launcher`: start it as a user's command does, for a test of what the launcher does or of what a run
     prints as a user reads it (the imports' notices included): 1 process, a new `python`; more (or
     `launch`), `accelerate launch` with its own port; `wrapper` (implies `launcher`), recipes/launch.sh's
-    launcher with the same arguments. Each costs the imports of every process it starts, and the suite's launches have a budget
-    (tests/README.md, "Budget"). `launch_args` go to `accelerate launch` before the script. `script`
+    launcher with the same arguments. Each costs the imports of every process it starts, and the suite's
+    launches have a budget (tests/README.md, "Budget"). `launch_args` go to `accelerate launch` before the script. `script`
     replaces `recipes/{recipe}.py` (e.g. a test-only wrapper). An `env` value None removes that variable.
     A run still going after `timeout` seconds is killed with all its ranks and fails the test: a hang
     never stalls the suite.
@@ -79,9 +79,10 @@ def run_recipe(
     env = {**os.environ, "LLM_TOOLKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
-    if not (launcher or wrapper) and nproc == 1 and not launch:
+    launcher = launcher or wrapper
+    if not launcher and nproc == 1 and not launch:
         proc = probe_ranks.python(ROOT / script[0], script[1:], env, timeout)
-    elif not (launcher or wrapper):
+    elif not launcher:
         proc = probe_ranks.run(ROOT / script[0], script[1:], nproc, accelerate_config, env, timeout, launch_args or [])
     else:
         proc = launching.run(cmd, timeout, cwd=ROOT, env=env)
