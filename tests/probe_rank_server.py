@@ -55,7 +55,8 @@ def rank(script: str, args: list[str], env: dict[str, str], log: str | list[str]
         answers.close()
         sys.stdin.close()
         out, err = log if isinstance(log, list) else (log, log)  # stdout and stderr apart, or one log
-        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+        # both appending: one log's two descriptors would otherwise each write at an offset of its own, over the other's
+        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND), 1)
         os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
         os.environ.clear()  # the caller's whole environment, as a subprocess would get it
         os.environ.update(env)

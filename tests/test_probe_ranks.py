@@ -1,5 +1,5 @@
-"""tests/probe_ranks.py, the harness the strategy probes run on: a rank's exit code and output come
-back, a rank that hangs is killed and fails the test, and each rank sees the launcher's variables
+"""tests/probe_ranks.py, the harness the strategy probes run on: a rank's exit code and output (stdout and
+stderr interleaved as written) come back, a rank that hangs is killed and fails the test, and each rank sees the launcher's variables
 and the caller's own."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import json, os, sys, time
 import torch.distributed as dist
 rank = int(os.environ["RANK"])
 if sys.argv[1] == "exit" and rank == 1:
+    print("rank 1 starts", flush=True)
+    print("rank 1 warns", file=sys.stderr, flush=True)
     print("rank 1 gives up")
     sys.exit(3)
 if sys.argv[1] == "hang" and rank == 1:
@@ -47,7 +49,7 @@ def test_each_rank_sees_the_launchers_variables_and_the_callers(probe, tmp_path,
 def test_a_rank_that_fails_gives_its_exit_code_and_output(probe, tmp_path):
     proc = probe_ranks.run(probe, ["exit", tmp_path / "env"], nproc=2)
     assert proc.returncode == 3
-    assert "--- rank 1\nrank 1 gives up" in proc.stdout
+    assert "--- rank 1\nrank 1 starts\nrank 1 warns\nrank 1 gives up" in proc.stdout  # stdout and stderr in order
 
 
 def test_a_rank_that_hangs_is_killed_and_fails_the_test(probe, tmp_path):
