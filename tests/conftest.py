@@ -141,10 +141,19 @@ def tiny_model():
 # --- runs of the recipes, shared by the tests that read them (tests/recipes, and the sharding tests) ---
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory) -> Path:
-    """One tokenizer/packing cache for the session: later runs read it, as a user's second run does."""
-    return tmp_path_factory.mktemp("toolkit-cache")
+    """The toolkit's cache (tokenizers, packed data, dequantised SmolLM2) for the whole run, both workers: later
+    runs read it, as a user's second run does. Also the default of every test that names no cache of its own, so
+    that SmolLM2 is dequantised once a run (~12 CPU-s each time) and nothing is written to the home folder."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-xdist gives each worker a folder inside the run's
+    cache = root / "toolkit-cache"
+    cache.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLM_TOOLKIT_CACHE", str(cache))
+        yield cache
 
 
 @pytest.fixture(scope="session")

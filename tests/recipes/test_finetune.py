@@ -36,9 +36,7 @@ SMOL_LORA = [  # continued pretraining on the CPython docs: a few steps of 4 x 6
 
 
 @pytest.fixture(scope="module")
-def smol_run(tmp_path_factory, monkeypatch_module, smollm2_gguf_path):
-    cache = tmp_path_factory.mktemp("smol-cache")
-    monkeypatch_module.setenv("LLM_TOOLKIT_CACHE", str(cache))
+def smol_run(tmp_path_factory, smollm2_gguf_path):
     out = tmp_path_factory.mktemp("smol-lora") / "run"
     cfg = load_config(FinetuneConfig, ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml", [*SMOL_LORA, f"output_dir={out}"])
     recipe = recipe_module("finetune").FinetuneRecipe(cfg)
@@ -56,12 +54,6 @@ def smol_run(tmp_path_factory, monkeypatch_module, smollm2_gguf_path):
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def test_lora_steps_lower_the_held_out_loss(smol_run):
