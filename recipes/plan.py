@@ -81,7 +81,7 @@ def load_recipe_config(path: str, overrides: list[str]):
 
 def meta_model(recipe: str, cfg) -> tuple[torch.nn.Module, torch.dtype, bool]:
     """(the model on the meta device, its weights' dtype, whether its base is 4-bit)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if recipe == "pretrain":
         from toolkit.models.scratch import hf_config
@@ -90,13 +90,9 @@ def meta_model(recipe: str, cfg) -> tuple[torch.nn.Module, torch.dtype, bool]:
         config = hf_config(cfg.model, vocab, 0, None)
         dtype, quantized = torch.float32, False
     else:
-        from toolkit.models.base_model import resolve_gguf
+        from toolkit.models.base_model import base_config
 
-        gguf = resolve_gguf(cfg.model)
-        if gguf is not None:
-            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        else:
-            config = AutoConfig.from_pretrained(cfg.model.path)
+        config = base_config(cfg.model)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
         quantized = cfg.adapter.method == "qlora"
     with torch.device("meta"):

@@ -18,6 +18,7 @@ launch, once the main process has written it) take under a second.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -238,6 +239,24 @@ def make_ordinary(model: torch.nn.Module) -> list[str]:
             if name in vars(config):
                 delattr(config, name)
     return sorted(set(found))
+
+
+def base_config(cfg: BaseModelConfig) -> transformers.PretrainedConfig:
+    """The transformers config of the base `cfg` names, without loading its weights: for a GGUF from its
+    dequantised copy when one is cached, else parsed from the file once per process (~7 s for SmolLM2)."""
+    gguf = resolve_gguf(cfg)
+    if gguf is None:
+        return AutoConfig.from_pretrained(cfg.path)
+    cached = _gguf_cache_folder(cfg, gguf)
+    if cached is not None and (cached / "config.json").is_file():
+        return AutoConfig.from_pretrained(cached)
+    stat = gguf.stat()  # the file's size and time in the key: a file replaced in place is read again
+    return copy.deepcopy(_gguf_config(gguf.resolve(), stat.st_size, stat.st_mtime_ns))  # callers may change theirs
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(gguf: Path, size: int, mtime_ns: int) -> transformers.PretrainedConfig:
+    return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def _load_gguf(cfg: BaseModelConfig, gguf: Path) -> tuple[torch.nn.Module, object, list[str]]:

@@ -100,6 +100,25 @@ def test_second_load_comes_from_the_cache(smollm2):
     torch.testing.assert_close(_logits(cached, tok2), _logits(model, tokenizer), atol=0, rtol=0)
 
 
+def test_base_config_is_the_loaded_models_without_loading_it(smollm2):
+    """What plan.py sizes: the config of the model a fine-tune loads, from the dequantised copy where there is
+    one, else parsed from the GGUF once a process (each parse ~7 s: the 49k-token vocabulary)."""
+    model, _, _, cfg = smollm2
+    base_model._gguf_config.cache_clear()
+
+    def facts(config):
+        return (config.model_type, config.hidden_size, config.num_hidden_layers, config.num_key_value_heads,
+                config.vocab_size, config.tie_word_embeddings, config.intermediate_size)
+
+    assert facts(base_model.base_config(cfg)) == facts(model.config)
+    assert base_model._gguf_config.cache_info().misses == 0  # read from the copy in cfg's cache
+    uncached = BaseModelConfig(cache_dir=cfg.cache_dir, gguf_cache=False)
+    first = base_model.base_config(uncached)
+    first.hidden_size = 1  # a caller's change stays its own
+    assert facts(base_model.base_config(uncached)) == facts(model.config)
+    assert base_model._gguf_config.cache_info()[:2] == (1, 1)  # (hits, misses): parsed once
+
+
 def test_dtype_is_applied_to_a_gguf(smollm2):
     _, _, _, cfg = smollm2
     model, _, _ = load_base_model(BaseModelConfig(cache_dir=cfg.cache_dir, dtype="bfloat16"))
