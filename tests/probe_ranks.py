@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Variables that tie a rank to the launcher that recorded them: its store, its error files.
 LAUNCHER_ONLY = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID")
 _recorded: dict[tuple[str, ...], list[dict[str, str]]] = {}
+_printed: dict[tuple[str, ...], str] = {}  # what each recording launch printed: the launcher's own lines
 _server: subprocess.Popen | None = None
 
 
@@ -82,7 +83,15 @@ def recorded_environment(accelerate_config: str | None, nproc: int, launch_args:
             seen = [json.loads((out / f"rank{rank}").read_text()) for rank in range(nproc)]
         _recorded[key] = [{k: v for k, v in rank.items() if os.environ.get(k) != v and k not in LAUNCHER_ONLY}
                           for rank in seen]
+        _printed[key] = proc.stdout + proc.stderr
     return _recorded[key]
+
+
+def launcher_output(accelerate_config: str | None, nproc: int, launch_args: list[str] = ()) -> str:
+    """What the launcher printed while it started `nproc` ranks that print nothing: the lines a user sees from it
+    above a forked run's own."""
+    recorded_environment(accelerate_config, nproc, launch_args)
+    return _printed[(accelerate_config or "torchrun", str(nproc), *launch_args)]
 
 
 def run(script: Path, args: list[str], nproc: int, accelerate_config: str | None = None,
