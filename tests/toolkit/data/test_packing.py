@@ -226,9 +226,13 @@ def segments(position_ids: torch.Tensor, num_tokens: int):
     "model_type, attn",
     [("llama", "sdpa"), ("gpt2", "sdpa"), ("qwen2", "sdpa"), ("llama", "flex_attention"), ("qwen2", "flex_attention")],
 )
-def test_packed_document_logits_equal_alone(model_type, attn, packed, tiny_tokenizer, tiny_model):
+def test_packed_document_logits_equal_alone(model_type, attn, docs, tiny_tokenizer, tiny_model):
     """Every document's logits equal those of the document run alone, under each attention kind
-    as the toolkit feeds it (flex_attention: forward only, torch has no CPU backward for it)."""
+    as the toolkit feeds it (flex_attention: forward only, torch has no CPU backward for it).
+    Blocks of 32: flex_attention then runs at 5 x 32, a shape test_loss.py compiles too (each compile
+    of its CPU kernels is ~15 CPU-s; inductor's cache serves the second)."""
+    SEQ_LEN = 32  # noqa: N806
+    packed = pack_documents(tokenize_documents(docs, tiny_tokenizer), SEQ_LEN, tiny_tokenizer.pad_token_id)
     model = tiny_model(model_type, tokenizer=tiny_tokenizer).eval()
     # the blocks that hold several documents (some of them the tail of a split one), and the padded last
     pos, n_real = column(packed, "position_ids"), column(packed, "num_tokens")
