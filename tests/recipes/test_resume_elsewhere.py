@@ -167,7 +167,7 @@ def test_a_checkpoint_of_a_deepspeed_json_with_its_own_optimizer_is_refused_in_o
            "pretrain_tiny.yaml", accelerate_config=str(tmp_path / "accelerate.yaml"))
     checkpoint = source / "checkpoints" / "step-3"
     proc = launch("pretrain", "ddp", 1, [*common, "train.max_steps=4", f"output_dir={resumed}", f"resume={checkpoint}"],
-                  tmp_path / "loaded.pt", data_cache, "pretrain_tiny.yaml", check=False, launcher=True)
+                  tmp_path / "loaded.pt", data_cache, "pretrain_tiny.yaml", check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {checkpoint} (DeepSpeed ZeRO-2 on 1 process) was trained with the optimizer its DeepSpeed "
