@@ -245,13 +245,25 @@ def base_config(cfg: BaseModelConfig) -> transformers.PretrainedConfig:
     """The transformers config of the base `cfg` names, without loading its weights: for a GGUF from its
     dequantised copy when one is cached, else parsed from the file once per process (~7 s for SmolLM2)."""
     gguf = resolve_gguf(cfg)
-    if gguf is None:
-        return AutoConfig.from_pretrained(cfg.path)
-    cached = _gguf_cache_folder(cfg, gguf)
-    if cached is not None and (cached / "config.json").is_file():
-        return AutoConfig.from_pretrained(cached)
-    stat = gguf.stat()  # the file's size and time in the key: a file replaced in place is read again
-    return copy.deepcopy(_gguf_config(gguf.resolve(), stat.st_size, stat.st_mtime_ns))  # callers may change theirs
+    try:
+        if gguf is None:
+            _check_folder(cfg)
+            offline = local_files_only(cfg.path)  # a hub id with no Hub: the cached copy, or one line now
+            try:
+                return AutoConfig.from_pretrained(cfg.path, local_files_only=offline)
+            except OSError:
+                if offline:
+                    raise UserError(offline_hint("model.path", cfg.path)) from None
+                raise
+        cached = _gguf_cache_folder(cfg, gguf)
+        if cached is not None and (cached / "config.json").is_file():
+            with contextlib.suppress(OSError, ValueError):  # a damaged copy: the file itself says it
+                return AutoConfig.from_pretrained(cached)
+        stat = gguf.stat()  # the file's size and time in the key: a file replaced in place is read again
+        return copy.deepcopy(_gguf_config(gguf.resolve(), stat.st_size, stat.st_mtime_ns))  # callers may change theirs
+    except (OSError, ValueError, KeyError) as exc:
+        what = f"model.gguf_file={gguf}" if gguf is not None else f"model.path={cfg.path}"
+        raise UserError(f"{what}: its config could not be read by transformers: {_first_line(exc)}") from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -315,7 +327,8 @@ def _load_gguf(cfg: BaseModelConfig, gguf: Path) -> tuple[torch.nn.Module, objec
     return model, tokenizer, notes
 
 
-def _load_folder(cfg: BaseModelConfig, quantization=None, device_map=None) -> tuple[torch.nn.Module, object]:
+def _check_folder(cfg: BaseModelConfig) -> None:
+    """model.path as a folder or hub id: one line for what it cannot be."""
     p = Path(cfg.path).expanduser()
     if p.is_file():
         raise UserError(
@@ -337,6 +350,10 @@ def _load_folder(cfg: BaseModelConfig, quantization=None, device_map=None) -> tu
             f"model.path={cfg.path} does not exist; give a Hugging Face model folder, a hub id like "
             "org/name, a run's final/ folder, or leave it empty for SmolLM2-135M-Instruct"
         )
+
+
+def _load_folder(cfg: BaseModelConfig, quantization=None, device_map=None) -> tuple[torch.nn.Module, object]:
+    _check_folder(cfg)
     dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     return _from_folder(cfg.path, cfg, dtype, f"model.path={cfg.path}", quantization, device_map)
 

@@ -100,7 +100,7 @@ def test_second_load_comes_from_the_cache(smollm2):
     torch.testing.assert_close(_logits(cached, tok2), _logits(model, tokenizer), atol=0, rtol=0)
 
 
-def test_base_config_is_the_loaded_models_without_loading_it(smollm2):
+def test_base_config_is_the_loaded_models_without_loading_it(smollm2, tmp_path):
     """What plan.py sizes: the config of the model a fine-tune loads, from the dequantised copy where there is
     one, else parsed from the GGUF once a process (each parse ~7 s: the 49k-token vocabulary)."""
     model, _, _, cfg = smollm2
@@ -117,6 +117,28 @@ def test_base_config_is_the_loaded_models_without_loading_it(smollm2):
     first.hidden_size = 1  # a caller's change stays its own
     assert facts(base_model.base_config(uncached)) == facts(model.config)
     assert base_model._gguf_config.cache_info()[:2] == (1, 1)  # (hits, misses): parsed once
+    damaged = BaseModelConfig(cache_dir=str(tmp_path))  # a copy whose config.json was cut short: the file says it
+    copy = base_model._gguf_cache_folder(damaged, base_model.resolve_gguf(damaged))
+    copy.mkdir(parents=True)
+    (copy / "config.json").write_text('{"model_type": "lla')
+    assert facts(base_model.base_config(damaged)) == facts(model.config)
+
+
+@pytest.mark.parametrize("path", ["missing", "a file", "an empty folder", "a run folder"])
+def test_base_config_refuses_what_the_fine_tune_refuses_in_its_words(tmp_path, tiny_model, path):
+    folder = tmp_path / "model"
+    if path == "a file":
+        folder.write_text("not a model")
+    elif path == "an empty folder":
+        folder.mkdir()
+    elif path == "a run folder":
+        tiny_model("llama").save_pretrained(folder / "final")
+    cfg = BaseModelConfig(path=str(folder))
+    with pytest.raises(UserError) as planned:
+        base_model.base_config(cfg)
+    with pytest.raises(UserError) as loaded:
+        load_base_model(cfg)
+    assert str(planned.value) == str(loaded.value) and str(folder) in str(planned.value)
 
 
 def test_dtype_is_applied_to_a_gguf(smollm2):
