@@ -245,16 +245,12 @@ def base_config(cfg: BaseModelConfig) -> transformers.PretrainedConfig:
     """The transformers config of the base `cfg` names, without loading its weights: for a GGUF from its
     dequantised copy when one is cached, else parsed from the file once per process (~7 s for SmolLM2)."""
     gguf = resolve_gguf(cfg)
+    if gguf is None:
+        _check_folder(cfg)
+    offline = gguf is None and local_files_only(cfg.path)  # a hub id with no Hub: the cached copy, or one line now
     try:
         if gguf is None:
-            _check_folder(cfg)
-            offline = local_files_only(cfg.path)  # a hub id with no Hub: the cached copy, or one line now
-            try:
-                return AutoConfig.from_pretrained(cfg.path, local_files_only=offline)
-            except OSError:
-                if offline:
-                    raise UserError(offline_hint("model.path", cfg.path)) from None
-                raise
+            return AutoConfig.from_pretrained(cfg.path, local_files_only=offline)
         cached = _gguf_cache_folder(cfg, gguf)
         if cached is not None and (cached / "config.json").is_file():
             with contextlib.suppress(OSError, ValueError):  # a damaged copy: the file itself says it
@@ -262,6 +258,8 @@ def base_config(cfg: BaseModelConfig) -> transformers.PretrainedConfig:
         stat = gguf.stat()  # the file's size and time in the key: a file replaced in place is read again
         return copy.deepcopy(_gguf_config(gguf.resolve(), stat.st_size, stat.st_mtime_ns))  # callers may change theirs
     except (OSError, ValueError, KeyError) as exc:
+        if offline:
+            raise UserError(offline_hint("model.path", cfg.path)) from None
         what = f"model.gguf_file={gguf}" if gguf is not None else f"model.path={cfg.path}"
         raise UserError(f"{what}: its config could not be read by transformers: {_first_line(exc)}") from None
 
