@@ -5,8 +5,10 @@
 #   --build-cpu-adam   also compile DeepSpeed's CPU Adam, the optimizer of ZeRO-Offload (the
 #                      *_offload accelerate configs), which DeepSpeed otherwise compiles at the
 #                      first launch that uses it, every rank waiting a minute or more. It builds in
-#                      the background while the rest installs (pip leaves a core idle); a launch
-#                      started before it is done waits for it, as for its own build.
+#                      the background while the rest installs (pip leaves a core idle), at the lowest
+#                      priority: what starts next (tests/run.sh's tests) takes the cores first, and the
+#                      build the time they leave idle. A launch started before it is done waits for it,
+#                      as for its own build.
 # Run again in an environment it installed (tests/run.sh does, each time), pip would take ~25 s to find
 # nothing to do: a stamp beside the packages records what the install was made from (this checkout, its
 # pyproject.toml and this script), and while it matches and every package is still there, pip is skipped.
@@ -30,8 +32,17 @@ CHECK
 
 build_cpu_adam() {
   # its own session: a Ctrl-C of the install must not stop it half-built (a stale lock would then
-  # hold up every later launch that loads it); once built, this is a load from DeepSpeed's cache
-  setsid "$PY" -c "from deepspeed.accelerator import get_accelerator
+  # hold up every later launch that loads it); once built, this is a load from DeepSpeed's cache.
+  # A new session is a new scheduling autogroup on Linux, which competes with the shell's as an equal
+  # whatever its nice value: the group itself is made nice.
+  setsid "$PY" -c "import os
+try:
+    with open('/proc/self/autogroup', 'w') as group:
+        group.write('19')
+except OSError:
+    pass
+os.nice(19)
+from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder('CPUAdamBuilder').load(verbose=False)" >/dev/null 2>&1 < /dev/null &
 }
 

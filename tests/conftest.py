@@ -50,12 +50,15 @@ def _group(item) -> str:
 def pytest_collection_modifyitems(config, items):
     """Groups, and the order they are handed out in (run.sh keeps it: --no-loadscope-reorder): the longest
     groups, then the groups that start processes, the most runs first, so that the one-process files fill both
-    workers at the end instead of one worker finishing a long group alone."""
+    workers at the end instead of one worker finishing a long group alone. Within a group, the tests that
+    need DeepSpeed's CPU Adam go last (recipes/install.sh builds it in the background at the lowest priority,
+    ~3 CPU-minutes that the tests' idle moments pay for)"""
     runs = collections.Counter(_group(item) for item in items if item.get_closest_marker("distributed"))
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
     first = {group: i for i, group in enumerate(LONGEST)}
-    items.sort(key=lambda item: (first.get(_group(item), len(first)), -runs[_group(item)]))
+    items.sort(key=lambda item: (first.get(_group(item), len(first)), -runs[_group(item)],
+                                 item.get_closest_marker("cpu_adam") is not None))
 
 
 def pytest_configure(config):

@@ -205,6 +205,7 @@ def test_resume_is_bit_exact(strategy, strategy_runs, tmp_path, data_cache):
         assert got[step] == ref[step], (strategy, step)
 
 
+@pytest.mark.cpu_adam
 def test_zero3_offload_path_runs_on_cpu(tmp_path, data_cache, one_process_run):
     out = tmp_path / "offload"
     proc = run_recipe("pretrain", [*MATRIX_RUN, f"output_dir={out}"], nproc=2, cache=data_cache,
