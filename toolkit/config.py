@@ -31,6 +31,13 @@ class UserError(Exception):
     """A mistake in what the user asked for; recipes print it as one line, with no traceback."""
 
 
+def first_line(exc: BaseException) -> str:
+    """What an exception says, as a clause of a one-line error: its first line (at most 300 characters), or its
+    type if it says nothing."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
 class ConfigError(UserError):
     def __init__(self, problems: list[str]):
         self.problems = problems

@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.checkpoint.formats import gather_full_weights, saved_by
 from toolkit.checkpoint.unpickling import not_only_numbers
-from toolkit.config import UserError
+from toolkit.config import UserError, first_line
 from toolkit.manifest import MANIFEST, check_manifest, crc32
 from toolkit.models.adapter import BASE_MODEL_FILE
 from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState, checkpoint_step, is_complete
@@ -158,13 +158,13 @@ def _from_folder(folder: Path, source: Source, **kwargs):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
     except SafetensorError as exc:  # a truncated or overwritten file that no manifest recorded
         raise UserError(
-            f"{source.describe()}: its weights are not readable safetensors ({_first_line(exc)}); {_instead(source)}"
+            f"{source.describe()}: its weights are not readable safetensors ({first_line(exc)}); {_instead(source)}"
         ) from None
     except (RuntimeError, ValueError, OSError) as exc:
         if not source.is_checkpoint:
-            raise UserError(f"{source.describe()} does not load ({_first_line(exc)}); {_instead(source)}") from None
+            raise UserError(f"{source.describe()} does not load ({first_line(exc)}); {_instead(source)}") from None
         raise UserError(
-            f"{source.describe()} does not load with its config ({_first_line(exc)}); "
+            f"{source.describe()} does not load with its config ({first_line(exc)}); "
             f"the weights and {MODEL_FILES}/ come from different models"
         ) from None
 
@@ -177,7 +177,7 @@ def load_tokenizer(folder: Path, source: Source):
         try:
             return AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError, TypeError) as exc:
-            problem = f"its tokenizer in {folder} does not load ({_first_line(exc)})"
+            problem = f"its tokenizer in {folder} does not load ({first_line(exc)})"
     raise UserError(f"{source.describe()}: {problem}; {_instead(source)}")
 
 
@@ -193,7 +193,7 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
             state.update(load_file(f))
         except SafetensorError as exc:
             raise UserError(
-                f"{source.describe()}: {f.name} is not readable safetensors ({_first_line(exc)}); {_instead(source)}"
+                f"{source.describe()}: {f.name} is not readable safetensors ({first_line(exc)}); {_instead(source)}"
             ) from None
     for f in sorted(weights.glob("pytorch_model*.bin")):
         state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
@@ -272,7 +272,7 @@ def _checkpoint_source(folder: Path, run_dir: Path | None) -> Source:
         state = TrainerState.read(folder)
     except (ValueError, TypeError) as exc:
         raise UserError(
-            f"{folder / STATE_FILE} is not a readable trainer state ({_first_line(exc)}); export an earlier checkpoint"
+            f"{folder / STATE_FILE} is not a readable trainer state ({first_line(exc)}); export an earlier checkpoint"
         ) from None
     facts = {"step": state.step, **state.last_eval}
     kind = saved_by(folder)
@@ -392,10 +392,6 @@ def _instead(source: Source) -> str:
         return f"export one of its run's checkpoints instead (--from {run.root} --checkpoint {done[-1].name})"
     return "restore the file from a copy, or export another folder"
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:200] if lines else type(exc).__name__
 
 
 def _summary(folder: Path) -> dict:

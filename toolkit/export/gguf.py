@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from toolkit.config import UserError
+from toolkit.config import UserError, first_line
 from toolkit.export.destination import EXPORTED_BY, MODELFILE_FIRST_LINE, modelfile_path
 
 try:
@@ -133,7 +133,7 @@ def write_modelfile(gguf_file: Path, tokenizer_dir: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except (OSError, ValueError) as exc:
         raise UserError(
-            f"{tokenizer_dir} has no usable tokenizer ({_first_line(exc)}); give the exported model folder"
+            f"{tokenizer_dir} has no usable tokenizer ({first_line(exc)}); give the exported model folder"
         ) from None
     template = _chat_template(tokenizer) or ""
     if not isinstance(template, str):
@@ -177,7 +177,7 @@ def _read_config(model_dir: Path) -> tuple[object, object]:
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{model_dir}/config.json could not be read ({_first_line(exc)})") from None
+        raise UserError(f"{model_dir}/config.json could not be read ({first_line(exc)})") from None
     return config, gguf_architecture(config, str(model_dir))
 
 
@@ -392,8 +392,3 @@ def _interleave_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Per head, rows [x0..x(d/2-1), y0..y(d/2-1)] -> [x0, y0, x1, y1, ...] (rotate-half -> adjacent pairs)."""
     head_dim = w.shape[0] // n_heads
     return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

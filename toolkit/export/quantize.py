@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from packaging.version import Version
 
-from toolkit.config import UserError
+from toolkit.config import UserError, first_line
 from toolkit.run_dir import replace_folder
 
 TORCHAO_MIN = "0.16"  # Int8Tensor (int8 weight-only) is safetensors-serialisable from 0.16
@@ -115,7 +115,7 @@ def quantize_folder(model_dir: Path, out_dir: Path, scheme: str) -> tuple[Path, 
             )
         except (OSError, ValueError, RuntimeError, ImportError) as exc:
             raise UserError(
-                f"{model_dir} could not be quantised to {scheme} on cpu ({_first_line(exc)}); "
+                f"{model_dir} could not be quantised to {scheme} on cpu ({first_line(exc)}); "
                 f"{scheme} needs {' or '.join(s.devices)} and a LLaMA-style model with nn.Linear layers"
             ) from None
         quantised, kept = _split_linears(model)
@@ -128,7 +128,7 @@ def quantize_folder(model_dir: Path, out_dir: Path, scheme: str) -> tuple[Path, 
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError) as exc:
             raise UserError(
-                f"{model_dir} has no usable tokenizer ({_first_line(exc)}); save one into that folder"
+                f"{model_dir} has no usable tokenizer ({first_line(exc)}); save one into that folder"
             ) from None
         model.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
@@ -157,7 +157,7 @@ def _require_torchao() -> None:
         import torchao.quantization  # noqa: F401  (a torchao built for another torch fails here)
     except (ImportError, OSError, RuntimeError) as exc:
         raise UserError(
-            f"torchao {have} does not import with torch {torch.__version__} ({_first_line(exc)}); "
+            f"torchao {have} does not import with torch {torch.__version__} ({first_line(exc)}); "
             "install the torchao release made for this torch"
         ) from None
 
@@ -256,8 +256,3 @@ def _notes(s: Scheme, model, quantised, kept, int8_fallback, model_dir: Path, ou
 
 def _size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

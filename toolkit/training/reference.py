@@ -22,7 +22,8 @@ import torch
 
 from toolkit.config import UserError
 from toolkit.data.preference import collate_pairs
-from toolkit.models.base_model import BaseModelConfig, resolve_gguf
+from toolkit.models.base_model import BaseModelConfig
+from toolkit.models.gguf_base import resolve_gguf
 from toolkit.models.preference_loss import token_logps
 from toolkit.run_dir import RunDir
 

@@ -3,9 +3,9 @@ and loads back into transformers with the same token ids and nearly the same hel
 
 A tiny LLaMA (briefly trained, so that its perplexity means something) covers every offered type
 in a second each, through plain transformers and through llama.cpp itself (llama-cpp-python, when
-installed); a tiny Qwen2 covers the second architecture; SmolLM2-135M covers a real model. Parsing
-SmolLM2's GGUF (its 49k-token vocabulary and merges) is the slow part, ~12 s per load on 2 CPU
-cores through toolkit.models.base_model's parse-once loader. The perplexities are printed (`pytest -s`).
+installed); a tiny Qwen2 covers the second architecture; SmolLM2-135M covers a real model, each
+reload ~9 CPU-s (quantising, the parse through toolkit.models.gguf_base, dequantising). The
+perplexities are printed (`pytest -s`).
 """
 
 from __future__ import annotations
