@@ -43,22 +43,12 @@ def install(tmp_path: Path, *args: str, env: dict | None = None) -> list[str]:
     return log.read_text().splitlines()
 
 
-def test_a_second_install_skips_pip_until_the_stamp_says_otherwise(tmp_path, stamp):
-    """tests/run.sh installs before every run: the second time in one environment costs no pip (~25 s). A stamp
-    made from another checkout (or another pyproject.toml or install.sh) installs again."""
-    stamp.write_text(f"{ROOT}-elsewhere 0123456789abcdef\n")
-    assert "-m pip install --quiet -e .[deepspeed,test,quant]" in install(tmp_path)
-    assert stamp.read_text().split()[0] == str(ROOT)
-    assert install(tmp_path) == []
-
-
-def test_the_background_cpu_adam_build_takes_only_idle_time(tmp_path, stamp):
-    """`--build-cpu-adam` compiles while tests/run.sh's tests start (~3 CPU-minutes on 2 cores). It runs in a
-    session of its own, and on Linux a session is a scheduling group that competes with the tests' as an equal
-    whatever its nice value: r25's fast suite took 6:29 instead of ~5 while a build niced only by `nice` ran."""
+def fake_deepspeed(tmp_path: Path) -> tuple[dict, Path]:
+    """(environment, log): a `deepspeed` whose CPU Adam build writes down its session and its nice values."""
     fake = tmp_path / "fake" / "deepspeed"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
+    log = tmp_path / "build.log"
     (fake / "accelerator.py").write_text(f"""
 import os, pathlib
 
@@ -66,14 +56,28 @@ class _Builder:
     def load(self, verbose):
         group = pathlib.Path("/proc/self/autogroup")
         seen = group.read_text().split()[-1] if group.exists() else "19"
-        pathlib.Path({str(tmp_path / 'build.log')!r}).write_text(f"{{os.getsid(0)}} {{os.nice(0)}} {{seen}}")
+        pathlib.Path({str(log)!r}).write_text(f"{{os.getsid(0)}} {{os.nice(0)}} {{seen}}")
 
 def get_accelerator():
     return type("Accelerator", (), {{"create_op_builder": lambda self, name: _Builder()}})()
 """)
-    install(tmp_path, "--build-cpu-adam", env={"PYTHONPATH": str(tmp_path / "fake")})
-    log = tmp_path / "build.log"
-    for _ in range(300):
+    return {"PYTHONPATH": str(tmp_path / "fake")}, log
+
+
+def test_a_second_install_skips_pip_and_builds_cpu_adam_in_idle_time(tmp_path, stamp):
+    """tests/run.sh installs before every run: the second time in one environment costs no pip (~25 s). A stamp
+    made from another checkout (or another pyproject.toml or install.sh) installs again.
+
+    `--build-cpu-adam` compiles while tests/run.sh's tests start (~3 CPU-minutes on 2 cores). It runs in a
+    session of its own, and on Linux a session is a scheduling group that competes with the tests' as an equal
+    whatever its nice value: session 25's fast suite took 6:29 instead of ~4:30 beside a build niced by `nice`
+    alone."""
+    stamp.write_text(f"{ROOT}-elsewhere 0123456789abcdef\n")
+    assert "-m pip install --quiet -e .[deepspeed,test,quant]" in install(tmp_path)
+    assert stamp.read_text().split()[0] == str(ROOT)
+    env, log = fake_deepspeed(tmp_path)
+    assert install(tmp_path, "--build-cpu-adam", env=env) == []
+    for _ in range(300):  # the build runs in the background
         if log.exists() and log.read_text():
             break
         time.sleep(0.1)
