@@ -20,7 +20,7 @@ from toolkit.training.recipe_config import FinetuneConfig
 
 SMOL_LORA = [  # continued pretraining on the CPython docs: a few steps of 4 x 64 tokens
     "data.seq_len=64",
-    "train.max_steps=4",
+    "train.max_steps=2",
     "train.global_batch_size=4",
     "train.micro_batch_size=4",
     "optim.lr=2e-3",
