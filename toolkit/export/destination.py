@@ -26,6 +26,7 @@ from pathlib import Path
 
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, write_manifest, written_by
+from toolkit.models.gguf_base import read_gguf
 from toolkit.run_dir import RunDir
 
 EXPORTED_BY = "llm-toolkit recipes/export.py"
@@ -180,7 +181,7 @@ def _gguf_writer(path: Path) -> str | None:
     import gguf
 
     try:
-        field = gguf.GGUFReader(path).get_field(gguf.Keys.General.QUANTIZED_BY)
+        field = read_gguf(path).get_field(gguf.Keys.General.QUANTIZED_BY)
     except (ValueError, OSError, IndexError, KeyError):  # a damaged GGUF: not one to replace unasked
         return None
     return field.contents() if field is not None else None

@@ -381,8 +381,10 @@ def smollm2_f16(smollm2, tmp_path_factory):
 
 
 def test_smollm2_f16_holds_its_tokenizer_and_tied_weights(smollm2, smollm2_f16):
+    from toolkit.models.gguf_base import read_gguf
+
     folder, model, tokenizer, _ = smollm2
-    reader = gguf.GGUFReader(smollm2_f16)
+    reader = read_gguf(smollm2_f16)  # gguf's reader, 3 s faster on this file
     assert _field(reader, "llama.rope.freq_base") == pytest.approx(100000.0)
     assert _field(reader, "llama.context_length") == 8192
     assert _field(reader, "llama.attention.head_count_kv") == 3

@@ -49,6 +49,7 @@ def test_the_parse_reads_what_ggufs_own_reader_reads(tmp_path, tiny_model, tiny_
         parsed = gguf.GGUFReader(path)
         assert gguf.GGUFReader(path) is parsed
     assert gguf.GGUFReader is type(own)  # put back
+    assert type(gguf_base.read_gguf(path).data) is np.ndarray  # export's check of a file it would replace
     assert type(parsed.data) is np.ndarray and type(own.data) is np.memmap
     assert list(parsed.fields) == list(own.fields)
     for name, field in own.fields.items():
