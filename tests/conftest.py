@@ -39,6 +39,10 @@ SHARED_RUNS = {
 # once, one on each worker. test_shipped.py also holds the only SmolLM2 launches, one after the other (two at
 # once were killed for memory).
 LONGEST = ["shared-runs", "tests/recipes/test_shipped.py"]
+# The longest one-process files (30-55 s each): first among the files that start no process, so that the fast
+# suite (where every file is one) ends on short files on both workers, not on one of these on one worker.
+LONGEST_ONE_PROCESS = ["tests/toolkit/export/test_gguf.py", "tests/recipes/test_finetune.py",
+                       "tests/toolkit/data/test_packing.py", "tests/toolkit/export/test_quantize.py"]
 
 
 def _group(item) -> str:
@@ -50,14 +54,16 @@ def _group(item) -> str:
 def pytest_collection_modifyitems(config, items):
     """Groups, and the order they are handed out in (run.sh keeps it: --no-loadscope-reorder): the longest
     groups, then the groups that start processes, the most runs first, so that the one-process files fill both
-    workers at the end instead of one worker finishing a long group alone. Within a group, the tests that
-    need DeepSpeed's CPU Adam go last (recipes/install.sh builds it in the background at the lowest priority,
-    ~3 CPU-minutes that the tests' idle moments pay for)"""
+    workers at the end instead of one worker finishing a long group alone (the longest one-process files first
+    among those). Within a group, the tests that need DeepSpeed's CPU Adam go last (recipes/install.sh builds it
+    in the background at the lowest priority, ~3 CPU-minutes that the tests' idle moments pay for)."""
     runs = collections.Counter(_group(item) for item in items if item.get_closest_marker("distributed"))
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
     first = {group: i for i, group in enumerate(LONGEST)}
+    one_process = {group: i for i, group in enumerate(LONGEST_ONE_PROCESS)}
     items.sort(key=lambda item: (first.get(_group(item), len(first)), -runs[_group(item)],
+                                 one_process.get(_group(item), len(one_process)),
                                  item.get_closest_marker("cpu_adam") is not None))
 
 
