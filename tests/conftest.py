@@ -50,16 +50,18 @@ def _group(item) -> str:
     return "shared-runs" if path in SHARED_RUNS else path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items):
     """Groups, and the order they are handed out in (run.sh keeps it: --no-loadscope-reorder): the longest
     groups, then the groups that start processes, the most runs first, so that the one-process files fill both
     workers at the end instead of one worker finishing a long group alone (the longest one-process files first
     among those). Within a group, the tests that need DeepSpeed's CPU Adam go last (recipes/install.sh builds it
     in the background at the lowest priority, ~3 CPU-minutes that the tests' idle moments pay for)."""
-    runs = collections.Counter(_group(item) for item in items if item.get_closest_marker("distributed"))
-    for item in items:
+    for item in items:  # before xdist's own hook, which reads the groups
         item.add_marker(pytest.mark.xdist_group(_group(item)))
+    yield
+    # after `-m` has deselected: the fast suite's order counts only its own tests
+    runs = collections.Counter(_group(item) for item in items if item.get_closest_marker("distributed"))
     first = {group: i for i, group in enumerate(LONGEST)}
     one_process = {group: i for i, group in enumerate(LONGEST_ONE_PROCESS)}
     items.sort(key=lambda item: (first.get(_group(item), len(first)), -runs[_group(item)],

@@ -106,16 +106,10 @@ def run(script: Path, args: list[str], nproc: int, accelerate_config: str | None
     with tempfile.TemporaryDirectory(prefix="probe-ranks-") as folder:
         logs = [str(Path(folder) / str(rank)) for rank in range(nproc)]
         done = _serve(script, args, envs, logs, timeout)
-        output = "\n".join(f"--- rank {r}\n{_read(log)}" for r, log in enumerate(logs))
+        output = "\n".join(f"--- rank {r}\n{Path(log).read_text(errors='replace')}" for r, log in enumerate(logs))
     if done is None:
         pytest.fail(f"{script} on {nproc} ranks still running after {timeout:.0f} s (killed)\n{output[-8000:]}")
     return subprocess.CompletedProcess([str(script), *map(str, args)], done["first"], output, "")
-
-
-def _read(log: str | Path) -> str:
-    # the server creates a rank's log as it forks the rank: a run ended by its timeout (or a failing server)
-    # may have ranks that never started
-    return Path(log).read_text(errors="replace") if Path(log).exists() else "(never started: no output)\n"
 
 
 def python(script: Path, args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
@@ -125,7 +119,7 @@ def python(script: Path, args: list[str], env: dict[str, str], timeout: float = 
     with tempfile.TemporaryDirectory(prefix="probe-ranks-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         done = _serve(script, args, [env], [[str(out), str(err)]], timeout)
-        stdout, stderr = _read(out), _read(err)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if done is None:
         pytest.fail(f"python {script} still running after {timeout:.0f} s (killed)\n{stdout[-4000:]}\n{stderr[-4000:]}")
     return subprocess.CompletedProcess(["python", str(script), *map(str, args)], done["first"], stdout, stderr)
@@ -134,6 +128,9 @@ def python(script: Path, args: list[str], env: dict[str, str], timeout: float = 
 def _serve(script: Path, args: list, envs: list[dict[str, str]], logs: list, timeout: float) -> dict | None:
     """One request to the server; its answer with the exit codes, or None when the ranks hung and were killed."""
     request = {"script": str(script), "args": [str(a) for a in args], "envs": envs, "logs": logs}
+    for log in logs:  # a rank opens its own log: one killed (its timeout) before that still leaves an empty one
+        for path in log if isinstance(log, list) else [log]:
+            Path(path).touch()
     process = server()
     process.stdin.write(json.dumps(request) + "\n")
     process.stdin.flush()

@@ -205,7 +205,7 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
         model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32)
     except (RuntimeError, ValueError) as exc:
         raise UserError(
-            f"{source.describe()} does not match its model config ({str(exc).splitlines()[0][:200]}); "
+            f"{source.describe()} does not match its model config ({first_line(exc)}); "
             f"the weights and {MODEL_FILES}/ come from different models"
         ) from None
     del state
@@ -391,7 +391,6 @@ def _instead(source: Source) -> str:
     if done:
         return f"export one of its run's checkpoints instead (--from {run.root} --checkpoint {done[-1].name})"
     return "restore the file from a copy, or export another folder"
-
 
 
 def _summary(folder: Path) -> dict:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, write_manifest, written_by
-from toolkit.models.gguf_base import read_gguf
 from toolkit.run_dir import RunDir
 
 EXPORTED_BY = "llm-toolkit recipes/export.py"
@@ -179,6 +178,8 @@ def _gguf_writer(path: Path) -> str | None:
         if f.read(4) != b"GGUF":
             return None
     import gguf
+
+    from toolkit.models.gguf_base import read_gguf  # torch and transformers: only for a GGUF it would replace
 
     try:
         field = read_gguf(path).get_field(gguf.Keys.General.QUANTIZED_BY)

