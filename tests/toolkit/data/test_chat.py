@@ -57,11 +57,14 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def smol_tokenizer(smollm2_gguf_path):
-    """SmolLM2-135M-Instruct's tokenizer and chat template, read from the GGUF (~5 s)."""
+    """SmolLM2-135M-Instruct's tokenizer and chat template, read from the GGUF as the toolkit reads it (~2 s)."""
     from transformers import AutoTokenizer
 
+    from toolkit.models.gguf_base import _parse_gguf_once
+
     path = smollm2_gguf_path
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _parse_gguf_once():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")
