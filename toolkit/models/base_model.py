@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -121,7 +122,7 @@ def base_config(cfg: BaseModelConfig) -> transformers.PretrainedConfig:
                 return AutoConfig.from_pretrained(cached)
         stat = gguf.stat()  # the file's size and time in the key: a file replaced in place is read again
         return copy.deepcopy(gguf_config(gguf.resolve(), stat.st_size, stat.st_mtime_ns))  # callers may change theirs
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, struct.error) as exc:  # struct.error: a GGUF cut short in its header
         if offline:
             raise UserError(offline_hint("model.path", cfg.path)) from None
         what = f"model.gguf_file={gguf}" if gguf is not None else f"model.path={cfg.path}"

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -153,7 +154,8 @@ def dequantise(cfg, gguf: Path) -> tuple[torch.nn.Module, object, list[str]]:
                 **kwargs,
             )
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except (OSError, ValueError, KeyError, NotImplementedError, ImportError) as exc:
+    # struct.error: transformers' metadata reader on a file cut short inside its header
+    except (OSError, ValueError, KeyError, NotImplementedError, ImportError, struct.error) as exc:
         raise UserError(f"model.gguf_file={gguf} could not be loaded by transformers: {first_line(exc)}") from None
     cleared = make_ordinary(model)
     what = (

