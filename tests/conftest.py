@@ -55,8 +55,8 @@ def pytest_collection_modifyitems(items):
     """Groups, and the order they are handed out in (run.sh keeps it: --no-loadscope-reorder): the longest
     groups, then the groups that start processes, the most runs first, so that the one-process files fill both
     workers at the end instead of one worker finishing a long group alone (the longest one-process files first
-    among those). Within a group, the tests that need DeepSpeed's CPU Adam go last (recipes/install.sh builds it
-    in the background at the lowest priority, ~3 CPU-minutes that the tests' idle moments pay for)."""
+    among those). Within a group, the tests that need DeepSpeed's CPU Adam go last: recipes/install.sh builds it
+    in the background at the lowest priority (~3 CPU-minutes), so the later they come, the more of it is done."""
     for item in items:  # before xdist's own hook, which reads the groups
         item.add_marker(pytest.mark.xdist_group(_group(item)))
     yield
