@@ -36,6 +36,7 @@ def test_a_budget_without_a_row_for_an_area_is_refused(tmp_path):
         cost.budget(readme)
 
 
+@pytest.mark.distributed  # ranks forked from the rank server: ~10 s to start one in the fast suite, shared in the whole
 def test_launches_and_cpu_time_are_counted_where_they_are_spent(tmp_path):
     before = cost._snapshot()
     subprocess.run([sys.executable, "-c", "pass"], check=True)  # not a launch: a Python of no recipe
