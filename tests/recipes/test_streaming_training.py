@@ -58,6 +58,6 @@ def test_a_streamed_run_resumed_mid_stream_trains_on_the_same_batches(corpus, tm
     # the stream's position does not carry over to prepared data: refused in one line
     proc = run_recipe("pretrain", [*TINY, "train.max_steps=6", f"data.path={corpus}", f"output_dir={tmp_path / 'x'}",
                                    f"resume={straight / 'checkpoints' / 'step-3'}"], nproc=1, cache=data_cache,
-                      check=False, launcher=True)
+                      check=False)
     assert proc.returncode == 2
     assert "was trained with data.streaming=true" in proc.stderr.strip().splitlines()[-1]
