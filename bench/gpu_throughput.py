@@ -2,6 +2,7 @@
 
     python bench/gpu_throughput.py                        # --configs quick, the 1B LLaMA, seq 2048
     python bench/gpu_throughput.py --configs full --out runs/gpu_throughput.md
+    python bench/gpu_throughput.py --profile 2            # and where 2 more steps of each row spend their time
     python bench/gpu_throughput.py --model recipes/configs/pretrain_tiny.yaml --configs quick \\
         --steps 3 --warmup 1 --seq-len 128 --switches shipped --peer-variants a     # CPU smoke check
 
@@ -28,6 +29,9 @@ the function the recipe itself uses, so both sides share one formula), and peak 
       from position_ids when no attention_mask is passed);
   (c) bf16 weights (no autocast) + torch.compile(model) + flex_attention.
 Every row runs in a process of its own (fresh CUDA memory, compile caches and peak statistics).
+With --profile N, each row then trains N more steps under torch.profiler (the recipe's `logging.profile`, the
+loop through the same toolkit.training.profiling) and a table per row follows the throughput table: device busy
+share, the longest idle gaps with the host work under each, the top kernels. The traces stay on the machine.
 
 On a lent GPU machine (../shared/gpu/README.md, docs/gpu.md): `bash ../shared/gpu/prepare.sh` here,
 then a device run with carry [".whl", ".gpu"] and the command
@@ -61,7 +65,7 @@ CPU_NOTE = "CPU: MFU unknown (no peak FLOP/s), peak memory is RSS; the recipe tr
 
 # The recipe's switches per row: name -> (overrides, what the table says).
 SWITCHES = {
-    "shipped": ([], "as the YAML ships (sdpa + 4-D mask, eager, full loss)"),
+    "shipped": ([], "as the YAML ships"),
     "fast": (
         ["model.compile=true", "model.attn_implementation=flex_attention", "model.loss=chunked", "optim.fused=auto"],
         "compile, flex_attention, chunked loss, fused AdamW",
@@ -129,6 +133,7 @@ def peer_worker(spec: dict) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.training.metrics import estimate_mfu, peak_flops
+    from toolkit.training.profiling import StepProfiler
     from toolkit.training.trainer import model_size
 
     variant, mb, seq_len, accum = spec["variant"], spec["micro_batch"], spec["seq_len"], spec["accumulation"]
@@ -149,8 +154,10 @@ def peer_worker(spec: dict) -> dict:
     forward = torch.compile(model) if variant in "bc" else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if variant in "ab" else contextlib.nullcontext()
 
-    steps, warmup = spec["steps"], spec["warmup"]
-    input_ids, position_ids = packed_blocks((steps + warmup) * accum * mb, seq_len, spec["vocab"], spec["seed"])
+    steps, warmup, profiled = spec["steps"], spec["warmup"], spec.get("profile", 0)
+    timed_end = warmup + steps
+    profiler = StepProfiler([timed_end + 1, timed_end + profiled] if profiled else [], Path(spec["workdir"]), True, device)
+    input_ids, position_ids = packed_blocks((timed_end + profiled) * accum * mb, seq_len, spec["vocab"], spec["seed"])
     labels = input_ids.masked_fill(position_ids == 0, -100)  # no target across a document boundary
     if device.type == "cuda":
         input_ids, position_ids, labels = input_ids.pin_memory(), position_ids.pin_memory(), labels.pin_memory()
@@ -160,11 +167,15 @@ def peer_worker(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    losses, t0 = [], time.perf_counter()
-    for step in range(steps + warmup):
+    losses, t0, elapsed = [], time.perf_counter(), 0.0
+    for step in range(timed_end + profiled):
         if step == warmup:
             sync()
             t0 = time.perf_counter()
+        if step == timed_end:
+            sync()
+            elapsed = time.perf_counter() - t0
+        profiler.begin(step + 1)
         for micro in range(accum):
             rows = slice((step * accum + micro) * mb, (step * accum + micro + 1) * mb)
             batch = {
@@ -183,8 +194,10 @@ def peer_worker(spec: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach() * accum)
-    sync()
-    elapsed = time.perf_counter() - t0
+        profiler.end(step + 1, say=lambda line: None)
+    if not profiled:
+        sync()
+        elapsed = time.perf_counter() - t0
     tps = steps * accum * mb * seq_len / elapsed
     if device.type == "cuda":
         memory = {"cuda_max_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}
@@ -193,7 +206,8 @@ def peer_worker(spec: dict) -> dict:
     return {
         "tokens_per_s": tps, "mfu": estimate_mfu(tps, flops_token, 1, peak_flops(device)), **memory,
         "params": n_params, "flops_per_token": flops_token,
-        "loss_first": losses[0].item(), "loss_last": losses[-1].item(),
+        "loss_first": losses[0].item(), "loss_last": losses[timed_end - 1].item(),
+        **({"profile": profiler.summary} if profiler.summary else {}),
     }
 
 
@@ -234,9 +248,11 @@ def launch(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
 def recipe_command(row: Row, args, vocab: int, out: Path) -> list[str]:
     overrides = [
         f"output_dir={out}", f"data.seq_len={args.seq_len}", f"model.config.vocab_size={vocab}",
-        f"train.max_steps={args.warmup + args.steps}", f"train.micro_batch_size={row.micro_batch}",
+        f"train.max_steps={args.warmup + args.steps + args.profile}", f"train.micro_batch_size={row.micro_batch}",
         f"train.global_batch_size={args.global_batch}", f"model.gradient_checkpointing={row.checkpointing}",
         *QUIET, *SWITCHES[row.switches][0], *args.extra,
+        *([f"logging.profile=[{args.warmup + args.steps + 1}, {args.warmup + args.steps + args.profile}]"]
+          if args.profile else []),
     ]
     return [
         sys.executable, "-m", "accelerate.commands.launch",
@@ -249,22 +265,24 @@ def recipe_command(row: Row, args, vocab: int, out: Path) -> list[str]:
 def run_recipe(row: Row, args, vocab: int, workdir: Path) -> dict:
     out = workdir / "run"
     rc, why = launch(recipe_command(row, args, vocab, out), workdir / "log", args.row_timeout)
-    records = []
+    records, profile = [], None
     if (out / "metrics.jsonl").exists():
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    shutil.rmtree(out, ignore_errors=True)  # a 1B run leaves ~17 GB
+    if (out / "profile" / "summary.json").exists():
+        profile = json.loads((out / "profile" / "summary.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)  # a 1B run leaves ~17 GB (and its trace, too large to bring back)
     if rc:
         return {"failed": why}
     steps = [r for r in records if "tokens_per_s" in r]
     seen = [0] + [r["tokens"] for r in steps]
-    timed = [(b - a, r) for a, b, r in zip(seen[:-1], seen[1:], steps, strict=True)][args.warmup :]
+    timed = [(b - a, r) for a, b, r in zip(seen[:-1], seen[1:], steps, strict=True)][args.warmup : args.warmup + args.steps]
     tokens, seconds = sum(n for n, _ in timed), sum(n / r["tokens_per_s"] for n, r in timed)
     tps = tokens / seconds
     first = timed[0][1]  # every step's mfu / tokens_per_s is FLOPs per token / (peak x world size)
     mfu = None if first["mfu"] is None else tps * first["mfu"] / first["tokens_per_s"]
     memory = next(r["peak_memory"] for r in records if "peak_memory" in r)
     peak = {k: max(m[k] for m in memory) for k in ("cuda_max_allocated_mb", "peak_rss_mb") if k in memory[0]}
-    return {"tokens_per_s": tps, "mfu": mfu, **peak}
+    return {"tokens_per_s": tps, "mfu": mfu, **peak, **({"profile": profile} if profile else {})}
 
 
 def run_peer(row: Row, args, facts: dict, workdir: Path) -> dict:
@@ -272,6 +290,7 @@ def run_peer(row: Row, args, facts: dict, workdir: Path) -> dict:
     spec = {
         **facts, "variant": row.switches, "micro_batch": row.micro_batch, "checkpointing": row.checkpointing,
         "seq_len": args.seq_len, "accumulation": accumulation, "steps": args.steps, "warmup": args.warmup,
+        "profile": args.profile, "workdir": str(workdir),
     }
     if row.switches in "bc" and not on_gpu():
         return {"skipped": "not run: torch's flex_attention has no backward on CPU"}
@@ -344,6 +363,20 @@ def table(rows: list[Row], results: list[dict]) -> list[str]:
     return lines
 
 
+def profiles(rows: list[Row], results: list[dict]) -> list[str]:
+    """One table per profiled row (toolkit.training.profiling's), after the throughput table."""
+    from toolkit.training.profiling import table as profile_table
+
+    lines = []
+    for row, res in zip(rows, results, strict=True):
+        if "profile" in res:
+            what = "recipes/pretrain.py" if row.kind == "recipe" else "plain loop"
+            switches = SWITCHES[row.switches][1] if row.kind == "recipe" else PEER_VARIANTS[row.switches]
+            lines += ["", f"### Profile: {what}, {row.strategy}, {row.checkpointing}, micro-batch {row.micro_batch}, "
+                          f"{switches}", "", *profile_table(res["profile"])]
+    return lines
+
+
 def select_rows(args) -> list[Row]:
     rows = [r for r in preset(args.configs) if r.kind == "recipe" or r.switches in args.peer_variants]
     names = args.switches.split(",") if args.switches else None
@@ -386,6 +419,9 @@ def main() -> int:
     p.add_argument("--out", default=None, help="also write the header and table to this markdown file")
     p.add_argument("--save", default=None, help="also write the results, after every row, to this JSON file")
     p.add_argument("--merge", nargs="+", default=None, help="run nothing: one table from earlier --save files")
+    p.add_argument("--profile", type=int, default=0,
+                   help="after the timed steps, trace this many more with torch.profiler (logging.profile) and print "
+                        "one table per row: device busy %%, longest idle gaps, top kernels (0 = off)")
     p.add_argument("--peer-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.peer_worker:
@@ -404,8 +440,9 @@ def main() -> int:
     from toolkit.training.recipe_config import PretrainConfig
     from toolkit.training.trainer import model_size
 
-    if args.steps < 1 or args.warmup < 0:
-        raise SystemExit(f"--steps {args.steps} --warmup {args.warmup}: time at least 1 step, warm up 0 or more")
+    if args.steps < 1 or args.warmup < 0 or args.profile < 0:
+        raise SystemExit(f"--steps {args.steps} --warmup {args.warmup} --profile {args.profile}: time at least 1 "
+                         "step, warm up and profile 0 or more")
     cfg = load_config(PretrainConfig, args.model, [])
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -460,7 +497,7 @@ def report(header: list[str], rows: list[Row], results: list[dict], out: str | N
         "model.gradient_checkpointing, train.micro_batch_size and switches "
         f"(fast: {' '.join(SWITCHES['fast'][0])})",
     ]
-    text = "\n".join([*header, "", *table(rows, results), "", *notes])
+    text = "\n".join([*header, "", *table(rows, results), "", *notes, *profiles(rows, results)])
     print(text)
     if out:
         Path(out).write_text(text + "\n")

@@ -12,6 +12,7 @@ import torch
 from accelerate.utils import LoggerType
 
 from toolkit.config import field
+from toolkit.training.profiling import check_steps
 
 # Dense bf16 peak (no sparsity) per GPU, FLOP/s, from the vendors' datasheets.
 PEAK_BF16_FLOPS = {
@@ -47,11 +48,17 @@ class LoggingConfig:
         default_factory=lambda: ["tensorboard"],
         help=f"Accelerate's trackers to log to, any of: {', '.join(accelerate_trackers())} ([] = metrics.jsonl only)",
     )
+    profile: list[int] = field(
+        default_factory=list,
+        help="[FIRST, LAST]: trace these optimizer steps with torch.profiler into profile/ (trace.json, and "
+             "summary.md: device busy time, idle gaps, top kernels); [] = off",
+    )
 
     def validate(self) -> list[str]:
         problems = []
         if self.every < 1:
             problems.append(f"every={self.every}: use at least 1")
+        problems += check_steps(self.profile)
         known = accelerate_trackers()
         for t in self.trackers:
             if t not in known:

@@ -17,6 +17,7 @@ from toolkit.models.scratch import ModelConfig
 from toolkit.training.evaluation import EvalConfig
 from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
+from toolkit.training.profiling import check_steps
 from toolkit.training.samples import SamplesConfig
 from toolkit.training.trainer import TrainConfig
 
@@ -46,6 +47,8 @@ class RunConfig:
             problems.append("resume and overwrite=true contradict each other; choose one")
         if not 0 <= self.seed <= SEED_MAX:  # numpy takes no negative seed; the batch order multiplies it
             problems.append(f"seed={self.seed} must be in [0, {SEED_MAX}]")
+        if not check_steps(self.logging.profile):
+            problems += [f"logging.{p}" for p in check_steps(self.logging.profile, self.train.max_steps)]
         return problems
 
 

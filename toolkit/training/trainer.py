@@ -70,6 +70,7 @@ from toolkit.training.metrics import (
 )
 from toolkit.training.nonfinite import dead_model, injected, nonfinite_weight
 from toolkit.training.optim import prepare_optimization
+from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import optimizer_step, pipeline_step
 from toolkit.training.stop import StopRequest
 
@@ -322,6 +323,7 @@ class Trainer:
             project = self.run.root.resolve().name
             self.accelerator.init_trackers(project, config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(self.strategy.device)
+        self.profiler = StepProfiler(cfg.logging.profile, self.run.root, self.accelerator.is_main_process, self.strategy.device)
 
     def resume_data(self, folder: Path) -> None:
         """A streamed run's position in its stream; prepared data needs none (its order is (seed, step))."""
@@ -351,6 +353,7 @@ class Trainer:
         window_tokens, window_time = 0, 0.0
         previous: HostCopy | None = None
         while state.step < cfg.train.max_steps:
+            self.profiler.begin(state.step + 1)
             t0 = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
             blocks, global_targets, step_tokens = self.step_data(state.step)
@@ -399,6 +402,7 @@ class Trainer:
             values = totals.get() if needed or totals.immediate else None
             window_tokens += step_tokens
             window_time += time.perf_counter() - t0
+            self.profiler.end(state.step, self.print)
             if meter is not None:
                 self.measured = True
                 held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])

@@ -3,6 +3,7 @@ a stop signal, and a resume that continues bit-exactly where the stop left off."
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 
@@ -39,9 +40,10 @@ def losses(run: RunDir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run.metrics) if "loss" in r}
 
 
-def test_a_run_trains_evaluates_and_checkpoints_on_its_cadence(tmp_path, blocks, tiny_tokenizer, tiny_model):
+def test_a_run_trains_evaluates_and_checkpoints_on_its_cadence(tmp_path, blocks, tiny_tokenizer, tiny_model, capfd):
     trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model,
-                    "train.max_steps=4", "checkpoint.every=3", "checkpoint.keep_last=1", "eval.every=2")
+                    "train.max_steps=4", "checkpoint.every=3", "checkpoint.keep_last=1", "eval.every=2",
+                    "logging.profile=[2, 3]")
     trainer.fit()
     trainer.finish()
     plot = trainer.close()
@@ -56,6 +58,16 @@ def test_a_run_trains_evaluates_and_checkpoints_on_its_cadence(tmp_path, blocks,
     assert (run.checkpoint(4) / "model_files" / "config.json").is_file()
     assert plot == run.loss_plot and plot.is_file()
     assert trainer.facts("llama")["step"] == 4 and trainer.facts("llama")["strategy"] == "single process"
+    # logging.profile: steps 2-3 traced (the evaluation after step 2 among them), the table beside the trace
+    summary = json.loads((run.root / "profile" / "summary.json").read_text())
+    assert summary["steps"] == [2, 3] and summary["device"] == "cpu"
+    assert 0 < summary["busy_ms"] < summary["wall_ms"] and summary["gaps"]
+    assert {"aten::mm", "aten::addmm"} & {k["name"] for k in summary["top"]}, summary["top"]
+    assert "| top kernels |" in (run.root / "profile" / "summary.md").read_text()
+    assert json.loads((run.root / "profile" / "trace.json").read_text())["traceEvents"]
+    printed = capfd.readouterr()
+    assert "USDT" not in printed.err  # kineto's lines at the profiler's start and stop
+    assert f"[unit] profile: {run.root / 'profile'} (steps 2-3: " in printed.out
 
 
 def test_a_stop_signal_saves_a_checkpoint_and_resume_continues_bit_exactly(tmp_path, blocks, tiny_tokenizer, tiny_model):

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Every GPU measurement of the toolkit in one command, sized for one 10-minute device run, saving after each row.
+#
+#   bash bench/gpu_check.sh [OUT]           # on one H100/H200: ~7 minutes (row times of ../shared/gpu/runs/)
+#   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 2 minutes
+#
+# OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB per row, then one
+# profile table per row: device busy %, longest idle gaps, top kernels) and the log of each part. On a lent
+# machine (../shared/gpu/README.md): `source .gpu/setup.sh && bash bench/gpu_check.sh "$OUT"`. The GPU suite
+# stays the second command: `python3 -m pytest -m gpu -n 7 tests/recipes/test_gpu_end_to_end.py` (3.5 minutes).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SMOKE=0
+if [[ "${1:-}" == "--smoke" ]]; then SMOKE=1; shift; fi
+DEST=${1:-${OUT:-gpu-check}}
+mkdir -p "$DEST"
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+
+if (( SMOKE )); then
+  # pretrain_tiny's shape, 2 timed steps: the two recipe rows as the YAML ships, and plain loop (a); CPU has no
+  # backward for flex_attention, which the fast switches and loops (b) and (c) use
+  THROUGHPUT=(--model recipes/configs/pretrain_tiny.yaml --configs quick --strategies ddp --switches shipped
+              --peer-variants a --seq-len 128 --global-batch 8 --steps 2 --warmup 1 --profile 1)
+else
+  # The 1B YAML's shape. Rows: as the YAML ships (full recomputation), the fast switches without recomputation,
+  # and plain loop (c), the bar: ~140 + ~140 + ~105 s with --steps 10 --warmup 3 on an H200, +2 profiled steps each.
+  THROUGHPUT=(--configs quick --strategies ddp --peer-variants c --steps 10 --warmup 3
+              --profile 2 --row-timeout 240)
+fi
+
+status=0
+part() {  # NAME CMD...: one part, its log in DEST, its time said; a failed part fails the command, the rest still run
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "== $name: $*" >&2
+  "$@" > "$DEST/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $(( SECONDS - t0 )) s" >&2
+  (( rc == 0 )) || { status=1; tail -20 "$DEST/$name.log" >&2; }
+}
+
+part throughput "$PY" bench/gpu_throughput.py "${THROUGHPUT[@]}" --workdir "$WORK" \
+  --save "$DEST/throughput.json" --out "$DEST/throughput.md"
+[[ -f "$DEST/throughput.md" ]] && cat "$DEST/throughput.md"
+exit $status

@@ -1,0 +1,26 @@
+"""bench/gpu_throughput.py's plain loop on CPU, profiled: the table of where its steps went comes back with its
+throughput, and the steps traced are not the ones timed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from conftest import TINY_SIZES
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_throughput as bench  # noqa: E402
+
+
+def test_the_plain_loop_profiles_two_steps_after_the_timed_ones(tmp_path):
+    spec = {"model_type": "llama", "sizes": TINY_SIZES["llama"], "vocab": 300, "seed": 0, "variant": "a",
+            "micro_batch": 2, "checkpointing": "none", "seq_len": 64, "accumulation": 1, "steps": 2, "warmup": 1,
+            "profile": 2, "workdir": str(tmp_path)}
+    result = bench.peer_worker(spec)
+    assert result["tokens_per_s"] > 0 and result["profile"]["steps"] == [4, 5]  # after warmup 1 + 2 timed
+    assert (tmp_path / "profile" / "summary.md").is_file()
+    row = bench.Row("peer", "-", "none", 2, "a")
+    lines = bench.profiles([row, row], [result, {"tokens_per_s": 1.0}])
+    assert sum(line.startswith("### Profile: plain loop") for line in lines) == 1
+    assert any(line.startswith("steps 4-5: ") and "CPU operators" in line for line in lines)

@@ -1,0 +1,50 @@
+"""toolkit.training.profiling's table from a profiler's events: busy time, idle gaps and what ran under them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from toolkit.training.profiling import check_steps, summarise, table
+
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+
+def event(name, start, end, device=CPU, parent=None, self_us=None):
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           cpu_parent=parent, self_cpu_time_total=end - start if self_us is None else self_us)
+
+
+def test_gaps_between_kernels_name_the_host_work_under_them():
+    """Kernels at 0-40 and 100-160 us of 200: busy 100 us, the longest gap 60 us (40-100), when the host was
+    in aten::item's synchronise; the next, 40 us at the end, under no operator."""
+    step = event("optimizer_step", 0, 150)
+    events = [
+        step,
+        event("aten::item", 35, 110, parent=step), event("cudaStreamSynchronize", 36, 109, parent=step),
+        event("gemm", 0, 40, CUDA), event("gemm", 100, 130, CUDA), event("adam", 130, 160, CUDA),
+    ]
+    summary = summarise(events, wall_us=200, first=6, last=8)
+    assert summary["device"] == "cuda" and summary["busy_ms"] == 0.1 and summary["busy_share"] == 0.5
+    assert [(g["ms"], g["at_ms"], g["host"]) for g in summary["gaps"]] == [
+        (0.06, 0.04, "optimizer_step > cudaStreamSynchronize"), (0.04, 0.16, "(no operator: Python between calls)")]
+    assert [(k["name"], k["ms"], k["calls"], k["share"]) for k in summary["top"]] == [
+        ("gemm", 0.07, 2, 0.7), ("adam", 0.03, 1, 0.3)]
+    lines = table(summary)
+    assert lines[0] == "steps 6-8: 0.2 ms wall, device busy 0.1 ms (50.0%; GPU kernels)"
+    assert "| 0.06 | 0.0 | optimizer_step > cudaStreamSynchronize |" in lines
+
+
+def test_on_a_cpu_run_nested_operators_count_once_and_by_self_time():
+    outer = event("aten::linear", 0, 50, self_us=10)
+    events = [outer, event("aten::addmm", 5, 45, parent=outer), event("aten::add", 70, 80)]
+    summary = summarise(events, wall_us=100, first=1, last=1)
+    assert summary["device"] == "cpu" and summary["busy_ms"] == 0.06
+    assert [(k["name"], k["ms"]) for k in summary["top"]] == [("aten::addmm", 0.04), ("aten::linear", 0.01),
+                                                            ("aten::add", 0.01)]
+
+
+def test_a_profile_is_two_steps_in_order():
+    assert check_steps([]) == [] and check_steps([3, 3]) == [] and check_steps([2, 5], max_steps=5) == []
+    assert check_steps([True, 2]) and check_steps([0, 2]) and check_steps([1, 2, 3]) and check_steps([2, 6], max_steps=5)
