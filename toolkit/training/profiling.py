@@ -79,7 +79,8 @@ class StepProfiler:
         (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=1))
         (self.folder / "summary.md").write_text("\n".join(table(self.summary)) + "\n")
         profiler.export_chrome_trace(str(self.folder / "trace.json"))  # kineto's: device streams included
-        say(f"profile: {self.folder} ({table(self.summary)[0].split(' (')[0]}, {self.summary['busy_share']:.0%} busy)")
+        say(f"profile: {self.folder} ({_steps(self.first, self.last)}: {self.summary['wall_ms']:.0f} ms, the device busy "
+            f"{self.summary['busy_share']:.0%} of it; the table in summary.md)")
 
 
 @contextlib.contextmanager
@@ -146,13 +147,16 @@ def summarise(events, wall_us: float, first: int, last: int) -> dict:
     }
 
 
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
 def table(summary: dict) -> list[str]:
     """The summary as markdown: one line of totals, the longest gaps, the top kernels."""
     first, last = summary["steps"]
     what = "GPU kernels" if summary["device"] == "cuda" else "CPU operators"
-    steps = f"step {first}" if first == last else f"steps {first}-{last}"
     lines = [
-        f"{steps}: {summary['wall_ms']:.1f} ms wall, device busy {summary['busy_ms']:.1f} ms "
+        f"{_steps(first, last)}: {summary['wall_ms']:.1f} ms wall, device busy {summary['busy_ms']:.1f} ms "
         f"({summary['busy_share']:.1%}; {what})",
         "",
         "| longest idle gaps (ms) | at (ms) | host under it |",
