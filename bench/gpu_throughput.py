@@ -156,7 +156,8 @@ def peer_worker(spec: dict) -> dict:
 
     steps, warmup, profiled = spec["steps"], spec["warmup"], spec.get("profile", 0)
     timed_end = warmup + steps
-    profiler = StepProfiler([timed_end + 1, timed_end + profiled] if profiled else [], Path(spec["workdir"]), True, device)
+    profiler = StepProfiler([timed_end + 1, timed_end + profiled] if profiled else [], Path(spec["workdir"]), True, device,
+                            say=lambda line: None)
     input_ids, position_ids = packed_blocks((timed_end + profiled) * accum * mb, seq_len, spec["vocab"], spec["seed"])
     labels = input_ids.masked_fill(position_ids == 0, -100)  # no target across a document boundary
     if device.type == "cuda":
@@ -194,7 +195,7 @@ def peer_worker(spec: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach() * accum)
-        profiler.end(step + 1, say=lambda line: None)
+        profiler.end(step + 1)
     if not profiled:
         sync()
         elapsed = time.perf_counter() - t0

@@ -40,10 +40,11 @@ class StepProfiler:
     """Started before step FIRST and stopped after step LAST (the trainer calls `begin` and `end` for every
     step); the device is synchronised at both ends, so the traced wall time is the steps' own."""
 
-    def __init__(self, steps: list[int], run: Path, is_main: bool, device: torch.device):
+    def __init__(self, steps: list[int], run: Path, is_main: bool, device: torch.device, say=print):
         self.first, self.last = steps if steps else (0, -1)
-        self.folder, self.is_main, self.device = run / "profile", is_main, device
+        self.folder, self.is_main, self.device, self.say = run / "profile", is_main, device, say
         self.profiler: torch.profiler.profile | None = None
+        self.started = False
         self.summary: dict | None = None
         self.t0 = 0.0
 
@@ -52,6 +53,10 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
 
     def begin(self, step: int) -> None:
+        if not self.started and step > self.first > 0:  # a resume from past FIRST
+            self.say(f"logging.profile=[{self.first}, {self.last}]: this run starts at step {step}, past step "
+                     f"{self.first}: nothing is traced")
+        self.started = True
         if step != self.first or self.profiler is not None:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -63,7 +68,7 @@ class StepProfiler:
             self.profiler.start()
         self.t0 = time.perf_counter()
 
-    def end(self, step: int, say=print) -> None:
+    def end(self, step: int) -> None:
         """After step LAST: rank 0 writes profile/ and says where it went."""
         if step != self.last or self.profiler is None:
             return
@@ -79,8 +84,8 @@ class StepProfiler:
         (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=1))
         (self.folder / "summary.md").write_text("\n".join(table(self.summary)) + "\n")
         profiler.export_chrome_trace(str(self.folder / "trace.json"))  # kineto's: device streams included
-        say(f"profile: {self.folder} ({_steps(self.first, self.last)}: {self.summary['wall_ms']:.0f} ms, the device busy "
-            f"{self.summary['busy_share']:.0%} of it; the table in summary.md)")
+        self.say(f"profile: {self.folder} ({_steps(self.first, self.last)}: {self.summary['wall_ms']:.0f} ms, the "
+                 f"device busy {self.summary['busy_share']:.0%} of it; the table in summary.md)")
 
 
 @contextlib.contextmanager

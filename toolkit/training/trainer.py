@@ -323,7 +323,7 @@ class Trainer:
             project = self.run.root.resolve().name
             self.accelerator.init_trackers(project, config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(self.strategy.device)
-        self.profiler = StepProfiler(cfg.logging.profile, self.run.root, self.accelerator.is_main_process, self.strategy.device)
+        self.profiler = StepProfiler(cfg.logging.profile, self.run.root, self.accelerator.is_main_process, self.strategy.device, self.print)
 
     def resume_data(self, folder: Path) -> None:
         """A streamed run's position in its stream; prepared data needs none (its order is (seed, step))."""
@@ -402,7 +402,7 @@ class Trainer:
             values = totals.get() if needed or totals.immediate else None
             window_tokens += step_tokens
             window_time += time.perf_counter() - t0
-            self.profiler.end(state.step, self.print)
+            self.profiler.end(state.step)
             if meter is not None:
                 self.measured = True
                 held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from toolkit.training.profiling import check_steps, summarise, table
+from toolkit.training.profiling import StepProfiler, check_steps, summarise, table
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -48,3 +48,22 @@ def test_on_a_cpu_run_nested_operators_count_once_and_by_self_time():
 def test_a_profile_is_two_steps_in_order():
     assert check_steps([]) == [] and check_steps([3, 3]) == [] and check_steps([2, 5], max_steps=5) == []
     assert check_steps([True, 2]) and check_steps([0, 2]) and check_steps([1, 2, 3]) and check_steps([2, 6], max_steps=5)
+
+
+def test_steps_first_to_last_are_traced_and_a_resume_past_first_says_so(tmp_path):
+    said = []
+    profiler = StepProfiler([2, 3], tmp_path, True, torch.device("cpu"), said.append)
+    for step in (1, 2, 3, 4):
+        profiler.begin(step)
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        profiler.end(step)
+    assert profiler.summary["steps"] == [2, 3] and profiler.summary["top"][0]["name"] == "aten::mm"
+    assert said == [f"profile: {tmp_path / 'profile'} (steps 2-3: {profiler.summary['wall_ms']:.0f} ms, the device "
+                    f"busy {profiler.summary['busy_share']:.0%} of it; the table in summary.md)"]
+
+    resumed = StepProfiler([2, 3], tmp_path / "resumed", True, torch.device("cpu"), said.append)
+    for step in (3, 4):
+        resumed.begin(step)
+        resumed.end(step)
+    assert said[1:] == ["logging.profile=[2, 3]: this run starts at step 3, past step 2: nothing is traced"]
+    assert resumed.summary is None and not (tmp_path / "resumed").exists()
