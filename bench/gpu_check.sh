@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the toolkit in one command, sized for one 10-minute device run, saving after each row.
 #
-#   bash bench/gpu_check.sh [OUT]           # on one H100/H200: ~7 minutes (row times of ../shared/gpu/runs/)
+#   bash bench/gpu_check.sh [OUT]           # on one H100/H200: ~8.5 minutes (row times of ../shared/gpu/runs/)
 #   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 2 minutes
 #
 # OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB per row, then one
@@ -21,12 +21,13 @@ trap 'rm -rf "$WORK"' EXIT
 if (( SMOKE )); then
   # pretrain_tiny's shape, 2 timed steps: the two recipe rows as the YAML ships, and plain loop (a); CPU has no
   # backward for flex_attention, which the fast switches and loops (b) and (c) use
-  THROUGHPUT=(--model recipes/configs/pretrain_tiny.yaml --configs quick --strategies ddp --switches shipped
+  THROUGHPUT=(--model recipes/configs/pretrain_tiny.yaml --configs check --strategies ddp --switches shipped
               --peer-variants a --seq-len 128 --global-batch 8 --steps 2 --warmup 1 --profile 1)
 else
-  # The 1B YAML's shape. Rows: as the YAML ships (full recomputation), the fast switches without recomputation,
-  # and plain loop (c), the bar: ~140 + ~140 + ~105 s with --steps 10 --warmup 3 on an H200, +2 profiled steps each.
-  THROUGHPUT=(--configs quick --strategies ddp --peer-variants c --steps 10 --warmup 3
+  # The 1B YAML's shape. Rows: as the YAML ships (full recomputation), the fast switches without recomputation and
+  # with selective recomputation, and plain loop (c), the bar: ~3 x 130 + 105 s with --steps 10 --warmup 3 on an
+  # H200 (most of a row is start-up and compiling), +2 profiled steps each.
+  THROUGHPUT=(--configs check --strategies ddp --peer-variants c --steps 10 --warmup 3
               --profile 2 --row-timeout 240)
 fi
 

@@ -5,7 +5,8 @@
 
 Reads the recipe YAML and key=value overrides as the recipe does, builds the model on the meta
 device (no weights, no GPU) and, for every accelerate config in accelerate_configs/ x gradient
-checkpointing (none / every_k / full) x micro-batch, estimates the per-GPU peak broken into
+checkpointing (none / every_k / selective / full; selective for a dense model on a data-parallel
+layout, where it is modelled) x micro-batch, estimates the per-GPU peak broken into
 parameters, gradients, optimizer state (fp32 masters included), activations, logits and loss,
 and communication/gathering buffers (toolkit.planner; docs/memory.md has the formulas).
 `fits` means the peak plus the CUDA context and allocator slack stays under (1 - headroom) of the
@@ -58,7 +59,7 @@ from toolkit.strategy.parallelism import parallel_layout  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-CHECKPOINTING = ("none", "every_k", "full")
+CHECKPOINTING = ("none", "every_k", "selective", "full")
 PIPELINE_STAGES = (2, 4)  # listed where they divide --gpus; more rows would bury the table
 
 
@@ -218,6 +219,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                          f"{data_ranks} replicas), each row is the rank of its largest stage"
                          + (f", as launched with {required}" if needs else ""))
         for ckpt in CHECKPOINTING:
+            if ckpt == "selective" and (experts or group > 1):  # not modelled there (selective_bytes_per_token)
+                continue
             for mb in micro:
                 if t.global_batch_size % (mb * data_ranks):
                     continue

@@ -58,7 +58,12 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     rows = json.loads(proc.stdout)
     assert sorted({r["strategy"] for r in rows}) == sorted([*STRATEGIES, "pipeline"])
     assert {r["pipeline_stages"] for r in rows} == {1, 2, 4}
-    assert {r["gradient_checkpointing"] for r in rows} == {"none", "every_k", "full"}
+    assert {r["gradient_checkpointing"] for r in rows} == {"none", "every_k", "selective", "full"}
+    # selective: on the data-parallel layouts only (modelled there), its activations between full's and none's
+    assert {r["strategy"] for r in rows if r["gradient_checkpointing"] == "selective"} == {
+        r["strategy"] for r in rows if r["cp"] * r["tp"] * r["sp"] == 1}
+    acts = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r["activations_bytes"] for r in rows}
+    assert acts["ddp", "full", 8] < acts["ddp", "selective", 8] < acts["ddp", "none", 8]
     for r in rows:
         assert {"strategy", "gradient_checkpointing", "micro_batch_size", "peak_bytes", "fits"} <= set(r)
         assert 512 % (r["micro_batch_size"] * r["dp_shard"]) == 0, "the global batch stays the recipe's"

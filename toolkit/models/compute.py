@@ -16,8 +16,9 @@ class ComputeConfig:
         help="sdpa (CPU/GPU), flex_attention (a compiled document BlockMask; fastest with model.compile on GPUs) "
         "or flash_attention_2 (GPU, when installed)",
     )
-    gradient_checkpointing: Literal["none", "full", "every_k"] = field(
-        "none", help="recompute activations in the backward: none, full (every layer) or every_k"
+    gradient_checkpointing: Literal["none", "full", "every_k", "selective"] = field(
+        "none", help="recompute activations in the backward: none, full (every layer), every_k, or selective (every "
+                     "layer, keeping its matmuls' and attention's outputs: recomputes only the cheap operators)"
     )
     gradient_checkpointing_k: int = field(2, help="with every_k: checkpoint every k-th decoder layer")
     compile: bool = field(

@@ -203,6 +203,26 @@ def gathered_kv_bytes(shapes: Shapes, run: Run) -> int:
     return 2 * dtypes(run)[1] * shapes.kv_heads * shapes.head_dim * run.micro_batch * run.seq_len
 
 
+def selective_bytes_per_token(shapes: Shapes, run: Run) -> float:
+    """Bytes a decoder layer under model.gradient_checkpointing=selective keeps per token beside its
+    checkpointed input (toolkit.models.gradient_checkpointing.KEPT): the outputs of its matmuls (q, k
+    and v, o_proj, gate and up, down; a LoRA adapter's rank-r and output activations) and of its
+    attention kernel (the output and the fp32 log-sum-exp; eager attention's two matmuls: the scores
+    and the output), in the compute dtype. Measured on CPU for a dense model on one rank. A mixture of
+    experts and the tensor, sequence and context parallel layouts are not modelled: there it counts
+    what the layer keeps without checkpointing, more than it does."""
+    layout = run.strategy.layout
+    if shapes.experts or layout.tp > 1 or layout.sp > 1 or layout.cp > 1:
+        return layer_bytes_per_token(shapes, run)
+    h, i, cb = shapes.hidden, shapes.intermediate, dtypes(run)[1]
+    q, kv = shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim
+    attention = cb * q + 4 * shapes.heads
+    if run.attention == "eager":
+        attention = cb * (q + shapes.heads * run.seq_len)
+    adapters = sum(cb * (rank + d_out) for _, rank, d_out in (shapes.lora or {}).values())
+    return cb * (q + 2 * kv + 2 * h + 2 * i) + attention + adapters
+
+
 def layer_bytes(shapes: Shapes, run: Run) -> int:
     """Bytes one decoder layer saves for backward on a rank, for one micro-batch: its seq_len / cp (or
     / sp) tokens, and under context parallel the gathered keys and values in place of its own. sdpa
@@ -277,11 +297,12 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     per_layer = layer_bytes(shapes, run)
     layers = range(shapes.layers) if layers is None else layers
     # transformers checkpoints layer i when i % k == 0 (every_n_layers), numbered in the whole model
-    every = {"none": 0, "full": 1, "every_k": max(1, run.every_k)}[run.checkpointing]
+    every = {"none": 0, "full": 1, "every_k": max(1, run.every_k), "selective": 1}[run.checkpointing]
     ckpt = sum(i % every == 0 for i in layers) if every else 0
     kept = len(layers) - ckpt
     stream = stream_tokens(shapes, run)  # a checkpointed layer's input is the rank's part of the stream
-    saved = kept * per_layer + ckpt * rb * shapes.hidden * stream
+    selective = round(selective_bytes_per_token(shapes, run) * tokens) if run.checkpointing == "selective" else 0
+    saved = kept * per_layer + ckpt * (rb * shapes.hidden * stream + selective)
     # rotary cos/sin (shared by the layers), the token ids, the packed-document mask of sdpa/eager;
     # context parallel passes every rank its rows of the block-causal mask (micro-batch x seq/cp x seq);
     # sequence parallel its whole-sequence mask in the compute dtype, one for all the layers
@@ -294,7 +315,7 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     router = shapes.experts * shapes.hidden
     layer_params = (shapes.layer_params - shapes.expert_params - router) // run.strategy.layout.tp + router
     casts_kept = cb * layer_params * kept if casts else 0
-    recompute = per_layer + (cb * layer_params if casts else 0) if ckpt else 0
+    recompute = per_layer - selective + (cb * layer_params if casts else 0) if ckpt else 0
     # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through
     # it; under context parallel also the gathered keys' and values' gradients, until reduce-scattered
     inner = 2 * cb * shapes.intermediate // run.strategy.layout.tp

@@ -61,7 +61,7 @@ def _estimate_stage(tensors: list[Held], shapes: Shapes, run: Run, stage: Stage)
     acts["saved"] *= stage.in_flight
     rb, cb, _ = dtypes(run)
     tokens = run.micro_batch * run.local_seq
-    first_checkpointed = run.checkpointing == "full" or (run.checkpointing == "every_k" and stage.layers.start % run.every_k == 0)
+    first_checkpointed = run.checkpointing in ("full", "selective") or (run.checkpointing == "every_k" and stage.layers.start % run.every_k == 0)
     if not stage.first and (rb == 4 or first_checkpointed):
         # what the stage's first layer keeps of its input (fp32 for its norm, or a checkpoint's) is the
         # receive buffer itself, counted with the buffers

@@ -87,7 +87,7 @@ class Run:
     micro_batch: int
     seq_len: int
     accumulation: int = 1
-    checkpointing: Literal["none", "full", "every_k"] = "none"
+    checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
     every_k: int = 2
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # the compute dtype (autocast or cast weights)
     param_dtype: torch.dtype = torch.float32  # the model's own weights (a fine-tune may load bf16)
@@ -140,8 +140,9 @@ def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, 
     layer's keys and values, sequence parallel all-to-alls every layer's q, k, v and output, tensor parallel all-reduces activations twice a layer each way (fast
     only inside a node); offload moves the optimizer to the CPU; DeepSpeed's engine adds a little
     per step; a small micro-batch leaves the GPU underused; a pipeline of `stages` idles (stages - 1) /
-    (micro_batches + stages - 1) of each step (1F1B's bubble)."""
-    recompute = {"none": 0.0, "full": 1 / 3, "every_k": 1 / (3 * max(1, every_k))}[checkpointing]
+    (micro_batches + stages - 1) of each step (1F1B's bubble). Selective recomputation redoes only what lies
+    between the matmuls and the attention: little arithmetic, but a pass over memory, taken as a tenth of full's."""
+    recompute = {"none": 0.0, "full": 1 / 3, "every_k": 1 / (3 * max(1, every_k)), "selective": 1 / 30}[checkpointing]
     bubble = (micro_batches + stages - 1) / micro_batches
     return ((1 + recompute) * STRATEGY_SPEED.get(strategy, 1.1) * (2.0 if offload else 1.0) * (1 + 0.5 / micro_batch)
             * bubble)

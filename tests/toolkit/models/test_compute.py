@@ -43,7 +43,7 @@ def test_k_of_one_is_valid():
 def test_an_unknown_checkpointing_mode_is_refused_with_a_suggestion():
     with pytest.raises(ConfigError) as caught:
         load_config(ComputeConfig, None, ["gradient_checkpointing=ful"])
-    assert caught.value.problems == ["gradient_checkpointing='ful' is not one of none, full, every_k; did you mean full?"]
+    assert caught.value.problems == ["gradient_checkpointing='ful' is not one of none, full, every_k, selective; did you mean full?"]
 
 
 def test_every_field_is_documented():
