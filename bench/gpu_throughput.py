@@ -249,8 +249,8 @@ def launch(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
     return rc, why[:160]
 
 
-def recipe_command(row: Row, args, vocab: int, out: Path) -> list[str]:
-    overrides = [
+def recipe_overrides(row: Row, args, vocab: int, out: Path) -> list[str]:
+    return [
         f"output_dir={out}", f"data.seq_len={args.seq_len}", f"model.config.vocab_size={vocab}",
         f"train.max_steps={args.warmup + args.steps + args.profile}", f"train.micro_batch_size={row.micro_batch}",
         f"train.global_batch_size={args.global_batch}", f"model.gradient_checkpointing={row.checkpointing}",
@@ -258,12 +258,38 @@ def recipe_command(row: Row, args, vocab: int, out: Path) -> list[str]:
         *([f"logging.profile=[{args.warmup + args.steps + 1}, {args.warmup + args.steps + args.profile}]"]
           if args.profile else []),
     ]
+
+
+def recipe_command(row: Row, args, vocab: int, out: Path) -> list[str]:
     return [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", f"accelerate_configs/{row.strategy}.yaml",
         "--num_processes", str(row.processes), "--main_process_port", str(free_port()),
-        "recipes/pretrain.py", "--config", str(Path(args.model).resolve()), *overrides,
+        "recipes/pretrain.py", "--config", str(Path(args.model).resolve()), *recipe_overrides(row, args, vocab, out),
     ]
+
+
+def planned_gib(row: Row, args, vocab: int) -> float | None:
+    """The peak recipes/plan.py estimates for the row (its --json row of the same strategy, checkpointing and
+    micro-batch), in GiB like the measured column; None where plan.py lists no such row."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("plan", ROOT / "recipes" / "plan.py")
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    argv = ["--config", str(Path(args.model).resolve()), "--gpus", str(row.processes), "--micro-batch",
+            str(row.micro_batch), "--json", *recipe_overrides(row, args, vocab, Path("runs/planned"))]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = plan.main(argv)
+    if code:
+        print(f"plan.py {' '.join(argv)}: {err.getvalue().strip()[-300:]}", file=sys.stderr)
+        return None
+    same = [r for r in json.loads(out.getvalue()) if (r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"])
+            == (row.strategy, row.checkpointing, row.micro_batch)]
+    return same[0]["peak_bytes"] / 2**30 if same else None
 
 
 def run_recipe(row: Row, args, vocab: int, workdir: Path) -> dict:
@@ -286,7 +312,9 @@ def run_recipe(row: Row, args, vocab: int, workdir: Path) -> dict:
     mfu = None if first["mfu"] is None else tps * first["mfu"] / first["tokens_per_s"]
     memory = next(r["peak_memory"] for r in records if "peak_memory" in r)
     peak = {k: max(m[k] for m in memory) for k in ("cuda_max_allocated_mb", "peak_rss_mb") if k in memory[0]}
-    return {"tokens_per_s": tps, "mfu": mfu, **peak, **({"profile": profile} if profile else {})}
+    planned = planned_gib(row, args, vocab)
+    return {"tokens_per_s": tps, "mfu": mfu, **peak, **({"planned_gib": planned} if planned else {}),
+            **({"profile": profile} if profile else {})}
 
 
 def run_peer(row: Row, args, facts: dict, workdir: Path) -> dict:
@@ -339,6 +367,11 @@ def cell(result: dict, key: str, best_peer: float | None, processes: int) -> str
         return f"{result[key]:,.0f}"
     if key == "mfu":
         return "-" if result["mfu"] is None else f"{result['mfu']:.1%}"
+    if key == "planned":  # recipes/plan.py's estimate of the peak, and how far the measured one is from it
+        if "planned_gib" not in result or "cuda_max_allocated_mb" not in result:
+            return f"{result['planned_gib']:.1f}" if "planned_gib" in result else "-"
+        measured = result["cuda_max_allocated_mb"] / 1024
+        return f"{result['planned_gib']:.1f} ({result['planned_gib'] / measured - 1:+.0%})"
     if key == "memory":
         if "cuda_max_allocated_mb" in result:
             return f"{result['cuda_max_allocated_mb'] / 1024:.1f}"
@@ -350,8 +383,8 @@ def table(rows: list[Row], results: list[dict]) -> list[str]:
     pairs = zip(rows, results, strict=True)
     best = max((r["tokens_per_s"] for row, r in pairs if row.kind == "peer" and "tokens_per_s" in r), default=None)
     lines = [
-        "| what ran | strategy | checkpointing | micro-batch | switches | tokens/s | MFU | peak GB | ratio to best peer |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|",
+        "| what ran | strategy | checkpointing | micro-batch | switches | tokens/s | MFU | peak GB | planned GB | ratio to best peer |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row, res in zip(rows, results, strict=True):
         what = "recipes/pretrain.py" if row.kind == "recipe" else "plain loop"
@@ -362,7 +395,7 @@ def table(rows: list[Row], results: list[dict]) -> list[str]:
             switches += f" — **failed: {res['failed'].replace('|', '/')}**"
         elif "skipped" in res:
             switches += f" — {res['skipped']}"
-        cells = " | ".join(cell(res, k, best, row.processes) for k in ("tokens_per_s", "mfu", "memory", "ratio"))
+        cells = " | ".join(cell(res, k, best, row.processes) for k in ("tokens_per_s", "mfu", "memory", "planned", "ratio"))
         lines.append(f"| {what} | {strategy} | {row.checkpointing} | {row.micro_batch} | {switches} | {cells} |")
     return lines
 
@@ -496,7 +529,8 @@ def report(header: list[str], rows: list[Row], results: list[dict], out: str | N
     on_cpu = any("peak_rss_mb" in r and "cuda_max_allocated_mb" not in r for r in results)
     notes = [
         "tokens/s: all ranks' tokens / wall time of the timed steps; ratio: tokens/s per GPU over the best "
-        "plain loop's; peak GB: torch.cuda.max_memory_allocated of the largest rank"
+        "plain loop's; peak GB: torch.cuda.max_memory_allocated of the largest rank; planned GB: recipes/plan.py's "
+        "peak for the row (GiB, as the peak), and its distance from the measured one"
         + (f". {CPU_NOTE}" if on_cpu else ""),
         f"recipe rows: accelerate launch ... recipes/pretrain.py --config MODEL {' '.join(QUIET)} and the row's "
         "model.gradient_checkpointing, train.micro_batch_size and switches "

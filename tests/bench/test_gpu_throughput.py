@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from conftest import TINY_SIZES
 
@@ -24,3 +25,13 @@ def test_the_plain_loop_profiles_two_steps_after_the_timed_ones(tmp_path):
     lines = bench.profiles([row, row], [result, {"tokens_per_s": 1.0}])
     assert sum(line.startswith("### Profile: plain loop") for line in lines) == 1
     assert any(line.startswith("steps 4-5: ") and "CPU operators" in line for line in lines)
+
+
+def test_a_recipe_row_gets_the_planners_peak_beside_the_measured_one():
+    args = SimpleNamespace(model=str(ROOT / "recipes" / "configs" / "pretrain_tiny.yaml"), seq_len=128, warmup=1, steps=2,
+                           profile=0, global_batch=8, extra=[])
+    row = bench.Row("recipe", "ddp", "selective", 8, "shipped")
+    planned = bench.planned_gib(row, args, 4096)
+    assert 0 < planned < 1  # the 1.3M-parameter model's 8 x 128 tokens
+    measured = {"tokens_per_s": 1.0, "mfu": None, "cuda_max_allocated_mb": planned * 1024 / 1.25, "planned_gib": planned}
+    assert bench.cell(measured, "planned", None, 1) == f"{planned:.1f} (+25%)"
