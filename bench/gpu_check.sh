@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the toolkit in one command, sized for one 10-minute device run, saving after each row.
 #
-#   bash bench/gpu_check.sh [OUT]           # on one H100/H200: ~8.5 minutes (row times of ../shared/gpu/runs/)
+#   bash bench/gpu_check.sh [OUT]           # on one H100/H200: 8-9 minutes (row times of ../shared/gpu/runs/)
 #   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 2 minutes
 #
 # OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB per row, then one
@@ -29,6 +29,12 @@ else
   # H200 (most of a row is start-up and compiling), +2 profiled steps each.
   THROUGHPUT=(--configs check --strategies ddp --peer-variants c --steps 10 --warmup 3
               --profile 2 --row-timeout 240)
+fi
+
+if (( ! SMOKE )); then
+  # its own estimate, from the H200 row times of ../shared/gpu/runs/2026-11-26-h200 (recipe rows 101-142 s with
+  # --steps 10 --warmup 3, a loop row 105 s) plus ~10 s a row for the 2 profiled steps and their table
+  echo "== estimate: 3 recipe rows x ~140 s + 1 loop row x ~115 s = ~9 minutes at most (the last H200's times)" >&2
 fi
 
 status=0
