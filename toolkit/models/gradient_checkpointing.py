@@ -43,7 +43,9 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+    # flash-attn registers its kernels (flash_attn::_flash_attn_forward, ...) when imported, after this module
+    kept = op in KEPT or getattr(op, "namespace", None) == "flash_attn"
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_gradient_checkpointing(model: torch.nn.Module, mode: str, every_k: int = 2) -> None:

@@ -128,3 +128,17 @@ def test_selective_keeps_the_matmul_and_attention_outputs_the_planner_counts(tin
               packed_documents=False)
     per_layer = selective_bytes_per_token(shapes, run) * BATCH * SEQ
     assert held["selective"] - held["full"] == SIZES["num_hidden_layers"] * per_layer
+
+
+def test_selective_keeps_the_attention_kernels_of_flash_attn_too():
+    """flash-attn (not installed here) registers its ops under its own namespace when imported."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from toolkit.models.gradient_checkpointing import _policy
+
+    class FlashForward:  # an operator as torch.ops.flash_attn._flash_attn_forward.default shows itself
+        namespace = "flash_attn"
+
+    assert _policy(None, FlashForward()) == CheckpointPolicy.MUST_SAVE
+    assert _policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert _policy(None, torch.ops.aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
