@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu_throughput import timed_rate  # bench/: the recipe's own rate over the timed steps
+
 ROOT = Path(__file__).resolve().parents[1]
 LORA_YAML = ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml"
 SMOLLM2_SHAPE = ["model.config.hidden_size=576", "model.config.intermediate_size=1536", "model.config.num_hidden_layers=30",
@@ -65,11 +67,9 @@ def recipe_row(method: str, base: Path, args, work: Path) -> float:
            f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
            f"train.max_steps={args.warmup + args.steps}", "optim.fused=auto", *QUIET]
     run(cmd, work / f"recipe-{method}.log")
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in line]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     shutil.rmtree(out, ignore_errors=True)
-    seen = [0] + [r["tokens"] for r in steps]  # every step is logged: its tokens over the rate it measured
-    timed = [(b - a, r["tokens_per_s"]) for a, b, r in zip(seen[:-1], seen[1:], steps, strict=True)][args.warmup:]
-    return sum(n for n, _ in timed) / sum(n / rate for n, rate in timed)
+    return timed_rate(records, args.warmup, args.steps)[0]
 
 
 def trainer_worker(spec: dict) -> dict:

@@ -292,6 +292,15 @@ def planned_gib(row: Row, args, vocab: int) -> float | None:
     return same[0]["peak_bytes"] / 2**30 if same else None
 
 
+def timed_rate(records: list[dict], warmup: int, steps: int) -> tuple[float, dict]:
+    """(tokens/s, the first timed step's record) over the steps after `warmup` of a recipe's metrics.jsonl, every
+    step logged: each step's tokens over the rate the recipe measured for it."""
+    logged = [r for r in records if "tokens_per_s" in r]
+    seen = [0] + [r["tokens"] for r in logged]
+    timed = [(b - a, r) for a, b, r in zip(seen[:-1], seen[1:], logged, strict=True)][warmup : warmup + steps]
+    return sum(n for n, _ in timed) / sum(n / r["tokens_per_s"] for n, r in timed), timed[0][1]
+
+
 def run_recipe(row: Row, args, vocab: int, workdir: Path) -> dict:
     out = workdir / "run"
     rc, why = launch(recipe_command(row, args, vocab, out), workdir / "log", args.row_timeout)
@@ -303,12 +312,8 @@ def run_recipe(row: Row, args, vocab: int, workdir: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a 1B run leaves ~17 GB (and its trace, too large to bring back)
     if rc:
         return {"failed": why}
-    steps = [r for r in records if "tokens_per_s" in r]
-    seen = [0] + [r["tokens"] for r in steps]
-    timed = [(b - a, r) for a, b, r in zip(seen[:-1], seen[1:], steps, strict=True)][args.warmup : args.warmup + args.steps]
-    tokens, seconds = sum(n for n, _ in timed), sum(n / r["tokens_per_s"] for n, r in timed)
-    tps = tokens / seconds
-    first = timed[0][1]  # every step's mfu / tokens_per_s is FLOPs per token / (peak x world size)
+    tps, first = timed_rate(records, args.warmup, args.steps)
+    # every step's mfu / tokens_per_s is FLOPs per token / (peak x world size)
     mfu = None if first["mfu"] is None else tps * first["mfu"] / first["tokens_per_s"]
     memory = next(r["peak_memory"] for r in records if "peak_memory" in r)
     peak = {k: max(m[k] for m in memory) for k in ("cuda_max_allocated_mb", "peak_rss_mb") if k in memory[0]}
