@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the toolkit in one command (one 10-minute device run at most), each part saved as it ends.
 #
-#   bash bench/gpu_check.sh [OUT]           # on one H100/H200: ~12 minutes by its estimate (printed first)
+#   bash bench/gpu_check.sh [OUT]           # on one H100/H200: its estimate is printed first
 #   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 3 minutes
+#   bash bench/gpu_check.sh --only finetune [OUT]   # one part (throughput or finetune): two device calls in a row
 #
 # OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB and the planner's
 # per row, then one profile table per row: device busy %, longest idle gaps, top kernels), finetune.md (the recipe
@@ -11,8 +12,15 @@
 # stays the second command: `python3 -m pytest -m gpu -n 7 tests/recipes/test_gpu_end_to_end.py` (3.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SMOKE=0
-if [[ "${1:-}" == "--smoke" ]]; then SMOKE=1; shift; fi
+SMOKE=0 ONLY=
+while [[ "${1:-}" == --* ]]; do
+  case $1 in
+    --smoke) SMOKE=1; shift ;;
+    --only) ONLY=${2:-}; shift 2 ;;
+    *) echo "error: $1: use --smoke and/or --only throughput|finetune, then OUT" >&2; exit 2 ;;
+  esac
+done
+case $ONLY in ""|throughput|finetune) ;; *) echo "error: --only $ONLY: use throughput or finetune" >&2; exit 2 ;; esac
 DEST=${1:-${OUT:-gpu-check}}
 mkdir -p "$DEST"
 PY=${PYTHON:-python3}
@@ -25,9 +33,9 @@ if (( SMOKE )); then
   THROUGHPUT=(--model recipes/configs/pretrain_tiny.yaml --configs check --strategies ddp --switches shipped
               --peer-variants a --seq-len 128 --global-batch 8 --steps 2 --warmup 1 --profile 1)
 else
-  # The 1B YAML's shape. Rows: as the YAML ships (full recomputation), the fast switches without recomputation and
-  # with selective recomputation, and plain loop (c), the bar: ~3 x 130 + 105 s with --steps 10 --warmup 3 on an
-  # H200 (most of a row is start-up and compiling), +2 profiled steps each.
+  # The 1B YAML's shape. Rows: the fast switches without and with selective recomputation, and plain loop (c), the
+  # bar: ~2 x 140 + 105 s with --steps 10 --warmup 3 on an H200 (most of a row is start-up and compiling), +2
+  # profiled steps each.
   THROUGHPUT=(--configs check --strategies ddp --peer-variants c --steps 10 --warmup 3
               --profile 2 --row-timeout 240)
 fi
@@ -39,7 +47,7 @@ else
   # its own estimate, from the H200 row times of ../shared/gpu/runs/2026-11-26-h200 (recipe rows 101-142 s with
   # --steps 10 --warmup 3, a loop row 105 s) plus ~10 s a row for the 2 profiled steps and their table; the
   # fine-tune rows are not measured on a GPU yet: a 135M base's short pretraining and four short runs, ~3 minutes
-  echo "== estimate: throughput 3 x ~140 s + ~115 s, fine-tuning ~180 s: ~12 minutes (past the 9 of issue 41)" >&2
+  echo "== estimate: throughput 2 x ~150 s + ~115 s, fine-tuning ~180 s: ~10 minutes (past the 9 of issue 41)" >&2
 fi
 
 status=0
@@ -53,9 +61,9 @@ part() {  # NAME CMD...: one part, its log in DEST, its time said; a failed part
   (( rc == 0 )) || { status=1; tail -20 "$DEST/$name.log" >&2; }
 }
 
-part throughput "$PY" bench/gpu_throughput.py "${THROUGHPUT[@]}" --workdir "$WORK" \
+[[ $ONLY == finetune ]] || part throughput "$PY" bench/gpu_throughput.py "${THROUGHPUT[@]}" --workdir "$WORK" \
   --save "$DEST/throughput.json" --out "$DEST/throughput.md"
-[[ -f "$DEST/throughput.md" ]] && cat "$DEST/throughput.md"
-part finetune "$PY" bench/finetune_throughput.py "${FINETUNE[@]}" --out "$DEST/finetune.md"
-[[ -f "$DEST/finetune.md" ]] && cat "$DEST/finetune.md"
+[[ $ONLY != finetune && -f "$DEST/throughput.md" ]] && cat "$DEST/throughput.md"
+[[ $ONLY == throughput ]] || part finetune "$PY" bench/finetune_throughput.py "${FINETUNE[@]}" --out "$DEST/finetune.md"
+[[ $ONLY != throughput && -f "$DEST/finetune.md" ]] && cat "$DEST/finetune.md"
 exit $status
