@@ -8,15 +8,24 @@ checkpointing, as torchtitan's op-level policy): the outputs of the matmuls, the
 and the collectives are kept, and only what lies between them (norms, rotary, activations,
 products, residual adds, reshapes) is recomputed in the backward, a few percent of a layer's
 time instead of full's whole forward again.
+
+Selective wraps each layer's own `forward`, inside the module call, where a compiled layer
+(`model.compile`) traces it: the compiler then saves what the policy keeps. Older transformers
+checkpoint around the whole module call instead, outside the compiled region, where the
+policy sees the compiled kernels and not the operators (transformers 5.17 on an H200: every matmul
+recomputed, as slow as full; docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import types
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from toolkit.models.compilation import decoder_layers
 
 MODES = ("none", "full", "every_k", "selective")
 
@@ -48,6 +57,16 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def _selective_forward(self, *args, **kwargs):
+    forward = functools.partial(type(self).forward, self)
+    if self.training and torch.is_grad_enabled():
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_SELECTIVE, **kwargs)
+    return forward(*args, **kwargs)
+
+
 def apply_gradient_checkpointing(model: torch.nn.Module, mode: str, every_k: int = 2) -> None:
     """`mode`: "none", "full" (every decoder layer), "every_k" (every k-th layer) or "selective"."""
     if mode == "none":
@@ -56,10 +75,16 @@ def apply_gradient_checkpointing(model: torch.nn.Module, mode: str, every_k: int
         raise ValueError(f"gradient checkpointing mode {mode!r}: use {', '.join(MODES)}")
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; set it to none")
+    if mode == "selective":
+        layers = decoder_layers(model)
+        if not layers:
+            raise ValueError(f"{type(model).__name__} names no decoder layer class (transformers' _no_split_modules) "
+                             "to checkpoint per operator; set model.gradient_checkpointing=full")
+        for layer in layers:
+            layer.forward = types.MethodType(_selective_forward, layer)  # a bound method: deepcopy rebinds it
+        return
     every = every_k if mode == "every_k" else 1
     kwargs = {"use_reentrant": False}
-    if mode == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy)
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
     else:  # transformers < 5 names it differently and has no every_n_layers

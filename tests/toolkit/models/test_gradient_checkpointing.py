@@ -117,6 +117,18 @@ def test_unknown_mode_raises(tiny_model):
     assert not model.is_gradient_checkpointing
 
 
+def test_selective_wraps_each_decoder_layer_and_needs_one(tiny_model):
+    import copy
+
+    model = make_model(tiny_model, "selective")
+    twin = copy.deepcopy(model)  # the wrapped forward is bound to its own layer in a copy too
+    assert all(layer.forward.__self__ is layer for layer in twin.model.layers)
+    bare = tiny_model("llama", seed=0)
+    bare._no_split_modules = []
+    with pytest.raises(ValueError, match="names no decoder layer class.*set model.gradient_checkpointing=full"):
+        apply_gradient_checkpointing(bare, "selective")
+
+
 def test_selective_keeps_the_matmul_and_attention_outputs_the_planner_counts(tiny_model, tmp_path):
     """Between full (the layers' inputs) and none: per layer and token, the outputs of q, k, v, o_proj, gate, up
     and down and sdpa's output and log-sum-exp (toolkit.planner.activations.selective_bytes_per_token), to the
