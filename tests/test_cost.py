@@ -57,9 +57,9 @@ def test_launches_and_cpu_time_are_counted_where_they_are_spent(tmp_path):
     assert time.monotonic() - start < 60
 
 
-def report(nodeid: str, **spent) -> SimpleNamespace:
+def report(nodeid: str, marks=(), **spent) -> SimpleNamespace:
     counts = {"cpu_s": 0.0, "launches": 0, "forked_runs": 0, "real_model": 0, **spent}
-    return SimpleNamespace(nodeid=nodeid, user_properties=[("cost", counts)])
+    return SimpleNamespace(nodeid=nodeid, user_properties=[("cost", counts)], keywords=dict.fromkeys(marks, 1))
 
 
 class Terminal:
@@ -81,7 +81,8 @@ def test_each_test_lands_in_its_area_and_a_run_over_the_launch_budget_fails(tmp_
               report("t.py::smol", cpu_s=60),
               report("t.py::launch@shared-runs", cpu_s=90, launches=2),
               report("t.py::forked[a@2]", cpu_s=120, forked_runs=3),
-              report("t.py::plain", cpu_s=6)]:
+              report("t.py::plain", cpu_s=6),
+              report("t.py::on_a_gpu", ["gpu"], cpu_s=600, launches=5)]:  # not the CPU suite's budget
         ledger.pytest_runtest_logreport(r)
     assert {n: cost.area(c) for n, c in ledger.tests.items()} == {
         "t.py::smol": "real model", "t.py::launch": "launches", "t.py::forked[a@2]": "forked ranks",
