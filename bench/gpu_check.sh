@@ -34,8 +34,7 @@ if (( SMOKE )); then
               --peer-variants a --seq-len 128 --global-batch 8 --steps 2 --warmup 1 --profile 1)
 else
   # The 1B YAML's shape. Rows: the fast switches without and with selective recomputation, and plain loop (c), the
-  # bar: ~2 x 140 + 105 s with --steps 10 --warmup 3 on an H200 (most of a row is start-up and compiling), +2
-  # profiled steps each.
+  # bar, each with 2 profiled steps (most of a row is start-up and compiling).
   THROUGHPUT=(--configs check --strategies ddp --peer-variants c --steps 10 --warmup 3
               --profile 2 --row-timeout 240)
 fi
@@ -44,10 +43,8 @@ if (( SMOKE )); then
   FINETUNE=(--smoke)
 else
   FINETUNE=(--steps 10 --warmup 3)
-  # its own estimate, from the H200 row times of ../shared/gpu/runs/2026-11-26-h200 (recipe rows 101-142 s with
-  # --steps 10 --warmup 3, a loop row 105 s) plus ~10 s a row for the 2 profiled steps and their table; the
-  # fine-tune rows are not measured on a GPU yet: a 135M base's short pretraining and four short runs, ~3 minutes
-  echo "== estimate: throughput 2 x ~150 s + ~115 s, fine-tuning ~180 s: ~10 minutes (past the 9 of issue 41)" >&2
+  # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s, fine-tuning 118 s
+  echo "== estimate: throughput ~5.5 minutes, fine-tuning ~2 (an H200, 2026-11-27): ~7.5 minutes" >&2
 fi
 
 status=0
