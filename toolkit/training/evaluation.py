@@ -14,6 +14,7 @@ from toolkit.config import field
 from toolkit.data.packing import IGNORE_INDEX, collate
 from toolkit.models.loss import forward_loss_sum, targets_of
 from toolkit.models.preference_loss import STATS, PreferenceLoss
+from toolkit.training.step import on_device
 
 
 @dataclass
@@ -101,7 +102,7 @@ def held_out_sums(
             batch["labels"].view(len(idx), -1)[real:] = IGNORE_INDEX
         if split is not None:
             batch = split(batch)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        batch = on_device(batch, accelerator.device)
         if objective is not None:
             pair_loss, micro_stats = objective.sums(model, batch)
             loss_sum += pair_loss.double()

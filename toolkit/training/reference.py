@@ -26,6 +26,7 @@ from toolkit.models.base_model import BaseModelConfig
 from toolkit.models.gguf_base import resolve_gguf
 from toolkit.models.preference_loss import token_logps
 from toolkit.run_dir import RunDir
+from toolkit.training.step import on_device
 
 
 @torch.no_grad()
@@ -47,7 +48,7 @@ def reference_logps(accelerator, model, blocks: datasets.Dataset, micro_batch: i
             rows = min(micro_batch, per_rank - start)
             idx = mine[start:start + rows]
             idx = idx + [0] * (rows - len(idx))  # a rank short of blocks repeats one and drops it below
-            batch = {k: v.to(accelerator.device) for k, v in collate_pairs(blocks[idx], attn).items()}
+            batch = on_device(collate_pairs(blocks[idx], attn), accelerator.device)
             with accelerator.autocast():
                 out[start:start + rows] = token_logps(model, batch).float().reshape(rows, seq_len)
     model.train(was_training)

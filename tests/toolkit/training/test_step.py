@@ -150,12 +150,18 @@ def test_accumulated_step_equals_one_full_batch_step(make_model, data):
     assert any(g.abs().max() > 1e-3 for g in ref_grads[0].values())  # and the gradient is not ~0
 
 
-def test_loss_sum_is_the_sum_of_token_losses(make_model, data):
+def test_loss_sum_is_the_sum_of_token_losses(make_model, data, monkeypatch):
     step = data[0]
     model = make_model().train()
     with torch.no_grad():
         per_micro = [hand_token_losses(model, b).double().sum().item() for b in step["micro"]]
+    # and every batch tensor goes to the device without waiting for it (a blocking copy drains a GPU's queue first)
+    batch_tensors, copies, to = {id(v) for b in step["micro"] for v in b.values()}, [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: (
+        copies.append(kw.get("non_blocking", False)) if id(self) in batch_tensors else None, to(self, *a, **kw))[1])
     _, _, losses, _ = toolkit_steps(make_model, [step], sgd, None)
+    monkeypatch.undo()
+    assert copies == [True] * len(batch_tensors)
     assert losses[0] == pytest.approx(sum(per_micro), rel=1e-6)
     # the mean token loss is loss_sum / targets, not the mean of the two micro-batch means
     mean = losses[0] / step["targets"]
