@@ -10,7 +10,9 @@ Python, with the same tokens a step (--batch sequences of --seq-len), the same L
 finetune_smollm2_lora.yaml's r, alpha, dropout and targets) or all weights, fused AdamW and bf16 on a GPU:
 
 - the recipe: `accelerate launch recipes/finetune.py --config recipes/configs/finetune_smollm2_lora.yaml
-  model.path=BASE ...`, its own tokens/s from metrics.jsonl (packed blocks: every token is a useful one);
+  model.path=BASE ...`, its own tokens/s from metrics.jsonl (packed blocks: every token is a useful one), twice: as
+  the YAML ships (sdpa, no compilation: what the Trainer runs) and with gpu_throughput.py's fast switches
+  (compiled layers, flex_attention, the chunked loss; sdpa with --smoke, CPU having no flex backward);
 - transformers.Trainer as a user sets it up for continued pretraining (the Hugging Face examples' run_clm:
   the texts tokenized, concatenated and cut into blocks of --seq-len, so every token is useful there too),
   timed by a callback from the end of step --warmup to the end of the last.
@@ -21,6 +23,7 @@ Trainer per method (issue 41's goal: 1.3x or more on both).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import subprocess
@@ -29,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_throughput import timed_rate  # bench/: the recipe's own rate over the timed steps
+# bench/: the fast switches, and the recipe's rate over the timed steps
+from gpu_throughput import SWITCHES, timed_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA_YAML = ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml"
@@ -59,14 +63,14 @@ def run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"{' '.join(cmd[:8])} ... exited {done.returncode}:\n" + "\n".join(tail))
 
 
-def recipe_row(method: str, base: Path, args, work: Path) -> float:
+def recipe_row(method: str, base: Path, args, work: Path, switches: list[str]) -> float:
     out = work / f"recipe-{method}"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
            "--num_processes", "1", "recipes/finetune.py", "--config", str(LORA_YAML), f"output_dir={out}",
            f"model.path={base}", f"adapter.method={method}", "adapter.merge=false", f"data.seq_len={args.seq_len}",
            f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
-           f"train.max_steps={args.warmup + args.steps}", "optim.fused=auto", *QUIET]
-    run(cmd, work / f"recipe-{method}.log")
+           f"train.max_steps={args.warmup + args.steps}", "optim.fused=auto", *QUIET, *switches]
+    run(cmd, work / f"recipe-{method}{'-fast' if switches else ''}.log")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     shutil.rmtree(out, ignore_errors=True)
     return timed_rate(records, args.warmup, args.steps)[0]
@@ -157,6 +161,11 @@ def main() -> int:
     args.steps = args.steps or (2 if args.smoke else 10)
     if args.smoke:
         args.warmup = min(args.warmup, 1)
+    fast = [o for o in SWITCHES["fast"][0] if not (args.smoke and o.startswith("model.attn_implementation="))]
+    sides = {"recipe": functools.partial(recipe_row, switches=[]), "recipe fast": functools.partial(recipe_row, switches=fast),
+             "Trainer": trainer_row}
+    if args.smoke:  # the fast rows run recipe_row's code; the shipped recipe is what the suite fine-tunes most
+        del sides["recipe"]
     results: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory(prefix="finetune-throughput-") as tmp:
         work = Path(tmp)
@@ -164,19 +173,28 @@ def main() -> int:
         base = base_model(args, work)
         print(f"[base] {base} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         for method in ("lora", "full"):
-            for side, row in (("recipe", recipe_row), ("Trainer", trainer_row)):
+            for side, row in sides.items():
                 t0 = time.perf_counter()
                 results[side, method] = row(method, base, args, work)
                 print(f"[{side} {method}] {results[side, method]:,.0f} tokens/s ({time.perf_counter() - t0:.0f} s)",
                       file=sys.stderr)
+    def rate(side: str, m: str) -> str:
+        return f"{results[side, m]:,.0f}" if (side, m) in results else "-"
+
+    def ratio(side: str, m: str) -> str:
+        return f"{results[side, m] / results['Trainer', m]:.2f}x" if (side, m) in results else "-"
+
     lines = [
         f"`python bench/finetune_throughput.py {' '.join(sys.argv[1:])}`: {args.batch} sequences of {args.seq_len} "
         f"tokens a step, steps {args.warmup + 1}..{args.warmup + args.steps} timed",
         "",
-        "| method | recipes/finetune.py tokens/s | transformers.Trainer tokens/s | recipe / Trainer |",
-        "|---|---:|---:|---:|",
-        *(f"| {m} | {results['recipe', m]:,.0f} | {results['Trainer', m]:,.0f} | "
-          f"{results['recipe', m] / results['Trainer', m]:.2f}x |" for m in ("lora", "full")),
+        "| method | recipes/finetune.py tokens/s | the recipe, fast switches | transformers.Trainer tokens/s | "
+        "recipe / Trainer | fast / Trainer |",
+        "|---|---:|---:|---:|---:|---:|",
+        *(f"| {m} | {rate('recipe', m)} | {rate('recipe fast', m)} | {rate('Trainer', m)} | {ratio('recipe', m)} | "
+          f"{ratio('recipe fast', m)} |" for m in ("lora", "full")),
+        "",
+        f"fast switches: {' '.join(fast)}",
     ]
     print("\n".join(lines))
     if args.out:
