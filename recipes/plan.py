@@ -229,7 +229,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                     checkpointing=ckpt, every_k=m.gradient_checkpointing_k, precision=precision, param_dtype=dtype,
                     attention=attention,
                     loss_chunk_tokens=0 if "model.loss" in needs else m.chunk_tokens, quantized_base=quantized,
-                    fused_adam=cfg.optim.fused != "false",
+                    fused_adam=cfg.optim.fused != "false", compiled=m.compile,
                 )
                 est = estimate(model, run)
                 offload = facts.offload_optimizer or facts.offload_params

@@ -94,7 +94,9 @@ def test_tensor_and_context_parallel_on_two_gpus():
     (cp 2 x dp_shard 1) is fsdp.yaml's state with half of each sequence per rank: fsdp.yaml's
     activations at half the micro-batch (as many tokens), plus in each of the 16 layers the keys and
     values gathered from the other half and sdpa's copy of the block-causal mask."""
-    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json")
+    # eager layers: the model-parallel layouts' activations are modelled eager, compiled or not
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json",
+                "model.compile=false")
     assert proc.returncode == 0, proc.stderr
     rows = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r for r in json.loads(proc.stdout)}
     fsdp, tp, cp = rows["fsdp", "none", 8], rows["fsdp_tp", "none", 8], rows["fsdp_cp", "none", 8]
@@ -153,7 +155,9 @@ def test_sequence_parallel_on_two_gpus():
     whole sequence with half the heads makes as large as this rank's tokens with all of them), and once
     the whole sequence's bf16 block-causal mask, made once per forward and shared by the layers. The
     config's flex attention is launched as sdpa; logits for half the tokens."""
-    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json")
+    # eager layers: the model-parallel layouts' activations are modelled eager, compiled or not
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json",
+                "model.compile=false")
     assert proc.returncode == 0, proc.stderr
     assert "zero3_sp: sp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in proc.stderr
     rows = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r for r in json.loads(proc.stdout)}

@@ -96,8 +96,30 @@ def dtypes(run: Run) -> tuple[int, int, bool]:
     return (2, 2, False) if weights_cast else (4, 2, True)
 
 
+def compiled_bytes_per_token(shapes: Shapes, run: Run, selective: bool) -> float | None:
+    """What a compiled decoder layer (model.compile) keeps per token, measured on CPU (inductor): less than eager,
+    since the compiler's partitioner recomputes the pointwise work (norms, rotary, SwiGLU's product) in the backward
+    from what it keeps. Without checkpointing: a stream-width tensor in the stream's dtype and three in the compute
+    dtype, the query and attention output, keys and values, three of the MLP's width, the fp32 log-sum-exp per head
+    and the two norms' 1/rms. Selective (beside the checkpointed input, which activation_bytes counts): one
+    stream-width tensor, the query and attention output, keys and values, two of the MLP's width and the
+    log-sum-exp. Not modelled (None: the eager counts, more than it keeps): mixtures of experts, LoRA, Qwen3's
+    query/key norms, model-parallel layouts, eager attention and sdpa's repeated keys under a document mask."""
+    layout = run.strategy.layout
+    masked = run.attention == "sdpa" and run.packed_documents and not run.own_attention
+    if (not run.compiled or shapes.experts or shapes.lora or shapes.qk_norm or masked or run.attention == "eager"
+            or layout.tp > 1 or layout.sp > 1 or layout.cp > 1):
+        return None
+    rb, cb, _ = dtypes(run)
+    h, i = shapes.hidden, shapes.intermediate
+    q, kv = shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim
+    if selective:
+        return cb * (h + 2 * q + 2 * kv + 2 * i) + 4 * shapes.heads
+    return (rb + 3 * cb) * h + cb * (2 * q + 2 * kv + 3 * i) + 4 * shapes.heads + 8
+
+
 def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
-    """Bytes one decoder layer saves for backward per token (sequence-length terms folded in).
+    """Bytes one decoder layer saves for backward per token (sequence-length terms folded in), compiled or eager.
 
     RMSNorm: its fp32 input, 1/rms, the normalised x in the stream's dtype, and the output the
     projections read (one copy per projection under autocast). Attention (sdpa, flash, flex):
@@ -118,6 +140,9 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
     v are max(kv_heads, sp) x head_dim per local token (each rank gets kv_heads / sp heads, or one
     replicated head when sp exceeds them), never repeated to the query heads (enable_gqa). The
     all-to-all back gives o_proj an input of its own (c·q), beside sdpa's output."""
+    compiled = compiled_bytes_per_token(shapes, run, selective=False)
+    if compiled is not None:
+        return compiled
     h, r, tp = shapes.hidden, run, run.strategy.layout.tp
     i, heads = shapes.intermediate // tp, shapes.heads // tp
     q, kv = heads * shapes.head_dim, shapes.kv_heads // tp * shapes.head_dim
@@ -214,6 +239,9 @@ def selective_bytes_per_token(shapes: Shapes, run: Run) -> float:
     layout = run.strategy.layout
     if shapes.experts or layout.tp > 1 or layout.sp > 1 or layout.cp > 1:
         return layer_bytes_per_token(shapes, run)
+    compiled = compiled_bytes_per_token(shapes, run, selective=True)
+    if compiled is not None:
+        return compiled
     h, i, cb = shapes.hidden, shapes.intermediate, dtypes(run)[1]
     q, kv = shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim
     attention = cb * q + 4 * shapes.heads

@@ -96,6 +96,7 @@ class Run:
     packed_documents: bool = True  # sdpa/eager build a (batch, 1, seq, seq) mask from the document positions
     quantized_base: bool = False  # QLoRA: frozen linear weights in 4-bit NF4 with double quantisation
     fused_adam: bool = True  # torch's fused AdamW (CUDA): no temporaries beside the state
+    compiled: bool = False  # model.compile: each decoder layer compiled (activations.compiled_bytes_per_token)
 
     def __post_init__(self):
         if self.world < 1 or self.micro_batch < 1 or self.seq_len < 1 or self.accumulation < 1:

@@ -12,7 +12,8 @@
   sequence parallel (zero3_sp.yaml, launched as shipped by the sharding probe) ZeRO-3's state.
 - Pipeline parallel on 2 CPU processes (pipeline_memory_probe.py): each stage's parameters, gradients,
   AdamW state and torch's receive buffers, equal to the estimate for that stage.
-- GPU peaks measured on an H100 (tests/toolkit/planner/gpu_memory_points.json): within 15 %.
+- GPU peaks (tests/toolkit/planner/gpu_memory_points.json): the H100's eager ones within 15 %, the H200's compiled
+  ones (model.compile, as the 1B YAML ships) within 5 %.
 """
 
 from __future__ import annotations
@@ -167,16 +168,18 @@ def test_pipeline_stages_hold_what_the_estimate_says(tmp_path):
 
 
 @pytest.mark.parametrize("point", POINTS["points"], ids=lambda p: f"{p['strategy']}-mb{p['micro_batch']}-{p['checkpointing']}")
-def test_gpu_peaks_within_15_percent(point):
+def test_gpu_peaks_within_5_percent_compiled_and_15_eager(point):
     model = llama_1b()
     facts = read_strategy(ROOT / f"accelerate_configs/{point['strategy']}.yaml", model.config.hidden_size)
     run = Run(
         facts, point["world"], point["micro_batch"], point["seq_len"], accumulation=point["accumulation"],
         checkpointing=point["checkpointing"], attention=point["attention"], loss_chunk_tokens=point["loss_chunk_tokens"],
+        compiled=point.get("compiled", False),
     )
     est = estimate(model, run)
     measured = point["max_memory_allocated_mb"] * 1e6
-    assert abs(est.peak_bytes / measured - 1) <= 0.15, f"{est.peak_bytes / 1e6:,.0f} MB estimated ({est.parts}), {measured / 1e6:,.0f} measured"
+    # issue 41's bound for the compiled rows of bench/gpu_throughput.py; the older eager points were within 15 %
+    assert abs(est.peak_bytes / measured - 1) <= (0.05 if point.get("compiled") else 0.15), f"{est.peak_bytes / 1e6:,.0f} MB estimated ({est.parts}), {measured / 1e6:,.0f} measured"
 
 
 def test_checkpointing_and_micro_batch_move_the_peak_the_right_way():
