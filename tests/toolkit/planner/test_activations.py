@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
 
-from toolkit.parallel_layout import ParallelLayout
 from toolkit.models.compilation import decoder_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.planner.activations import Shapes, activation_bytes, layer_bytes, layer_bytes_per_token
 from toolkit.planner.facts import Run, StrategyFacts
 
