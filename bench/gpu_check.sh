@@ -28,13 +28,13 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 
 if (( SMOKE )); then
-  # pretrain_tiny's shape, 2 timed steps: the two recipe rows as the YAML ships, and plain loop (a); CPU has no
-  # backward for flex_attention, which the fast switches and loops (b) and (c) use
+  # pretrain_tiny's shape, 2 timed steps: the two recipe rows with that YAML's switches, and plain loop (a); CPU has
+  # no backward for flex_attention, which the 1B YAML and loops (b) and (c) use
   THROUGHPUT=(--model recipes/configs/pretrain_tiny.yaml --configs check --strategies ddp --switches shipped
-              --peer-variants a --seq-len 128 --global-batch 8 --steps 2 --warmup 1 --profile 1)
+              --peer-variants a --seq-len 128 --global-batch 16 --steps 2 --warmup 1 --profile 1)
 else
-  # The 1B YAML's shape. Rows: the fast switches without and with selective recomputation, and plain loop (c), the
-  # bar, each with 2 profiled steps (most of a row is start-up and compiling).
+  # The 1B YAML. Rows: as it ships (no recomputation, micro-batch 16), selective recomputation (micro-batch 8), and
+  # plain loop (c), the bar, each with 2 profiled steps (most of a row is start-up and compiling).
   THROUGHPUT=(--configs check --strategies ddp --peer-variants c --steps 10 --warmup 3
               --profile 2 --row-timeout 240)
 fi

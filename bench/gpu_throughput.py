@@ -96,15 +96,14 @@ class Row:
 
 def preset(name: str) -> list[Row]:
     peers = [Row("peer", "-", "none", 8, v) for v in "abc"]
+    shipped = Row("recipe", "ddp", "none", 16, "shipped")  # as pretrain_llama_1b.yaml ships: plan.py's fastest on 80 GB
     if name == "quick":
-        recipe = [Row("recipe", "ddp", "full", 8, "shipped"), Row("recipe", "ddp", "none", 8, "fast")]
-        return recipe + peers
-    if name == "check":  # bench/gpu_check.sh: the candidates for the shipped 1B YAML (quick measures it as shipped)
-        return [Row("recipe", "ddp", c, 8, "fast") for c in ("none", "selective")] + peers
+        return [shipped, Row("recipe", "ddp", "full", 8, "fast")] + peers
+    if name == "check":  # bench/gpu_check.sh: the shipped YAML and selective recomputation
+        return [shipped, Row("recipe", "ddp", "selective", 8, "fast")] + peers
     if name == "full":
         grid = itertools.product(("ddp", "fsdp", "zero2", "zero3"), ("none", "full"), (8, 16))
-        recipe = [Row("recipe", "ddp", "full", 8, "shipped")] + [Row("recipe", *g, "fast") for g in grid]
-        return recipe + peers + [Row("peer", "-", "full", 8, v) for v in "abc"]
+        return [shipped] + [Row("recipe", *g, "fast") for g in grid] + peers + [Row("peer", "-", "full", 8, v) for v in "abc"]
     raise SystemExit(f"--configs {name}: use quick, check or full")
 
 
@@ -443,7 +442,7 @@ def select_rows(args) -> list[Row]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="quick",
-                   help="preset rows: quick (2 recipe + 3 loop rows), check (2 + 3: the fast switches without and with selective "
+                   help="preset rows: quick (2 recipe + 3 loop rows), check (2 + 3: the YAML as shipped and selective "
                         "recomputation) or full (17 + 6)")
     p.add_argument("--model", default="recipes/configs/pretrain_llama_1b.yaml", help="pretraining YAML: shape, vocab")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per block (default: the YAML's data.seq_len)")

@@ -84,7 +84,10 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     assert mixture in shlex.split(line)  # quoted for the shell, as a user pastes it
     assert "recipes/pretrain.py --config recipes/configs/pretrain_llama_1b.yaml" in line
     best = text.stdout.strip().splitlines()[-2]
-    assert best.startswith("fastest that fits:")
+    # the YAML ships what plan.py finds fastest on 8 x 80 GB (its launch line names ddp.yaml)
+    shipped = load_config(PretrainConfig, ROOT / "recipes/configs/pretrain_llama_1b.yaml", [])
+    assert best.startswith(f"fastest that fits: ddp, gradient checkpointing {shipped.model.gradient_checkpointing}, "
+                           f"micro-batch {shipped.train.micro_batch_size} ("), best
 
 
 def test_tensor_and_context_parallel_on_two_gpus():
