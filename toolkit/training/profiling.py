@@ -20,6 +20,16 @@ from pathlib import Path
 import torch
 
 TOP = 12  # kernels and gaps in the table
+# Each kernel's (or CPU operator's) kind, by the first pattern its lowered name holds: what a step's device time
+# is spent on, the question a top-12 list leaves open when the time is spread over hundreds of small kernels.
+KINDS = (
+    ("attention", ("flex_attention", "flash", "fmha", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "_mm_")),
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
+    ("communication", ("nccl", "c10d", "allreduce", "all_gather", "reduce_scatter", "gloo")),
+    ("memory copies", ("memcpy", "memset", "aten::copy_", "aten::_to_copy")),
+)
+OTHER = "other: elementwise, norms, loss, casts"
 
 
 def check_steps(steps: list[int], max_steps: int | None = None) -> list[str]:
@@ -140,6 +150,10 @@ def summarise(events, wall_us: float, first: int, last: int) -> dict:
         totals[e.name][1] += 1
     busy_us = sum(b - a for a, b in busy)
     top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:TOP]
+    kinds: dict[str, float] = defaultdict(float)
+    for name, (us, _) in totals.items():
+        kinds[kind_of(name)] += us
+    summed = sum(kinds.values())
     return {
         "steps": [first, last],
         "device": "cuda" if on_device else "cpu",
@@ -149,7 +163,14 @@ def summarise(events, wall_us: float, first: int, last: int) -> dict:
         "gaps": [{"ms": g / 1e3, "at_ms": (t - start) / 1e3, "host": under(t + g / 2)} for g, t in gaps[:TOP] if g > 0],
         "top": [{"name": name, "ms": us / 1e3, "calls": int(n), "share": us / busy_us if busy_us else 0.0}
                 for name, (us, n) in top],
+        "kinds": [{"kind": kind, "ms": us / 1e3, "share": us / summed if summed else 0.0}
+                  for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1])],
     }
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KINDS if any(m in lowered for m in marks)), OTHER)
 
 
 def _steps(first: int, last: int) -> str:
@@ -171,5 +192,9 @@ def table(summary: dict) -> list[str]:
         "| top kernels | ms | calls | share of busy |",
         "|---|---:|---:|---:|",
         *(f"| {k['name'][:90].replace('|', '/')} | {k['ms']:.2f} | {k['calls']} | {k['share']:.1%} |" for k in summary["top"]),
+        "",
+        "| all of them by kind | ms | share |",
+        "|---|---:|---:|",
+        *(f"| {k['kind']} | {k['ms']:.2f} | {k['share']:.1%} |" for k in summary.get("kinds", [])),
     ]
     return lines

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from toolkit.training.profiling import StepProfiler, check_steps, summarise, table
+from toolkit.training.profiling import OTHER, StepProfiler, check_steps, kind_of, summarise, table
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -34,6 +35,25 @@ def test_gaps_between_kernels_name_the_host_work_under_them():
     lines = table(summary)
     assert lines[0] == "steps 6-8: 0.2 ms wall, device busy 0.1 ms (50.0%; GPU kernels)"
     assert "| 0.06 | 0.0 | optimizer_step > cudaStreamSynchronize |" in lines
+    assert lines[-2:] == ["| matmul | 0.07 | 70.0% |", "| optimizer | 0.03 | 30.0% |"]
+
+
+def test_every_kernel_has_a_kind_and_the_kinds_sum_to_the_kernels():
+    """H200 kernel names of the 1B step (bench/gpu_throughput.py --profile) and CPU operators, each in its kind."""
+    names = {
+        "triton_tem_fused_flex_attention_backward_transpose_view_5": "attention",
+        "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "matmul", "aten::mm": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication", "Memcpy HtoD (Pageable -> Device)": "memory copies",
+        "triton_per_fused__to_copy__unsafe_view_add_div_expand_mul_pow_sum_view_8": OTHER,
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::silu": OTHER,
+    }
+    assert {name: kind_of(name) for name in names} == names
+    events = [event(name, 10 * i, 10 * i + 5 + i, CUDA) for i, name in enumerate(names)]
+    kinds = summarise(events, wall_us=200, first=1, last=1)["kinds"]
+    assert sum(k["ms"] for k in kinds) == pytest.approx(sum(5 + i for i in range(len(names))) / 1e3, rel=1e-12)
+    assert sum(k["share"] for k in kinds) == pytest.approx(1, rel=1e-12)
 
 
 def test_on_a_cpu_run_nested_operators_count_once_and_by_self_time():
