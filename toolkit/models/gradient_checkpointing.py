@@ -25,6 +25,7 @@ import types
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from toolkit.config import UserError
 from toolkit.models.compilation import decoder_layers
 
 MODES = ("none", "full", "every_k", "selective")
@@ -78,7 +79,7 @@ def apply_gradient_checkpointing(model: torch.nn.Module, mode: str, every_k: int
     if mode == "selective":
         layers = decoder_layers(model)
         if not layers:
-            raise ValueError(f"{type(model).__name__} names no decoder layer class (transformers' _no_split_modules) "
+            raise UserError(f"model.gradient_checkpointing=selective: {type(model).__name__} names no decoder layer class (transformers' _no_split_modules) "
                              "to checkpoint per operator; set model.gradient_checkpointing=full")
         for layer in layers:
             layer.forward = types.MethodType(_selective_forward, layer)  # a bound method: deepcopy rebinds it

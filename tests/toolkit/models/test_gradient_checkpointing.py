@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from toolkit.config import UserError
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.planner.activations import Shapes, selective_bytes_per_token
@@ -125,7 +126,7 @@ def test_selective_wraps_each_decoder_layer_and_needs_one(tiny_model):
     assert all(layer.forward.__self__ is layer for layer in twin.model.layers)
     bare = tiny_model("llama", seed=0)
     bare._no_split_modules = []
-    with pytest.raises(ValueError, match="names no decoder layer class.*set model.gradient_checkpointing=full"):
+    with pytest.raises(UserError, match="names no decoder layer class.*set model.gradient_checkpointing=full"):
         apply_gradient_checkpointing(bare, "selective")
 
 
