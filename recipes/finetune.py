@@ -142,7 +142,8 @@ class FinetuneRecipe:
             )
 
         # Weights to train: all, or a LoRA adapter (seeded, so every rank starts from the same one).
-        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
+        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
+                                     strategy.layout)
         model.config.use_cache = False
         n_params, flops_token = model_size(model, cfg.data.seq_len)
         torch.manual_seed(cfg.seed)

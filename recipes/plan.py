@@ -221,6 +221,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
         for ckpt in CHECKPOINTING:
             if ckpt == "selective" and (experts or group > 1):  # not modelled there (selective_bytes_per_token)
                 continue
+            if ckpt == "selective" and facts.layout.zero_stage == 3:  # refused at launch (gradient_checkpointing.py)
+                continue
             for mb in micro:
                 if t.global_batch_size % (mb * data_ranks):
                     continue

@@ -59,9 +59,10 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     assert sorted({r["strategy"] for r in rows}) == sorted([*STRATEGIES, "pipeline"])
     assert {r["pipeline_stages"] for r in rows} == {1, 2, 4}
     assert {r["gradient_checkpointing"] for r in rows} == {"none", "every_k", "selective", "full"}
-    # selective: on the data-parallel layouts only (modelled there), its activations between full's and none's
+    # selective: on the data-parallel layouts only (modelled there) but ZeRO-3's (refused at launch), its activations
+    # between full's and none's
     assert {r["strategy"] for r in rows if r["gradient_checkpointing"] == "selective"} == {
-        r["strategy"] for r in rows if r["cp"] * r["tp"] * r["sp"] == 1}
+        r["strategy"] for r in rows if r["cp"] * r["tp"] * r["sp"] == 1 and not r["strategy"].startswith("zero3")}
     acts = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r["activations_bytes"] for r in rows}
     assert acts["ddp", "full", 8] < acts["ddp", "selective", 8] < acts["ddp", "none", 8]
     for r in rows:
