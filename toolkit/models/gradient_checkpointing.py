@@ -88,8 +88,9 @@ def apply_gradient_checkpointing(model: torch.nn.Module, mode: str, every_k: int
     if mode == "selective":
         layers = decoder_layers(model)
         if not layers:
-            raise UserError(f"model.gradient_checkpointing=selective: {type(model).__name__} names no decoder layer class (transformers' _no_split_modules) "
-                             "to checkpoint per operator; set model.gradient_checkpointing=full")
+            raise UserError(f"model.gradient_checkpointing=selective: {type(model).__name__} names no decoder layer "
+                            "class (transformers' _no_split_modules) to checkpoint per operator; "
+                            "set model.gradient_checkpointing=full")
         for layer in layers:
             layer.forward = types.MethodType(_selective_forward, layer)  # a bound method: deepcopy rebinds it
         return
