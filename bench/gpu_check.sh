@@ -16,11 +16,12 @@ SMOKE=0 ONLY=
 while [[ "${1:-}" == --* ]]; do
   case $1 in
     --smoke) SMOKE=1; shift ;;
-    --only) ONLY=${2:-}; shift 2 ;;
+    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput or finetune" >&2; exit 2; }
+            ONLY=$2; shift 2 ;;
     *) echo "error: $1: use --smoke and/or --only throughput|finetune, then OUT" >&2; exit 2 ;;
   esac
 done
-case $ONLY in ""|throughput|finetune) ;; *) echo "error: --only $ONLY: use throughput or finetune" >&2; exit 2 ;; esac
+case $ONLY in ""|throughput|finetune) ;; *) echo "error: --only '$ONLY': use throughput or finetune" >&2; exit 2 ;; esac
 DEST=${1:-${OUT:-gpu-check}}
 mkdir -p "$DEST"
 PY=${PYTHON:-python3}
