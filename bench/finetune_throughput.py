@@ -40,6 +40,8 @@ LORA_YAML = ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml"
 SMOLLM2_SHAPE = ["model.config.hidden_size=576", "model.config.intermediate_size=1536", "model.config.num_hidden_layers=30",
                  "model.config.num_attention_heads=9", "model.config.num_key_value_heads=3",
                  "model.config.max_position_embeddings=2048", "model.config.vocab_size=49152"]
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
+          "--num_processes", "1"]  # one GPU, the recipes' own launcher
 QUIET = ["data.path=null", "data.val_fraction=0", "eval.every=0", "samples.max_new_tokens=0", "logging.trackers=[]",
          "logging.every=1", "checkpoint.every=0"]
 
@@ -48,8 +50,7 @@ def base_model(args, work: Path) -> Path:
     """final/ of a few pretraining steps on the base's shape (pretrain_tiny.yaml's own with --smoke)."""
     out = work / "base"
     shape = [] if args.smoke else SMOLLM2_SHAPE
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
-           "--num_processes", "1", "recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml",
+    cmd = [*LAUNCH, "recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml",
            f"output_dir={out}", "train.max_steps=2", f"data.seq_len={args.seq_len}", *shape, *QUIET]
     run(cmd, work / "base.log")
     return out / "final"
@@ -65,13 +66,14 @@ def run(cmd: list[str], log: Path) -> None:
 
 def recipe_row(method: str, base: Path, args, work: Path, switches: list[str]) -> float:
     out = work / f"recipe-{method}"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
-           "--num_processes", "1", "recipes/finetune.py", "--config", str(LORA_YAML), f"output_dir={out}",
+    cmd = [*LAUNCH, "recipes/finetune.py", "--config", str(LORA_YAML), f"output_dir={out}",
            f"model.path={base}", f"adapter.method={method}", "adapter.merge=false", f"data.seq_len={args.seq_len}",
            f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
            f"train.max_steps={args.warmup + args.steps}", "optim.fused=auto", *QUIET, *switches]
     run(cmd, work / f"recipe-{method}{'-fast' if switches else ''}.log")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from toolkit.training.metrics import read_metrics
+
+    records = read_metrics(out / "metrics.jsonl")
     shutil.rmtree(out, ignore_errors=True)
     return timed_rate(records, args.warmup, args.steps)[0]
 

@@ -47,6 +47,7 @@ device command; `full` (23 rows) takes about an hour.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -169,14 +170,11 @@ def peer_worker(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    losses, t0, elapsed = [], time.perf_counter(), 0.0
+    losses, t0 = [], time.perf_counter()
     for step in range(timed_end + profiled):
         if step == warmup:
             sync()
             t0 = time.perf_counter()
-        if step == timed_end:
-            sync()
-            elapsed = time.perf_counter() - t0
         profiler.begin(step + 1)
         for micro in range(accum):
             rows = slice((step * accum + micro) * mb, (step * accum + micro + 1) * mb)
@@ -197,9 +195,9 @@ def peer_worker(spec: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach() * accum)
         profiler.end(step + 1)
-    if not profiled:
-        sync()
-        elapsed = time.perf_counter() - t0
+        if step + 1 == timed_end:  # the clock stops before any profiled step
+            sync()
+            elapsed = time.perf_counter() - t0
     tps = steps * accum * mb * seq_len / elapsed
     if device.type == "cuda":
         memory = {"cuda_max_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}
@@ -267,21 +265,28 @@ def recipe_command(row: Row, args, vocab: int, out: Path) -> list[str]:
     ]
 
 
-def planned_gib(row: Row, args, vocab: int) -> float | None:
-    """The peak recipes/plan.py estimates for the row (its --json row of the same strategy, checkpointing and
-    micro-batch), in GiB like the measured column; None where plan.py lists no such row."""
-    import contextlib
+@functools.cache
+def plan_module():
+    """recipes/plan.py, loaded once for every row's estimate."""
     import importlib.util
-    import io
 
     spec = importlib.util.spec_from_file_location("plan", ROOT / "recipes" / "plan.py")
     plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan)
+    return plan
+
+
+def planned_gib(row: Row, args, vocab: int) -> float | None:
+    """The peak recipes/plan.py estimates for the row (its --json row of the same strategy, checkpointing and
+    micro-batch), in GiB like the measured column; None where plan.py lists no such row."""
+    import contextlib
+    import io
+
     argv = ["--config", str(Path(args.model).resolve()), "--gpus", str(row.processes), "--micro-batch",
             str(row.micro_batch), "--json", *recipe_overrides(row, args, vocab, Path("runs/planned"))]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = plan.main(argv)
+        code = plan_module().main(argv)
     if code:
         print(f"plan.py {' '.join(argv)}: {err.getvalue().strip()[-300:]}", file=sys.stderr)
         return None
@@ -302,9 +307,11 @@ def timed_rate(records: list[dict], warmup: int, steps: int) -> tuple[float, dic
 def run_recipe(row: Row, args, vocab: int, workdir: Path) -> dict:
     out = workdir / "run"
     rc, why = launch(recipe_command(row, args, vocab, out), workdir / "log", args.row_timeout)
+    from toolkit.training.metrics import read_metrics
+
     records, profile = [], None
     if (out / "metrics.jsonl").exists():
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        records = read_metrics(out / "metrics.jsonl")
     if (out / "profile" / "summary.json").exists():
         profile = json.loads((out / "profile" / "summary.json").read_text())
     shutil.rmtree(out, ignore_errors=True)  # a 1B run leaves ~17 GB (and its trace, too large to bring back)

@@ -219,9 +219,9 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                          f"{data_ranks} replicas), each row is the rank of its largest stage"
                          + (f", as launched with {required}" if needs else ""))
         for ckpt in CHECKPOINTING:
-            if ckpt == "selective" and (experts or group > 1):  # not modelled there (selective_bytes_per_token)
-                continue
-            if ckpt == "selective" and facts.layout.zero_stage == 3:  # refused at launch (gradient_checkpointing.py)
+            # selective: not modelled for a mixture or a model-parallel group (selective_bytes_per_token), refused
+            # under ZeRO-3 at launch (gradient_checkpointing.py)
+            if ckpt == "selective" and (experts or group > 1 or facts.layout.zero_stage == 3):
                 continue
             for mb in micro:
                 if t.global_batch_size % (mb * data_ranks):
