@@ -29,12 +29,13 @@ def stamp():
 
 
 def install(tmp_path: Path, *args: str, env: dict | None = None) -> list[str]:
-    """`bash recipes/install.sh ARGS` with this Python, its pip commands logged, not run: the commands."""
+    """`bash recipes/install.sh ARGS` with this Python, its pip and uv commands logged, not run: the commands."""
     log = tmp_path / "pip.log"
     log.write_text("")
     python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then echo "$*" >> {log}; exit 0; fi\n'
-                      f'exec {sys.executable} "$@"\n')
+    python.write_text(f'#!/bin/sh\ncase "$1 $2 $3" in "-m pip config") exec {sys.executable} "$@";; '
+                      f'"-m pip "*|"-m uv "*) echo "$*" >> {log}; [ "$*" != "-m pip install --quiet uv" ] || [ -z "$NO_UV" ];'
+                      f' exit;; esac\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     proc = subprocess.run(["bash", "recipes/install.sh", *args], cwd=ROOT,
                           env={**os.environ, **(env or {}), "PYTHON": str(python)},
@@ -73,7 +74,8 @@ def test_a_second_install_skips_pip_and_builds_cpu_adam_in_idle_time(tmp_path, s
     whatever its nice value: session 25's fast suite took 6:29 instead of ~4:30 beside a build niced by `nice`
     alone."""
     stamp.write_text(f"{ROOT}-elsewhere 0123456789abcdef\n")
-    assert "-m pip install --quiet -e .[deepspeed,test,quant]" in install(tmp_path)
+    cmds = install(tmp_path, env={"NO_UV": "1"})  # where uv does not install, pip installs
+    assert cmds[1].startswith("-m pip install --quiet --constraint ") and cmds[1].endswith(" -e .[deepspeed,test,quant]")
     assert stamp.read_text().split()[0] == str(ROOT)
     env, log = fake_deepspeed(tmp_path)
     assert install(tmp_path, "--build-cpu-adam", env=env) == []
@@ -84,3 +86,21 @@ def test_a_second_install_skips_pip_and_builds_cpu_adam_in_idle_time(tmp_path, s
     session, nice, group_nice = log.read_text().split()
     assert int(session) != os.getsid(0), "a Ctrl-C of the install would stop the build half-way"
     assert (nice, group_nice) == ("19", "19")
+
+
+def test_uv_installs_with_pips_settings_and_never_another_torch(tmp_path, stamp):
+    """uv reads no pip.conf: an index, find-links or constraint that pip was given (a company mirror, a folder of
+    wheels, a cap) goes to uv too, and the torch that is there is pinned (uv would otherwise replace a CUDA build
+    with whatever a dependency asks for, several GB)."""
+    stamp.unlink(missing_ok=True)
+    cmds = install(tmp_path, env={"PIP_FIND_LINKS": "/wheels/a /wheels/b", "PIP_INDEX_URL": "file:///mirror/simple",
+                                  "PIP_CONSTRAINT": "/caps.txt"})
+    assert cmds[0] == "-m pip install --quiet uv"
+    editable = next(c.split() for c in cmds if c.endswith("-e .[deepspeed,test,quant]"))
+    assert editable[:6] == ["-m", "uv", "pip", "install", "--quiet", "--python"]
+    flags = list(zip(editable, editable[1:], strict=False))
+    assert ("--index-url", "file:///mirror/simple") in flags
+    assert ("--find-links", "/wheels/a") in flags and ("--find-links", "/wheels/b") in flags
+    constraints = [value for flag, value in flags if flag == "--constraint"]
+    assert constraints[0] == "/caps.txt" and len(constraints) == 2  # pip's, then the torch pin
+    assert all(c.startswith("-m uv pip install") for c in cmds[1:])
