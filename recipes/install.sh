@@ -59,7 +59,9 @@ else
   rm -f "$STAMP"
   install=("$PY" -m pip install --quiet)
   if "$PY" -m pip install --quiet uv 2>/dev/null; then
-    install=("$PY" -m uv pip install --quiet --python "$("$PY" -c 'import sys; print(sys.executable)')")
+    # --compile-bytecode: as pip does; without the .pyc files every process compiles what it imports again where
+    # PYTHONDONTWRITEBYTECODE is set (+25 CPU-s a 2-process launch)
+    install=("$PY" -m uv pip install --quiet --compile-bytecode --python "$("$PY" -c 'import sys; print(sys.executable)')")
     declare -A pip_said  # pip config list: scope.key='value'; the environment's (:env:) over the files'
     while IFS= read -r line; do
       key=${line%%=*}; value=${line#*=\'}
@@ -75,7 +77,7 @@ else
   fi
   # never another torch than the one there (a CUDA build on a GPU machine; an unpinned one is several GB)
   torch_pin=$(mktemp)
-  "$PY" -c "import torch; print('torch==' + torch.__version__)" > "$torch_pin"
+  "$PY" -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > "$torch_pin"  # (numpy not there yet)
   install+=(--constraint "$torch_pin")
   if [[ "${1:-}" == "--build-cpu-adam" ]]; then
     "${install[@]}" "deepspeed>=0.16"

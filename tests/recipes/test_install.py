@@ -97,7 +97,7 @@ def test_uv_installs_with_pips_settings_and_never_another_torch(tmp_path, stamp)
                                   "PIP_CONSTRAINT": "/caps.txt"})
     assert cmds[0] == "-m pip install --quiet uv"
     editable = next(c.split() for c in cmds if c.endswith("-e .[deepspeed,test,quant]"))
-    assert editable[:6] == ["-m", "uv", "pip", "install", "--quiet", "--python"]
+    assert editable[:7] == ["-m", "uv", "pip", "install", "--quiet", "--compile-bytecode", "--python"]
     flags = list(zip(editable, editable[1:], strict=False))
     assert ("--index-url", "file:///mirror/simple") in flags
     assert ("--find-links", "/wheels/a") in flags and ("--find-links", "/wheels/b") in flags
