@@ -34,7 +34,7 @@ if (( SMOKE )); then
   THROUGHPUT=(--model recipes/configs/pretrain_tiny.yaml --configs check --strategies ddp --switches shipped
               --peer-variants a --seq-len 128 --global-batch 16 --steps 2 --warmup 1 --profile 1)
 else
-  # The 1B YAML. Rows: as it ships (no recomputation, micro-batch 16), selective recomputation (micro-batch 8), and
+  # The 1B YAML. Rows: as it ships (no recomputation, micro-batch 16), the whole model compiled (micro-batch 8), and
   # plain loop (c), the bar, each with 2 profiled steps (most of a row is start-up and compiling).
   THROUGHPUT=(--configs check --strategies ddp --peer-variants c --steps 10 --warmup 3
               --profile 2 --row-timeout 240)

@@ -68,8 +68,12 @@ CPU_NOTE = "CPU: MFU unknown (no peak FLOP/s), peak memory is RSS; the recipe tr
 SWITCHES = {
     "shipped": ([], "as the YAML ships"),
     "fast": (
-        ["model.compile=true", "model.attn_implementation=flex_attention", "model.loss=chunked", "optim.fused=auto"],
-        "compile, flex_attention, chunked loss, fused AdamW",
+        ["model.compile=layers", "model.attn_implementation=flex_attention", "model.loss=chunked", "optim.fused=auto"],
+        "compiled layers, flex_attention, chunked loss, fused AdamW",
+    ),
+    "whole": (
+        ["model.compile=model", "model.attn_implementation=flex_attention", "model.loss=full", "optim.fused=auto"],
+        "the whole forward and its loss compiled, flex_attention, fused AdamW",
     ),
 }
 PEER_VARIANTS = {
@@ -99,9 +103,9 @@ def preset(name: str) -> list[Row]:
     peers = [Row("peer", "-", "none", 8, v) for v in "abc"]
     shipped = Row("recipe", "ddp", "none", 16, "shipped")  # as pretrain_llama_1b.yaml ships: plan.py's fastest on 80 GB
     if name == "quick":
-        return [shipped, Row("recipe", "ddp", "full", 8, "fast")] + peers
-    if name == "check":  # bench/gpu_check.sh: the shipped YAML and selective recomputation
-        return [shipped, Row("recipe", "ddp", "selective", 8, "fast")] + peers
+        return [shipped, Row("recipe", "ddp", "full", 8, "fast"), Row("recipe", "ddp", "selective", 8, "fast")] + peers
+    if name == "check":  # bench/gpu_check.sh: the shipped YAML, and the whole model compiled (the loop's way)
+        return [shipped, Row("recipe", "ddp", "none", 8, "whole")] + peers
     if name == "full":
         grid = itertools.product(("ddp", "fsdp", "zero2", "zero3"), ("none", "full"), (8, 16))
         return [shipped] + [Row("recipe", *g, "fast") for g in grid] + peers + [Row("peer", "-", "full", 8, v) for v in "abc"]

@@ -55,7 +55,7 @@ from toolkit.models.adapter import (
     quantization_config,
 )
 from toolkit.models.base_model import load_base_model, meta_base
-from toolkit.models.compilation import compile_layers
+from toolkit.models.compilation import compile_model
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
@@ -149,8 +149,8 @@ class FinetuneRecipe:
         torch.manual_seed(cfg.seed)
         model, weights_note = apply_adapter(model, cfg.adapter)
         trainer.print(weights_note)
-        if cfg.model.compile:  # after the adapter, so that the compiled layers hold its modules
-            compile_layers(model)
+        # after the adapter, so that what is compiled holds its modules
+        compile_model(model, cfg.model.compile, strategy.layout)
         trainer.prepare(model, self.tokenizer, n_params, flops_token, {"base_model.json": to_dict(cfg.model)})
         if trainer.objective is not None and trainer.objective.needs_reference:  # DPO: the model before training
             use_reference(trainer, base_identity(cfg.model), cfg.adapter.is_lora)

@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from toolkit.config import UserError, load_config, read_config_file, read_yaml  # noqa: E402
 from toolkit.models.adapter import leave_out_bitsandbytes  # noqa: E402
+from toolkit.models.compilation import whole_model_refused  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
 from toolkit.planner.estimate import estimate  # noqa: E402
 from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy  # noqa: E402
@@ -207,6 +208,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
             continue
         if facts.layout.pp > 1:
             needs = pipeline_needs
+        if m.compile == "model" and whole_model_refused(facts.layout):
+            needs = {**needs, "model.compile": "layers"}
         group = facts.layout.cp * facts.layout.tp * facts.layout.sp
         data_ranks = args.gpus // (group * facts.layout.pp)  # a cp, tp or sp group, or a pipeline, reads one micro-batch
         required = " ".join(f"{k}={v}" for k, v in needs.items())
@@ -231,7 +234,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                     checkpointing=ckpt, every_k=m.gradient_checkpointing_k, precision=precision, param_dtype=dtype,
                     attention=attention,
                     loss_chunk_tokens=0 if "model.loss" in needs else m.chunk_tokens, quantized_base=quantized,
-                    fused_adam=cfg.optim.fused != "false", compiled=m.compile,
+                    fused_adam=cfg.optim.fused != "false", compiled=m.compile != "none",
                 )
                 est = estimate(model, run)
                 offload = facts.offload_optimizer or facts.offload_params

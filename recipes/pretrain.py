@@ -42,7 +42,7 @@ from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
 from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import leave_out_bitsandbytes
-from toolkit.models.compilation import compile_layers
+from toolkit.models.compilation import compile_model
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, hf_config, meta_model
 from toolkit.planner.estimate import check_fits
@@ -97,8 +97,7 @@ class PretrainRecipe:
             model = build_model(cfg.model, config, cfg.seed)
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
                                      strategy.layout)
-        if cfg.model.compile:
-            compile_layers(model)
+        compile_model(model, cfg.model.compile, strategy.layout)
         n_params, flops_token = model_size(model, cfg.data.seq_len)
         trainer.print(
             f"model: {cfg.model.model_type}, {n_params:,} parameters, "

@@ -406,8 +406,9 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
         return value
     if origin is typing.Literal:
         if isinstance(value, bool) and not any(isinstance(a, bool) for a in args):
-            # YAML 1.1 reads no/off/yes/on as booleans: `mixed_precision: no` means the string
-            spelled = [a for a in args if str(a).lower() in (("yes", "on", "true") if value else ("no", "off", "false"))]
+            # YAML 1.1 reads no/off/yes/on as booleans: `mixed_precision: no` means the string (and `false`, none)
+            said = ("yes", "on", "true") if value else ("no", "off", "false", "none")
+            spelled = [a for a in args if str(a).lower() in said]
             value = spelled[0] if spelled else value
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

@@ -100,7 +100,7 @@ def test_tensor_and_context_parallel_on_two_gpus():
     values gathered from the other half and sdpa's copy of the block-causal mask."""
     # eager layers: the model-parallel layouts' activations are modelled eager, compiled or not
     proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json",
-                "model.compile=false")
+                "model.compile=none")
     assert proc.returncode == 0, proc.stderr
     rows = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r for r in json.loads(proc.stdout)}
     fsdp, tp, cp = rows["fsdp", "none", 8], rows["fsdp_tp", "none", 8], rows["fsdp_cp", "none", 8]
@@ -123,6 +123,17 @@ def test_tensor_and_context_parallel_on_two_gpus():
     mask = 8 * 1024 * 2048  # this rank's rows of the mask: bool, and a bf16 copy in every layer
     same_tokens = rows["fsdp", "none", 4]["activations_bytes"]
     assert cp["activations_bytes"] - same_tokens == pytest.approx(16 * (other_half_kv + 2 * mask) + mask, rel=1e-3)
+
+
+def test_the_whole_model_compiled_is_launched_with_compiled_layers_where_it_cannot_run():
+    proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8", "--json",
+                "model.compile=model", "model.loss=full")
+    assert proc.returncode == 0, proc.stderr
+    needs = {r["strategy"]: r["requires"] for r in json.loads(proc.stdout) if r["gradient_checkpointing"] == "none"}
+    assert needs["ddp"] == needs["fsdp"] == needs["zero3"] == []
+    assert "model.compile=layers" not in needs["fsdp_cp"]
+    for strategy in ("fsdp_tp", "fsdp_sp", "zero3_sp"):
+        assert "model.compile=layers" in needs[strategy], (strategy, needs[strategy])
 
 
 def test_tensor_parallel_under_sdpa_shards_the_sequence_between_the_layers():
@@ -161,7 +172,7 @@ def test_sequence_parallel_on_two_gpus():
     config's flex attention is launched as sdpa; logits for half the tokens."""
     # eager layers: the model-parallel layouts' activations are modelled eager, compiled or not
     proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "4,8", "--json",
-                "model.compile=false")
+                "model.compile=none")
     assert proc.returncode == 0, proc.stderr
     assert "zero3_sp: sp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in proc.stderr
     rows = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r for r in json.loads(proc.stdout)}

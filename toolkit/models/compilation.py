@@ -1,11 +1,16 @@
-"""Regional compilation: `torch.compile` each decoder layer in place (`model.compile: true`).
+"""`torch.compile` in place (`model.compile`): each decoder layer (`layers`) or the whole forward with its loss
+(`model`).
 
-Compiling the repeated layer rather than the whole model, as Accelerate's `compile_regions`
-and torchtitan do, compiles one graph that every layer reuses (compile time of one layer, not
-of the model), and leaves the embedding, the mask construction and the output head eager, so
-that the chunked loss (which swaps the head's forward per call) never recompiles.
+`layers` compiles the repeated layer rather than the whole model, as Accelerate's `compile_regions`
+and torchtitan do: one graph that every layer reuses (compile time of one layer, not of the
+model). The embedding, the mask construction and the output head stay eager, so that the chunked
+loss (which swaps the head's forward per call) never recompiles.
 
-In place (`module.compile()`), not `torch.compile(module)`: the layer keeps its class and its
+`model` compiles the causal LM's whole forward, and the loss goes into that forward
+(`toolkit.models.loss.forward_loss_sum` hands it the targets): embedding, layers, head and the
+unchunked cross-entropy in one graph, as a plain `torch.compile(model)` loop has them.
+
+In place (`module.compile()`), not `torch.compile(module)`: the module keeps its class and its
 parameter names, so checkpoints, FSDP's layer wrapping and DeepSpeed's hooks see the same model
 with and without compilation. It runs before the strategy wraps the model; compilation itself
 happens at the first forward, when every wrapper's hooks are in place.
@@ -16,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from toolkit.config import UserError
+from toolkit.models.loss import put_loss_in_forward, unwrapped
+from toolkit.parallel_layout import ParallelLayout
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -25,13 +32,37 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in base.modules() if type(m).__name__ in names]
 
 
+def compile_model(model: torch.nn.Module, how: str, layout: ParallelLayout | None = None) -> None:
+    """`how`: "none", "layers" or "model" (model.compile); `layout`: the launch's, for what "model" refuses."""
+    if how == "layers":
+        compile_layers(model)
+    elif how == "model":
+        refused = whole_model_refused(layout)
+        if refused:
+            raise UserError(f"model.compile=model does not run {refused}; use model.compile=layers")
+        inner = unwrapped(model)
+        put_loss_in_forward(inner)
+        inner.compile()
+
+
+def whole_model_refused(layout: ParallelLayout | None) -> str | None:
+    """Why model.compile=model does not run under `layout` ("... under ZeRO-3"), or None where it runs."""
+    if layout is None:
+        return None
+    if layout.pp > 1:  # the stages run their parts of the model, never its whole forward: it would compile nothing
+        return "with pipeline stages (each stage runs its own part of the model)"
+    if layout.tp > 1 or layout.sp > 1:  # dynamo fails on their hooks' tensors (torch 2.13: "Mixing fake modes", KeyError)
+        return "with tensor or sequence parallelism"
+    return None
+
+
 def compile_layers(model: torch.nn.Module) -> int:
     """Compile every decoder layer in place; returns how many."""
     layers = decoder_layers(model)
     if not layers:
         raise UserError(
-            f"model.compile=true: {type(model).__name__} names no decoder layer class to compile "
-            "(transformers' _no_split_modules); set model.compile=false"
+            f"model.compile=layers: {type(model).__name__} names no decoder layer class to compile "
+            "(transformers' _no_split_modules); set model.compile=model or none"
         )
     # As Accelerate does for compiled layers under activation checkpointing: the recompute in the
     # backward must not replay the forward's Python side effects.

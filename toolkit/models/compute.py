@@ -21,8 +21,9 @@ class ComputeConfig:
                      "layer, keeping its matmuls' and attention's outputs: recomputes only the cheap operators)"
     )
     gradient_checkpointing_k: int = field(2, help="with every_k: checkpoint every k-th decoder layer")
-    compile: bool = field(
-        False, help="torch.compile each decoder layer in place (regional compilation); the first steps compile"
+    compile: Literal["none", "layers", "model"] = field(
+        "none", help="torch.compile in place: none; layers (each decoder layer: one graph all of them reuse); model "
+                     "(the whole forward with its loss, one graph; needs loss=full); the first steps compile"
     )
     loss: Literal["full", "chunked"] = field(
         "full",
@@ -42,4 +43,7 @@ class ComputeConfig:
             problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
         if self.loss_chunk_tokens < 1:
             problems.append(f"loss_chunk_tokens={self.loss_chunk_tokens} must be at least 1")
+        if self.compile == "model" and self.loss == "chunked":
+            problems.append("compile=model computes the loss in the compiled graph, whole: set loss=full, or "
+                            "compile=layers to keep loss=chunked")
         return problems

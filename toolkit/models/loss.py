@@ -70,6 +70,10 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
     # boundaries from position ids (flex_attention would then let documents see each other).
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")} | {"use_cache": False}
     with static_flex_on_cpu(model, targets.device):
+        if getattr(unwrapped(model), LOSS_IN_FORWARD, False):
+            # transformers' own loss, in the forward: the same fp32 cross-entropy summed over the targets given
+            # (divided by num_items_in_batch=1), inside the graph of a whole compiled forward (model.compile=model)
+            return model(**inputs, labels=targets, shift_labels=targets, num_items_in_batch=1).loss
         if chunk_tokens <= 0:
             return target_loss_sum(model(**inputs).logits, targets)
         with loss_in_head(model, targets, chunk_tokens) as returned:
@@ -80,6 +84,14 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
             f"and returned logits of shape {tuple(loss.shape)}, not the loss the head computed; use model.loss=full"
         )
     return loss
+
+
+LOSS_IN_FORWARD = "_toolkit_loss_in_forward"
+
+
+def put_loss_in_forward(model: torch.nn.Module) -> None:
+    """From now on forward_loss_sum has `model` (a transformers causal LM) compute its loss in its forward."""
+    setattr(model, LOSS_IN_FORWARD, True)
 
 
 # ------------------------------------------------------------------ model.loss=chunked

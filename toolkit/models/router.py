@@ -34,7 +34,7 @@ class RouterLoss:
     (not in evaluation, generation or a backward's recomputation: nothing piles up there).
 
     The hooks are registered once, for the model's lifetime (`close` removes them): registering them
-    per forward would change the hooks of compiled layers at every step (model.compile=true) and
+    per forward would change the hooks of compiled layers at every step (model.compile=layers) and
     make torch.compile recompile them."""
 
     def __init__(self, model: torch.nn.Module, coef: float, router: type[torch.nn.Module], index: int,

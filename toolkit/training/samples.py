@@ -49,10 +49,12 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_tem
             ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         else:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-        out = model.generate(
-            input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=False,
-        )
+        # eagerly: a compiled model (model.compile) would compile its forward again for the cache's new lengths
+        with torch.compiler.set_stance("force_eager"):
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=False,
+            )
         outputs.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
     model.train(was_training)
     return outputs

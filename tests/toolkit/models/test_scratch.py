@@ -93,8 +93,11 @@ def test_a_value_of_the_wrong_type_is_one_problem():
 
 
 def test_all_problems_are_reported_together():
-    problems = ModelConfig(model_type="lama", config={"x": 1}, gradient_checkpointing_k=0).validate()
+    problems = ModelConfig(model_type="lama", config={"x": 1}, gradient_checkpointing_k=0, compile="model",
+                           loss="chunked").validate()
     assert sorted(problems) == [
+        "compile=model computes the loss in the compiled graph, whole: set loss=full, or compile=layers to keep "
+        "loss=chunked",
         "gradient_checkpointing_k=0 must be at least 1",
         "model_type=lama is not a transformers model type; did you mean llama?",
     ]

@@ -70,6 +70,10 @@ def test_yaml_no_is_the_string_no_for_a_choice():
     assert load_config(PretrainConfig, None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
     with pytest.raises(ConfigError, match="train.mixed_precision=True is not one of"):
         load_config(PretrainConfig, None, ["train.mixed_precision=yes"])
+    # and `false` is the choice none: model.compile was true/false before it named what it compiles
+    assert load_config(PretrainConfig, None, ["model.compile=false"]).model.compile == "none"
+    with pytest.raises(ConfigError, match="model.compile=True is not one of none, layers, model"):
+        load_config(PretrainConfig, None, ["model.compile=true"])
 
 
 @pytest.mark.parametrize("seed", [-1, 2**32, 2**50])
