@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = accelerate_launch.launch_command_parser().parse_args(argv)
-    problem = missing_file(args)
+    problem = missing_file(args) or out_of_range(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         return 2
@@ -124,6 +124,21 @@ def missing_file(args) -> str | None:
         return f"--config_file {args.config_file} does not exist (paths are relative to where you launch); {hint}"
     if not (args.module or args.no_python) and not Path(args.training_script).is_file():
         return f"{args.training_script} does not exist (paths are relative to where you launch)"
+    return None
+
+
+# accelerate takes these as any int; past their range it raises a traceback from deep inside its launch
+# (--main_process_port 2961234: "OverflowError: connect_ex(): port must be 0-65535")
+RANGES = {"main_process_port": (1, 65535), "num_processes": (1, None), "num_machines": (1, None),
+          "machine_rank": (0, None), "max_restarts": (0, None)}
+
+
+def out_of_range(args) -> str | None:
+    """The first launch argument given outside what it can be, as a line to show."""
+    for name, (low, high) in RANGES.items():
+        value = getattr(args, name)
+        if value is not None and (value < low or high is not None and value > high):
+            return f"--{name} {value} is out of range: use {f'{low}-{high}' if high else f'{low} or more'}"
     return None
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.launch.launcher import HeldLog, missing_file, verdict
+from toolkit.launch.launcher import RANGES, HeldLog, missing_file, out_of_range, verdict
 
 ROOT = Path(__file__).resolve().parents[3]
 TERM, KILL, USR1, INT = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1), int(signal.SIGINT)
@@ -61,6 +61,23 @@ def test_missing_files_are_named_with_the_nearest_shipped_config(monkeypatch):
     assert missing_file(launch_args("recipes/pretrian.py")) == (
         "recipes/pretrian.py does not exist (paths are relative to where you launch)"
     )
+
+
+OUT_OF_RANGE = {  # every bounded launch argument, each past both of its ends
+    "main_process_port": (["0", "65536", "2961234"], "use 1-65535"),
+    "num_processes": (["0", "-2"], "use 1 or more"),
+    "num_machines": (["0"], "use 1 or more"),
+    "machine_rank": (["-1"], "use 0 or more"),
+    "max_restarts": (["-1"], "use 0 or more"),
+}
+
+
+def test_launch_arguments_out_of_range_are_one_line():
+    assert OUT_OF_RANGE.keys() == RANGES.keys()  # a bounded argument added there is walked here
+    assert out_of_range(launch_args("--main_process_port", "29500", "--num_processes", "2", "x.py")) is None
+    for name, (values, use) in OUT_OF_RANGE.items():
+        for value in values:
+            assert out_of_range(launch_args(f"--{name}", value, "x.py")) == f"--{name} {value} is out of range: {use}"
 
 
 def test_torchruns_exit_warnings_are_held_back_until_released(caplog):
