@@ -72,12 +72,10 @@ else
       for value in ${pip_said[$key]:-}; do install+=("--$key" "$value"); done
     done
   fi
-  if ! "$PY" -c "import torch" 2>/dev/null; then
-    "${install[@]}" "torch==2.13.0"
-  fi
+  torch_there() { "$PY" -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null; }  # (no numpy yet)
   # never another torch than the one there (a CUDA build on a GPU machine; an unpinned one is several GB)
   torch_pin=$(mktemp)
-  "$PY" -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > "$torch_pin"  # (numpy not there yet)
+  torch_there > "$torch_pin" || { "${install[@]}" "torch==2.13.0" && torch_there > "$torch_pin"; }
   install+=(--constraint "$torch_pin")
   if [[ "${1:-}" == "--build-cpu-adam" ]]; then
     "${install[@]}" "deepspeed>=0.16"
