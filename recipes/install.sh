@@ -5,12 +5,13 @@
 #   --build-cpu-adam   also compile DeepSpeed's CPU Adam, the optimizer of ZeRO-Offload (the
 #                      *_offload accelerate configs), which DeepSpeed otherwise compiles at the
 #                      first launch that uses it, every rank waiting a minute or more. It builds in
-#                      the background while the rest installs (pip leaves a core idle), at the lowest
+#                      the background while the rest installs, at the lowest
 #                      priority: what starts next (tests/run.sh's tests) takes the cores first, and the
 #                      build the time they leave idle. A launch started before it is done waits for it,
 #                      as for its own build.
-# The packages go in with uv where it installs (~20 s, where pip takes ~2 minutes), with pip's own index,
-# find-links and constraint settings handed to it (uv reads no pip.conf); with pip where it does not.
+# The packages go in with uv where it installs (~50 s with their bytecode, where pip took ~2.5 minutes),
+# with pip's own index, find-links and constraint settings handed to it (uv reads no pip.conf); with pip
+# where it does not.
 # Run again in an environment it installed (tests/run.sh does, each time), pip would take ~25 s to find
 # nothing to do: a stamp beside the packages records what the install was made from (this checkout, its
 # pyproject.toml and this script), and while it matches and every package is still there, pip is skipped.
