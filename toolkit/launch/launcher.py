@@ -128,8 +128,8 @@ def missing_file(args) -> str | None:
 
 
 # accelerate takes these as any int; past their range it raises a traceback from deep inside its launch
-# (--main_process_port 2961234: "OverflowError: connect_ex(): port must be 0-65535")
-RANGES = {"main_process_port": (1, 65535), "num_processes": (1, None), "num_machines": (1, None),
+# (--main_process_port 2961234: "OverflowError: connect_ex(): port must be 0-65535"; 0 picks a free one)
+RANGES = {"main_process_port": (0, 65535), "num_processes": (1, None), "num_machines": (1, None),
           "machine_rank": (0, None), "max_restarts": (0, None)}
 
 

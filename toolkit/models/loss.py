@@ -71,9 +71,7 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")} | {"use_cache": False}
     with static_flex_on_cpu(model, targets.device):
         if getattr(unwrapped(model), LOSS_IN_FORWARD, False):
-            # transformers' own loss, in the forward: the same fp32 cross-entropy summed over the targets given
-            # (divided by num_items_in_batch=1), inside the graph of a whole compiled forward (model.compile=model)
-            return model(**inputs, labels=targets, shift_labels=targets, num_items_in_batch=1).loss
+            return loss_from_forward(model, inputs, targets)
         if chunk_tokens <= 0:
             return target_loss_sum(model(**inputs).logits, targets)
         with loss_in_head(model, targets, chunk_tokens) as returned:
@@ -86,12 +84,33 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
     return loss
 
 
-LOSS_IN_FORWARD = "_toolkit_loss_in_forward"
+LOSS_IN_FORWARD = "_toolkit_loss_in_forward"  # True, then "checked" after the first forward agreed with target_loss_sum
 
 
 def put_loss_in_forward(model: torch.nn.Module) -> None:
     """From now on forward_loss_sum has `model` (a transformers causal LM) compute its loss in its forward."""
     setattr(model, LOSS_IN_FORWARD, True)
+
+
+def loss_from_forward(model, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
+    """transformers' own loss, computed in the forward (inside the graph of a whole compiled forward,
+    model.compile=model): the fp32 cross-entropy summed over the targets given, divided by num_items_in_batch=1.
+    A mixture of experts' router loss stays the toolkit's (toolkit.models.router), never added to it here."""
+    inner = unwrapped(model)
+    routers = {"output_router_logits": False} if hasattr(inner.config, "output_router_logits") else {}
+    out = model(**inputs, labels=targets, shift_labels=targets, num_items_in_batch=1, **routers)
+    if getattr(inner, LOSS_IN_FORWARD) != "checked":
+        # Most causal LMs hand these to transformers' ForCausalLMLoss; some compute a mean of their own and
+        # ignore them (BartForCausalLM among them): checked once, on the first batch, against the logits.
+        expected = target_loss_sum(out.logits.detach(), targets)
+        if out.loss is None or not torch.allclose(out.loss.detach().float(), expected, rtol=1e-2, atol=1e-3):
+            raise UserError(
+                f"model.compile=model: {type(inner).__name__} computes another loss in its forward than the sum over "
+                f"the targets it is given ({float(out.loss) if out.loss is not None else None} against "
+                f"{float(expected)}); use model.compile=layers"
+            )
+        setattr(inner, LOSS_IN_FORWARD, "checked")
+    return out.loss
 
 
 # ------------------------------------------------------------------ model.loss=chunked

@@ -64,7 +64,7 @@ def test_missing_files_are_named_with_the_nearest_shipped_config(monkeypatch):
 
 
 OUT_OF_RANGE = {  # every bounded launch argument, each past both of its ends
-    "main_process_port": (["0", "65536", "2961234"], "use 1-65535"),
+    "main_process_port": (["-1", "65536", "2961234"], "use 0-65535"),
     "num_processes": (["0", "-2"], "use 1 or more"),
     "num_machines": (["0"], "use 1 or more"),
     "machine_rank": (["-1"], "use 0 or more"),
@@ -75,6 +75,7 @@ OUT_OF_RANGE = {  # every bounded launch argument, each past both of its ends
 def test_launch_arguments_out_of_range_are_one_line():
     assert OUT_OF_RANGE.keys() == RANGES.keys()  # a bounded argument added there is walked here
     assert out_of_range(launch_args("--main_process_port", "29500", "--num_processes", "2", "x.py")) is None
+    assert out_of_range(launch_args("--main_process_port", "0", "x.py")) is None  # accelerate picks a free port
     for name, (values, use) in OUT_OF_RANGE.items():
         for value in values:
             assert out_of_range(launch_args(f"--{name}", value, "x.py")) == f"--{name} {value} is out of range: {use}"

@@ -13,7 +13,7 @@ from toolkit.config import UserError
 from toolkit.data.packing import block_causal_mask, labels_for
 from toolkit.models.compilation import compile_layers, compile_model, decoder_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
-from toolkit.models.loss import forward_loss_sum
+from toolkit.models.loss import forward_loss_sum, put_loss_in_forward
 from toolkit.parallel_layout import ParallelLayout
 
 SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -115,3 +115,23 @@ def test_the_whole_model_compiled_is_refused_where_it_cannot_run(tiny_model, lay
         compile_model(model, "model", layout)
     compile_model(model, "model", ParallelLayout("deepspeed", world=2, zero_stage=3))
     compile_model(model, "model", ParallelLayout("fsdp", world=2, cp=2))
+
+
+def test_a_forward_whose_loss_is_not_the_targets_sum_is_refused_on_its_first_batch(tiny_model, monkeypatch):
+    """Some causal LMs compute their own mean and ignore num_items_in_batch and shift_labels (BartForCausalLM):
+    model.compile=model would then train on a loss 1/tokens the size. The first batch's loss is checked."""
+    model = tiny_model("llama", seed=0, **SIZES)
+    put_loss_in_forward(model)  # what compile_model(model, "model") does before it compiles
+    batch = packed_batch(model.config.vocab_size)
+    summed = forward_loss_sum(model, batch)  # transformers' ForCausalLMLoss: the sum, checked once
+    assert summed.item() > 100
+
+    def mean_of_its_own(logits, labels, vocab_size, **kwargs):
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), kwargs["shift_labels"].flatten())
+
+    other = tiny_model("llama", seed=0, **SIZES)
+    put_loss_in_forward(other)
+    monkeypatch.setattr(type(other), "loss_function", property(lambda self: mean_of_its_own))
+    with pytest.raises(UserError, match="model.compile=model: LlamaForCausalLM computes another loss in its forward "
+                                        "than the sum over the targets it is given .*; use model.compile=layers"):
+        forward_loss_sum(other, batch)
