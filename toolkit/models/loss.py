@@ -106,7 +106,7 @@ def loss_from_forward(model, inputs: dict, targets: torch.Tensor) -> torch.Tenso
         if out.loss is None or not torch.allclose(out.loss.detach().float(), expected, rtol=1e-2, atol=1e-3):
             raise UserError(
                 f"model.compile=model: {type(inner).__name__} computes another loss in its forward than the sum over "
-                f"the targets it is given ({float(out.loss) if out.loss is not None else None} against "
+                f"the targets it is given ({float(out.loss.detach()) if out.loss is not None else None} against "
                 f"{float(expected)}); use model.compile=layers"
             )
         setattr(inner, LOSS_IN_FORWARD, "checked")
