@@ -70,8 +70,9 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
     # boundaries from position ids (flex_attention would then let documents see each other).
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")} | {"use_cache": False}
     with static_flex_on_cpu(model, targets.device):
-        if getattr(unwrapped(model), LOSS_IN_FORWARD, False):
-            return loss_from_forward(model, inputs, targets)
+        inner = unwrapped(model)
+        if getattr(inner, LOSS_IN_FORWARD, False):
+            return loss_from_forward(model, inner, inputs, targets)
         if chunk_tokens <= 0:
             return target_loss_sum(model(**inputs).logits, targets)
         with loss_in_head(model, targets, chunk_tokens) as returned:
@@ -92,11 +93,11 @@ def put_loss_in_forward(model: torch.nn.Module) -> None:
     setattr(model, LOSS_IN_FORWARD, True)
 
 
-def loss_from_forward(model, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
+def loss_from_forward(model, inner: torch.nn.Module, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
     """transformers' own loss, computed in the forward (inside the graph of a whole compiled forward,
     model.compile=model): the fp32 cross-entropy summed over the targets given, divided by num_items_in_batch=1.
-    A mixture of experts' router loss stays the toolkit's (toolkit.models.router), never added to it here."""
-    inner = unwrapped(model)
+    A mixture of experts' router loss stays the toolkit's (toolkit.models.router), never added to it here. `inner`:
+    `model` unwrapped, where the marker and the config are."""
     routers = {"output_router_logits": False} if hasattr(inner.config, "output_router_logits") else {}
     out = model(**inputs, labels=targets, shift_labels=targets, num_items_in_batch=1, **routers)
     if getattr(inner, LOSS_IN_FORWARD) != "checked":
