@@ -24,6 +24,7 @@ import os
 import re
 import resource
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ subprocess.Popen.__init__ = _counting_init
 
 def _snapshot() -> dict[str, float]:
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"cpu_s": me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime + tally["forked_cpu_s"],
+    return {"wall_s": time.monotonic(), "cpu_s": me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime + tally["forked_cpu_s"],
             "launches": tally["launches"], "forked_runs": tally["forked_runs"], "real_model": tally["real_model"]}
 
 

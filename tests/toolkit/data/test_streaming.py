@@ -102,9 +102,9 @@ def test_a_resume_at_any_step_takes_the_batches_of_the_uninterrupted_run(texts, 
         whole = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, ranks=(world, rank))
         uninterrupted = take_all(whole, [per_step] * steps)
         assert whole.epoch == 1
-        for stop in range(1, steps):
-            first = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, ranks=(world, rank))
-            assert_same(joined(take_all(first, [per_step] * stop)), joined(uninterrupted[:stop]))
+        first = StreamingBlocks(stream, tiny_tokenizer, SEQ_LEN, ranks=(world, rank))  # saved after every step, as
+        for stop in range(1, steps):  # a run does: a save changes nothing of what it reads next
+            assert_same(joined(take_all(first, [per_step])), joined(uninterrupted[stop - 1:stop]))
             folder = tmp_path / f"ckpt-{rank}-{stop}"
             folder.mkdir()
             first.save(folder)

@@ -402,8 +402,8 @@ def test_smollm2_f16_holds_its_tokenizer_and_tied_weights(smollm2, smollm2_f16):
 # SmolLM2's float weights are themselves dequantised Q4_1 blocks, so q4_0 quantises them a second time
 # onto another grid: with every matrix at q4_0 that cost +16.5% perplexity (llama.cpp measured +16.9% on
 # the same file); keeping the attention-value and MLP-down matrices at q8_0, as llama.cpp's mixed types
-# do, brings it to +3.2%.
-SMOLLM2_PPL_TOLERANCE = {"f16": 0.005, "q8_0": 0.02, "q4_1": 0.15, "q4_0": 0.15}
+# do, brings it to +3.2%. q4_1 shares q4_0's path here (its own blocks are checked on the tiny model).
+SMOLLM2_PPL_TOLERANCE = {"f16": 0.005, "q8_0": 0.02, "q4_0": 0.15}
 
 
 @pytest.fixture(scope="module")
@@ -426,7 +426,7 @@ def test_smollm2_reloads_with_same_tokens_and_close_perplexity(smollm2, smollm2_
         if quant == "f16"
         else write_gguf(folder, tmp_path / f"smollm2-{quant}.gguf", quant, notes)
     )
-    assert out.stat().st_size < {"f16": 275, "q8_0": 150, "q4_1": 115, "q4_0": 110}[quant] * 2**20
+    assert out.stat().st_size < {"f16": 275, "q8_0": 150, "q4_0": 110}[quant] * 2**20
     reloaded, reloaded_tokenizer, _ = load_base_model(BaseModelConfig(path=str(out), gguf_cache=False))
     chat = tokenizer.apply_chat_template([{"role": "user", "content": SENTENCE}], tokenize=False)
     for text in (SENTENCE, chat):
