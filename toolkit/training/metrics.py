@@ -186,7 +186,7 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("preference loss (mean over pairs)" if preference else "cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    _legend(ax)
     if preference:  # the rewards beside the loss: the margin should widen, the accuracy rise
         ax = axes[0][1]
         for key, style, label in (("rewards/margin", "-", "train reward margin"),
@@ -198,11 +198,18 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path:
                 ax.plot(*zip(*points, strict=True), style, linewidth=1, label=label)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-        ax.legend()
+        _legend(ax)
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
     return out_png
+
+
+def _legend(ax) -> None:
+    """A legend where a curve was drawn (a run that stopped before its first logged step has none, and
+    matplotlib warns about an empty legend)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
 
 
 def flat_hparams(tree: dict, prefix: str = "") -> dict:

@@ -96,6 +96,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
     )
 
 
+def wind_back(scheduler) -> None:
+    """The schedule one step back: it stepped for a step whose skip the host learned a step later
+    (train.step_sync=none). transformers' schedules are LambdaLR, a rate per position; the count of calls
+    goes back too, so that the state saved is the one of a run that never stepped it."""
+    scheduler.last_epoch -= 2
+    scheduler.step()
+    scheduler._step_count -= 2
+
+
 def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max_steps: int, global_batch: int):
     """(model, optimizer, scheduler, step_scheduler): everything prepared by the strategy, at the
     peak rate for `global_batch` (OptimConfig.peak_lr).

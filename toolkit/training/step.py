@@ -7,9 +7,11 @@ really steps, and clipping happens once, on the accumulated gradient.
 
 Before the optimizer steps, every rank learns whether any rank's loss or the gradients hold a
 NaN or inf, and if so none steps (the trainer then skips the batch or stops the run). This is
-one all-reduce of two flags and, on CUDA, one host sync per step: the decision to step is taken
-on the host. (A device-side skip exists only for torch's fused AdamW, `found_inf`; DeepSpeed's
-optimizers and the schedule still need the answer on the host.)
+one all-reduce of two flags. With train.step_sync=host the decision is read on the host, which
+waits for the device to finish the step first; with `none` torch's fused AdamW takes it on the
+device (its `found_inf`, the flag GradScaler hands it), and the trainer reads the flags a step
+later with the step's other values. DeepSpeed's optimizers, a pipeline's schedule and fp16's
+loss scaler decide on the host.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterable
 import torch
 from accelerate import Accelerator
 
+from toolkit.config import UserError
 from toolkit.models.loss import forward_loss_sum
 from toolkit.models.preference_loss import STATS, PreferenceLoss
 from toolkit.models.router import RouterLoss
@@ -35,7 +38,8 @@ def optimizer_step(
     loss_chunk_tokens: int = 0,
     router: RouterLoss | None = None,
     objective: PreferenceLoss | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, str | None, torch.Tensor]:
+    skip_on_device: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, str | torch.Tensor | None, torch.Tensor]:
     """(this rank's summed loss as float64, the pre-clipping gradient norm or None, what was not
     finite, this rank's sums of what else it counts: the router loss, then the objective's STATS).
 
@@ -49,6 +53,8 @@ def optimizer_step(
     fourth value sums the unweighted router losses (zero for a model without routers).
     `objective` (a preference objective, toolkit.models.preference_loss): each micro-batch gives its
     pairs' summed loss in place of the token loss, and `scale` divides by the global batch's pairs.
+    `skip_on_device` (train.step_sync=none, `skips_on_device`): the fused optimizer skips on the device, and the
+    third value is the flags [loss, grad] (counts of ranks, on the device) in place of the verdict.
     """
     engine = engine_of(accelerator)
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
@@ -90,12 +96,17 @@ def optimizer_step(
                 norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
                 # fp16: an overflowing gradient is the loss scaler's business (it skips and lowers the scale)
                 norm = norm if accelerator.scaler is None else torch.zeros(())
-                loss_bad, grads_bad = _any_nonfinite(accelerator, loss_sum + router_sum, norm)
-                nonfinite = "loss" if loss_bad else "grad" if grads_bad else None
-                if nonfinite is None:
+                found = _nonfinite_flags(accelerator, loss_sum + router_sum, norm)
+                if skip_on_device:
+                    getattr(optimizer, "optimizer", optimizer).found_inf = (found.sum() > 0).float()  # the fused kernel skips on it
                     optimizer.step()
-                elif accelerator.scaler is not None:
-                    accelerator.scaler.update()  # closes the unscale_ that clipping did, without a step
+                    nonfinite = found
+                else:
+                    nonfinite = verdict(found.tolist())
+                    if nonfinite is None:
+                        optimizer.step()
+                    elif accelerator.scaler is not None:
+                        accelerator.scaler.update()  # closes the unscale_ that clipping did, without a step
             optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, nonfinite, torch.cat([router_sum[None], stats])
 
@@ -107,12 +118,39 @@ def on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _any_nonfinite(accelerator: Accelerator, *values: torch.Tensor) -> list[bool]:
-    """For each 0-d value, whether it is NaN or inf on any rank: one all-reduce, read on the host."""
+def _nonfinite_flags(accelerator: Accelerator, *values: torch.Tensor) -> torch.Tensor:
+    """For each 0-d value, on how many ranks it is NaN or inf: one all-reduce, left on the device."""
     found = (~torch.isfinite(torch.stack([v.to(accelerator.device, torch.float64) for v in values]))).double()
     if accelerator.num_processes > 1:
         found = accelerator.reduce(found, reduction="sum")
-    return [v > 0 for v in found.tolist()]
+    return found
+
+
+def _any_nonfinite(accelerator: Accelerator, *values: torch.Tensor) -> list[bool]:
+    """For each 0-d value, whether it is NaN or inf on any rank, read on the host."""
+    return [v > 0 for v in _nonfinite_flags(accelerator, *values).tolist()]
+
+
+def verdict(flags: list[float]) -> str | None:
+    """The host's reading of optimizer_step's on-device flags: "loss", "grad" or None."""
+    return "loss" if flags[0] > 0 else "grad" if flags[1] > 0 else None
+
+
+def skips_on_device(setting: str, accelerator: Accelerator, optimizer, pipeline) -> bool:
+    """Whether train.step_sync (`setting`: auto, host or none) leaves the skip decision on the device:
+    only torch's fused AdamW takes it there. auto: wherever that optimizer steps; none: refused elsewhere."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    why = (
+        "DeepSpeed's optimizer steps on the host's decision" if engine_of(accelerator) is not None
+        else "a pipeline's schedule decides on the host" if pipeline is not None
+        else "fp16's loss scaler decides on the host" if accelerator.scaler is not None
+        else "it needs torch's fused AdamW (optim.fused=true; auto fuses on CUDA only)"
+        if not (type(inner) is torch.optim.AdamW and inner.defaults.get("fused")) else None
+    )
+    if setting == "none" and why is not None:
+        raise UserError(f"train.step_sync=none cannot skip a non-finite step on the device here: {why}; "
+                        "use train.step_sync=auto or host")
+    return setting != "host" and why is None
 
 
 def pipeline_step(

@@ -69,9 +69,9 @@ from toolkit.training.metrics import (
     tracker_log_with,
 )
 from toolkit.training.nonfinite import dead_model, injected, nonfinite_weight
-from toolkit.training.optim import prepare_optimization
+from toolkit.training.optim import prepare_optimization, wind_back
 from toolkit.training.profiling import StepProfiler
-from toolkit.training.step import optimizer_step, pipeline_step
+from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
 from toolkit.training.stop import StopRequest
 
 
@@ -96,6 +96,11 @@ class TrainConfig:
     pipeline_stages: int = field(
         1, help="cut the model's layers into this many pipeline stages, one process each (torch's 1F1B schedule over "
         "the accumulation's micro-batches); processes = replicas x stages, under accelerate_configs/ddp.yaml"
+    )
+    step_sync: Literal["auto", "host", "none"] = field(
+        "auto", help="host = the step waits for the device to say whether a NaN/inf step is skipped; none = torch's "
+        "fused AdamW skips it on the device and the skip's log, counters and schedule follow a step later (the "
+        "GPU never waits for the host); auto = none where fused AdamW steps (CUDA, not DeepSpeed or a pipeline)",
     )
     max_nonfinite_skips: int = field(
         3, help="with on_nonfinite=skip, stop the run (exit code 5) after this many skipped steps in a row: "
@@ -292,6 +297,8 @@ class Trainer:
         self.model, self.optimizer, self.scheduler, self.step_scheduler = prepare_optimization(
             self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
         )
+        self.skip_on_device = skips_on_device(cfg.train.step_sync, self.accelerator, self.optimizer,
+                                              self.strategy.pipeline)
         if self.resume_from is not None:
             self.resume_from = intact_checkpoint(
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
@@ -352,6 +359,7 @@ class Trainer:
         attn = cfg.model.attn_implementation
         window_tokens, window_time = 0, 0.0
         previous: HostCopy | None = None
+        unread = None  # (step, tokens) of a step whose verdict was still on the device (train.step_sync=none)
         while state.step < cfg.train.max_steps:
             self.profiler.begin(state.step + 1)
             t0 = time.perf_counter()
@@ -377,29 +385,29 @@ class Trainer:
                     loss_sum, grad_norm, nonfinite, extras = optimizer_step(
                         acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
                         cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router, self.objective,
+                        self.skip_on_device,
                     )
             kill_point("after_optimizer", state.step + 1)
-            if self.step_scheduler and nonfinite is None:  # a skipped step leaves the schedule where it was
+            on_device = nonfinite if isinstance(nonfinite, torch.Tensor) else None  # the verdict's flags, unread
+            # A skipped step leaves the schedule where it was; one read later steps it now and back if skipped.
+            if self.step_scheduler and (nonfinite is None or on_device is not None):
                 self.scheduler.step()
             state.step += 1
-            if nonfinite is None:
-                state.tokens_seen += step_tokens
-                for name, tokens in self.feed.source_tokens(state.step - 1).items():
-                    state.source_tokens[name] = state.source_tokens.get(name, 0) + tokens
-                self.nonfinite_in_a_row = 0
             # One all-reduce for the global loss and for "did any rank get a stop signal", read on
             # the host only where a value is needed: waiting for it each step would leave the GPU
             # idle while the host prepares the next step.
             stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
-            # [loss, stop, router loss, the objective's STATS]
-            totals = HostCopy(acc.reduce(torch.cat([torch.stack([loss_sum, stop_flag]), extras]), reduction="sum"))
+            skipped = on_device if on_device is not None else torch.zeros(2, dtype=torch.float64, device=acc.device)
+            # [loss, stop, the non-finite flags (loss, grad), router loss, the objective's STATS]
+            totals = HostCopy(acc.reduce(torch.cat([torch.stack([loss_sum, stop_flag]), skipped, extras]), reduction="sum"))
             last = state.step == cfg.train.max_steps
             log_now = state.step % cfg.logging.every == 0 or last
             eval_now = self.feed.val is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
             save_now = bool(cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
             # Inside the timed window, so that tokens/s counts the device's work, not its queueing.
             needed = log_now or eval_now or save_now or self.dead_check_pending
-            values = totals.get() if needed or totals.immediate else None
+            # (a verdict left on the device is read when needed on the CPU too: the same steps as on a GPU)
+            values = totals.get() if needed or (totals.immediate and on_device is None) else None
             window_tokens += step_tokens
             window_time += time.perf_counter() - t0
             self.profiler.end(state.step)
@@ -408,9 +416,16 @@ class Trainer:
                 held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
                 self.log({"step": state.step, "held_bytes": held})
 
-            if nonfinite is not None:
-                self.skip_or_abort(nonfinite, bar)
-            elif log_now:
+            if unread is not None:  # the previous step's verdict, which arrived while this step ran
+                self.settle(*unread, verdict(previous.get()[2:4]), bar, unread=True)
+                unread = None
+            if on_device is not None and values is None:
+                unread = (state.step, step_tokens)
+            else:
+                if on_device is not None:
+                    nonfinite = verdict(values[2:4])
+                self.settle(state.step, step_tokens, nonfinite, bar, unread=on_device is not None)
+            if nonfinite is None and log_now:
                 loss = values[0] / self.strategy.loss_copies / max(1, global_targets)
                 tps = window_tokens / max(window_time, 1e-9)
                 self.log({
@@ -424,8 +439,8 @@ class Trainer:
                     "epoch": self.feed.epoch(state.step),
                     **{f"tokens/{name}": n for name, n in state.source_tokens.items()},
                     # a mixture of experts: the routers' load-balancing loss, mean over every micro-batch
-                    **({} if self.router is None else {"router_aux_loss": values[2] / micro_batches}),
-                    **({} if self.objective is None else PreferenceLoss.means(values[3:], "rewards")),
+                    **({} if self.router is None else {"router_aux_loss": values[4] / micro_batches}),
+                    **({} if self.objective is None else PreferenceLoss.means(values[5:], "rewards")),
                 })
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
                 window_tokens, window_time = 0, 0.0
@@ -444,27 +459,42 @@ class Trainer:
                 self.save_checkpoint()
             # A signal is seen in this step's values where they were read, else in the previous
             # step's, which arrived while this step ran: every rank stops at the same step.
-            flags = values if values is not None else previous.get() if previous is not None else [0.0, 0.0]
+            flags = values if values is not None else previous.get() if previous is not None else [0.0] * 4
             previous = totals
             if flags[1] > 0:
+                if unread is not None:  # the checkpoint counts this step's tokens only if it trained
+                    self.settle(*unread, verdict(totals.get()[2:4]), bar, unread=True)
                 bar.close()
                 folder = self.save_checkpoint() if self.checkpoint_step != state.step else self.run.checkpoint(state.step)
                 saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
                 raise Stopped(f"stopped by a signal at step {state.step}; {saved}; continue with resume=auto")
         bar.close()
 
-    def skip_or_abort(self, found: str, bar) -> None:
+    def settle(self, step: int, step_tokens: int, nonfinite: str | None, bar, unread: bool = False) -> None:
+        """What a step's verdict decides: the tokens it trained on count, or its skip is logged and the run stops
+        where the config says. `unread`: the verdict was left on the device, and the schedule stepped meanwhile."""
+        if nonfinite is None:
+            self.state.tokens_seen += step_tokens
+            for name, tokens in self.feed.source_tokens(step - 1).items():
+                self.state.source_tokens[name] = self.state.source_tokens.get(name, 0) + tokens
+            self.nonfinite_in_a_row = 0
+            return
+        if unread and self.step_scheduler:
+            wind_back(self.scheduler)
+        self.skip_or_abort(nonfinite, bar, step)
+
+    def skip_or_abort(self, found: str, bar, step: int) -> None:
         """A step whose loss or gradients were not finite on some rank was not applied (on any rank):
         log it, and stop the run where the config says so (Diverged, on every rank alike)."""
         t = self.cfg.train
         self.nonfinite_in_a_row += 1
         k = self.nonfinite_in_a_row
         abort = t.on_nonfinite == "abort" or k >= t.max_nonfinite_skips
-        self.log({"step": self.step, "nonfinite": found, "action": "abort" if abort else "skip", "in_a_row": k})
+        self.log({"step": step, "nonfinite": found, "action": "abort" if abort else "skip", "in_a_row": k})
         what = "loss" if found == "loss" else "gradients"
         if not abort:
             self.print(
-                f"step {self.step}: non-finite {what} (NaN or inf); batch skipped, weights and optimizer unchanged "
+                f"step {step}: non-finite {what} (NaN or inf); batch skipped, weights and optimizer unchanged "
                 f"({k} in a row; {t.max_nonfinite_skips} in a row stop the run)"
             )
             return
@@ -475,8 +505,8 @@ class Trainer:
         passed = [c for c in self.run.complete_checkpoints() if not TrainerState.read(c).suspect]
         then = f"resume from the last good checkpoint with resume={passed[-1]}" if passed else "start over"
         raise Diverged(
-            f"non-finite {what} (NaN or inf) at step {self.step} ({why}); the run diverged and that step was not "
-            f"applied: lower optim.lr or check the data of step {self.step}, then {then}"
+            f"non-finite {what} (NaN or inf) at step {step} ({why}); the run diverged and that step was not "
+            f"applied: lower optim.lr or check the data of step {step}, then {then}"
         )
 
     def check_alive(self, loss: float, grad_norm, bar) -> None:

@@ -4,6 +4,7 @@ resume, and the loss plot."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -236,6 +237,16 @@ def test_plot_loss_with_train_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write_steps(path, [1, 2, 3])
     assert plot_loss(path, tmp_path / "train.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_run_stopped_before_its_first_logged_step_is_plotted_without_a_warning(tmp_path):
+    """A run that diverged at step 3 of logging.every=10 has a skip row and no loss: an empty chart, and
+    no matplotlib warning about an empty legend on the user's terminal."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 3, "nonfinite": "loss", "action": "abort", "in_a_row": 1}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plot_loss(path, tmp_path / "none.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_resume_drops_a_line_torn_by_a_hard_kill(tmp_path):

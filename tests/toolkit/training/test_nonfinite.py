@@ -136,6 +136,66 @@ def test_on_nonfinite_abort_stops_at_the_first_before_the_update(tmp_path, block
     assert rows(trainer, "nonfinite") == [{"step": 2, "nonfinite": "loss", "action": "abort", "in_a_row": 1}]
 
 
+ON_DEVICE = ["optim.fused=true", "logging.every=100"]  # torch's fused AdamW; only the last step needs its values
+
+
+def run_to_the_end(trainer: Trainer) -> dict:
+    trainer.fit()
+    trainer.close()
+    return snapshot(trainer)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_a_skip_left_on_the_device_is_read_a_step_later_to_the_same_run(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                        monkeypatch, schedule):
+    """train.step_sync=none: the fused optimizer skips step 2 on the device, and the host reads it while step 3
+    runs. Weights, Adam state, schedule, token count and the skip's row are the host's; under a decaying
+    schedule step 3 alone trains at step 4's rate (the schedule had stepped for step 2, then steps back)."""
+    monkeypatch.setenv(ENV, "grad@2")
+    said = {}
+    ran = {}
+    for sync in ("host", "none"):
+        trainer = start(tmp_path / sync, blocks, tiny_tokenizer, tiny_model, *ON_DEVICE, "train.max_steps=4",
+                        f"optim.schedule={schedule}", f"train.step_sync={sync}")
+        assert trainer.skip_on_device == (sync == "none")
+        skip = trainer.skip_or_abort
+        monkeypatch.setattr(trainer, "skip_or_abort", lambda found, bar, step, t=trainer, skip=skip, sync=sync: (
+            said.setdefault(sync, (step, t.step)), skip(found, bar, step)))
+        ran[sync] = (run_to_the_end(trainer), rows(trainer, "nonfinite"), rows(trainer, "loss"))
+    assert said == {"host": (2, 2), "none": (2, 3)}  # step 2's skip, said at step 2 or at step 3
+    (host, host_skips, host_losses), (late, late_skips, late_losses) = ran["host"], ran["none"]
+    assert late_skips == host_skips == [{"step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1}]
+    assert [r["tokens"] for r in late_losses] == [r["tokens"] for r in host_losses]  # step 4's row: 3 steps' tokens
+    assert late["scheduler"] == host["scheduler"] and late["lr"] == host["lr"]
+    if schedule == "constant":  # two models: their Adam states compared in parameter order
+        assert_same({**late, "optimizer": dict(enumerate(late["optimizer"].values()))},
+                    {**host, "optimizer": dict(enumerate(host["optimizer"].values()))})
+    else:
+        assert late["lr"] < host_losses[0]["lr"]  # the rate decays: step 3 trained at another one
+
+
+def test_skips_left_on_the_device_in_a_row_stop_the_run_at_the_same_step(tmp_path, blocks, tiny_tokenizer,
+                                                                          tiny_model, monkeypatch):
+    monkeypatch.setenv(ENV, "grad@2,grad@3")
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, *ON_DEVICE, "train.max_steps=6",
+                    "train.max_nonfinite_skips=2", "train.step_sync=none")
+    with pytest.raises(Diverged, match=r"^non-finite gradients \(NaN or inf\) at step 3 \(2 steps in a row"):
+        trainer.fit()
+    trainer.close()
+    assert rows(trainer, "nonfinite") == [{"step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
+                                          {"step": 3, "nonfinite": "grad", "action": "abort", "in_a_row": 2}]
+    assert trainer.step == 4  # read while step 4 ran
+
+
+def test_step_sync_none_is_refused_where_the_host_decides(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    with pytest.raises(UserError) as refused:
+        start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.step_sync=none")  # optim.fused=auto: not on CPU
+    assert str(refused.value) == (
+        "train.step_sync=none cannot skip a non-finite step on the device here: it needs torch's fused AdamW "
+        "(optim.fused=true; auto fuses on CUDA only); use train.step_sync=auto or host")
+    assert not start(tmp_path / "auto", blocks, tiny_tokenizer, tiny_model).skip_on_device  # auto on CPU: host
+
+
 def test_config_checks_the_nonfinite_keys(tmp_path):
     with pytest.raises(ConfigError) as bad:
         load_config(PretrainConfig, None, [f"output_dir={tmp_path}", "train.max_nonfinite_skips=0",
