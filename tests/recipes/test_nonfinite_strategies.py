@@ -152,3 +152,25 @@ def test_on_nonfinite_abort_is_one_error_line_and_exit_code_5(tmp_path, data_cac
     rows = read_metrics(out / "metrics.jsonl")
     assert [r for r in rows if "nonfinite" in r] == [{"step": 2, "nonfinite": "loss", "action": "abort", "in_a_row": 1}]
     assert sorted(losses(out)) == [1]
+
+
+def test_a_skip_left_on_the_device_under_fsdp_trains_as_one_process_skipping_on_the_host(tmp_path, data_cache):
+    """train.step_sync=none under FSDP2, whose parameters are DTensors: the fused AdamW skips step 2 on both ranks
+    on the device, and the host reads it while step 3 runs (steps 3, 4 and 6 read their values: evaluation,
+    checkpoint, log). The run is one process's that skipped it on the host; a constant rate, since a decaying
+    one gives step 3 the rate of step 4."""
+    same = [*RUN, "optim.fused=true", "optim.schedule=constant", "optim.warmup_steps=0", "logging.every=4"]
+    one, two = tmp_path / "one", tmp_path / "fsdp"
+    run_recipe("pretrain", [*same, "train.step_sync=host", f"output_dir={one}"], nproc=1, cache=data_cache,
+               env={ENV: "grad@2"})
+    run_recipe("pretrain", [*same, "train.step_sync=none", f"output_dir={two}"], nproc=2, cache=data_cache,
+               accelerate_config="fsdp.yaml", env={ENV: "grad@2/1"})
+    rows = {run: read_metrics(run / "metrics.jsonl") for run in (one, two)}
+    for run in (one, two):
+        assert [r for r in rows[run] if "nonfinite" in r] == [{**SKIPPED, "step": 2, "nonfinite": "grad"}]
+    ref, got = losses(one), losses(two)
+    assert sorted(got) == sorted(ref) == [4, 6]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step
+    tokens = [{r["step"]: r["tokens"] for r in rows[run] if "loss" in r} for run in (one, two)]
+    assert tokens[0] == tokens[1]
