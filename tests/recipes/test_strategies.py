@@ -237,10 +237,13 @@ BF16 = [*TINY, "train.max_steps=3", "train.mixed_precision=bf16", "eval.every=0"
 @pytest.fixture(scope="module")
 def bf16_finals(tmp_path_factory, data_cache):
     finals = {}
-    for strategy in ("ddp", "fsdp", "zero2", "zero3"):
+    # DDP's bf16 copy of the weights is made once per step (model.cast_weights=auto); "ddp-autocast" leaves it to
+    # autocast at every forward
+    for strategy in ("ddp", "fsdp", "zero2", "zero3", "ddp-autocast"):
         out = tmp_path_factory.mktemp(f"bf16-{strategy}") / "run"
-        proc = run_recipe("pretrain", [*BF16, f"output_dir={out}"], nproc=2, cache=data_cache,
-                          accelerate_config=f"{strategy}.yaml")
+        cast = ["model.cast_weights=per_forward"] if strategy == "ddp-autocast" else []
+        proc = run_recipe("pretrain", [*BF16, *cast, f"output_dir={out}"], nproc=2, cache=data_cache,
+                          accelerate_config=f"{strategy.split('-')[0]}.yaml")
         assert "precision=bf16" in proc.stdout + proc.stderr
         finals[strategy] = out / "final"
     return finals
@@ -271,6 +274,8 @@ def test_final_folder_has_one_dtype_and_the_same_tensors_under_every_strategy(bf
         ratio = float(sum(((tensors[k] - ref[k]) ** 2).sum() for k in ref).sqrt() / moved)
         print(f"final/ under {strategy}: distance to DDP's = {ratio:.4f} x the distance DDP's moved from the init")
         assert ratio < 0.15, (strategy, ratio)
+    # the copy once per step is autocast's arithmetic: bit-equal weights after 3 steps of 2 ranks
+    assert all(torch.equal(weights["ddp"][k], weights["ddp-autocast"][k]) for k in ref)
     # Within one family the numerics are the same. ZeRO-2 and ZeRO-3 both reduce bf16 gradients of 2
     # ranks (a 2-term sum is the same in either order) into fp32 masters; only the gradient norm is summed
     # over other partitions, off by ~8 u sqrt(N) of itself (u = 2^-24), and a clip coefficient off by that

@@ -25,6 +25,11 @@ class ComputeConfig:
         "none", help="torch.compile in place: none; layers (each decoder layer: one graph all of them reuse); model "
                      "(the whole forward with its loss, one graph; needs loss=full); the first steps compile"
     )
+    cast_weights: Literal["auto", "per_forward", "per_step"] = field(
+        "auto", help="when bf16/fp16 training makes its low-precision copy of the matmul weights: per_forward "
+        "(autocast, at every forward and recomputation) or per_step (once per optimizer step, the same arithmetic; "
+        "one process and DDP); auto = per_step where it applies"
+    )
     loss: Literal["full", "chunked"] = field(
         "full",
         help="full: fp32 logits of the whole micro-batch at once; chunked: the output projection and "

@@ -19,12 +19,57 @@ from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
 from toolkit.training.profiling import check_steps
 from toolkit.training.samples import SamplesConfig
-from toolkit.training.trainer import TrainConfig
 
 SEED_MAX = 2**32 - 1  # numpy's legacy seed range, the common one; the data order's generator takes seed x 1,000,003
 
 # Keys renamed in 0.2 (one name per concept across the recipes); the old ones work for one release.
 EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval.blocks"}
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = field(200, help="optimizer steps to train")
+    global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
+    micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
+        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU; bf16 also trains on CPU (slowly)"
+    )
+    collective_timeout_s: int = field(
+        1800,
+        help="seconds a rank waits in a collective (all-reduce, barrier) before the run fails with an error "
+        "naming the rank and the wait; raise it if rank 0 alone prepares a very large corpus",
+    )
+    on_nonfinite: Literal["skip", "abort"] = field(
+        "skip",
+        help="a NaN or inf loss or gradient on any rank, found before the optimizer step: skip = drop that "
+        "batch (weights, optimizer state and schedule untouched), abort = stop the run (exit code 5)",
+    )
+    pipeline_stages: int = field(
+        1, help="cut the model's layers into this many pipeline stages, one process each (torch's 1F1B schedule over "
+        "the accumulation's micro-batches); processes = replicas x stages, under accelerate_configs/ddp.yaml"
+    )
+    step_sync: Literal["auto", "host", "none"] = field(
+        "auto", help="host = the step waits for the device to say whether a NaN/inf step is skipped; none = torch's "
+        "fused AdamW skips it on the device and the skip's log, counters and schedule follow a step later (the "
+        "GPU never waits for the host); auto = none where fused AdamW steps (CUDA, not DeepSpeed or a pipeline)",
+    )
+    max_nonfinite_skips: int = field(
+        3, help="with on_nonfinite=skip, stop the run (exit code 5) after this many skipped steps in a row: "
+        "then it is the model that diverged, not one bad batch",
+    )
+
+    def validate(self) -> list[str]:
+        problems = []
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s", "max_nonfinite_skips",
+                     "pipeline_stages"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        if self.collective_timeout_s > YEAR_S:  # timedelta and the backends' millisecond counts overflow past that
+            problems.append(f"collective_timeout_s={self.collective_timeout_s} must be at most {YEAR_S} (a year)")
+        return problems
+
+
+YEAR_S = 365 * 24 * 3600
 
 
 @dataclass

@@ -20,9 +20,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import datasets
 import torch
@@ -38,7 +37,7 @@ from toolkit.checkpoint.settings import (
     take_changed_settings,
     trained_settings,
 )
-from toolkit.config import UserError, field, to_dict
+from toolkit.config import UserError, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
 from toolkit.data.packing import check_attention
@@ -51,6 +50,7 @@ from toolkit.models.loss import output_head
 from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
+from toolkit.models.weight_cast import weight_cast
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
@@ -74,51 +74,7 @@ from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
 from toolkit.training.stop import StopRequest
 
-
-@dataclass
-class TrainConfig:
-    max_steps: int = field(200, help="optimizer steps to train")
-    global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
-    micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
-        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU; bf16 also trains on CPU (slowly)"
-    )
-    collective_timeout_s: int = field(
-        1800,
-        help="seconds a rank waits in a collective (all-reduce, barrier) before the run fails with an error "
-        "naming the rank and the wait; raise it if rank 0 alone prepares a very large corpus",
-    )
-    on_nonfinite: Literal["skip", "abort"] = field(
-        "skip",
-        help="a NaN or inf loss or gradient on any rank, found before the optimizer step: skip = drop that "
-        "batch (weights, optimizer state and schedule untouched), abort = stop the run (exit code 5)",
-    )
-    pipeline_stages: int = field(
-        1, help="cut the model's layers into this many pipeline stages, one process each (torch's 1F1B schedule over "
-        "the accumulation's micro-batches); processes = replicas x stages, under accelerate_configs/ddp.yaml"
-    )
-    step_sync: Literal["auto", "host", "none"] = field(
-        "auto", help="host = the step waits for the device to say whether a NaN/inf step is skipped; none = torch's "
-        "fused AdamW skips it on the device and the skip's log, counters and schedule follow a step later (the "
-        "GPU never waits for the host); auto = none where fused AdamW steps (CUDA, not DeepSpeed or a pipeline)",
-    )
-    max_nonfinite_skips: int = field(
-        3, help="with on_nonfinite=skip, stop the run (exit code 5) after this many skipped steps in a row: "
-        "then it is the model that diverged, not one bad batch",
-    )
-
-    def validate(self) -> list[str]:
-        problems = []
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s", "max_nonfinite_skips",
-                     "pipeline_stages"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be at least 1")
-        if self.collective_timeout_s > YEAR_S:  # timedelta and the backends' millisecond counts overflow past that
-            problems.append(f"collective_timeout_s={self.collective_timeout_s} must be at most {YEAR_S} (a year)")
-        return problems
-
-
-YEAR_S = 365 * 24 * 3600
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # Accelerate's mixed_precision: autocast's dtype
 
 
 class SaveStopped(Exception):
@@ -299,6 +255,9 @@ class Trainer:
         )
         self.skip_on_device = skips_on_device(cfg.train.step_sync, self.accelerator, self.optimizer,
                                               self.strategy.pipeline)
+        self.weight_cast = weight_cast(cfg.model.cast_weights, self.accelerator.unwrap_model(self.model),
+                                       self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
+                                       self.strategy.pipeline is not None)
         if self.resume_from is not None:
             self.resume_from = intact_checkpoint(
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
@@ -375,6 +334,7 @@ class Trainer:
                 meter or contextlib.nullcontext(),
                 model_kill_points(acc.unwrap_model(self.model), state.step + 1),
                 injected(acc.unwrap_model(self.model), state.step + 1),
+                self.weight_cast.step() if self.weight_cast is not None else contextlib.nullcontext(),
             ):
                 if self.strategy.pipeline is not None:
                     loss_sum, grad_norm, nonfinite, extras = pipeline_step(

@@ -14,7 +14,8 @@ from toolkit.models.compute import ComputeConfig
 from toolkit.models.scratch import ModelConfig
 
 COMPUTE_KEYS = [
-    "attn_implementation", "gradient_checkpointing", "gradient_checkpointing_k", "compile", "loss", "loss_chunk_tokens",
+    "attn_implementation", "gradient_checkpointing", "gradient_checkpointing_k", "compile", "cast_weights", "loss",
+    "loss_chunk_tokens",
 ]
 MODEL_SECTIONS = [ModelConfig, BaseModelConfig]
 

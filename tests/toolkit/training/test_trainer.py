@@ -377,3 +377,23 @@ def test_a_resume_refuses_a_setting_it_cannot_take(tmp_path, blocks, tiny_tokeni
         start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=0",
               "eval.every=0", "resume=auto", change)
     assert sorted(p.name for p in first.run.checkpoint(2).iterdir()) == before
+
+
+def test_bf16_training_casts_the_weights_once_per_step_unless_told_otherwise(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    """model.cast_weights: auto makes the copy once per step under bf16 on one process (the same numbers as
+    autocast's per forward: tests/toolkit/models/test_weight_cast.py); per_forward leaves it to autocast;
+    per_step is refused in fp32 before a step runs."""
+    from toolkit.models.weight_cast import WeightCast
+
+    finals = {}
+    for setting in ("auto", "per_forward"):
+        trainer = start(tmp_path / setting, blocks, tiny_tokenizer, tiny_model, "train.max_steps=2",
+                        "train.mixed_precision=bf16", f"model.cast_weights={setting}")
+        assert isinstance(trainer.weight_cast, WeightCast) == (setting == "auto")
+        trainer.fit()
+        trainer.close()
+        finals[setting] = losses(trainer.run)
+    assert finals["auto"] == finals["per_forward"]
+    with pytest.raises(UserError, match=r"^model.cast_weights=per_step cannot cast the weights once per step here: "
+                                        r"the run computes in fp32 \(train.mixed_precision\)"):
+        start(tmp_path / "fp32", blocks, tiny_tokenizer, tiny_model, "model.cast_weights=per_step")

@@ -1,0 +1,84 @@
+"""The low-precision copy of the weights that mixed precision computes with, made once per optimizer step.
+
+Under autocast over fp32 weights every matmul casts its weight to bf16 (or fp16) at every forward, and
+again when a checkpointed layer is recomputed: with 4 micro-batches and full recomputation, 8 casts of
+every weight per step where the weights change once. With model.cast_weights=per_step each nn.Linear
+computes with one copy made when the step starts (`WeightCast.step`), through the same differentiable
+cast: the forward is autocast's arithmetic (autocast leaves a bf16 weight as it is) and each micro-batch's
+gradient reaches the fp32 weight through the cast's backward, accumulated in fp32 as before. The
+optimizer keeps stepping the fp32 weights, which stay the model's parameters (and its state dict).
+
+One process and DDP only: FSDP2 and DeepSpeed cast the weights their own way (FSDP2's param_dtype at
+each all-gather, DeepSpeed's bf16 mode), and tensor, sequence, context parallel and pipelines are left
+to autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.config import UserError
+from toolkit.parallel_layout import ParallelLayout
+
+
+class _StepCastLinear(torch.nn.Linear):
+    """An nn.Linear that computes with its weight's copy of this step while there is one."""
+
+    step_weight: torch.Tensor | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, self.weight if self.step_weight is None else self.step_weight, self.bias)
+
+
+class WeightCast:
+    """The copies of `model`'s nn.Linear weights in `dtype`, made by `step()` for the length of a step.
+    Subclasses of nn.Linear (4-bit bases, peft's layers) are left as they are; peft's base and adapter
+    matrices are plain nn.Linear and are cast."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self.dtype = dtype
+        self.linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        for module in self.linears:
+            module.__class__ = _StepCastLinear  # the same parameters and state dict; only forward reads the copy
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        copies: dict[int, torch.Tensor] = {}  # a weight two modules share is cast once
+        for module in self.linears:
+            if id(module.weight) not in copies:
+                copies[id(module.weight)] = module.weight.to(self.dtype)
+            module.step_weight = copies[id(module.weight)]
+        try:
+            yield
+        finally:
+            for module in self.linears:
+                module.step_weight = None
+
+
+def applies(layout: ParallelLayout, autocast_dtype: torch.dtype | None, pipeline: bool) -> str | None:
+    """Why the copy cannot be made once per step here, or None where it can."""
+    if autocast_dtype is None:
+        return "the run computes in fp32 (train.mixed_precision), with no low-precision copy to make"
+    if layout.kind not in ("single", "ddp"):
+        return (f"{'FSDP2' if layout.kind == 'fsdp' else 'DeepSpeed'} casts the weights its own way "
+                "(FSDP2 at each all-gather, DeepSpeed in its bf16 mode)")
+    if pipeline or layout.model_parallel > 1:
+        return "tensor, sequence, context parallel and pipelines compute under autocast"
+    return None
+
+
+def weight_cast(setting: str, model: torch.nn.Module, layout: ParallelLayout, autocast_dtype: torch.dtype | None,
+                pipeline: bool) -> WeightCast | None:
+    """model.cast_weights (auto, per_forward or per_step) for this run: a WeightCast, or None for autocast's
+    casts at every forward. auto = per_step where it applies; per_step elsewhere is refused in one line."""
+    why = applies(layout, autocast_dtype, pipeline)
+    if setting == "per_step" and why is not None:
+        raise UserError(f"model.cast_weights=per_step cannot cast the weights once per step here: {why}; use "
+                        "model.cast_weights=auto or per_forward")
+    if setting == "per_forward" or why is not None:
+        return None
+    return WeightCast(model, autocast_dtype)
