@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from toolkit.config import UserError
 from toolkit.parallel_layout import ParallelLayout
 
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a mixed precision's compute dtype (Accelerate's names)
+
 
 class _StepCastLinear(torch.nn.Linear):
     """An nn.Linear that computes with its weight's copy of this step while there is one."""

@@ -342,8 +342,9 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     # whole; the norms' weights, whole on every rank, are ~1e-4 of a layer). grouped_mm's experts are not cast
     router = shapes.experts * shapes.hidden
     layer_params = (shapes.layer_params - shapes.expert_params - router) // run.strategy.layout.tp + router
-    casts_kept = cb * layer_params * kept if casts else 0
-    recompute = per_layer - selective + (cb * layer_params if casts else 0) if ckpt else 0
+    # (made once per step instead: every layer's copy for the whole step, and none in a recompute)
+    casts_kept = cb * layer_params * (len(layers) if run.cast_per_step else kept) if casts else 0
+    recompute = per_layer - selective + (cb * layer_params if casts and not run.cast_per_step else 0) if ckpt else 0
     # the gradient arriving at a layer and the MLP's intermediate gradients while backward runs through
     # it; under context parallel also the gathered keys' and values' gradients, until reduce-scattered
     inner = 2 * cb * shapes.intermediate // run.strategy.layout.tp

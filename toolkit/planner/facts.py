@@ -97,6 +97,7 @@ class Run:
     quantized_base: bool = False  # QLoRA: frozen linear weights in 4-bit NF4 with double quantisation
     fused_adam: bool = True  # torch's fused AdamW (CUDA): no temporaries beside the state
     compiled: bool = False  # model.compile: each decoder layer compiled (activations.compiled_bytes_per_token)
+    cast_per_step: bool = False  # model.cast_weights: autocast's weight copies made once per step, held through it
 
     def __post_init__(self):
         if self.world < 1 or self.micro_batch < 1 or self.seq_len < 1 or self.accumulation < 1:

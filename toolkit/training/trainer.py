@@ -50,7 +50,7 @@ from toolkit.models.loss import output_head
 from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
-from toolkit.models.weight_cast import weight_cast
+from toolkit.models.weight_cast import AUTOCAST, weight_cast
 from toolkit.run_dir import RunDir, TrainerState
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
@@ -73,8 +73,6 @@ from toolkit.training.optim import prepare_optimization, wind_back
 from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
 from toolkit.training.stop import StopRequest
-
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # Accelerate's mixed_precision: autocast's dtype
 
 
 class SaveStopped(Exception):

@@ -222,3 +222,60 @@ def test_a_compiled_layer_keeps_what_the_compiled_formula_says(mode, checkpointi
     # under autocast the estimate counts the norms' weights among the casts, which autocast does not cast
     slack = 2 * 2 * sizes["hidden_size"] * 2 if mode == "autocast" and checkpointing == "none" else 0
     assert abs((measured[1] - measured[0]) - (expected[1] - expected[0])) <= slack, (measured, expected)
+
+
+def test_weight_copies_made_once_per_step_are_held_for_every_layer_through_recomputation(tmp_path):
+    """model.cast_weights=per_step with compiled layers under full recomputation: what the step's copies add to the
+    forward's allocations beside autocast's copies at every forward, per layer, against activation_bytes. Autocast's
+    copies are made inside each layer's graph and dropped with it; the step's are kept for all the layers. (Eager,
+    autocast caches its copies until the forward ends, layers recomputed or not: that is not modelled.)"""
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256, use_cache=False)
+    batch, seq = 2, 64
+    measured, expected = {}, {}
+    torch._dynamo.reset()
+    for cast in ("per_forward", "per_step"):
+        for layers in (2, 4):
+            config = LlamaConfig(**sizes, num_hidden_layers=layers)
+            measured[cast, layers] = held_by_a_step(config, cast, batch, seq, tmp_path / "trace.json")
+            with torch.device("meta"):
+                shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+            run = Run(facts_of("autocast"), 1, batch, seq, checkpointing="full", attention="sdpa",
+                      packed_documents=False, compiled=True, cast_per_step=cast == "per_step")
+            expected[cast, layers] = activation_bytes(shapes, run)["saved"]
+
+    def per_two_layers(bytes_):
+        return (bytes_["per_step", 4] - bytes_["per_step", 2]) - (bytes_["per_forward", 4] - bytes_["per_forward", 2])
+
+    copies = 2 * 2 * (4 * 64 * 48 + 3 * 64 * 192)  # bf16 q, k, v, o, gate, up and down of two layers
+    assert per_two_layers(measured) == copies, measured
+    # the estimate counts the norms' weights among the copies (two 64-wide norms a layer)
+    assert per_two_layers(expected) == copies + 2 * 2 * 2 * 64, expected
+
+
+def held_by_a_step(config: PretrainedConfig, cast: str, batch: int, seq: int, trace: Path) -> int:
+    """Bytes allocated at the end of the forward of a second step (the first compiles), fully recomputed layers
+    compiled by inductor's partitioner (as held_by_the_forward), the step's weight copies included."""
+    from toolkit.models.weight_cast import WeightCast
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    apply_gradient_checkpointing(model, "full")
+    copies = WeightCast(model, torch.bfloat16) if cast == "per_step" else None
+    for layer in decoder_layers(model):
+        layer.compile(backend="aot_eager_decomp_partition")
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    for profiled in (False, True):
+        step = copies.step() if copies else contextlib.nullcontext()
+        with (torch.profiler.profile(profile_memory=True) if profiled else contextlib.nullcontext()) as profile, \
+                step, torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+            marker = torch.empty(12345, dtype=torch.uint8)  # the forward's end, before the step's copies go
+            if not profiled:
+                logits.float().sum().backward()
+        del logits, marker
+        model.zero_grad(set_to_none=True)
+    profile.export_chrome_trace(str(trace))
+    memory = [e["args"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    end = next(m for m in memory if m["Bytes"] == 12345)
+    return end["Total Allocated"] - end["Bytes"] - (memory[0]["Total Allocated"] - memory[0]["Bytes"])
