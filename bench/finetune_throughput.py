@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 # bench/: the recipe's switches, and the recipe's rate over the timed steps
-from gpu_throughput import SWITCHES, timed_rate
+from gpu_throughput import SWITCHES, log_every, timed_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA_YAML = ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml"
@@ -43,7 +43,7 @@ SMOLLM2_SHAPE = ["model.config.hidden_size=576", "model.config.intermediate_size
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
           "--num_processes", "1"]  # one GPU, the recipes' own launcher
 QUIET = ["data.path=null", "data.val_fraction=0", "eval.every=0", "samples.max_new_tokens=0", "logging.trackers=[]",
-         "logging.every=1", "checkpoint.every=0"]
+         "checkpoint.every=0"]
 
 
 def base_model(args, work: Path) -> Path:
@@ -70,7 +70,8 @@ def recipe_row(method: str, base: Path, args, work: Path, switches: list[str]) -
     cmd = [*LAUNCH, "recipes/finetune.py", "--config", str(LORA_YAML), f"output_dir={out}",
            f"model.path={base}", f"adapter.method={method}", "adapter.merge=false", f"data.seq_len={args.seq_len}",
            f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
-           f"train.max_steps={args.warmup + args.steps}", "optim.fused=auto", *QUIET, *switches]
+           f"train.max_steps={args.warmup + args.steps}", "optim.fused=auto", *QUIET, log_every(args.warmup),
+           *switches]
     run(cmd, work / f"recipe-{method}{'-fast' if switches else ''}.log")
     from toolkit.training.metrics import read_metrics
 

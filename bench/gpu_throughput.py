@@ -81,11 +81,18 @@ PEER_VARIANTS = {
     "b": "(b) bf16 autocast, torch.compile, flex_attention, fused AdamW",
     "c": "(c) bf16 weights, torch.compile, flex_attention, fused AdamW",
 }
-# Off for the timed part: eval, samples, trackers, periodic checkpoints; every step logged.
+# Off for the timed part: eval, samples, trackers, periodic checkpoints. A recipe row logs every --warmup steps
+# (log_every): a logged step waits for the device, and a run logging every step would hide what a step that
+# never waits (train.step_sync) gains.
 QUIET = [
     "data.path=null", "data.val_fraction=0", "eval.every=0", "samples.max_new_tokens=0", "logging.trackers=[]",
-    "logging.every=1", "checkpoint.every=0", "checkpoint.final_dtype=bfloat16", "overwrite=true",
+    "checkpoint.every=0", "checkpoint.final_dtype=bfloat16", "overwrite=true",
 ]
+
+
+def log_every(warmup: int) -> str:
+    """The logging cadence of a recipe row: every --warmup steps, so that the untimed steps end at a logged one."""
+    return f"logging.every={max(1, warmup)}"
 
 
 @dataclass(frozen=True)
@@ -106,10 +113,14 @@ def preset(name: str) -> list[Row]:
         return [shipped, Row("recipe", "ddp", "full", 8, "fast"), Row("recipe", "ddp", "selective", 8, "fast")] + peers
     if name == "check":  # bench/gpu_check.sh: the shipped YAML, and the whole model compiled (the loop's way)
         return [shipped, Row("recipe", "ddp", "none", 8, "whole")] + peers
+    if name == "levers":  # what each of issue 41's switches adds: the whole model compiled, then each one taken off
+        whole = Row("recipe", "ddp", "none", 8, "whole")
+        return [whole, replace(whole, extra="train.step_sync=host"), replace(whole, extra="model.cast_weights=per_forward"),
+                peers[2]]
     if name == "full":
         grid = itertools.product(("ddp", "fsdp", "zero2", "zero3"), ("none", "full"), (8, 16))
         return [shipped] + [Row("recipe", *g, "fast") for g in grid] + peers + [Row("peer", "-", "full", 8, v) for v in "abc"]
-    raise SystemExit(f"--configs {name}: use quick, check or full")
+    raise SystemExit(f"--configs {name}: use quick, check, levers or full")
 
 
 # ---------------------------------------------------------------- the plain-loop peer (its own code)
@@ -254,7 +265,7 @@ def recipe_overrides(row: Row, args, vocab: int, out: Path) -> list[str]:
         f"output_dir={out}", f"data.seq_len={args.seq_len}", f"model.config.vocab_size={vocab}",
         f"train.max_steps={args.warmup + args.steps + args.profile}", f"train.micro_batch_size={row.micro_batch}",
         f"train.global_batch_size={args.global_batch}", f"model.gradient_checkpointing={row.checkpointing}",
-        *QUIET, *SWITCHES[row.switches][0], *args.extra,
+        *QUIET, log_every(args.warmup), *SWITCHES[row.switches][0], *row.extra.split(),
         *([f"logging.profile=[{args.warmup + args.steps + 1}, {args.warmup + args.steps + args.profile}]"]
           if args.profile else []),
     ]
@@ -300,11 +311,13 @@ def planned_gib(row: Row, args, vocab: int) -> float | None:
 
 
 def timed_rate(records: list[dict], warmup: int, steps: int) -> tuple[float, dict]:
-    """(tokens/s, the first timed step's record) over the steps after `warmup` of a recipe's metrics.jsonl, every
-    step logged: each step's tokens over the rate the recipe measured for it."""
+    """(tokens/s, the first timed record) over steps warmup+1 .. warmup+steps of a recipe's metrics.jsonl, logged
+    at least at step `warmup` (log_every): each logged row's tokens since the row before, over the rate the recipe
+    measured for them."""
     logged = [r for r in records if "tokens_per_s" in r]
     seen = [0] + [r["tokens"] for r in logged]
-    timed = [(b - a, r) for a, b, r in zip(seen[:-1], seen[1:], logged, strict=True)][warmup : warmup + steps]
+    windows = [(b - a, r) for a, b, r in zip(seen[:-1], seen[1:], logged, strict=True)]
+    timed = [(n, r) for n, r in windows if warmup < r["step"] <= warmup + steps]
     return sum(n for n, _ in timed) / sum(n / r["tokens_per_s"] for n, r in timed), timed[0][1]
 
 
@@ -434,7 +447,7 @@ def select_rows(args) -> list[Row]:
     if names and set(names) - set(SWITCHES):
         raise SystemExit(f"--switches {args.switches}: use {' and/or '.join(SWITCHES)}")
     recipe = [
-        replace(r, switches=s, processes=args.nproc, extra=" ".join(args.extra))
+        replace(r, switches=s, processes=args.nproc, extra=" ".join(filter(None, [r.extra, *args.extra])))
         for r in rows if r.kind == "recipe" for s in names or [r.switches]
     ]
     rows = list(dict.fromkeys(recipe)) + [r for r in rows if r.kind == "peer"]
@@ -454,7 +467,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="quick",
                    help="preset rows: quick (2 recipe + 3 loop rows), check (2 + 3: the YAML as shipped and selective "
-                        "recomputation) or full (17 + 6)")
+                        "recomputation), levers (the whole model compiled, then without each of train.step_sync "
+                        "and model.cast_weights, + loop c) or full (17 + 6)")
     p.add_argument("--model", default="recipes/configs/pretrain_llama_1b.yaml", help="pretraining YAML: shape, vocab")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per block (default: the YAML's data.seq_len)")
     p.add_argument("--global-batch", type=int, default=32, help="sequences per optimizer step, every row")
@@ -547,7 +561,8 @@ def report(header: list[str], rows: list[Row], results: list[dict], out: str | N
         "plain loop's; peak GB: torch.cuda.max_memory_allocated of the largest rank; planned GB: recipes/plan.py's "
         "peak for the row (GiB, as the peak), and its distance from the measured one"
         + (f". {CPU_NOTE}" if on_cpu else ""),
-        f"recipe rows: accelerate launch ... recipes/pretrain.py --config MODEL {' '.join(QUIET)} and the row's "
+        f"recipe rows: accelerate launch ... recipes/pretrain.py --config MODEL {' '.join(QUIET)} logging.every=WARMUP "
+        "and the row's "
         "model.gradient_checkpointing, train.micro_batch_size and switches "
         f"(fast: {' '.join(SWITCHES['fast'][0])})",
     ]

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from conftest import TINY_SIZES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,3 +36,15 @@ def test_a_recipe_row_gets_the_planners_peak_beside_the_measured_one():
     assert 0 < planned < 1  # the 1.3M-parameter model's 8 x 128 tokens
     measured = {"tokens_per_s": 1.0, "mfu": None, "cuda_max_allocated_mb": planned * 1024 / 1.25, "planned_gib": planned}
     assert bench.cell(measured, "planned", None, 1) == f"{planned:.1f} (+25%)"
+
+
+def test_the_timed_rate_counts_the_steps_after_warmup_from_rows_logged_every_warmup_steps():
+    """A recipe row logs every --warmup steps (gpu_throughput.log_every), so that a step that never waits for the
+    device is measured as such: the rate is the timed steps' tokens over their time, whatever the rows' windows."""
+    log_every, timed_rate = bench.log_every, bench.timed_rate
+    assert log_every(3) == "logging.every=3" and log_every(0) == "logging.every=1"
+    # 100 tokens a step; steps 1-3 (compiling) at 10 tokens/s, then 1000 tokens/s; rows at 3, 6, 9, 12, 13
+    rows = [{"step": s, "tokens": 100 * s, "tokens_per_s": 10.0 if s == 3 else 1000.0} for s in (3, 6, 9, 12, 13)]
+    rate, first = timed_rate(rows, 3, 10)
+    assert rate == pytest.approx(1000.0) and first["step"] == 6
+    assert timed_rate(rows, 3, 6)[1]["step"] == 6  # only the rows up to step 9
