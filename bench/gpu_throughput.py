@@ -15,7 +15,7 @@ the function the recipe itself uses, so both sides share one formula), and peak 
 - Recipe rows launch the real recipe: `accelerate launch --config_file accelerate_configs/<strategy>.yaml
   --num_processes N recipes/pretrain.py --config <--model> data.path=null ...` with the row's micro-batch,
   `model.gradient_checkpointing` and switches, and read what the run measured itself from its
-  metrics.jsonl (`tokens`, `tokens_per_s` and `mfu` of every step; `peak_memory` at the end). Eval,
+  metrics.jsonl (`tokens`, `tokens_per_s` and `mfu`, logged every --warmup steps; `peak_memory` at the end). Eval,
   samples, trackers and periodic checkpoints are off; the end-of-run checkpoint and final/ cannot be
   turned off and are written after the timed steps, then deleted. `data.path=null` trains on the CPython
   docs embedded in Python (~106k tokens, 51 blocks of 2048), whose BPE has only ~6.7k tokens, so
