@@ -130,6 +130,9 @@ def quantize_folder(model_dir: Path, out_dir: Path, scheme: str) -> tuple[Path, 
             raise UserError(
                 f"{model_dir} has no usable tokenizer ({first_line(exc)}); save one into that folder"
             ) from None
+        from toolkit.export.hf_folder import generate_with_cache
+
+        generate_with_cache(model)
         model.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)

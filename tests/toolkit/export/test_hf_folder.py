@@ -47,3 +47,19 @@ def test_the_folder_carries_a_manifest_that_finds_a_flipped_bit(tiny_model, tiny
     data[-8] ^= 1
     (out / "model.safetensors").write_bytes(data)
     assert check_manifest(out).startswith(f"{out}/model.safetensors does not match its checksum")
+
+
+@pytest.mark.parametrize("card", [None, "# export\n"], ids=["final", "export"])
+def test_a_folder_for_inference_generates_with_the_kv_cache(card, tiny_model, tiny_tokenizer, tmp_path):
+    """A model as training holds it (use_cache off in its config and in the generation config made from it), written
+    as final/ or as an export of a checkpoint: both files turn the cache back on, and generate() uses it."""
+    model = tiny_model(tokenizer=tiny_tokenizer)
+    assert model.config.use_cache is False and model.generation_config.use_cache is False  # as training has it
+    facts = {"params": 1, "step": 2, "tokens": 3, "recipe": "pretrain", "model_type": "llama", "strategy": "DDP"}
+    out = write_model_folder(model, tiny_tokenizer, tmp_path / "out", facts, {}, card=card)
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+    assert json.loads((out / "generation_config.json").read_text()).get("use_cache", True) is True
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    generated = reloaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False,
+                                  return_dict_in_generate=True)
+    assert generated.past_key_values is not None

@@ -111,6 +111,9 @@ def test_quantised_folder_loads_generates_and_keeps_perplexity(source, scheme, r
         p.name for p in out.iterdir()
     }
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "torchao"
+    # for inference: the KV cache on, in both files, whatever the source (a training folder has it off)
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+    assert json.loads((out / "generation_config.json").read_text()).get("use_cache", True) is True
 
     model = AutoModelForCausalLM.from_pretrained(out)  # plain: no quantization_config, no device_map
 
