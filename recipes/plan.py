@@ -53,7 +53,7 @@ from toolkit.config import UserError, load_config, read_config_file, read_yaml  
 from toolkit.models.adapter import leave_out_bitsandbytes  # noqa: E402
 from toolkit.models.compilation import whole_model_refused  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
-from toolkit.models.weight_cast import AUTOCAST, applies  # noqa: E402
+from toolkit.models.weight_cast import AUTOCAST, applies, auto_applies  # noqa: E402
 from toolkit.planner.estimate import estimate  # noqa: E402
 from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy  # noqa: E402
 from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
@@ -211,6 +211,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
             needs = pipeline_needs
         if m.compile == "model" and whole_model_refused(facts.layout):
             needs = {**needs, "model.compile": "layers"}
+        if m.cast_weights == "per_step" and applies(facts.layout, AUTOCAST.get(precision), facts.layout.pp > 1):
+            needs = {**needs, "model.cast_weights": "auto"}
         group = facts.layout.cp * facts.layout.tp * facts.layout.sp
         data_ranks = args.gpus // (group * facts.layout.pp)  # a cp, tp or sp group, or a pipeline, reads one micro-batch
         required = " ".join(f"{k}={v}" for k, v in needs.items())
@@ -236,8 +238,9 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                     attention=attention,
                     loss_chunk_tokens=0 if "model.loss" in needs else m.chunk_tokens, quantized_base=quantized,
                     fused_adam=cfg.optim.fused != "false", compiled=m.compile != "none",
-                    cast_per_step=m.cast_weights != "per_forward" and applies(
-                        facts.layout, AUTOCAST.get(precision), facts.layout.pp > 1) is None,
+                    # (a 4-bit base's matrices are not copied: QLoRA's copies are its adapters')
+                    cast_per_step=not quantized and auto_applies(m.cast_weights, facts.layout, AUTOCAST.get(precision),
+                                                                 facts.layout.pp > 1, m.compile),
                 )
                 est = estimate(model, run)
                 offload = facts.offload_optimizer or facts.offload_params

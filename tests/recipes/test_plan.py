@@ -136,6 +136,27 @@ def test_the_whole_model_compiled_is_launched_with_compiled_layers_where_it_cann
         assert "model.compile=layers" in needs[strategy], (strategy, needs[strategy])
 
 
+def test_weight_copies_once_per_step_are_planned_where_they_run_and_refused_elsewhere():
+    """model.cast_weights=per_step: DDP's rows hold every layer's bf16 copy through a fully recomputed step (2 bytes a
+    matmul weight of the other layers beside the recomputed one's, which is all autocast holds); FSDP2 and ZeRO cast their own way, so
+    their launch needs model.cast_weights=auto."""
+    rows = {}
+    for cast in ("per_forward", "per_step"):
+        proc = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8", "--json",
+                    f"model.cast_weights={cast}")
+        assert proc.returncode == 0, proc.stderr
+        rows[cast] = {(r["strategy"], r["gradient_checkpointing"]): r for r in json.loads(proc.stdout)}
+    ddp = rows["per_step"]["ddp", "full"]["activations_bytes"] - rows["per_forward"]["ddp", "full"]["activations_bytes"]
+    h, kv, inter = 2048, 8 * 64, 8192  # the YAML's layers: 16 of q, k, v, o, gate, up and down
+    matmuls = 16 * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    # beside autocast's copy of the one layer being recomputed, the other 15 layers' (and their norms' gains)
+    assert 0 <= ddp - 2 * matmuls * 15 // 16 <= 2 * 16 * 2 * h
+    assert rows["per_step"]["ddp", "full"]["requires"] == []
+    for strategy in ("fsdp", "zero3"):
+        assert "model.cast_weights=auto" in rows["per_step"][strategy, "full"]["requires"], strategy
+        assert rows["per_forward"][strategy, "full"]["requires"] == []
+
+
 def test_tensor_parallel_under_sdpa_shards_the_sequence_between_the_layers():
     """fsdp_tp.yaml (tp 2 x dp_shard 1) under sdpa: Megatron's sequence parallel, the residual stream
     half of the tokens per rank. Beside the config's flex attention (transformers' plan), the same

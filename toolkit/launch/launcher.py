@@ -45,6 +45,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from toolkit.launch.rank_process import LAUNCHER_PID
 
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
@@ -61,9 +63,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = accelerate_launch.launch_command_parser().parse_args(argv)
     problem = missing_file(args) or out_of_range(args)
+    crowded = None if problem else ranks_per_machine(args, gpus(), len(os.sched_getaffinity(0)))
+    if crowded is not None and crowded.startswith("error: "):
+        problem = crowded.removeprefix("error: ")
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         return 2
+    if crowded is not None:
+        print(crowded, file=sys.stderr, flush=True)
     os.environ["PET_SIGNALS_TO_HANDLE"] = ",".join(
         s for s in os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
         if s.strip() not in {sig.name for sig in STOP_SIGNALS}
@@ -140,6 +147,38 @@ def out_of_range(args) -> str | None:
         if value is not None and (value < low or high is not None and value > high):
             return f"--{name} {value} is out of range: use {f'{low}-{high}' if high else f'{low} or more'}"
     return None
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def ranks_per_machine(args, gpus: int, cores: int) -> str | None:
+    """One line when the launch starts more ranks on this machine than it has GPUs ("error: ...": each rank takes
+    a GPU of its own, and the surplus would fail one by one after its imports) or, without a GPU, than it has CPU
+    cores ("warning: ...": they share them, each with its own copy of the model). None when they fit.
+    The counts are --num_processes and --num_machines, else the config file's, as Accelerate takes them."""
+    config = {}
+    if args.config_file is not None:
+        try:
+            config = yaml.safe_load(Path(args.config_file).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return None  # Accelerate says what is wrong with it
+    processes = args.num_processes or config.get("num_processes") or 1
+    machines = args.num_machines or config.get("num_machines") or 1
+    here = -(-int(processes) // int(machines))
+    where = "--num_processes" if args.num_processes else f"num_processes: {processes} in {args.config_file}"
+    if args.cpu or config.get("use_cpu") or not gpus:
+        if here <= cores:
+            return None
+        return (f"warning: {here} processes on {cores} CPU cores ({where}): they share the cores, each with its own "
+                f"copy of the model; --num_processes {cores} trains the same steps (the global batch is the recipe's)")
+    if here <= gpus:
+        return None
+    return (f"error: {here} processes on a machine with {gpus} GPU{'s' * (gpus > 1)} ({where}): one GPU a process; "
+            f"use --num_processes {gpus * int(machines)}")
 
 
 def verdict(codes: dict[int, int], forwarded: int | None) -> int | None:

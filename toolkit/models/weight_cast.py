@@ -37,13 +37,15 @@ class _StepCastLinear(torch.nn.Linear):
 
 
 class WeightCast:
-    """The copies of `model`'s nn.Linear weights in `dtype`, made by `step()` for the length of a step.
-    Subclasses of nn.Linear (4-bit bases, peft's layers) are left as they are; peft's base and adapter
-    matrices are plain nn.Linear and are cast."""
+    """The copies of `model`'s nn.Linear weights in `dtype`, made by `step()` for the length of a step (until
+    `release()`, after the last backward). Subclasses of nn.Linear (4-bit bases, peft's layers) are left as they
+    are; peft's base and adapter matrices are plain nn.Linear and are cast. The output head is left to autocast:
+    the chunked loss reads its weight itself, and its copy (vocabulary x hidden) would be held through the backward."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         self.dtype = dtype
-        self.linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
         for module in self.linears:
             module.__class__ = _StepCastLinear  # the same parameters and state dict; only forward reads the copy
 
@@ -57,12 +59,16 @@ class WeightCast:
         try:
             yield
         finally:
-            for module in self.linears:
-                module.step_weight = None
+            self.release()
+
+    def release(self) -> None:
+        """The copies go: the backward is done, and the optimizer step needs its memory."""
+        for module in self.linears:
+            module.step_weight = None
 
 
 def applies(layout: ParallelLayout, autocast_dtype: torch.dtype | None, pipeline: bool) -> str | None:
-    """Why the copy cannot be made once per step here, or None where it can."""
+    """Why the copy cannot be made once per step here, or None where it can (`auto_applies` for what auto takes)."""
     if autocast_dtype is None:
         return "the run computes in fp32 (train.mixed_precision), with no low-precision copy to make"
     if layout.kind not in ("single", "ddp"):
@@ -73,14 +79,24 @@ def applies(layout: ParallelLayout, autocast_dtype: torch.dtype | None, pipeline
     return None
 
 
+def auto_applies(setting: str, layout: ParallelLayout, autocast_dtype: torch.dtype | None, pipeline: bool,
+                 compile_mode: str) -> bool:
+    """Whether model.cast_weights (`setting`) makes the copies once per step. auto also leaves the whole model
+    compiled under DDP of several ranks to autocast: dynamo cuts that graph at the parameters for DDP's bucketed
+    all-reduce, and the copies are not parameters (unmeasured: the overlap with the backward could go)."""
+    if setting == "per_forward" or applies(layout, autocast_dtype, pipeline) is not None:
+        return False
+    return setting == "per_step" or not (compile_mode == "model" and layout.kind == "ddp" and layout.world > 1)
+
+
 def weight_cast(setting: str, model: torch.nn.Module, layout: ParallelLayout, autocast_dtype: torch.dtype | None,
-                pipeline: bool) -> WeightCast | None:
+                pipeline: bool, compile_mode: str = "none") -> WeightCast | None:
     """model.cast_weights (auto, per_forward or per_step) for this run: a WeightCast, or None for autocast's
     casts at every forward. auto = per_step where it applies; per_step elsewhere is refused in one line."""
     why = applies(layout, autocast_dtype, pipeline)
     if setting == "per_step" and why is not None:
         raise UserError(f"model.cast_weights=per_step cannot cast the weights once per step here: {why}; use "
                         "model.cast_weights=auto or per_forward")
-    if setting == "per_forward" or why is not None:
+    if not auto_applies(setting, layout, autocast_dtype, pipeline, compile_mode):
         return None
     return WeightCast(model, autocast_dtype)

@@ -42,7 +42,8 @@ class TrainConfig:
     on_nonfinite: Literal["skip", "abort"] = field(
         "skip",
         help="a NaN or inf loss or gradient on any rank, found before the optimizer step: skip = drop that "
-        "batch (weights, optimizer state and schedule untouched), abort = stop the run (exit code 5)",
+        "batch (weights, optimizer state and schedule untouched), abort = stop the run (exit code 5); under "
+        "train.step_sync=none both are said a step later",
     )
     pipeline_stages: int = field(
         1, help="cut the model's layers into this many pipeline stages, one process each (torch's 1F1B schedule over "

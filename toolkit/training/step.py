@@ -39,6 +39,7 @@ def optimizer_step(
     router: RouterLoss | None = None,
     objective: PreferenceLoss | None = None,
     skip_on_device: bool = False,
+    weight_cast=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, str | torch.Tensor | None, torch.Tensor]:
     """(this rank's summed loss as float64, the pre-clipping gradient norm or None, what was not
     finite, this rank's sums of what else it counts: the router loss, then the objective's STATS).
@@ -55,6 +56,7 @@ def optimizer_step(
     pairs' summed loss in place of the token loss, and `scale` divides by the global batch's pairs.
     `skip_on_device` (train.step_sync=none, `skips_on_device`): the fused optimizer skips on the device, and the
     third value is the flags [loss, grad] (counts of ranks, on the device) in place of the verdict.
+    `weight_cast` (model.cast_weights=per_step, toolkit.models.weight_cast): its copies go after the last backward.
     """
     engine = engine_of(accelerator)
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
@@ -91,6 +93,8 @@ def optimizer_step(
                 continue
             accelerator.backward(micro_loss)
             if accelerator.sync_gradients:
+                if weight_cast is not None:
+                    weight_cast.release()
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
                 # the norm is of the reduced gradients (the same on every rank); the losses are each rank's
                 norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2

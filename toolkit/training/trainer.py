@@ -255,7 +255,7 @@ class Trainer:
                                               self.strategy.pipeline)
         self.weight_cast = weight_cast(cfg.model.cast_weights, self.accelerator.unwrap_model(self.model),
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
-                                       self.strategy.pipeline is not None)
+                                       self.strategy.pipeline is not None, cfg.model.compile)
         if self.resume_from is not None:
             self.resume_from = intact_checkpoint(
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
@@ -343,7 +343,7 @@ class Trainer:
                     loss_sum, grad_norm, nonfinite, extras = optimizer_step(
                         acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
                         cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router, self.objective,
-                        self.skip_on_device,
+                        self.skip_on_device, self.weight_cast,
                     )
             kill_point("after_optimizer", state.step + 1)
             on_device = nonfinite if isinstance(nonfinite, torch.Tensor) else None  # the verdict's flags, unread

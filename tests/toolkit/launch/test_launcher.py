@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.launch.launcher import RANGES, HeldLog, missing_file, out_of_range, verdict
+from toolkit.launch.launcher import RANGES, HeldLog, missing_file, out_of_range, ranks_per_machine, verdict
 
 ROOT = Path(__file__).resolve().parents[3]
 TERM, KILL, USR1, INT = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1), int(signal.SIGINT)
@@ -79,6 +79,33 @@ def test_launch_arguments_out_of_range_are_one_line():
     for name, (values, use) in OUT_OF_RANGE.items():
         for value in values:
             assert out_of_range(launch_args(f"--{name}", value, "x.py")) == f"--{name} {value} is out of range: {use}"
+
+
+# (launch arguments, GPUs, CPU cores) -> the line before any rank starts (None: they fit)
+CROWDED = {
+    "zero3.yaml's 8 on 2 cores": (["--config_file", "accelerate_configs/zero3.yaml"], 0, 2,
+                                  "warning: 8 processes on 2 CPU cores (num_processes: 8 in accelerate_configs/zero3.yaml)"),
+    "2 on 2 cores": (["--config_file", "accelerate_configs/zero3.yaml", "--num_processes", "2"], 0, 2, None),
+    "3 on 2 cores, asked": (["--num_processes", "3"], 0, 2, "warning: 3 processes on 2 CPU cores (--num_processes)"),
+    "8 on 2 GPUs": (["--config_file", "accelerate_configs/ddp.yaml"], 2, 16,
+                    "error: 8 processes on a machine with 2 GPUs (num_processes: 8 in accelerate_configs/ddp.yaml): "
+                    "one GPU a process; use --num_processes 2"),
+    "8 on 8 GPUs": (["--config_file", "accelerate_configs/ddp.yaml"], 8, 16, None),
+    "16 over 2 machines of 8 GPUs": (["--config_file", "accelerate_configs/multinode_zero3.yaml"], 8, 16, None),
+    "16 over 2 machines of 4 GPUs": (["--config_file", "accelerate_configs/multinode_zero3.yaml"], 4, 16,
+                                     "error: 8 processes on a machine with 4 GPUs (num_processes: 16 in "
+                                     "accelerate_configs/multinode_zero3.yaml): one GPU a process; use --num_processes 8"),
+    "--cpu on a GPU machine": (["--cpu", "--num_processes", "4"], 8, 2, "warning: 4 processes on 2 CPU cores"),
+    "no config, one process": ([], 0, 1, None),
+}
+
+
+@pytest.mark.parametrize("case", CROWDED)
+def test_more_ranks_than_the_machine_has_gpus_or_cores_is_said_before_any_starts(case, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    argv, gpus, cores, line = CROWDED[case]
+    said = ranks_per_machine(launch_args(*argv, "recipes/pretrain.py"), gpus, cores)
+    assert said == line if line is None or line.startswith("error") else said.startswith(line), said
 
 
 def test_torchruns_exit_warnings_are_held_back_until_released(caplog):

@@ -53,7 +53,9 @@ def train(model, steps, cast: bool):
             if copies:
                 assert all(m.step_weight.dtype == torch.bfloat16 for m in copies.linears)
             loss_sum, _, nonfinite, _ = optimizer_step(accelerator, model, optimizer, micro,
-                                                       backward_scale(targets, 1, ACCUM), 1.0)
+                                                       backward_scale(targets, 1, ACCUM), 1.0, weight_cast=copies)
+            if copies:  # released after the last backward, before the update
+                assert all(m.step_weight is None for m in copies.linears)
         assert nonfinite is None
         losses.append(loss_sum.item())
     AcceleratorState._reset_state(True)
@@ -74,7 +76,7 @@ def test_a_copy_per_step_trains_as_autocasts_copy_per_forward(tiny_model, tiny_t
     assert cast_losses == eager_losses
     for (name, a), b in zip(eager.named_parameters(), cast.parameters(), strict=True):
         assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), name
-    assert len(copies.linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the tied head
+    assert len(copies.linears) == 2 * 7  # q, k, v, o, gate, up, down per layer; the head is left to autocast
     assert all(m.step_weight is None for m in copies.linears)  # nothing held between steps
     assert eager.state_dict().keys() == cast.state_dict().keys()
 
@@ -105,3 +107,10 @@ def test_auto_casts_once_per_step_on_one_process_and_ddp(tiny_model):
     for layout in (ParallelLayout("single", 1), ParallelLayout("ddp", 2)):
         assert isinstance(weight_cast("auto", tiny_model("llama"), layout, torch.bfloat16, False), WeightCast)
         assert weight_cast("per_forward", tiny_model("llama"), layout, torch.bfloat16, False) is None
+    # the whole model compiled under DDP of several ranks: auto leaves it to autocast (dynamo splits that graph at
+    # the parameters for the all-reduce); one process, or asked for, it casts once per step
+    ddp = ParallelLayout("ddp", 2)
+    assert weight_cast("auto", tiny_model("llama"), ddp, torch.bfloat16, False, "model") is None
+    assert weight_cast("auto", tiny_model("llama"), ddp, torch.bfloat16, False, "layers") is not None
+    assert weight_cast("auto", tiny_model("llama"), ParallelLayout("ddp", 1), torch.bfloat16, False, "model") is not None
+    assert weight_cast("per_step", tiny_model("llama"), ddp, torch.bfloat16, False, "model") is not None

@@ -1,0 +1,46 @@
+"""The README's commands run as written on the machine it says they are for: every launch of a CPU-sized recipe
+(pretrain_tiny, the SmolLM2 fine-tunes) starts no more processes than a 2-core machine has cores, as
+recipes/launch.sh judges a launch (an accelerate config alone says 8, a node of GPUs)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from accelerate.commands.launch import launch_command_parser
+
+from toolkit.launch.launcher import ranks_per_machine
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_SIZED = re.compile(r"pretrain_tiny|finetune_smollm2")
+
+
+def launches(text: str) -> list[list[str]]:
+    """Each `accelerate launch` or `bash recipes/launch.sh` command of the README's code blocks, as its arguments."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    commands = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    found = []
+    for command in commands:
+        words = shlex.split(command.split("#")[0])
+        for start in ("accelerate launch", "bash recipes/launch.sh"):
+            head = start.split()
+            if words[: len(head)] == head:
+                found.append(words[len(head):])
+    return found
+
+
+def test_the_readmes_cpu_launches_fit_a_2_core_machine(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    commands = [c for c in launches((ROOT / "README.md").read_text()) if CPU_SIZED.search(" ".join(c))]
+    assert len(commands) >= 3  # the pretraining tour, the LoRA fine-tune under ZeRO-3, the DPO one
+    for argv in commands:
+        assert ranks_per_machine(launch_command_parser().parse_args(argv), gpus=0, cores=2) is None, shlex.join(argv)
+
+
+@pytest.mark.parametrize("argv, fits", [(["--config_file", "accelerate_configs/zero3.yaml", "x.py"], False),
+                                        (["--config_file", "accelerate_configs/zero3.yaml", "--num_processes", "2", "x.py"], True)])
+def test_the_check_tells_a_crowded_launch(argv, fits, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert (ranks_per_machine(launch_command_parser().parse_args(argv), gpus=0, cores=2) is None) == fits
