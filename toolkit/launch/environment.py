@@ -45,6 +45,19 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def gpu_short() -> str | None:
+    """Why this launch cannot give each of this machine's ranks a GPU of its own (plain `accelerate launch` of a
+    shipped config's 8 processes on fewer GPUs: the surplus ranks would fail one by one, each with CUDA's "invalid
+    device ordinal"), or None. recipes/launch.sh says the same before any rank starts."""
+    if not has_gpu() or os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":
+        return None
+    here, gpus = local_world_size(), torch.cuda.device_count()
+    if here <= gpus:
+        return None
+    return (f"{here} processes on a machine with {gpus} GPU{'s' * (gpus > 1)}: one GPU a process; "
+            f"use --num_processes {gpus * max(1, world_size() // here)}")
+
+
 def is_launch_main() -> bool:
     """Rank 0 of the launch."""
     return int(os.environ.get("RANK", "0")) == 0

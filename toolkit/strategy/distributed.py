@@ -14,7 +14,13 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from toolkit.config import UserError
-from toolkit.launch.environment import LAUNCHED_PRECISION, has_gpu, launched_mixed_precision, world_size
+from toolkit.launch.environment import (
+    LAUNCHED_PRECISION,
+    gpu_short,
+    has_gpu,
+    launched_mixed_precision,
+    world_size,
+)
 from toolkit.models.loss import backward_scale
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.accelerator import (
@@ -112,6 +118,8 @@ class Strategy:
         trackers: list[str] | None, timeout_s: int, pipeline_stages: int = 1,
     ) -> Strategy:
         """Collective: every rank. Batch sizes that do not divide fail before any process group exists."""
+        if short := gpu_short():
+            raise UserError(short)
         world = world_size()
         sizes = launched_sizes(world)
         cp, tp, sp = model_parallel_sizes(sizes)
