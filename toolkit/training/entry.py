@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import sys
 
-from toolkit.config import UserError, load_config
+import yaml
+
+from toolkit.config import UserError, key_lines, load_config, to_dict
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
 from toolkit.launch.verdict import report_once, reported_verdict
@@ -32,16 +34,32 @@ from toolkit.strategy.collectives import collective_failure
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
 
 
+def usage(name: str) -> str:
+    return (f"usage: recipes/{name}.py --config recipes/configs/NAME.yaml [key.sub=value ...] [--print-config]\n"
+            f"       recipes/{name}.py --help   (every key: its type, default and what it does)")
+
+
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
     die_with_launcher()  # first: a rank must not outlive a launcher killed while it starts
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("--help", "-h"):
+        print("\n".join([usage(name), "", "--print-config: the config the YAML and the overrides resolve to, "
+                          "as YAML, without running; a YAML of it is a --config of its own",
+                          "", "keys (set in the YAML, or key.sub=value on the command line; the last one wins):",
+                          *key_lines(config_class)]))
+        return 0
     if not argv or argv[0] != "--config" or len(argv) < 2:
-        report_once(f"usage: recipes/{name}.py --config recipes/configs/NAME.yaml [key.sub=value ...]", 2)
+        report_once(usage(name), 2)
         return 2
+    show = "--print-config" in argv[2:]
     recipe = None
     try:
         notes: list[str] = []
-        cfg = load_config(config_class, argv[1], argv[2:], notes)
+        cfg = load_config(config_class, argv[1], [a for a in argv[2:] if a != "--print-config"], notes)
+        if show:
+            if is_launch_main():
+                print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            return 0
         if is_launch_main():
             for line in notes:
                 print(f"[{name}] {line}", file=sys.stderr, flush=True)

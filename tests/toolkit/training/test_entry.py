@@ -96,3 +96,49 @@ def test_a_stop_exits_with_code_3_after_flushing(capsys, recipe, monkeypatch):
     assert run("pretrain", PretrainConfig, recipe, ["--config", TINY]) == 3
     assert flushed == [True]
     assert capsys.readouterr().err == "[pretrain] stopped by a signal at step 2; checkpoint saved in x; continue with resume=auto\n"
+
+
+def dotted_keys(cls, prefix: str = "") -> list[str]:
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += dotted_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "finetune"])
+def test_help_lists_every_key_with_its_type_default_and_help(recipe, capsys):
+    from toolkit.training.recipe_config import FinetuneConfig
+
+    config = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}[recipe]
+    _Recipe.calls = []
+    assert run(recipe, config, _Recipe, ["--help"]) == 0
+    assert _Recipe.calls == []  # nothing ran
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: recipes/{recipe}.py --config")
+    keys = out.split("the last one wins):\n", 1)[1]
+    listed = {line.split(" (")[0].strip() for line in keys.splitlines() if line.startswith("  ")}
+    assert listed == set(dotted_keys(config))  # a key added to a section is listed, whatever the section
+    assert "  train.step_sync (auto|host|none, default 'auto'): host = the step waits" in out
+    assert "  optim.betas (list[float], default [0.9, 0.95]): AdamW betas" in out
+
+
+def test_print_config_shows_the_resolved_config_without_running_and_reads_back(tmp_path, capsys):
+    import yaml
+
+    _Recipe.calls = []
+    assert run("pretrain", PretrainConfig, _Recipe, ["--config", TINY, "train.max_steps=7", "--print-config"]) == 0
+    assert _Recipe.calls == []
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed)["train"]["max_steps"] == 7
+    (tmp_path / "resolved.yaml").write_text(printed)
+    assert run("pretrain", PretrainConfig, _Recipe, ["--config", str(tmp_path / "resolved.yaml"), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed  # a config of its own, resolving to itself
+    assert run("pretrain", PretrainConfig, _Recipe, ["--config", TINY, "train.max_stepz=7", "--print-config"]) == 2
+    assert "did you mean train.max_steps?" in capsys.readouterr().err
