@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from accelerate.commands.launch import launch_command_parser
 
+from toolkit.launch.cli import command
 from toolkit.launch.launcher import ranks_per_machine
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_SIZED = re.compile(r"pretrain_tiny|finetune_smollm2")
+CPU_SIZED = re.compile(r"pretrain_tiny|finetune_smollm2")  # also as llm-toolkit names them
 
 
 def launches(text: str) -> list[list[str]]:
@@ -22,8 +23,11 @@ def launches(text: str) -> list[list[str]]:
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     commands = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     found = []
-    for command in commands:
-        words = shlex.split(command.split("#")[0])
+    for line in commands:
+        words = shlex.split(line.split("#")[0])
+        if words[:1] == ["llm-toolkit"] and words[1:2] in (["pretrain"], ["finetune"]):
+            words = command(words[1:])  # what the installed command runs: the launcher's arguments, or one process
+            words = ["bash", "recipes/launch.sh", *words[3:]] if "toolkit.launch.launcher" in words else []
         for start in ("accelerate launch", "bash recipes/launch.sh"):
             head = start.split()
             if words[: len(head)] == head:
@@ -34,7 +38,7 @@ def launches(text: str) -> list[list[str]]:
 def test_the_readmes_cpu_launches_fit_a_2_core_machine(monkeypatch):
     monkeypatch.chdir(ROOT)
     commands = [c for c in launches((ROOT / "README.md").read_text()) if CPU_SIZED.search(" ".join(c))]
-    assert len(commands) >= 3  # the pretraining tour, the LoRA fine-tune under ZeRO-3, the DPO one
+    assert len(commands) >= 4  # the pretraining tour, the LoRA fine-tune under ZeRO-3 (and by llm-toolkit), the DPO one
     for argv in commands:
         assert ranks_per_machine(launch_command_parser().parse_args(argv), gpus=0, cores=2) is None, shlex.join(argv)
 

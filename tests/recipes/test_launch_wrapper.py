@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import launching
 import pytest
@@ -67,12 +68,20 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_cache):
 
 @pytest.mark.distributed
 def test_a_data_error_seen_by_rank_0_only_is_one_line(tmp_path, data_cache):
-    """Rank 0 reads the corpus while rank 1 waits in a barrier, which breaks when rank 0 exits."""
+    """Rank 0 reads the corpus while rank 1 waits in a barrier, which breaks when rank 0 exits. Launched by the
+    installed command from a folder outside the checkout, the shipped configs named without their folders: ZeRO-3's
+    DeepSpeed JSON is found from its accelerate config (the rank would refuse a path it cannot find first)."""
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    proc = launch(wrapper("zero3.yaml", [f"data.path={empty}", f"output_dir={tmp_path / 'run'}"], data_cache), data_cache)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cmd = [str(Path(sys.executable).with_name("llm-toolkit")), "pretrain", "--config_file", "zero3", "--num_processes",
+           "2", "--main_process_port", str(launching.free_port()), "--config", "pretrain_tiny", *TINY,
+           f"data.path={empty}", f"output_dir={tmp_path / 'run'}"]
+    proc = launching.run(cmd, 300, cwd=elsewhere, env=environment(data_cache))
     assert proc.returncode == 2, proc.stderr[-6000:]
     assert the_one_error(proc) == f"error: data.path={empty} holds no text (all 1 file(s) are empty)"
+    assert not any(elsewhere.iterdir())  # nothing written where it ran
 
 
 @pytest.mark.distributed

@@ -43,6 +43,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -58,8 +59,6 @@ ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # its warnings
 
 def main(argv: list[str] | None = None) -> int:
     from accelerate.commands import launch as accelerate_launch
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = accelerate_launch.launch_command_parser().parse_args(argv)
     problem = missing_file(args) or out_of_range(args)
@@ -71,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if crowded is not None:
         print(crowded, file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="llm-toolkit-launch-") as copies:
+        args.config_file = paths_from_its_folder(args.config_file, Path(copies))
+        return _launch(args)
+
+
+def _launch(args) -> int:
+    from accelerate.commands import launch as accelerate_launch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     os.environ["PET_SIGNALS_TO_HANDLE"] = ",".join(
         s for s in os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
         if s.strip() not in {sig.name for sig in STOP_SIGNALS}
@@ -147,6 +156,30 @@ def out_of_range(args) -> str | None:
         if value is not None and (value < low or high is not None and value > high):
             return f"--{name} {value} is out of range: use {f'{low}-{high}' if high else f'{low} or more'}"
     return None
+
+
+def paths_from_its_folder(config_file: str | None, copies: Path) -> str | None:
+    """The accelerate config to launch with: as given, or a copy in `copies` whose DeepSpeed JSON path is absolute,
+    where the given one is relative and found from the config's folder (or the folder above it: the shipped
+    configs name ds_configs/X.json, beside accelerate_configs/) but not from where the launch runs."""
+    if config_file is None:
+        return None
+    try:
+        config = yaml.safe_load(Path(config_file).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return config_file  # Accelerate says what is wrong with it
+    ds = config.get("deepspeed_config") if isinstance(config, dict) else None
+    named = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
+    if not isinstance(named, str) or Path(named).is_absolute() or Path(named).exists():
+        return config_file
+    here = Path(config_file).resolve().parent
+    found = next((p for p in (here / named, here.parent / named) if p.is_file()), None)
+    if found is None:
+        return config_file  # the rank's own check names it
+    ds["deepspeed_config_file"] = str(found)
+    copy = copies / Path(config_file).name
+    copy.write_text(yaml.safe_dump(config, sort_keys=False))
+    return str(copy)
 
 
 def gpus() -> int:

@@ -1,0 +1,78 @@
+"""`llm-toolkit` (toolkit/launch/cli.py): the recipe's command line it runs, from any folder, shipped configs by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.launch.cli import command, main
+from toolkit.launch.launcher import paths_from_its_folder
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def elsewhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a user's folder, outside the checkout
+    return tmp_path
+
+
+# llm-toolkit ARGS -> what it runs (ROOT and sys.executable written as such)
+COMMANDS = {
+    "one process": (["pretrain", "--config", "pretrain_tiny", "train.max_steps=2"],
+                    ["PY", "ROOT/recipes/pretrain.py", "--config", "ROOT/recipes/configs/pretrain_tiny.yaml",
+                     "train.max_steps=2"]),
+    "launched": (["finetune", "--config_file", "zero3", "--num_processes", "2", "--config",
+                  "finetune_smollm2_lora.yaml", "output_dir=runs/ft"],
+                 ["PY", "-m", "toolkit.launch.launcher", "--config_file", "ROOT/accelerate_configs/zero3.yaml",
+                  "--num_processes", "2", "ROOT/recipes/finetune.py", "--config",
+                  "ROOT/recipes/configs/finetune_smollm2_lora.yaml", "output_dir=runs/ft"]),
+    "a path of the user's own": (["pretrain", "--config", "mine.yaml"], ["PY", "ROOT/recipes/pretrain.py", "--config",
+                                                                          "mine.yaml"]),
+    "plan": (["plan", "--config", "pretrain_llama_1b", "--gpus", "8"],
+             ["PY", "ROOT/recipes/plan.py", "--config", "ROOT/recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8"]),
+    "export": (["export", "--from", "runs/ft", "--format", "gguf"],
+               ["PY", "ROOT/recipes/export.py", "--from", "runs/ft", "--format", "gguf"]),
+    "help": (["finetune", "--help"], ["PY", "ROOT/recipes/finetune.py", "--help"]),
+}
+
+
+@pytest.mark.parametrize("case", COMMANDS)
+def test_the_command_runs_the_recipe_with_the_shipped_files_found_by_name(case, elsewhere):
+    argv, expected = COMMANDS[case]
+    if case == "a path of the user's own":
+        (elsewhere / "mine.yaml").write_text("train: {max_steps: 1}\n")  # the user's file wins over a lookup
+    said = [w.replace(str(ROOT), "ROOT") for w in command(argv)]
+    assert said == [w if w != "PY" else sys.executable for w in expected]
+
+
+def test_no_recipe_is_one_line_and_usage(capsys):
+    assert main([]) == 2
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("usage: llm-toolkit {pretrain,finetune,export,plan}") == 2
+    assert "error: 'train' is not a recipe: use one of pretrain, finetune, export, plan" in err
+    assert main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: llm-toolkit")
+
+
+def test_a_shipped_deepspeed_config_is_found_from_its_accelerate_config_wherever_the_launch_runs(elsewhere):
+    copies = elsewhere / "copies"
+    copies.mkdir()
+    launched = paths_from_its_folder(str(ROOT / "accelerate_configs" / "zero3.yaml"), copies)
+    assert Path(launched).parent == copies
+    assert f"deepspeed_config_file: {ROOT / 'ds_configs' / 'zero3.json'}" in Path(launched).read_text()
+    # a user's config naming a JSON beside it; one found from where it runs; one found nowhere; no DeepSpeed
+    (elsewhere / "mine").mkdir()
+    (elsewhere / "mine" / "ds.json").write_text("{}")
+    (elsewhere / "mine" / "acc.yaml").write_text("deepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    assert "deepspeed_config_file: " + str(elsewhere / "mine" / "ds.json") in Path(
+        paths_from_its_folder(str(elsewhere / "mine" / "acc.yaml"), copies)).read_text()
+    (elsewhere / "here.json").write_text("{}")
+    (elsewhere / "here.yaml").write_text("deepspeed_config:\n  deepspeed_config_file: here.json\n")
+    assert paths_from_its_folder("here.yaml", copies) == "here.yaml"
+    (elsewhere / "lost.yaml").write_text("deepspeed_config:\n  deepspeed_config_file: lost.json\n")
+    assert paths_from_its_folder("lost.yaml", copies) == "lost.yaml"  # the rank names it in its own line
+    assert paths_from_its_folder(str(ROOT / "accelerate_configs" / "ddp.yaml"), copies).endswith("ddp.yaml")
+    assert paths_from_its_folder(None, copies) is None
