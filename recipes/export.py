@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit import quiet_weight_bars
 from toolkit.config import UserError
 from toolkit.data.corpus import read_utf8
 from toolkit.export import destination
@@ -126,6 +127,7 @@ def check_args(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     leave_out_bitsandbytes()  # an export never loads a 4-bit base; a LoRA merge imports peft, which imports it
+    quiet_weight_bars()
     try:
         args = parse_args(argv)
         output = check_args(args)

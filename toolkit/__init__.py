@@ -17,7 +17,10 @@ has no cause the toolkit or the user could fix; other records of the same logger
   by verifying that you don't receive any warning while reloading": the load ties it again, and a
   resume is checked to give the same losses bit for bit;
 - peft 0.21 reads `is_gradient_checkpointing` from the model it wraps, deprecated by transformers 5
-  (in favour of `is_activation_checkpointing`): a FutureWarning on each LoRA built or loaded.
+  (in favour of `is_activation_checkpointing`): a FutureWarning on each LoRA built or loaded;
+- transformers' bars while it loads or writes a model's weights ("Loading weights", "Writing model
+  shards"; up to 4 a run, each a fraction of a second), once `quiet_weight_bars()` is called (the
+  recipes' entry and export do; the hub's download bars stay).
 """
 
 import logging
@@ -52,3 +55,16 @@ logging.getLogger("torch.utils._pytree").addFilter(lambda record: not _torchao_e
 warnings.filterwarnings(
     "ignore", message=r"`is_gradient_checkpointing` is deprecated and will be removed in v6", category=FutureWarning
 )
+
+
+WEIGHT_BARS = ("Loading weights", "Writing model shards")
+
+
+def quiet_weight_bars() -> None:
+    """transformers' WEIGHT_BARS off, its other bars (and the hub's) as they were."""
+    from transformers.utils import logging as hf_logging
+
+    def hook(factory, args, kwargs):
+        return (hf_logging.EmptyTqdm if kwargs.get("desc") in WEIGHT_BARS else factory)(*args, **kwargs)
+
+    hf_logging.set_tqdm_hook(hook)

@@ -145,7 +145,7 @@ def dequantise(cfg, gguf: Path) -> tuple[torch.nn.Module, object, list[str]]:
     except ImportError:  # transformers 4.x: GGUF loading has no quantizer and always dequantises
         pass
     try:
-        with _parse_gguf_once():
+        with _parse_gguf_once(), _no_conversion_bar():
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf.parent),
                 gguf_file=gguf.name,
@@ -294,6 +294,20 @@ def _parse_gguf_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+
+
+@contextlib.contextmanager
+def _no_conversion_bar() -> Iterator[None]:
+    """transformers' "Converting and de-quantizing GGUF tensors..." bar (tqdm's own, past its logging switches) is
+    not the run's: the dequantisation is said in one line of the toolkit's, and happens once (its copy is cached)."""
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    real = loader.tqdm
+    loader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        loader.tqdm = real
 
 
 def _hub_download(repo_id: str, filename: str) -> Path | None:

@@ -25,6 +25,7 @@ import sys
 
 import yaml
 
+from toolkit import quiet_weight_bars
 from toolkit.config import UserError, key_lines, load_config, to_dict
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
@@ -52,6 +53,7 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
         report_once(usage(name), 2)
         return 2
     show = "--print-config" in argv[2:]
+    quiet_weight_bars()
     recipe = None
     try:
         notes: list[str] = []

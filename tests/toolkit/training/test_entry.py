@@ -133,8 +133,11 @@ def test_print_config_shows_the_resolved_config_without_running_and_reads_back(t
     import yaml
 
     _Recipe.calls = []
+    from transformers.utils import logging as hf_logging
+
     assert run("pretrain", PretrainConfig, _Recipe, ["--config", TINY, "train.max_steps=7", "--print-config"]) == 0
     assert _Recipe.calls == []
+    assert hf_logging.set_tqdm_hook(None) is not None  # a recipe's run quiets transformers' weight bars
     printed = capsys.readouterr().out
     assert yaml.safe_load(printed)["train"]["max_steps"] == 7
     (tmp_path / "resolved.yaml").write_text(printed)

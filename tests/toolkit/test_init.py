@@ -1,0 +1,32 @@
+"""toolkit/__init__.py: what it keeps off a run's output. transformers' bars while a model's weights load or are
+written, once `quiet_weight_bars()` runs (the recipes' entry and export call it); its other bars stay."""
+
+from __future__ import annotations
+
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+from toolkit import quiet_weight_bars
+
+
+def save_load_and_another_bar(folder) -> None:
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    LlamaForCausalLM.from_pretrained(folder)
+    for _ in hf_logging.tqdm(range(3), desc="another bar"):
+        pass
+
+
+def test_model_weight_bars_are_off_and_other_bars_stay(tmp_path, capfd):
+    previous = hf_logging.set_tqdm_hook(None)  # as transformers has it
+    try:
+        save_load_and_another_bar(tmp_path / "plain")
+        assert "Loading weights" in capfd.readouterr().err  # the control: the bar is there to take away
+        quiet_weight_bars()
+        save_load_and_another_bar(tmp_path / "quiet")
+        err = capfd.readouterr().err
+        assert "Loading weights" not in err and "Writing model shards" not in err
+        assert "another bar" in err
+    finally:
+        hf_logging.set_tqdm_hook(previous)
