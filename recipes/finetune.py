@@ -54,8 +54,9 @@ from toolkit.models.adapter import (
     merge,
     quantization_config,
 )
-from toolkit.models.base_model import load_base_model, meta_base
+from toolkit.models.base_model import load_base_model, loadable_base, meta_base
 from toolkit.models.compilation import compile_model
+from toolkit.models.gguf_base import resolve_gguf
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
@@ -191,7 +192,9 @@ class FinetuneRecipe:
         adapter_dir = final = None
         if cfg.adapter.is_lora:
             adapter_dir = save_adapter(
-                strategy, trainer.model, self.tokenizer, run_dir.adapter, to_dict(cfg.model), cfg.checkpoint.final_dtype
+                strategy, trainer.model, self.tokenizer, run_dir.adapter, to_dict(cfg.model), cfg.checkpoint.final_dtype,
+                loadable_base(cfg.model), {**facts, "base": base, "data": f"{cfg.data.format} data",
+                                           "gguf": resolve_gguf(cfg.model)},
             )
         else:
             final = save_final_model(

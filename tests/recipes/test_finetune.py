@@ -7,6 +7,8 @@ reloaded onto the base, and the merged final/ model.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from recipe_runner import ROOT, recipe_module
@@ -87,3 +89,22 @@ def test_samples_before_and_after_are_written(smol_run):
     assert "## 1. The with statement" in text and "**before**" in text and "**after**" in text
     card = (out / "final" / "README.md").read_text()
     assert "fine-tuned from" in card and "lora" in card
+
+
+def test_the_adapter_loads_by_itself_with_peft_and_has_a_card(smol_run):
+    """adapter_config.json names a base transformers loads alone (the GGUF's dequantised copy, not the GGUF's
+    folder), so peft's own loader takes the folder; its README.md is the run's card, not peft's template."""
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+
+    out, _, inputs, live_logits = smol_run
+    named = json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (Path(named) / "config.json").is_file(), named
+    loaded = AutoPeftModelForCausalLM.from_pretrained(out / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, live_logits, atol=1e-5, rtol=0)
+    card = (out / "adapter" / "README.md").read_text()
+    assert "More Information Needed" not in card
+    assert f"base_model: {named}" in card and "AutoPeftModelForCausalLM.from_pretrained" in card
+    assert "| steps | 2 |" in card and "rank 8" in card and "--merge-lora" in card

@@ -55,6 +55,48 @@ tokenizer = AutoTokenizer.from_pretrained("{name}")
 """
 
 
+ADAPTER_CARD = """---
+library_name: peft
+base_model: {base_path}
+pipeline_tag: text-generation
+tags: [llm-toolkit, {model_type}, {adapter}]
+---
+# {name}
+
+A {method} adapter of {base} ({model_type}, {params:,} parameters), trained on {origin_detail} with
+llm-toolkit's `{recipe}` recipe: rank {r}, alpha {alpha}, on {targets}.
+
+| | |
+|---|---|
+| steps | {step} |
+| tokens seen | {tokens:,} |
+| final held-out loss | {eval_loss} |
+| final held-out perplexity | {eval_ppl} |
+| strategy | {strategy} |
+| adapter weights | {dtype}, cast from the fp32 master weights |
+| base, as peft loads it | `{base_path}` |
+
+```python
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+model = AutoPeftModelForCausalLM.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+```
+
+{base_note}One folder with the adapter merged into its base: `python recipes/export.py --from {name} --merge-lora
+--output DIR`.
+"""
+
+
+def adapter_card(out_dir: Path, facts: dict, lora: dict, base_path: str, base_note: str, dtype: str) -> str:
+    """adapter/README.md, in place of peft's template: what the adapter is, of which base, and how it loads."""
+    shown = {k: f"{v:.4f}" if isinstance(v, float) else v for k, v in facts.items()}
+    return ADAPTER_CARD.format(**{"eval_loss": "n/a", "eval_ppl": "n/a", **shown}, name=out_dir,
+                               base_path=base_path, base_note=base_note, dtype=dtype,
+                               method=facts.get("adapter", "LoRA"), origin_detail=facts.get("data", "trained"),
+                               r=lora["r"], alpha=lora["lora_alpha"], targets=", ".join(sorted(lora["target_modules"])))
+
+
 def tied_copies(model) -> list[str]:
     """Keys that are tied to another weight (e.g. lm_head to the embeddings) and load from it.
 
@@ -181,14 +223,17 @@ def write_model_files(model, tokenizer, folder: Path, extra: dict[str, dict] | N
 
 
 def save_adapter(
-    strategy: Strategy, model, tokenizer, out_dir: Path, base_model: dict | None = None, dtype: str = "float32"
+    strategy: Strategy, model, tokenizer, out_dir: Path, base_model: dict | None = None, dtype: str = "float32",
+    base_path: str | None = None, facts: dict | None = None,
 ) -> Path | None:
     """Collective (gathers sharded weights); the main process writes the peft folder atomically.
 
     The adapter weights are the fp32 master weights cast to `dtype`, the same under every
     strategy (see Strategy.master_weights). `base_model` (the run's base_model
     section) is kept as base_model.json, so that the base can be found again for merging, even
-    when it was a GGUF that peft's own `base_model_name_or_path` cannot load."""
+    when it was a GGUF. `base_path` is what peft's `base_model_name_or_path` names: a folder or hub id
+    transformers loads alone (a GGUF's dequantised copy), so that AutoPeftModelForCausalLM loads the folder;
+    None where there is none (the card then says to merge). `facts` (the model card's) make its README.md."""
     state_dict = strategy.master_weights(model)
     if not strategy.is_main:
         strategy.accelerator.wait_for_everyone()
@@ -199,10 +244,21 @@ def save_adapter(
     # trained by a LoRA here, so it need not look for the base's config to decide about them
     target = getattr(torch, dtype)  # a torch dtype's name (checkpoint.final_dtype)
     state_dict = {k: v.to(target) if v.is_floating_point() else v for k, v in state_dict.items()}
-    strategy.accelerator.unwrap_model(model).save_pretrained(
-        tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False
-    )
+    peft_model = strategy.accelerator.unwrap_model(model)
+    lora = peft_model.peft_config["default"]
+    named = lora.base_model_name_or_path  # where the base was loaded from: a GGUF's folder holds no config
+    lora.base_model_name_or_path = base_path or named
+    try:
+        peft_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
+    finally:
+        lora.base_model_name_or_path = named
     tokenizer.save_pretrained(tmp)
+    if facts is not None:
+        note = (f"The base named is the float copy of {facts['gguf']} the toolkit cached on the machine that trained "
+                "it (elsewhere, load that GGUF's weights as the base). " if base_path and facts.get("gguf") else
+                "The base was a GGUF without a float copy to name (model.gguf_cache=false): peft cannot load it by "
+                "itself. " if not base_path else "")
+        (tmp / "README.md").write_text(adapter_card(out_dir, facts, lora.to_dict(), base_path or named, note, dtype))
     if base_model is not None:
         (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
     write_manifest(tmp)

@@ -89,6 +89,16 @@ def load_base_model(
     return model, tokenizer, notes
 
 
+def loadable_base(cfg: BaseModelConfig) -> str | None:
+    """The base as transformers' from_pretrained loads it alone (what an adapter's config names): the folder or hub
+    id, or a GGUF's dequantised copy once cached; None for a GGUF without one."""
+    gguf = resolve_gguf(cfg)
+    if gguf is None:
+        return cfg.path
+    cached = cache_folder(cfg, gguf)
+    return str(cached) if cached is not None and (cached / "config.json").is_file() else None
+
+
 def meta_base(cfg: BaseModelConfig) -> tuple[torch.nn.Module, int] | None:
     """The base model's architecture on the meta device, from its config.json alone, and the bytes
     one weight takes as it loads; None for a GGUF (sized by its file) or a config that cannot be read
