@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 output=output, fmt=args.format + (f" {args.quant}" if args.format == "gguf" else f" {args.dtype}" if args.format == "hf" else ""),
                 source=source.describe(), size_bytes=size_on_disk(staged), source_ppl=source_ppl,
                 export_ppl=perplexity(exported, blocks), tokens_per_s=tokens_per_second(exported, tokenizer), notes=notes,
+                text=f"--eval-text {args.eval_text}" if args.eval_text else "the CPython docs' held-out documents",
+                trained_ppl=source.facts.get("eval_ppl") if isinstance(source.facts.get("eval_ppl"), float) else None,
             )
             destination.report_path(staged, args.format).write_text(report.markdown())
             destination.mark(staged, args.format)

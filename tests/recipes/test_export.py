@@ -68,7 +68,8 @@ def test_hf_export_of_a_zero3_checkpoint(export, runs, tmp_path, capsys):
     card = (out / "README.md").read_text()
     assert "DeepSpeed ZeRO checkpoint" in card and "| step | 6 |" in card and "| dtype | bf16 |" in card
     report = (out / "export_report.md").read_text()
-    assert "held-out perplexity (export)" in report and "tokens/s" in report
+    assert "perplexity on the CPython docs' held-out documents: the export" in report and "tokens/s" in report
+    assert "at training time (the run's own held-out blocks)" in report  # the checkpoint's evaluation, named apart
 
 
 def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, data_cache, tmp_path, export, capsys):

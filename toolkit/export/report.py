@@ -77,6 +77,13 @@ class ExportReport:
     export_ppl: float
     tokens_per_s: float
     notes: list[str]
+    text: str = "the CPython docs' held-out documents"  # what the perplexities were measured on
+    trained_ppl: float | None = None  # the run's own held-out perplexity at its last evaluation, if it had one
+
+    def speed_by(self) -> str:
+        """What generated: a GGUF is measured through transformers, on its weights dequantised."""
+        runner = "transformers on the GGUF's weights, dequantised" if self.fmt.startswith("gguf") else "transformers"
+        return f"{runner}, {'GPU' if torch.cuda.is_available() else 'CPU'}"
 
     @property
     def ppl_change(self) -> float:
@@ -91,13 +98,17 @@ class ExportReport:
             f"| format | {self.fmt} |",
             f"| source | {self.source} |",
             f"| size on disk | {self.size_bytes / 1e6:.2f} MB |",
-            f"| held-out perplexity (source, fp32) | {self.source_ppl:.4f} |",
-            f"| held-out perplexity (export) | {self.export_ppl:.4f} |",
+            f"| perplexity on {self.text}: the source, fp32 | {self.source_ppl:.4f} |",
+            f"| perplexity on {self.text}: the export | {self.export_ppl:.4f} |",
             f"| change | {self.ppl_change:+.3%} |",
-            f"| generation speed here (transformers, CPU) | {self.tokens_per_s:.1f} tokens/s |",
+            *([f"| held-out perplexity at training time (the run's own held-out blocks) | {self.trained_ppl:.4f} |"]
+              if self.trained_ppl is not None else []),
+            f"| generation speed here ({self.speed_by()}) | {self.tokens_per_s:.1f} tokens/s |",
             "",
-            f"Perplexity on {EVAL_TOKENS} held-out tokens in blocks of {EVAL_BLOCK}; speed: greedy, "
-            "one sequence, this machine.",
+            f"Perplexity on the first {EVAL_TOKENS} tokens of {self.text}, in blocks of {EVAL_BLOCK}: the source and "
+            "the export on the same tokens"
+            + (", which are not the run's own held-out blocks (another text, another count)" if self.trained_ppl
+               is not None else "") + "; speed: greedy, one sequence, this machine.",
         ]
         if self.notes:
             lines += ["", "## Notes", "", *[f"- {n}" for n in self.notes]]

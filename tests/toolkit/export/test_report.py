@@ -147,13 +147,25 @@ def test_markdown_names_every_figure():
         "| format | int8 |",
         "| source | runs/tiny/final |",
         "| size on disk | 2.50 MB |",
-        "| held-out perplexity (source, fp32) | 20.0000 |",
-        "| held-out perplexity (export) | 20.5000 |",
+        "| perplexity on the CPython docs' held-out documents: the source, fp32 | 20.0000 |",
+        "| perplexity on the CPython docs' held-out documents: the export | 20.5000 |",
         "| change | +2.500% |",
         "| generation speed here (transformers, CPU) | 123.5 tokens/s |",
     ):
         assert line + "\n" in md, line
-    assert f"Perplexity on {EVAL_TOKENS} held-out tokens in blocks of {EVAL_BLOCK}" in md
+    assert (f"Perplexity on the first {EVAL_TOKENS} tokens of the CPython docs' held-out documents, in blocks of "
+            f"{EVAL_BLOCK}: the source and the export on the same tokens;") in md
+    assert "at training time" not in md
+
+
+def test_each_figure_says_what_it_measured_beside_the_runs_own():
+    """Training's held-out perplexity and the export's are two measurements of two texts: both shown, each named;
+    a GGUF's speed is transformers on its dequantised weights, not llama.cpp's."""
+    md = report(fmt="gguf q8_0", trained_ppl=13.79, text="--eval-text notes.txt").markdown()
+    assert "| perplexity on --eval-text notes.txt: the export | 20.5000 |" in md
+    assert "| held-out perplexity at training time (the run's own held-out blocks) | 13.7900 |" in md
+    assert "which are not the run's own held-out blocks" in md
+    assert "| generation speed here (transformers on the GGUF's weights, dequantised, CPU) | 123.5 tokens/s |" in md
     assert "## Notes" not in md
     assert md.endswith("\n") and not md.endswith("\n\n")
 
