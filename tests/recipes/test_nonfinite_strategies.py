@@ -23,7 +23,7 @@ from toolkit.training.nonfinite import ENV
 pytestmark = pytest.mark.distributed
 
 RUN = [*TINY, "train.max_steps=6"]  # TINY checkpoints and evaluates every 3 steps
-SKIPPED = {"step": 3, "action": "skip", "in_a_row": 1}
+SKIPPED = {"kind": "nonfinite", "step": 3, "action": "skip", "in_a_row": 1}
 # strategy: (accelerate config, what rank 1 alone gets at step 3, what every rank reports)
 CASES = {
     "ddp": ("ddp.yaml", "batch", "loss"),  # a NaN batch: loss and gradients
@@ -150,7 +150,7 @@ def test_on_nonfinite_abort_is_one_error_line_and_exit_code_5(tmp_path, data_cac
         "was not applied: lower optim.lr or check the data of step 2, then start over"
     ], output[-6000:]
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r for r in rows if "nonfinite" in r] == [{"step": 2, "nonfinite": "loss", "action": "abort", "in_a_row": 1}]
+    assert [r for r in rows if "nonfinite" in r] == [{"kind": "nonfinite", "step": 2, "nonfinite": "loss", "action": "abort", "in_a_row": 1}]
     assert sorted(losses(out)) == [1]
 
 

@@ -127,6 +127,28 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
     return out
 
 
+# metrics.jsonl: one JSON object a line, each with a `kind` and the columns of that kind (the optional ones: a
+# mixture's per-source columns `tokens/<name>`, `eval_loss/<name>`, `eval_tokens/<name>`; a mixture of experts'
+# `router_aux_loss`; a preference objective's `rewards/*` and `eval_rewards/*`), so that
+# `pandas.read_json(path, lines=True).groupby("kind")` gives one dense frame a kind (docs/metrics.md).
+KINDS = {
+    "train": ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "epoch"),  # every logging.every steps
+    "eval": ("step", "phase", "eval_loss"),  # phase: before (a fine-tune's base), train, after; eval_ppl but for pairs
+    "memory": ("step", "held_bytes"),  # the bytes each rank held after its first step
+    "nonfinite": ("step", "nonfinite", "action", "in_a_row"),  # a NaN/inf step skipped, or the run stopped
+    "checkpoint_error": ("step", "checkpoint_error"),  # a save that failed under checkpoint.on_save_error=continue
+    "summary": ("step", "parameter_digests", "peak_memory"),  # the run's last row
+}
+
+
+def check_kind(kind: str, record: dict) -> str:
+    """`kind`, once `record` has its columns (a row another reader would find sparse fails the run's tests)."""
+    missing = [c for c in KINDS[kind] if c not in record]
+    if missing:
+        raise ValueError(f"a {kind} row of metrics.jsonl lacks {missing}: {sorted(record)}")
+    return kind
+
+
 class MetricsWriter:
     """Appends one JSON object per line; on resume, drops lines past the resumed step, and a
     last line torn by a hard kill (it would otherwise make every later read fail)."""

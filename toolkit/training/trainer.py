@@ -59,6 +59,7 @@ from toolkit.training.feed import Feed
 from toolkit.training.metrics import (
     HostCopy,
     MetricsWriter,
+    check_kind,
     check_trackers,
     estimate_mfu,
     flat_hparams,
@@ -372,7 +373,7 @@ class Trainer:
             if meter is not None:
                 self.measured = True
                 held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
-                self.log({"step": state.step, "held_bytes": held})
+                self.log("memory", {"step": state.step, "held_bytes": held})
 
             if unread is not None:  # the previous step's verdict, which arrived while this step ran
                 self.settle(*unread, verdict(previous.get()[2:4]), bar, unread=True)
@@ -386,7 +387,7 @@ class Trainer:
             if nonfinite is None and log_now:
                 loss = values[0] / self.strategy.loss_copies / max(1, global_targets)
                 tps = window_tokens / max(window_time, 1e-9)
-                self.log({
+                self.log("train", {
                     "step": state.step,
                     "loss": loss,
                     "lr": lr,
@@ -448,7 +449,7 @@ class Trainer:
         self.nonfinite_in_a_row += 1
         k = self.nonfinite_in_a_row
         abort = t.on_nonfinite == "abort" or k >= t.max_nonfinite_skips
-        self.log({"step": step, "nonfinite": found, "action": "abort" if abort else "skip", "in_a_row": k})
+        self.log("nonfinite", {"step": step, "nonfinite": found, "action": "abort" if abort else "skip", "in_a_row": k})
         what = "loss" if found == "loss" else "gradients"
         if not abort:
             self.print(
@@ -499,7 +500,7 @@ class Trainer:
                 self.strategy.pipeline, objective=self.objective,
             )
         self.eval_step = self.state.eval_step = self.step
-        self.log({"step": self.step, "phase": phase, **result})
+        self.log("eval", {"step": self.step, "phase": phase, **result})
         sources = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in result.items() if k.startswith("eval_loss/"))
         self.print(f"step {self.step} ({phase}): held-out loss {result['eval_loss']:.4f}"
                    + (f" ({sources})" if sources else "")
@@ -526,7 +527,7 @@ class Trainer:
             )
         except SaveFailed as exc:
             self.checkpoint_step = -1  # the step has no checkpoint: finish() and a stop try again
-            self.log({"step": self.step, "checkpoint_error": str(exc)})
+            self.log("checkpoint_error", {"step": self.step, "checkpoint_error": str(exc)})
             if self.cfg.checkpoint.on_save_error == "stop":
                 raise SaveStopped(f"{exc}; free space, then continue with resume=auto") from None
             self.print(f"warning: {exc}; training goes on (checkpoint.on_save_error=continue)")
@@ -545,7 +546,7 @@ class Trainer:
         digests = self.strategy.check_replicas_in_sync(self.model)
         memory = gather_object([peak_memory_mb(self.strategy.device)])
         if self.metrics is None or not self.metrics.has(self.step, "parameter_digests"):  # a finished run re-run
-            self.log({"step": self.step, "parameter_digests": digests, "peak_memory": memory})
+            self.log("summary", {"step": self.step, "parameter_digests": digests, "peak_memory": memory})
 
     def facts(self, model_type: str) -> dict:
         """What every model card says about the run."""
@@ -564,9 +565,11 @@ class Trainer:
         self.metrics = None
         return plot_loss(self.run.metrics, self.run.loss_plot)
 
-    def log(self, record: dict) -> None:
+    def log(self, kind: str, record: dict) -> None:
+        """A row of metrics.jsonl of `kind` (toolkit.training.metrics.KINDS: the columns each kind has), and its
+        numbers to the trackers."""
         if self.metrics is not None:
-            self.metrics.write(record)
+            self.metrics.write({"kind": check_kind(kind, record), **record})
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.cfg.logging.trackers:
             self.accelerator.log(scalars, step=record["step"])

@@ -90,7 +90,7 @@ def test_a_skipped_step_changes_nothing_and_the_next_batch_trains(tmp_path, bloc
         expected /= int(trainer.feed.targets[trainer.feed.schedule.global_indices(2)].sum())
     train_to(trainer, 3)
     trainer.close()
-    assert rows(trainer, "nonfinite") == [{"step": 2, "nonfinite": "loss", "action": "skip", "in_a_row": 1}]
+    assert rows(trainer, "nonfinite") == [{"kind": "nonfinite", "step": 2, "nonfinite": "loss", "action": "skip", "in_a_row": 1}]
     losses = {r["step"]: r for r in rows(trainer, "loss")}
     assert sorted(losses) == [1, 3]
     assert losses[3]["loss"] == pytest.approx(expected, rel=1e-6)
@@ -114,9 +114,9 @@ def test_skips_in_a_row_stop_the_run(tmp_path, blocks, tiny_tokenizer, tiny_mode
         f"last good checkpoint with resume={trainer.run.checkpoint(3)}"
     )
     assert rows(trainer, "nonfinite") == [
-        {"step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
-        {"step": 4, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
-        {"step": 5, "nonfinite": "grad", "action": "abort", "in_a_row": 2},
+        {"kind": "nonfinite", "step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
+        {"kind": "nonfinite", "step": 4, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
+        {"kind": "nonfinite", "step": 5, "nonfinite": "grad", "action": "abort", "in_a_row": 2},
     ]
     assert [r["step"] for r in rows(trainer, "loss")] == [1, 3]
 
@@ -133,7 +133,7 @@ def test_on_nonfinite_abort_stops_at_the_first_before_the_update(tmp_path, block
         train_to(trainer, 3)
     trainer.close()
     assert_same(snapshot(trainer), before)
-    assert rows(trainer, "nonfinite") == [{"step": 2, "nonfinite": "loss", "action": "abort", "in_a_row": 1}]
+    assert rows(trainer, "nonfinite") == [{"kind": "nonfinite", "step": 2, "nonfinite": "loss", "action": "abort", "in_a_row": 1}]
 
 
 ON_DEVICE = ["optim.fused=true", "logging.every=100"]  # torch's fused AdamW; only the last step needs its values
@@ -164,7 +164,7 @@ def test_a_skip_left_on_the_device_is_read_a_step_later_to_the_same_run(tmp_path
         ran[sync] = (run_to_the_end(trainer), rows(trainer, "nonfinite"), rows(trainer, "loss"))
     assert said == {"host": (2, 2), "none": (2, 3)}  # step 2's skip, said at step 2 or at step 3
     (host, host_skips, host_losses), (late, late_skips, late_losses) = ran["host"], ran["none"]
-    assert late_skips == host_skips == [{"step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1}]
+    assert late_skips == host_skips == [{"kind": "nonfinite", "step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1}]
     assert [r["tokens"] for r in late_losses] == [r["tokens"] for r in host_losses]  # step 4's row: 3 steps' tokens
     assert late["scheduler"] == host["scheduler"] and late["lr"] == host["lr"]
     if schedule == "constant":  # two models: their Adam states compared in parameter order
@@ -182,8 +182,8 @@ def test_skips_left_on_the_device_in_a_row_stop_the_run_at_the_same_step(tmp_pat
     with pytest.raises(Diverged, match=r"^non-finite gradients \(NaN or inf\) at step 3 \(2 steps in a row"):
         trainer.fit()
     trainer.close()
-    assert rows(trainer, "nonfinite") == [{"step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
-                                          {"step": 3, "nonfinite": "grad", "action": "abort", "in_a_row": 2}]
+    assert rows(trainer, "nonfinite") == [{"kind": "nonfinite", "step": 2, "nonfinite": "grad", "action": "skip", "in_a_row": 1},
+                                          {"kind": "nonfinite", "step": 3, "nonfinite": "grad", "action": "abort", "in_a_row": 2}]
     assert trainer.step == 4  # read while step 4 ran
 
 

@@ -52,6 +52,18 @@ def test_a_run_trains_evaluates_and_checkpoints_on_its_cadence(tmp_path, blocks,
     assert sorted(losses(run)) == [1, 2, 3, 4]
     assert [(r["step"], r["phase"]) for r in records if "eval_loss" in r] == [(2, "train"), (4, "after")]
     assert "held_bytes" in records[0] and "parameter_digests" in records[-1]
+    # as a user reads the file: one dense frame a kind, each with its documented columns (docs/metrics.md)
+    import pandas
+
+    from toolkit.training.metrics import KINDS
+
+    frame = pandas.read_json(run.metrics, lines=True)
+    assert list(frame["kind"]) == [r["kind"] for r in records]
+    assert set(frame["kind"]) == {"memory", "train", "eval", "summary"}
+    for kind, rows in frame.groupby("kind"):
+        dense = rows.dropna(axis=1, how="all")  # the columns of this kind (mfu is null on a CPU: no peak FLOP/s)
+        assert set(KINDS[kind]) - {"mfu"} <= set(dense.columns), kind
+        assert not dense.isna().any().any(), kind  # and none of them missing in a row
     assert [p.name for p in run.complete_checkpoints()] == ["step-4"]  # step-3, then the last one; keep_last=1
     state = TrainerState.read(run.checkpoint(4))
     assert state.step == 4 and state.tokens_seen > 0 and state.last_eval["eval_loss"] == records[-2]["eval_loss"]
