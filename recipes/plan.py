@@ -274,7 +274,7 @@ def launch_line(best: dict, recipe: str, args) -> str:
     groups = f" --parallelism_config_dp_shard_size {best['dp_shard']}" if best["cp"] * best["tp"] * best["sp"] > 1 else ""
     config = "ddp" if best["pipeline_stages"] > 1 else best["strategy"]
     return (
-        f"accelerate launch --config_file accelerate_configs/{config}.yaml --num_processes {args.gpus}{groups} "
+        f"bash recipes/launch.sh --config_file accelerate_configs/{config}.yaml --num_processes {args.gpus}{groups} "
         f"recipes/{recipe}.py --config {args.config} train.micro_batch_size={best['micro_batch_size']} "
         f"model.gradient_checkpointing={best['gradient_checkpointing']}{extra}"
     )
@@ -285,19 +285,35 @@ def label(row: dict) -> str:
     return f"pp{row['pipeline_stages']} stage {row['stage']}" if row["pipeline_stages"] > 1 else row["strategy"]
 
 
+LEGEND = ("per GPU, GB = 1e9 bytes; step: estimated step time relative to the fastest row (the ranking: a rule of "
+          "thumb for recomputation, sharding's gathers, offload and pipeline bubbles, not a measurement); +rsv: the "
+          "CUDA context and the allocator's slack beside the peak, which must fit too")
+
+
 def table(rows: list[dict], args) -> str:
     gb = 1e9
-    head = (f"{'strategy':<14}{'ckpt':<9}{'mb':>3}{'params':>8}{'grads':>8}{'optim':>8}{'master':>8}{'activ':>8}"
-            f"{'logits':>8}{'buffers':>8}{'peak':>8}{'+rsv':>7}  fits")
-    lines = [f"per-GPU memory (GB = 1e9 bytes), {args.gpus} GPU(s) of {args.gpu_memory / gb:.0f} GB, "
-             f"headroom {args.headroom:.0%}", head, "-" * len(head)]
+    head = (f"{'strategy':<14}{'ckpt':<9}{'mb':>3}{'step':>6}{'params':>8}{'grads':>8}{'optim':>8}{'master':>8}"
+            f"{'activ':>8}{'logits':>8}{'buffers':>8}{'peak':>8}{'+rsv':>7}  fits")
+    fastest = min(r["relative_step_time"] for r in rows)
+    lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{label(r):<14}{r['gradient_checkpointing']:<9}{r['micro_batch_size']:>3}"
+            f"{r['relative_step_time'] / fastest:>6.2f}"
             + "".join(f"{r[k + '_bytes'] / gb:>8.1f}" for k in ("params", "grads", "optimizer", "master", "activations", "logits_loss", "buffers"))
             + f"{r['peak_bytes'] / gb:>8.1f}{r['reserve_bytes'] / gb:>7.1f}  {'yes' if r['fits'] else 'no'}"
         )
     return "\n".join(lines)
+
+
+def shortlist(rows: list[dict]) -> list[dict]:
+    """Each strategy's fastest row that fits (its smallest when none does), fastest first."""
+    by_strategy: dict[str, dict] = {}
+    for r in sorted(rows, key=lambda r: (not r["fits"], r["relative_step_time"], r["peak_bytes"] if r["fits"] else 0)):
+        by_strategy.setdefault(label(r), r)
+    if not any(r["fits"] for r in by_strategy.values()):
+        by_strategy = {k: min((r for r in rows if label(r) == k), key=lambda r: r["peak_bytes"]) for k in by_strategy}
+    return sorted(by_strategy.values(), key=lambda r: (not r["fits"], r["relative_step_time"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--headroom", type=float, default=0.1, help="share of the GPU's memory kept free (0-0.9)")
     parser.add_argument("--micro-batch", default="", help="comma-separated micro-batch sizes to list (default 1..32)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
+    parser.add_argument("--all", action="store_true", help="list every row (strategy x recomputation x micro-batch), "
+                        "not only each strategy's fastest that fits")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as for the recipe")
     args = parser.parse_args(argv)
     try:
@@ -323,18 +341,25 @@ def main(argv: list[str] | None = None) -> int:
         print("".join(f"{n}\n" for n in notes), end="", file=sys.stderr)
         print(json.dumps(rows, indent=1))
         return 0
-    print(table(rows, args))
-    if notes:
-        print("\n" + "\n".join(notes))
+    budget = args.gpu_memory * (1 - args.headroom) / 1e9
     if best is None:
         smallest = min(rows, key=lambda r: r["peak_bytes"])
-        print(f"\nnothing fits: the smallest is {label(smallest)} / {smallest['gradient_checkpointing']} / "
-              f"micro-batch {smallest['micro_batch_size']} at {smallest['peak_bytes'] / 1e9:.1f} GB per GPU; "
-              "add GPUs, shorten data.seq_len or train a LoRA")
-        return 0
-    print(f"\nfastest that fits: {label(best)}, gradient checkpointing {best['gradient_checkpointing']}, "
-          f"micro-batch {best['micro_batch_size']} ({best['peak_bytes'] / 1e9:.1f} GB peak per GPU)")
-    print(launch_line(best, recipe, args))
+        print(f"nothing fits {args.gpus} GPU(s) of {args.gpu_memory / 1e9:.0f} GB: the smallest is {label(smallest)} / "
+              f"{smallest['gradient_checkpointing']} / micro-batch {smallest['micro_batch_size']} at "
+              f"{smallest['peak_bytes'] / 1e9:.1f} GB per GPU; add GPUs, shorten data.seq_len or train a LoRA")
+    else:
+        print(f"fastest that fits: {label(best)}, gradient checkpointing {best['gradient_checkpointing']}, "
+              f"micro-batch {best['micro_batch_size']} ({best['peak_bytes'] / 1e9:.1f} GB peak per GPU, "
+              f"{(best['peak_bytes'] + best['reserve_bytes']) / 1e9:.1f} with +rsv, of {budget:.1f} usable: "
+              f"{args.gpu_memory / 1e9:.0f} GB less {args.headroom:.0%} headroom)")
+        print(launch_line(best, recipe, args))
+    shown = rows if args.all else shortlist(rows)
+    print(f"\n{'every row' if args.all else 'each strategy at its fastest that fits'} ({len(shown)} of {len(rows)}"
+          f"{'' if args.all else '; --all lists every one'}), {args.gpus} GPU(s) of {args.gpu_memory / 1e9:.0f} GB:")
+    print(table(shown, args))
+    print(LEGEND)
+    if notes:
+        print("\n" + "\n".join(notes))
     return 0
 
 

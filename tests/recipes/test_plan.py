@@ -80,11 +80,19 @@ def test_the_1b_config_on_eight_80gb_gpus_gets_rows_and_a_launch_line():
     text = plan_command("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB",
                         "data.path=", mixture)
     assert text.returncode == 0, text.stderr
-    line = text.stdout.strip().splitlines()[-1]
-    assert line.startswith("accelerate launch --config_file accelerate_configs/") and "--num_processes 8" in line
+    # the answer first: the row, then its launch line, then each strategy's fastest that fits and what the columns mean
+    answer, line, _, intro, *table_and_notes = text.stdout.strip().splitlines()
+    assert line.startswith("bash recipes/launch.sh --config_file accelerate_configs/") and "--num_processes 8" in line
+    assert intro.startswith("each strategy at its fastest that fits (") and "--all lists every one" in intro
+    listed = [r[:14].strip() for r in table_and_notes[2:] if r.split() and r.split()[-1] in ("yes", "no")]
+    assert len(listed) == len(set(listed)) and listed[0] == "ddp"  # one row a strategy, the fastest first
+    assert any(r.startswith("per GPU, GB = 1e9 bytes; step: estimated step time") and "+rsv: the CUDA context" in r
+               for r in table_and_notes)
+    every = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--all")
+    assert every.returncode == 0 and "every row (" in every.stdout
     assert mixture in shlex.split(line)  # quoted for the shell, as a user pastes it
     assert "recipes/pretrain.py --config recipes/configs/pretrain_llama_1b.yaml" in line
-    best = text.stdout.strip().splitlines()[-2]
+    best = answer
     # the YAML ships what plan.py finds fastest on 8 x 80 GB (its launch line names ddp.yaml)
     shipped = load_config(PretrainConfig, ROOT / "recipes/configs/pretrain_llama_1b.yaml", [])
     assert best.startswith(f"fastest that fits: ddp, gradient checkpointing {shipped.model.gradient_checkpointing}, "
@@ -221,10 +229,10 @@ def test_model_parallel_rows_say_what_a_launch_needs():
     assert "fsdp_tp: tp 2 x dp_shard 1, activations whole between the layers (flex_attention: transformers' plan), " \
         "as launched with model.loss=full" in out
     assert "zero3_sp: sp 2 x dp_shard 1, as launched with model.attn_implementation=sdpa" in out
-    assert out[-2].startswith("fastest that fits: fsdp_cp, gradient checkpointing full"), "32k tokens fit split in two"
-    assert out[-1].startswith("accelerate launch --config_file accelerate_configs/fsdp_cp.yaml --num_processes 2 "
-                              "--parallelism_config_dp_shard_size 1 recipes/pretrain.py")
-    assert out[-1].endswith(" ".join(long) + " model.attn_implementation=sdpa")
+    assert out[0].startswith("fastest that fits: fsdp_cp, gradient checkpointing full"), "32k tokens fit split in two"
+    assert out[1].startswith("bash recipes/launch.sh --config_file accelerate_configs/fsdp_cp.yaml --num_processes 2 "
+                             "--parallelism_config_dp_shard_size 1 recipes/pretrain.py")
+    assert out[1].endswith(" ".join(long) + " model.attn_implementation=sdpa")
 
     heads = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8",
                  "model.config.num_key_value_heads=1", "--json")
@@ -328,8 +336,8 @@ def test_a_pipeline_row_is_its_largest_stage():
     # the launch line is ddp.yaml's with the stage count
     small = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--gpu-memory", "33GB",
                  "--micro-batch", "8", *fp32_full_loss).stdout.strip().splitlines()
-    assert small[-2].startswith("fastest that fits: pp2 stage 1, gradient checkpointing full"), small[-3:]
-    assert small[-1] == ("accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/pretrain.py "
+    assert small[0].startswith("fastest that fits: pp2 stage 1, gradient checkpointing full"), small[:3]
+    assert small[1] == ("bash recipes/launch.sh --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/pretrain.py "
                          "--config recipes/configs/pretrain_llama_1b.yaml train.micro_batch_size=8 "
                          "model.gradient_checkpointing=full " + " ".join(fp32_full_loss) + " train.pipeline_stages=2")
 
