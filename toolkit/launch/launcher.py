@@ -40,10 +40,12 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import yaml
@@ -89,6 +91,7 @@ def _launch(args) -> int:
     accelerate_launch.is_rich_available = lambda: False
     os.environ[LAUNCHER_PID] = str(os.getpid())  # a rank's parent: how it knows it was not orphaned while starting
     accelerate_launch.deepspeed_launcher = _with_launch_environment(accelerate_launch.deepspeed_launcher)
+    warnings.showwarning = port_in_use_in_one_line(warnings.showwarning)
     stop = StopForwarder()
     held = HeldLog(logging.getLogger(ELASTIC_LOGGER))
     try:
@@ -109,6 +112,23 @@ def _launch(args) -> int:
     finally:
         stop.finished = True
     return 0
+
+
+PORT_IN_USE = re.compile(r"Port `(\d+)` is already in use\.")
+
+
+def port_in_use_in_one_line(show):
+    """warnings.showwarning, with Accelerate's paragraph about a busy port (another launch on this machine; it then
+    takes a free one) said in one line instead of five, its source line included."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        busy = PORT_IN_USE.match(str(message))
+        if busy is None:
+            return show(message, category, filename, lineno, file, line)
+        print(f"note: port {busy.group(1)} is in use (another launch on this machine?): this one takes a free port; "
+              "--main_process_port N picks one", file=sys.stderr, flush=True)
+
+    return showwarning
 
 
 def _with_launch_environment(deepspeed_launcher):

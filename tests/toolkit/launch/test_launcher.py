@@ -154,3 +154,17 @@ def test_a_second_ctrl_c_after_the_ranks_exited_does_not_raise_in_the_launcher()
            "time.sleep(0.2); print('returned')"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "returned", "")
+
+
+def test_a_busy_port_is_one_line_and_other_warnings_are_shown_as_they_were(capsys):
+    from toolkit.launch.launcher import port_in_use_in_one_line
+
+    shown = []
+    show = port_in_use_in_one_line(lambda *args: shown.append(str(args[0])))
+    show(UserWarning("Port `29500` is already in use. Accelerate will attempt to launch in a standalone-like mode "
+                     "by finding an open port automatically for this session. If this current attempt fails, ..."),
+         UserWarning, "accelerate/utils/launch.py", 236)
+    show(UserWarning("something else"), UserWarning, "x.py", 1)
+    assert capsys.readouterr().err == ("note: port 29500 is in use (another launch on this machine?): this one takes a "
+                                       "free port; --main_process_port N picks one\n")
+    assert shown == ["something else"]
