@@ -18,6 +18,7 @@ with their collate, and what it delivers at the end.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -158,7 +159,19 @@ class Trainer:
         return self.resume_from is not None
 
     def print(self, line: str) -> None:
+        """A line of the run's own, on a line of its own while the progress bar is drawn: in a terminal the bar is
+        cleared and drawn again under it; in a file (SLURM, `> log`), where the bar's updates are "\r" with no end of
+        line, its line is ended first."""
+        bar = getattr(self, "bar", None)
+        if bar is None or bar.disable:  # no bar: closing it ended its line
+            return self.strategy.print(f"[{self.name}] {line}")
+        if sys.stderr.isatty():
+            with tqdm.external_write_mode():
+                return self.strategy.print(f"[{self.name}] {line}")
+        sys.stderr.write("\n")
+        sys.stderr.flush()
         self.strategy.print(f"[{self.name}] {line}")
+        sys.stdout.flush()
 
     # ------------------------------------------------------------------ setup
     def use_data(
@@ -304,13 +317,15 @@ class Trainer:
     def fit(self) -> None:
         self.stop.step = lambda: self.state.step
         self.stop.training = True
-        bar = tqdm(total=self.cfg.train.max_steps, initial=self.state.step, disable=not self.accelerator.is_main_process, desc=self.name)
+        self.bar = bar = tqdm(total=self.cfg.train.max_steps, initial=self.state.step,
+                              disable=not self.accelerator.is_main_process, desc=self.name)
         try:
             self.train_steps(bar)
         finally:
             # Also when a step raises: the bar's line ends, so the error line each rank prints
             # starts a line of its own instead of being glued after the bar's last "\r".
             bar.close()
+            self.bar = None
 
     def train_steps(self, bar) -> None:
         cfg, acc, state = self.cfg, self.accelerator, self.state

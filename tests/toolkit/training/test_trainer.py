@@ -409,3 +409,31 @@ def test_bf16_training_casts_the_weights_once_per_step_unless_told_otherwise(tmp
     with pytest.raises(UserError, match=r"^model.cast_weights=per_step cannot cast the weights once per step here: "
                                         r"the run computes in fp32 \(train.mixed_precision\)"):
         start(tmp_path / "fp32", blocks, tiny_tokenizer, tiny_model, "model.cast_weights=per_step")
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["a file (SLURM, > log)", "a terminal"])
+def test_a_line_said_while_the_bar_is_drawn_starts_a_line_of_its_own(tty, monkeypatch):
+    """stdout and stderr into one file, as `> log 2>&1` and SLURM write them: the bar's updates end with "\\r", not
+    an end of line, and the run's lines came glued after its last one."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from tqdm.auto import tqdm
+
+    class Log(io.StringIO):
+        def isatty(self):
+            return tty
+
+    log = Log()
+    monkeypatch.setattr(sys, "stdout", log)
+    monkeypatch.setattr(sys, "stderr", log)
+    bar = tqdm(total=4, desc="pretrain", file=sys.stderr, mininterval=0)
+    bar.update(2)
+    trainer = SimpleNamespace(bar=bar, name="pretrain", strategy=SimpleNamespace(print=print))
+    Trainer.print(trainer, "step 2 (train): held-out loss 8.2935")
+    bar.close()
+    text = log.getvalue()
+    assert "\n[pretrain] step 2 (train): held-out loss 8.2935\n" in text.replace("\r", "\n")
+    if not tty:
+        assert "it/s]\n[pretrain] step 2" in text or "]\n[pretrain] step 2" in text
