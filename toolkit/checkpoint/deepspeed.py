@@ -6,6 +6,8 @@ stages, fp32 and bf16, and LoRA under ZeRO-2 and ZeRO-3), and loaded into a Deep
 
 from __future__ import annotations
 
+import contextlib
+import io
 from argparse import Namespace
 from pathlib import Path
 
@@ -41,8 +43,12 @@ def full_weights(folder: Path, into: Path) -> None:
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
     # lazy inside: each shard is gathered from the partitions when it is written. As torch
-    # files: its safetensors writer refuses tied weights (embeddings shared with lm_head)
-    convert_zero_checkpoint_to_fp32_state_dict(str(folder), str(into), max_shard_size="1GB", safe_serialization=False)
+    # files: its safetensors writer refuses tied weights (embeddings shared with lm_head). Its prints and
+    # its bar ("Processing zero checkpoint", "Parsing checkpoint created by deepspeed==", "Detected checkpoint of
+    # type ...", "Reconstructed ... fp32 state dict", "Saving checkpoint shards") are not the export's: a failure
+    # raises, with its own message
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        convert_zero_checkpoint_to_fp32_state_dict(str(folder), str(into), max_shard_size="1GB", safe_serialization=False)
 
 
 def moments(folder: Path, scratch: Path) -> tuple[dict, dict]:
