@@ -3,13 +3,17 @@ numbers to the host."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate.utils import LoggerType
+from tqdm.auto import tqdm
 
 from toolkit.config import field
 from toolkit.training.profiling import check_steps
@@ -243,6 +247,23 @@ def flat_hparams(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return out
+
+
+@contextlib.contextmanager
+def beside_the_bar(bar) -> Iterator[None]:
+    """What is printed inside, on a line of its own while a progress bar is drawn: in a terminal the bar is cleared
+    and drawn again under it; in a file (SLURM, `> log`), where the bar's updates are "\r" with no end of line, its
+    line is ended first. No bar (or a closed one: closing ended its line), as printed."""
+    if bar is None or bar.disable:
+        yield
+    elif sys.stderr.isatty():
+        with tqdm.external_write_mode():
+            yield
+    else:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+        yield
+        sys.stdout.flush()
 
 
 class HostCopy:

@@ -18,7 +18,6 @@ with their collate, and what it delivers at the end.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,6 +59,7 @@ from toolkit.training.feed import Feed
 from toolkit.training.metrics import (
     HostCopy,
     MetricsWriter,
+    beside_the_bar,
     check_kind,
     check_trackers,
     estimate_mfu,
@@ -159,19 +159,8 @@ class Trainer:
         return self.resume_from is not None
 
     def print(self, line: str) -> None:
-        """A line of the run's own, on a line of its own while the progress bar is drawn: in a terminal the bar is
-        cleared and drawn again under it; in a file (SLURM, `> log`), where the bar's updates are "\r" with no end of
-        line, its line is ended first."""
-        bar = getattr(self, "bar", None)
-        if bar is None or bar.disable:  # no bar: closing it ended its line
-            return self.strategy.print(f"[{self.name}] {line}")
-        if sys.stderr.isatty():
-            with tqdm.external_write_mode():
-                return self.strategy.print(f"[{self.name}] {line}")
-        sys.stderr.write("\n")
-        sys.stderr.flush()
-        self.strategy.print(f"[{self.name}] {line}")
-        sys.stdout.flush()
+        with beside_the_bar(getattr(self, "bar", None)):
+            self.strategy.print(f"[{self.name}] {line}")
 
     # ------------------------------------------------------------------ setup
     def use_data(
