@@ -24,6 +24,14 @@ from toolkit.models.adapter import BASE_MODEL_FILE
 from toolkit.run_dir import replace_folder
 from toolkit.strategy.distributed import Strategy
 
+# what a card of a model or an adapter says of the run that made it (its .format fields)
+RUN_ROWS = """| steps | {step} |
+| tokens seen | {tokens:,} |
+| final held-out loss | {eval_loss} |
+| final held-out perplexity | {eval_ppl} |
+| strategy | {strategy} |
+"""
+
 CARD = """---
 library_name: transformers
 pipeline_tag: text-generation
@@ -36,12 +44,7 @@ llm-toolkit's `{recipe}` recipe.
 
 | | |
 |---|---|
-| steps | {step} |
-| tokens seen | {tokens:,} |
-| final held-out loss | {eval_loss} |
-| final held-out perplexity | {eval_ppl} |
-| strategy | {strategy} |
-| weights | {weights} |
+""" + RUN_ROWS + """| weights | {weights} |
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,12 +71,7 @@ llm-toolkit's `{recipe}` recipe: rank {r}, alpha {alpha}, on {targets}.
 
 | | |
 |---|---|
-| steps | {step} |
-| tokens seen | {tokens:,} |
-| final held-out loss | {eval_loss} |
-| final held-out perplexity | {eval_ppl} |
-| strategy | {strategy} |
-| adapter weights | {dtype}, cast from the fp32 master weights |
+""" + RUN_ROWS + """| adapter weights | {dtype}, cast from the fp32 master weights |
 | base, as peft loads it | `{base_path}` |
 
 ```python
