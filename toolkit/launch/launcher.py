@@ -152,9 +152,13 @@ def missing_file(args) -> str | None:
         given = Path(args.config_file)
         shipped = sorted(p.name for p in given.parent.glob("*.yaml")) if given.parent.is_dir() else []
         close = difflib.get_close_matches(given.name, shipped, n=1)
+        # from elsewhere (llm-toolkit takes a shipped config by its name): the nearest of the shipped ones
+        names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
+        near = difflib.get_close_matches(given.stem, names, n=1)
         hint = (
             f"did you mean {given.parent / close[0]}?" if close
             else f"{given.parent}/ has {', '.join(shipped)}" if shipped
+            else f"did you mean {near[0]} (accelerate_configs/{near[0]}.yaml)?" if near
             else "the shipped ones are in accelerate_configs/"
         )
         return f"--config_file {args.config_file} does not exist (paths are relative to where you launch); {hint}"
@@ -162,6 +166,8 @@ def missing_file(args) -> str | None:
         return f"{args.training_script} does not exist (paths are relative to where you launch)"
     return None
 
+
+SHIPPED = Path(__file__).resolve().parents[2] / "accelerate_configs"
 
 # accelerate takes these as any int; past their range it raises a traceback from deep inside its launch
 # (--main_process_port 2961234: "OverflowError: connect_ex(): port must be 0-65535"; 0 picks a free one)

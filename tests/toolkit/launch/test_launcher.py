@@ -55,7 +55,14 @@ def test_missing_files_are_named_with_the_nearest_shipped_config(monkeypatch):
         "--config_file accelerate_configs/zero4.yaml does not exist (paths are relative to where you launch); "
         "did you mean accelerate_configs/zero3.yaml?"
     )
+    # a folder without configs, or llm-toolkit's name of a shipped one mistyped from elsewhere: the nearest shipped one
     assert missing_file(launch_args("--config_file", "elsewhere/ddp.yaml", "recipes/pretrain.py")).endswith(
+        "did you mean ddp (accelerate_configs/ddp.yaml)?"
+    )
+    assert missing_file(launch_args("--config_file", "zero4", "recipes/pretrain.py")).endswith(
+        "did you mean zero3 (accelerate_configs/zero3.yaml)?"
+    )
+    assert missing_file(launch_args("--config_file", "elsewhere/qqq.yaml", "recipes/pretrain.py")).endswith(
         "the shipped ones are in accelerate_configs/"
     )
     assert missing_file(launch_args("recipes/pretrian.py")) == (
