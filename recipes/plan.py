@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
@@ -273,11 +274,12 @@ def launch_line(best: dict, recipe: str, args) -> str:
                                                     *best["requires"], *stages])
     groups = f" --parallelism_config_dp_shard_size {best['dp_shard']}" if best["cp"] * best["tp"] * best["sp"] > 1 else ""
     config = "ddp" if best["pipeline_stages"] > 1 else best["strategy"]
-    return (
-        f"bash recipes/launch.sh --config_file accelerate_configs/{config}.yaml --num_processes {args.gpus}{groups} "
-        f"recipes/{recipe}.py --config {args.config} train.micro_batch_size={best['micro_batch_size']} "
-        f"model.gradient_checkpointing={best['gradient_checkpointing']}{extra}"
-    )
+    settings = (f"--config {args.config} train.micro_batch_size={best['micro_batch_size']} "
+                f"model.gradient_checkpointing={best['gradient_checkpointing']}{extra}")
+    if Path.cwd().resolve() != ROOT:  # planned from elsewhere (llm-toolkit plan): the command that runs from there
+        return f"llm-toolkit {recipe} --config_file {config} --num_processes {args.gpus}{groups} {settings}"
+    return (f"bash recipes/launch.sh --config_file accelerate_configs/{config}.yaml --num_processes {args.gpus}{groups} "
+            f"recipes/{recipe}.py {settings}")
 
 
 def label(row: dict) -> str:
@@ -364,4 +366,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `plan.py ... | head`: the reader has what it wanted, and no traceback follows
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

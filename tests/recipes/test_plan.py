@@ -408,3 +408,12 @@ def test_a_mixture_of_experts_is_planned_with_expert_parallel():
     sent, received = 8 + 8 + 4 * h + 2, 4 * (h + 4 * i) + 4 + 8 + 8 + 1
     grown = rows[4]["fsdp_tp", "none"]["activations_bytes"] - rows[2]["fsdp_tp", "none"]["activations_bytes"]
     assert grown == (2 * 8 + sent + received) * tokens_layers
+
+
+def test_planned_from_elsewhere_the_launch_line_is_the_installed_commands(tmp_path, monkeypatch, capsys):
+    """`llm-toolkit plan` from a user's folder: accelerate_configs/ and recipes/ are not there, llm-toolkit finds them."""
+    monkeypatch.chdir(tmp_path)
+    config = str(ROOT / "recipes" / "configs" / "pretrain_llama_1b.yaml")
+    assert PLAN.main(["--config", config, "--gpus", "8"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith(f"llm-toolkit pretrain --config_file ddp --num_processes 8 --config {config} "), line
