@@ -175,8 +175,7 @@ def pipeline_step(
     grad_norm = pipeline.clip_grad_norm_(max_grad_norm)
     if meter is not None:
         meter.measure(at_boundary=True)
-    loss_bad, grads_bad = _any_nonfinite(accelerator, loss_sum, grad_norm)
-    nonfinite = "loss" if loss_bad else "grad" if grads_bad else None
+    nonfinite = verdict(_nonfinite_flags(accelerator, loss_sum, grad_norm).tolist())
     if nonfinite is None:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
