@@ -51,11 +51,17 @@ def gpu_short() -> str | None:
     device ordinal"), or None. recipes/launch.sh says the same before any rank starts."""
     if not has_gpu() or os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":
         return None
-    here, gpus = local_world_size(), torch.cuda.device_count()
+    here = local_world_size()
+    return gpus_short(here, torch.cuda.device_count(), max(1, world_size() // here))
+
+
+def gpus_short(here: int, gpus: int, machines: int, where: str = "") -> str | None:
+    """The line for `here` ranks on a machine of `gpus` GPUs, of a launch over `machines` machines (`where`: what
+    asked for them), or None where each rank has a GPU."""
     if here <= gpus:
         return None
-    return (f"{here} processes on a machine with {gpus} GPU{'s' * (gpus > 1)}: one GPU a process; "
-            f"use --num_processes {gpus * max(1, world_size() // here)}")
+    return (f"{here} processes on a machine with {gpus} GPU{'s' * (gpus > 1)}{f' ({where})' if where else ''}: "
+            f"one GPU a process; use --num_processes {gpus * machines}")
 
 
 def is_launch_main() -> bool:

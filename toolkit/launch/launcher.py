@@ -50,6 +50,7 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.launch.environment import gpus_short
 from toolkit.launch.rank_process import LAUNCHER_PID
 
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
@@ -234,10 +235,8 @@ def ranks_per_machine(args, gpus: int, cores: int) -> str | None:
             return None
         return (f"warning: {here} processes on {cores} CPU cores ({where}): they share the cores, each with its own "
                 f"copy of the model; --num_processes {cores} trains the same steps (the global batch is the recipe's)")
-    if here <= gpus:
-        return None
-    return (f"error: {here} processes on a machine with {gpus} GPU{'s' * (gpus > 1)} ({where}): one GPU a process; "
-            f"use --num_processes {gpus * int(machines)}")
+    short = gpus_short(here, gpus, int(machines), where)
+    return None if short is None else f"error: {short}"
 
 
 def verdict(codes: dict[int, int], forwarded: int | None) -> int | None:
