@@ -32,7 +32,10 @@ class AdapterConfig:
     )
     r: int = field(16, help="LoRA rank")
     alpha: float = field(32, help="LoRA alpha (the update is scaled by alpha / r)")
-    dropout: float = field(0.05, help="dropout on the LoRA input")
+    dropout: float = field(
+        0.0, help="dropout on the LoRA input (peft's default: 0); above 0 every adapted projection keeps a dropped "
+        "copy of its input and a mask for the backward"
+    )
     target_modules: list[str] = field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         help="module names (last name part) that get a LoRA, or [all-linear]",
