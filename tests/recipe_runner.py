@@ -125,7 +125,7 @@ FT_TINY = [
 ]
 
 
-# What a run prints, line by line (README, "What a run prints"): the recipe's own lines, its end summary,
+# What a run prints, line by line (docs/training.md, "What a run prints"): the recipe's own lines, its end summary,
 # progress bars (one terminal line holds a bar's every update, "\r"-separated) and blank lines.
 TOOLKIT_LINE = re.compile(
     r"\[(pretrain|finetune|export)\] .*"                       # the recipe's log lines

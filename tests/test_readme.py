@@ -1,5 +1,5 @@
-"""The README's commands run as written on the machine it says they are for: every launch of a CPU-sized recipe
-(pretrain_tiny, the SmolLM2 fine-tunes) starts no more processes than a 2-core machine has cores, as
+"""The README's and docs/' commands run as written on the machine they say they are for: every launch of a CPU-sized
+recipe (pretrain_tiny, the SmolLM2 fine-tunes) starts no more processes than a 2-core machine has cores, as
 recipes/launch.sh judges a launch (an accelerate config alone says 8, a node of GPUs)."""
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ def launches(text: str) -> list[list[str]]:
 
 def test_the_readmes_cpu_launches_fit_a_2_core_machine(monkeypatch):
     monkeypatch.chdir(ROOT)
-    commands = [c for c in launches((ROOT / "README.md").read_text()) if CPU_SIZED.search(" ".join(c))]
-    assert len(commands) >= 4  # the pretraining tour, the LoRA fine-tune under ZeRO-3 (and by llm-toolkit), the DPO one
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    readme = [c for c in launches(pages[0].read_text()) if CPU_SIZED.search(" ".join(c))]
+    assert readme, "the README's fine-tune under ZeRO-3 by llm-toolkit"
+    commands = [c for page in pages for c in launches(page.read_text()) if CPU_SIZED.search(" ".join(c))]
+    assert len(commands) >= 4  # and the pretraining, the LoRA fine-tune and the DPO one of docs/
     for argv in commands:
         assert ranks_per_machine(launch_command_parser().parse_args(argv), gpus=0, cores=2) is None, shlex.join(argv)
 

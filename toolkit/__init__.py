@@ -6,7 +6,7 @@ export too (`extract_model_from_parallel`), and DeepSpeed would otherwise guess 
 accelerator to CPU" in each process.
 
 It also drops a few exact records of other libraries, so that every line of a run is the
-toolkit's, a progress bar or something the user can act on (README, "What a run prints"). Each
+toolkit's, a progress bar or something the user can act on (docs/training.md, "What a run prints"). Each
 has no cause the toolkit or the user could fix; other records of the same loggers still show:
 
 - torchao (which transformers imports whenever it is installed) warns once per CUDA extension of

@@ -8,7 +8,7 @@ and pretraining under ZeRO-3 failed after training (final/ was reloaded through 
 Every line they print is the toolkit's or a progress bar (issue 26: ~15 lines of other libraries'
 notices hid them). OMP_NUM_THREADS is left unset, as on a new user's machine; DeepSpeed configs go
 through recipes/launch.sh, since under plain `accelerate launch` its launcher prints two notices
-before any toolkit code runs (README, "What a run prints"). The bitsandbytes stand-in is seen by the launched
+before any toolkit code runs (docs/training.md, "What a run prints"). The bitsandbytes stand-in is seen by the launched
 runs only: forked ranks imported their modules before it was on the path.
 """
 
