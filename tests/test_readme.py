@@ -51,3 +51,33 @@ def test_the_readmes_cpu_launches_fit_a_2_core_machine(monkeypatch):
 def test_the_check_tells_a_crowded_launch(argv, fits, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert (ranks_per_machine(launch_command_parser().parse_args(argv), gpus=0, cores=2) is None) == fits
+
+
+def test_the_readme_gets_to_a_fine_tuned_exported_model_in_its_first_screen():
+    """Install, fine-tune and export, as commands, within the README's first 40 lines (issue 42: the fine-tuning command
+    came at line ~190 of 575); the reference lives in docs/."""
+    first = (ROOT / "README.md").read_text().splitlines()[:40]
+    commands = [line.split()[:2] for line in first]
+    for wanted in (["bash", "recipes/install.sh"], ["llm-toolkit", "finetune"], ["llm-toolkit", "export"]):
+        assert wanted in commands, wanted
+
+
+def test_every_link_between_the_readme_and_docs_leads_to_a_file_and_heading_that_exist():
+    """Sections moved between the README and docs/ keep their links: each relative link's file exists, and a
+    `#fragment` names one of its headings (as GitHub makes them: lower case, spaces to '-', punctuation dropped)."""
+    pages = [ROOT / "README.md", ROOT / "tests" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, fragment = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif fragment and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+                slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+                if fragment not in slugs:
+                    broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
