@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the toolkit is installed from (pip install -e .)
 RECIPES = ("pretrain", "finetune", "export", "plan")
+CALLED_AS = "LLM_TOOLKIT_CALLED_AS"  # how the user started the recipe, for its usage lines: "llm-toolkit NAME"
 USAGE = (f"usage: llm-toolkit {{{','.join(RECIPES)}}} [accelerate launch options] --config CONFIG [key=value ...]\n"
          "       llm-toolkit NAME --help   (the recipe's own keys and options)")
 
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{USAGE}\nerror: {said}: use one of {', '.join(RECIPES)}", file=sys.stderr)
         return 2
     cmd = command(argv)
+    os.environ[CALLED_AS] = f"llm-toolkit {argv[0]}"
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
     return 0  # not reached

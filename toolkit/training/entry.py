@@ -21,12 +21,14 @@ with no time limit, and a missing --config_file refused in one line (toolkit.lau
 
 from __future__ import annotations
 
+import os
 import sys
 
 import yaml
 
 from toolkit import quiet_weight_bars
 from toolkit.config import UserError, key_lines, load_config, to_dict
+from toolkit.launch.cli import CALLED_AS
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
 from toolkit.launch.verdict import report_once, reported_verdict
@@ -36,8 +38,10 @@ from toolkit.training.trainer import Diverged, SaveStopped, Stopped
 
 
 def usage(name: str) -> str:
-    return (f"usage: recipes/{name}.py --config recipes/configs/NAME.yaml [key.sub=value ...] [--print-config]\n"
-            f"       recipes/{name}.py --help   (every key: its type, default and what it does)")
+    called = os.environ.get(CALLED_AS)  # llm-toolkit NAME takes a shipped config by its name
+    command, config = (called, "NAME") if called else (f"recipes/{name}.py", "recipes/configs/NAME.yaml")
+    return (f"usage: {command} --config {config} [key.sub=value ...] [--print-config]\n"
+            f"       {command} --help   (every key: its type, default and what it does)")
 
 
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:

@@ -76,3 +76,17 @@ def test_a_shipped_deepspeed_config_is_found_from_its_accelerate_config_wherever
     assert paths_from_its_folder("lost.yaml", copies) == "lost.yaml"  # the rank names it in its own line
     assert paths_from_its_folder(str(ROOT / "accelerate_configs" / "ddp.yaml"), copies).endswith("ddp.yaml")
     assert paths_from_its_folder(None, copies) is None
+
+
+def test_a_recipes_usage_names_the_command_the_user_typed(monkeypatch):
+    """`llm-toolkit finetune --help` said `recipes/finetune.py --config recipes/configs/NAME.yaml`, a path that does
+    not exist in the user's folder; the recipe started by llm-toolkit says how llm-toolkit takes it."""
+    from toolkit.launch.cli import CALLED_AS
+    from toolkit.training.entry import usage
+
+    monkeypatch.setenv(CALLED_AS, "")  # restored afterwards: main() below sets it in this process
+    monkeypatch.delenv(CALLED_AS)
+    assert usage("finetune").startswith("usage: recipes/finetune.py --config recipes/configs/NAME.yaml")
+    monkeypatch.setattr("os.execv", lambda path, args: None)  # main's exec of the recipe, not run
+    main(["finetune", "--help"])
+    assert usage("finetune").startswith("usage: llm-toolkit finetune --config NAME [key.sub=value ...]")
