@@ -19,7 +19,6 @@ segment, no targets).
 from __future__ import annotations
 
 import bisect
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +33,8 @@ import torch
 from toolkit.config import UserError, field
 from toolkit.data.corpus import read_utf8
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
+from toolkit.data.records import read_records, shapes_said, to_messages
 
-ROLES = ("system", "user", "assistant")
 EMBEDDED = "embedded:python-chats"
 
 
@@ -43,8 +42,12 @@ EMBEDDED = "embedded:python-chats"
 class ChatDataConfig:
     path: str | None = field(
         None,
-        help="jsonl/json file of chat records (`messages`, or `instruction`/`input`/`output`); "
+        help="file of chat records (.jsonl/.json/.parquet/.csv/.arrow) or a save_to_disk folder; "
         "empty = the embedded Python Q&A set",
+    )
+    record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = field(
+        "auto", help="the records' shape: messages, sharegpt, alpaca or prompt_completion (docs/data.md); auto = each "
+        "record's own"
     )
     seq_len: int = field(512, help="tokens per packed block; a conversation never spans two blocks")
     overlong: Literal["truncate", "drop"] = field(
@@ -67,73 +70,12 @@ class ChatDataConfig:
 
 
 def load_chat_records(cfg: ChatDataConfig) -> list[dict]:
-    """Raw records from a jsonl/json file, or the embedded set when no path is given."""
+    """Raw records from cfg.path (toolkit.data.records), or the embedded set when no path is given."""
     if not cfg.path:
         from toolkit.data.python_chats import PYTHON_CHATS
 
         return [dict(r) for r in PYTHON_CHATS]
     return read_records(cfg.path, "chat")
-
-
-def read_records(name: str, kind: str) -> list:
-    """The records of a .jsonl (one per line) or .json (a list) file; `kind` names them in errors."""
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise UserError(f"data.path={name} does not exist; give a .jsonl or .json file of {kind} records")
-    text = read_utf8(path, f"data.path={name}")
-    if path.suffix.lower() == ".jsonl":
-        records = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"data.path={name} line {number} is not valid JSON: {exc.msg}") from None
-    elif path.suffix.lower() == ".json":
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"data.path={name} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
-        if not isinstance(records, list):
-            raise UserError(f"data.path={name} must hold a JSON list of records, found {type(records).__name__}")
-    else:
-        raise UserError(f"data.path={name} has suffix {path.suffix or '(none)'}; use .jsonl or .json")
-    if not records:
-        raise UserError(f"data.path={name} holds no records")
-    return records
-
-
-def to_messages(record: dict, index: int) -> list[dict[str, str]]:
-    """One record -> `[{"role", "content"}, ...]`; `index` names the record in errors."""
-    if not isinstance(record, dict):
-        raise UserError(f"record {index} is a {type(record).__name__}, not a mapping with `messages` or `instruction`")
-    if record.get("messages") is not None:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise UserError(f"record {index}: `messages` must be a non-empty list of role/content mappings")
-        out = []
-        for j, m in enumerate(messages):
-            role = m.get("role") if isinstance(m, dict) else None
-            if role not in ROLES:
-                raise UserError(
-                    f"record {index}: message {j} has role {role!r}; use one of {', '.join(ROLES)}"
-                )
-            if not isinstance(m.get("content"), str):
-                raise UserError(f"record {index}: message {j} ({role}) has no text `content`")
-            out.append({"role": role, "content": m["content"]})
-    elif record.get("instruction") is not None and record.get("output") is not None:
-        user = str(record["instruction"])
-        if record.get("input"):
-            user = f"{user}\n\n{record['input']}"
-        out = [{"role": "user", "content": user}, {"role": "assistant", "content": str(record["output"])}]
-    else:
-        raise UserError(
-            f"record {index} has keys {sorted(record)}; a chat record needs `messages` (a list of role/content) "
-            "or `instruction` and `output` (and optionally `input`)"
-        )
-    if not any(m["role"] == "assistant" for m in out):
-        raise UserError(f"record {index} has no assistant message, so nothing to learn from; add one or remove it")
-    return out
 
 
 def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
@@ -216,12 +158,13 @@ def render_conversation(
     return list(ids), labels
 
 
-def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: str | None = None) -> datasets.Dataset:
-    """Records -> dataset of `input_ids` and `labels` (one row per conversation)."""
+def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: str | None = None,
+                           shape: str = "auto") -> datasets.Dataset:
+    """Records of `shape` (auto: each its own) -> dataset of `input_ids` and `labels` (one row per conversation)."""
     chat_template = chat_template_for(tokenizer, chat_template)  # fails once, not per record
     rows = []
     for i, record in enumerate(records):
-        messages = to_messages(record, i)
+        messages = to_messages(record, i, None if shape == "auto" else shape)
         try:
             rows.append(render_conversation(tokenizer, messages, chat_template))
         except UserError as exc:
@@ -407,10 +350,11 @@ def chat_blocks(
     """(train blocks, held-out blocks or None, lines for the log): whole conversations held out."""
     from toolkit.data.corpus import split_documents
 
-    rows = tokenize_conversations(load_chat_records(cfg), tokenizer, cfg.chat_template)
+    records = load_chat_records(cfg)
+    rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format)
     train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)
     train, stats = pack_conversations(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
-    notes = [f"train: {stats}"]
+    notes = [shapes_said(records, cfg.record_format), f"train: {stats}"]
     val = None
     if val_rows is not None:
         val, val_stats = pack_conversations(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)

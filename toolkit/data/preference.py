@@ -25,15 +25,9 @@ import pyarrow as pa
 import torch
 
 from toolkit.config import UserError
-from toolkit.data.chat import (
-    ROLES,
-    ChatDataConfig,
-    best_fit_decreasing,
-    chat_template_for,
-    read_records,
-    render_conversation,
-)
+from toolkit.data.chat import ChatDataConfig, best_fit_decreasing, chat_template_for, render_conversation
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
+from toolkit.data.records import ROLES, read_records
 
 # The embedded set's non-answers, for a third of its pairs (the others reject another question's answer).
 NON_ANSWERS = (
@@ -46,8 +40,8 @@ NON_ANSWERS = (
 def embedded_records() -> list[dict]:
     """A preference pair for each question of the embedded chat set: its answer is chosen, and rejected is
     another question's answer or a non-answer (written for this toolkit, as the chat set is)."""
-    from toolkit.data.chat import to_messages
     from toolkit.data.python_chats import PYTHON_CHATS
+    from toolkit.data.records import to_messages
 
     chats = [to_messages(r, i) for i, r in enumerate(PYTHON_CHATS)]
     records = []

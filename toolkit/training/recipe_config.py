@@ -129,6 +129,10 @@ class FinetuneDataConfig(DataConfig):
     chat_template: str | None = field(
         None, help="chat: Jinja chat template (text or .jinja file) used instead of the tokenizer's"
     )
+    record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = field(
+        "auto", help="chat: the records' shape: messages, sharegpt, alpaca or prompt_completion (docs/data.md); auto = "
+        "each record's own"
+    )
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -145,7 +149,7 @@ class FinetuneDataConfig(DataConfig):
     def chat(self) -> ChatDataConfig:
         return ChatDataConfig(
             path=self.path, seq_len=self.seq_len, overlong=self.overlong, chat_template=self.chat_template,
-            val_fraction=self.val_fraction,
+            val_fraction=self.val_fraction, record_format=self.record_format,
         )
 
 

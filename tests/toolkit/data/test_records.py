@@ -1,0 +1,138 @@
+"""toolkit/data/records.py: chat records in the shapes and files users keep them in, read into role/content messages."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from toolkit.config import UserError
+from toolkit.data.chat import ChatDataConfig, chat_blocks, tokenize_conversations
+from toolkit.data.packing import IGNORE_INDEX
+from toolkit.data.records import FORMATS, read_records, shape_of, shapes_said, to_messages
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer questions about Python."},
+    {"role": "user", "content": "How do I reverse a list?"},
+    {"role": "assistant", "content": "items[::-1] gives a reversed copy; items.reverse() reverses in place."},
+    {"role": "user", "content": "And a string?"},
+    {"role": "assistant", "content": "text[::-1]: strings have no reverse method."},
+]
+SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
+
+# the same conversation in each shape, as the data sets in the wild write it
+SHAPES = {
+    "messages": {"messages": CONVERSATION, "source": "kept as it is"},
+    "sharegpt": {"id": "a1", "conversations": [{"from": SHAREGPT_FROM[m["role"]], "value": m["content"]}
+                                               for m in CONVERSATION]},
+    "alpaca": {"system": CONVERSATION[0]["content"], "instruction": CONVERSATION[1]["content"], "input": "",
+               "output": CONVERSATION[2]["content"]},
+    "prompt_completion": {"prompt": CONVERSATION[:4], "completion": CONVERSATION[4:]},
+}
+
+
+def test_every_shape_is_listed_and_named_by_the_config():
+    import typing
+
+    from toolkit.training.recipe_config import FinetuneDataConfig
+
+    assert set(SHAPES) == set(FORMATS)
+    for config in (ChatDataConfig, FinetuneDataConfig):
+        assert typing.get_args(typing.get_type_hints(config)["record_format"]) == ("auto", *FORMATS)
+
+
+@pytest.mark.parametrize("shape", FORMATS)
+def test_each_shape_becomes_the_conversation_it_holds(shape):
+    expected = {"messages": CONVERSATION, "sharegpt": CONVERSATION, "alpaca": CONVERSATION[:3],
+                "prompt_completion": CONVERSATION}[shape]
+    assert shape_of(SHAPES[shape]) == shape
+    assert to_messages(SHAPES[shape], 0, shape) == to_messages(SHAPES[shape], 0) == expected
+
+
+def test_prompt_and_completion_as_strings_are_a_user_and_an_assistant_turn():
+    assert to_messages({"prompt": "2 + 2?", "completion": "4"}, 0) == [
+        {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+
+
+def test_under_auto_each_record_is_read_by_its_own_shape_and_the_log_counts_them():
+    records = [SHAPES["sharegpt"], SHAPES["alpaca"], SHAPES["sharegpt"]]
+    assert [to_messages(r, i) for i, r in enumerate(records)] == [CONVERSATION, CONVERSATION[:3], CONVERSATION]
+    assert shapes_said(records) == "3 records: 2 ShareGPT (conversations of from/value), 1 Alpaca (instruction/input/output)"
+    assert shapes_said(records[:1], "sharegpt") == "1 records, ShareGPT (conversations of from/value) (data.record_format)"
+
+
+@pytest.mark.parametrize(("records", "named", "says"), [
+    ([SHAPES["sharegpt"], SHAPES["alpaca"]], "sharegpt",
+     r"record 1 has keys \['input', 'instruction', 'output', 'system'\], not a ShareGPT \(conversations of from/value\) "
+     r"record \(data.record_format\); use record_format=auto"),
+    ([{"conversations": [{"from": "narrator", "value": "Once"}]}], "auto",
+     r"record 0: conversations 0 has from 'narrator'; use one of system, human, user, gpt"),
+    ([{"conversations": [{"from": "human", "value": 3}]}], "auto", r"record 0: conversations 0 \(human\) has no text"),
+    ([{"text": "a"}], "auto", r"record 0 has keys \['text'\]; a chat record needs `messages`"),
+    (["just a string"], "auto", r"record 0 has no keys \(a str\); a chat record needs"),
+])
+def test_a_record_that_does_not_fit_is_one_line_naming_it(records, named, says):
+    with pytest.raises(UserError, match=says) as info:
+        for i, record in enumerate(records):
+            to_messages(record, i, None if named == "auto" else named)
+    assert "\n" not in str(info.value)
+
+
+def write(tmp_path, kind: str, records: list[dict]) -> str:
+    """`records` in a file or folder of `kind`, as users keep them."""
+    ds = datasets.Dataset.from_list(records)
+    if kind == "save_to_disk":
+        ds.save_to_disk(str(tmp_path / "saved"))
+        return str(tmp_path / "saved")
+    path = tmp_path / f"records.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif kind == "json":
+        path.write_text(json.dumps(records))
+    elif kind == "parquet":
+        ds.to_parquet(str(path))
+    elif kind == "csv":
+        ds.to_csv(str(path), index=False)
+    else:  # arrow: datasets' own file format
+        import pyarrow as pa
+
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, ds.data.table.schema) as writer:
+            writer.write_table(ds.data.table)
+    return str(path)
+
+
+@pytest.mark.parametrize(("kind", "shape"), [("jsonl", "sharegpt"), ("parquet", "messages"), ("json", "alpaca"),
+                                             ("csv", "alpaca"), ("arrow", "prompt_completion"),
+                                             ("save_to_disk", "sharegpt")])
+def test_records_are_read_from_the_files_users_keep(tmp_path, kind, shape):
+    """A ShareGPT jsonl, an OpenAI messages parquet, Alpaca json and csv, prompt/completion arrow, a save_to_disk
+    folder: the same conversations come back (parquet and arrow add the columns other records have, as None)."""
+    records = [SHAPES[shape], SHAPES[shape]]
+    read = read_records(write(tmp_path, kind, records), "chat")
+    assert [to_messages(r, i) for i, r in enumerate(read)] == \
+        [to_messages(r, i) for i, r in enumerate(records)]
+
+
+def test_a_file_that_is_not_its_suffix_is_one_line(tmp_path):
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(UserError, match=r"broken.parquet cannot be read as parquet: ") as info:
+        read_records(str(tmp_path / "broken.parquet"), "chat")
+    assert "\n" not in str(info.value)
+    with pytest.raises(UserError, match=r"has suffix .txt; use one of .jsonl, .json, .parquet, .csv, .arrow"):
+        (tmp_path / "chats.txt").write_text("hi")
+        read_records(str(tmp_path / "chats.txt"), "chat")
+
+
+def test_a_sharegpt_file_trains_on_the_assistants_turns_only(tmp_path, chat_tokenizer):
+    """The loss goes on the assistant's content and end of turn, as for the same conversation in `messages`: token
+    for token the same labels; the log says the shape it found."""
+    path = write(tmp_path, "jsonl", [SHAPES["sharegpt"]] * 4)
+    train, _, notes = chat_blocks(ChatDataConfig(path=path, seq_len=256, val_fraction=0), chat_tokenizer, 0)
+    assert notes[0] == "4 records: 4 ShareGPT (conversations of from/value)"
+    same = tokenize_conversations([SHAPES["messages"]], chat_tokenizer)
+    ids, labels = same[0]["input_ids"], same[0]["labels"]
+    targets = [t for t, y in zip(ids, labels, strict=True) if y != IGNORE_INDEX]
+    assert chat_tokenizer.decode(targets).count("<|im_end|>") == 2  # both assistant turns, nothing else
+    block = train[0]
+    assert block["input_ids"][: len(ids)] == ids and block["labels"][: len(ids)] == labels

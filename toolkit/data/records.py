@@ -1,0 +1,166 @@
+"""Chat and preference records as users keep them: read from their files, and each chat record's shape turned
+into the role/content messages that toolkit.data.chat renders.
+
+The shapes (`data.record_format`; `auto`: each record's own, counted in the log):
+
+    messages            {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}   (OpenAI, HF)
+    sharegpt            {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}
+    alpaca              {"instruction": ..., "input": ..., "output": ..., "system": ...}   (input, system optional)
+    prompt_completion   {"prompt": ..., "completion": ...}   (TRL's: strings, or message lists)
+
+Under `auto` each record is read by its own shape; a shape named is every record's, and a record of another is
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import datasets
+
+from toolkit.config import UserError
+from toolkit.data.corpus import read_utf8
+
+ROLES = ("system", "user", "assistant")
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion")
+# ShareGPT's `from` values as the sets in the wild write them
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant"}
+SAID = {"messages": "messages (role/content)", "sharegpt": "ShareGPT (conversations of from/value)",
+        "alpaca": "Alpaca (instruction/input/output)", "prompt_completion": "prompt/completion"}
+FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def read_records(name: str, kind: str) -> list:
+    """The records of a .jsonl/.json/.parquet/.csv/.arrow file, or of a folder `datasets.save_to_disk` wrote; `kind`
+    names them in errors. jsonl and json are read here, for errors that name the line."""
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "dataset_info.json").is_file():
+        return _non_empty(datasets.load_from_disk(str(path)), name)
+    if not path.is_file():
+        raise UserError(f"data.path={name} does not exist; give a {'/'.join(FILES)} file of {kind} records, or a "
+                        "folder that datasets' save_to_disk wrote")
+    suffix = path.suffix.lower()
+    if suffix not in FILES:
+        raise UserError(f"data.path={name} has suffix {path.suffix or '(none)'}; use one of {', '.join(FILES)}")
+    if FILES[suffix] != "json":
+        try:
+            ds = datasets.load_dataset(FILES[suffix], data_files=str(path), split="train")
+        except Exception as exc:  # pyarrow's and datasets' own errors for a damaged file
+            raise UserError(f"data.path={name} cannot be read as {suffix[1:]}: {str(exc).splitlines()[0][:200]}") from None
+        return _non_empty(ds, name)
+    text = read_utf8(path, f"data.path={name}")
+    if suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"data.path={name} line {number} is not valid JSON: {exc.msg}") from None
+    else:
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"data.path={name} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
+        if not isinstance(records, list):
+            raise UserError(f"data.path={name} must hold a JSON list of records, found {type(records).__name__}")
+    if not records:
+        raise UserError(f"data.path={name} holds no records")
+    return records
+
+
+def _non_empty(ds: datasets.Dataset, name: str) -> list:
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise UserError(f"data.path={name} holds splits {sorted(ds)}, none named train; give the split's folder")
+        ds = ds["train"]
+    if len(ds) == 0:
+        raise UserError(f"data.path={name} holds no records")
+    return ds.to_list()
+
+
+def shape_of(record) -> str | None:
+    """The shape `record` has, by its keys, or None."""
+    if not isinstance(record, dict):
+        return None
+    if record.get("messages") is not None:
+        return "messages"
+    if record.get("conversations") is not None:
+        return "sharegpt"
+    if record.get("instruction") is not None and record.get("output") is not None:
+        return "alpaca"
+    if record.get("prompt") is not None and record.get("completion") is not None:
+        return "prompt_completion"
+    return None
+
+
+def shapes_said(records: list, named: str = "auto") -> str:
+    """The log's line for a source's records: how many, of which shapes."""
+    if named != "auto":
+        return f"{len(records)} records, {SAID[named]} (data.record_format)"
+    counts = Counter(shape_of(r) for r in records)
+    return f"{len(records)} records: " + ", ".join(f"{n} {SAID[k]}" for k, n in counts.most_common() if k)
+
+
+def _keys(record) -> str:
+    return f"keys {sorted(record)}" if isinstance(record, dict) else f"no keys (a {type(record).__name__})"
+
+
+def _no_shape(record, index: int) -> UserError:
+    return UserError(
+        f"record {index} has {_keys(record)}; a chat record needs `messages` (role/content), `conversations` "
+        "(ShareGPT's from/value), `instruction` and `output` (Alpaca), or `prompt` and `completion`"
+    )
+
+
+def to_messages(record, index: int, shape: str | None = None) -> list[dict[str, str]]:
+    """One record of `shape` (None: its own) -> `[{"role", "content"}, ...]`; `index` names it in errors."""
+    own = shape_of(record)
+    shape = shape or own
+    if shape is None:
+        raise _no_shape(record, index)
+    if own != shape:
+        raise UserError(f"record {index} has {_keys(record)}, not a {SAID[shape]} record "
+                        "(data.record_format); use record_format=auto to read each record by its own shape")
+    if shape == "messages":
+        out = _messages(record["messages"], index, "messages", "role", "content", {r: r for r in ROLES})
+    elif shape == "sharegpt":
+        out = _messages(record["conversations"], index, "conversations", "from", "value", SHAREGPT_ROLES)
+    elif shape == "alpaca":
+        user = str(record["instruction"])
+        if record.get("input"):
+            user = f"{user}\n\n{record['input']}"
+        out = [{"role": "user", "content": user}, {"role": "assistant", "content": str(record["output"])}]
+        if record.get("system"):
+            out.insert(0, {"role": "system", "content": str(record["system"])})
+    else:
+        out = _turns(record["prompt"], index, "prompt", "user") + _turns(record["completion"], index, "completion",
+                                                                          "assistant")
+    if not any(m["role"] == "assistant" for m in out):
+        raise UserError(f"record {index} has no assistant message, so nothing to learn from; add one or remove it")
+    return out
+
+
+def _messages(turns, index: int, key: str, role_key: str, text_key: str, roles: dict[str, str]) -> list[dict]:
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"record {index}: `{key}` must be a non-empty list of {role_key}/{text_key} mappings")
+    out = []
+    for j, turn in enumerate(turns):
+        said = turn.get(role_key) if isinstance(turn, dict) else None
+        role = roles.get(said) if isinstance(said, str) else None
+        if role is None:
+            raise UserError(f"record {index}: {key} {j} has {role_key} {said!r}; use one of {', '.join(roles)}")
+        if not isinstance(turn.get(text_key), str):
+            raise UserError(f"record {index}: {key} {j} ({said}) has no text `{text_key}`")
+        out.append({"role": role, "content": turn[text_key]})
+    return out
+
+
+def _turns(value, index: int, key: str, role: str) -> list[dict[str, str]]:
+    """prompt/completion's halves: a string (one turn of `role`) or a role/content list."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return _messages(value, index, key, "role", "content", {r: r for r in ROLES})
