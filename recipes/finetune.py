@@ -44,6 +44,7 @@ from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import collate, column, packed_splits, target_counts
 from toolkit.data.preference import collate_pairs, pair_counts, preference_blocks
+from toolkit.data.records import check_first_records
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import (
@@ -79,6 +80,11 @@ class FinetuneRecipe:
             leave_out_bitsandbytes()
         self.trainer = trainer = Trainer("finetune", cfg)
         strategy = trainer.strategy
+
+        # Records of a shape the recipe cannot read are refused before the base loads: seconds, not a model load.
+        for i, data in enumerate(cfg.data.of_sources()):
+            with naming(i, cfg.data.sources):
+                check_first_records(data)
 
         # A base this machine cannot hold, or train, is refused before it is loaded: loading it is
         # what the kernel's OOM killer would stop.

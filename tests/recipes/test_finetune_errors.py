@@ -82,12 +82,27 @@ def test_chat_records_without_messages(finetune, capsys, tmp_path, tiny_base, ch
     assert "record 0 has keys ['text']" in err and "`messages`" in err
 
 
+@pytest.mark.parametrize(("fmt", "record", "said"), [
+    ("chat", {"text": "hello"}, "record 0 has keys ['text']; a chat record needs `messages`"),
+    ("preference", {"prompt": "Hi", "chosen": "Hello"}, "record 0 lacks `rejected`"),
+])
+def test_records_that_cannot_train_are_refused_before_the_model_loads(finetune, capsys, tmp_path, fmt, record, said):
+    """A wrong shape costs seconds, not a model load: the base named here is a folder transformers cannot load, and
+    the error is still the records'."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    data = write_jsonl(tmp_path / "records.jsonl", [record] * 4)
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tmp_path / 'base'}", f"data.format={fmt}",
+                    f"data.path={data}", *(["train.objective=dpo"] if fmt == "preference" else []))
+    assert said in err
+
+
 def test_chat_message_with_an_unknown_role(finetune, capsys, tmp_path, tiny_base, chatml_file):
     record = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}
     data = write_jsonl(tmp_path / "chat.jsonl", [record] * 4)
     err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat",
                     f"data.path={data}", f"data.chat_template={chatml_file}")
-    assert "message 1 has role 'bot'" in err and "system, user, assistant" in err
+    assert "turn 1 of `messages` has role 'bot'" in err and "system, user, assistant" in err
 
 
 def test_chat_data_that_is_not_utf8(finetune, capsys, tmp_path, tiny_base, chatml_file):

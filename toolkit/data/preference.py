@@ -27,7 +27,7 @@ import torch
 from toolkit.config import UserError
 from toolkit.data.chat import ChatDataConfig, best_fit_decreasing, chat_template_for, render_conversation
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
-from toolkit.data.records import ROLES, read_records
+from toolkit.data.records import read_records, to_pair
 
 # The embedded set's non-answers, for a third of its pairs (the others reject another question's answer).
 NON_ANSWERS = (
@@ -50,42 +50,6 @@ def embedded_records() -> list[dict]:
         rejected = NON_ANSWERS[i // 3 % len(NON_ANSWERS)] if i % 3 == 2 else other[-1]["content"]
         records.append({"prompt": messages[:-1], "chosen": messages[-1]["content"], "rejected": rejected})
     return records
-
-
-def _prompt(value, index: int) -> list[dict[str, str]]:
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise UserError(f"record {index}: `prompt` must be a string or a non-empty list of role/content messages")
-    for j, m in enumerate(value):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in ROLES or not isinstance(m.get("content"), str):
-            raise UserError(f"record {index}: prompt message {j} needs a role ({', '.join(ROLES)}) and text `content`")
-    if value[-1]["role"] != "user":
-        raise UserError(f"record {index}: the prompt's last message is the {value[-1]['role']}'s; end it with the "
-                        "user's turn")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def _answer(value, index: int, key: str) -> str:
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-    if isinstance(value, dict) and value.get("role") == "assistant" and isinstance(value.get("content"), str):
-        value = value["content"]
-    if not isinstance(value, str):
-        raise UserError(f"record {index}: `{key}` must be a string or one assistant message")
-    return value
-
-
-def to_pair(record, index: int) -> tuple[list[dict[str, str]], str, str]:
-    """One record -> (prompt messages, chosen text, rejected text); `index` names the record in errors."""
-    missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(record, dict) or record.get(k) is None]
-    if missing:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise UserError(f"record {index} lacks {', '.join(f'`{k}`' for k in missing)} (has {keys}); a preference "
-                        "record needs `prompt`, `chosen` and `rejected`")
-    return _prompt(record["prompt"], index), _answer(record["chosen"], index, "chosen"), _answer(
-        record["rejected"], index, "rejected")
 
 
 def render_answer(tokenizer, prompt: list[dict[str, str]], answer: str, template: str) -> tuple[list[int], list[int]]:

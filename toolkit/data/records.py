@@ -1,5 +1,5 @@
-"""Chat and preference records as users keep them: read from their files, and each chat record's shape turned
-into the role/content messages that toolkit.data.chat renders.
+"""Chat and preference records as users keep them: read from their files, each chat record's shape turned into
+the role/content messages that toolkit.data.chat renders, and each preference record into its prompt and two answers.
 
 The shapes (`data.record_format`; `auto`: each record's own, counted in the log):
 
@@ -152,9 +152,9 @@ def _messages(turns, index: int, key: str, role_key: str, text_key: str, roles: 
         said = turn.get(role_key) if isinstance(turn, dict) else None
         role = roles.get(said) if isinstance(said, str) else None
         if role is None:
-            raise UserError(f"record {index}: {key} {j} has {role_key} {said!r}; use one of {', '.join(roles)}")
+            raise UserError(f"record {index}: turn {j} of `{key}` has {role_key} {said!r}; use one of {', '.join(roles)}")
         if not isinstance(turn.get(text_key), str):
-            raise UserError(f"record {index}: {key} {j} ({said}) has no text `{text_key}`")
+            raise UserError(f"record {index}: turn {j} of `{key}` ({said}) has no text `{text_key}`")
         out.append({"role": role, "content": turn[text_key]})
     return out
 
@@ -164,3 +164,56 @@ def _turns(value, index: int, key: str, role: str) -> list[dict[str, str]]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     return _messages(value, index, key, "role", "content", {r: r for r in ROLES})
+
+
+def _prompt(value, index: int) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise UserError(f"record {index}: `prompt` must be a string or a non-empty list of role/content messages")
+    for j, m in enumerate(value):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ROLES or not isinstance(m.get("content"), str):
+            raise UserError(f"record {index}: prompt message {j} needs a role ({', '.join(ROLES)}) and text `content`")
+    if value[-1]["role"] != "user":
+        raise UserError(f"record {index}: the prompt's last message is the {value[-1]['role']}'s; end it with the "
+                        "user's turn")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _answer(value, index: int, key: str) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, dict) and value.get("role") == "assistant" and isinstance(value.get("content"), str):
+        value = value["content"]
+    if not isinstance(value, str):
+        raise UserError(f"record {index}: `{key}` must be a string or one assistant message")
+    return value
+
+
+def to_pair(record, index: int) -> tuple[list[dict[str, str]], str, str]:
+    """One record -> (prompt messages, chosen text, rejected text); `index` names the record in errors."""
+    missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(record, dict) or record.get(k) is None]
+    if missing:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise UserError(f"record {index} lacks {', '.join(f'`{k}`' for k in missing)} (has {keys}); a preference "
+                        "record needs `prompt`, `chosen` and `rejected`")
+    return _prompt(record["prompt"], index), _answer(record["chosen"], index, "chosen"), _answer(
+        record["rejected"], index, "rejected")
+
+
+FIRST_RECORDS = 100  # what the recipe checks before the model loads; the rest are read as they are tokenized
+
+
+def check_first_records(data) -> None:
+    """The first records of a chat or preference source (a FinetuneDataConfig) read as training will read them; the
+    embedded sets and text need no check."""
+    if data.format not in ("chat", "preference") or not data.path:
+        return
+    records = read_records(data.path, data.format)[:FIRST_RECORDS]
+    shape = None if data.record_format == "auto" else data.record_format
+    for i, record in enumerate(records):
+        if data.format == "chat":
+            to_messages(record, i, shape)
+        else:
+            to_pair(record, i)

@@ -138,11 +138,11 @@ def test_record_forms():
     [
         (
             {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]},
-            r"record 7: messages 1 has role 'bot'; use one of system, user, assistant",
+            r"record 7: turn 1 of `messages` has role 'bot'; use one of system, user, assistant",
         ),
         ({"question": "hi", "answer": "hello"}, r"record 7 has keys \['answer', 'question'\]; a chat record needs"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "record 7 has no assistant message"),
-        ({"messages": [{"role": "user", "content": None}]}, r"record 7: messages 0 \(user\) has no text"),
+        ({"messages": [{"role": "user", "content": None}]}, r"record 7: turn 0 of `messages` \(user\) has no text"),
     ],
 )
 def test_bad_records(record, match):

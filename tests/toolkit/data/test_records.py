@@ -67,8 +67,8 @@ def test_under_auto_each_record_is_read_by_its_own_shape_and_the_log_counts_them
      r"record 1 has keys \['input', 'instruction', 'output', 'system'\], not a ShareGPT \(conversations of from/value\) "
      r"record \(data.record_format\); use record_format=auto"),
     ([{"conversations": [{"from": "narrator", "value": "Once"}]}], "auto",
-     r"record 0: conversations 0 has from 'narrator'; use one of system, human, user, gpt"),
-    ([{"conversations": [{"from": "human", "value": 3}]}], "auto", r"record 0: conversations 0 \(human\) has no text"),
+     r"record 0: turn 0 of `conversations` has from 'narrator'; use one of system, human, user, gpt"),
+    ([{"conversations": [{"from": "human", "value": 3}]}], "auto", r"record 0: turn 0 of `conversations` \(human\) has no text"),
     ([{"text": "a"}], "auto", r"record 0 has keys \['text'\]; a chat record needs `messages`"),
     (["just a string"], "auto", r"record 0 has no keys \(a str\); a chat record needs"),
 ])
