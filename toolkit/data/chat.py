@@ -42,7 +42,7 @@ EMBEDDED = "embedded:python-chats"
 class ChatDataConfig:
     path: str | None = field(
         None,
-        help="file of chat records (.jsonl/.json/.parquet/.csv/.arrow) or a save_to_disk folder; "
+        help="file of chat records (.jsonl/.json/.parquet/.csv/.arrow), a folder or glob of them, or a save_to_disk folder; "
         "empty = the embedded Python Q&A set",
     )
     record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = field(

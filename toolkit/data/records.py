@@ -14,6 +14,7 @@ refused in one line.
 
 from __future__ import annotations
 
+import glob
 import json
 from collections import Counter
 from pathlib import Path
@@ -34,14 +35,30 @@ FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"
 
 
 def read_records(name: str, kind: str) -> list:
-    """The records of a .jsonl/.json/.parquet/.csv/.arrow file, or of a folder `datasets.save_to_disk` wrote; `kind`
-    names them in errors. jsonl and json are read here, for errors that name the line."""
+    """The records of a .jsonl/.json/.parquet/.csv/.arrow file, of a folder or glob of such files (in name order), or
+    of a folder `datasets.save_to_disk` wrote; `kind` names them in errors."""
     path = Path(name).expanduser()
     if path.is_dir() and (path / "dataset_info.json").is_file():
         return _non_empty(datasets.load_from_disk(str(path)), name)
-    if not path.is_file():
-        raise UserError(f"data.path={name} does not exist; give a {'/'.join(FILES)} file of {kind} records, or a "
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in FILES)
+        where = f"data.path={name} holds no {'/'.join(FILES)} files"
+    elif path.is_file():
+        files = [path]
+    else:
+        files = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
+        where = f"data.path={name} does not exist" if not glob.has_magic(name) else f"data.path={name} matches no file"
+    if not files:
+        raise UserError(f"{where}; give a {'/'.join(FILES)} file of {kind} records, a folder or glob of them, or a "
                         "folder that datasets' save_to_disk wrote")
+    records = [r for f in files for r in _read_file(f, str(f) if len(files) > 1 else name)]
+    if not records:
+        raise UserError(f"data.path={name} holds no records")
+    return records
+
+
+def _read_file(path: Path, name: str) -> list:
+    """One file's records; jsonl and json are read here, for errors that name the line."""
     suffix = path.suffix.lower()
     if suffix not in FILES:
         raise UserError(f"data.path={name} has suffix {path.suffix or '(none)'}; use one of {', '.join(FILES)}")
@@ -50,7 +67,7 @@ def read_records(name: str, kind: str) -> list:
             ds = datasets.load_dataset(FILES[suffix], data_files=str(path), split="train")
         except Exception as exc:  # pyarrow's and datasets' own errors for a damaged file
             raise UserError(f"data.path={name} cannot be read as {suffix[1:]}: {str(exc).splitlines()[0][:200]}") from None
-        return _non_empty(ds, name)
+        return ds.to_list()
     text = read_utf8(path, f"data.path={name}")
     if suffix == ".jsonl":
         records = []
@@ -60,15 +77,13 @@ def read_records(name: str, kind: str) -> list:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise UserError(f"data.path={name} line {number} is not valid JSON: {exc.msg}") from None
-    else:
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"data.path={name} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
-        if not isinstance(records, list):
-            raise UserError(f"data.path={name} must hold a JSON list of records, found {type(records).__name__}")
-    if not records:
-        raise UserError(f"data.path={name} holds no records")
+        return records
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"data.path={name} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(records, list):
+        raise UserError(f"data.path={name} must hold a JSON list of records, found {type(records).__name__}")
     return records
 
 

@@ -136,3 +136,18 @@ def test_a_sharegpt_file_trains_on_the_assistants_turns_only(tmp_path, chat_toke
     assert chat_tokenizer.decode(targets).count("<|im_end|>") == 2  # both assistant turns, nothing else
     block = train[0]
     assert block["input_ids"][: len(ids)] == ids and block["labels"][: len(ids)] == labels
+
+
+def test_a_folder_or_glob_of_files_is_read_in_name_order(tmp_path):
+    """Shards as users keep them (part-0.parquet, part-1.parquet, ...): one source, every file in name order."""
+    (tmp_path / "shards").mkdir()
+    datasets.Dataset.from_list([SHAPES["sharegpt"]]).to_parquet(str(tmp_path / "shards" / "part-1.parquet"))
+    datasets.Dataset.from_list([SHAPES["messages"]]).to_parquet(str(tmp_path / "shards" / "part-0.parquet"))
+    (tmp_path / "shards" / "notes.txt").write_text("not read")
+    expected = [shape_of(SHAPES["messages"]), shape_of(SHAPES["sharegpt"])]
+    assert [shape_of(r) for r in read_records(str(tmp_path / "shards"), "chat")] == expected
+    assert [shape_of(r) for r in read_records(str(tmp_path / "shards" / "part-*.parquet"), "chat")] == expected
+    with pytest.raises(UserError, match=r"data.path=.*part-\*.jsonl matches no file; give a .jsonl/"):
+        read_records(str(tmp_path / "shards" / "part-*.jsonl"), "chat")
+    with pytest.raises(UserError, match=r"data.path=.*nowhere.jsonl does not exist; give a"):
+        read_records(str(tmp_path / "nowhere.jsonl"), "chat")
