@@ -141,6 +141,12 @@ class FinetuneDataConfig(DataConfig):
                             "corpus ahead: drop data.streaming")
         if self.format in ("chat", "preference"):
             problems += [p for p in self.chat().validate() if p not in problems and not p.startswith("val_fraction")]
+        if self.record_format != "auto" and self.format != "chat":  # set, and silently not used
+            problems.append(f"record_format={self.record_format} names the shape of chat records; format={self.format} "
+                            "does not read it: drop it, or set data.format=chat")
+        if self.chat_template and self.format == "text":
+            problems.append("chat_template is for format=chat or preference; continued pretraining on text renders no "
+                            "conversations: drop it, or set data.format=chat")
         if self.format == "preference" and self.sources:
             problems.append("sources are not supported with format=preference yet; give one preference file in "
                             "data.path")

@@ -103,3 +103,15 @@ def test_an_empty_beta_is_the_objectives_usual_value_and_a_given_one_is_kept(obj
     used = {"simpo": ("gamma", 0.5), "orpo": ("orpo_lambda", 0.1)}.get(objective)  # its own setting, when empty
     if used:
         assert getattr(cfg.train, used[0]) is None and getattr(cfg.train.preference(), used[0]) == used[1]
+
+
+@pytest.mark.parametrize(("overrides", "said"), [
+    (["data.record_format=sharegpt"], "record_format=sharegpt names the shape of chat records; format=text does not read it"),
+    (["data.format=preference", "train.objective=dpo", "data.record_format=alpaca"], "format=preference does not read it"),
+    (["data.chat_template=x.jinja"], "chat_template is for format=chat or preference"),
+])
+def test_a_chat_setting_that_the_data_format_would_not_use_is_refused(overrides, said):
+    """Set and silently not used (issue 44's class): each is one line."""
+    with pytest.raises(ConfigError, match=said):
+        load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_lora.yaml", overrides)
+    load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_chat_lora.yaml", ["data.record_format=sharegpt"])
