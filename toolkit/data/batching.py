@@ -8,6 +8,8 @@ the global batch) is known on every rank without a collective.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -41,3 +43,7 @@ class BatchSchedule:
 
     def epoch(self, step: int) -> float:
         return step / self.steps_per_epoch
+
+    def steps_for(self, epochs: float) -> int:
+        """The optimizer steps of `epochs` passes (train.epochs): at least one."""
+        return max(1, math.ceil(epochs * self.steps_per_epoch))

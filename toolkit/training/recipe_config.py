@@ -29,6 +29,10 @@ EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval
 @dataclass
 class TrainConfig:
     max_steps: int = field(200, help="optimizer steps to train")
+    epochs: float | None = field(
+        None, help="passes over the packed training blocks, in place of max_steps: max_steps = ceil(epochs x steps per "
+        "epoch), said when the data is ready"
+    )
     global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
     micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
@@ -65,6 +69,8 @@ class TrainConfig:
                      "pipeline_stages"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        if self.epochs is not None and not 0 < self.epochs < 1e6:  # NaN fails both
+            problems.append(f"epochs={self.epochs} must be above 0 (and finite)")
         if self.collective_timeout_s > YEAR_S:  # timedelta and the backends' millisecond counts overflow past that
             problems.append(f"collective_timeout_s={self.collective_timeout_s} must be at most {YEAR_S} (a year)")
         return problems
@@ -93,8 +99,11 @@ class RunConfig:
             problems.append("resume and overwrite=true contradict each other; choose one")
         if not 0 <= self.seed <= SEED_MAX:  # numpy takes no negative seed; the batch order multiplies it
             problems.append(f"seed={self.seed} must be in [0, {SEED_MAX}]")
-        if not check_steps(self.logging.profile):
+        if not check_steps(self.logging.profile) and self.train.epochs is None:  # else the steps follow from the data
             problems += [f"logging.{p}" for p in check_steps(self.logging.profile, self.train.max_steps)]
+        if self.train.epochs is not None and (self.data.sources or getattr(self.data, "streaming", False)):
+            problems.append(f"train.epochs={self.train.epochs:g} counts passes over one prepared corpus; with "
+                            f"data.{'sources' if self.data.sources else 'streaming'} give train.max_steps instead")
         return problems
 
 

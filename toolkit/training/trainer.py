@@ -174,6 +174,9 @@ class Trainer:
         schedule = BatchSchedule(len(train), t.global_batch_size, t.micro_batch_size, *self.strategy.data_ranks,
                                  self.cfg.seed)
         self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, train, target_counts, schedule)
+        if t.epochs is not None:  # the steps follow from the packed blocks; a resume derives the same number
+            t.max_steps = schedule.steps_for(t.epochs)
+            self.print(f"train.epochs={t.epochs:g}: {t.max_steps} steps, {schedule.steps_per_epoch} an epoch")
         return schedule
 
     def use_mixture(self, train: dict[str, datasets.Dataset], val: dict[str, datasets.Dataset], plan: list,

@@ -281,6 +281,28 @@ def test_low_disk_space_is_said_before_the_save(tmp_path, blocks, tiny_tokenizer
     assert "warning: 1,000 bytes free for checkpoint step-4, the previous one took" in capsys.readouterr().out
 
 
+def test_epochs_train_the_steps_their_passes_over_the_packed_blocks_take(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                        capsys):
+    """train.epochs in place of max_steps: ceil(epochs x steps per epoch) steps, said once, the schedule's and the
+    bar's end; a resume of the finished run derives the same number and trains nothing more."""
+    blocks = (blocks[0].select(range(14)), None)  # 3 global batches of 4 an epoch, 2 blocks left out of each
+    trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.epochs=1.5", "eval.every=0",
+                    "checkpoint.every=0")
+    per_epoch, steps = 3, 5  # ceil(1.5 x 3)
+    assert trainer.cfg.train.max_steps == steps
+    trainer.fit()
+    trainer.finish()
+    trainer.close()
+    assert sorted(losses(trainer.run)) == list(range(1, steps + 1))
+    assert capsys.readouterr().out.count(f"[unit] train.epochs=1.5: {steps} steps, {per_epoch} an epoch") == 1
+    again = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.epochs=1.5", "eval.every=0",
+                  "checkpoint.every=0", "resume=auto")
+    assert again.state.step == again.cfg.train.max_steps == steps
+    again.fit()
+    again.close()
+    assert sorted(losses(again.run)) == list(range(1, steps + 1))
+
+
 def test_the_learning_rate_is_scaled_with_the_global_batch_when_asked(tmp_path, blocks, tiny_tokenizer, tiny_model, capsys):
     """optim.lr tuned at a global batch of 1, a run of 4 with sqrt scaling: every logged rate is twice
     the unscaled run's (warmup and decay scale with the peak), and the run says so once."""
