@@ -153,6 +153,9 @@ class FinetuneDataConfig(DataConfig):
         if self.record_format != "auto" and self.format != "chat":  # set, and silently not used
             problems.append(f"record_format={self.record_format} names the shape of chat records; format={self.format} "
                             "does not read it: drop it, or set data.format=chat")
+        elif self.record_format != "auto" and not self.path and not self.sources:
+            problems.append(f"record_format={self.record_format} names the shape of your records in data.path; the "
+                            "embedded set needs none: give data.path, or drop it")
         if self.chat_template and self.format == "text":
             problems.append("chat_template is for format=chat or preference; continued pretraining on text renders no "
                             "conversations: drop it, or set data.format=chat")

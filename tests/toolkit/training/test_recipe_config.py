@@ -109,9 +109,11 @@ def test_an_empty_beta_is_the_objectives_usual_value_and_a_given_one_is_kept(obj
     (["data.record_format=sharegpt"], "record_format=sharegpt names the shape of chat records; format=text does not read it"),
     (["data.format=preference", "train.objective=dpo", "data.record_format=alpaca"], "format=preference does not read it"),
     (["data.chat_template=x.jinja"], "chat_template is for format=chat or preference"),
+    (["data.format=chat", "data.record_format=sharegpt"], "the embedded set needs none: give data.path, or drop it"),
 ])
 def test_a_chat_setting_that_the_data_format_would_not_use_is_refused(overrides, said):
     """Set and silently not used (issue 44's class): each is one line."""
     with pytest.raises(ConfigError, match=said):
         load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_lora.yaml", overrides)
-    load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_chat_lora.yaml", ["data.record_format=sharegpt"])
+    load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_chat_lora.yaml", ["data.record_format=sharegpt",
+                                                                              "data.path=chats.jsonl"])
