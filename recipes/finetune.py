@@ -34,6 +34,7 @@ rank, exit code 4, as in pretraining.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -177,7 +178,10 @@ class FinetuneRecipe:
         notes = []
         with strategy.accelerator.main_process_first():  # the main process reads the corpus into the cache
             corpus, source = load_corpus(data, notes)
-            train_docs, val_docs = split_documents(corpus, data.val_fraction, cfg.seed)
+            if data.val_path:  # the user's own held-out text, whole
+                train_docs, val_docs = corpus, load_corpus(replace(data, path=data.val_path), notes)[0]
+            else:
+                train_docs, val_docs = split_documents(corpus, data.val_fraction, cfg.seed)
         # every rank tokenizes and packs its share of the documents
         train, val = packed_splits(train_docs, val_docs, self.tokenizer, data, source, cfg.seed)
         return train, val, [*notes, f"{len(train_docs)} train / {len(val_docs or [])} held-out documents of {source}"]

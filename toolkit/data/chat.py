@@ -57,6 +57,8 @@ class ChatDataConfig:
         None, help="Jinja chat template (the text, or a .jinja file) used instead of the tokenizer's"
     )
     val_fraction: float = field(0.1, help="fraction of conversations held out for evaluation (0 = no eval)")
+    val_path: str | None = field(None, help="held-out records of their own (as data.path takes them), in place of "
+                                            "val_fraction")
 
     def validate(self) -> list[str]:
         problems = []
@@ -352,13 +354,18 @@ def chat_blocks(
 
     records = load_chat_records(cfg)
     rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format)
-    train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)
+    if cfg.val_path:  # the user's own held-out set, whole
+        train_rows = rows
+        val_rows = tokenize_conversations(read_records(cfg.val_path, "chat", "data.val_path"), tokenizer,
+                                          cfg.chat_template, cfg.record_format)
+    else:
+        train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)
     train, stats = pack_conversations(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
     notes = [shapes_said(records, cfg.record_format), f"train: {stats}"]
     val = None
     if val_rows is not None:
         val, val_stats = pack_conversations(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
-        notes.append(f"held-out: {val_stats}")
+        notes.append(f"held-out{f' (data.val_path={cfg.val_path})' if cfg.val_path else ''}: {val_stats}")
     if stats.truncated or stats.dropped:
         notes.append(
             f"{stats.truncated + stats.dropped} training conversations are longer than data.seq_len={cfg.seq_len} "

@@ -198,15 +198,20 @@ def preference_blocks(cfg: ChatDataConfig, tokenizer, seed: int) -> tuple[datase
     rows, read = tokenize_pairs(records, tokenizer, cfg.chat_template)
     if not rows:
         raise UserError(f"{read}: none has two different, non-empty answers; check data.path")
-    train_rows, val_rows = split_documents(datasets.Dataset.from_dict({"row": list(range(len(rows)))}),
-                                           cfg.val_fraction, seed)
-    train, stats = pack_pairs([rows[i] for i in train_rows["row"]], cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+    if cfg.val_path:  # the user's own held-out pairs, whole
+        train_rows, (val_rows, _) = rows, tokenize_pairs(read_records(cfg.val_path, "preference", "data.val_path"),
+                                                         tokenizer, cfg.chat_template)
+    else:
+        train, held = split_documents(datasets.Dataset.from_dict({"row": list(range(len(rows)))}), cfg.val_fraction,
+                                      seed)
+        train_rows = [rows[i] for i in train["row"]]
+        val_rows = [rows[i] for i in held["row"]] if held is not None else []
+    train, stats = pack_pairs(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
     notes = [read, f"train: {stats}"]
     val = None
-    if val_rows is not None:
-        val, val_stats = pack_pairs([rows[i] for i in val_rows["row"]], cfg.seq_len, tokenizer.pad_token_id,
-                                    cfg.overlong)
-        notes.append(f"held-out: {val_stats}")
+    if val_rows:
+        val, val_stats = pack_pairs(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+        notes.append(f"held-out{f' (data.val_path={cfg.val_path})' if cfg.val_path else ''}: {val_stats}")
     if stats.truncated or stats.dropped:
         notes.append(f"{stats.truncated + stats.dropped} training pairs are longer than data.seq_len={cfg.seq_len} "
                      f"and were {'truncated' if cfg.overlong == 'truncate' else 'dropped'} (data.overlong="

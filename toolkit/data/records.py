@@ -34,41 +34,41 @@ SAID = {"messages": "messages (role/content)", "sharegpt": "ShareGPT (conversati
 FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
-def read_records(name: str, kind: str) -> list:
+def read_records(name: str, kind: str, key: str = "data.path") -> list:
     """The records of a .jsonl/.json/.parquet/.csv/.arrow file, of a folder or glob of such files (in name order), or
-    of a folder `datasets.save_to_disk` wrote; `kind` names them in errors."""
+    of a folder `datasets.save_to_disk` wrote; `kind` names them in errors, and `key` the setting that gave `name`."""
     path = Path(name).expanduser()
     if path.is_dir() and (path / "dataset_info.json").is_file():
-        return _non_empty(datasets.load_from_disk(str(path)), name)
+        return _non_empty(datasets.load_from_disk(str(path)), f"{key}={name}")
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in FILES)
-        where = f"data.path={name} holds no {'/'.join(FILES)} files"
+        where = f"{key}={name} holds no {'/'.join(FILES)} files"
     elif path.is_file():
         files = [path]
     else:
         files = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
-        where = f"data.path={name} does not exist" if not glob.has_magic(name) else f"data.path={name} matches no file"
+        where = f"{key}={name} does not exist" if not glob.has_magic(name) else f"{key}={name} matches no file"
     if not files:
         raise UserError(f"{where}; give a {'/'.join(FILES)} file of {kind} records, a folder or glob of them, or a "
                         "folder that datasets' save_to_disk wrote")
-    records = [r for f in files for r in _read_file(f, str(f) if len(files) > 1 else name)]
+    records = [r for f in files for r in _read_file(f, f"{key}={f if len(files) > 1 else name}")]
     if not records:
-        raise UserError(f"data.path={name} holds no records")
+        raise UserError(f"{key}={name} holds no records")
     return records
 
 
-def _read_file(path: Path, name: str) -> list:
+def _read_file(path: Path, said: str) -> list:
     """One file's records; jsonl and json are read here, for errors that name the line."""
     suffix = path.suffix.lower()
     if suffix not in FILES:
-        raise UserError(f"data.path={name} has suffix {path.suffix or '(none)'}; use one of {', '.join(FILES)}")
+        raise UserError(f"{said} has suffix {path.suffix or '(none)'}; use one of {', '.join(FILES)}")
     if FILES[suffix] != "json":
         try:
             ds = datasets.load_dataset(FILES[suffix], data_files=str(path), split="train")
         except Exception as exc:  # pyarrow's and datasets' own errors for a damaged file
-            raise UserError(f"data.path={name} cannot be read as {suffix[1:]}: {str(exc).splitlines()[0][:200]}") from None
+            raise UserError(f"{said} cannot be read as {suffix[1:]}: {str(exc).splitlines()[0][:200]}") from None
         return ds.to_list()
-    text = read_utf8(path, f"data.path={name}")
+    text = read_utf8(path, said)
     if suffix == ".jsonl":
         records = []
         for number, line in enumerate(text.splitlines(), 1):
@@ -76,24 +76,24 @@ def _read_file(path: Path, name: str) -> list:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise UserError(f"data.path={name} line {number} is not valid JSON: {exc.msg}") from None
+                    raise UserError(f"{said} line {number} is not valid JSON: {exc.msg}") from None
         return records
     try:
         records = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"data.path={name} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
+        raise UserError(f"{said} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
     if not isinstance(records, list):
-        raise UserError(f"data.path={name} must hold a JSON list of records, found {type(records).__name__}")
+        raise UserError(f"{said} must hold a JSON list of records, found {type(records).__name__}")
     return records
 
 
-def _non_empty(ds: datasets.Dataset, name: str) -> list:
+def _non_empty(ds: datasets.Dataset, said: str) -> list:
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise UserError(f"data.path={name} holds splits {sorted(ds)}, none named train; give the split's folder")
+            raise UserError(f"{said} holds splits {sorted(ds)}, none named train; give the split's folder")
         ds = ds["train"]
     if len(ds) == 0:
-        raise UserError(f"data.path={name} holds no records")
+        raise UserError(f"{said} holds no records")
     return ds.to_list()
 
 
@@ -225,10 +225,13 @@ def check_first_records(data) -> None:
     embedded sets and text need no check."""
     if data.format not in ("chat", "preference") or not data.path:
         return
-    records = read_records(data.path, data.format)[:FIRST_RECORDS]
     shape = None if data.record_format == "auto" else data.record_format
-    for i, record in enumerate(records):
-        if data.format == "chat":
-            to_messages(record, i, shape)
-        else:
-            to_pair(record, i)
+    for key, path in (("data.path", data.path), ("data.val_path", data.val_path)):
+        for i, record in enumerate(read_records(path, data.format, key)[:FIRST_RECORDS] if path else []):
+            try:
+                if data.format == "chat":
+                    to_messages(record, i, shape)
+                else:
+                    to_pair(record, i)
+            except UserError as exc:
+                raise UserError(f"{key}={path}: {exc}") from None

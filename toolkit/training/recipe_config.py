@@ -138,6 +138,10 @@ class FinetuneDataConfig(DataConfig):
     chat_template: str | None = field(
         None, help="chat: Jinja chat template (text or .jinja file) used instead of the tokenizer's"
     )
+    val_path: str | None = field(
+        None, help="held-out data of its own, read as data.path is (records for chat and preference, text "
+        "otherwise), in place of val_fraction"
+    )
     record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = field(
         "auto", help="chat: the records' shape: messages, sharegpt, alpaca or prompt_completion (docs/data.md); auto = "
         "each record's own"
@@ -159,6 +163,9 @@ class FinetuneDataConfig(DataConfig):
         if self.chat_template and self.format == "text":
             problems.append("chat_template is for format=chat or preference; continued pretraining on text renders no "
                             "conversations: drop it, or set data.format=chat")
+        if self.val_path and self.sources:
+            problems.append("val_path holds one corpus's held-out data; with sources each source holds out its own "
+                            "(val_fraction): drop val_path")
         if self.format == "preference" and self.sources:
             problems.append("sources are not supported with format=preference yet; give one preference file in "
                             "data.path")
@@ -167,7 +174,7 @@ class FinetuneDataConfig(DataConfig):
     def chat(self) -> ChatDataConfig:
         return ChatDataConfig(
             path=self.path, seq_len=self.seq_len, overlong=self.overlong, chat_template=self.chat_template,
-            val_fraction=self.val_fraction, record_format=self.record_format,
+            val_fraction=self.val_fraction, record_format=self.record_format, val_path=self.val_path,
         )
 
 

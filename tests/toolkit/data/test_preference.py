@@ -126,3 +126,16 @@ def test_collate_numbers_sequences_apart_across_rows_and_carries_the_reference(c
     # varlen attention joins the rows into one: the numbers stay apart
     flat = collate_pairs(blocks[:2], "flash_attention_2")
     assert flat["sequence"].shape == (1, 1024) and torch.equal(flat["sequence"][0], batch["sequence"].reshape(-1))
+
+
+def test_a_held_out_file_of_pairs_is_held_out_whole(tmp_path, chat_tokenizer):
+    """data.val_path: every pair of data.path trains, every pair of data.val_path is held out."""
+    from toolkit.data.preference import preference_blocks
+
+    pair = {"prompt": "How do I reverse a list?", "chosen": "items[::-1]", "rejected": "You cannot."}
+    for name, n in (("train", 6), ("held", 3)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(pair) + "\n" for _ in range(n)))
+    cfg = ChatDataConfig(path=str(tmp_path / "train.jsonl"), val_path=str(tmp_path / "held.jsonl"), seq_len=256)
+    train, val, notes = preference_blocks(cfg, chat_tokenizer, 0)
+    assert sum(pair_counts(train)) == 6 and sum(pair_counts(val)) == 3
+    assert notes[-1].startswith(f"held-out (data.val_path={tmp_path / 'held.jsonl'}): ")

@@ -151,3 +151,21 @@ def test_a_folder_or_glob_of_files_is_read_in_name_order(tmp_path):
         read_records(str(tmp_path / "shards" / "part-*.jsonl"), "chat")
     with pytest.raises(UserError, match=r"data.path=.*nowhere.jsonl does not exist; give a"):
         read_records(str(tmp_path / "nowhere.jsonl"), "chat")
+
+
+def test_a_held_out_file_of_its_own_is_read_whole_and_checked_before_the_model(tmp_path, chat_tokenizer):
+    """data.val_path in place of val_fraction: every record of data.path trains, every one of data.val_path is held
+    out (said in the log); a bad held-out record is refused naming data.val_path, before any model loads."""
+    from toolkit.data.records import check_first_records
+    from toolkit.training.recipe_config import FinetuneDataConfig
+
+    train = write(tmp_path, "jsonl", [SHAPES["sharegpt"]] * 6)
+    (tmp_path / "held").mkdir()
+    held = write(tmp_path / "held", "parquet", [SHAPES["messages"]] * 2)
+    cfg = ChatDataConfig(path=train, val_path=held, seq_len=256, val_fraction=0.5)
+    blocks, val, notes = chat_blocks(cfg, chat_tokenizer, 0)
+    assert notes[1].startswith("train: packed 6 of 6 conversations")
+    assert notes[2].startswith(f"held-out (data.val_path={held}): packed 2 of 2 conversations")
+    bad = write(tmp_path, "json", [SHAPES["messages"], {"text": "hi"}])
+    with pytest.raises(UserError, match=rf"^data.val_path={bad}: record 1 has keys \['text'\]; a chat record needs"):
+        check_first_records(FinetuneDataConfig(format="chat", path=train, val_path=bad))
