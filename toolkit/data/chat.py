@@ -42,7 +42,8 @@ EMBEDDED = "embedded:python-chats"
 class ChatDataConfig:
     path: str | None = field(
         None,
-        help="file of chat records (.jsonl/.json/.parquet/.csv/.arrow), a folder or glob of them, or a save_to_disk folder; "
+        help="file of chat records (.jsonl/.json/.parquet/.csv/.arrow), a folder or glob of them, a save_to_disk folder, "
+        "or a hub dataset (an id, or a folder laid out as the hub lays one out); "
         "empty = the embedded Python Q&A set",
     )
     record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = field(
@@ -59,6 +60,8 @@ class ChatDataConfig:
     val_fraction: float = field(0.1, help="fraction of conversations held out for evaluation (0 = no eval)")
     val_path: str | None = field(None, help="held-out records of their own (as data.path takes them), in place of "
                                             "val_fraction")
+    name: str | None = field(None, help="a hub dataset's config (subset)")
+    split: str = field("train", help="the split to read from a hub dataset")
 
     def validate(self) -> list[str]:
         problems = []
@@ -77,7 +80,7 @@ def load_chat_records(cfg: ChatDataConfig) -> list[dict]:
         from toolkit.data.python_chats import PYTHON_CHATS
 
         return [dict(r) for r in PYTHON_CHATS]
-    return read_records(cfg.path, "chat")
+    return read_records(cfg.path, "chat", "data.path", cfg.name, cfg.split)
 
 
 def chat_template_for(tokenizer, chat_template: str | None = None) -> str:

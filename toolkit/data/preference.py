@@ -194,7 +194,7 @@ def preference_blocks(cfg: ChatDataConfig, tokenizer, seed: int) -> tuple[datase
     """(train blocks, held-out blocks or None, lines for the log): whole pairs held out."""
     from toolkit.data.corpus import split_documents
 
-    records = read_records(cfg.path, "preference") if cfg.path else embedded_records()
+    records = read_records(cfg.path, "preference", "data.path", cfg.name, cfg.split) if cfg.path else embedded_records()
     rows, read = tokenize_pairs(records, tokenizer, cfg.chat_template)
     if not rows:
         raise UserError(f"{read}: none has two different, non-empty answers; check data.path")

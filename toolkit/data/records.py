@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -34,12 +35,16 @@ SAID = {"messages": "messages (role/content)", "sharegpt": "ShareGPT (conversati
 FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
-def read_records(name: str, kind: str, key: str = "data.path") -> list:
-    """The records of a .jsonl/.json/.parquet/.csv/.arrow file, of a folder or glob of such files (in name order), or
-    of a folder `datasets.save_to_disk` wrote; `kind` names them in errors, and `key` the setting that gave `name`."""
+def read_records(name: str, kind: str, key: str = "data.path", subset: str | None = None, split: str = "train") -> list:
+    """The records of a .jsonl/.json/.parquet/.csv/.arrow file, of a folder or glob of such files (in name order), of
+    a folder `datasets.save_to_disk` wrote, or of a hub dataset (`subset`, `split`): an id, or a local folder laid out
+    as the hub lays one out (its README.md, the dataset card, tells it apart). `kind` names them in errors, and `key`
+    the setting that gave `name`."""
     path = Path(name).expanduser()
     if path.is_dir() and (path / "dataset_info.json").is_file():
         return _non_empty(datasets.load_from_disk(str(path)), f"{key}={name}")
+    if (path.is_dir() and (path / "README.md").is_file()) or (not path.exists() and _hub_id(name)):
+        return _non_empty(_hub_records(name, subset, split, key), f"{key}={name} split={split}")
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in FILES)
         where = f"{key}={name} holds no {'/'.join(FILES)} files"
@@ -85,6 +90,26 @@ def _read_file(path: Path, said: str) -> list:
     if not isinstance(records, list):
         raise UserError(f"{said} must hold a JSON list of records, found {type(records).__name__}")
     return records
+
+
+def _hub_id(name: str) -> bool:
+    """org/name or name, and not a data file's name: what a hub id looks like (a path that does not exist may too)."""
+    return (re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name) is not None
+            and Path(name).suffix.lower() not in {*FILES, ".txt", ".gz", ".zip", ".tar"})
+
+
+def _hub_records(name: str, subset: str | None, split: str, key: str) -> datasets.Dataset:
+    local = Path(name).expanduser().exists()
+    where = f"{key}={name}" + ("" if local else " (no local file or folder has that name)")
+    try:
+        return datasets.load_dataset(name, subset, split=split)
+    except ConnectionError as exc:  # offline, and never cached
+        raise UserError(f"{where} is read as a hub dataset id, and the Hub cannot be reached ({exc}); give a local "
+                        "file, folder or glob, or load it once with a network (it is then cached)") from None
+    except Exception as exc:  # the hub client and datasets raise many types, often around the cause: say both
+        said = " ".join(str(e).splitlines()[0][:200] for e in (exc, exc.__cause__) if e is not None and str(e))
+        raise UserError(f"{where} could not be read as a hub dataset (split={split}): {said or type(exc).__name__}") \
+            from None
 
 
 def _non_empty(ds: datasets.Dataset, said: str) -> list:
@@ -227,7 +252,8 @@ def check_first_records(data) -> None:
         return
     shape = None if data.record_format == "auto" else data.record_format
     for key, path in (("data.path", data.path), ("data.val_path", data.val_path)):
-        for i, record in enumerate(read_records(path, data.format, key)[:FIRST_RECORDS] if path else []):
+        for i, record in enumerate(read_records(path, data.format, key, data.name, data.split)[:FIRST_RECORDS]
+                                   if path else []):
             try:
                 if data.format == "chat":
                     to_messages(record, i, shape)

@@ -174,7 +174,8 @@ class FinetuneDataConfig(DataConfig):
     def chat(self) -> ChatDataConfig:
         return ChatDataConfig(
             path=self.path, seq_len=self.seq_len, overlong=self.overlong, chat_template=self.chat_template,
-            val_fraction=self.val_fraction, record_format=self.record_format, val_path=self.val_path,
+            val_fraction=self.val_fraction, record_format=self.record_format, val_path=self.val_path, name=self.name,
+            split=self.split,
         )
 
 

@@ -169,3 +169,26 @@ def test_a_held_out_file_of_its_own_is_read_whole_and_checked_before_the_model(t
     bad = write(tmp_path, "json", [SHAPES["messages"], {"text": "hi"}])
     with pytest.raises(UserError, match=rf"^data.val_path={bad}: record 1 has keys \['text'\]; a chat record needs"):
         check_first_records(FinetuneDataConfig(format="chat", path=train, val_path=bad))
+
+
+def test_a_hub_dataset_is_read_by_its_split_from_a_folder_laid_out_as_the_hub_lays_it(tmp_path, monkeypatch):
+    """Offline, a local copy of a hub dataset repository (its README.md card, data/<split>-*.parquet): the split asked
+    for, and only it; a hub id that cannot be reached is one line."""
+    repo = tmp_path / "org--chats"
+    (repo / "data").mkdir(parents=True)
+    (repo / "README.md").write_text("---\nlicense: mit\n---\n# chats\n")
+    datasets.Dataset.from_list([SHAPES["sharegpt"]] * 3).to_parquet(str(repo / "data" / "train-00000-of-00001.parquet"))
+    test = {"id": "t", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
+    datasets.Dataset.from_list([test] * 2).to_parquet(str(repo / "data" / "test-00000-of-00001.parquet"))
+    assert read_records(str(repo), "chat") == [SHAPES["sharegpt"]] * 3
+    assert read_records(str(repo), "chat", split="test") == [test] * 2
+    with pytest.raises(UserError, match=r"could not be read as a hub dataset \(split=validation\): .*validation"):
+        read_records(str(repo), "chat", split="validation")
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start-up sets them
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match=r"^data.path=nobody/no-such-chats \(no local file or folder has that name\) ") \
+            as info:
+        read_records("nobody/no-such-chats", "chat")
+    assert "\n" not in str(info.value)
