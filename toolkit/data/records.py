@@ -232,12 +232,21 @@ def _answer(value, index: int, key: str) -> str:
 
 
 def to_pair(record, index: int) -> tuple[list[dict[str, str]], str, str]:
-    """One record -> (prompt messages, chosen text, rejected text); `index` names the record in errors."""
+    """One record -> (prompt messages, chosen text, rejected text); `index` names the record in errors. Without
+    `prompt`, `chosen` and `rejected` are whole conversations (TRL's implicit prompt): the turns both share are the
+    prompt, and each one's last, the assistant's, its answer."""
+    if isinstance(record, dict) and record.get("prompt") is None and all(
+            isinstance(record.get(k), list) and len(record[k]) > 1 for k in ("chosen", "rejected")):
+        chosen, rejected = record["chosen"], record["rejected"]
+        if chosen[:-1] != rejected[:-1]:
+            raise UserError(f"record {index}: `chosen` and `rejected` without `prompt` must share every turn but "
+                            "their last (the prompt); give `prompt` apart")
+        record = {"prompt": chosen[:-1], "chosen": chosen[-1], "rejected": rejected[-1]}
     missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(record, dict) or record.get(k) is None]
     if missing:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise UserError(f"record {index} lacks {', '.join(f'`{k}`' for k in missing)} (has {keys}); a preference "
-                        "record needs `prompt`, `chosen` and `rejected`")
+                        "record needs `prompt`, `chosen` and `rejected` (or `chosen` and `rejected` as whole conversations)")
     return _prompt(record["prompt"], index), _answer(record["chosen"], index, "chosen"), _answer(
         record["rejected"], index, "rejected")
 

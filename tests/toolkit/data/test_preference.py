@@ -30,6 +30,12 @@ def test_record_forms():
     # TRL's conversational form: the answers as one-message lists
     assert to_pair({"prompt": messages, "chosen": [{"role": "assistant", "content": "a"}],
                     "rejected": {"role": "assistant", "content": "b"}}, 0) == (messages, "a", "b")
+    # TRL's implicit prompt: two whole conversations, the same but for the assistant's last turn
+    said = [*messages, {"role": "assistant", "content": "a"}]
+    assert to_pair({"chosen": said, "rejected": [*messages, {"role": "assistant", "content": "b"}]}, 0) == (
+        messages, "a", "b")
+    with pytest.raises(UserError, match="record 2: `chosen` and `rejected` without `prompt` must share every turn but"):
+        to_pair({"chosen": said, "rejected": [{"role": "user", "content": "other"}, said[-1]]}, 2)
     with pytest.raises(UserError, match="record 3 lacks `chosen`, `rejected`"):
         to_pair({"prompt": "Q"}, 3)
     with pytest.raises(UserError, match="record 0: `rejected` must be a string or one assistant message"):
