@@ -33,7 +33,7 @@ import torch
 from toolkit.config import UserError, field
 from toolkit.data.corpus import read_utf8
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
-from toolkit.data.records import read_records, shapes_said, to_messages
+from toolkit.data.records import ColumnsConfig, read_records, shapes_said, to_messages
 
 EMBEDDED = "embedded:python-chats"
 
@@ -60,6 +60,7 @@ class ChatDataConfig:
     val_fraction: float = field(0.1, help="fraction of conversations held out for evaluation (0 = no eval)")
     val_path: str | None = field(None, help="held-out records of their own (as data.path takes them), in place of "
                                             "val_fraction")
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig, help="records of another shape: their columns")
     name: str | None = field(None, help="a hub dataset's config (subset)")
     split: str = field("train", help="the split to read from a hub dataset")
 
@@ -164,12 +165,12 @@ def render_conversation(
 
 
 def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: str | None = None,
-                           shape: str = "auto") -> datasets.Dataset:
+                           shape: str = "auto", columns: ColumnsConfig | None = None) -> datasets.Dataset:
     """Records of `shape` (auto: each its own) -> dataset of `input_ids` and `labels` (one row per conversation)."""
     chat_template = chat_template_for(tokenizer, chat_template)  # fails once, not per record
     rows = []
     for i, record in enumerate(records):
-        messages = to_messages(record, i, None if shape == "auto" else shape)
+        messages = to_messages(record, i, None if shape == "auto" else shape, columns)
         try:
             rows.append(render_conversation(tokenizer, messages, chat_template))
         except UserError as exc:
@@ -356,15 +357,15 @@ def chat_blocks(
     from toolkit.data.corpus import split_documents
 
     records = load_chat_records(cfg)
-    rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format)
+    rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format, cfg.columns)
     if cfg.val_path:  # the user's own held-out set, whole
         train_rows = rows
         val_rows = tokenize_conversations(read_records(cfg.val_path, "chat", "data.val_path"), tokenizer,
-                                          cfg.chat_template, cfg.record_format)
+                                          cfg.chat_template, cfg.record_format, cfg.columns)
     else:
         train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)
     train, stats = pack_conversations(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
-    notes = [shapes_said(records, cfg.record_format), f"train: {stats}"]
+    notes = [shapes_said(records, cfg.record_format, cfg.columns), f"train: {stats}"]
     val = None
     if val_rows is not None:
         val, val_stats = pack_conversations(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)

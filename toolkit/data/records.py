@@ -18,11 +18,12 @@ import glob
 import json
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
-from toolkit.config import UserError
+from toolkit.config import UserError, field
 from toolkit.data.corpus import read_utf8
 
 ROLES = ("system", "user", "assistant")
@@ -33,6 +34,23 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 SAID = {"messages": "messages (role/content)", "sharegpt": "ShareGPT (conversations of from/value)",
         "alpaca": "Alpaca (instruction/input/output)", "prompt_completion": "prompt/completion"}
 FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+@dataclass
+class ColumnsConfig:
+    """Records of another shape, mapped: which column holds the turns, which key of a turn names its speaker and which
+    holds its text, and the speakers' own names for the user and the assistant (and the system)."""
+
+    conversation: str | None = field(None, help="the column holding each record's list of turns (set: records are read "
+                                                "by this mapping)")
+    role: str = field("role", help="the key of a turn naming its speaker")
+    content: str = field("content", help="the key of a turn holding its text")
+    user: str = field("user", help="the speaker's name for the user's turns")
+    assistant: str = field("assistant", help="the speaker's name for the assistant's turns")
+    system: str = field("system", help="the speaker's name for the system prompt")
+
+    def roles(self) -> dict[str, str]:
+        return {self.system: "system", self.user: "user", self.assistant: "assistant"}
 
 
 def read_records(name: str, kind: str, key: str = "data.path", subset: str | None = None, split: str = "train") -> list:
@@ -137,8 +155,10 @@ def shape_of(record) -> str | None:
     return None
 
 
-def shapes_said(records: list, named: str = "auto") -> str:
+def shapes_said(records: list, named: str = "auto", columns: ColumnsConfig | None = None) -> str:
     """The log's line for a source's records: how many, of which shapes."""
+    if columns is not None and columns.conversation:
+        return f"{len(records)} records, turns in `{columns.conversation}` (data.columns)"
     if named != "auto":
         return f"{len(records)} records, {SAID[named]} (data.record_format)"
     counts = Counter(shape_of(r) for r in records)
@@ -156,8 +176,19 @@ def _no_shape(record, index: int) -> UserError:
     )
 
 
-def to_messages(record, index: int, shape: str | None = None) -> list[dict[str, str]]:
-    """One record of `shape` (None: its own) -> `[{"role", "content"}, ...]`; `index` names it in errors."""
+def to_messages(record, index: int, shape: str | None = None, columns: ColumnsConfig | None = None) -> list[dict]:
+    """One record of `shape` (None: its own), or read by `columns` when it names a conversation column, ->
+    `[{"role", "content"}, ...]`; `index` names it in errors."""
+    if columns is not None and columns.conversation:
+        if not isinstance(record, dict) or record.get(columns.conversation) is None:
+            raise UserError(f"record {index} has {_keys(record)}, no `{columns.conversation}` (data.columns."
+                            "conversation)")
+        out = _messages(record[columns.conversation], index, columns.conversation, columns.role, columns.content,
+                        columns.roles())
+        if not any(m["role"] == "assistant" for m in out):
+            raise UserError(f"record {index} has no {columns.assistant!r} turn (data.columns.assistant), so nothing to "
+                            "learn from")
+        return out
     own = shape_of(record)
     shape = shape or own
     if shape is None:
@@ -265,7 +296,7 @@ def check_first_records(data) -> None:
                                    if path else []):
             try:
                 if data.format == "chat":
-                    to_messages(record, i, shape)
+                    to_messages(record, i, shape, data.columns)
                 else:
                     to_pair(record, i)
             except UserError as exc:

@@ -9,6 +9,7 @@ from toolkit.checkpoint.manager import CheckpointConfig
 from toolkit.config import field
 from toolkit.data.chat import ChatDataConfig
 from toolkit.data.corpus import DataConfig
+from toolkit.data.records import ColumnsConfig
 from toolkit.data.tokenizer import TokenizerConfig
 from toolkit.models.adapter import AdapterConfig
 from toolkit.models.base_model import BaseModelConfig
@@ -142,6 +143,10 @@ class FinetuneDataConfig(DataConfig):
         None, help="held-out data of its own, read as data.path is (records for chat and preference, text "
         "otherwise), in place of val_fraction"
     )
+    columns: ColumnsConfig = field(
+        default_factory=ColumnsConfig, help="chat: records of another shape, mapped: conversation, role, content, user, "
+        "assistant, system (docs/data.md)"
+    )
     record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = field(
         "auto", help="chat: the records' shape: messages, sharegpt, alpaca or prompt_completion (docs/data.md); auto = "
         "each record's own"
@@ -157,9 +162,15 @@ class FinetuneDataConfig(DataConfig):
         if self.record_format != "auto" and self.format != "chat":  # set, and silently not used
             problems.append(f"record_format={self.record_format} names the shape of chat records; format={self.format} "
                             "does not read it: drop it, or set data.format=chat")
+        elif self.columns.conversation and self.record_format != "auto":
+            problems.append(f"record_format={self.record_format} and columns.conversation={self.columns.conversation} "
+                            "both say how to read the records: keep one")
         elif self.record_format != "auto" and not self.path and not self.sources:
             problems.append(f"record_format={self.record_format} names the shape of your records in data.path; the "
                             "embedded set needs none: give data.path, or drop it")
+        if self.columns.conversation and self.format != "chat":  # set, and silently not used
+            problems.append(f"columns.conversation={self.columns.conversation} maps chat records; format={self.format} "
+                            "does not read it: drop it, or set data.format=chat")
         if self.chat_template and self.format == "text":
             problems.append("chat_template is for format=chat or preference; continued pretraining on text renders no "
                             "conversations: drop it, or set data.format=chat")
@@ -175,7 +186,7 @@ class FinetuneDataConfig(DataConfig):
         return ChatDataConfig(
             path=self.path, seq_len=self.seq_len, overlong=self.overlong, chat_template=self.chat_template,
             val_fraction=self.val_fraction, record_format=self.record_format, val_path=self.val_path, name=self.name,
-            split=self.split,
+            split=self.split, columns=self.columns,
         )
 
 

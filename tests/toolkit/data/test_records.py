@@ -192,3 +192,22 @@ def test_a_hub_dataset_is_read_by_its_split_from_a_folder_laid_out_as_the_hub_la
             as info:
         read_records("nobody/no-such-chats", "chat")
     assert "\n" not in str(info.value)
+
+
+def test_records_of_another_shape_are_read_by_the_columns_named():
+    """data.columns: the turns' column, the keys of a turn, and the speakers' own names (a support-desk export here)."""
+    from toolkit.data.records import ColumnsConfig
+
+    columns = ColumnsConfig(conversation="dialog", role="speaker", content="text", user="customer", assistant="agent")
+    record = {"ticket": 7, "dialog": [{"speaker": "customer", "text": "My order is late."},
+                                      {"speaker": "agent", "text": "It ships today."}]}
+    assert to_messages(record, 0, None, columns) == [{"role": "user", "content": "My order is late."},
+                                                     {"role": "assistant", "content": "It ships today."}]
+    assert shapes_said([record], "auto", columns) == "1 records, turns in `dialog` (data.columns)"
+    with pytest.raises(UserError, match=r"record 3 has keys \['ticket'\], no `dialog` \(data.columns.conversation\)"):
+        to_messages({"ticket": 8}, 3, None, columns)
+    with pytest.raises(UserError, match=r"record 0: turn 1 of `dialog` has speaker 'bot'; use one of system, customer, "
+                                        r"agent"):
+        to_messages({"dialog": [record["dialog"][0], {"speaker": "bot", "text": "x"}]}, 0, None, columns)
+    with pytest.raises(UserError, match=r"record 0 has no 'agent' turn \(data.columns.assistant\)"):
+        to_messages({"dialog": record["dialog"][:1]}, 0, None, columns)
