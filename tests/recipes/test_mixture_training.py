@@ -87,26 +87,35 @@ def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp
 
 
 def test_a_fine_tune_mixes_chat_sets_by_weight(tiny_base, chatml_file, tmp_path, data_cache):
-    """SFT on two chat sets (the embedded Python Q&A and one of arithmetic): each source's turns packed on its
-    own, its held-out loss measured before and after, and its tokens counted."""
+    """SFT on three chat sets as users keep them (the embedded Python Q&A, arithmetic as a ShareGPT parquet, and
+    differences as Alpaca jsonl): each source's turns packed on its own, its held-out loss measured before and after,
+    its tokens counted, and the shape of each source's records said."""
+    import datasets
     from recipe_runner import FT_TINY
 
-    sums = tmp_path / "sums.jsonl"
-    sums.write_text("\n".join(json.dumps({"messages": [
-        {"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]})
-        for a in range(30) for b in range(0, 30, 3)))
+    sums = tmp_path / "sums.parquet"
+    datasets.Dataset.from_list([{"conversations": [
+        {"from": "human", "value": f"What is {a} + {b}?"}, {"from": "gpt", "value": f"{a} + {b} = {a + b}."}]}
+        for a in range(30) for b in range(0, 30, 3)]).to_parquet(str(sums))
+    diffs = tmp_path / "diffs.jsonl"
+    diffs.write_text("\n".join(json.dumps({"system": "You subtract.", "instruction": f"What is {a} - {b}?",
+                                           "output": f"{a} - {b} = {a - b}."}) for a in range(20) for b in range(5)))
     out = tmp_path / "sft"
     proc = run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
                                    f"data.chat_template={chatml_file}", "train.max_steps=3", f"output_dir={out}",
                                    f"data.sources=[{{name: python, weight: 0.5}}, {{name: sums, path: {sums}, "
-                                   "weight: 0.5}]"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
+                                   f"weight: 0.25}}, {{name: diffs, path: {diffs}, weight: 0.25}}]"],
+                     nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
     said = proc.stdout + proc.stderr
-    assert "data: python: weight 0.500, " in said and "data: sums: weight 0.500, " in said
+    assert "data: python: weight 0.500, " in said and "data: sums: weight 0.250, " in said
+    assert "data: sums: 300 records: 300 ShareGPT (conversations of from/value)" in said
+    assert "data: diffs: 100 records: 100 Alpaca (instruction/input/output)" in said
     assert re.search(r"loss: python +\d+\.\d{4} +\d+\.\d{4}\nloss: sums ", said)  # the end's before/after table
     before, after = ([r for r in rows(out) if r.get("phase") == phase] for phase in ("before", "after"))
     for r in (*before, *after):
-        assert {"eval_loss/python", "eval_loss/sums"} <= set(r) and r["eval_loss/python"] != r["eval_loss/sums"]
+        assert {"eval_loss/python", "eval_loss/sums", "eval_loss/diffs"} <= set(r)
+        assert r["eval_loss/python"] != r["eval_loss/sums"]
     assert after[0]["eval_loss/sums"] < before[0]["eval_loss/sums"]  # the arithmetic is being learnt
     last = [r for r in rows(out) if "loss" in r][-1]
-    assert last["tokens/python"] > 0 and last["tokens/sums"] > 0
-    assert last["tokens/python"] + last["tokens/sums"] == last["tokens"]
+    assert min(last["tokens/python"], last["tokens/sums"], last["tokens/diffs"]) > 0
+    assert last["tokens/python"] + last["tokens/sums"] + last["tokens/diffs"] == last["tokens"]

@@ -188,11 +188,26 @@ def test_a_dpo_resume_of_zeroed_weights_stops_as_a_dead_model(single, tiny_base,
 
 @pytest.mark.parametrize("objective", ["simpo", "orpo"])
 def test_simpo_and_orpo_train_without_a_reference(objective, tiny_base, chatml_file, data_cache, tmp_path):
+    """ORPO reads the pairs as a TRL preference parquet: two whole conversations a record, the prompt implicit."""
     out = tmp_path / objective
+    data = []
+    if objective == "orpo":
+        import datasets
+
+        from toolkit.data.preference import embedded_records
+        from toolkit.data.records import to_pair
+
+        pairs = [to_pair(r, i) for i, r in enumerate(embedded_records())]
+        datasets.Dataset.from_list([{"chosen": [*prompt, {"role": "assistant", "content": chosen}],
+                                     "rejected": [*prompt, {"role": "assistant", "content": rejected}]}
+                                    for prompt, chosen, rejected in pairs]).to_parquet(str(tmp_path / "pairs.parquet"))
+        data = [f"data.path={tmp_path / 'pairs.parquet'}"]
     proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, "lora", f"train.objective={objective}",
-                                      "train.beta=2.0", "train.max_steps=2", "checkpoint.every=0"),
+                                      "train.beta=2.0", "train.max_steps=2", "checkpoint.every=0", *data),
                       nproc=1, cache=data_cache, config=CONFIG)
     assert "reference:" not in proc.stdout + proc.stderr and not (out / "reference_logps.npz").exists()
+    if objective == "orpo":  # every pair of the parquet read
+        assert f"data: {len(pairs)} preference records: 0 with chosen equal to rejected" in proc.stdout + proc.stderr
     rows = steps(out)
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and set(REWARDS) <= r.keys() for r in rows)
     # reference-free rewards are beta x an answer's mean log-probability: below 0, and not equal at the start
