@@ -41,6 +41,15 @@ class AdapterConfig:
         help="module names (last name part) that get a LoRA, or [all-linear]",
     )
     merge: bool = field(True, help="also write the base with the adapter merged in, as final/ (LoRA/QLoRA)")
+    dora: bool = field(False, help="DoRA (peft's use_dora): beside the low-rank direction, a learnt magnitude per "
+                                   "output row; closer to a full fine-tune, slower a step")
+    rslora: bool = field(False, help="rank-stabilised scaling (peft's use_rslora): the update scaled by alpha / "
+                                     "sqrt(r) instead of alpha / r, for large ranks")
+    modules_to_save: list[str] = field(
+        default_factory=list, help="modules trained whole beside the adapter and saved with it, e.g. [embed_tokens, "
+        "lm_head] when tokens were added"
+    )
+    layers: list[int] = field(default_factory=list, help="the decoder layers (0-based) to adapt; empty = every one")
 
     def validate(self) -> list[str]:
         problems = []
@@ -52,6 +61,11 @@ class AdapterConfig:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if not self.target_modules:
             problems.append("target_modules is empty; name the projections to adapt, or use [all-linear]")
+        if any(i < 0 for i in self.layers):
+            problems.append(f"layers={self.layers}: layer indices start at 0")
+        if self.method == "full" and (self.dora or self.rslora or self.modules_to_save or self.layers):
+            problems.append("dora, rslora, modules_to_save and layers shape a LoRA; method=full trains every weight: "
+                            "drop them, or set adapter.method=lora")
         return problems
 
     @property
@@ -122,6 +136,14 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
                 f"adapter.target_modules {missing} match no layer of this {type(model).__name__}; "
                 f"its linear layers are {', '.join(present)} (or use [all-linear])"
             )
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [m for m in cfg.modules_to_save if m not in names]
+    if unknown:
+        raise UserError(f"adapter.modules_to_save {unknown} name no module of this {type(model).__name__}; "
+                        "name them as the model does (e.g. embed_tokens, lm_head)")
+    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if depth is not None and any(i >= depth for i in cfg.layers):
+        raise UserError(f"adapter.layers={cfg.layers}: this {type(model).__name__} has layers 0-{depth - 1}")
     if cfg.method == "qlora":
         # fp32 norms and an input hook so that checkpointed activations still get gradients
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -132,6 +154,10 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
         target_modules="all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules),
         bias="none",
         task_type="CAUSAL_LM",
+        use_dora=cfg.dora,
+        use_rslora=cfg.rslora,
+        modules_to_save=list(cfg.modules_to_save) or None,
+        layers_to_transform=list(cfg.layers) or None,
     )
     try:
         model = get_peft_model(model, lora)
@@ -140,8 +166,11 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
                 "too) has no dropout" if "lora_dropout" in str(exc) else "change the adapter section")
         raise UserError(f"peft cannot put this LoRA on {type(model).__name__} ({str(exc).strip()}); {hint}") from None
     trainable, total = model.get_nb_trainable_parameters()
+    kind = "+".join([cfg.method, *(["dora"] if cfg.dora else []), *(["rslora"] if cfg.rslora else [])])
+    where = f" of layers {cfg.layers}" if cfg.layers else ""
+    whole = f", {', '.join(cfg.modules_to_save)} trained whole" if cfg.modules_to_save else ""
     return model, (
-        f"weights: {cfg.method} r={cfg.r} alpha={cfg.alpha:g} on {', '.join(cfg.target_modules)}: "
+        f"weights: {kind} r={cfg.r} alpha={cfg.alpha:g} on {', '.join(cfg.target_modules)}{where}{whole}: "
         f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
     )
 

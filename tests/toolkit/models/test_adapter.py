@@ -154,13 +154,26 @@ def test_targets_that_match_no_layer_list_the_real_ones(base, tiny_model):
 # merge and load_with_adapter
 
 
-def test_merge_and_load_with_adapter_round_trip(base, tmp_path):
-    peft_model, _ = apply_adapter(base(), AdapterConfig(r=4, alpha=16, dropout=0.1))
+SWITCHES = {"plain": {}, "dora": {"dora": True}, "rslora": {"rslora": True}, "modules_to_save": {"modules_to_save": ["norm"]},
+            "layers": {"layers": [1]}}
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_merge_and_load_with_adapter_round_trip(base, tmp_path, switch):
+    """With each of peft's switches the adapter reloads and merges to the logits it trained to."""
+    peft_model, said = apply_adapter(base(), AdapterConfig(r=4, alpha=16, dropout=0.1, **SWITCHES[switch]))
+    lora_layers = {n.split(".layers.")[1].split(".")[0] for n, _ in peft_model.named_parameters() if "lora_A" in n}
+    assert lora_layers == ({"1"} if switch == "layers" else {str(i) for i in range(base().config.num_hidden_layers)})
+    q = peft_model.base_model.model.model.layers[1].self_attn.q_proj
+    assert q.scaling["default"] == (16 / 2 if switch == "rslora" else 16 / 4)  # alpha / sqrt(r), or alpha / r
+    assert any("lora_magnitude_vector" in n for n, _ in q.named_parameters()) == (switch == "dora")
+    assert said.startswith({"dora": "weights: lora+dora r=4", "rslora": "weights: lora+rslora r=4"}.get(
+        switch, "weights: lora r=4")) and ("norm trained whole" in said) == (switch == "modules_to_save")
     with torch.no_grad():  # stand-in for training: B starts at zero, which would hide a broken merge
         gen = torch.Generator().manual_seed(1)
         for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            if "lora_" in name or (p.requires_grad and "modules_to_save" in name):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1 if "magnitude" in name or "norm" in name else 0))
     peft_model.eval()  # dropout off
     x = ids()
     with torch.no_grad():
