@@ -9,7 +9,7 @@ The shapes (`data.record_format`; `auto`: each record's own, counted in the log)
     prompt_completion   {"prompt": ..., "completion": ...}   (TRL's: strings, or message lists)
 
 Under `auto` each record is read by its own shape; a shape named is every record's, and a record of another is
-refused in one line.
+refused in one line. Any other shape is read by the columns `data.columns` names (ColumnsConfig).
 """
 
 from __future__ import annotations
@@ -111,9 +111,11 @@ def _read_file(path: Path, said: str) -> list:
 
 
 def _hub_id(name: str) -> bool:
-    """org/name or name, and not a data file's name: what a hub id looks like (a path that does not exist may too)."""
+    """org/name or name, and not a data file's name: what a hub id looks like (a path that does not exist may too;
+    one inside a local folder, data/chats say, is that folder's, mistyped)."""
     return (re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name) is not None
-            and Path(name).suffix.lower() not in {*FILES, ".txt", ".gz", ".zip", ".tar"})
+            and Path(name).suffix.lower() not in {*FILES, ".txt", ".gz", ".zip", ".tar"}
+            and not ("/" in name and Path(name).parent.is_dir()))
 
 
 def _hub_records(name: str, subset: str | None, split: str, key: str) -> datasets.Dataset:

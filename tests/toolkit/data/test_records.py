@@ -138,7 +138,7 @@ def test_a_sharegpt_file_trains_on_the_assistants_turns_only(tmp_path, chat_toke
     assert block["input_ids"][: len(ids)] == ids and block["labels"][: len(ids)] == labels
 
 
-def test_a_folder_or_glob_of_files_is_read_in_name_order(tmp_path):
+def test_a_folder_or_glob_of_files_is_read_in_name_order(tmp_path, monkeypatch):
     """Shards as users keep them (part-0.parquet, part-1.parquet, ...): one source, every file in name order."""
     (tmp_path / "shards").mkdir()
     datasets.Dataset.from_list([SHAPES["sharegpt"]]).to_parquet(str(tmp_path / "shards" / "part-1.parquet"))
@@ -151,6 +151,9 @@ def test_a_folder_or_glob_of_files_is_read_in_name_order(tmp_path):
         read_records(str(tmp_path / "shards" / "part-*.jsonl"), "chat")
     with pytest.raises(UserError, match=r"data.path=.*nowhere.jsonl does not exist; give a"):
         read_records(str(tmp_path / "nowhere.jsonl"), "chat")
+    with pytest.raises(UserError, match=r"data.path=shards/part-2 does not exist; give a"):  # a typo, not a hub id
+        monkeypatch.chdir(tmp_path)
+        read_records("shards/part-2", "chat")
 
 
 def test_a_held_out_file_of_its_own_is_read_whole_and_checked_before_the_model(tmp_path, chat_tokenizer):
