@@ -27,6 +27,7 @@ from toolkit.config import UserError, field
 from toolkit.data.corpus import read_utf8
 
 ROLES = ("system", "user", "assistant")
+OWN_ROLES = {r: r for r in ROLES}  # role/content turns name their roles as the chat templates do
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion")
 # ShareGPT's `from` values as the sets in the wild write them
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -199,7 +200,7 @@ def to_messages(record, index: int, shape: str | None = None, columns: ColumnsCo
         raise UserError(f"record {index} has {_keys(record)}, not a {SAID[shape]} record "
                         "(data.record_format); use record_format=auto to read each record by its own shape")
     if shape == "messages":
-        out = _messages(record["messages"], index, "messages", "role", "content", {r: r for r in ROLES})
+        out = _messages(record["messages"], index, "messages", "role", "content", OWN_ROLES)
     elif shape == "sharegpt":
         out = _messages(record["conversations"], index, "conversations", "from", "value", SHAREGPT_ROLES)
     elif shape == "alpaca":
@@ -236,22 +237,16 @@ def _turns(value, index: int, key: str, role: str) -> list[dict[str, str]]:
     """prompt/completion's halves: a string (one turn of `role`) or a role/content list."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    return _messages(value, index, key, "role", "content", {r: r for r in ROLES})
+    return _messages(value, index, key, "role", "content", OWN_ROLES)
 
 
 def _prompt(value, index: int) -> list[dict[str, str]]:
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise UserError(f"record {index}: `prompt` must be a string or a non-empty list of role/content messages")
-    for j, m in enumerate(value):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in ROLES or not isinstance(m.get("content"), str):
-            raise UserError(f"record {index}: prompt message {j} needs a role ({', '.join(ROLES)}) and text `content`")
-    if value[-1]["role"] != "user":
-        raise UserError(f"record {index}: the prompt's last message is the {value[-1]['role']}'s; end it with the "
+    """A preference record's prompt: a string (the user's turn) or role/content turns ending with the user's."""
+    turns = _turns(value, index, "prompt", "user")
+    if turns[-1]["role"] != "user":
+        raise UserError(f"record {index}: the prompt's last message is the {turns[-1]['role']}'s; end it with the "
                         "user's turn")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return turns
 
 
 def _answer(value, index: int, key: str) -> str:
