@@ -288,8 +288,8 @@ def check_first_records(data) -> None:
     if data.format not in ("chat", "preference") or not data.path:
         return
     shape = None if data.record_format == "auto" else data.record_format
-    for key, path in (("data.path", data.path), ("data.val_path", data.val_path)):
-        for i, record in enumerate(read_records(path, data.format, key, data.name, data.split)[:FIRST_RECORDS]
+    for key, path, hub in (("data.path", data.path, (data.name, data.split)), ("data.val_path", data.val_path, ())):
+        for i, record in enumerate(read_records(path, data.format, key, *hub)[:FIRST_RECORDS]
                                    if path else []):
             try:
                 if data.format == "chat":

@@ -214,3 +214,17 @@ def test_records_of_another_shape_are_read_by_the_columns_named():
         to_messages({"dialog": [record["dialog"][0], {"speaker": "bot", "text": "x"}]}, 0, None, columns)
     with pytest.raises(UserError, match=r"record 0 has no 'agent' turn \(data.columns.assistant\)"):
         to_messages({"dialog": record["dialog"][:1]}, 0, None, columns)
+
+
+def test_the_first_records_check_reads_a_held_out_hub_folder_as_training_does(tmp_path):
+    """data.split names data.path's hub split; data.val_path is read whole as its train split, by the blocks and by the
+    check before the model alike (the check asked the held-out folder for data.split's split, which it need not have)."""
+    from toolkit.data.records import check_first_records
+    from toolkit.training.recipe_config import FinetuneDataConfig
+
+    repo = tmp_path / "held"
+    (repo / "data").mkdir(parents=True)
+    (repo / "README.md").write_text("# held-out chats\n")
+    datasets.Dataset.from_list([SHAPES["sharegpt"]] * 2).to_parquet(str(repo / "data" / "train-00000-of-00001.parquet"))
+    check_first_records(FinetuneDataConfig(format="chat", path=write(tmp_path, "jsonl", [SHAPES["messages"]]),
+                                           val_path=str(repo), split="test"))
