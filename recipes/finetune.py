@@ -125,7 +125,7 @@ class FinetuneRecipe:
             plan = weight_plan(cfg.data.sources, cfg.data.stages)
             schedule = trainer.use_mixture({n: train for n, (train, _, _) in zip(names, parts, strict=True)},
                                            {n: val for n, (_, val, _) in zip(names, parts, strict=True) if val is not None},
-                                           plan, collate_fn, counts)
+                                           plan, collate_fn, counts, cfg.train.preference())
             passes = schedule.passes(cfg.train.max_steps)
             for i, (name, (train, _, notes)) in enumerate(zip(names, parts, strict=True)):
                 for line in notes:

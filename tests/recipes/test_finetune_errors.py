@@ -193,8 +193,6 @@ PAIR = {"prompt": "How do I reverse a list?", "chosen": "Use items[::-1].", "rej
      "train.objective=simpo does not use it: drop it, or set train.objective=orpo"),
     (["train.beta=0.1"], "train.beta=0.1 is a preference objective's; train.objective=sft does not use it: drop it, "
      "or set train.objective to dpo, simpo or orpo"),
-    (["train.objective=dpo", "data.format=preference", "data.sources=[{name: a, weight: 1}]"],
-     "data.sources are not supported with format=preference yet"),
     (["train.objective=dpo", "data.format=preference", "model.loss=chunked"],
      "train.objective=dpo scores each answer from the full logits: model.loss=chunked is not supported with it "
      "yet; use model.loss=full"),

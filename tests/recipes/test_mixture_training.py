@@ -87,12 +87,20 @@ def test_a_mixture_logs_each_source_and_resumes_across_its_stage_bit_for_bit(tmp
 
 
 def test_a_fine_tune_mixes_chat_sets_by_weight(tiny_base, chatml_file, tmp_path, data_cache):
-    """SFT on three chat sets as users keep them (the embedded Python Q&A, arithmetic as a ShareGPT parquet, and
-    differences as Alpaca jsonl): each source's turns packed on its own, its held-out loss measured before and after,
-    its tokens counted, and the shape of each source's records said."""
+    """SFT on three chat sets as users keep them (the Python Q&A as OpenAI messages in a parquet of a local copy of a
+    hub dataset, arithmetic as a ShareGPT parquet, and differences as Alpaca jsonl): each source's turns packed on
+    its own, its held-out loss measured before and after, its tokens counted, and the shape of each source's records
+    said."""
     import datasets
     from recipe_runner import FT_TINY
 
+    from toolkit.data.python_chats import PYTHON_CHATS
+
+    hub = tmp_path / "org--python-chats"  # as `huggingface-cli download --repo-type dataset` lays it out
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("---\nlicense: psf-2.0\n---\n# Python Q&A\n")
+    chats = [dict(r) for r in PYTHON_CHATS if "messages" in r]
+    datasets.Dataset.from_list(chats).to_parquet(str(hub / "data" / "train-00000-of-00001.parquet"))
     sums = tmp_path / "sums.parquet"
     datasets.Dataset.from_list([{"conversations": [
         {"from": "human", "value": f"What is {a} + {b}?"}, {"from": "gpt", "value": f"{a} + {b} = {a + b}."}]}
@@ -103,13 +111,14 @@ def test_a_fine_tune_mixes_chat_sets_by_weight(tiny_base, chatml_file, tmp_path,
     out = tmp_path / "sft"
     proc = run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
                                    f"data.chat_template={chatml_file}", "train.max_steps=3", f"output_dir={out}",
-                                   f"data.sources=[{{name: python, weight: 0.5}}, {{name: sums, path: {sums}, "
+                                   f"data.sources=[{{name: python, path: {hub}, weight: 0.5}}, {{name: sums, path: {sums}, "
                                    f"weight: 0.25}}, {{name: diffs, path: {diffs}, weight: 0.25}}]"],
                      nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
     said = proc.stdout + proc.stderr
     assert "data: python: weight 0.500, " in said and "data: sums: weight 0.250, " in said
     assert "data: sums: 300 records: 300 ShareGPT (conversations of from/value)" in said
     assert "data: diffs: 100 records: 100 Alpaca (instruction/input/output)" in said
+    assert f"data: python: {len(chats)} records: {len(chats)} messages (role/content)" in said
     assert re.search(r"loss: python +\d+\.\d{4} +\d+\.\d{4}\nloss: sums ", said)  # the end's before/after table
     before, after = ([r for r in rows(out) if r.get("phase") == phase] for phase in ("before", "after"))
     for r in (*before, *after):

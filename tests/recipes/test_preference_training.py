@@ -9,6 +9,7 @@ final/ (LoRA: adapter/ merged into the base) reloads trained, and export gives t
 from __future__ import annotations
 
 import math
+import re
 import shutil
 
 import pytest
@@ -213,6 +214,35 @@ def test_simpo_and_orpo_train_without_a_reference(objective, tiny_base, chatml_f
     # reference-free rewards are beta x an answer's mean log-probability: below 0, and not equal at the start
     assert rows[0]["rewards/chosen"] < 0 and rows[0]["rewards/margin"] != 0
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_mixes_preference_sets_by_weight_with_a_reference_for_each(tiny_base, chatml_file, data_cache, tmp_path):
+    """DPO over two sources (the embedded pairs, and arithmetic as TRL's standard shape in a parquet): one reference
+    pass scores every source's training and held-out pairs, and each source's held-out loss is its own."""
+    import datasets
+    import numpy as np
+
+    sums = tmp_path / "sums.parquet"
+    datasets.Dataset.from_list([{"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}.",
+                                 "rejected": f"{a} + {b} = {a + b + 1}."}
+                                for a in range(12) for b in range(0, 12, 2)]).to_parquet(str(sums))
+    out = tmp_path / "mixed"
+    proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, "lora", "train.max_steps=2", "checkpoint.every=0",
+                                      f"data.sources=[{{name: python, weight: 0.5}}, {{name: sums, path: {sums}, "
+                                      "weight: 0.5}]"),
+                      nproc=1, cache=data_cache, config=CONFIG)
+    log = proc.stdout + proc.stderr
+    assert log.count("reference: one forward pass over the pairs") == 1
+    assert "data: sums: 72 preference records: 0 with chosen equal to rejected" in log
+    with np.load(out / "reference_logps.npz") as saved:
+        assert set(saved.files) == {"fingerprint", "train", "val:python", "val:sums"}
+    before, after = phases(out)["before"], phases(out)["after"]
+    assert before["eval_loss/python"] == pytest.approx(math.log(2)) == before["eval_loss/sums"]  # policy = reference
+    assert after["eval_loss/python"] != after["eval_loss/sums"]
+    assert min(after["eval_pairs/python"], after["eval_pairs/sums"]) > 0
+    last = steps(out)[-1]
+    assert min(last["tokens/python"], last["tokens/sums"]) > 0 and set(REWARDS) <= last.keys()
+    assert re.search(r"loss: python +\d+\.\d{4} +\d+\.\d{4}\nloss: sums ", log)  # the end's before/after table
 
 
 def test_dpo_under_tensor_parallel_is_refused_in_one_line(tiny_base, chatml_file, data_cache, tmp_path):

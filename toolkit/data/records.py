@@ -14,6 +14,7 @@ refused in one line. Any other shape is read by the columns `data.columns` names
 
 from __future__ import annotations
 
+import difflib
 import glob
 import json
 import re
@@ -169,13 +170,41 @@ def shapes_said(records: list, named: str = "auto", columns: ColumnsConfig | Non
 
 
 def _keys(record) -> str:
-    return f"keys {sorted(record)}" if isinstance(record, dict) else f"no keys (a {type(record).__name__})"
+    if not isinstance(record, dict):
+        return f"no keys (a {type(record).__name__})"
+    # a column of a parquet or csv that this record has no value in is there as null
+    empty = sorted(k for k, v in record.items() if v is None)
+    return f"keys {sorted(k for k in record if k not in empty)}" + (f" ({', '.join(empty)}: null)" if empty else "")
+
+
+NEEDS = {"messages": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
+         "prompt_completion": ("prompt", "completion")}  # the keys each shape is known by
+
+
+def _nearly(record) -> str:
+    """What a record of no shape comes closest to: a shape with some of its keys, a key one slip from a shape's,
+    or a column of turns that data.columns can name."""
+    if not isinstance(record, dict):
+        return ""
+    have = {k for k, v in record.items() if v is not None}
+    for shape, keys in NEEDS.items():
+        if 0 < len(have & set(keys)) < len(keys):
+            return f" (nearly {SAID[shape]}: it lacks `{'`, `'.join(k for k in keys if k not in have)}`)"
+    for key in sorted(have):
+        close = difflib.get_close_matches(key, [k for keys in NEEDS.values() for k in keys], n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean `{close[0]}` for `{key}`?)"
+    turns = [k for k in sorted(have) if isinstance(record[k], list) and record[k] and isinstance(record[k][0], dict)]
+    if turns:
+        return (f" (`{turns[0]}` holds a list of turns: name it with data.columns.conversation, and its keys with "
+                "columns.role and columns.content)")
+    return ""
 
 
 def _no_shape(record, index: int) -> UserError:
     return UserError(
-        f"record {index} has {_keys(record)}; a chat record needs `messages` (role/content), `conversations` "
-        "(ShareGPT's from/value), `instruction` and `output` (Alpaca), or `prompt` and `completion`"
+        f"record {index} has {_keys(record)}{_nearly(record)}; a chat record needs `messages` (role/content), "
+        "`conversations` (ShareGPT's from/value), `instruction` and `output` (Alpaca), or `prompt` and `completion`"
     )
 
 

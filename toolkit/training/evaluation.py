@@ -32,10 +32,15 @@ def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[st
     """eval_loss and eval_ppl over the held-out `blocks` (held_out_sums' arguments); for a mixture's held-out
     blocks by source, also each source's eval_loss/<name> and eval_tokens/<name> (its held-out targets): the
     whole is the mean of the former weighted by the latter.
-    With a preference `objective`: eval_loss, the mean over the held-out pairs, and eval_rewards/*."""
+    With a preference `objective`: eval_loss, the mean over the held-out pairs (a mixture's also by source, with
+    eval_pairs/<name>), and eval_rewards/* over all of them."""
     if kwargs.get("objective") is not None:
-        loss_sum, pairs, *stats = held_out_sums(accelerator, model, blocks, *args, **kwargs)
-        return {"eval_loss": loss_sum / max(1.0, pairs), **PreferenceLoss.means(stats, "eval_rewards")}
+        sums = {name: held_out_sums(accelerator, model, b, *args, **kwargs)
+                for name, b in (blocks.items() if isinstance(blocks, dict) else [("", blocks)])}
+        loss_sum, pairs, *stats = (sum(column) for column in zip(*sums.values(), strict=True))
+        by_source = {k: v for name, (s, n, *_) in sums.items() if name
+                     for k, v in ((f"eval_loss/{name}", s / max(1.0, n)), (f"eval_pairs/{name}", int(n)))}
+        return {"eval_loss": loss_sum / max(1.0, pairs), **PreferenceLoss.means(stats, "eval_rewards"), **by_source}
     if not isinstance(blocks, dict):
         return _loss_and_ppl(*held_out_sums(accelerator, model, blocks, *args, **kwargs))
     sums = {name: held_out_sums(accelerator, model, b, *args, **kwargs) for name, b in blocks.items()}

@@ -32,10 +32,13 @@ class Feed:
             self.targets = target_counts(self.blocks)
             self.tokens = column(self.blocks, "num_tokens").astype("int64")
 
-    def add_reference(self, train: np.ndarray, val: np.ndarray | None) -> None:
-        """The reference model's log-probabilities as the `ref_logps` column of the blocks (DPO)."""
+    def add_reference(self, train: np.ndarray, val: np.ndarray | dict[str, np.ndarray] | None) -> None:
+        """The reference model's log-probabilities as the `ref_logps` column of the blocks (DPO); a mixture's
+        held-out ones by source."""
         self.blocks = with_reference(self.blocks, train).with_format("numpy")
-        if val is not None:
+        if isinstance(val, dict):
+            self.val = {name: with_reference(self.val[name], v) for name, v in val.items()}
+        elif val is not None:
             self.val = with_reference(self.val, val)
 
     @property

@@ -132,7 +132,7 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
 
 
 # metrics.jsonl: one JSON object a line, each with a `kind` and the columns of that kind (the optional ones: a
-# mixture's per-source columns `tokens/<name>`, `eval_loss/<name>`, `eval_tokens/<name>`; a mixture of experts'
+# mixture's per-source columns `tokens/<name>`, `eval_loss/<name>`, `eval_tokens/<name>` or `eval_pairs/<name>`; a MoE's
 # `router_aux_loss`; a preference objective's `rewards/*` and `eval_rewards/*`), so that
 # `pandas.read_json(path, lines=True).groupby("kind")` gives one dense frame a kind (docs/metrics.md).
 KINDS = {

@@ -177,9 +177,6 @@ class FinetuneDataConfig(DataConfig):
         if self.val_path and self.sources:
             problems.append("val_path holds one corpus's held-out data; with sources each source holds out its own "
                             "(val_fraction): drop val_path")
-        if self.format == "preference" and self.sources:
-            problems.append("sources are not supported with format=preference yet; give one preference file in "
-                            "data.path")
         return problems
 
     def chat(self) -> ChatDataConfig:

@@ -74,12 +74,21 @@ def base_identity(cfg: BaseModelConfig) -> str:
     return "\n".join(parts)
 
 
-def fingerprint(train: datasets.Dataset, val: datasets.Dataset | None, base: str) -> str:
+def _held_out(val: datasets.Dataset | dict[str, datasets.Dataset] | None) -> dict[str, datasets.Dataset]:
+    """The held-out blocks by their key in the reference file: "val", or "val:<source>" for a mixture's."""
+    if isinstance(val, dict):
+        return {f"val:{name}": blocks for name, blocks in val.items()}
+    return {} if val is None else {"val": val}
+
+
+def fingerprint(train: datasets.Dataset, val: datasets.Dataset | dict[str, datasets.Dataset] | None,
+                base: str) -> str:
     """What the reference values belong to: the blocks' tokens and the base model (base_identity)."""
     h = hashlib.sha256(base.encode())
-    for blocks in (train, val):
-        if blocks is not None:
-            h.update(np.ascontiguousarray(blocks.with_format("numpy")[:]["input_ids"]).tobytes())
+    for key, blocks in {"train": train, **_held_out(val)}.items():
+        if ":" in key:  # a mixture's source by name (a run of one corpus keeps the fingerprint its file has)
+            h.update(key.encode())
+        h.update(np.ascontiguousarray(blocks.with_format("numpy")[:]["input_ids"]).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -98,15 +107,16 @@ def use_reference(trainer, base: str, lora: bool) -> None:
     if values is None:
         trainer.print("reference: one forward pass over the pairs with the "
                       f"{'adapter off' if lora else 'weights before training'} (DPO's reference log-probabilities)")
-        values = {"train": reference_logps(acc, trainer.model, feed.blocks, cfg.train.micro_batch_size,
-                                           cfg.model.attn_implementation)}
-        if feed.val is not None:
-            values["val"] = reference_logps(acc, trainer.model, feed.val, cfg.train.micro_batch_size,
-                                            cfg.model.attn_implementation)
+        values = {name: reference_logps(acc, trainer.model, blocks, cfg.train.micro_batch_size,
+                                        cfg.model.attn_implementation)
+                  for name, blocks in {"train": feed.blocks, **_held_out(feed.val)}.items()}
         kept = None
     if trainer.strategy.is_main and kept != trainer.run.reference:  # computed, or read from another run's folder:
         _write(trainer.run.reference, key, values)  # this run's own checkpoints resume from it
-    feed.add_reference(values["train"], values.get("val"))
+    val = values.get("val")
+    if isinstance(feed.val, dict):
+        val = {name: values[f"val:{name}"] for name in feed.val}
+    feed.add_reference(values["train"], val)
 
 
 def _read(path: Path, key: str) -> dict[str, np.ndarray] | None:
@@ -115,7 +125,7 @@ def _read(path: Path, key: str) -> dict[str, np.ndarray] | None:
     with np.load(path) as saved:
         if str(saved["fingerprint"]) != key:
             return None
-        return {name: saved[name] for name in ("train", "val") if name in saved}
+        return {name: saved[name] for name in saved.files if name != "fingerprint"}
 
 
 def _write(path: Path, key: str, values: dict[str, np.ndarray]) -> None:

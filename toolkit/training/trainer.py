@@ -180,9 +180,11 @@ class Trainer:
         return schedule
 
     def use_mixture(self, train: dict[str, datasets.Dataset], val: dict[str, datasets.Dataset], plan: list,
-                    collate: Callable, target_counts: Callable) -> MixtureSchedule:
+                    collate: Callable, target_counts: Callable,
+                    objective: PreferenceLoss | None = None) -> MixtureSchedule:
         """use_data for several sources mixed by weight: each one's packed and held-out blocks by name, and the
         weights from each step on (toolkit.data.mixture.weight_plan)."""
+        self.objective = objective
         t, names = self.cfg.train, list(train)
         schedule = MixtureSchedule([len(train[n]) for n in names], plan, names, t.global_batch_size,
                                    t.micro_batch_size, *self.strategy.data_ranks, self.cfg.seed)

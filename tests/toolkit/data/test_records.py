@@ -71,6 +71,16 @@ def test_under_auto_each_record_is_read_by_its_own_shape_and_the_log_counts_them
     ([{"conversations": [{"from": "human", "value": 3}]}], "auto", r"record 0: turn 0 of `conversations` \(human\) has no text"),
     ([{"text": "a"}], "auto", r"record 0 has keys \['text'\]; a chat record needs `messages`"),
     (["just a string"], "auto", r"record 0 has no keys \(a str\); a chat record needs"),
+    # a parquet whose writer took its columns from another record's shape: the columns are there, their values null
+    ([{"messages": None, "instruction": "Hi", "output": None}], "auto",
+     r"record 0 has keys \['instruction'\] \(messages, output: null\) \(nearly Alpaca \(instruction/input/output\): "
+     r"it lacks `output`\); a chat record needs"),
+    # the shape that nearly fits: a key one slip away, a list of turns under a name of its own
+    ([{"conversation": [{"from": "human", "value": "Hi"}]}], "auto",
+     r"record 0 has keys \['conversation'\] \(did you mean `conversations` for `conversation`\?\)"),
+    ([{"dialog": [{"speaker": "A", "text": "Hi"}]}], "auto",
+     r"\(`dialog` holds a list of turns: name it with data.columns.conversation, and its keys with columns.role and "
+     r"columns.content\)"),
 ])
 def test_a_record_that_does_not_fit_is_one_line_naming_it(records, named, says):
     with pytest.raises(UserError, match=says) as info:
