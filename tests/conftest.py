@@ -96,6 +96,9 @@ TINY_SIZES = {
     "qwen3_moe": {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "decoder_sparse_step": 1},
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    # Gemma 2's logit caps brought within reach of a tiny model's logits, so that they bend them
+    "gemma2": {**_DECODER, "head_dim": 16, "final_logit_softcapping": 1.0, "attn_logit_softcapping": 2.0,
+               "query_pre_attn_scalar": 16},
 }
 
 

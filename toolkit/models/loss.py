@@ -77,6 +77,8 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
             return target_loss_sum(model(**inputs).logits, targets)
         with loss_in_head(model, targets, chunk_tokens) as returned:
             loss = model(**inputs).logits
+    if len(returned) == 1 and loss.dim() == 0 and logit_softcap(model):
+        loss = returned[0]  # the model capped the loss the head returned as if it were logits: the head's own
     if len(returned) != 1 or loss.dim() != 0:
         raise RuntimeError(
             f"model.loss=chunked: {type(model).__name__}'s forward called its output head {len(returned)} times "
@@ -122,7 +124,8 @@ def loss_from_forward(model, inner: torch.nn.Module, inputs: dict, targets: torc
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
-    """sum_t CE(hidden_t @ W.T + b, target_t) and, in the same pass, its gradients.
+    """sum_t CE(hidden_t @ W.T + b, target_t) and, in the same pass, its gradients; with `softcap` c the logits
+    are c tanh(z / c) of the projection's z first (Gemma 2's final_logit_softcapping).
 
     The gradients are computed in the forward (the backward only scales them by the incoming
     scalar), so the weight is needed only while the head's forward runs: exactly when ZeRO-3
@@ -130,7 +133,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int, needs: tuple[bool, bool, bool]):
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int, needs: tuple[bool, bool, bool],
+                softcap: float | None = None):
         device = hidden.device.type
         # what F.linear would compute in: the autocast dtype (bf16 on GPUs) or the weight's own;
         # the weight is cast once here, not per chunk (autocast caches no casts with grad off)
@@ -151,6 +155,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             x_c = x[start:end].to(dtype)
             valid_c, safe_c = valid[start:end], safe[start:end]
             logp = F.linear(x_c, w, b).float()
+            if softcap:  # tanh(z / c) kept for the backward: d(c tanh(z / c))/dz = 1 - tanh^2
+                capped = logp.div_(softcap).tanh_()
+                logp = capped * softcap
             logp -= torch.logsumexp(logp, dim=-1, keepdim=True)  # in place: one (chunk x vocab) fp32 buffer
             sums.append(-(logp.gather(1, safe_c[:, None]).squeeze(1) * valid_c).sum())
             if not (need_x or need_w or need_b):
@@ -159,6 +166,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad = logp.exp_()
             grad[rows[: grad.shape[0]], safe_c] -= 1.0
             grad *= valid_c[:, None]
+            if softcap:
+                grad *= 1.0 - capped.square_()
+                del capped
             # rounded to the compute dtype as autograd would hand it to linear's backward
             g = grad.to(dtype)
             del logp, grad
@@ -183,21 +193,23 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grads = [None if g is None else g * grad_out for g in ctx.saved_tensors]
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, chunk_tokens: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction="sum")` (targets already
-    shifted, IGNORE_INDEX skipped), never holding more than `chunk_tokens` rows of logits."""
+    shifted, IGNORE_INDEX skipped; the logits capped at `softcap` first, if given), never holding more than
+    `chunk_tokens` rows of logits."""
     grad_on = torch.is_grad_enabled()
     needs = (
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,  # a frozen head (LoRA) gets no (vocab x hidden) gradient
         grad_on and bias is not None and bias.requires_grad,
     )
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk_tokens, needs)
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk_tokens, needs, softcap)
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -232,12 +244,6 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
     """The output projection of a (possibly DDP/DeepSpeed-wrapped, compiled or peft) causal LM."""
     inner = unwrapped(model)
     name = type(inner).__name__
-    cap = getattr(getattr(inner, "config", None), "final_logit_softcapping", None)
-    if cap:
-        raise UserError(
-            f"model.loss=chunked: {name} caps its logits (final_logit_softcapping={cap}) after the output "
-            "head, which the chunked loss would skip; use model.loss=full"
-        )
     head = inner.get_output_embeddings()
     # isinstance, not type(): FSDP2 turns the class into a subclass when it shards the head
     if not isinstance(head, torch.nn.Linear):
@@ -247,6 +253,11 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
             "output head out of adapter.target_modules"
         )
     return head
+
+
+def logit_softcap(model: torch.nn.Module) -> float | None:
+    """The cap a model puts on its logits after the output head (Gemma 2's final_logit_softcapping), or None."""
+    return getattr(getattr(unwrapped(model), "config", None), "final_logit_softcapping", None) or None
 
 
 @contextlib.contextmanager
@@ -259,6 +270,7 @@ def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: in
     list of losses the head returned, for the caller to check it ran exactly once.
     """
     head = output_head(model)
+    cap = logit_softcap(model)
     returned: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -267,7 +279,7 @@ def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: in
                 f"model.loss=chunked: the output head got hidden states {tuple(hidden.shape)} for labels "
                 f"{tuple(targets.shape)}; the model must project every position (logits_to_keep=0)"
             )
-        returned.append(linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_tokens))
+        returned.append(linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_tokens, cap))
         return returned[-1]
 
     own = head.__dict__.get("forward")  # a forward already set on the instance (accelerate hooks do that)

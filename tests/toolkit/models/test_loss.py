@@ -171,7 +171,7 @@ def test_token_loss_sum_is_shifted_sum():
 # targets (document starts, padding) in places.
 
 CHUNKS = [1, 7, 100, 10_000]  # one token; not dividing 256; not dividing, 3 chunks; one chunk larger than all
-NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}, "qwen2": {}}
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}, "qwen2": {}, "gemma2": {}}
 
 
 class OutputShapes(TorchDispatchMode):
@@ -191,18 +191,20 @@ class OutputShapes(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def chunk_models(tiny_model, tiny_tokenizer):
-    """Factory: the same initial weights every call; LLaMA and Qwen2 untied (their default), GPT-2 tied."""
+    """Factory: the same initial weights every call; LLaMA and Qwen2 untied (their default), GPT-2 and Gemma 2
+    tied."""
 
     def make(model_type: str):
         model = tiny_model(
             model_type,
             seed=0,
+            attn="eager" if model_type == "gemma2" else "sdpa",  # transformers gives Gemma 2 no sdpa
             tokenizer=tiny_tokenizer,
             initializer_range=INIT_RANGE,
             **NO_DROPOUT[model_type],
         )
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-        assert tied == (model_type == "gpt2")
+        assert tied == (model_type in ("gpt2", "gemma2"))
         return model
 
     return make
@@ -245,11 +247,20 @@ def full_reference(setup, chunk_models):
 
 @pytest.mark.parametrize(
     ("model_type", "chunk_tokens"),
-    # chunk size 1 (256 chunks, the slow case) on LLaMA only; Qwen2 is LLaMA's forward with biases
-    [*[("llama", c) for c in CHUNKS], *[("gpt2", c) for c in CHUNKS[1:]], ("qwen2", 7)],
+    # chunk size 1 (256 chunks, the slow case) on LLaMA only; Qwen2 is LLaMA's forward with biases; Gemma 2 caps
+    # its logits after the head (c tanh(z / c)), which the chunks do inside it
+    [*[("llama", c) for c in CHUNKS], *[("gpt2", c) for c in CHUNKS[1:]], ("qwen2", 7), ("gemma2", 7),
+     ("gemma2", 10_000)],
 )
 def test_chunked_loss_and_gradients_equal_the_full_path(model_type, chunk_tokens, setup, full_reference):
     model, loss_ref, grads_ref = full_reference(model_type)
+    if model_type == "gemma2":  # the cap bends these logits: without it the loss is another
+        model.config.final_logit_softcapping = None
+        try:
+            uncapped = forward_loss_sum(model, setup["full"], chunk_tokens).item()
+        finally:
+            model.config.final_logit_softcapping = 1.0
+        assert uncapped != pytest.approx(loss_ref.item(), rel=1e-3)
     loss, grads = loss_and_grads(model, setup["full"], chunk_tokens, setup["global_targets"])
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
