@@ -14,6 +14,8 @@ from toolkit.planner.facts import Run
 from toolkit.strategy.tensor_parallel import SEQUENCE_ATTENTION
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
+# LLaMA-style with Gemma 2's differences (Shapes.sandwich_norms, attn_softcap, logit_softcap): measured alike
+GEMMA_STYLE = ("gemma2",)
 MIXTURES = ("qwen3_moe", "mixtral")  # LLaMA-style attention, every layer's MLP a mixture of experts (transformers' grouped_mm experts)
 
 
@@ -34,6 +36,11 @@ class Shapes:
     expert_params: int = 0  # one layer's expert weights (autocast casts none of them: grouped_mm runs in their dtype)
     norm_topk: bool = False  # the router renormalises its top-k weights (norm_topk_prob)
     qk_norm: bool = False  # RMSNorm on each head's query and key (Qwen3's q_norm, k_norm)
+    # Gemma 2: a norm after attention and after the MLP too, every norm normalising in fp32 (x (1 + w)); its attention
+    # scores capped (c tanh(s / c)) before the softmax; its logits capped after the head
+    sandwich_norms: bool = False
+    attn_softcap: bool = False
+    logit_softcap: bool = False
     fp32_routing: bool = False  # the router's top-k weights stay fp32 (Mixtral), not cast to its logits' dtype
     lora: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # adapted linear -> (in, rank, out)
     lora_dropout: bool = False
@@ -44,10 +51,10 @@ class Shapes:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(base, "config", config)
         model_type = getattr(config, "model_type", None)
-        if model_type not in LLAMA_STYLE + MIXTURES:
+        if model_type not in LLAMA_STYLE + GEMMA_STYLE + MIXTURES:
             raise UserError(
-                f"the memory planner models LLaMA-style decoders ({', '.join(LLAMA_STYLE)}) and mixtures of "
-                f"experts ({', '.join(MIXTURES)}); model_type {model_type!r} is not modelled yet"
+                f"the memory planner models LLaMA-style decoders ({', '.join(LLAMA_STYLE + GEMMA_STYLE)}) and "
+                f"mixtures of experts ({', '.join(MIXTURES)}); model_type {model_type!r} is not modelled yet"
             )
         heads = config.num_attention_heads
         layer = base.model.layers[0]
@@ -77,7 +84,9 @@ class Shapes:
             heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
             layer_params=sum(p.numel() for p in layer.parameters()), lora=lora, lora_dropout=dropout, **moe,
-            qk_norm=hasattr(layer.self_attn, "q_norm"),
+            qk_norm=hasattr(layer.self_attn, "q_norm"), sandwich_norms=hasattr(layer, "post_feedforward_layernorm"),
+            attn_softcap=bool(getattr(config, "attn_logit_softcapping", None)),
+            logit_softcap=bool(getattr(config, "final_logit_softcapping", None)),
         )
 
 
@@ -104,10 +113,11 @@ def compiled_bytes_per_token(shapes: Shapes, run: Run, selective: bool) -> float
     and the two norms' 1/rms. Selective (beside the checkpointed input, which activation_bytes counts): one
     stream-width tensor, the query and attention output, keys and values, two of the MLP's width and the
     log-sum-exp. Not modelled (None: the eager counts, more than it keeps): mixtures of experts, LoRA, Qwen3's
-    query/key norms, model-parallel layouts, eager attention and sdpa's repeated keys under a document mask."""
+    query/key norms, Gemma 2, model-parallel layouts, eager attention and sdpa's repeated keys under a document mask."""
     layout = run.strategy.layout
     masked = run.attention == "sdpa" and run.packed_documents and not run.own_attention
-    if (not run.compiled or shapes.experts or shapes.lora or shapes.qk_norm or masked or run.attention == "eager"
+    if (not run.compiled or shapes.experts or shapes.lora or shapes.qk_norm or shapes.sandwich_norms or masked
+            or run.attention == "eager"
             or layout.tp > 1 or layout.sp > 1 or layout.cp > 1):
         return None
     rb, cb, _ = dtypes(run)
@@ -124,9 +134,13 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
     RMSNorm: its fp32 input, 1/rms, the normalised x in the stream's dtype, and the output the
     projections read (one copy per projection under autocast). Attention (sdpa, flash, flex):
     q, k, v, out and the log-sum-exp, k and v repeated to every query head when sdpa gets the
-    packed documents' mask; eager also the (heads x seq) probabilities in fp32 and in
-    the compute dtype, and k, v repeated to every query head. SwiGLU: gate, silu(gate), up and
-    their product. LoRA: the rank-r activations (and the dropout's copy of the input).
+    packed documents' mask; eager also the (heads x seq) probabilities in fp32 and (unless that is the compute
+    dtype) in the compute dtype, and k, v repeated to every query head. SwiGLU: gate, silu(gate), up and
+    their product (Gemma's GeGLU the same). LoRA: the rank-r activations (and the dropout's copy of the input).
+    Gemma 2: every norm keeps its normalised x in fp32, and the norms after attention and after the MLP keep
+    what a norm keeps of its own (8h + 4; nothing reads their output but the residual add); eager attention
+    also keeps the capped scores' tanh (heads x seq, compute dtype). Flash and flex attention: as LLaMA's (its
+    cap inside the kernel; not measured).
 
     Tensor parallel: each rank has 1/tp of the heads and of the MLP's width, so attention and MLP
     terms fall by tp; the projections' inputs are the whole sequence on every rank (under Megatron's
@@ -149,9 +163,13 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
     rb, cb, casts = dtypes(r)
     lora = shapes.lora
 
+    normalised = 4 if shapes.sandwich_norms else rb  # Gemma's norm multiplies by (1 + w) in fp32
+
     def norm(consumers: int) -> float:
         kept_output = consumers * cb * h if casts else (rb * h if consumers else 0)
-        return 4 * h + 4 + rb * h + kept_output
+        return 4 * h + 4 + normalised * h + kept_output
+
+    post_norms = 2 * norm(0) if shapes.sandwich_norms else 0
 
     k = v = kv
     if run.attention == "sdpa" and run.packed_documents and not run.own_attention:
@@ -166,7 +184,9 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
     if run.strategy.layout.sp > 1:  # the gathered k and v, and o_proj's input apart from sdpa's output
         attention = cb * (3 * q + 2 * max(shapes.kv_heads, run.strategy.layout.sp) * shapes.head_dim) + 4 * heads
     elif run.attention == "eager" and run.strategy.layout.cp == 1:  # context parallel runs its own sdpa attention
-        attention = cb * 4 * q + (4 + cb) * heads * run.seq_len
+        # the softmax's fp32 output, its copy in the compute dtype (none in fp32), Gemma's capped scores' tanh
+        scores = 4 + (cb if cb < 4 else 0) + (cb if shapes.attn_softcap else 0)
+        attention = cb * 4 * q + scores * heads * run.seq_len
     if shapes.qk_norm:  # per head: the fp32 input, 1/rms, the output in the projections' dtype (before any all-to-all)
         local_kv = shapes.kv_heads // tp
         attention += (4 + cb) * (heads + local_kv) * shapes.head_dim + 4 * (heads + local_kv)
@@ -174,15 +194,34 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
         return norm(3) + attention + norm(0 if casts else 1) + moe_bytes_per_token(shapes, run)
     mlp = 4 * cb * i
     if not lora:
-        return norm(3) + attention + norm(2) + mlp
-    # LoRA: a frozen projection keeps no input (there is no weight gradient); its adapter keeps
-    # the input (or the dropout's copy and mask) and its rank-r activation
-    adapters = sum(cb * rank + ((cb + 1) * d_in if shapes.lora_dropout else 0) for d_in, rank, _ in lora.values())
-    own = [n for n in lora if not shapes.lora_dropout]
-    return (
-        norm(sum(n in own for n in ("q_proj", "k_proj", "v_proj"))) + attention
-        + norm(sum(n in own for n in ("gate_proj", "up_proj"))) + mlp + adapters
-    )
+        return norm(3) + attention + norm(2) + mlp + post_norms
+    # LoRA, on a frozen base (measured on CPU): a frozen projection, norm or MLP keeps nothing for its weights, so
+    # a norm keeps its fp32 input and 1/rms alone and the MLP its gate, activation and up; each adapter keeps its
+    # input and its rank-r activation. Where autocast runs the fp32 adapters (peft keeps them fp32) each adapter
+    # casts its input for itself (peft's cast to the adapter's dtype, then autocast's); where the adapters run in
+    # the input's dtype (fp32, or cast with the base by FSDP2 or DeepSpeed) the adapters of one input share it,
+    # and o_proj's input is the attention's output, which sdpa keeps anyway (eager does not: its own). With
+    # dropout, each adapter its dropped copy and CUDA's 1-byte mask (CPU keeps its noise in the dropped copy's dtype).
+    layout = run.strategy.layout
+    per_adapter = run.precision != "fp32" and not ((layout.kind == "fsdp" and tp == 1) or layout.kind == "deepspeed")
+    kept_by_attention = run.attention != "eager" or run.strategy.layout.cp > 1
+    shared = {"q_proj": "norm", "k_proj": "norm", "v_proj": "norm", "gate_proj": "mlp_norm", "up_proj": "mlp_norm",
+              "o_proj": "out" if kept_by_attention else "o_proj"}
+    inputs, adapters = {}, 0.0
+    for name, (d_in, rank, _) in lora.items():
+        adapters += cb * rank
+        if shapes.lora_dropout:
+            adapters += (cb + 1) * d_in
+        elif per_adapter:
+            adapters += cb * d_in
+        else:
+            inputs[shared.get(name, name)] = cb * d_in
+    inputs.pop("out", None)
+    if not kept_by_attention:  # eager's q-wide fourth was o_proj's input, which a frozen o_proj does not keep
+        attention -= cb * q
+    frozen_norm = 4 * h + 4
+    post = 2 * frozen_norm if shapes.sandwich_norms else 0
+    return 2 * frozen_norm + post + attention + 3 * cb * i + sum(inputs.values()) + adapters
 
 
 def moe_bytes_per_token(shapes: Shapes, run: Run) -> float:
@@ -234,10 +273,10 @@ def selective_bytes_per_token(shapes: Shapes, run: Run) -> float:
     and v, o_proj, gate and up, down; a LoRA adapter's rank-r and output activations) and of its
     attention kernel (the output and the fp32 log-sum-exp; eager attention's two matmuls: the scores
     and the output), in the compute dtype. Measured on CPU for a dense model on one rank. A mixture of
-    experts and the tensor, sequence and context parallel layouts are not modelled: there it counts
+    experts, Gemma 2 and the tensor, sequence and context parallel layouts are not modelled: there it counts
     what the layer keeps without checkpointing, more than it does."""
     layout = run.strategy.layout
-    if shapes.experts or layout.tp > 1 or layout.sp > 1 or layout.cp > 1:
+    if shapes.experts or shapes.sandwich_norms or layout.tp > 1 or layout.sp > 1 or layout.cp > 1:
         return layer_bytes_per_token(shapes, run)
     compiled = compiled_bytes_per_token(shapes, run, selective=True)
     if compiled is not None:
@@ -289,8 +328,8 @@ def stream_tokens(shapes: Shapes, run: Run) -> int:
 
 def norm_core_bytes_per_token(shapes: Shapes, run: Run) -> int:
     """What an RMSNorm keeps of its own per token: its fp32 input, 1/rms and the normalised x in the
-    stream's dtype (the output the projections read is theirs: layer_bytes_per_token's norm)."""
-    return 4 * shapes.hidden + 4 + dtypes(run)[0] * shapes.hidden
+    stream's dtype (Gemma's in fp32; the output the projections read is theirs: layer_bytes_per_token's norm)."""
+    return 4 * shapes.hidden + 4 + (4 if shapes.sandwich_norms else dtypes(run)[0]) * shapes.hidden
 
 
 def sequence_mask_bytes(run: Run) -> int:
@@ -371,10 +410,15 @@ def loss_bytes(shapes: Shapes, run: Run, head_trainable: bool) -> dict[str, int]
         # (its own 1/tp slice beside them while it does) and computes the same loss. Under sequence
         # parallel the head gathers the sequence first, and its cast input is the whole sequence's too
         head_input = tokens * (cb if casts else rb) * h  # the head's matmul keeps its input (autocast's cast of it)
-        forward = tokens * v * (cb + 4 + 4) + (tokens * v * cb // tp if tp > 1 else 0)
-        return {"forward": final_norm + head_input + forward, "kept": final_norm + head_input + tokens * v * 4,
-                "backward": tokens * v * 12}
+        # Gemma 2's cap after the head (read from its code): the tanh it keeps, beside the capped logits, and
+        # in the backward the gradient through the cap
+        cap = cb if shapes.logit_softcap else 0
+        forward = tokens * v * (cb + cap + 4 + 4) + (tokens * v * cb // tp if tp > 1 else 0)
+        return {"forward": final_norm + head_input + forward,
+                "kept": final_norm + head_input + tokens * v * (4 + cap), "backward": tokens * v * (12 + 2 * cap)}
     chunk = min(run.loss_chunk_tokens, tokens)
     kept = tokens * h * rb + (4 * v * h if head_trainable else 0)  # d(loss)/d(hidden) and the head's fp32 gradient
     weight_cast = cb * v * h if casts else 0
-    return {"forward": final_norm + kept + weight_cast + chunk * v * (2 * cb + 4), "kept": final_norm + kept, "backward": 0}
+    cap = 4 if shapes.logit_softcap else 0  # a chunk's tanh(z / c), fp32, for the gradient through the cap
+    return {"forward": final_norm + kept + weight_cast + chunk * v * (2 * cb + 4 + cap), "kept": final_norm + kept,
+            "backward": 0}

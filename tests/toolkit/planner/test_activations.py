@@ -22,17 +22,32 @@ from toolkit.planner.facts import Run, StrategyFacts
 
 
 def facts_of(mode: str) -> StrategyFacts:
-    """bf16 weights: FSDP2's mixed-precision policy casts the weights; the other modes run DDP's fp32 weights."""
+    """bf16 weights: FSDP2's mixed-precision policy casts the weights; the other modes run DDP's fp32 weights (or,
+    "bf16 base, autocast", a base loaded in bf16 with LoRA's fp32 adapters under autocast)."""
     kind = "fsdp" if mode == "bf16 weights" else "ddp"
     return StrategyFacts(kind, ParallelLayout(kind))
 
 
-def saved_by_one_layer(config: PretrainedConfig, mode: str, batch: int, seq: int, mask: torch.Tensor | None = None) -> int:
+def run_of(mode: str, batch: int, seq: int, attention: str = "sdpa") -> Run:
+    return Run(facts_of(mode), 1, batch, seq, precision="fp32" if mode == "fp32" else "bf16", packed_documents=False,
+               attention=attention, param_dtype=torch.bfloat16 if mode.startswith("bf16") else torch.float32)
+
+
+def saved_by_one_layer(config: PretrainedConfig, mode: str, batch: int, seq: int, mask: torch.Tensor | None = None,
+                       attn: str = "sdpa", lora=None) -> int:
     """Bytes autograd keeps for backward inside decoder layer 1 (parameters excluded; rotary
-    cos/sin, which every layer shares, excluded), with `mask` as the attention mask if given."""
-    dtype = torch.bfloat16 if mode == "bf16 weights" else torch.float32
+    cos/sin, which every layer shares, excluded), with `mask` as the attention mask if given, and `lora` (a peft
+    LoraConfig) on the model if given: its adapters fp32 as peft makes them, but under "bf16 weights" (cast with
+    the base, as FSDP2 and DeepSpeed do)."""
+    dtype = torch.bfloat16 if mode.startswith("bf16") else torch.float32
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    if lora is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora)
+        if mode == "bf16 weights":
+            model.to(torch.bfloat16)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, tuple[int, tuple]] = {}
 
@@ -42,7 +57,8 @@ def saved_by_one_layer(config: PretrainedConfig, mode: str, batch: int, seq: int
             kept[storage.data_ptr()] = (storage.nbytes(), tuple(t.shape))
         return t
 
-    layer = model.model.layers[1]
+    inner = model.get_base_model() if lora is not None else model
+    layer = inner.model.layers[1]
     forward = layer.forward
 
     def hooked(*args, **kwargs):
@@ -50,11 +66,12 @@ def saved_by_one_layer(config: PretrainedConfig, mode: str, batch: int, seq: int
             return forward(*args, **kwargs)
 
     layer.forward = hooked
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if "autocast" in mode else contextlib.nullcontext()
     with autocast:
-        model.model(input_ids=torch.randint(0, config.vocab_size, (batch, seq)), attention_mask=mask)
+        inner.model(input_ids=torch.randint(0, config.vocab_size, (batch, seq)), attention_mask=mask)
     weights = {tuple(p.shape) for p in layer.parameters()} | {tuple(p.shape)[::-1] for p in layer.parameters()}  # autocast's casts
-    rotary = (1, 1, seq, config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary = (1, 1, seq, head_dim)
     return sum(n for n, shape in kept.values() if shape not in weights and shape != rotary)
 
 
@@ -151,6 +168,59 @@ def test_the_router_loss_keeps_what_the_estimate_says(mode, model_type):
     compute = 4 if mode == "fp32" else 2
     assert recorded == 3 * batch * seq * 8 * compute
     assert router_loss_bytes(shapes, run, 3) == sum(kept.values()) == recorded + 4 * 8, kept
+
+
+GEMMA2 = dict(query_pre_attn_scalar=16, sliding_window=64)  # Gemma 2: eager attention (transformers gives it no sdpa)
+
+
+def small(model_type: str) -> PretrainedConfig:
+    from transformers import Gemma2Config
+
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64, use_cache=False)
+    return Gemma2Config(**sizes, **GEMMA2) if model_type == "gemma2" else LlamaConfig(**sizes)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_eager_attention_and_gemma2_layers_save_what_the_formula_says(mode, model_type):
+    """Eager attention: q, k and v repeated to every query head, o_proj's input, the softmax's fp32 output and its
+    copy in the compute dtype (none in fp32). Gemma 2 also the tanh of its capped scores, and its four norms
+    (each keeping its normalised x in fp32; the two after attention and the MLP nothing for a consumer)."""
+    config = small(model_type)
+    batch, seq = 3, 40
+    measured = saved_by_one_layer(config, mode, batch, seq, attn="eager")
+    with torch.device("meta"):
+        shapes = Shapes.of(AutoModelForCausalLM.from_config(config))
+    assert (shapes.sandwich_norms, shapes.attn_softcap, shapes.logit_softcap) == ((model_type == "gemma2",) * 3)
+    assert layer_bytes_per_token(shapes, run_of(mode, batch, seq, "eager")) * batch * seq == measured
+
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16 weights", "bf16 base, autocast"])
+@pytest.mark.parametrize(("model_type", "targets", "dropout"), [
+    ("llama", ALL_LINEAR, 0.0), ("llama", ["q_proj", "v_proj"], 0.1), ("gemma2", ["o_proj", "down_proj"], 0.0),
+    ("gemma2", ALL_LINEAR, 0.1)])
+def test_lora_layers_save_what_the_formula_says(mode, model_type, targets, dropout):
+    """A frozen base keeps nothing for its weights (a norm its fp32 input and 1/rms; the MLP gate, activation, up);
+    each adapter its input (shared by the adapters of one input where they run in its dtype, its own cast under
+    autocast) and its rank-r activation; with dropout its dropped copy and mask, which CPU keeps as noise in the
+    copy's dtype where CUDA keeps one byte (the formula's)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = small(model_type)
+    lora = LoraConfig(r=8, target_modules=targets, lora_dropout=dropout)
+    batch, seq = 3, 40
+    attn = "eager" if model_type == "gemma2" else "sdpa"
+    measured = saved_by_one_layer(config, mode, batch, seq, attn=attn, lora=lora)
+    with torch.device("meta"):
+        shapes = Shapes.of(get_peft_model(AutoModelForCausalLM.from_config(config), lora))
+    assert sorted(shapes.lora) == sorted(targets) and shapes.lora_dropout == (dropout > 0)
+    cpu_noise = ((2 if mode == "bf16 weights" else 4) - 1) * sum(d_in for d_in, _, _ in shapes.lora.values())
+    expected = layer_bytes_per_token(shapes, run_of(mode, batch, seq, attn)) + (cpu_noise if dropout else 0)
+    assert expected * batch * seq == measured
 
 
 def test_sdpa_with_the_document_mask_keeps_repeated_keys_and_a_mask_copy_in_every_layer():
