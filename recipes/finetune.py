@@ -54,6 +54,7 @@ from toolkit.models.adapter import (
     leave_out_bitsandbytes,
     load_with_adapter,
     merge,
+    qlora_problem,
     quantization_config,
 )
 from toolkit.models.base_model import load_base_model, loadable_base, meta_base
@@ -81,6 +82,8 @@ class FinetuneRecipe:
             leave_out_bitsandbytes()
         self.trainer = trainer = Trainer("finetune", cfg)
         strategy = trainer.strategy
+        if problem := qlora_problem(cfg.adapter, strategy.layout):
+            raise UserError(problem)
 
         # Records of a shape the recipe cannot read are refused before the base loads: seconds, not a model load.
         for i, data in enumerate(cfg.data.of_sources()):

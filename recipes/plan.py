@@ -51,12 +51,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.config import UserError, load_config, read_config_file, read_yaml  # noqa: E402
-from toolkit.models.adapter import leave_out_bitsandbytes  # noqa: E402
+from toolkit.models.adapter import leave_out_bitsandbytes, qlora_problem  # noqa: E402
 from toolkit.models.compilation import whole_model_refused  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
 from toolkit.models.weight_cast import AUTOCAST, applies, auto_applies  # noqa: E402
 from toolkit.planner.estimate import estimate  # noqa: E402
 from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy  # noqa: E402
+from toolkit.planner.state import model_tensors  # noqa: E402
 from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
 from toolkit.strategy.parallelism import parallel_layout  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
@@ -83,8 +84,9 @@ def load_recipe_config(path: str, overrides: list[str]):
     return ("finetune" if finetune else "pretrain"), load_config(cls, file, overrides)
 
 
-def meta_model(recipe: str, cfg) -> tuple[torch.nn.Module, torch.dtype, bool]:
-    """(the model on the meta device, its weights' dtype, whether its base is 4-bit)."""
+def meta_model(recipe: str, cfg, notes: list[str] | None = None) -> tuple[torch.nn.Module, torch.dtype, bool]:
+    """(the model on the meta device, its weights' dtype, whether its base is 4-bit); where the architecture came
+    from, if not the usual place, in `notes`."""
     from transformers import AutoModelForCausalLM
 
     if recipe == "pretrain":
@@ -96,7 +98,7 @@ def meta_model(recipe: str, cfg) -> tuple[torch.nn.Module, torch.dtype, bool]:
     else:
         from toolkit.models.base_model import base_config
 
-        config = base_config(cfg.model)
+        config = base_config(cfg.model, notes)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
         quantized = cfg.adapter.method == "qlora"
     with torch.device("meta"):
@@ -188,18 +190,22 @@ def pipelines(model: torch.nn.Module, cfg, gpus: int, precision: str) -> tuple[l
 def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     """(the rows, the fastest that fits, the recipe, lines on the model-parallel configs)."""
     recipe, cfg = load_recipe_config(args.config, args.overrides)
-    model, dtype, quantized = meta_model(recipe, cfg)
+    said: list[str] = []
+    model, dtype, quantized = meta_model(recipe, cfg, said)
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     hidden, experts = config.hidden_size, expert_count(config)
     t, m = cfg.train, cfg.model
     precision = {"auto": "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
     budget = args.gpu_memory * (1 - args.headroom)
     micro = [int(x) for x in args.micro_batch.split(",")] if args.micro_batch else MICRO_BATCHES
-    rows, notes = [], []
+    rows, notes = [], said
+    tensors = model_tensors(model, quantized)
     staged, pipeline_needs, pipeline_notes = pipelines(model, cfg, args.gpus, precision)
     objective = cfg.train.objective if recipe == "finetune" else "sft"
     for facts in [*strategies(ROOT / "accelerate_configs", hidden), *staged]:
         needs, refused = model_parallel_needs(facts, model, cfg, args.gpus)
+        if recipe == "finetune" and (problem := qlora_problem(cfg.adapter, facts.layout)):  # the recipe refuses it
+            refused = problem.split(";")[0]
         if objective != "sft":  # the trainer's refusals: a pair is scored whole, in one forward of full logits
             if facts.layout.model_parallel > 1:
                 refused = f"train.objective={objective} trains under DDP, FSDP and ZeRO (data parallel) only"
@@ -243,7 +249,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                     cast_per_step=not quantized and auto_applies(m.cast_weights, facts.layout, AUTOCAST.get(precision),
                                                                  facts.layout.pp > 1, m.compile),
                 )
-                est = estimate(model, run)
+                est = estimate(model, run, tensors)
                 offload = facts.offload_optimizer or facts.offload_params
                 rows.append({
                     "strategy": facts.name, "gradient_checkpointing": ckpt, "micro_batch_size": mb,

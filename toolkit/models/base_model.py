@@ -20,6 +20,9 @@ from toolkit.models.compute import ComputeConfig
 from toolkit.models.gguf_base import HUB_ID, cache_folder, dequantise, gguf_config, resolve_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the architectures (config.json alone) of the bases the shipped YAMLs fine-tune, by hub id (<org>/<name>/): what
+# plan.py and the check before a load read where the Hub cannot be reached or the repository is gated
+SHIPPED_BASES = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "bases"
 
 
 @dataclass
@@ -106,7 +109,7 @@ def meta_base(cfg: BaseModelConfig) -> tuple[torch.nn.Module, int] | None:
     if not cfg.path or cfg.gguf_file or Path(cfg.path).expanduser().is_file():
         return None
     try:
-        config = AutoConfig.from_pretrained(cfg.path, local_files_only=local_files_only(cfg.path))
+        config = _hub_or_shipped(cfg.path)
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except (OSError, ValueError, KeyError):
         return None
@@ -116,16 +119,40 @@ def meta_base(cfg: BaseModelConfig) -> tuple[torch.nn.Module, int] | None:
         return model_class(config).to(dtype), dtype.itemsize
 
 
-def base_config(cfg: BaseModelConfig) -> transformers.PretrainedConfig:
+def shipped_base(path: str | None) -> Path | None:
+    """The folder of recipes/configs/bases/ that holds hub id `path`'s architecture, if one does."""
+    if not path or not HUB_ID.match(path) or Path(path).expanduser().exists():
+        return None
+    folder = SHIPPED_BASES / path
+    return folder if (folder / "config.json").is_file() else None
+
+
+def _hub_or_shipped(path: str, notes: list[str] | None = None) -> transformers.PretrainedConfig:
+    """`path`'s config: the folder's, or the hub's (its cached copy while the Hub cannot be reached), else the one
+    recipes/configs/bases/ ships (said in `notes`)."""
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=local_files_only(path))
+    except (OSError, ValueError):
+        shipped = shipped_base(path)
+        if shipped is None:
+            raise
+    if notes is not None:
+        notes.append(f"model.path={path}: the Hub cannot give its config.json (offline, or a gated repository), so "
+                     f"its architecture is read from {shipped.relative_to(SHIPPED_BASES.parents[2])}/config.json")
+    return AutoConfig.from_pretrained(shipped)
+
+
+def base_config(cfg: BaseModelConfig, notes: list[str] | None = None) -> transformers.PretrainedConfig:
     """The transformers config of the base `cfg` names, without loading its weights: for a GGUF from its
-    dequantised copy when one is cached, else parsed from the file once per process (~3 s for SmolLM2)."""
+    dequantised copy when one is cached, else parsed from the file once per process (~3 s for SmolLM2); for a hub
+    id the Hub cannot give, the architecture recipes/configs/bases/ ships, if any (said in `notes`)."""
     gguf = resolve_gguf(cfg)
     if gguf is None:
         _check_folder(cfg)
     offline = gguf is None and local_files_only(cfg.path)  # a hub id with no Hub: the cached copy, or one line now
     try:
         if gguf is None:
-            return AutoConfig.from_pretrained(cfg.path, local_files_only=offline)
+            return _hub_or_shipped(cfg.path, notes)
         cached = cache_folder(cfg, gguf)
         if cached is not None and (cached / "config.json").is_file():
             with contextlib.suppress(OSError, ValueError):  # a damaged copy: the file itself says it
