@@ -81,6 +81,40 @@ def test_lora_under_sharding_matches_one_process(strategy, lora_reference, tiny_
     assert_same_weights(mine, ref, lr_sum(reference), steps=4, longest_sum=1024, what=(strategy,))
 
 
+@pytest.fixture(scope="module")
+def gemma2_base(tiny_base, tmp_path_factory):
+    """A tiny Gemma 2 with the tiny base's tokenizer: its attention and logits capped low enough to bend them."""
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    config = Gemma2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                          query_pre_attn_scalar=16, sliding_window=256, final_logit_softcapping=2.0,
+                          attn_logit_softcapping=2.0, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("gemma2") / "base"
+    Gemma2ForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_gemma2_lora_under_zero3_matches_one_process(gemma2_base, chatml_file, data_cache, tmp_path):
+    """Gemma 2 as its shipped YAML trains it (eager attention with packing's additive mask, the chunked loss capping
+    its logits, LoRA) under ZeRO-3 follows one process: the chunked forward returns the loss through the model's own
+    output, whose hooks ZeRO-3 runs its backward by."""
+    common = [*FT_TINY, f"model.path={gemma2_base}", "model.attn_implementation=eager", "data.format=chat",
+              f"data.chat_template={chatml_file}", "adapter.r=8", "train.max_steps=3", "checkpoint.every=0"]
+    one, sharded = tmp_path / "one", tmp_path / "zero3"
+    run_recipe("finetune", [*common, f"output_dir={one}"], nproc=1, cache=data_cache, config=CONFIG)
+    run_recipe("finetune", [*common, f"output_dir={sharded}"], nproc=2, cache=data_cache, config=CONFIG,
+               accelerate_config="zero3.yaml")
+    expected, got = train_losses(one), train_losses(sharded)
+    assert len(got) == 3 and got[-1] < got[0]
+    for step, (a, b) in enumerate(zip(expected, got, strict=True), 1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: 1 process {a}, zero3 {b}"
+
+
 def test_full_finetune_resumes_from_a_checkpoint(tiny_base, data_cache, tmp_path):
     """6 steps straight = the same run's step-3 checkpoint resumed for 3 more (bit-equal on CPU)."""
     common = [*FT_TINY, f"model.path={tiny_base}", "adapter.method=full", "data.format=text", "data.seq_len=64",

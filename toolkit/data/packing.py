@@ -8,6 +8,9 @@ in the way each attention implementation reads it (`attention_inputs`):
 - sdpa: `block_causal_mask` turns position ids into a 4-D boolean block-diagonal causal mask.
   Position ids alone are NOT enough under sdpa/eager when the model keeps a KV cache
   (measured: logit error 0.41).
+- eager: the same mask, additive (0 where a token may attend, bf16's lowest elsewhere): transformers hands a 4-D
+  mask to eager attention as it is and adds it to the scores, so a boolean one would add 0 or 1 (measured: logit
+  error 0.48). Gemma 2 has no sdpa in transformers: eager is how it trains on CPU.
 - flex_attention: transformers reads the boundaries from `position_ids` and builds a document
   BlockMask (sparse: blocks across documents are skipped, not computed and masked). Only when
   the forward runs without a KV cache, which is why `toolkit.models.loss` passes `use_cache=False`.
@@ -59,7 +62,7 @@ PIECE_CHARS = 1_000_000
 TOKENIZE_DOCUMENTS = 50_000
 EMPTY_CORPUS = "the corpus tokenized to 0 tokens; check data.path and data.text_column"
 # Attention implementations that can keep packed documents apart, and how they are told.
-MASKED_ATTENTION = {"sdpa"}  # a 4-D boolean mask
+MASKED_ATTENTION = {"sdpa", "eager"}  # a 4-D mask (packed_mask)
 POSITION_ATTENTION = {"flex_attention"}  # position ids, one row per block
 VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3"}  # position ids, the blocks in one row
 
@@ -67,9 +70,8 @@ VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3"}  # position ids, t
 def check_attention(attn_implementation: str) -> None:
     if attn_implementation not in MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION:
         raise UserError(
-            f"model.attn_implementation={attn_implementation} cannot keep packed documents apart "
-            "(eager ignores boolean 4-D masks, measured logit error 0.48); use sdpa, flex_attention, or "
-            "flash_attention_2 on GPU"
+            f"model.attn_implementation={attn_implementation} cannot keep packed documents apart; use sdpa, eager, "
+            "flex_attention, or flash_attention_2 on GPU"
         )
 
 
@@ -509,6 +511,16 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def packed_mask(position_ids: torch.Tensor, attn_implementation: str) -> torch.Tensor:
+    """The 4-D mask that keeps packed documents apart under `attn_implementation` (MASKED_ATTENTION): sdpa's
+    boolean one, or eager's additive one in bf16 (added to fp32 or bf16 scores alike)."""
+    allowed = block_causal_mask(position_ids)
+    if attn_implementation != "eager":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=torch.bfloat16, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(torch.bfloat16).min)
+
+
 def labels_for(input_ids: torch.Tensor, position_ids: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
     """Next-token labels (unshifted, as transformers expects) with cross-document targets masked.
 
@@ -562,7 +574,7 @@ def collate(columns: dict, attn_implementation: str) -> dict[str, torch.Tensor]:
 def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str) -> dict[str, torch.Tensor]:
     """A collated batch (input_ids, position_ids, labels; B x L) as the attention kind needs it."""
     if attn_implementation in MASKED_ATTENTION:
-        batch["attention_mask"] = block_causal_mask(batch["position_ids"])
+        batch["attention_mask"] = packed_mask(batch["position_ids"], attn_implementation)
     elif attn_implementation in VARLEN_ATTENTION:
         # A row's first label is never a target (the shift drops it); ignoring it keeps the last
         # token of one row from predicting the first of the next once the rows are one.

@@ -13,8 +13,8 @@ from toolkit.config import field
 class ComputeConfig:
     attn_implementation: str = field(
         "sdpa",
-        help="sdpa (CPU/GPU), flex_attention (a compiled document BlockMask; fastest with model.compile on GPUs) "
-        "or flash_attention_2 (GPU, when installed)",
+        help="sdpa (CPU/GPU), eager (the scores materialised: what Gemma 2 has on CPU), flex_attention (a compiled "
+        "document BlockMask; fastest with model.compile on GPUs) or flash_attention_2 (GPU, when installed)",
     )
     gradient_checkpointing: Literal["none", "full", "every_k", "selective"] = field(
         "none", help="recompute activations in the backward: none, full (every layer), every_k, or selective (every "

@@ -77,8 +77,6 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
             return target_loss_sum(model(**inputs).logits, targets)
         with loss_in_head(model, targets, chunk_tokens) as returned:
             loss = model(**inputs).logits
-    if len(returned) == 1 and loss.dim() == 0 and logit_softcap(model):
-        loss = returned[0]  # the model capped the loss the head returned as if it were logits: the head's own
     if len(returned) != 1 or loss.dim() != 0:
         raise RuntimeError(
             f"model.loss=chunked: {type(model).__name__}'s forward called its output head {len(returned)} times "
@@ -268,9 +266,15 @@ def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: in
     (ZeRO-3 gathers the weight before, FSDP2 unshards it before and reshards it after), and
     `head.weight` is read at call time, when it is the gathered/unsharded parameter. Yields the
     list of losses the head returned, for the caller to check it ran exactly once.
+
+    A model that caps its logits after the head (Gemma 2) has the cap applied inside the chunks and its own
+    turned off for the forward, so that the model returns the head's loss itself: a loss taken from the head
+    beside the model's output would leave the model's own output out of the backward, whose hooks ZeRO-3 needs
+    (measured: DeepSpeed's "active_backward_submodules is empty").
     """
     head = output_head(model)
     cap = logit_softcap(model)
+    config = unwrapped(model).config
     returned: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -284,9 +288,13 @@ def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: in
 
     own = head.__dict__.get("forward")  # a forward already set on the instance (accelerate hooks do that)
     head.forward = forward
+    if cap:
+        config.final_logit_softcapping = None
     try:
         yield returned
     finally:
+        if cap:
+            config.final_logit_softcapping = cap
         if own is None:
             del head.forward
         else:

@@ -376,7 +376,9 @@ def activation_bytes(shapes: Shapes, run: Run, layers: range | None = None) -> d
     shared = 2 * run.local_seq * shapes.head_dim * rb + 8 * tokens + sequence_mask_bytes(run)
     shared += router_loss_bytes(shapes, run, len(layers))
     if run.strategy.layout.sp == 1 and (run.strategy.layout.cp > 1 or (run.packed_documents and run.attention in ("sdpa", "eager"))):
-        shared += run.micro_batch * run.local_seq * run.seq_len
+        # boolean, or eager's additive bf16 (toolkit.data.packing.packed_mask)
+        mask_bytes = 2 if run.attention == "eager" and run.strategy.layout.cp == 1 else 1
+        shared += mask_bytes * run.micro_batch * run.local_seq * run.seq_len
     # autocast's weight copies, saved by the matmuls (under tensor parallel each rank's slice, a router
     # whole; the norms' weights, whole on every rank, are ~1e-4 of a layer). grouped_mm's experts are not cast
     router = shapes.experts * shapes.hidden

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.data.packing import MASKED_ATTENTION, block_causal_mask
+from toolkit.data.packing import MASKED_ATTENTION, packed_mask
 from toolkit.models.loss import target_loss_sum, targets_of
 from toolkit.models.parameters import parameter_names
 from toolkit.models.router import expert_count
@@ -92,6 +92,7 @@ class StageModel(nn.Module):
         super().__init__()
         self.first, self.last = index == 0, index == stages - 1
         self.masked = attn_implementation in MASKED_ATTENTION
+        self.attn_implementation = attn_implementation
         decoder = model.get_decoder()
         self.owned = owned = layer_ranges(len(decoder.layers), stages)[index]
         self.layers_prefix = next(n for n, m in model.named_modules() if m is decoder.layers) + "."
@@ -130,7 +131,7 @@ class StageModel(nn.Module):
         inputs = {"input_ids" if self.first else "inputs_embeds": tokens, "position_ids": position_ids,
                   "use_cache": False}
         if self.masked:
-            inputs["attention_mask"] = block_causal_mask(position_ids)
+            inputs["attention_mask"] = packed_mask(position_ids, self.attn_implementation)
         if self.last:
             return self.model(**inputs).logits
         return self.model.get_decoder()(**inputs).last_hidden_state, position_ids

@@ -321,13 +321,37 @@ def test_labels_mask_document_starts_and_padding(docs, tiny_tokenizer, packed):
 
 
 # ---------------------------------------------------------------------------------- attention
-def test_check_attention_refuses_eager():
+def test_check_attention_names_what_keeps_documents_apart():
     with pytest.raises(UserError) as info:
-        check_attention("eager")
+        check_attention("sdpa_paged")
     message = str(info.value)
-    assert "eager" in message and "sdpa" in message and "flash_attention_2" in message
-    check_attention("sdpa")
-    check_attention("flash_attention_2")
+    assert message.startswith("model.attn_implementation=sdpa_paged cannot keep packed documents apart")
+    assert all(kind in message for kind in ("sdpa", "eager", "flex_attention", "flash_attention_2"))
+    for kind in ("sdpa", "eager", "flex_attention", "flash_attention_2"):
+        check_attention(kind)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_eager_keeps_packed_documents_apart_as_sdpa_does(packed, tiny_tokenizer, tiny_model, model_type):
+    """eager adds its 4-D mask to the scores: the boolean one sdpa takes would add 0 or 1 (logit error 0.48), the
+    additive one gives sdpa's logits; Gemma 2 (no sdpa in transformers) against its own documents run one by one."""
+    # blocks that hold several documents
+    rows = [r for r in range(len(packed)) if len(segments(packed[r]["position_ids"], SEQ_LEN)) > 1][:3]
+    eager = collate(packed[rows], "eager")
+    assert eager["attention_mask"].dtype == torch.bfloat16
+    model = tiny_model(model_type, tokenizer=tiny_tokenizer, attn="eager").eval()
+    with torch.no_grad():
+        logits = forward_logits(model, eager)
+        if model_type == "llama":
+            model.set_attn_implementation("sdpa")
+            expected = forward_logits(model, collate(packed[rows], "sdpa"))
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+            return
+        # the documents of a block holding several, each run alone
+        row = 0
+        for a, b in segments(eager["position_ids"][row], SEQ_LEN)[:3]:
+            alone = model(input_ids=eager["input_ids"][row:row + 1, a:b]).logits
+            torch.testing.assert_close(logits[row, a:b], alone[0], atol=1e-5, rtol=0)
 
 
 def test_collate_builds_mask_only_for_sdpa(packed):

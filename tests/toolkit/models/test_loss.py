@@ -255,6 +255,7 @@ def full_reference(setup, chunk_models):
 def test_chunked_loss_and_gradients_equal_the_full_path(model_type, chunk_tokens, setup, full_reference):
     model, loss_ref, grads_ref = full_reference(model_type)
     if model_type == "gemma2":  # the cap bends these logits: without it the loss is another
+        assert model.config.final_logit_softcapping == 1.0  # the model's own cap, off for the chunked forward, is back
         model.config.final_logit_softcapping = None
         try:
             uncapped = forward_loss_sum(model, setup["full"], chunk_tokens).item()
