@@ -50,8 +50,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.config import UserError, load_config, read_config_file, read_yaml  # noqa: E402
-from toolkit.models.adapter import leave_out_bitsandbytes, qlora_problem  # noqa: E402
+from toolkit.config import UserError, load_config, read_config_file, read_yaml, to_dict  # noqa: E402
+from toolkit.models.adapter import apply_adapter, leave_out_bitsandbytes, qlora_problem  # noqa: E402
 from toolkit.models.compilation import whole_model_refused  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
 from toolkit.models.weight_cast import AUTOCAST, applies, auto_applies  # noqa: E402
@@ -84,9 +84,25 @@ def load_recipe_config(path: str, overrides: list[str]):
     return ("finetune" if finetune else "pretrain"), load_config(cls, file, overrides)
 
 
+BUILT: dict[str, tuple] = {}  # a config's meta model, built once a process: plan() runs it for one GPU count at a time
+
+
 def meta_model(recipe: str, cfg, notes: list[str] | None = None) -> tuple[torch.nn.Module, torch.dtype, bool]:
-    """(the model on the meta device, its weights' dtype, whether its base is 4-bit); where the architecture came
-    from, if not the usual place, in `notes`."""
+    """(the model on the meta device, with its adapter as the recipe puts it on; its weights' dtype; whether its base
+    is 4-bit); where the architecture came from, if not the usual place, in `notes`. Not to be changed: it is kept
+    for the next plan of the same config."""
+    part = cfg.adapter if recipe == "finetune" else cfg.tokenizer
+    key = json.dumps([recipe, to_dict(cfg.model), to_dict(part)], sort_keys=True, default=str)
+    if key not in BUILT:
+        said: list[str] = []
+        BUILT[key] = (*_build(recipe, cfg, said), said)
+    *built, said = BUILT[key]
+    if notes is not None:
+        notes.extend(said)
+    return tuple(built)
+
+
+def _build(recipe: str, cfg, notes: list[str]) -> tuple[torch.nn.Module, torch.dtype, bool]:
     from transformers import AutoModelForCausalLM
 
     if recipe == "pretrain":
@@ -104,11 +120,7 @@ def meta_model(recipe: str, cfg, notes: list[str] | None = None) -> tuple[torch.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if recipe == "finetune" and cfg.adapter.is_lora:
-        from peft import LoraConfig, get_peft_model
-
-        a = cfg.adapter
-        targets = "all-linear" if a.target_modules == ["all-linear"] else a.target_modules
-        model = get_peft_model(model, LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets))
+        model, _ = apply_adapter(model, cfg.adapter)  # the recipe's: its targets, layers, DoRA, modules_to_save
     return model, dtype, quantized
 
 

@@ -16,7 +16,6 @@ import torch
 from recipe_runner import ROOT, recipe_module
 
 from toolkit.config import load_config
-from toolkit.models.adapter import apply_adapter
 from toolkit.models.base_model import SHIPPED_BASES, meta_base, shipped_base
 from toolkit.training.recipe_config import FinetuneConfig
 
@@ -60,6 +59,12 @@ def planned(config: str, gpus: int) -> tuple[dict, str]:
     return best, PLAN.launch_line(best, recipe, args), notes
 
 
+def model_of(cfg, with_adapter: bool = False) -> torch.nn.Module:
+    """The meta model plan.py planned (built once for both GPU counts); the base under the adapter, or with it."""
+    model = PLAN.meta_model("finetune", cfg)[0]
+    return model if with_adapter or not hasattr(model, "get_base_model") else model.get_base_model()
+
+
 def said(best: dict) -> str:
     return (f"{PLAN.label(best)}, gradient checkpointing {best['gradient_checkpointing']}, micro-batch "
             f"{best['micro_batch_size']}: {best['peak_bytes'] / 1e9:.1f} GB peak per GPU")
@@ -81,9 +86,9 @@ def test_a_base_yaml_plans_as_its_first_lines_say_and_builds_with_its_adapter(pa
     assert (cfg.train.micro_batch_size, cfg.model.gradient_checkpointing) == (
         one["micro_batch_size"], one["gradient_checkpointing"])
 
-    model, _ = meta_base(cfg.model)  # the shipped architecture, no weights
-    assert model.device == torch.device("meta")
-    model, _ = apply_adapter(model, cfg.adapter)
+    base, _ = meta_base(cfg.model)  # what the recipe sizes before it loads: the shipped architecture, no weights
+    assert base.device == torch.device("meta") and type(base).__name__ == type(model_of(cfg)).__name__
+    model = model_of(cfg, with_adapter=True)  # as plan.py built it: with the recipe's adapter (apply_adapter)
     if not cfg.adapter.is_lora:
         assert all(p.requires_grad for p in model.parameters())
         return
