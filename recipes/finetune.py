@@ -34,14 +34,13 @@ rank, exit code 4, as in pretraining.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from toolkit.config import UserError, to_dict
 from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
-from toolkit.data.corpus import load_corpus, split_documents
+from toolkit.data.corpus import load_corpus, load_held_out, split_documents
 from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import collate, column, packed_splits, target_counts
 from toolkit.data.preference import collate_pairs, pair_counts, preference_blocks
@@ -182,7 +181,7 @@ class FinetuneRecipe:
         with strategy.accelerator.main_process_first():  # the main process reads the corpus into the cache
             corpus, source = load_corpus(data, notes)
             if data.val_path:  # the user's own held-out text, whole
-                train_docs, val_docs = corpus, load_corpus(replace(data, path=data.val_path), notes)[0]
+                train_docs, val_docs = corpus, load_held_out(data, notes)
             else:
                 train_docs, val_docs = split_documents(corpus, data.val_fraction, cfg.seed)
         # every rank tokenizes and packs its share of the documents

@@ -214,7 +214,7 @@ def bad_data(tmp_path: Path, kind: str) -> tuple[str, str]:
         (tmp_path / "data" / "weights").write_bytes(b"\x00\x01\x02")
         return str(tmp_path / "data"), "and none of its 1 file(s) without an extension is UTF-8 text"
     assert kind == "a hub id while offline"
-    return "org/corpus", "data.path=org/corpus is read as a hub dataset id, but the Hub cannot be reached"
+    return "org/corpus", "data.path=org/corpus (no local file or folder has that name) is read as a hub dataset id, but the Hub cannot be reached"
 
 
 DATA = ["binary file", "jsonl with a wrong schema", "jsonl without the text column", "one 10 MB document", "a pipe",

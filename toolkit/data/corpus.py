@@ -86,6 +86,15 @@ class DataConfig:
         return cache_dir(self.cache_dir)
 
 
+def load_held_out(cfg: DataConfig, notes: list[str] | None = None) -> datasets.Dataset:
+    """The documents of data.val_path (a fine-tune's held-out text of its own), read as data.path is; its errors
+    name data.val_path."""
+    try:
+        return load_corpus(dataclasses.replace(cfg, path=cfg.val_path), notes)[0]
+    except UserError as exc:
+        raise UserError(str(exc).replace("data.path", "data.val_path")) from None
+
+
 def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datasets.Dataset, str]:
     """Return (dataset with one `text` column of non-empty documents, fingerprint of the source).
 
@@ -166,17 +175,24 @@ def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | 
 
 def _hub_dataset(cfg: DataConfig, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
     """data.path as a hub dataset id: loaded (cached by datasets), or opened as a stream."""
+    return hub_dataset(cfg.path, cfg.name, cfg.split, "data.path", streaming)
+
+
+def hub_dataset(name: str, subset: str | None, split: str, key: str, streaming: bool = False
+                ) -> datasets.Dataset | datasets.IterableDataset:
+    """`name` (what `key` holds) as a hub dataset, or a local folder laid out as the hub lays one out: its `split`,
+    loaded (cached by datasets) or opened as a stream; what goes wrong in one line."""
+    where = f"{key}={name}" + ("" if Path(name).expanduser().exists() else " (no local file or folder has that name)")
     try:
-        return datasets.load_dataset(cfg.path, cfg.name, split=cfg.split, streaming=streaming)
+        return datasets.load_dataset(name, subset, split=split, streaming=streaming)
     except ConnectionError as exc:  # offline, or HF_HUB_OFFLINE=1 and the dataset was never cached
         fix = ("streaming needs the network for a hub id; give a local file, folder or glob" if streaming else
                "give a local file, folder or glob, or load it once with a network (it is then cached)")
-        raise UserError(
-            f"data.path={cfg.path} is read as a hub dataset id, but the Hub cannot be reached ({exc}); {fix}"
-        ) from None
-    except Exception as exc:  # the hub client raises many types; say what we tried
-        verb = "stream" if streaming else "load"
-        raise UserError(f"could not {verb} hub dataset data.path={cfg.path} split={cfg.split}: {exc}") from None
+        raise UserError(f"{where} is read as a hub dataset id, but the Hub cannot be reached ({exc}); {fix}") from None
+    except Exception as exc:  # the hub client and datasets raise many types, often around the cause: say both
+        said = " ".join(str(e).splitlines()[0][:200] for e in (exc, exc.__cause__) if e is not None and str(e))
+        raise UserError(f"{where} could not be {'streamed' if streaming else 'read'} as a hub dataset (split={split}): "
+                        f"{said or type(exc).__name__}") from None
 
 
 def stream_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datasets.IterableDataset, str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import datasets
 
 from toolkit.config import UserError, field
-from toolkit.data.corpus import read_utf8
+from toolkit.data.corpus import hub_dataset, read_utf8
 
 ROLES = ("system", "user", "assistant")
 OWN_ROLES = {r: r for r in ROLES}  # role/content turns name their roles as the chat templates do
@@ -64,7 +64,7 @@ def read_records(name: str, kind: str, key: str = "data.path", subset: str | Non
     if path.is_dir() and (path / "dataset_info.json").is_file():
         return _non_empty(datasets.load_from_disk(str(path)), f"{key}={name}")
     if (path.is_dir() and (path / "README.md").is_file()) or (not path.exists() and _hub_id(name)):
-        return _non_empty(_hub_records(name, subset, split, key), f"{key}={name} split={split}")
+        return _non_empty(hub_dataset(name, subset, split, key), f"{key}={name} split={split}")
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in FILES)
         where = f"{key}={name} holds no {'/'.join(FILES)} files"
@@ -118,20 +118,6 @@ def _hub_id(name: str) -> bool:
     return (re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name) is not None
             and Path(name).suffix.lower() not in {*FILES, ".txt", ".gz", ".zip", ".tar"}
             and not ("/" in name and Path(name).parent.is_dir()))
-
-
-def _hub_records(name: str, subset: str | None, split: str, key: str) -> datasets.Dataset:
-    local = Path(name).expanduser().exists()
-    where = f"{key}={name}" + ("" if local else " (no local file or folder has that name)")
-    try:
-        return datasets.load_dataset(name, subset, split=split)
-    except ConnectionError as exc:  # offline, and never cached
-        raise UserError(f"{where} is read as a hub dataset id, and the Hub cannot be reached ({exc}); give a local "
-                        "file, folder or glob, or load it once with a network (it is then cached)") from None
-    except Exception as exc:  # the hub client and datasets raise many types, often around the cause: say both
-        said = " ".join(str(e).splitlines()[0][:200] for e in (exc, exc.__cause__) if e is not None and str(e))
-        raise UserError(f"{where} could not be read as a hub dataset (split={split}): {said or type(exc).__name__}") \
-            from None
 
 
 def _non_empty(ds: datasets.Dataset, said: str) -> list:

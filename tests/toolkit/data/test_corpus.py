@@ -298,7 +298,7 @@ def test_a_hub_id_while_offline_says_so(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UserError) as info:
         load_corpus(DataConfig(path="org/corpus"))
-    assert str(info.value).startswith("data.path=org/corpus is read as a hub dataset id, but the Hub cannot be reached (")
+    assert str(info.value).startswith("data.path=org/corpus (no local file or folder has that name) is read as a hub dataset id, but the Hub cannot be reached (")
     assert str(info.value).endswith("give a local file, folder or glob, or load it once with a network (it is then cached)")
 
 
@@ -467,7 +467,7 @@ def test_streaming_a_hub_id_while_offline_says_so(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UserError) as info:
         stream_corpus(DataConfig(path="org/corpus", streaming=True))
-    assert str(info.value).startswith("data.path=org/corpus is read as a hub dataset id, but the Hub cannot be reached")
+    assert str(info.value).startswith("data.path=org/corpus (no local file or folder has that name) is read as a hub dataset id, but the Hub cannot be reached")
     assert str(info.value).endswith("streaming needs the network for a hub id; give a local file, folder or glob")
 
 
@@ -482,3 +482,19 @@ def test_a_streamed_folder_reads_the_files_load_corpus_reads(tmp_path):
     prepared, prepared_source = load_corpus(DataConfig(path=str(tmp_path)))
     assert [e["text"] for e in stream if e["text"]] == prepared["text"] == ["first", "second", "third", "fourth"]
     assert source != prepared_source  # cached tokenizers and held-out blocks of the two paths stay apart
+
+
+def test_a_held_out_file_of_its_own_is_read_as_data_path_and_its_errors_name_data_val_path(tmp_path):
+    """data.val_path (a fine-tune's held-out text) is read as data.path is; a fault in it names data.val_path, the
+    key to fix, not data.path."""
+    from toolkit.data.corpus import load_held_out
+    from toolkit.training.recipe_config import FinetuneDataConfig
+
+    (tmp_path / "held.txt").write_text("One held-out document.\n\nAnother one.\n")
+    cfg = FinetuneDataConfig(format="text", path=None, val_path=str(tmp_path / "held.txt"), sample_by="paragraph")
+    assert [t.strip() for t in load_held_out(cfg)["text"]] == ["One held-out document.", "Another one."]
+    missing = FinetuneDataConfig(format="text", val_path=str(tmp_path / "helt.txt"))
+    with pytest.raises(UserError) as info:
+        load_held_out(missing)
+    assert str(info.value).startswith(f"data.val_path={tmp_path / 'helt.txt'} does not exist") and "data.path" not in \
+        str(info.value)
