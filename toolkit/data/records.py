@@ -14,6 +14,7 @@ refused in one line. Any other shape is read by the columns `data.columns` names
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import glob
 import json
@@ -82,6 +83,17 @@ def read_records(name: str, kind: str, key: str = "data.path", subset: str | Non
     return records
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    was_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            datasets.enable_progress_bars()
+
+
 def _read_file(path: Path, said: str) -> list:
     """One file's records; jsonl and json are read here, for errors that name the line."""
     suffix = path.suffix.lower()
@@ -89,7 +101,8 @@ def _read_file(path: Path, said: str) -> list:
         raise UserError(f"{said} has suffix {path.suffix or '(none)'}; use one of {', '.join(FILES)}")
     if FILES[suffix] != "json":
         try:
-            ds = datasets.load_dataset(FILES[suffix], data_files=str(path), split="train")
+            with _no_progress_bars():  # datasets' "Generating train split" bar for a file read in a moment
+                ds = datasets.load_dataset(FILES[suffix], data_files=str(path), split="train")
         except Exception as exc:  # pyarrow's and datasets' own errors for a damaged file
             raise UserError(f"{said} cannot be read as {suffix[1:]}: {str(exc).splitlines()[0][:200]}") from None
         return ds.to_list()

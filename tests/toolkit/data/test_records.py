@@ -115,13 +115,17 @@ def write(tmp_path, kind: str, records: list[dict]) -> str:
 @pytest.mark.parametrize(("kind", "shape"), [("jsonl", "sharegpt"), ("parquet", "messages"), ("json", "alpaca"),
                                              ("csv", "alpaca"), ("arrow", "prompt_completion"),
                                              ("save_to_disk", "sharegpt")])
-def test_records_are_read_from_the_files_users_keep(tmp_path, kind, shape):
+def test_records_are_read_from_the_files_users_keep(tmp_path, kind, shape, capfd):
     """A ShareGPT jsonl, an OpenAI messages parquet, Alpaca json and csv, prompt/completion arrow, a save_to_disk
-    folder: the same conversations come back (parquet and arrow add the columns other records have, as None)."""
+    folder: the same conversations come back (parquet and arrow add the columns other records have, as None), and
+    datasets' progress bar for a file read in a moment is not printed."""
     records = [SHAPES[shape], SHAPES[shape]]
-    read = read_records(write(tmp_path, kind, records), "chat")
+    path = write(tmp_path, kind, records)
+    capfd.readouterr()
+    read = read_records(path, "chat")
     assert [to_messages(r, i) for i, r in enumerate(read)] == \
         [to_messages(r, i) for i, r in enumerate(records)]
+    assert capfd.readouterr().err == ""
 
 
 def test_a_file_that_is_not_its_suffix_is_one_line(tmp_path):
