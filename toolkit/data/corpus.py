@@ -7,6 +7,7 @@ The embedded default is the Python language documentation that ships inside ever
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -24,6 +25,7 @@ import pyarrow.compute as pc
 from toolkit.config import UserError, cache_dir, field
 from toolkit.data.mixture import SourceConfig, StageConfig, mixture_problems
 from toolkit.data.packing import column_windows
+from toolkit.data.tokenizer import hub_unreachable
 
 EMBEDDED = "embedded:python-docs"
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -178,14 +180,34 @@ def _hub_dataset(cfg: DataConfig, streaming: bool) -> datasets.Dataset | dataset
     return hub_dataset(cfg.path, cfg.name, cfg.split, "data.path", streaming)
 
 
+@contextlib.contextmanager
+def _offline(offline: bool):
+    """datasets and the hub client as HF_HUB_OFFLINE=1 sets them at start-up, for one load."""
+    import huggingface_hub
+
+    was = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = was
+
+
 def hub_dataset(name: str, subset: str | None, split: str, key: str, streaming: bool = False
                 ) -> datasets.Dataset | datasets.IterableDataset:
     """`name` (what `key` holds) as a hub dataset, or a local folder laid out as the hub lays one out: its `split`,
     loaded (cached by datasets) or opened as a stream; what goes wrong in one line."""
-    where = f"{key}={name}" + ("" if Path(name).expanduser().exists() else " (no local file or folder has that name)")
+    local = Path(name).expanduser().exists()
+    where = f"{key}={name}" + ("" if local else " (no local file or folder has that name)")
+    # where the Hub cannot be reached, only the cache is read: the hub client would retry for ~30 s, printing each
+    # retry, before it says so
+    unreachable = None if local or streaming else hub_unreachable()
     try:
-        return datasets.load_dataset(name, subset, split=split, streaming=streaming)
-    except ConnectionError as exc:  # offline, or HF_HUB_OFFLINE=1 and the dataset was never cached
+        with _offline(unreachable is not None):
+            return datasets.load_dataset(name, subset, split=split, streaming=streaming)
+    except ConnectionError as exc:  # offline and never cached, or HF_HUB_OFFLINE=1
+        exc = unreachable or exc  # what the connection said, rather than the offline mode set for it
         fix = ("streaming needs the network for a hub id; give a local file, folder or glob" if streaming else
                "give a local file, folder or glob, or load it once with a network (it is then cached)")
         raise UserError(f"{where} is read as a hub dataset id, but the Hub cannot be reached ({exc}); {fix}") from None

@@ -186,6 +186,8 @@ def _nearly(record) -> str:
     if not isinstance(record, dict):
         return ""
     have = {k for k, v in record.items() if v is not None}
+    if {"chosen", "rejected"} <= have:
+        return " (a preference pair: train on it with data.format=preference and a train.objective)"
     for shape, keys in NEEDS.items():
         if 0 < len(have & set(keys)) < len(keys):
             return f" (nearly {SAID[shape]}: it lacks `{'`, `'.join(k for k in keys if k not in have)}`)"

@@ -498,3 +498,24 @@ def test_a_held_out_file_of_its_own_is_read_as_data_path_and_its_errors_name_dat
         load_held_out(missing)
     assert str(info.value).startswith(f"data.val_path={tmp_path / 'helt.txt'} does not exist") and "data.path" not in \
         str(info.value)
+
+
+def test_a_hub_id_the_hub_cannot_give_is_one_line_at_once(monkeypatch, capfd):
+    """Where the Hub cannot be reached, a hub id is looked up in the cache alone: one line with the connection's own
+    reason, not ~30 s of the hub client's retries, each printed. The offline mode is the load's alone."""
+    import time
+
+    import huggingface_hub
+
+    import toolkit.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "hub_unreachable", lambda timeout_s=3.0: "hub.example: unreachable (the test)")
+    before = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    start = time.monotonic()
+    with pytest.raises(UserError) as info:
+        corpus.hub_dataset("nobody/no-such-set", None, "train", "data.val_path")
+    assert str(info.value).startswith("data.val_path=nobody/no-such-set (no local file or folder has that name) is "
+                                      "read as a hub dataset id, but the Hub cannot be reached (hub.example: "
+                                      "unreachable (the test)); give a local file")
+    assert time.monotonic() - start < 10 and "Retrying" not in capfd.readouterr().err
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == before

@@ -78,6 +78,8 @@ def test_under_auto_each_record_is_read_by_its_own_shape_and_the_log_counts_them
     # the shape that nearly fits: a key one slip away, a list of turns under a name of its own
     ([{"conversation": [{"from": "human", "value": "Hi"}]}], "auto",
      r"record 0 has keys \['conversation'\] \(did you mean `conversations` for `conversation`\?\)"),
+    ([{"prompt": "Hi", "chosen": "Hello", "rejected": "Go away"}], "auto",
+     r"\(a preference pair: train on it with data.format=preference and a train.objective\)"),
     ([{"dialog": [{"speaker": "A", "text": "Hi"}]}], "auto",
      r"\(`dialog` holds a list of turns: name it with data.columns.conversation, and its keys with columns.role and "
      r"columns.content\)"),
