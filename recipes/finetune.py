@@ -60,7 +60,7 @@ from toolkit.models.base_model import load_base_model, loadable_base, meta_base
 from toolkit.models.compilation import compile_model
 from toolkit.models.gguf_base import resolve_gguf
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
-from toolkit.models.scratch import max_positions
+from toolkit.models.scratch import check_window, max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import FinetuneConfig
@@ -109,6 +109,7 @@ class FinetuneRecipe:
             raise UserError(
                 f"data.seq_len={cfg.data.seq_len} is larger than the base model's max positions ({limit}); lower data.seq_len"
             )
+        check_window(model.config, cfg.data.seq_len, cfg.model.attn_implementation, "the base model's sliding_window")
 
         # Data: packed raw text (continued pretraining) or packed chat turns (SFT), of one corpus or of
         # several mixed by weight (data.sources).

@@ -92,7 +92,8 @@ def load_held_out(cfg: DataConfig, notes: list[str] | None = None) -> datasets.D
     """The documents of data.val_path (a fine-tune's held-out text of its own), read as data.path is; its errors
     name data.val_path."""
     try:
-        return load_corpus(dataclasses.replace(cfg, path=cfg.val_path), notes)[0]
+        # its own file, folder or hub dataset: a hub id's train split, as chat and preference held-out data are read
+        return load_corpus(dataclasses.replace(cfg, path=cfg.val_path, name=None, split="train"), notes)[0]
     except UserError as exc:
         raise UserError(str(exc).replace("data.path", "data.val_path")) from None
 

@@ -15,6 +15,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from toolkit.config import UserError, field
+from toolkit.data.packing import MASKED_ATTENTION
 from toolkit.models.compute import ComputeConfig
 
 
@@ -64,11 +65,35 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int | None
 
 def check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
     """Fail before any data work if blocks would not fit the model's positions."""
-    limit = max_positions(AutoConfig.for_model(cfg.model_type, **cfg.config))
+    config = AutoConfig.for_model(cfg.model_type, **cfg.config)
+    limit = max_positions(config)
     if limit is not None and seq_len > limit:
         raise UserError(
             f"data.seq_len={seq_len} is larger than the model's max positions ({limit}); "
             f"lower data.seq_len or raise model.config.max_position_embeddings"
+        )
+    check_window(config, seq_len, cfg.attn_implementation, "model.config.sliding_window")
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The window of a model whose layers (some or all) attend to the last `sliding_window` tokens only, or None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window
+
+
+def check_window(config: PretrainedConfig, seq_len: int, attn_implementation: str, what: str) -> None:
+    """Refuse blocks longer than a sliding window where packing's 4-D mask stands in for the model's own: transformers
+    hands that mask to every layer as it is, so a sliding layer would see the whole block (measured on Gemma 2: logits
+    off by 0.41 past the window)."""
+    window = sliding_window(config)
+    if window is not None and seq_len > window and attn_implementation in MASKED_ATTENTION:
+        raise UserError(
+            f"data.seq_len={seq_len} is longer than {what}={window}, and model.attn_implementation="
+            f"{attn_implementation} keeps packed documents apart with a mask that would drop the window; use "
+            f"data.seq_len={window} or less, or flex_attention / flash_attention_2 on a GPU"
         )
 
 

@@ -72,6 +72,8 @@ class Shapes:
                        norm_topk=bool(getattr(config, "norm_topk_prob", True)),  # Mixtral always renormalises
                        fp32_routing=model_type == "mixtral")
         lora, dropout = {}, False
+        # the first adapted layer's adapters, priced on every layer (adapter.layers: the others keep less)
+        layer = next((lay for lay in base.model.layers if any(hasattr(m, "lora_A") for m in lay.modules())), layer)
         for name, module in layer.named_modules():
             if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
                 a = module.lora_A["default"]

@@ -143,7 +143,9 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
 
     def stored(t: Held, numel: int | None = None) -> float:
         n = t.numel if numel is None else numel
-        return n * 0.516 if t.quantized else n * (2 if run.quantized_base and not t.trainable else pb)
+        # QLoRA: peft's prepare_model_for_kbit_training casts every weight it did not quantise to fp32 (embeddings,
+        # head, norms)
+        return n * 0.516 if t.quantized else n * (4 if run.quantized_base and not t.trainable else pb)
 
     if s.layout.kind in ("single", "ddp") or (s.layout.kind == "deepspeed" and s.layout.zero_stage == 0):
         train = sum(t.numel for g in groups for t in g)

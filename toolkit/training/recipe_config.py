@@ -174,6 +174,9 @@ class FinetuneDataConfig(DataConfig):
         if self.chat_template and self.format == "text":
             problems.append("chat_template is for format=chat or preference; continued pretraining on text renders no "
                             "conversations: drop it, or set data.format=chat")
+        if self.val_path and self.path and self.val_path == self.path:
+            problems.append(f"val_path={self.val_path} is data.path itself: the held-out data would be trained on; give "
+                            "data of its own, or drop val_path to hold out data.val_fraction of data.path")
         if self.val_path and self.sources:
             problems.append("val_path holds one corpus's held-out data; with sources each source holds out its own "
                             "(val_fraction): drop val_path")

@@ -260,3 +260,23 @@ def test_an_empty_model_config_is_described_as_transformers_defaults():
     assert describe_sizes(cfg, model.config) == ("model.config is empty, so transformers' default llama "
                                                  "(hidden_size=4096, num_hidden_layers=32) was taken; it")
     assert describe_sizes(llama(), model.config).startswith("model.config (llama, hidden_size=64, ")
+
+
+def test_blocks_longer_than_a_sliding_window_are_refused_where_packings_mask_would_drop_it():
+    """transformers hands packing's 4-D mask to every layer as it is: under sdpa or eager a sliding layer would see
+    the whole block. Gemma 2 (some layers sliding), Mistral v0.1 (all), and not Qwen2 with its window off."""
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
+
+    from toolkit.models.scratch import check_window, sliding_window
+
+    gemma, mistral = Gemma2Config(sliding_window=8), MistralConfig(sliding_window=8)
+    assert sliding_window(gemma) == sliding_window(mistral) == 8
+    assert sliding_window(Qwen2Config(sliding_window=8, use_sliding_window=False)) is None
+    for config in (gemma, mistral):
+        for attn in ("sdpa", "eager"):
+            with pytest.raises(UserError, match=rf"^data.seq_len=16 is longer than W=8, and model.attn_implementation="
+                                                rf"{attn} keeps packed documents apart with a mask that would drop"):
+                check_window(config, 16, attn, "W")
+        check_window(config, 8, "eager", "W")  # within the window: the mask is the model's own
+        check_window(config, 16, "flex_attention", "W")  # transformers builds the window into its BlockMask
+    check_window(Qwen2Config(sliding_window=8, use_sliding_window=False), 16, "sdpa", "W")

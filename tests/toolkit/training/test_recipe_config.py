@@ -111,6 +111,8 @@ def test_an_empty_beta_is_the_objectives_usual_value_and_a_given_one_is_kept(obj
     (["data.chat_template=x.jinja"], "chat_template is for format=chat or preference"),
     (["data.format=chat", "data.record_format=sharegpt"], "the embedded set needs none: give data.path, or drop it"),
     (["data.val_path=held.jsonl", "data.sources=[{name: a, weight: 1}]"], "with sources each source holds out its own"),
+    (["data.path=wikitext", "data.val_path=wikitext"], "val_path=wikitext is data.path itself: the held-out data would be "
+                                                        "trained on"),
     (["data.columns.conversation=dialog"], "columns.conversation=dialog maps chat records; format=text does not read it"),
     (["data.format=chat", "data.path=x.jsonl", "data.columns.conversation=dialog", "data.record_format=sharegpt"],
      "record_format=sharegpt and columns.conversation=dialog both say how to read the records"),
