@@ -349,3 +349,14 @@ def held_by_a_step(config: PretrainedConfig, cast: str, batch: int, seq: int, tr
     memory = [e["args"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
     end = next(m for m in memory if m["Bytes"] == 12345)
     return end["Total Allocated"] - end["Bytes"] - (memory[0]["Total Allocated"] - memory[0]["Bytes"])
+
+
+def test_lora_on_some_layers_is_read_from_the_first_adapted_one():
+    """adapter.layers: the adapters of the first adapted layer, priced on every layer (more than the others keep),
+    never the full fine-tune's formula a layer without adapters would give."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(small("llama")),
+                               LoraConfig(r=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1]))
+    assert sorted(Shapes.of(model).lora) == ["q_proj", "v_proj"]
