@@ -202,15 +202,15 @@ def pipelines(model: torch.nn.Module, cfg, gpus: int, precision: str) -> tuple[l
 def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     """(the rows, the fastest that fits, the recipe, lines on the model-parallel configs)."""
     recipe, cfg = load_recipe_config(args.config, args.overrides)
-    said: list[str] = []
-    model, dtype, quantized = meta_model(recipe, cfg, said)
+    notes: list[str] = []
+    model, dtype, quantized = meta_model(recipe, cfg, notes)
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     hidden, experts = config.hidden_size, expert_count(config)
     t, m = cfg.train, cfg.model
     precision = {"auto": "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
     budget = args.gpu_memory * (1 - args.headroom)
     micro = [int(x) for x in args.micro_batch.split(",")] if args.micro_batch else MICRO_BATCHES
-    rows, notes = [], said
+    rows = []
     tensors = model_tensors(model, quantized)
     staged, pipeline_needs, pipeline_notes = pipelines(model, cfg, args.gpus, precision)
     objective = cfg.train.objective if recipe == "finetune" else "sft"

@@ -143,19 +143,15 @@ def _non_empty(ds: datasets.Dataset, said: str) -> list:
     return ds.to_list()
 
 
+NEEDS = {"messages": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
+         "prompt_completion": ("prompt", "completion")}  # the keys each shape is known by
+
+
 def shape_of(record) -> str | None:
     """The shape `record` has, by its keys, or None."""
     if not isinstance(record, dict):
         return None
-    if record.get("messages") is not None:
-        return "messages"
-    if record.get("conversations") is not None:
-        return "sharegpt"
-    if record.get("instruction") is not None and record.get("output") is not None:
-        return "alpaca"
-    if record.get("prompt") is not None and record.get("completion") is not None:
-        return "prompt_completion"
-    return None
+    return next((shape for shape, keys in NEEDS.items() if all(record.get(k) is not None for k in keys)), None)
 
 
 def shapes_said(records: list, named: str = "auto", columns: ColumnsConfig | None = None) -> str:
@@ -174,10 +170,6 @@ def _keys(record) -> str:
     # a column of a parquet or csv that this record has no value in is there as null
     empty = sorted(k for k, v in record.items() if v is None)
     return f"keys {sorted(k for k in record if k not in empty)}" + (f" ({', '.join(empty)}: null)" if empty else "")
-
-
-NEEDS = {"messages": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
-         "prompt_completion": ("prompt", "completion")}  # the keys each shape is known by
 
 
 def _nearly(record) -> str:

@@ -102,9 +102,15 @@ def dtypes(run: Run) -> tuple[int, int, bool]:
     fsdp_mixed_precision is off) and Accelerate takes that model as it is."""
     if run.precision == "fp32":
         return 4, 4, False
-    cast_by_fsdp = run.strategy.layout.kind == "fsdp" and run.strategy.layout.tp == 1
-    weights_cast = cast_by_fsdp or run.strategy.layout.kind == "deepspeed" or run.param_dtype != torch.float32
+    weights_cast = cast_by_strategy(run) or run.param_dtype != torch.float32
     return (2, 2, False) if weights_cast else (4, 2, True)
+
+
+def cast_by_strategy(run: Run) -> bool:
+    """Whether the strategy casts the weights to the compute dtype (FSDP2's param_dtype without tensor parallel,
+    DeepSpeed's bf16 mode), rather than autocast each matmul's input."""
+    layout = run.strategy.layout
+    return (layout.kind == "fsdp" and layout.tp == 1) or layout.kind == "deepspeed"
 
 
 def compiled_bytes_per_token(shapes: Shapes, run: Run, selective: bool) -> float | None:
@@ -204,8 +210,7 @@ def layer_bytes_per_token(shapes: Shapes, run: Run) -> float:
     # the input's dtype (fp32, or cast with the base by FSDP2 or DeepSpeed) the adapters of one input share it,
     # and o_proj's input is the attention's output, which sdpa keeps anyway (eager does not: its own). With
     # dropout, each adapter its dropped copy and CUDA's 1-byte mask (CPU keeps its noise in the dropped copy's dtype).
-    layout = run.strategy.layout
-    per_adapter = run.precision != "fp32" and not ((layout.kind == "fsdp" and tp == 1) or layout.kind == "deepspeed")
+    per_adapter = run.precision != "fp32" and not cast_by_strategy(run)
     kept_by_attention = run.attention != "eager" or run.strategy.layout.cp > 1
     shared = {"q_proj": "norm", "k_proj": "norm", "v_proj": "norm", "gate_proj": "mlp_norm", "up_proj": "mlp_norm",
               "o_proj": "out" if kept_by_attention else "o_proj"}
