@@ -63,9 +63,6 @@ class AdapterConfig:
             problems.append("target_modules is empty; name the projections to adapt, or use [all-linear]")
         if any(i < 0 for i in self.layers):
             problems.append(f"layers={self.layers}: layer indices start at 0")
-        if self.method == "full" and (self.dora or self.rslora or self.modules_to_save or self.layers):
-            problems.append("dora, rslora, modules_to_save and layers shape a LoRA; method=full trains every weight: "
-                            "drop them, or set adapter.method=lora")
         return problems
 
     @property

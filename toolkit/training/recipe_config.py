@@ -20,6 +20,7 @@ from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
 from toolkit.training.profiling import check_steps
 from toolkit.training.samples import SamplesConfig
+from toolkit.training.unused import unused_settings
 
 SEED_MAX = 2**32 - 1  # numpy's legacy seed range, the common one; the data order's generator takes seed x 1,000,003
 
@@ -105,7 +106,7 @@ class RunConfig:
         if self.train.epochs is not None and (self.data.sources or getattr(self.data, "streaming", False)):
             problems.append(f"train.epochs={self.train.epochs:g} counts passes over one prepared corpus; with "
                             f"data.{'sources' if self.data.sources else 'streaming'} give train.max_steps instead")
-        return problems
+        return problems + unused_settings(self)
 
 
 @dataclass

@@ -1,0 +1,103 @@
+"""Every setting x whether it has an effect in the combination it is in (toolkit.training.unused)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+
+import pytest
+
+from toolkit.config import ConfigError, load_config
+from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
+from toolkit.training.unused import ALWAYS, CHECKED_BY, REPEATS_MEAN_SOMETHING, UNIQUE, USED_WHEN
+
+
+def keys(cls: type, prefix: str = "") -> dict[str, typing.Any]:
+    """Every dotted key of a recipe config, with its type."""
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            found |= keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            found[prefix + f.name] = hints[f.name]
+    return found
+
+
+ALL = keys(PretrainConfig) | keys(FinetuneConfig)
+
+# Each rule of USED_WHEN: (recipe config, the key set, overrides that leave it without effect, overrides that give it one)
+CASES = {
+    **{f"adapter.{k}": (FinetuneConfig, f"adapter.{k}={v}", ["adapter.method=full"], ["adapter.method=lora"])
+       for k, v in (("r", 4), ("alpha", 8), ("dropout", 0.1), ("layers", "[0]"), ("target_modules", "[q_proj]"),
+                    ("modules_to_save", "[lm_head]"), ("dora", "true"), ("rslora", "true"), ("merge", "false"))},
+    **{f"data.columns.{k}": (FinetuneConfig, f"data.columns.{k}=x", ["data.format=text"], ["data.format=chat"])
+       for k in ("role", "content", "user", "assistant", "system")},
+    "data.overlong": (FinetuneConfig, "data.overlong=drop", ["data.format=text"], ["data.format=chat"]),
+    "data.sample_by": (FinetuneConfig, "data.sample_by=line", ["data.format=chat"], ["data.format=text"]),
+    "data.text_column": (FinetuneConfig, "data.text_column=body", ["data.format=chat"], []),
+    "data.stream_val_documents": (PretrainConfig, "data.stream_val_documents=5", [], ["data.streaming=true"]),
+    "train.max_nonfinite_skips": (PretrainConfig, "train.max_nonfinite_skips=9", ["train.on_nonfinite=abort"], []),
+    "model.gradient_checkpointing_k": (PretrainConfig, "model.gradient_checkpointing_k=3", [],
+                                       ["model.gradient_checkpointing=every_k"]),
+    "model.loss_chunk_tokens": (PretrainConfig, "model.loss_chunk_tokens=64", [], ["model.loss=chunked"]),
+    "optim.lr_reference_batch": (PretrainConfig, "optim.lr_reference_batch=64", [], ["optim.lr_scaling=sqrt"]),
+    "optim.min_lr_ratio": (PretrainConfig, "optim.min_lr_ratio=0.5", ["optim.schedule=linear"], []),
+    **{f"tokenizer.{k}": (PretrainConfig, f"tokenizer.{k}={v}", ["tokenizer.path=tok"], [])
+       for k, v in (("vocab_size", 300), ("min_frequency", 3), ("train_documents", 10))},
+    "train.max_steps": (PretrainConfig, "train.max_steps=7", ["train.epochs=1"], []),
+    "samples.prompts": (FinetuneConfig, "samples.prompts=[Hi]", ["samples.max_new_tokens=0"], []),
+    "data.val_fraction": (FinetuneConfig, "data.val_fraction=0.2", ["data.path=a.jsonl", "data.val_path=b.jsonl"],
+                          ["data.path=a.jsonl"]),
+    **{f"data.{k}": (PretrainConfig, f"data.{k}={v}", ["data.sources=[{name: a}]"], []) for k, v in (("name", "x"),
+                                                                                                     ("split", "test"))},
+    "model.gguf_cache": (FinetuneConfig, "model.gguf_cache=false", ["model.path=org/base"], ["model.path=b.gguf"]),
+    # CHECKED_BY: refused by their component, in its own words
+    "resume": (FinetuneConfig, "resume=auto", ["overwrite=true"], []),
+    **{f"train.{k}": (FinetuneConfig, f"train.{k}=0.3", [], ["train.objective=" + o, "data.format=preference"])
+       for k, o in (("beta", "dpo"), ("gamma", "simpo"), ("orpo_lambda", "orpo"))},
+    "data.chat_template": (FinetuneConfig, "data.chat_template={{ messages }}", ["data.format=text"], ["data.format=chat"]),
+    "data.record_format": (FinetuneConfig, "data.record_format=alpaca", ["data.format=text"],
+                           ["data.format=chat", "data.path=a.jsonl"]),
+    "data.columns.conversation": (FinetuneConfig, "data.columns.conversation=c", ["data.format=text"],
+                                  ["data.format=chat"]),
+}
+
+
+def test_every_key_of_the_recipe_configs_is_classified_once():
+    """A new key fails here until unused.py says where it has an effect."""
+    classified = [*USED_WHEN, *CHECKED_BY, *ALWAYS]
+    assert sorted(set(ALL) - set(classified)) == []
+    assert sorted(set(classified) - set(ALL)) == []  # nothing stale
+    assert len(classified) == len(set(classified))
+    assert sorted(set(CASES) ^ {*USED_WHEN, *CHECKED_BY}) == []  # each rule has a case below
+
+
+def test_every_list_valued_key_says_whether_its_entries_may_repeat():
+    lists = {k for k, hint in ALL.items() if typing.get_origin(hint) is list}
+    assert sorted(lists ^ {*UNIQUE, *REPEATS_MEAN_SOMETHING}) == []
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_a_setting_without_effect_is_refused_in_one_line_naming_it_and_what_gives_it_one(key):
+    cls, setting, unused, used = CASES[key]
+    with pytest.raises(ConfigError) as err:
+        load_config(cls, None, [setting, *unused])
+    named = [p for p in err.value.problems if re.match(rf"({re.escape(key)}|{key.rsplit('.', 1)[-1]})[= ]", p)]
+    assert len(named) == 1 and re.search(r"drop|choose", named[0]), err.value.problems
+    load_config(cls, None, [setting, *used])  # where it has one, taken
+    load_config(cls, None, unused)  # and left at its default, the combination is fine
+
+
+@pytest.mark.parametrize("key", UNIQUE)
+def test_a_list_that_names_an_entry_twice_is_refused(key):
+    value = {"logging.trackers": "[tensorboard, tensorboard]", "adapter.layers": "[0, 0]"}.get(key, "[q_proj, q_proj]")
+    with pytest.raises(ConfigError, match=rf"{key} names \S+ more than once; list each once"):
+        load_config(FinetuneConfig, None, [f"{key}={value}"])
+
+
+def test_the_shipped_configs_set_nothing_without_effect():
+    from pathlib import Path
+    for path in sorted((Path(__file__).resolve().parents[3] / "recipes" / "configs").glob("*.yaml")):
+        load_config(PretrainConfig if path.name.startswith("pretrain") else FinetuneConfig, path)
