@@ -146,11 +146,11 @@ class FinetuneRecipe:
             trainer.print(f"data: {cfg.data.format}, {len(train)} blocks of {cfg.data.seq_len} tokens "
                           f"({schedule.steps_per_epoch} steps per epoch)")
 
-        # Samples from the untouched base, generated here while the model is still whole.
-        if strategy.is_main and cfg.samples.max_new_tokens and not trainer.resumed:
-            trainer.state.samples_before = generate(
-                model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template
-            )
+        # Samples from the untouched base, generated here while the model is still whole; also on a resume, whose
+        # samples.prompts may differ from the checkpoint's.
+        before = []
+        if strategy.is_main and cfg.samples.max_new_tokens:
+            before = generate(model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
 
         # Weights to train: all, or a LoRA adapter (seeded, so every rank starts from the same one).
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
@@ -163,6 +163,7 @@ class FinetuneRecipe:
         # after the adapter, so that what is compiled holds its modules
         compile_model(model, cfg.model.compile, strategy.layout)
         trainer.prepare(model, self.tokenizer, n_params, flops_token, {"base_model.json": to_dict(cfg.model)})
+        trainer.state.samples_before = before
         if trainer.objective is not None and trainer.objective.needs_reference:  # DPO: the model before training
             use_reference(trainer, base_identity(cfg.model), cfg.adapter.is_lora)
 

@@ -331,6 +331,28 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def value_at(cfg: Any, key: str, absent: Any = None) -> Any:
+    """The value at a dotted key of a config; `absent` where this config has no such key."""
+    value = cfg
+    for part in key.split("."):
+        if not hasattr(value, part):
+            return absent
+        value = getattr(value, part)
+    return value
+
+
+def dotted_keys(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every key of a config tree by its dotted name, with its type hint (a section is not a key)."""
+    hints = typing.get_type_hints(cls)
+    keys: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys |= dotted_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys[prefix + f.name] = hints[f.name]
+    return keys
+
+
 def key_lines(cls: type, prefix: str = "") -> list[str]:
     """Every key of a config tree, a line each: its dotted name, type, default and help; a section's title first."""
     hints = typing.get_type_hints(cls)

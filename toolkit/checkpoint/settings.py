@@ -3,10 +3,11 @@ taken from the resumed step on, and AdamW's own hyperparameters (carried by its 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.config import UserError
+from toolkit.config import UserError, value_at
 from toolkit.data.mixture import stages_said, trained_part
 from toolkit.run_dir import TrainerState
 
@@ -52,24 +53,79 @@ def check_same_mixture(folder: Path, mixture: dict, say: Callable[[str], None]) 
             + "; ".join(stages_said(mixture["sources"], coming)))
 
 
-# What a resume does with each optimizer/schedule setting changed since the checkpoint (the README's
-# Resume table): the schedule is a function of the step rebuilt from the config, so its settings
-# are taken from the resumed step on; AdamW's hyperparameters travel with its saved state, which a
-# resume loads over the config's, so a change there would be dropped: it is refused instead.
+# Every key of the recipe configs x what a resume does with a change since its checkpoint. A checkpoint
+# records the REFUSED, TAKEN and KEPT_BY_THE_OPTIMIZER keys (trained_settings); tests/toolkit/checkpoint/
+# test_settings.py walks every field, so a new key fails until it is classified here.
+#
+# Refused: what decides which tokens a step sees, what the token ids mean, the model's shape or what trains.
+TOKENS = "it decides which tokens each step reads"
+IDS = "it decides what the token ids mean"
+SHAPE = "it decides the model's shape and which weights train"
+REFUSED = {
+    **{f"data.{k}": TOKENS for k in ("path", "name", "split", "text_column", "sample_by", "seq_len", "val_fraction",
+                                     "val_path", "format", "overlong", "chat_template", "record_format",
+                                     "stream_val_documents", "columns.conversation", "columns.role", "columns.content",
+                                     "columns.user", "columns.assistant", "columns.system")},
+    **{f"tokenizer.{k}": IDS for k in ("path", "vocab_size", "min_frequency", "train_documents")},
+    **{f"model.{k}": SHAPE for k in ("model_type", "config", "path", "gguf_file", "dtype")},
+    **{f"adapter.{k}": SHAPE for k in ("method", "r", "alpha", "layers", "target_modules", "modules_to_save", "dora",
+                                       "rslora")},
+    "train.mixed_precision": "the strategy's saved weights and optimizer state are in its precision",
+}
+# Checked on their own, before these: the data order and the mixture (check_same_data_order, check_same_mixture),
+# and a streamed run's place in its stream (Trainer.resume_data).
+OWN_CHECK = ("seed", "train.global_batch_size", "data.sources", "data.stages", "data.streaming")
+# Taken from the resumed step on, said in one line: the schedule is a function of the step rebuilt from the
+# config; the rest is read at every step.
 SCHEDULE = ("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch", "optim.warmup_steps", "optim.schedule",
             "optim.min_lr_ratio", "train.max_steps")
-FROM_NEXT_STEP = ("optim.max_grad_norm",)  # read at every step
+FROM_NEXT_STEP = ("optim.max_grad_norm", "train.epochs", "train.on_nonfinite", "train.max_nonfinite_skips",
+                  "adapter.dropout", "eval.blocks", "train.objective", "train.beta", "train.gamma", "train.orpo_lambda")
+# AdamW's hyperparameters travel with its saved state, which a resume loads over the config's: refused.
 KEPT_BY_THE_OPTIMIZER = ("optim.betas", "optim.eps", "optim.weight_decay")
+# Free to change: where and how the same numbers are computed, saved or reported (the proof in brackets).
+FREE = {
+    "output_dir": "where the run is (resume=PATH names a checkpoint of another)",
+    "resume": "which checkpoint", "overwrite": "refused beside resume (RunConfig.validate)",
+    "train.micro_batch_size": "the accumulation splits the same global batch (test_strategies' parity runs)",
+    "train.pipeline_stages": "a checkpoint converts to another layout (test_resume_elsewhere)",
+    "train.collective_timeout_s": "a wait limit", "train.step_sync": "when the host reads the step's verdict",
+    "optim.fused": "an implementation of the same AdamW step",
+    **{f"checkpoint.{k}": "what is saved and when, not what trains" for k in ("every", "keep_last", "final_dtype",
+                                                                            "on_save_error")},
+    **{f"logging.{k}": "what is reported" for k in ("every", "trackers", "profile")},
+    "eval.every": "when the held-out loss is measured",
+    "samples.prompts": "generated from the base again on a resume (recipes/finetune.py)",
+    "samples.max_new_tokens": "generated from the base again on a resume (recipes/finetune.py)",
+    "data.num_proc": "tokenization processes", "data.cache_dir": "where the same blocks are cached",
+    "model.init_seed": "the weights come from the checkpoint",
+    "model.attn_implementation": "the same attention (test_attention's equivalence)",
+    "model.compile": "the same forward, compiled", "model.cast_weights": "the same casts (test_weight_cast)",
+    "model.gradient_checkpointing": "recomputation (test_gradient_checkpointing)",
+    "model.gradient_checkpointing_k": "recomputation (test_gradient_checkpointing)",
+    "model.loss": "the chunked loss equals the full one (test_loss)", "model.loss_chunk_tokens": "(test_loss)",
+    "model.cache_dir": "where the base's float copy is kept", "model.gguf_cache": "whether it is kept",
+    "adapter.merge": "what final/ holds after training",
+}
+PATHS = ("data.path", "data.val_path", "data.chat_template", "tokenizer.path", "model.path", "model.gguf_file")
 
 
-def trained_settings(cfg) -> dict:
-    """The settings a checkpoint records, by their dotted keys (a recipe config's optim and train); the
-    fine-tuning objective's too, read at every step like FROM_NEXT_STEP."""
+def trained_settings(cfg, optimizer_in_ds_json: bool = False) -> dict:
+    """The settings a checkpoint records (REFUSED, TAKEN and KEPT_BY_THE_OPTIMIZER keys this recipe's config has), by
+    their dotted keys; gamma and orpo_lambda only where the objective uses them, at the value it uses. With
+    `optimizer_in_ds_json` (a user's DeepSpeed JSON defines the optimizer or schedule, so the optim section is not
+    what runs) the optimizer's and schedule's are left out."""
+    keys = [*REFUSED, *SCHEDULE, *FROM_NEXT_STEP, *KEPT_BY_THE_OPTIMIZER]
+    if optimizer_in_ds_json:
+        keys = [k for k in keys if not k.startswith("optim.") and k != "train.max_steps"]
     values = {}
-    for key in SCHEDULE + FROM_NEXT_STEP + KEPT_BY_THE_OPTIMIZER:
-        section, name = key.split(".")
-        values[key] = getattr(getattr(cfg, section), name)
-    values["optim.betas"] = list(values["optim.betas"])
+    for key in keys:
+        value = value_at(cfg, key, absent=dataclasses.MISSING)
+        if value is dataclasses.MISSING or key in ("train.gamma", "train.orpo_lambda"):
+            continue
+        if key in PATHS and isinstance(value, str) and Path(value).expanduser().exists():
+            value = str(Path(value).expanduser().resolve())  # the same file, wherever the run is launched from
+        values[key] = list(value) if isinstance(value, tuple) else value
     if hasattr(cfg.train, "objective_settings"):
         values.update(cfg.train.objective_settings())
     return values
@@ -81,6 +137,14 @@ def check_same_settings(folder: Path, settings: dict, max_steps: int) -> dict[st
     DeepSpeed JSON defines the optimizer or schedule (the recipe's optim section is not what runs)."""
     saved = TrainerState.read(folder)
     changed = {k: (saved.settings[k], v) for k, v in settings.items() if k in saved.settings and saved.settings[k] != v}
+    refused = [f"{k}={_said(was)} (this run has {_said(now)}: {REFUSED[k]})" for k, (was, now) in changed.items()
+               if k in REFUSED]
+    if refused:
+        raise UserError(
+            f"checkpoint {folder} was trained with {'; '.join(refused)}; a resume cannot take "
+            f"{'these changes' if len(refused) > 1 else 'the change'}: resume with the checkpoint's value, or start a "
+            "new output_dir (model.path= its final/ or a checkpoint's weights for a fine-tune)"
+        )
     kept = [f"{k}={was} (this run has {now})" for k, (was, now) in changed.items() if k in KEPT_BY_THE_OPTIMIZER]
     if kept:
         raise UserError(
@@ -94,6 +158,10 @@ def check_same_settings(folder: Path, settings: dict, max_steps: int) -> dict[st
             f"resume cannot go back; set train.max_steps >= {saved.step}, or resume=PATH an earlier checkpoint"
         )
     return changed
+
+
+def _said(value) -> str:
+    return "(empty)" if value is None or value == "" else str(value)
 
 
 def take_changed_settings(

@@ -29,7 +29,11 @@ class SamplesConfig:
     max_new_tokens: int = field(48, help="tokens generated per prompt; 0 = no samples")
 
     def validate(self) -> list[str]:
-        return [] if self.max_new_tokens >= 0 else [f"max_new_tokens={self.max_new_tokens} must be >= 0"]
+        problems = [] if self.max_new_tokens >= 0 else [f"max_new_tokens={self.max_new_tokens} must be >= 0"]
+        # an empty prompt is no tokens to continue from: generate would fail after training, with nothing saved of it
+        problems += [f"prompts[{i}] is empty; give text to continue from, or drop it" for i, prompt in
+                     enumerate(self.prompts) if not str(prompt).strip()]
+        return problems
 
 
 @torch.no_grad()

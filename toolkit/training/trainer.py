@@ -141,7 +141,7 @@ class Trainer:
             datasets.disable_progress_bars()
 
         self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
-                                  settings={} if strategy.ds_owned else trained_settings(cfg))
+                                  settings=trained_settings(cfg, strategy.ds_owned))
         self.feed: Feed | None = None  # set by use_data, use_mixture or use_stream
         self.objective: PreferenceLoss | None = None  # set by use_data: the loss of preference pairs
         self.eval_step = self.checkpoint_step = -1
@@ -176,6 +176,8 @@ class Trainer:
         self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, train, target_counts, schedule)
         if t.epochs is not None:  # the steps follow from the packed blocks; a resume derives the same number
             t.max_steps = schedule.steps_for(t.epochs)
+            if "train.max_steps" in self.state.settings:  # what a checkpoint records is the number trained to
+                self.state.settings["train.max_steps"] = t.max_steps
             self.print(f"train.epochs={t.epochs:g}: {t.max_steps} steps, {schedule.steps_per_epoch} an epoch")
         return schedule
 
@@ -274,7 +276,7 @@ class Trainer:
             self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
             take_changed_settings(changed, self.scheduler if self.step_scheduler else None, self.step,
                                   cfg.optim.peak_lr(cfg.train.global_batch_size), self.print)
-            self.state.settings = {} if self.strategy.ds_owned else trained_settings(cfg)  # for the next checkpoint
+            self.state.settings = trained_settings(cfg, self.strategy.ds_owned)  # for the next checkpoint
             self.state.mixture = mixture
             self.resume_data(self.resume_from)
             self.state.global_batch_size = cfg.train.global_batch_size  # a checkpoint older than the field

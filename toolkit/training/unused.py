@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from toolkit.config import value_at as get
+
 _LORA = ("adapter.method", ("lora", "qlora"), "LoRA's")
 _CHAT = ("data.format", ("chat",), "chat records'")
 _TEXT = ("data.format", ("text",), "text data's")
@@ -93,16 +95,6 @@ REPEATS_MEAN_SOMETHING = ("optim.betas", "logging.profile", "samples.prompts", "
 def _gguf_base(model) -> bool:
     path = model.path or ""
     return model.path is None or bool(model.gguf_file) or path.endswith(".gguf")
-
-
-def get(cfg, key: str, absent: Any = None) -> Any:
-    """The value at a dotted key; `absent` where this recipe's config has no such key."""
-    value = cfg
-    for part in key.split("."):
-        if not hasattr(value, part):
-            return absent
-        value = getattr(value, part)
-    return value
 
 
 def unused_settings(cfg) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from toolkit.checkpoint.settings import check_same_data_order
@@ -78,3 +80,61 @@ def test_a_resume_takes_a_changed_preference_setting_from_the_next_step_and_says
     said: list[str] = []
     take_changed_settings(changed, None, 3, 1e-3, said.append)
     assert said == ["resumed with changed settings, taken from step 4 on: train.beta 0.1 -> 0.2"]
+
+
+def test_every_key_of_the_recipe_configs_says_what_a_resume_does_with_its_change():
+    """Refused, taken from the next step (said), kept by AdamW's state (refused), checked on its own, or free with
+    the reason: a new key fails here until classified."""
+    from toolkit.checkpoint import settings as s
+    from toolkit.config import dotted_keys
+    from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
+
+    classified = [*s.REFUSED, *s.OWN_CHECK, *s.SCHEDULE, *s.FROM_NEXT_STEP, *s.KEPT_BY_THE_OPTIMIZER, *s.FREE]
+    every = dotted_keys(PretrainConfig) | dotted_keys(FinetuneConfig)
+    assert sorted(set(every) ^ set(classified)) == [] and len(classified) == len(set(classified))
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "finetune"])
+def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_shape_and_takes_the_rest(recipe, tmp_path):
+    """Walks every recorded key of a recipe's config: a checkpoint records each refused and taken one, a resume with
+    another value of a refused one is one line naming it and what it decides, of a taken one is taken and said."""
+    from toolkit.checkpoint import settings as s
+    from toolkit.config import load_config
+    from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
+
+    cls = PretrainConfig if recipe == "pretrain" else FinetuneConfig
+    saved = s.trained_settings(load_config(cls, None, []))
+    present = {k for k in [*s.REFUSED, *s.SCHEDULE, *s.FROM_NEXT_STEP, *s.KEPT_BY_THE_OPTIMIZER]
+               if k not in ("train.gamma", "train.orpo_lambda") and (k.split(".")[0] != "adapter" or recipe == "finetune")}
+    present -= {k for k in present if k.startswith("tokenizer.")} if recipe == "finetune" else set()
+    present -= {k for k in present if k in ("train.objective", "train.beta", "model.path", "model.gguf_file",
+                                            "model.dtype", "data.format", "data.overlong", "data.chat_template",
+                                            "data.record_format", "data.val_path") or k.startswith("data.columns")
+                } if recipe == "pretrain" else {"model.model_type", "model.config"}
+    assert sorted(saved) == sorted(present)
+    TrainerState(step=3, seed=1, settings=saved).write(tmp_path)
+    for key, value in saved.items():
+        other = {**saved, key: f"{value}-other"}
+        if key in s.REFUSED:
+            with pytest.raises(UserError, match=rf"was trained with {re.escape(key)}=.* \(this run has .*-other: "
+                                                rf"{re.escape(s.REFUSED[key])}\); a resume cannot take the change"):
+                s.check_same_settings(tmp_path, other, 10)
+        elif key in s.KEPT_BY_THE_OPTIMIZER:
+            with pytest.raises(UserError, match=rf"{re.escape(key)}=.*AdamW's saved state carries them"):
+                s.check_same_settings(tmp_path, other, 10)
+        else:
+            assert s.check_same_settings(tmp_path, other, 10) == {key: (value, f"{value}-other")}
+    assert s.check_same_settings(tmp_path, {**saved, "data.cache_dir": "elsewhere"}, 10) == {}  # free, not recorded
+
+
+def test_a_path_is_recorded_as_the_file_it_names_wherever_the_run_is_launched_from(tmp_path, monkeypatch):
+    from toolkit.checkpoint.settings import trained_settings
+    from toolkit.config import load_config
+    from toolkit.training.recipe_config import PretrainConfig
+
+    (tmp_path / "corpus.txt").write_text("text\n")
+    monkeypatch.chdir(tmp_path)
+    here = trained_settings(load_config(PretrainConfig, None, ["data.path=corpus.txt"]))
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    assert trained_settings(load_config(PretrainConfig, None, ["data.path=../corpus.txt"]))["data.path"] == here["data.path"]

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import typing
 
 import pytest
 
-from toolkit.config import ConfigError, load_config
+from toolkit.config import ConfigError, dotted_keys, load_config
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 from toolkit.training.unused import ALWAYS, CHECKED_BY, REPEATS_MEAN_SOMETHING, UNIQUE, USED_WHEN
 
-
-def keys(cls: type, prefix: str = "") -> dict[str, typing.Any]:
-    """Every dotted key of a recipe config, with its type."""
-    hints = typing.get_type_hints(cls)
-    found = {}
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            found |= keys(hints[f.name], f"{prefix}{f.name}.")
-        else:
-            found[prefix + f.name] = hints[f.name]
-    return found
-
-
-ALL = keys(PretrainConfig) | keys(FinetuneConfig)
+ALL = dotted_keys(PretrainConfig) | dotted_keys(FinetuneConfig)
 
 # Each rule of USED_WHEN: (recipe config, the key set, overrides that leave it without effect, overrides that give it one)
 CASES = {
