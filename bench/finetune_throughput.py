@@ -68,7 +68,8 @@ def run(cmd: list[str], log: Path) -> None:
 def recipe_row(method: str, base: Path, args, work: Path, switches: list[str]) -> float:
     out = work / f"recipe-{method}"
     cmd = [*LAUNCH, "recipes/finetune.py", "--config", str(LORA_YAML), f"output_dir={out}",
-           f"model.path={base}", f"adapter.method={method}", "adapter.merge=false", f"data.seq_len={args.seq_len}",
+           f"model.path={base}", f"adapter.method={method}", *(["adapter.merge=false"] if method != "full" else []),
+           f"data.seq_len={args.seq_len}",
            f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
            f"train.max_steps={args.warmup + args.steps}", "optim.fused=auto", *QUIET, log_every(args.warmup),
            *switches]

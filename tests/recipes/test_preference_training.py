@@ -27,7 +27,7 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accu
 def dpo(tiny_base, chatml_file, out, method: str, *more: str) -> list[str]:
     return [
         *FT_TINY, f"model.path={tiny_base}", f"data.chat_template={chatml_file}", "data.seq_len=256",
-        f"adapter.method={method}", "adapter.r=8", "optim.lr=1e-3", "train.max_steps=3", "eval.every=0",
+        f"adapter.method={method}", *(["adapter.r=8"] if method != "full" else []), "optim.lr=1e-3", "train.max_steps=3", "eval.every=0",
         "eval.blocks=0", "checkpoint.every=2", f"output_dir={out}", *more,
     ]
 
@@ -128,11 +128,15 @@ def test_a_resumed_dpo_run_reads_its_reference_back_and_continues_bit_for_bit(me
                                                                               chatml_file, data_cache, tmp_path):
     straight, _ = single[method]
     out = tmp_path / "resumed"
+    # samples asked for on the resume only: made from the base for these prompts (the checkpoint holds none)
     proc = run_recipe("finetune", dpo(tiny_base, chatml_file, out, method,
-                                      f"resume={straight / 'checkpoints' / 'step-2'}"),
+                                      f"resume={straight / 'checkpoints' / 'step-2'}", "samples.max_new_tokens=3",
+                                      "samples.prompts=[Name a tree]"),
                       nproc=1, cache=data_cache, config=CONFIG)
     log = proc.stdout + proc.stderr
     assert "at step 2" in log and "reference: one forward pass" not in log
+    samples = (out / "samples.md").read_text()
+    assert "Name a tree" in samples and samples.count("**before**") == samples.count("**after**") == 1, samples
     assert not foreign_lines(log)  # a LoRA resume printed peft's warning that the base had been renamed
     assert (out / "reference_logps.npz").is_file()  # copied: a resume of this run's own checkpoints reads it
     assert [r["loss"] for r in steps(out)] == [r["loss"] for r in steps(straight)][2:]
