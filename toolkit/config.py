@@ -100,7 +100,8 @@ def load_config(
     """Read `path` (YAML), apply overrides, build and validate `cls`.
 
     Keys renamed in `cls.RENAMED` still work for one release: they are moved to their new
-    name, and `notes` (when given) gets one deprecation line for each."""
+    name, and `notes` (when given) gets one deprecation line for each, and the lines of the config's own
+    `notes()` (settings the rest of it leaves without effect)."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_config_file(path, notes)
@@ -118,6 +119,8 @@ def load_config(
         problems.extend(p for p in validate_tree(cfg) if p not in problems and _problem_key(p) not in reported)
     if problems:
         raise ConfigError(problems)
+    if notes is not None and hasattr(cfg, "notes"):
+        notes.extend(cfg.notes())
     return cfg
 
 

@@ -20,7 +20,7 @@ from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
 from toolkit.training.profiling import check_steps
 from toolkit.training.samples import SamplesConfig
-from toolkit.training.unused import unused_settings
+from toolkit.training.unused import repeated_entries, unused_settings
 
 SEED_MAX = 2**32 - 1  # numpy's legacy seed range, the common one; the data order's generator takes seed x 1,000,003
 
@@ -106,7 +106,12 @@ class RunConfig:
         if self.train.epochs is not None and (self.data.sources or getattr(self.data, "streaming", False)):
             problems.append(f"train.epochs={self.train.epochs:g} counts passes over one prepared corpus; with "
                             f"data.{'sources' if self.data.sources else 'streaming'} give train.max_steps instead")
-        return problems + unused_settings(self)
+        return problems + repeated_entries(self)
+
+    def notes(self) -> list[str]:
+        """Lines for the log before anything runs: the settings the rest of the config leaves without effect (a YAML
+        written for LoRA run with adapter.method=full keeps its LoRA keys, and is said to)."""
+        return unused_settings(self)
 
 
 @dataclass

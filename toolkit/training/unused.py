@@ -1,7 +1,9 @@
-"""The settings that the rest of a config leaves without effect, refused in one line each.
+"""The settings that the rest of a config leaves without effect, said in one line each before anything runs.
 
 A key set away from its default where the combination does not read it is a run that silently differs
-from what its YAML says (LoRA's rank on a full fine-tune, a chunk size with the full loss). Every key of
+from what its YAML says (LoRA's rank on a full fine-tune, a chunk size with the full loss). Said, not refused:
+a YAML written for one mode is run in another by an override (adapter.method=full, model.loss=full,
+train.epochs=1), and the keys it keeps are then the user's own, not a mistake to stop for. Every key of
 the recipe configs is classified here: USED_WHEN names what it needs to have an effect, CHECKED_BY where the
 check of a key sits with its component, ALWAYS the keys every combination the recipes accept reads.
 tests/toolkit/training/test_unused.py walks both over every field, so a new key fails until classified."""
@@ -46,8 +48,6 @@ USED_WHEN: dict[str, Need | Callable[[Any], str | None]] = {
     "tokenizer.train_documents": Need("tokenizer.path", (None,), "for a tokenizer the run trains"),
     "train.max_steps": lambda cfg: (
         f"train.epochs={cfg.train.epochs:g} sets it from the data" if cfg.train.epochs is not None else None),
-    "samples.prompts": lambda cfg: (
-        "samples.max_new_tokens=0 generates no samples" if not cfg.samples.max_new_tokens else None),
     "data.val_fraction": lambda cfg: (
         f"data.val_path={cfg.data.val_path} is the held-out data" if getattr(cfg.data, "val_path", None) else None),
     **{f"data.{name}": (lambda cfg, name=name: "data.sources name their own" if cfg.data.sources else None)
@@ -76,7 +76,7 @@ ALWAYS = (
     "checkpoint.every", "checkpoint.keep_last", "checkpoint.final_dtype", "checkpoint.on_save_error",
     "logging.every", "logging.trackers", "logging.profile",
     "eval.every", "eval.blocks",  # without held-out data (val_fraction=0) the data line says 0 held-out
-    "samples.max_new_tokens",
+    "samples.max_new_tokens", "samples.prompts",  # max_new_tokens=0 is the samples' off switch
     "data.path", "data.seq_len", "data.num_proc", "data.cache_dir", "data.streaming", "data.sources", "data.stages",
     "data.format", "data.val_path",  # val_path with sources: FinetuneDataConfig.validate
     "model.model_type", "model.config", "model.init_seed", "model.attn_implementation", "model.compile",
@@ -86,7 +86,7 @@ ALWAYS = (
     "adapter.method",
 )
 
-# List-valued keys whose repeated entries would do a thing twice or mean nothing: refused. The others' order or
+# List-valued keys whose repeated entries would do a thing twice or mean nothing: refused (repeated_entries). The others' order or
 # repeats mean something (optim.betas, logging.profile's [first, last], a prompt asked twice).
 UNIQUE = ("logging.trackers", "adapter.target_modules", "adapter.modules_to_save", "adapter.layers")
 REPEATS_MEAN_SOMETHING = ("optim.betas", "logging.profile", "samples.prompts", "data.sources", "data.stages")
@@ -98,10 +98,9 @@ def _gguf_base(model) -> bool:
 
 
 def unused_settings(cfg) -> list[str]:
-    """One problem for each key set away from its default where the rest of `cfg` gives it no effect, and for
-    each repeated entry of a UNIQUE list."""
+    """One line for each key set away from its default where the rest of `cfg` gives it no effect."""
     default = type(cfg)()
-    problems = []
+    lines = []
     for key, need in USED_WHEN.items():
         value = get(cfg, key, absent=dataclasses.MISSING)
         if value is dataclasses.MISSING or value == get(default, key):
@@ -110,12 +109,16 @@ def unused_settings(cfg) -> list[str]:
             state = get(cfg, need.on, absent="text" if need.on == "data.format" else None)
             if state in need.values:
                 continue
-            fix = (f"leave {need.on} empty" if need.values == (None,) else
-                   f"set {need.on}={' or '.join(str(v).lower() if isinstance(v, bool) else str(v) for v in need.values)}")
-            problems.append(f"{key}={_said(value)} has no effect with {need.on}={_said(state)} (it is {need.whose}): "
-                            f"drop it, or {fix}")
+            lines.append(f"note: {key}={_said(value)} is ignored: {need.on}={_said(state)} gives it no effect (it is "
+                         f"{need.whose})")
         elif (why := need(cfg)) is not None:
-            problems.append(f"{key}={_said(value)} has no effect: {why}; drop it")
+            lines.append(f"note: {key}={_said(value)} is ignored: {why}")
+    return lines
+
+
+def repeated_entries(cfg) -> list[str]:
+    """One problem for each UNIQUE list that names an entry more than once."""
+    problems = []
     for key in UNIQUE:
         values = get(cfg, key) or []
         twice = sorted({str(v) for v in values if values.count(v) > 1})

@@ -33,7 +33,6 @@ CASES = {
     **{f"tokenizer.{k}": (PretrainConfig, f"tokenizer.{k}={v}", ["tokenizer.path=tok"], [])
        for k, v in (("vocab_size", 300), ("min_frequency", 3), ("train_documents", 10))},
     "train.max_steps": (PretrainConfig, "train.max_steps=7", ["train.epochs=1"], []),
-    "samples.prompts": (FinetuneConfig, "samples.prompts=[Hi]", ["samples.max_new_tokens=0"], []),
     "data.val_fraction": (FinetuneConfig, "data.val_fraction=0.2", ["data.path=a.jsonl", "data.val_path=b.jsonl"],
                           ["data.path=a.jsonl"]),
     **{f"data.{k}": (PretrainConfig, f"data.{k}={v}", ["data.sources=[{name: a}]"], []) for k, v in (("name", "x"),
@@ -65,15 +64,28 @@ def test_every_list_valued_key_says_whether_its_entries_may_repeat():
     assert sorted(lists ^ {*UNIQUE, *REPEATS_MEAN_SOMETHING}) == []
 
 
-@pytest.mark.parametrize("key", sorted(CASES))
-def test_a_setting_without_effect_is_refused_in_one_line_naming_it_and_what_gives_it_one(key):
+@pytest.mark.parametrize("key", sorted(USED_WHEN))
+def test_a_setting_without_effect_is_said_in_one_line_before_anything_runs(key):
+    """Said, not refused: the YAML of one mode run in another by an override keeps its keys."""
+    cls, setting, unused, used = CASES[key]
+    notes: list[str] = []
+    load_config(cls, None, [setting, *unused], notes)
+    assert [n for n in notes if key in n] == [n for n in notes if n.startswith(f"note: {key}=")], notes
+    assert len([n for n in notes if n.startswith(f"note: {key}=") and " is ignored: " in n]) == 1, notes
+    notes.clear()
+    load_config(cls, None, [setting, *used], notes)  # where it has an effect: nothing said of it
+    load_config(cls, None, unused, notes)  # left at its default: nothing either
+    assert [n for n in notes if key in n] == []
+
+
+@pytest.mark.parametrize("key", sorted(CHECKED_BY))
+def test_a_setting_its_component_finds_without_effect_is_refused_in_one_line(key):
     cls, setting, unused, used = CASES[key]
     with pytest.raises(ConfigError) as err:
         load_config(cls, None, [setting, *unused])
     named = [p for p in err.value.problems if re.match(rf"({re.escape(key)}|{key.rsplit('.', 1)[-1]})[= ]", p)]
     assert len(named) == 1 and re.search(r"drop|choose", named[0]), err.value.problems
-    load_config(cls, None, [setting, *used])  # where it has one, taken
-    load_config(cls, None, unused)  # and left at its default, the combination is fine
+    load_config(cls, None, [setting, *used])
 
 
 @pytest.mark.parametrize("key", UNIQUE)
@@ -86,4 +98,6 @@ def test_a_list_that_names_an_entry_twice_is_refused(key):
 def test_the_shipped_configs_set_nothing_without_effect():
     from pathlib import Path
     for path in sorted((Path(__file__).resolve().parents[3] / "recipes" / "configs").glob("*.yaml")):
-        load_config(PretrainConfig if path.name.startswith("pretrain") else FinetuneConfig, path)
+        notes: list[str] = []
+        load_config(PretrainConfig if path.name.startswith("pretrain") else FinetuneConfig, path, None, notes)
+        assert [n for n in notes if "is ignored" in n] == [], path
