@@ -99,10 +99,14 @@ def _launch(args) -> int:
     try:
         accelerate_launch.launch_command(args)
     except ChildFailedError as exc:
-        code = verdict({rank: failure.exitcode for rank, failure in exc.failures.items()}, stop.signal)
+        hung = killed_at_shutdown(exc.failures)
+        code = verdict({rank: failure.exitcode for rank, failure in exc.failures.items()}, stop.signal, hung)
         if code is None:
             held.release()
             raise
+        for rank in sorted(hung):
+            print(f"note: rank {rank} did not end when the launch asked it to (stopped or hung) and was killed",
+                  file=sys.stderr, flush=True)
         return code
     except subprocess.CalledProcessError as exc:  # one process, or DeepSpeed's multi-node launcher
         code = verdict({0: exc.returncode}, stop.signal)
@@ -260,16 +264,26 @@ def ranks_per_machine(args, gpus: int, cores: int) -> str | None:
     return None if short is None else f"error: {short}"
 
 
-def verdict(codes: dict[int, int], forwarded: int | None) -> int | None:
+def killed_at_shutdown(failures: dict) -> set[int]:
+    """The ranks torchrun killed (SIGKILL) after another had exited with a recipe's code: a rank that did not end on
+    its SIGTERM within the shutdown's 30 s (SIGSTOPped, or stuck) is ended so, and hides nothing. A rank killed
+    before (the OOM killer) is the crash itself. `failures`: ChildFailedError's, each with the second it was seen."""
+    first = min((f.timestamp for f in failures.values() if f.exitcode in RECIPE_CODES), default=None)
+    return {rank for rank, f in failures.items()
+            if f.exitcode == -signal.SIGKILL and first is not None and f.timestamp > first}
+
+
+def verdict(codes: dict[int, int], forwarded: int | None, hung: set[int] = frozenset()) -> int | None:
     """The launch's exit code from its failed ranks' codes; None for a crash (torchrun's report stays).
 
     A negative code is a rank ended by a signal: SIGTERM is what torchrun sends the other ranks
-    once one has exited, so it hides nothing; SIGKILL or SIGSEGV are the crash itself.
+    once one has exited, so it hides nothing, nor does its SIGKILL of the `hung` ranks that outlived it
+    (killed_at_shutdown); any other SIGKILL or SIGSEGV is the crash itself.
     `forwarded` is the stop signal this launcher passed on: ranks that had no handler for it yet
     (still starting) die of it, and the launch ends as a process killed by it would (128 + n).
     """
     recipe = [c for c in codes.values() if c in RECIPE_CODES]
-    ended = [c for c in codes.values() if c not in RECIPE_CODES]
+    ended = [c for rank, c in codes.items() if c not in RECIPE_CODES and rank not in hung]
     # a rank that was not training yet ends at once on a signal, with 128 + n (toolkit.training.stop.StopRequest)
     if recipe and all(c in (-signal.SIGTERM, 128 + signal.SIGTERM) for c in ended):
         return min(recipe, key=RECIPE_CODES.index)

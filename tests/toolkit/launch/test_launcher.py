@@ -15,6 +15,7 @@ from toolkit.launch.launcher import (
     RANGES,
     HeldLog,
     cpu_allocator,
+    killed_at_shutdown,
     missing_file,
     out_of_range,
     ranks_per_machine,
@@ -41,13 +42,28 @@ CASES = {
     "bad input, the other rank ended at once by torchrun's SIGTERM (not training yet)": ({0: 2, 1: 128 + TERM}, None, 2),
     "Ctrl-C: stopped with a checkpoint": ({0: 3, 1: 3}, INT, 3),
     "a second Ctrl-C, or one before training: every rank ended at once": ({0: 128 + INT, 1: 128 + INT}, INT, 128 + INT),
+    # killed_at_shutdown: a SIGSTOPped rank outlives torchrun's SIGTERM and is killed 30 s after the others' timeout
+    "a stopped rank, killed after the others' collective failed": ({0: 4, 1: -KILL}, None, 4, {1}),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_the_launch_exits_with_the_recipes_code_unless_a_rank_crashed(name):
-    codes, forwarded, expected = CASES[name]
-    assert verdict(codes, forwarded) == expected
+    codes, forwarded, expected, *hung = CASES[name]
+    assert verdict(codes, forwarded, *hung) == expected
+
+
+def test_a_rank_killed_after_a_recipes_exit_is_the_shutdown_and_one_killed_before_is_the_crash():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def failure(code: int, at: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=0, pid=1, exitcode=code, error_file="")
+        f.timestamp = at
+        return f
+
+    assert killed_at_shutdown({0: failure(4, 100), 1: failure(-KILL, 130)}) == {1}  # SIGSTOP: 30 s later
+    assert killed_at_shutdown({0: failure(4, 100), 1: failure(-KILL, 100)}) == set()  # OOM killer: first
+    assert killed_at_shutdown({0: failure(-TERM, 100), 1: failure(-KILL, 130)}) == set()
 
 
 def launch_args(*argv: str):
