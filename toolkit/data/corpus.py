@@ -31,6 +31,7 @@ from toolkit.data.text_files import (
     _not_utf8,
     _only_whitespace,
     datasets_quiet,
+    first_utf16,
     utf8_problem,
 )
 from toolkit.data.tokenizer import hub_unreachable
@@ -187,6 +188,8 @@ def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | 
             f"data.path={cfg.path} holds files of types {kinds}; use one of {sorted(_BUILDERS)} (all of one kind)"
         )
     builder = builders.pop()
+    if (error := first_utf16(cfg.path, files)) is not None:
+        raise error
     if all(os.path.getsize(f) == 0 for f in files):
         raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty)")
     return files, builder, {"sample_by": cfg.sample_by} if builder == "text" else {}

@@ -167,7 +167,7 @@ def _first_line_not_a_record(source: str, files: list[str]) -> UserError | None:
                     text = line.strip()
                     if not text:
                         continue  # blank lines are skipped by the reader too
-                    if number == 1 and text.startswith("["):
+                    if number == 1 and text.startswith("[") and _one_array(text, lines):
                         break  # a JSON array: datasets reads the whole file as one document
                     try:
                         record = json.loads(text, object_pairs_hook=once)
@@ -197,6 +197,16 @@ def once(pairs: list) -> dict:
     return dict(pairs)
 
 
+def _one_array(first: str, rest) -> bool:
+    """Whether a file whose first line is `first` (a `[`) is one JSON array (over one line or several), rather than
+    JSON lines of which the first is a list: a whole array on line 1 with more lines after it is the latter."""
+    try:
+        json.loads(first)
+    except json.JSONDecodeError:
+        return True  # an array over several lines
+    return not any(line.strip() for line in rest)
+
+
 def _json_hint(line: str) -> str:
     """What a line that does not parse most likely has wrong."""
     if line.endswith(","):
@@ -208,3 +218,13 @@ def _json_hint(line: str) -> str:
     if line.startswith("{'"):
         return ": single quotes? JSON strings take double quotes"
     return ""
+
+
+def first_utf16(source: str, files: list[str]) -> UserError | None:
+    """The first of `files` that is UTF-16 text: without a byte-order mark it is valid UTF-8 (a NUL after each
+    ASCII character) and would train as such."""
+    for f in files:
+        if Path(f).suffix.lower() != ".parquet" and utf16_sign(_head(f)) is not None:
+            name = f"data.path={source}" if len(files) == 1 else f"data.path={source}: {f}"
+            return _not_utf8_error(name, "NUL bytes between its characters", f)
+    return None
