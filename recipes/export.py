@@ -40,7 +40,7 @@ import torch
 
 from toolkit import quiet_weight_bars
 from toolkit.config import UserError
-from toolkit.data.corpus import read_utf8
+from toolkit.data.text_files import read_utf8
 from toolkit.export import destination
 from toolkit.export.consolidate import adapter_base, load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder

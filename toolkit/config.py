@@ -12,6 +12,7 @@ so are a folder, a binary or non-UTF-8 file, and a number too large for any sett
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import json
@@ -157,21 +158,46 @@ def read_config_file(path: str | Path, notes: list[str] | None = None) -> dict[s
     return raw
 
 
+def utf16_sign(head: bytes) -> str | None:
+    """Why a file whose first bytes are `head` is UTF-16 or UTF-32 text ("a UTF-16 byte-order mark"), or None:
+    its byte-order mark, or (without one) a NUL in every other byte, as ASCII text has in UTF-16."""
+    for bom, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                      (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16")):
+        if head.startswith(bom):
+            return f"a {name} byte-order mark"
+    pairs = head[: len(head) - len(head) % 2]
+    if len(pairs) >= 4 and max(pairs[0::2].count(0), pairs[1::2].count(0)) >= 0.9 * len(pairs) / 2:
+        return "a NUL in every other byte, as in UTF-16"
+    return None
+
+
+def reencode_hint(head: bytes) -> str:
+    """What to do with a file that is not UTF-8, from its first bytes: UTF-16 (Windows' "Unicode", PowerShell's
+    default) named as such, anything else most likely latin-1."""
+    sign = utf16_sign(head)
+    if sign is not None:
+        name = "utf-32" if "UTF-32" in sign else "utf-16"
+        return f"it is {name.upper()} text ({sign}); re-encode it as UTF-8, e.g. iconv -f {name} -t utf-8"
+    return "re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8"
+
+
 def _text(path: Path) -> str:
     """A config file's text, refused in one line when it is binary or not UTF-8 (a BOM is dropped)."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError([f"{path} cannot be read: {exc.strerror}; check its permissions"]) from None
+    kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+    if utf16_sign(data[:4096]) is not None:
+        raise ConfigError([f"{path} is not UTF-8 text: {reencode_hint(data[:4096])}"])
     if b"\0" in data:
-        raise ConfigError([f"{path} is a binary file (it holds NUL bytes), not a config; give a YAML file"])
+        raise ConfigError([f"{path} is a binary file (it holds NUL bytes), not a config; give a {kind} file"])
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise ConfigError([
-            f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}); save it as UTF-8, "
-            "e.g. iconv -f latin1 -t utf-8"
+            f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}); {reencode_hint(data[:4096])}"
         ]) from None
 
 
@@ -257,9 +283,9 @@ def _written_twice(node: yaml.Node, prefix: str, seen_nodes: set[int]) -> tuple[
     return None
 
 
-def read_json(path: str | Path) -> Any:
+def read_json(path: str | Path, what: str | None = None) -> Any:
     """A JSON file's contents, refused in one line when it does not parse or an object holds a key twice
-    (json keeps the last with no word)."""
+    (json keeps the last with no word). With `what` (e.g. "a DeepSpeed config"), the file must hold an object."""
     path = Path(path)
 
     def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -271,11 +297,22 @@ def read_json(path: str | Path) -> Any:
         return dict(pairs)
 
     try:
-        return json.loads(_text(path), object_pairs_hook=once)
+        out = json.loads(_text(path), object_pairs_hook=once)
     except json.JSONDecodeError as exc:
         raise ConfigError([f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]) from None
     except ValueError as exc:  # an integer over 4,300 digits
         raise ConfigError([f"{path} holds a number too large for any setting ({exc})"]) from None
+    if what is not None and not isinstance(out, dict):
+        raise ConfigError([f"{path} must hold a JSON object ({{...}}: {what}), found {_json_kind(out)}"])
+    return out
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, as a user reads it: "a list", "a string", "null"."""
+    if value is None:
+        return "null"
+    names = {list: "a list", dict: "an object", str: "a string", bool: "true/false"}
+    return names.get(type(value), "a number")
 
 
 def _problem_key(problem: str) -> str:

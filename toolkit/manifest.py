@@ -63,10 +63,9 @@ def check_manifest(folder: Path, only: Callable[[str], bool] | None = None) -> s
     path = folder / MANIFEST
     if not path.is_file():
         return None
-    try:
-        entries = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError, TypeError):
-        return f"{path} is not a readable manifest"
+    entries = _entries(path)
+    if isinstance(entries, str):
+        return f"{path} is not a readable manifest ({entries})"
     if only is not None:
         entries = {name: entry for name, entry in entries.items() if only(name)}
     for name, entry in entries.items():  # sizes first: cheap, and they name a truncation at once
@@ -83,6 +82,33 @@ def check_manifest(folder: Path, only: Callable[[str], bool] | None = None) -> s
         if value != entries[name]["crc32"]:
             return f"{folder / name} does not match its checksum (crc32 {value}, written {entries[name]['crc32']})"
     return None
+
+
+def _entries(path: Path) -> dict[str, dict] | str:
+    """A manifest's {name: {"size", "crc32"}}, or what is wrong with the file (it is the toolkit's own: anything
+    but what write_manifest wrote means damage)."""
+
+    def once(pairs: list) -> dict:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) < len(keys):
+            raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is written twice")
+        return dict(pairs)
+
+    try:
+        saved = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=once)
+    except json.JSONDecodeError as exc:
+        return f"not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except ValueError as exc:
+        return str(exc)
+    entries = saved.get("files") if isinstance(saved, dict) else None
+    if not isinstance(entries, dict):
+        return "no object of files" if isinstance(saved, dict) else f"a JSON {type(saved).__name__}, not an object"
+    for name, entry in entries.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("crc32"), str)):
+            return f"its entry for {name} is {entry!r:.60}, not a size and a crc32"
+    return entries
 
 
 def written_by(folder: Path) -> str | None:

@@ -27,6 +27,8 @@ import os
 import re
 import shutil
 import tempfile
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,14 +101,77 @@ class TrainerState:
 
     @classmethod
     def read(cls, folder: Path) -> TrainerState:
-        saved = json.loads((folder / STATE_FILE).read_text())
+        """The state saved in `folder`; DamagedState (a ValueError) when its file is not what write() wrote: not
+        UTF-8, not JSON, not an object, a key twice, a field of another type (each checked against the field's own
+        annotation, so a field added later is checked too)."""
+        saved = _state_record(folder / STATE_FILE)
+        hints = typing.get_type_hints(cls)
+        for name, value in saved.items():
+            if name in hints and not _fits(value, hints[name]):
+                raise DamagedState(f"its {name} is {value!r:.60}, not {_said(hints[name])}")
         known = {f.name for f in dataclasses.fields(cls)}
         state = cls(**{k: v for k, v in saved.items() if k in known})
-        if isinstance(saved.get("layout"), dict):
-            state.layout = ParallelLayout.from_record(saved["layout"])
-        elif saved.get("strategy"):  # saved before the layout was recorded: its strategy's name and world size
-            state.layout = ParallelLayout.from_name(saved["strategy"], saved.get("world_size", 0))
+        try:
+            if isinstance(saved.get("layout"), dict):
+                state.layout = ParallelLayout.from_record(saved["layout"])
+            elif saved.get("strategy"):  # saved before the layout was recorded: its strategy's name and world size
+                state.layout = ParallelLayout.from_name(saved["strategy"], saved.get("world_size", 0))
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise DamagedState(f"its layout {saved.get('layout') or saved.get('strategy')!r:.80} is not one the toolkit "
+                               f"writes ({exc})") from None
         return state
+
+
+class DamagedState(ValueError):
+    """A trainer_state.json that is not what TrainerState.write wrote: the checkpoint is damaged (a resume sets it
+    aside or refuses it, toolkit.checkpoint.integrity). Its text says what is wrong, without the path."""
+
+
+def _state_record(path: Path) -> dict:
+    data = path.read_bytes()
+
+    def once(pairs: list) -> dict:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) < len(keys):
+            raise DamagedState(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is written twice")
+        return dict(pairs)
+
+    try:
+        saved = json.loads(data.decode("utf-8"), object_pairs_hook=once)
+    except UnicodeDecodeError as exc:
+        raise DamagedState(f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        what = "empty" if not data.strip() else f"not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+        raise DamagedState(what + ("" if not data.strip() else " (truncated?)" if exc.pos >= len(data.rstrip()) else "")) from None
+    if not isinstance(saved, dict):
+        raise DamagedState(f"a JSON {type(saved).__name__}, not the object the toolkit writes")
+    return saved
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value is of a TrainerState field's type (ParallelLayout: its record, a mapping)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is ParallelLayout:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict) and (not args or all(_fits(v, args[1]) for v in value.values()))
+    if origin is list:
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    return isinstance(value, hint)
+
+
+def _said(hint) -> str:
+    if isinstance(hint, type):
+        return {int: "an integer", str: "a string", float: "a number"}.get(hint, hint.__name__)
+    return str(hint).replace("typing.", "").replace("toolkit.parallel_layout.", "")
 
 
 @dataclass(frozen=True)

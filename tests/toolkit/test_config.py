@@ -160,7 +160,7 @@ def not_a_config(tmp_path, kind: str):
         return path, f"{path} is a binary file (it holds NUL bytes), not a config; give a YAML file"
     if kind == "latin-1 text":
         path.write_bytes("seed: 1\nname: caf\u00e9\n".encode("latin-1"))
-        return path, f"{path} is not UTF-8 text (byte 0xe9 at line 2); save it as UTF-8, e.g. iconv -f latin1 -t utf-8"
+        return path, f"{path} is not UTF-8 text (byte 0xe9 at line 2); re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8"
     if kind == "a device":
         return Path("/dev/zero"), "--config /dev/zero is not a regular file; give a YAML config file"
     raise AssertionError(kind)

@@ -31,9 +31,9 @@ import pyarrow as pa
 import torch
 
 from toolkit.config import UserError, field
-from toolkit.data.corpus import read_utf8
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
 from toolkit.data.records import ColumnsConfig, read_records, shapes_said, to_messages
+from toolkit.data.text_files import read_utf8
 
 EMBEDDED = "embedded:python-chats"
 
@@ -88,7 +88,11 @@ def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
     """The template to render with: the override (text or file), else the tokenizer's."""
     if chat_template:
         if _looks_like_file(chat_template):
-            return read_utf8(Path(chat_template), f"chat_template={chat_template}")
+            text = read_utf8(Path(chat_template), f"chat_template={chat_template}")
+            if not text.strip():  # else the tokenizer's own template would render, with no word
+                raise UserError(f"chat_template={chat_template} is empty; write the Jinja template in it, or leave "
+                                "data.chat_template unset for the tokenizer's own")
+            return text
         return chat_template
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):  # several named templates: the default one

@@ -6,12 +6,10 @@ The embedded default is the Python language documentation that ships inside ever
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import dataclasses
 import glob
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,17 @@ import pyarrow.compute as pc
 from toolkit.config import UserError, cache_dir, field
 from toolkit.data.mixture import SourceConfig, StageConfig, mixture_problems
 from toolkit.data.packing import column_windows
+from toolkit.data.text_files import (
+    _binary,
+    _first_line_not_a_record,
+    _first_not_parquet,
+    _first_not_utf8,
+    _not_utf8,
+    _only_whitespace,
+    datasets_quiet,
+    first_utf16,
+    utf8_problem,
+)
 from toolkit.data.tokenizer import hub_unreachable
 
 EMBEDDED = "embedded:python-docs"
@@ -113,11 +122,14 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
     files, builder, kwargs = _file_source(cfg, notes)
     if files is not None:
         try:
-            ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+            with datasets_quiet():
+                ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         except Exception as exc:  # datasets' own error, or a binary file's failed gzip/zip extraction (zlib.error)
             cause = (exc.__cause__ or exc) if isinstance(exc, datasets.exceptions.DatasetGenerationError) else exc
             if isinstance(cause, UnicodeDecodeError):  # the text builder decodes as it reads
                 raise _not_utf8(cfg.path, files, cause) from None
+            if builder == "parquet" and (error := _first_not_parquet(cfg.path, files)) is not None:
+                raise error from None  # arrow's "magic bytes not found in footer" says neither what nor what to do
             if builder != "parquet" and (error := _first_not_utf8(cfg.path, files)) is not None:
                 raise error from None  # what is wrong with the file, rather than where datasets tripped on it
             if builder == "text" and all(_only_whitespace(Path(f)) for f in files):  # datasets: "corresponds to no data"
@@ -136,7 +148,12 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
             f"data.text_column={cfg.text_column} is not in {cfg.path}; its columns are {ds.column_names}"
         )
     try:
+        before = len(ds)
         ds = _non_empty(ds, cfg.path, cfg.text_column)
+        if notes is not None and len(ds) < before and (files is None or builder != "text"):
+            # records (jsonl, parquet, a hub set) whose text is null or blank; plain text has no empty documents
+            notes.append(f"data.path={cfg.path}: skipped {before - len(ds)} of {before} records with no text "
+                         f"({cfg.text_column} null, empty or only whitespace)")
     except UnicodeDecodeError as exc:  # the json builder stores the bytes unchecked; the first read decodes them
         if files is None:
             raise
@@ -171,6 +188,8 @@ def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | 
             f"data.path={cfg.path} holds files of types {kinds}; use one of {sorted(_BUILDERS)} (all of one kind)"
         )
     builder = builders.pop()
+    if (error := first_utf16(cfg.path, files)) is not None:
+        raise error
     if all(os.path.getsize(f) == 0 for f in files):
         raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty)")
     return files, builder, {"sample_by": cfg.sample_by} if builder == "text" else {}
@@ -205,7 +224,7 @@ def hub_dataset(name: str, subset: str | None, split: str, key: str, streaming: 
     # retry, before it says so
     unreachable = None if local or streaming else hub_unreachable()
     try:
-        with _offline(unreachable is not None):
+        with _offline(unreachable is not None), datasets_quiet():
             return datasets.load_dataset(name, subset, split=split, streaming=streaming)
     except ConnectionError as exc:  # offline and never cached, or HF_HUB_OFFLINE=1
         exc = unreachable or exc  # what the connection said, rather than the offline mode set for it
@@ -227,7 +246,8 @@ def stream_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[data
         return ds.to_iterable_dataset(), source
     files, builder, kwargs = _file_source(cfg, notes)
     if files is not None:
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+        with datasets_quiet():
+            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         source = _hash("stream", builder, cfg.sample_by, cfg.text_column, repr(stats))
     else:
@@ -323,120 +343,6 @@ def _plain_text_note(path: str, files: list[str], skipped: list[str]) -> str:
     if skipped:
         note += f"; skipped {len(skipped)} that are binary or not UTF-8 (first: {skipped[0]})"
     return note
-
-
-def _binary(path: Path, chunk_bytes: int = 1 << 20) -> str | None:
-    """Where a file holds a NUL byte ("a NUL byte at offset 8"), or None: valid UTF-8 allows
-    NUL, but no text file has one, and nearly every executable, archive or image does."""
-    offset = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            if (i := chunk.find(b"\0")) >= 0:
-                return f"a NUL byte at offset {offset + i}"
-            offset += len(chunk)
-    return None
-
-
-def utf8_problem(path: Path, chunk_bytes: int = 1 << 20) -> str | None:
-    """Where a file stops being UTF-8 ("byte 0xe9 at offset 325, line 4"), or None if it is UTF-8.
-
-    Read in chunks, so that a large corpus costs no more memory than a small one."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = newlines = 0  # of the bytes before this chunk
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(chunk_bytes)
-            pending = len(decoder.getstate()[0])  # the start of a character cut by the chunk boundary
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as exc:
-                data = exc.object  # the pending bytes + this chunk
-                line = newlines + data[: exc.start].count(b"\n") + 1
-                return f"byte 0x{data[exc.start]:02x} at offset {offset - pending + exc.start}, line {line}"
-            if not chunk:
-                return None
-            offset += len(chunk)
-            newlines += chunk.count(b"\n")
-
-
-def read_utf8(path: Path, name: str) -> str:
-    """A whole file's text; when it is not UTF-8, one line naming `name` and where it breaks."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise _not_utf8_error(name, utf8_problem(path) or exc.reason) from None
-
-
-def _not_utf8_error(name: str, where: str) -> UserError:
-    return UserError(f"{name} is not UTF-8 text ({where}); re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8")
-
-
-def _not_utf8(source: str, files: list[str], exc: UnicodeDecodeError) -> UserError:
-    """The first of `files` that is not UTF-8, named with where it breaks."""
-    return _first_not_utf8(source, files) or _not_utf8_error(f"data.path={source}", exc.reason)
-
-
-def _first_not_utf8(source: str, files: list[str]) -> UserError | None:
-    for f in files:
-        try:
-            where = None if Path(f).suffix.lower() == ".parquet" else utf8_problem(Path(f))
-        except OSError:  # unreadable: the caller's error says so
-            continue
-        if where is not None:
-            name = f"data.path={source}" if len(files) == 1 else f"data.path={source}: {f}"
-            return _not_utf8_error(name, where)
-    return None
-
-
-def _only_whitespace(path: Path, chunk_bytes: int = 1 << 20) -> bool:
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(chunk_bytes):
-                if chunk.strip():
-                    return False
-    except OSError:  # the caller's error says so
-        return False
-    return True
-
-
-def _first_line_not_a_record(source: str, files: list[str]) -> UserError | None:
-    """The first line of the JSON-lines `files` that is not one JSON object, named with its file and line
-    number (and what is likely wrong); None where each is (or a file is one JSON document, `[...]`)."""
-    for f in files:
-        name = f"data.path={source}" if len(files) == 1 else f"data.path={source}: {f}"
-        try:
-            with open(f, encoding="utf-8-sig") as lines:
-                for number, line in enumerate(lines, 1):
-                    text = line.strip()
-                    if not text:
-                        continue  # blank lines are skipped by the reader too
-                    if number == 1 and text.startswith("["):
-                        break  # a JSON array: datasets reads the whole file as one document
-                    try:
-                        record = json.loads(text)
-                    except json.JSONDecodeError as exc:
-                        return UserError(f"{name} line {number} is not JSON ({exc.msg} at column {exc.colno}"
-                                         f"{_json_hint(text)}); each line must be one JSON object, e.g. "
-                                         '{"text": "..."}')
-                    if not isinstance(record, dict):
-                        return UserError(f"{name} line {number} is a JSON {type(record).__name__}, not an object; "
-                                         'each line must be one JSON object, e.g. {"text": "..."}')
-        except (OSError, UnicodeDecodeError):  # the caller's error says so
-            continue
-    return None
-
-
-def _json_hint(line: str) -> str:
-    """What a line that does not parse most likely has wrong."""
-    if line.endswith(","):
-        try:
-            json.loads(line[:-1])
-            return ": a trailing comma?"
-        except json.JSONDecodeError:
-            pass
-    if line.startswith("{'"):
-        return ": single quotes? JSON strings take double quotes"
-    return ""
 
 
 def _non_empty(ds: datasets.Dataset, source: str, column: str = "text") -> datasets.Dataset:

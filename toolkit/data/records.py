@@ -25,8 +25,16 @@ from pathlib import Path
 
 import datasets
 
-from toolkit.config import UserError, field
-from toolkit.data.corpus import hub_dataset, read_utf8
+from toolkit.config import UserError, field, first_line
+from toolkit.data.corpus import hub_dataset
+from toolkit.data.text_files import (
+    KeyTwice,
+    datasets_quiet,
+    not_parquet_error,
+    once,
+    parquet_problem,
+    read_utf8,
+)
 
 ROLES = ("system", "user", "assistant")
 OWN_ROLES = {r: r for r in ROLES}  # role/content turns name their roles as the chat templates do
@@ -63,7 +71,13 @@ def read_records(name: str, kind: str, key: str = "data.path", subset: str | Non
     the setting that gave `name`."""
     path = Path(name).expanduser()
     if path.is_dir() and (path / "dataset_info.json").is_file():
-        return _non_empty(datasets.load_from_disk(str(path)), f"{key}={name}")
+        try:
+            with datasets_quiet():
+                saved = datasets.load_from_disk(str(path))
+        except Exception as exc:  # a folder missing its state.json or arrow files, or with damaged ones
+            raise UserError(f"{key}={name} has datasets' dataset_info.json but cannot be read as a save_to_disk folder "
+                            f"({first_line(exc)}); save it again with Dataset.save_to_disk") from None
+        return _non_empty(saved, f"{key}={name}")
     if (path.is_dir() and (path / "README.md").is_file()) or (not path.exists() and _hub_id(name)):
         return _non_empty(hub_dataset(name, subset, split, key), f"{key}={name} split={split}")
     if path.is_dir():
@@ -99,30 +113,55 @@ def _read_file(path: Path, said: str) -> list:
     suffix = path.suffix.lower()
     if suffix not in FILES:
         raise UserError(f"{said} has suffix {path.suffix or '(none)'}; use one of {', '.join(FILES)}")
+    if suffix == ".parquet" and (why := parquet_problem(path)) is not None:
+        raise not_parquet_error(said, why)
+    if suffix == ".csv":
+        read_utf8(path, said)  # not UTF-8 (UTF-16, latin-1): said as every text file is
+        if not path.read_bytes().strip():
+            raise UserError(f"{said} is empty; give a csv file with a header line and a record a line")
     if FILES[suffix] != "json":
         try:
-            with _no_progress_bars():  # datasets' "Generating train split" bar for a file read in a moment
+            with _no_progress_bars(), datasets_quiet():  # datasets' bar and log lines for a file read in a moment
                 ds = datasets.load_dataset(FILES[suffix], data_files=str(path), split="train")
-        except Exception as exc:  # pyarrow's and datasets' own errors for a damaged file
-            raise UserError(f"{said} cannot be read as {suffix[1:]}: {str(exc).splitlines()[0][:200]}") from None
+        except Exception as exc:  # pyarrow's, pandas' and datasets' own errors for a damaged file
+            cause = exc.__cause__ or exc  # datasets' DatasetGenerationError says only that an error occurred
+            raise UserError(f"{said} cannot be read as {suffix[1:]}: {first_line(cause)[:200]}; write it again, or "
+                            "give another file") from None
         return ds.to_list()
     text = read_utf8(path, said)
     if suffix == ".jsonl":
         records = []
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{said} line {number} is not valid JSON: {exc.msg}") from None
+                records.append(_record(line, f"{said} line {number}"))
         return records
     try:
-        records = json.loads(text)
+        records = json.loads(text, object_pairs_hook=once)
     except json.JSONDecodeError as exc:
         raise UserError(f"{said} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
+    except KeyTwice as exc:
+        raise UserError(f"{said}: {exc}; keep one") from None
     if not isinstance(records, list):
         raise UserError(f"{said} must hold a JSON list of records, found {type(records).__name__}")
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise UserError(f"{said}: record {i} is a JSON {type(record).__name__}, not an object; each record is "
+                            "one object, e.g. {\"messages\": [...]}")
     return records
+
+
+def _record(line: str, said: str) -> dict:
+    """One line of a .jsonl file as its record: a JSON object with each key once."""
+    try:
+        record = json.loads(line, object_pairs_hook=once)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{said} is not valid JSON: {exc.msg}") from None
+    except KeyTwice as exc:
+        raise UserError(f"{said}: {exc}; keep one") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{said} is a JSON {type(record).__name__}, not an object; each line is one record, e.g. "
+                        "{\"messages\": [...]}")
+    return record
 
 
 def _hub_id(name: str) -> bool:

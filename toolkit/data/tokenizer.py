@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from toolkit.config import UserError, field
+from toolkit.config import ConfigError, UserError, field, first_line, read_json
 from toolkit.data.packing import document_pieces
 
 EOS = "<|endoftext|>"
@@ -97,14 +97,33 @@ def offline_hint(key: str, path: str) -> str:
             "in the local hub cache; give a local folder, or load it once with a network (it is then cached)")
 
 
+# the JSON files of a tokenizer folder, read strictly before transformers reads them: not UTF-8 (UTF-16 named), binary,
+# truncated, of another top-level type, a key twice, each one line naming the file (transformers raises whatever
+# json, tokenizers or its own code meets first: a TypeError for a list where an object is)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_tokenizer_files(path: str, key: str = "tokenizer.path") -> None:
+    folder = Path(path).expanduser()
+    for name in TOKENIZER_FILES if folder.is_dir() else ():
+        if (folder / name).is_file():
+            try:
+                read_json(folder / name, f"a tokenizer's {name}")
+            except ConfigError as exc:
+                raise UserError(f"{key}={path}: {exc}; save the tokenizer again (save_pretrained) or give "
+                                "another folder") from None
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    check_tokenizer_files(path)
     offline = local_files_only(path)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=offline)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # OSError, ValueError, and whatever a file of the right JSON but wrong fields raises
         if offline:
             raise UserError(offline_hint("tokenizer.path", path)) from None
-        raise UserError(f"tokenizer.path={path} could not be loaded ({exc}); give a tokenizer folder or hub id") from None
+        raise UserError(f"tokenizer.path={path} could not be loaded ({first_line(exc)}); give a tokenizer folder or hub "
+                        "id") from None
     if tok.eos_token_id is None:
         raise UserError(f"tokenizer.path={path} has no EOS token; packing needs one to separate documents")
     if tok.pad_token_id is None:

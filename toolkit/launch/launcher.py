@@ -50,6 +50,7 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.config import ConfigError, read_yaml
 from toolkit.launch.environment import gpus_short
 from toolkit.launch.rank_process import LAUNCHER_PID
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.commands import launch as accelerate_launch
 
     args = accelerate_launch.launch_command_parser().parse_args(argv)
-    problem = missing_file(args) or out_of_range(args)
+    problem = missing_file(args) or out_of_range(args) or unreadable_config(args.config_file)
     crowded = None if problem else ranks_per_machine(args, gpus(), len(os.sched_getaffinity(0)))
     if crowded is not None and crowded.startswith("error: "):
         problem = crowded.removeprefix("error: ")
@@ -210,6 +211,38 @@ def out_of_range(args) -> str | None:
     return None
 
 
+# what each key of an accelerate config the launcher reads must be (Accelerate's own checks are tracebacks)
+CONFIG_TYPES = {"num_processes": int, "num_machines": int, "use_cpu": bool, "deepspeed_config": dict}
+
+
+def read_accelerate_config(config_file: str | None) -> dict:
+    """The accelerate config a launch names ({} for none), read strictly (toolkit.config.read_yaml: not UTF-8,
+    binary, not YAML, a key written twice are each one line), or ConfigError: one line naming the file."""
+    if config_file is None:
+        return {}
+    config = read_yaml(config_file)
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ConfigError([f"--config_file {config_file} must hold a mapping of keys (an accelerate config, e.g. "
+                           f"accelerate_configs/ddp.yaml), found a {type(config).__name__}"])
+    for key, kind in CONFIG_TYPES.items():
+        value = config.get(key)
+        if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
+            raise ConfigError([f"--config_file {config_file}: {key}={value!r:.60} must be "
+                               f"{ {int: 'an integer', bool: 'true or false', dict: 'a mapping'}[kind]}"])
+    return config
+
+
+def unreadable_config(config_file: str | None) -> str | None:
+    """What is wrong with the launch's accelerate config file, as a line to show; None when it reads."""
+    try:
+        read_accelerate_config(config_file)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def paths_from_its_folder(config_file: str | None, copies: Path) -> str | None:
     """The accelerate config to launch with: as given, or a copy in `copies` whose DeepSpeed JSON path is absolute,
     where the given one is relative and found from the config's folder (or the folder above it: the shipped
@@ -217,10 +250,10 @@ def paths_from_its_folder(config_file: str | None, copies: Path) -> str | None:
     if config_file is None:
         return None
     try:
-        config = yaml.safe_load(Path(config_file).read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return config_file  # Accelerate says what is wrong with it
-    ds = config.get("deepspeed_config") if isinstance(config, dict) else None
+        config = read_accelerate_config(config_file)
+    except ConfigError:
+        return config_file  # main() said what is wrong with it
+    ds = config.get("deepspeed_config")
     named = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
     if not isinstance(named, str) or Path(named).is_absolute() or Path(named).exists():
         return config_file
@@ -245,12 +278,10 @@ def ranks_per_machine(args, gpus: int, cores: int) -> str | None:
     a GPU of its own, and the surplus would fail one by one after its imports) or, without a GPU, than it has CPU
     cores ("warning: ...": they share them, each with its own copy of the model). None when they fit.
     The counts are --num_processes and --num_machines, else the config file's, as Accelerate takes them."""
-    config = {}
-    if args.config_file is not None:
-        try:
-            config = yaml.safe_load(Path(args.config_file).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            return None  # Accelerate says what is wrong with it
+    try:
+        config = read_accelerate_config(args.config_file)
+    except ConfigError:
+        return None  # main() says what is wrong with it
     processes = args.num_processes or config.get("num_processes") or 1
     machines = args.num_machines or config.get("num_machines") or 1
     here = -(-int(processes) // int(machines))

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from toolkit.config import UserError, read_json, read_yaml
+from toolkit.config import UserError, first_line, read_json, read_yaml
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.parallelism import AXES, parallel_layout
 
@@ -33,11 +33,23 @@ class StrategyFacts:
 
 
 def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
-    """An accelerate config file -> StrategyFacts; DeepSpeed "auto" sizes as Accelerate fills them."""
-    path = Path(path)
+    """An accelerate config file -> StrategyFacts; DeepSpeed "auto" sizes as Accelerate fills them. A value of the
+    wrong type (a size that is not a number, a section that is not a mapping) is one line naming the file."""
+    try:
+        return _read_strategy(Path(path), hidden_size)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UserError(f"{path} (or the DeepSpeed config it names) holds a value of the wrong type ({first_line(exc)}); "
+                        "compare it with accelerate_configs/ and ds_configs/") from None
+
+
+def _read_strategy(path: Path, hidden_size: int) -> StrategyFacts:
     cfg = read_yaml(path) or {}
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path} must hold a mapping of keys (an accelerate config), found {type(cfg).__name__}")
     kind = cfg.get("distributed_type", "NO")
     parallel = cfg.get("parallelism_config") or {}
+    if not isinstance(parallel, dict):
+        raise UserError(f"{path}: parallelism_config must be a mapping (parallelism_config_tp_size: 2, ...)")
     sizes = {axis: int(parallel.get(f"parallelism_config_{axis}_size", 1)) for axis in AXES}
     # made as a launch makes it: one function decides what the sizes mean and which are refused
     try:
@@ -58,7 +70,9 @@ def read_strategy(path: str | Path, hidden_size: int) -> StrategyFacts:
         if not file:
             raise UserError(f"{path}: the planner needs a deepspeed_config_file")
         json_path = Path(file) if Path(file).is_absolute() else path.parent.parent / file
-        zero = read_json(json_path).get("zero_optimization", {})
+        zero = read_json(json_path, "a DeepSpeed config").get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise UserError(f"{json_path}: zero_optimization must be an object ({{\"stage\": 2, ...}}), found {zero!r:.60}")
         h2 = hidden_size * hidden_size
 
         def size(key: str, auto: float, default: float) -> int:

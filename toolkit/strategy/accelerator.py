@@ -91,8 +91,11 @@ def check_deepspeed_config() -> dict | None:
         return None  # stage etc. given inline in the accelerate config
     if not Path(path).is_file():
         raise UserError(f"deepspeed_config_file {path} does not exist (paths are relative to where you launch)")
-    ds = read_json(path)  # a key written twice is refused, not the last one taken
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    ds = read_json(path, "a DeepSpeed config")  # a key written twice is refused, not the last one taken
+    zero = ds.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise UserError(f"{path}: zero_optimization must be an object ({{\"stage\": 2, ...}}), found {zero!r:.60}")
+    stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
     return ds

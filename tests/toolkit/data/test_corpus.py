@@ -519,3 +519,37 @@ def test_a_hub_id_the_hub_cannot_give_is_one_line_at_once(monkeypatch, capfd):
                                       "unreachable (the test)); give a local file")
     assert time.monotonic() - start < 10 and "Retrying" not in capfd.readouterr().err
     assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == before
+
+
+def test_records_with_no_text_are_counted_in_one_line(tmp_path):
+    """A parquet whose text is null in 169 of 505 rows trains on the rest and says how many it skipped (issue 44:
+    it trained on 336 without a word)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document {i} has some words" if i % 3 else None for i in range(505)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "data.parquet")
+    notes: list[str] = []
+    ds, _ = load_corpus(DataConfig(path=str(tmp_path / "data.parquet")), notes)
+    assert len(ds) == 505 - 169
+    assert notes == [f"data.path={tmp_path / 'data.parquet'}: skipped 169 of 505 records with no text "
+                     "(text null, empty or only whitespace)"]
+
+
+def test_text_named_parquet_is_our_one_line_only(tmp_path, capfd):
+    """A .parquet that is text: arrow's own 'Failed to read schema ... magic bytes' line printed before ours (issue
+    44); now only ours, saying what the file is."""
+    (tmp_path / "data.parquet").write_text("just some text, not a table\n")
+    capfd.readouterr()
+    with pytest.raises(UserError) as info:
+        load_corpus(DataConfig(path=str(tmp_path / "data.parquet")))
+    assert str(info.value).startswith(f"data.path={tmp_path / 'data.parquet'} is not a parquet file: it is text")
+    assert "Failed" not in capfd.readouterr().err
+
+
+def test_a_utf16_file_is_named_utf16_not_latin1(tmp_path):
+    """UTF-16 (with its byte-order mark, or without: a NUL in every other byte) got the latin-1 hint (issue 44)."""
+    for name, data in (("bom.txt", "some text\n".encode("utf-16")), ("bare.txt", "some text\n".encode("utf-16-le"))):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UserError, match="it is UTF-16 text .*; re-encode it as UTF-8, e.g. iconv -f utf-16 -t utf-8"):
+            load_corpus(DataConfig(path=str(tmp_path / name)))

@@ -132,7 +132,7 @@ def test_records_are_read_from_the_files_users_keep(tmp_path, kind, shape, capfd
 
 def test_a_file_that_is_not_its_suffix_is_one_line(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
-    with pytest.raises(UserError, match=r"broken.parquet cannot be read as parquet: ") as info:
+    with pytest.raises(UserError, match=r"broken.parquet is not a parquet file: it is text") as info:
         read_records(str(tmp_path / "broken.parquet"), "chat")
     assert "\n" not in str(info.value)
     with pytest.raises(UserError, match=r"has suffix .txt; use one of .jsonl, .json, .parquet, .csv, .arrow"):
