@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     notes += quant_notes
                     exported = _load_hf(staged)
 
+            # what the notes say of the staged copy is true of the output once it is moved into place
+            notes = [note.replace(str(staged), str(output)) for note in notes]
             report = ExportReport(
                 output=output, fmt=args.format + (f" {args.quant}" if args.format == "gguf" else f" {args.dtype}" if args.format == "hf" else ""),
                 source=source.describe(), size_bytes=size_on_disk(staged), source_ppl=source_ppl,
