@@ -181,7 +181,7 @@ def _delete_as_it_does(folder_key: str, folder: Path, tmp: Path, tokenizer, mode
 def test_each_overlap_is_refused_or_safe(row, tmp_path, tiny_tokenizer, tiny_model):
     folder_key, other, relation = row
     base = tmp_path / "top"
-    # a setting the run reads, under output_dir: in its final/, which the run replaces
+    # a setting the run reads (model.path=runs/ft/final), under output_dir: in its final/, which the run replaces
     name = "final" if folder_key == "output_dir" and PATH_SETTINGS.get(other) == READ else "o"
     keep = _make(other, base / name, relation)
     keep.write_text("keep")
