@@ -39,6 +39,7 @@ PRUNED = ".deleting"  # step-N.deleting: out of rotation, on its way out (a cras
 CONVERTED = ".converted"  # step-N.converted: step-N's state by parameter name, for another strategy
 MODEL_FILES = "model_files"  # config, tokenizer (and a LoRA's adapter config) beside the weights
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_PRUNED_DIR = re.compile(rf"^step-\d+({re.escape(CONVERTED)})?{re.escape(PRUNED)}$")
 # the longest path a run writes below output_dir, with room to spare (a DeepSpeed shard of a
 # checkpoint with a 9-digit step: checkpoints/step-N.converted/pytorch_model/zero_pp_rank_…)
 DEEPEST_ENTRY = 160
@@ -180,7 +181,8 @@ class RunDir:
         """Main process: finish the deletions of pruned checkpoints that a crash interrupted."""
         if self.checkpoints.is_dir():
             for leftover in self.checkpoints.glob(f"step-*{PRUNED}"):
-                shutil.rmtree(leftover)
+                if _PRUNED_DIR.match(leftover.name) and not leftover.is_symlink():  # only what rotation renamed
+                    shutil.rmtree(leftover)
 
     def latest_checkpoint(self) -> Path | None:
         done = self.complete_checkpoints()
