@@ -148,7 +148,8 @@ def check_run_paths(cfg: Any) -> None:
             )
     owned = [run.root / name for name in RunDir.ENTRIES]
     for key, role in PATH_SETTINGS.items():
-        if role == CACHE:
+        section, _, name = key.rpartition(".")
+        if role == CACHE and hasattr(getattr(cfg, section, None), name):  # a recipe without it has no such cache
             folder = cache_dir(setting(cfg, key)[0] if setting(cfg, key) else None)
             _check_cache(key, folder, run)
         elif role == READ:
