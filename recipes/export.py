@@ -75,7 +75,8 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message}; see python recipes/export.py --help")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag; each is classified in toolkit.export.destination.EXPORT_FLAGS (a test checks)."""
     parser = _Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="source", required=True, help="run, model, checkpoint or adapter folder")
     parser.add_argument("--checkpoint", help="with a run folder: step-N or latest (default: its final/)")
@@ -88,7 +89,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="the folder (hf, int8, int4) or .gguf file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--eval-text", help="a text file for the perplexity check (default: held-out CPython docs)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> Path:
@@ -182,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     notes += quant_notes
                     exported = _load_hf(staged)
 
+            # what the notes say of the staged copy is true of the output once it is moved into place
+            notes = [note.replace(str(staged), str(output)) for note in notes]
             report = ExportReport(
                 output=output, fmt=args.format + (f" {args.quant}" if args.format == "gguf" else f" {args.dtype}" if args.format == "hf" else ""),
                 source=source.describe(), size_bytes=size_on_disk(staged), source_ppl=source_ppl,

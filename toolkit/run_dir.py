@@ -12,7 +12,7 @@ One contract, used by the trainer, the recipes, checkpoints, the HF-folder write
                                   name, made when a run resumed it under another strategy or world
                                   size; never a checkpoint itself, deleted with step-N
       final/  adapter/            .final, .adapter: the deliverables
-      metrics.jsonl  loss.png  samples.md  tensorboard/
+      metrics.jsonl  loss.png  samples.md  tensorboard/  profile/
       reference_logps.npz         .reference: DPO's reference log-probabilities of the pairs
       .run.lock                   LOCK_FILE: held by the run that owns the folder (RunDir.claim)
 
@@ -41,6 +41,7 @@ PRUNED = ".deleting"  # step-N.deleting: out of rotation, on its way out (a cras
 CONVERTED = ".converted"  # step-N.converted: step-N's state by parameter name, for another strategy
 MODEL_FILES = "model_files"  # config, tokenizer (and a LoRA's adapter config) beside the weights
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_PRUNED_DIR = re.compile(rf"^step-\d+({re.escape(CONVERTED)})?{re.escape(PRUNED)}$")
 # the longest path a run writes below output_dir, with room to spare (a DeepSpeed shard of a
 # checkpoint with a 9-digit step: checkpoints/step-N.converted/pytorch_model/zero_pp_rank_…)
 DEEPEST_ENTRY = 160
@@ -187,6 +188,7 @@ class RunDir:
     ENTRIES = (
         "final", "adapter", "checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "samples.md",
         "final.tmp", "adapter.tmp", "final.old", "adapter.old", "reference_logps.npz", "reference_logps.npz.tmp",
+        "profile",
     )
 
     @property
@@ -222,6 +224,11 @@ class RunDir:
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 
+    @property
+    def profile(self) -> Path:
+        """logging.profile's trace and summary (toolkit.training.profiling)."""
+        return self.root / "profile"
+
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step}"
 
@@ -239,7 +246,8 @@ class RunDir:
         """Main process: finish the deletions of pruned checkpoints that a crash interrupted."""
         if self.checkpoints.is_dir():
             for leftover in self.checkpoints.glob(f"step-*{PRUNED}"):
-                shutil.rmtree(leftover)
+                if _PRUNED_DIR.match(leftover.name) and not leftover.is_symlink():  # only what rotation renamed
+                    shutil.rmtree(leftover)
 
     def latest_checkpoint(self) -> Path | None:
         done = self.complete_checkpoints()

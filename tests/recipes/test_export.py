@@ -7,6 +7,7 @@ model at the same step); a LoRA run's checkpoint and a LoRA adapter merge into t
 
 from __future__ import annotations
 
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -371,6 +372,10 @@ def test_weight_only_export_loads_and_generates(scheme, export, tiny_base, tmp_p
     report = (out / "export_report.md").read_text()
     change = float(report.split("| change | ")[1].split("%")[0])
     assert abs(change) < (2.0 if scheme == "int8" else 15.0), report
+    # it names where the export is, never the staging folder it was made in (gone once moved into place)
+    assert f"wrote {out} (" in report, report
+    named = re.findall(rf"{re.escape(str(tmp_path))}[^\s,;()]*", report + capsys.readouterr().out)
+    assert named and all(Path(path).exists() for path in named), named
 
 
 def test_hf_export_shards_above_the_size_limit(export, tiny_base, tmp_path, capsys):

@@ -291,6 +291,18 @@ def test_output_dir_of_another_run_is_not_overwritten(pretrain, capsys, monkeypa
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'
 
 
+def test_a_run_placed_where_another_run_deletes_is_refused(pretrain, capsys, monkeypatch, tmp_path):
+    """Inside another run's checkpoints/, which its rotation and overwrite=true delete (toolkit.run_paths)."""
+    other = tmp_path / "a"
+    (other / "checkpoints" / "step-2").mkdir(parents=True)
+    (other / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    out = other / "checkpoints" / "b"
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}")
+    assert err == (f"error: output_dir={out} is inside the toolkit run {other} (its checkpoints/), which that run "
+                   "deletes or replaces (rotation, overwrite=true); choose an output_dir outside it")
+    assert not out.exists() and not (tmp_path / "cache").exists()  # refused before anything is written
+
+
 def files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 

@@ -3,6 +3,7 @@
     config, run_dir      contracts: validated config, the run folder and its TrainerState
     parallel_layout      the strategy kind and parallel degrees of a run, as a checkpoint records them
     run_lock             the run folder's one owner
+    run_paths            every folder a run or an export writes or deletes, against what it may overlap
     manifest, faults     a checkpoint's checksums; the kill and write-failure points tests plant
     data                 corpus, tokenizer, packing, chat, batch schedule
     models               build from scratch, load a base, adapters, loss, gradient checkpointing
@@ -24,7 +25,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"config", "run_dir", "parallel_layout", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
+LAYERS = [{"config", "run_dir", "run_paths", "parallel_layout", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
           {"planner"}, {"checkpoint"}, {"export"}, {"training"}]
 # the packages that may read the launcher's variables and import deepspeed (the planner reads an accelerate config)
 KNOW_THE_LAUNCH = ("launch", "strategy", "planner", "checkpoint")

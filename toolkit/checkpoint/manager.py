@@ -82,7 +82,9 @@ def save_checkpoint(
     optimizer_names = optimizer_parameter_names(strategy)
     kill_point("save.start", state.step)
     if acc.is_main_process:
-        if folder.exists():
+        if folder.is_symlink():  # the name this save writes; the link goes, never what it points to
+            folder.unlink()
+        elif folder.exists():
             shutil.rmtree(folder)  # a stale, incomplete save of the same step
         shutil.rmtree(converted_state(folder), ignore_errors=True)  # made from a checkpoint of this step before
         run.drop_pruned()
@@ -135,7 +137,8 @@ def save_checkpoint(
         # never the newest one that passed its checks: after a skipped non-finite step or with
         # non-finite weights, the last keep_last saves may all hold a model that diverged
         passed = [c for c in done if not TrainerState.read(c).suspect][-1:]
-        for old in [c for c in done[:-keep_last] if c not in passed]:
+        # a link in checkpoints/ is not a folder this run wrote: rotation never deletes through one
+        for old in [c for c in done[:-keep_last] if c not in passed and not c.is_symlink()]:
             # Out of rotation in one rename, then deleted: a crash mid-delete leaves a folder
             # that is plainly not a checkpoint, never a step-N that lost some of its files.
             going = old.rename(old.with_name(old.name + PRUNED))

@@ -15,9 +15,11 @@ and what to export instead, never a model that loads and is wrong, nor a traceba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
@@ -69,7 +71,8 @@ def resolve_source(path: str | Path, checkpoint: str | None = None) -> Source:
     """Find what `path` (and `checkpoint`, a step-N name inside a run) points at, and check that
     it is intact."""
     source = _find_source(path, checkpoint)
-    problem = _damage(source)
+    with unchanged(source):
+        problem = _damage(source)
     if problem:
         raise UserError(f"{source.describe()} cannot be exported: {problem}; {_instead(source)}")
     return source
@@ -112,12 +115,51 @@ def _find_source(path: str | Path, checkpoint: str | None) -> Source:
 
 def load_model(source: Source, base: str | None = None, merge_lora: bool = True):
     """(model in float32, eval mode; tokenizer; notes for the log)."""
-    if source.kind == "hf":
-        model = _from_folder(source.path, source)
-        return model.eval(), load_tokenizer(source.path, source), [f"source: {source.describe()}"]
-    if source.kind == "adapter":
-        return _load_adapter(source, base, merge_lora)
-    return _load_checkpoint(source, merge_lora)
+    with unchanged(source):
+        if source.kind == "hf":
+            model = _from_folder(source.path, source)
+            return model.eval(), load_tokenizer(source.path, source), [f"source: {source.describe()}"]
+        if source.kind == "adapter":
+            return _load_adapter(source, base, merge_lora)
+        return _load_checkpoint(source, merge_lora)
+
+
+@contextlib.contextmanager
+def unchanged(source: Source) -> Iterator[None]:
+    """Read `source` only as a whole: a run still training deletes a checkpoint that rotation drops
+    and replaces final/ as it ends, under a reader. When the folder changed or went while it was
+    read, that is the one error (whatever the read tripped over: a tokenizer path that is no folder
+    any more, weights and config of different models), also after a read that seemed to succeed."""
+    before = _identity(source.path)
+    try:
+        yield
+    except Exception:
+        if _identity(source.path) != before:
+            raise UserError(_changed(source)) from None
+        raise
+    if _identity(source.path) != before:
+        raise UserError(_changed(source))
+
+
+def _identity(folder: Path) -> tuple:
+    """The folder and the files that say what it holds, as the file system knows them (a rotated
+    checkpoint is gone; a replaced final/ is another folder; a save rewrites its state file)."""
+    found = []
+    for path in (folder, *(folder / name for name in (STATE_FILE, MANIFEST, "config.json", "adapter_config.json"))):
+        try:
+            stat = path.stat()
+            found.append((path.name, stat.st_ino, stat.st_mtime_ns, stat.st_size))
+        except OSError:
+            found.append((path.name, None))
+    return tuple(found)
+
+
+def _changed(source: Source) -> str:
+    return (
+        f"{source.describe()} changed or was removed while it was being read: its run is still training (rotation, "
+        "checkpoint.keep_last, deletes older checkpoints; the run's end replaces final/); export the run's final/ "
+        "after it ends, or its newest checkpoint (--checkpoint latest), which rotation keeps longest"
+    )
 
 
 def gather_weights(source: Source, into: Path) -> Path:

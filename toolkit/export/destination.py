@@ -27,11 +27,21 @@ from pathlib import Path
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, write_manifest, written_by
 from toolkit.run_dir import RunDir
+from toolkit.run_paths import run_around
 
 EXPORTED_BY = "llm-toolkit recipes/export.py"
 MODELFILE_FIRST_LINE = "# Ollama: ollama create "  # the first line of every Modelfile write_modelfile writes
 REPORT_FIRST_LINE = "# Export report: "  # ... and of every export_report.md (ExportReport.markdown)
 REPORT = "export_report.md"
+
+# Every flag of recipes/export.py (argparse's dest): "output" is written, "read" is read and never
+# written into (check_output's `reads`), None is not a path. tests/toolkit/export/test_destination.py
+# fails on a flag that is not here; toolkit.run_paths.OVERLAPS lists --output against each overlap.
+EXPORT_FLAGS: dict[str, str | None] = {
+    "output": "output", "source": "read", "base": "read", "eval_text": "read",
+    "checkpoint": None,  # a step-N name inside --from's run, checked there
+    "format": None, "quant": None, "dtype": None, "merge_lora": None, "max_shard_size": None, "overwrite": None,
+}
 
 
 def outputs(output: Path, fmt: str) -> list[Path]:
@@ -55,11 +65,12 @@ def check_output(output: Path, fmt: str, overwrite: bool, reads: dict[str, Path 
     `reads` names what the export reads (e.g. {"--from": ..., "the LoRA's base": ...})."""
     for path in outputs(output, fmt):
         _apart(path, reads)
-        run = _run_around(path)
-        if run is not None:
-            entry = run / path.absolute().relative_to(run).parts[0]
+        around = run_around(path)
+        if around is not None:
+            run, entry = around
+            slash = "/" if (run / entry).is_dir() else ""
             raise UserError(
-                f"--output {path} is inside the toolkit run {run} (its {entry.name}{'/' if entry.is_dir() else ''}); "
+                f"--output {path} is inside the toolkit run {run} (its {entry}{slash}); "
                 "a run holds what training wrote and export writes nothing into it; choose a path outside the run"
             )
         if path.is_symlink():
@@ -160,16 +171,6 @@ def _apart(path: Path, reads: dict[str, Path | None]) -> None:
                 f"--output {path} {relation} {what} {read}, which the export reads; an export never writes into "
                 "what it reads; choose an --output outside it"
             )
-
-
-def _run_around(path: Path) -> Path | None:
-    """The run folder whose own entry (final/, adapter/, checkpoints/, ...) `path` is or lies in."""
-    path = path.absolute()
-    for entry in (path, *path.parents):
-        run = RunDir(entry.parent)
-        if entry.name in RunDir.ENTRIES and entry != entry.parent and (run.metrics.is_file() or run.checkpoints.is_dir()):
-            return run.root
-    return None
 
 
 def _gguf_writer(path: Path) -> str | None:

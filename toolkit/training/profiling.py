@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from toolkit.run_dir import RunDir
+
 TOP = 12  # kernels and gaps in the table
 # Each kernel's (or CPU operator's) kind, by the first pattern its lowered name holds: what a step's device time
 # is spent on, the question a top-12 list leaves open when the time is spread over hundreds of small kernels.
@@ -52,7 +54,7 @@ class StepProfiler:
 
     def __init__(self, steps: list[int], run: Path, is_main: bool, device: torch.device, say=print):
         self.first, self.last = steps if steps else (0, -1)
-        self.folder, self.is_main, self.device, self.say = run / "profile", is_main, device, say
+        self.folder, self.is_main, self.device, self.say = RunDir(run).profile, is_main, device, say
         self.profiler: torch.profiler.profile | None = None
         self.started = False
         self.summary: dict | None = None

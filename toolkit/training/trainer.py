@@ -52,6 +52,7 @@ from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
 from toolkit.models.weight_cast import AUTOCAST, weight_cast
 from toolkit.run_dir import RunDir, TrainerState
+from toolkit.run_paths import check_run_paths
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.evaluation import evaluate
@@ -97,13 +98,12 @@ class Trainer:
     sections model (attn_implementation), train, optim, checkpoint, logging and eval."""
 
     def __init__(self, name: str, cfg: Any):
-        self.name, self.cfg = name, cfg
-        self.run = RunDir(cfg.output_dir)
+        self.name, self.cfg, self.run = name, cfg, RunDir(cfg.output_dir)
         self.stop = StopRequest(name, is_launch_main(), self.run.release)
         check_attention(cfg.model.attn_implementation)
         check_trackers(cfg.logging.trackers)
-        # the folder's one owner from here (released by close, or by a refusal below)
-        self.run.check(cfg.resume, cfg.overwrite, launch_id(), is_launch_main())
+        check_run_paths(cfg)  # no folder where it or another run deletes; then the folder's one owner from here:
+        self.run.check(cfg.resume, cfg.overwrite, launch_id(), is_launch_main())  # (released by close or a refusal)
         try:
             self._launch(name, cfg)
         except BaseException:

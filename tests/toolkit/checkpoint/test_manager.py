@@ -149,3 +149,21 @@ def test_rotation_never_prunes_the_newest_checkpoint_that_passed(tmp_path, strat
         save_checkpoint(strategy, run, TrainerState(step=step, suspect=suspect), keep_last=1)
         kept.append([p.name for p in run.complete_checkpoints()])
     assert kept == [["step-1"], ["step-1", "step-2"], ["step-1", "step-3"], ["step-4"]]
+
+
+def test_rotation_deletes_only_the_checkpoints_it_wrote(tmp_path, strategy):
+    """What else sits in checkpoints/ stays: a user's file and folder (even one named like a leftover of
+    an interrupted prune), and a step-N that is a link to the user's folder (neither the link nor its files)."""
+    strategy.prepare(torch.nn.Linear(2, 2))
+    run = RunDir(tmp_path / "run")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / STATE_FILE).write_text(json.dumps({"step": 1}))  # looks complete through the link
+    run.checkpoints.mkdir(parents=True)
+    run.checkpoint(1).symlink_to(mine, target_is_directory=True)
+    (run.checkpoints / "notes.txt").write_text("keep")
+    (run.checkpoints / "step-notes.deleting").mkdir()
+    for step in (2, 3):
+        save_checkpoint(strategy, run, TrainerState(step=step), keep_last=1)
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["notes.txt", "step-1", "step-3", "step-notes.deleting"]
+    assert (mine / STATE_FILE).is_file() and run.checkpoint(1).is_symlink()

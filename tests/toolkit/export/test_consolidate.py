@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -396,3 +397,32 @@ def test_a_deepspeed_checkpoint_that_pickles_code_is_refused_before_its_weights_
     with pytest.raises(UserError, match=r"holds pickled objects beyond tensors and numbers \(print\)"):
         gather_weights(source, tmp_path / "full")
     assert "code ran" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rotated_before", ["the tokenizer", "the weights"])
+def test_a_checkpoint_that_rotation_deletes_while_it_is_read(rotated_before, model, tiny_tokenizer, tmp_path,
+                                                             monkeypatch, capsys):
+    """Export of a run still training: rotation (checkpoint.keep_last) renames the checkpoint away and
+    deletes it mid-read. Was a tokenizer error ("Repo id must be in the form") or "weights from
+    different models"; now the one line that says what happened and what to export instead."""
+    import transformers
+    from recipe_runner import recipe_module
+
+    run = tmp_path / "run"
+    folder = save_checkpoint(model, tiny_tokenizer, run / "checkpoints" / "step-4", 4)
+    (run / "metrics.jsonl").write_text("{}\n")
+    patched = transformers.AutoTokenizer if rotated_before == "the tokenizer" else transformers.AutoModelForCausalLM
+    read = patched.from_pretrained.__func__
+
+    def rotate_then_read(cls, *args, **kwargs):
+        if folder.exists():  # as save_checkpoint's rotation does: out of rotation in one rename, then deleted
+            shutil.rmtree(folder.rename(folder.with_name("step-4.deleting")))
+        return read(cls, *args, **kwargs)
+
+    monkeypatch.setattr(patched, "from_pretrained", classmethod(rotate_then_read))
+    code = recipe_module("export").main(["--from", str(run), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: DDP/single-process checkpoint {folder} (step 4) changed or was removed while it "
+                          "was being read: its run is still training"), err
+    assert "--checkpoint latest" in err and not (tmp_path / "out").exists()
