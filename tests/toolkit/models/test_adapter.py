@@ -239,8 +239,11 @@ COMBINATIONS = {
     "layers": ("llama", {"layers": [1]}, {"layers"}),
     "dropout": ("llama", {"dropout": 0.1}, {"dropout"}),
     "full rank": ("llama", {"r": 64, "target_modules": ["q_proj", "lm_head"]}, {"r"}),
-    **{f"modules_to_save={m}": ("llama", {"target_modules": ["q_proj"], "modules_to_save": [m]}, {"modules_to_save"})
-       for m in ("embed_tokens", "lm_head", "norm")},
+    "modules_to_save=embed_tokens": ("llama", {"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens"]},
+                                     {"modules_to_save"}),
+    "modules_to_save=lm_head": ("llama", {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+                                {"modules_to_save"}),
+    "modules_to_save=norm": ("llama", {"target_modules": ["q_proj"], "modules_to_save": ["norm"]}, {"modules_to_save"}),
     "gpt2 (Conv1D)": ("gpt2", {"target_modules": ["c_attn", "c_fc"]}, {"attention", "mlp"}),
     "gpt2 wte": ("gpt2", {"target_modules": ["wte"]}, {"embed_tokens"}),
     "gemma2 embed_tokens (scaled)": ("gemma2", {"target_modules": ["embed_tokens"]}, {"embed_tokens"}),
