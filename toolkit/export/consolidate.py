@@ -34,7 +34,7 @@ from toolkit.checkpoint.formats import gather_full_weights, saved_by
 from toolkit.checkpoint.unpickling import not_only_numbers
 from toolkit.config import UserError, first_line
 from toolkit.manifest import MANIFEST, check_manifest, crc32
-from toolkit.models.adapter import BASE_MODEL_FILE
+from toolkit.models.adapter import BASE_MODEL_FILE, load_with_adapter, merged, no_tied_warnings
 from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState, checkpoint_step, is_complete
 
 # The files of a checkpoint that export reads, by the strategy that saved it (beside model_files/):
@@ -239,8 +239,10 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
             ) from None
     for f in sorted(weights.glob("pytorch_model*.bin")):
         state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
-    adapter = {k: state.pop(k) for k in [k for k in state if "lora_" in k]}
-    state = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in state.items()}
+    # the adapter: LoRA's tensors and the trained copies of modules_to_save (the base keeps the original_module)
+    adapter = {k: state.pop(k) for k in [k for k in state if "lora_" in k or ".modules_to_save." in k]}
+    state = {k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", "."): v
+             for k, v in state.items()}
     config = AutoConfig.from_pretrained(files)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     try:  # built on the meta device around the tensors (buffers computed, tied weights tied)
@@ -253,20 +255,19 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
     del state
     adapter_config = LoraConfig.from_pretrained(str(files))
     adapter_config.base_model_name_or_path = None  # the base was built from the checkpoint: peft would warn
-    model = get_peft_model(model, adapter_config)
+    with no_tied_warnings():
+        model = get_peft_model(model, adapter_config)
     result = model.load_state_dict(adapter, strict=False)  # the checkpoint's names are peft's own
     if result.unexpected_keys or not adapter:
         raise UserError(
             f"{source.describe()}: its adapter weights do not fit its adapter_config.json "
             f"(unexpected {result.unexpected_keys[:3]}); the checkpoint and {MODEL_FILES}/ differ"
         )
-    model = model.merge_and_unload()
+    model = merged(model)  # an adapter on a tied embedding or head: untied, as in final/
     return model, [f"the checkpoint holds a LoRA model: merged its {len(adapter)} adapter tensors into the base"]
 
 
 def _load_adapter(source: Source, base: str | None, merge_lora: bool):
-    from peft import PeftModel
-
     if not merge_lora:
         raise UserError(f"--from {source.path} is a LoRA adapter; export the merged model with --merge-lora")
     if base:
@@ -286,11 +287,11 @@ def _load_adapter(source: Source, base: str | None, merge_lora: bool):
             raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
         base_model = _from_folder(Path(named), Source("hf", Path(named)))
         where = named
-    merged = PeftModel.from_pretrained(base_model, str(source.path)).merge_and_unload()
+    model = merged(load_with_adapter(base_model, source.path))
     # the recipe saves the tokenizer with the adapter; other adapters use their base's
     has_tokenizer = (source.path / "tokenizer.json").is_file() or (source.path / "tokenizer_config.json").is_file()
     tokenizer = load_tokenizer(source.path, source) if has_tokenizer else AutoTokenizer.from_pretrained(where)
-    return merged.eval(), tokenizer, [f"source: {source.describe()} on base {where}, merged"]
+    return model.eval(), tokenizer, [f"source: {source.describe()} on base {where}, merged"]
 
 
 def _model_files(source: Source) -> Path:

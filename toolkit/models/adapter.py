@@ -12,7 +12,10 @@ there is none the recipe stops with a message; it never trains in full precision
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -125,13 +128,102 @@ def quantization_config(cfg: AdapterConfig):
     )
 
 
-def linear_names(model: torch.nn.Module) -> list[str]:
-    """Last name parts of the model's linear layers (what target_modules can name)."""
-    names = set()
+def _linear_rank(module: torch.nn.Module) -> int:
+    return min(module.in_features, module.out_features)
+
+
+# Each kind of layer a LoRA may adapt (target_modules names a layer by the last part of its name), with its full
+# rank: min(rows, columns) of its weight, past which a LoRA's rank adds parameters and nothing it can express. A
+# layer of another kind is refused; subclasses count as their kind (Gemma's scaled embedding is an Embedding). What
+# the merge makes of each kind, on a base with tied and untied embeddings, is MERGES below; Linear4bit and
+# Linear8bitLt are QLoRA's 4- and 8-bit bases (CUDA only).
+ADAPTABLE = {
+    "Linear": _linear_rank,
+    "Conv1D": lambda module: min(module.weight.shape),  # GPT-2's linear layers, weight stored (in, out)
+    "Embedding": lambda module: min(module.num_embeddings, module.embedding_dim),
+    "Linear4bit": _linear_rank,
+    "Linear8bitLt": _linear_rank,
+}
+
+# How the merged model (final/ with adapter.merge=true; export --merge-lora of an adapter or a LoRA checkpoint)
+# comes to equal the base with the adapter on top, for each target and each other switch of the adapter section.
+# tests/toolkit/models/test_adapter.py walks every row (tied and untied bases) and fails for an AdapterConfig field,
+# method or target kind that has none.
+UNTIED = ("merged into its own copy of the matrix that a base with tie_word_embeddings shares between embed_tokens "
+          "and lm_head; the merged model is untied (config tie_word_embeddings=false, one vocab x hidden matrix more)")
+MERGES = {
+    "target_modules": {
+        "attention": "W += (alpha / r) B A on q_proj, k_proj, v_proj, o_proj (GPT-2: c_attn, c_proj)",
+        "mlp": "W += (alpha / r) B A on gate_proj, up_proj, down_proj (GPT-2: c_fc, c_proj)",
+        "embed_tokens": "W += (alpha / r) (B A)^T; " + UNTIED,
+        "lm_head": "W += (alpha / r) B A; " + UNTIED,
+        "all-linear": "every linear layer but lm_head, as attention and mlp",
+    },
+    "method": {
+        "full": "nothing to merge: final/ is the trained model",
+        "lora": "the rows of target_modules",
+        "qlora": "CUDA only: merged into the base reloaded in full precision, which the 4-bit base it trained on "
+                 "only approximates",
+    },
+    "r": "the rank of B A; above the largest min(in, out) of the adapted layers it is refused before training",
+    "alpha": "the scale alpha / r (alpha / sqrt(r) with rslora) of the update merged",
+    "dropout": "off in the model merged and in the one compared (eval)",
+    "dora": "W' = m (W + s B A) / |W + s B A| row by row, DoRA's magnitude merged in",
+    "rslora": "the scale alpha / sqrt(r)",
+    "modules_to_save": "the trained copy replaces the module; embed_tokens or lm_head of a tied base: " + UNTIED,
+    "layers": "only the layers named carry an update; the others stay the base's",
+    "merge": "whether final/ is written at all (the adapter alone otherwise)",
+}
+CUDA_ONLY = ("Linear4bit", "Linear8bitLt", "qlora")
+
+
+def layer_kind(module: torch.nn.Module) -> str | None:
+    """The row of ADAPTABLE that `module` is (its class or the nearest base class named there), or None."""
+    return next((k.__name__ for k in type(module).__mro__ if k.__name__ in ADAPTABLE), None)
+
+
+def adaptable_names(model: torch.nn.Module) -> list[str]:
+    """Last name parts of the model's layers a LoRA can adapt (what target_modules can name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if name and layer_kind(module)})
+
+
+def _adapted(model: torch.nn.Module, cfg: AdapterConfig) -> dict[str, torch.nn.Module]:
+    """The layers this LoRA config puts an adapter on (all-linear: every linear layer but the head), by name."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Conv1D", "Linear4bit", "Linear8bitLt"):
-            names.add(name.rsplit(".", 1)[-1])
-    return sorted(names)
+        kind = layer_kind(module)
+        if kind is None or not name:
+            continue
+        if cfg.target_modules == ["all-linear"]:
+            if kind == "Embedding" or module is head:
+                continue
+        elif name.rsplit(".", 1)[-1] not in cfg.target_modules:
+            continue
+        if cfg.layers and _layer_index(name) not in cfg.layers:  # peft's layers_to_transform
+            continue
+        out[name] = module
+    return out
+
+
+def _layer_index(name: str) -> int | None:
+    found = re.search(r"\.(?:layers|h)\.(\d+)\.", f".{name}.")
+    return int(found.group(1)) if found else None
+
+
+def _check_rank(model: torch.nn.Module, cfg: AdapterConfig) -> None:
+    """A rank above min(in, out) of every adapted layer is a larger adapter (r=100000 on 128-wide layers: 3.7 GB for
+    a 5 MB model) with nothing more it can express: refused before a byte of it is built."""
+    ranks = {name: ADAPTABLE[layer_kind(module)](module) for name, module in _adapted(model, cfg).items()}
+    if not ranks:
+        return
+    name, useful = max(ranks.items(), key=lambda item: item[1])
+    if cfg.r > useful:
+        raise UserError(
+            f"adapter.r={cfg.r} is more than the adapted layers can use: a LoRA of rank r on a layer of in x out has "
+            f"the expressiveness of rank min(in, out), and the largest here is {useful} ({name.rsplit('.', 1)[-1]}); "
+            f"set adapter.r to at most {useful} (or use adapter.method=full to train every weight)"
+        )
 
 
 def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.Module, str]:
@@ -142,12 +234,12 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if cfg.target_modules != ["all-linear"]:
-        present = linear_names(model)
+        present = adaptable_names(model)
         missing = [t for t in cfg.target_modules if t not in present]
         if missing:
             raise UserError(
                 f"adapter.target_modules {missing} match no layer of this {type(model).__name__}; "
-                f"its linear layers are {', '.join(present)} (or use [all-linear])"
+                f"its linear and embedding layers are {', '.join(present)} (or use [all-linear])"
             )
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     unknown = [m for m in cfg.modules_to_save if m not in names]
@@ -157,6 +249,9 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
     depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     if depth is not None and any(i >= depth for i in cfg.layers):
         raise UserError(f"adapter.layers={cfg.layers}: this {type(model).__name__} has layers 0-{depth - 1}")
+    _check_rank(model, cfg)
+    untie = tied_and_adapted(model, cfg)
+    kinds = {layer_kind(module) for module in _adapted(model, cfg).values()}
     if cfg.method == "qlora":
         # fp32 norms and an input hook so that checkpointed activations still get gradients
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -171,9 +266,11 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
         use_rslora=cfg.rslora,
         modules_to_save=list(cfg.modules_to_save) or None,
         layers_to_transform=list(cfg.layers) or None,
+        fan_in_fan_out=kinds == {"Conv1D"},  # GPT-2's weights are stored (in, out); peft warns and sets it otherwise
     )
     try:
-        model = get_peft_model(model, lora)
+        with no_tied_warnings():  # said in the line returned, and taken care of by merged()
+            model = get_peft_model(model, lora)
     except ValueError as exc:  # peft's refusals of this config on this model, as one line
         hint = ("set adapter.dropout=0: peft's LoRA on a mixture of experts' expert weights (all-linear takes them "
                 "too) has no dropout" if "lora_dropout" in str(exc) else "change the adapter section")
@@ -182,9 +279,11 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
     kind = "+".join([cfg.method, *(["dora"] if cfg.dora else []), *(["rslora"] if cfg.rslora else [])])
     where = f" of layers {cfg.layers}" if cfg.layers else ""
     whole = f", {', '.join(cfg.modules_to_save)} trained whole" if cfg.modules_to_save else ""
+    tied = (f"; this base ties its embedding and head (tie_word_embeddings) and the adapter changes {' and '.join(untie)}: "
+            "the merged model unties them (one vocab x hidden matrix more)" if untie else "")
     return model, (
         f"weights: {kind} r={cfg.r} alpha={cfg.alpha:g} on {', '.join(cfg.target_modules)}{where}{whole}: "
-        f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
+        f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}){tied}"
     )
 
 
@@ -195,9 +294,71 @@ def load_with_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Modu
     """The base with the saved adapter on top (what an inference user does with the folder)."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with no_tied_warnings():
+        return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
 
 
 def merge(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
     """An ordinary transformers model with the adapter's update added into the base weights."""
-    return load_with_adapter(base, adapter_dir).merge_and_unload()
+    return merged(load_with_adapter(base, adapter_dir))
+
+
+def merged(peft_model: torch.nn.Module) -> torch.nn.Module:
+    """The peft model as an ordinary transformers model, its adapter added into the base weights: the same logits.
+
+    A base with tie_word_embeddings holds one matrix as both embed_tokens and lm_head; peft's merge of an adapter on
+    either adds the update to that one matrix, so to both (issue 44: the loss went from 7.88 to 9.45). Here each
+    gets its own copy first, as peft's own warning advises, and the merged model says it is untied (MERGES)."""
+    untied = untie_adapted(peft_model)
+    with no_tied_warnings():
+        model = peft_model.merge_and_unload()
+    if untied:
+        model.config.tie_word_embeddings = False
+    return model
+
+
+def untie_adapted(peft_model: torch.nn.Module) -> list[str]:
+    """Give each module its own copy of a weight it shares with another when an adapter (a LoRA or a trained copy,
+    modules_to_save) sits on one of them; the names of the modules that got a copy."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    wrapped = [name for name, module in peft_model.named_modules()
+               if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper))]
+    owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
+    for name, module in peft_model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            if not any(o[1] is module for o in owners.get(id(param), [])):
+                owners.setdefault(id(param), []).append((name, module, attr))
+    copies = []
+    for shared in owners.values():
+        if len(shared) > 1 and any(name.startswith(w + ".") or name == w for name, _, _ in shared for w in wrapped):
+            for name, module, attr in shared[1:]:
+                param = getattr(module, attr)
+                setattr(module, attr, torch.nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+                copies.append(name.removesuffix(".base_layer").removesuffix(".original_module").rsplit(".", 1)[-1])
+    return copies
+
+
+def tied_and_adapted(model: torch.nn.Module, cfg: AdapterConfig) -> list[str]:
+    """embed_tokens or lm_head (as the model names them) that this LoRA config adapts on a base that ties them."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return []
+    tied = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if any(module is m for m in tied)}
+    adapted = {name.rsplit(".", 1)[-1] for name in _adapted(model, cfg)} | set(cfg.modules_to_save)
+    return sorted(names & adapted)
+
+
+# peft's words for what merged() does about tied embeddings (a warning at each LoRA built, loaded or merged)
+_TIED_WARNINGS = ("Model has `tie_word_embeddings=True` and a tied layer is part of the adapter",
+                  "Model with `tie_word_embeddings=True` and the tied_target_modules",
+                  "Input and output embeddings are no longer tied after merging")
+
+
+@contextmanager
+def no_tied_warnings():
+    with warnings.catch_warnings():
+        for text in _TIED_WARNINGS:
+            warnings.filterwarnings("ignore", message=re.escape(text), category=UserWarning)
+        yield

@@ -11,11 +11,15 @@ import torch
 
 from toolkit.config import UserError
 from toolkit.models.adapter import (
+    ADAPTABLE,
+    CUDA_ONLY,
     DEFAULT_TARGETS,
+    MERGES,
     AdapterConfig,
+    adaptable_names,
     apply_adapter,
     check_qlora_device,
-    linear_names,
+    layer_kind,
     load_with_adapter,
     merge,
     qlora_problem,
@@ -24,6 +28,7 @@ from toolkit.models.adapter import (
 from toolkit.parallel_layout import ParallelLayout
 
 LLAMA_LINEARS = ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"]
+LLAMA_ADAPTABLE = sorted([*LLAMA_LINEARS, "embed_tokens"])
 
 
 @pytest.fixture
@@ -100,9 +105,9 @@ def test_quantization_config_only_for_qlora():
 # apply_adapter
 
 
-def test_linear_names_of_llama_and_gpt2(base, tiny_model):
-    assert linear_names(base()) == LLAMA_LINEARS
-    assert {"c_attn", "c_fc", "c_proj"} <= set(linear_names(tiny_model("gpt2")))  # Conv1D counts as linear
+def test_adaptable_names_of_llama_and_gpt2(base, tiny_model):
+    assert adaptable_names(base()) == LLAMA_ADAPTABLE
+    assert {"c_attn", "c_fc", "c_proj", "wte"} <= set(adaptable_names(tiny_model("gpt2")))  # Conv1D counts as linear
 
 
 def test_full_fine_tune_trains_everything(base):
@@ -159,11 +164,11 @@ def test_targets_that_match_no_layer_list_the_real_ones(base, tiny_model):
     assert message.startswith(
         "adapter.target_modules ['qkv_proj', 'mlp'] match no layer of this LlamaForCausalLM"
     )
-    assert f"its linear layers are {', '.join(LLAMA_LINEARS)} (or use [all-linear])" in message
+    assert f"its linear and embedding layers are {', '.join(LLAMA_ADAPTABLE)} (or use [all-linear])" in message
 
     # the LLaMA defaults on a GPT-2: every name is wrong, and the message says what GPT-2 calls them
     with pytest.raises(
-        UserError, match=r"match no layer of this GPT2LMHeadModel; its linear layers are .*c_attn"
+        UserError, match=r"match no layer of this GPT2LMHeadModel; its linear and embedding layers are .*c_attn"
     ):
         apply_adapter(tiny_model("gpt2"), AdapterConfig())
 
@@ -212,6 +217,145 @@ def test_merge_and_load_with_adapter_round_trip(base, tmp_path, switch):
     assert set(merged.state_dict()) == set(base().state_dict())
     with torch.no_grad():
         torch.testing.assert_close(merged.eval()(input_ids=x).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+# Every adapter combination x merge (issue 44, class 6): each row of toolkit.models.adapter.MERGES walked on a base
+# with tied and with untied embeddings. What target_modules names, by what it adapts (MERGES["target_modules"]):
+ROLE = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "o_proj": "attention", "c_attn": "attention",
+        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "c_fc": "mlp", "embed_tokens": "embed_tokens",
+        "wte": "embed_tokens", "lm_head": "lm_head", "all-linear": "all-linear"}
+# (family, AdapterConfig switches, the MERGES entries the row walks)
+ATTENTION, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
+COMBINATIONS = {
+    "attention": ("llama", {"target_modules": ATTENTION}, {"attention"}),
+    "mlp": ("llama", {"target_modules": MLP}, {"mlp"}),
+    "embed_tokens": ("llama", {"target_modules": ["embed_tokens"]}, {"embed_tokens"}),
+    "lm_head": ("llama", {"target_modules": ["lm_head"]}, {"lm_head"}),
+    "all-linear": ("llama", {"target_modules": ["all-linear"]}, {"all-linear", "attention", "mlp"}),
+    "embed_tokens+lm_head": ("llama", {"target_modules": ["embed_tokens", "lm_head"]}, {"embed_tokens", "lm_head"}),
+    **{f"{t}+dora": ("llama", {"target_modules": [t], "dora": True}, {ROLE[t], "dora"})
+       for t in ("all-linear", "embed_tokens", "lm_head")},
+    "rslora": ("llama", {"rslora": True, "alpha": 3}, {"rslora", "alpha", "attention", "mlp"}),
+    "layers": ("llama", {"layers": [1]}, {"layers"}),
+    "dropout": ("llama", {"dropout": 0.1}, {"dropout"}),
+    "full rank": ("llama", {"r": 64, "target_modules": ["q_proj", "lm_head"]}, {"r"}),
+    "modules_to_save=embed_tokens": ("llama", {"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens"]},
+                                     {"modules_to_save"}),
+    "modules_to_save=lm_head": ("llama", {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+                                {"modules_to_save"}),
+    "modules_to_save=norm": ("llama", {"target_modules": ["q_proj"], "modules_to_save": ["norm"]}, {"modules_to_save"}),
+    "gpt2 (Conv1D)": ("gpt2", {"target_modules": ["c_attn", "c_fc"]}, {"attention", "mlp"}),
+    "gpt2 wte": ("gpt2", {"target_modules": ["wte"]}, {"embed_tokens"}),
+    "gemma2 embed_tokens (scaled)": ("gemma2", {"target_modules": ["embed_tokens"]}, {"embed_tokens"}),
+}
+
+
+def test_every_adapter_option_target_and_layer_kind_has_a_merge_row(bases):
+    """The table is complete: a field added to AdapterConfig, a method, a target of the LLaMA family or a kind of layer
+    a LoRA may adapt fails here until MERGES says what a merge makes of it and a row of COMBINATIONS walks it."""
+    from dataclasses import fields
+    from typing import get_args, get_type_hints
+
+    assert set(MERGES) == {f.name for f in fields(AdapterConfig)}
+    assert set(MERGES["method"]) == set(get_args(get_type_hints(AdapterConfig)["method"]))
+    walked = set().union(*(entries for _, _, entries in COMBINATIONS.values()))
+    assert walked | {"target_modules", "method", "merge"} | set(CUDA_ONLY) >= set(MERGES) | set(MERGES["target_modules"])
+    targets = {t for family, switches, _ in COMBINATIONS.values() if family == "llama" for t in switches.get("target_modules", [])}
+    assert set(adaptable_names(bases("llama", True)[0])) | {"all-linear"} == targets  # every target the config accepts
+    kinds = {family: {layer_kind(m) for m in bases(family, True)[0].modules()} - {None}
+             for family in ("llama", "gpt2", "gemma2")}
+    assert set(ADAPTABLE) - set(CUDA_ONLY) == set().union(*kinds.values())  # each kind on a family a row uses
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory, tiny_tokenizer):
+    """bases(family, tied): a fresh copy of that tiny base and a folder holding it (export --merge-lora --base reads
+    one); each built once (a copy costs a tenth of a build)."""
+    import copy
+
+    from conftest import build_tiny_model
+
+    made = {}
+
+    def fresh(family: str, tied: bool):
+        if (family, tied) not in made:
+            model = build_tiny_model(family, seed=0, tokenizer=tiny_tokenizer, attn="eager", tie_word_embeddings=tied)
+            out = tmp_path_factory.mktemp(f"{family}-{tied}")
+            model.save_pretrained(out)
+            tiny_tokenizer.save_pretrained(out)
+            made[family, tied] = model.eval(), out
+        model, out = made[family, tied]
+        return copy.deepcopy(model), out
+
+    return fresh
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("row", COMBINATIONS)
+def test_every_adapter_combination_merges_to_base_plus_adapter(row, tied, bases, tiny_tokenizer, tmp_path):
+    """The merged model of each row gives the logits of the base with the adapter on top (peft, unmerged) to 1e-5:
+    final/ as adapter.merge=true writes it and reloads, recipes/export.py --merge-lora of the adapter folder and of a
+    LoRA run's checkpoint. On a tied base an adapter on embed_tokens or lm_head unties them (it was merged into both:
+    issue 44's 9.45 against 7.88); the base's other weights stay the base's."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.export.consolidate import Source, _merge_lora_checkpoint, load_model, resolve_source
+    from toolkit.export.hf_folder import write_model_folder
+
+    family, switches, _ = COMBINATIONS[row]
+    cfg = AdapterConfig(**{"r": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj"], **switches})
+    peft_model, said = apply_adapter(bases(family, tied)[0], cfg)
+    touches = {*cfg.modules_to_save, *cfg.target_modules} & {"embed_tokens", "lm_head", "wte"}
+    unties = tied and bool(touches)
+    assert ("the merged model unties them" in said) == unties, said
+    with torch.no_grad():  # stand-in for training: B starts at zero, which would hide a broken merge
+        gen = torch.Generator().manual_seed(1)
+        for p in (p for p in peft_model.parameters() if p.requires_grad):
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    peft_model.eval()
+    x = ids()
+    with torch.no_grad():
+        expected = peft_model(input_ids=x).logits
+        base, base_dir = bases(family, tied)
+        assert (expected - base(input_ids=x).logits).abs().max() > 1e-2  # the adapter really changes the output
+    peft_model.save_pretrained(tmp_path / "adapter", save_embedding_layers=False)  # as save_adapter does
+
+    final = write_model_folder(merge(bases(family, tied)[0], tmp_path / "adapter"), tiny_tokenizer, tmp_path / "final", {}, {}, card="")
+    exports = {"final/": AutoModelForCausalLM.from_pretrained(final)}
+    exports["export of the adapter"], _, _ = load_model(resolve_source(tmp_path / "adapter"),
+                                                        base=str(base_dir))
+    checkpoint, files = tmp_path / "checkpoint", tmp_path / "adapter"  # a LoRA run's checkpoint: peft's whole state
+    checkpoint.mkdir()
+    save_file({k: v.clone().contiguous() for k, v in peft_model.state_dict().items()}, checkpoint / "model.safetensors")
+    base.config.save_pretrained(files)
+    exports["export of a checkpoint"], _ = _merge_lora_checkpoint(checkpoint, files, Source("ddp", checkpoint))
+    for what, model in exports.items():
+        assert not any("lora_" in n for n, _ in model.named_parameters()), what
+        assert model.config.tie_word_embeddings == (tied and not unties), what
+        with torch.no_grad():
+            torch.testing.assert_close(model.eval()(input_ids=x).logits, expected, rtol=1e-5, atol=1e-5, msg=what)
+            same_embedding = torch.equal(model.get_input_embeddings().weight, base.get_input_embeddings().weight)
+        assert same_embedding == (not touches & {"embed_tokens", "wte"}), what
+
+
+def test_a_rank_above_what_the_adapted_layers_can_use_is_refused_before_it_is_built(base):
+    """r=100000 on 128-wide layers made a 3.7 GB adapter for a 5 MB model without a word. A LoRA of rank r on an
+    in x out layer expresses at most rank min(in, out): the largest of those over the adapted layers is the most a
+    rank can use, and a larger r is one line naming it (the tiny LLaMA: 64 wide, k_proj and v_proj 64 -> 32)."""
+    with pytest.raises(UserError) as info:
+        apply_adapter(base(), AdapterConfig(r=100000))
+    assert str(info.value) == (
+        "adapter.r=100000 is more than the adapted layers can use: a LoRA of rank r on a layer of in x out has the "
+        "expressiveness of rank min(in, out), and the largest here is 64 (q_proj); set adapter.r to at most 64 (or use "
+        "adapter.method=full to train every weight)"
+    )
+    with pytest.raises(UserError, match=r"adapter.r=33 is more .* the largest here is 32 \(k_proj\)"):
+        apply_adapter(base(), AdapterConfig(r=33, target_modules=["k_proj", "v_proj"]))
+    for fits in (AdapterConfig(r=32, target_modules=["k_proj", "v_proj"]), AdapterConfig(r=64)):
+        apply_adapter(base(), fits)  # full rank is allowed (a LoRA as expressive as the layer)
+    with pytest.raises(UserError, match=r"the largest here is 64 \(embed_tokens\)"):  # vocab x 64: 64
+        apply_adapter(base(), AdapterConfig(r=65, target_modules=["embed_tokens"]))
 
 
 def test_lora_on_a_mixture_of_experts_takes_its_experts_and_refuses_dropout_in_one_line(tiny_model):
