@@ -140,8 +140,7 @@ class Trainer:
         if not strategy.is_main:
             datasets.disable_progress_bars()
 
-        self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
-                                  settings=trained_settings(cfg, strategy.ds_owned))
+        self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size)
         self.feed: Feed | None = None  # set by use_data, use_mixture or use_stream
         self.objective: PreferenceLoss | None = None  # set by use_data: the loss of preference pairs
         self.eval_step = self.checkpoint_step = -1
@@ -176,8 +175,6 @@ class Trainer:
         self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, train, target_counts, schedule)
         if t.epochs is not None:  # the steps follow from the packed blocks; a resume derives the same number
             t.max_steps = schedule.steps_for(t.epochs)
-            if "train.max_steps" in self.state.settings:  # what a checkpoint records is the number trained to
-                self.state.settings["train.max_steps"] = t.max_steps
             self.print(f"train.epochs={t.epochs:g}: {t.max_steps} steps, {schedule.steps_per_epoch} an epoch")
         return schedule
 
@@ -263,6 +260,7 @@ class Trainer:
         )
         self.skip_on_device = skips_on_device(cfg.train.step_sync, self.accelerator, self.optimizer,
                                               self.strategy.pipeline)
+        self.state.settings = trained_settings(cfg, self.strategy.ds_owned)  # train.epochs has set max_steps
         self.weight_cast = weight_cast(cfg.model.cast_weights, self.accelerator.unwrap_model(self.model),
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
                                        self.strategy.pipeline is not None, cfg.model.compile)

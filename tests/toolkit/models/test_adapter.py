@@ -268,18 +268,16 @@ def test_every_adapter_option_target_and_layer_kind_has_a_merge_row(bases):
 
 
 @pytest.fixture(scope="module")
-def bases(tmp_path_factory, tiny_tokenizer):
+def bases(tmp_path_factory, tiny_tokenizer, tiny_model):
     """bases(family, tied): a fresh copy of that tiny base and a folder holding it (export --merge-lora --base reads
     one); each built once (a copy costs a tenth of a build)."""
     import copy
-
-    from conftest import build_tiny_model
 
     made = {}
 
     def fresh(family: str, tied: bool):
         if (family, tied) not in made:
-            model = build_tiny_model(family, seed=0, tokenizer=tiny_tokenizer, attn="eager", tie_word_embeddings=tied)
+            model = tiny_model(family, seed=0, tokenizer=tiny_tokenizer, attn="eager", tie_word_embeddings=tied)
             out = tmp_path_factory.mktemp(f"{family}-{tied}")
             model.save_pretrained(out)
             tiny_tokenizer.save_pretrained(out)
