@@ -101,6 +101,15 @@ class TrainerState:
         tmp.rename(folder / STATE_FILE)
 
     @classmethod
+    def passed(cls, folder: Path) -> bool:
+        """Whether a complete checkpoint passed its checks: not suspect, and its state readable (a damaged one is
+        not, and rotation may delete it)."""
+        try:
+            return not cls.read(folder).suspect
+        except DamagedState:
+            return False
+
+    @classmethod
     def read(cls, folder: Path) -> TrainerState:
         """The state saved in `folder`; DamagedState (a ValueError) when its file is not what write() wrote: not
         UTF-8, not JSON, not an object, a key twice, a field of another type (each checked against the field's own

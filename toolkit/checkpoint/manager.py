@@ -136,7 +136,7 @@ def save_checkpoint(
         done = run.complete_checkpoints()
         # never the newest one that passed its checks: after a skipped non-finite step or with
         # non-finite weights, the last keep_last saves may all hold a model that diverged
-        passed = [c for c in done if not TrainerState.read(c).suspect][-1:]
+        passed = [c for c in done if TrainerState.passed(c)][-1:]
         # a link in checkpoints/ is not a folder this run wrote: rotation never deletes through one
         for old in [c for c in done[:-keep_last] if c not in passed and not c.is_symlink()]:
             # Out of rotation in one rename, then deleted: a crash mid-delete leaves a folder

@@ -470,7 +470,7 @@ class Trainer:
         why = "train.on_nonfinite=abort" if t.on_nonfinite == "abort" else (
             f"{k} steps in a row, train.max_nonfinite_skips={t.max_nonfinite_skips}"
         )
-        passed = [c for c in self.run.complete_checkpoints() if not TrainerState.read(c).suspect]
+        passed = [c for c in self.run.complete_checkpoints() if TrainerState.passed(c)]
         then = f"resume from the last good checkpoint with resume={passed[-1]}" if passed else "start over"
         raise Diverged(
             f"non-finite {what} (NaN or inf) at step {step} ({why}); the run diverged and that step was not "

@@ -151,6 +151,18 @@ def test_rotation_never_prunes_the_newest_checkpoint_that_passed(tmp_path, strat
     assert kept == [["step-1"], ["step-1", "step-2"], ["step-1", "step-3"], ["step-4"]]
 
 
+def test_rotation_takes_a_checkpoint_whose_state_is_damaged_for_one_that_did_not_pass(tmp_path, strategy):
+    """Its trainer_state.json garbled after it was written: rotation deletes it as it would a suspect one (it was a
+    DamagedState traceback mid-save), and keeps the last that passed."""
+    strategy.prepare(torch.nn.Linear(2, 2))
+    run = RunDir(tmp_path / "run")
+    for step in (1, 2):
+        save_checkpoint(strategy, run, TrainerState(step=step), keep_last=1)
+    (run.checkpoint(2) / STATE_FILE).write_text('{"step": "two"}')
+    save_checkpoint(strategy, run, TrainerState(step=3), keep_last=1)
+    assert [p.name for p in run.complete_checkpoints()] == ["step-3"]
+
+
 def test_rotation_deletes_only_the_checkpoints_it_wrote(tmp_path, strategy):
     """What else sits in checkpoints/ stays: a user's file and folder (even one named like a leftover of
     an interrupted prune), and a step-N that is a link to the user's folder (neither the link nor its files)."""
