@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from toolkit.config import field
+from toolkit.data.packing import MASKED_ATTENTION, POSITION_ATTENTION, VARLEN_ATTENTION
 
 
 @dataclass
@@ -44,6 +45,10 @@ class ComputeConfig:
 
     def validate(self) -> list[str]:
         problems = []
+        known = sorted(MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION)
+        if self.attn_implementation not in known:  # caught here, not when the trainer starts or the model is built
+            problems.append(f"attn_implementation={self.attn_implementation[:60]!r} cannot keep packed documents "
+                            f"apart; use one of {', '.join(known)}")
         if self.gradient_checkpointing_k < 1:
             problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
         if self.loss_chunk_tokens < 1:
