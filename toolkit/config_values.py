@@ -7,6 +7,7 @@ opens it, with the file system's own words. Each is refused at load, in one line
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 # a path's part (a folder or file name) longer than this is refused by the file system (Linux, macOS: NAME_MAX)
@@ -18,12 +19,15 @@ def path_problems(cfg: Any, names: tuple[str, ...]) -> list[str]:
     opened (after data work, or after training): blank (output_dir="" is the folder the run was launched from), a
     line break, or a part longer than the file system takes. None (`key=`, the default) is not checked."""
     problems = []
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, str):
             continue
         if not value.strip():
-            problems.append(f"{name}={value!r} is blank; give a path, or leave it out ({name}=) for the default")
+            default = defaults.get(name)
+            fix = "leave the key empty for the default" if default is None else f"drop it for the default, {default}"
+            problems.append(f"{name}={value!r} is blank; give a path, or {fix}")
         elif any(c in value for c in "\n\r"):
             problems.append(f"{name}={value[:60]!r} holds a line break; give the path on one line")
         elif long := [part for part in value.split("/") if len(part.encode()) > NAME_MAX]:
