@@ -61,8 +61,8 @@ ACCEPTS: dict[str, dict[str, str]] = {
     "overwrite": {},
     "train.max_steps": {"2**31": "a long run: stopped any time by Ctrl-C or SIGTERM, it checkpoints and resumes"},
     "train.epochs": {"unset": "train.max_steps counts the run: the default"},
-    "train.global_batch_size": {"2**31": "the layout refuses what the corpus cannot fill at launch, in one line "
-                                "(toolkit.parallel_layout)"},
+    "train.global_batch_size": {"2**31": "refused once the data is packed, before training: fewer blocks than one "
+                                "step (toolkit.data.batching)"},
     "train.micro_batch_size": {"2**31": "refused at launch by the layout: it does not divide global_batch_size"},
     "train.mixed_precision": {},
     "train.collective_timeout_s": {},
@@ -121,8 +121,8 @@ ACCEPTS: dict[str, dict[str, str]] = {
                                 "size the run says"},
     "tokenizer.train_documents": {"0": "all of them, as documented", "2**31": "all of them"},
     "adapter.method": {},
-    "adapter.r": {"2**31": "checked against the base model's layer widths once it is loaded "
-                  "(toolkit.models.adapter)"},
+    "adapter.r": {"2**31": "the layers' widths are known once the base is loaded: a rank past them is issue 44's "
+                  "adapter.r item, for toolkit.models.adapter"},
     "adapter.alpha": {},
     "adapter.dropout": {"0": "no dropout: peft's default"},
     "adapter.target_modules": {},
@@ -143,8 +143,8 @@ ACCEPTS: dict[str, dict[str, str]] = {
     "data.num_proc": {"2**31": "datasets forks only where the corpus has 2 x num_proc documents: here, none"},
     "data.cache_dir": {"unset": "~/.cache/llm-toolkit"},
     "data.streaming": {},
-    "data.stream_val_documents": {"2**31": "pretrain: every document of a shorter stream is held out, and the "
-                                  "run says it has no training data"},
+    "data.stream_val_documents": {"2**31": "pretrain: a stream of fewer documents is refused once read, before "
+                                  "training (recipes/pretrain.py: it leaves none to train on)"},
     "data.sources": {"[]": "one corpus, data.path: the default"},
     "data.stages": {"[]": "the sources' weights all along: the default"},
     "data.format": {},
