@@ -109,6 +109,9 @@ class FinetuneRecipe:
             raise UserError(
                 f"data.seq_len={cfg.data.seq_len} is larger than the base model's max positions ({limit}); lower data.seq_len"
             )
+        if limit is not None and cfg.samples.max_new_tokens > limit:  # before and after training: hours, or a failure
+            raise UserError(f"samples.max_new_tokens={cfg.samples.max_new_tokens} is more than the base model's {limit} "
+                            f"positions; use at most {limit}, or 0 for no samples")
         check_window(model.config, cfg.data.seq_len, cfg.model.attn_implementation, "the base model's sliding_window")
 
         # Data: packed raw text (continued pretraining) or packed chat turns (SFT), of one corpus or of

@@ -451,6 +451,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
         return None
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the largest value a setting keeps on the device
 # torch and numpy hold integers in 64 bits; a larger one fails deep inside them ("Overflow when unpacking long")
 INT_MAX = 2**63 - 1
 
@@ -551,13 +552,18 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
                 number = float(value)
             except ValueError:
                 pass
-        if number is not None and math.isfinite(number):
+        if number is not None and abs(number) <= FLOAT32_MAX:
             return number
-        # nan and inf are numbers to float() but no setting means them: lr=inf trained NaN weights
-        what = "a finite number" if number is not None else "a number"
+        # nan and inf are numbers to float() but no setting means them: lr=inf trained NaN weights; past float32's
+        # range (lr=1e308) a setting is inf on the device, where the weights and their arithmetic are float32 or less
+        what = "a finite number" if number is None or not math.isfinite(number) else f"at most {FLOAT32_MAX:.3g}"
+        what = "a number" if number is None else what
         problems.append(f"{key} must be {what}, found {_shown(value)}")
         return value
     if hint is str:
+        if isinstance(value, str) and "\0" in value:  # no path, name or text a setting takes holds one (the OS refuses)
+            problems.append(f"{key} holds a NUL byte (\\0), which no path, name or text can hold; remove it")
+            return value
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -565,3 +571,4 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
         problems.append(f"{key} must be a string, found {value!r}")
         return value
     return value
+

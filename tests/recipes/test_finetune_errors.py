@@ -216,3 +216,9 @@ def test_preference_records_that_cannot_train(finetune, capsys, tmp_path, record
     path = write_jsonl(tmp_path / "pairs.jsonl", records)
     err = one_error(finetune, capsys, tmp_path, "train.objective=dpo", "data.format=preference", f"data.path={path}")
     assert said in err
+
+
+def test_samples_past_the_base_models_positions_are_refused_before_any_sample(finetune, capsys, tmp_path, tiny_base):
+    """Generated before and after training: past the positions a model has, hours of generation or a failure."""
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "samples.max_new_tokens=1000000")
+    assert "samples.max_new_tokens=1000000 is more than the base model's" in err and "or 0 for no samples" in err

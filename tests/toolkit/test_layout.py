@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"config", "run_dir", "run_paths", "parallel_layout", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
+LAYERS = [{"config", "config_values", "run_dir", "run_paths", "parallel_layout", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
           {"planner"}, {"checkpoint"}, {"export"}, {"training"}]
 # the packages that may read the launcher's variables and import deepspeed (the planner reads an accelerate config)
 KNOW_THE_LAUNCH = ("launch", "strategy", "planner", "checkpoint")

@@ -70,8 +70,12 @@ class ChatDataConfig:
             problems.append(f"seq_len={self.seq_len} is too short; use at least 16 tokens")
         if not 0 <= self.val_fraction < 1:
             problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
-        if self.chat_template and _looks_like_file(self.chat_template) and not Path(self.chat_template).is_file():
-            problems.append(f"chat_template={self.chat_template} does not exist; give a .jinja file or the template text")
+        if self.chat_template and _looks_like_file(self.chat_template) and not _is_file(self.chat_template):
+            shown = self.chat_template if len(self.chat_template) <= 80 else f"{self.chat_template[:60]}..."
+            problems.append(f"chat_template={shown} does not exist; give a .jinja file or the template text")
+        elif self.chat_template and not _looks_like_file(self.chat_template) and not _is_jinja(self.chat_template):
+            problems.append(f"chat_template={self.chat_template[:40]!r} is neither a file nor a template (it has no "
+                            "{{ }} or {% %}): every conversation would render as this text; give a Jinja template")
         return problems
 
 
@@ -350,8 +354,19 @@ def _flatten(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids, labels, offsets
 
 
+def _is_file(value: str) -> bool:
+    try:
+        return Path(value).is_file()
+    except OSError:  # a name longer than the file system takes: no such file
+        return False
+
+
+def _is_jinja(value: str) -> bool:
+    return "{%" in value or "{{" in value
+
+
 def _looks_like_file(value: str) -> bool:
-    return "\n" not in value and "{%" not in value and "{{" not in value
+    return "\n" not in value and not _is_jinja(value)
 
 
 def chat_blocks(

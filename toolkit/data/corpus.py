@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from toolkit.config import UserError, cache_dir, field
+from toolkit.config_values import name_problems, path_problems
 from toolkit.data.mixture import SourceConfig, StageConfig, mixture_problems
 from toolkit.data.packing import column_windows
 from toolkit.data.text_files import (
@@ -72,7 +73,7 @@ class DataConfig:
     )
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = path_problems(self, ("path", "cache_dir")) + name_problems(self, ("text_column", "name", "split"))
         if not 0 <= self.val_fraction < 1:
             problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
         if self.seq_len < 8:

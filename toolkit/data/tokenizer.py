@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from toolkit.config import ConfigError, UserError, field, first_line, read_json
+from toolkit.config_values import path_problems
 from toolkit.data.packing import document_pieces
 
 EOS = "<|endoftext|>"
@@ -34,9 +35,11 @@ class TokenizerConfig:
     )
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = path_problems(self, ("path",))
         if self.path is None and not 256 + 2 <= self.vocab_size <= 1_000_000:
             problems.append(f"vocab_size={self.vocab_size} must be between 258 (bytes + special tokens) and 1000000")
+        if self.min_frequency < 0:  # the BPE trainer takes an unsigned count: a traceback once the corpus is read
+            problems.append(f"min_frequency={self.min_frequency} must be 0 or more")
         if self.train_documents < 0:
             problems.append(f"train_documents={self.train_documents} must be 0 (all) or more")
         return problems

@@ -64,6 +64,8 @@ class AdapterConfig:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if not self.target_modules:
             problems.append("target_modules is empty; name the projections to adapt, or use [all-linear]")
+        problems += [f"{name} has a blank entry; name a module, or drop it" for name in ("target_modules", "modules_to_save")
+                     if any(not str(m).strip() for m in getattr(self, name))]  # peft would match it to nothing, or fail
         if any(i < 0 for i in self.layers):
             problems.append(f"layers={self.layers}: layer indices start at 0")
         return problems

@@ -15,6 +15,7 @@ import transformers
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config import UserError, cache_dir, field, first_line
+from toolkit.config_values import path_problems
 from toolkit.data.tokenizer import local_files_only, offline_hint
 from toolkit.models.compute import ComputeConfig
 from toolkit.models.gguf_base import HUB_ID, cache_folder, dequantise, gguf_config, resolve_gguf
@@ -46,9 +47,11 @@ class BaseModelConfig(ComputeConfig):
     )
 
     def validate(self) -> list[str]:
-        problems = super().validate()
+        problems = super().validate() + path_problems(self, ("path", "cache_dir"))
         if self.gguf_file is not None and not self.gguf_file.strip():
             problems.append("gguf_file is empty; leave it out to load path as a Hugging Face folder")
+        else:
+            problems += path_problems(self, ("gguf_file",))
         return problems
 
     def resolved_cache_dir(self) -> Path:

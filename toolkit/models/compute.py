@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from toolkit.config import field
+from toolkit.config_values import name_problems
+from toolkit.data.packing import MASKED_ATTENTION, POSITION_ATTENTION, VARLEN_ATTENTION
 
 
 @dataclass
@@ -43,7 +45,12 @@ class ComputeConfig:
         return self.loss_chunk_tokens if self.loss == "chunked" else 0
 
     def validate(self) -> list[str]:
-        problems = []
+        fix = "use sdpa, eager, flex_attention, or flash_attention_2 on GPU"
+        problems = name_problems(self, ("attn_implementation",), fix)
+        # caught here, not when the trainer starts or the model is built
+        if not problems and self.attn_implementation not in MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION:
+            problems.append(f"attn_implementation={self.attn_implementation[:60]} cannot keep packed documents apart; "
+                            f"{fix}")
         if self.gradient_checkpointing_k < 1:
             problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
         if self.loss_chunk_tokens < 1:

@@ -15,6 +15,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from toolkit.config import UserError, field
+from toolkit.config_values import name_problems
 from toolkit.data.packing import MASKED_ATTENTION
 from toolkit.models.compute import ComputeConfig
 
@@ -31,10 +32,12 @@ class ModelConfig(ComputeConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate()
-        if self.model_type not in CONFIG_MAPPING:
+        if named := name_problems(self, ("model_type",), "give a transformers model type, e.g. llama"):
+            problems += named
+        elif self.model_type not in CONFIG_MAPPING:
             close = difflib.get_close_matches(self.model_type, list(CONFIG_MAPPING), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
-            problems.append(f"model_type={self.model_type} is not a transformers model type{hint}")
+            problems.append(f"model_type={self.model_type[:60]} is not a transformers model type{hint}")
         elif self.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             # caught here, before any data work: transformers' own error lists ~190 classes
             problems.append(
@@ -44,8 +47,15 @@ class ModelConfig(ComputeConfig):
         else:
             unknown = _unknown_config_keys(self.model_type, self.config)
             problems += ([f"config.{p}" for p in unknown] or _sizes_below_one(self.model_type, self.config)
-                         or _wrong_types(self.model_type, self.config) or _sizes_that_do_not_divide(self.model_type, self.config))
+                         or _sizes_that_do_not_divide(self.model_type, self.config) or _wrong_types(self.model_type, self.config))
         return problems
+
+    def positions(self) -> int | None:
+        """The most positions the model takes (None where it has no limit, or model.config is refused already)."""
+        try:
+            return max_positions(AutoConfig.for_model(self.model_type, **self.config))
+        except Exception:  # a wrong model_type or size: validate() names it
+            return None
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int | None) -> PretrainedConfig:
@@ -202,18 +212,30 @@ def _sizes_below_one(model_type: str, values: dict[str, Any]) -> list[str]:
 def _sizes_that_do_not_divide(model_type: str, values: dict[str, Any]) -> list[str]:
     """The hidden size not divisible by the heads, or the heads by the KV heads (the model cannot be built),
     named as the YAML wrote them, or as the default where it did not."""
-    config = AutoConfig.for_model(model_type, **values)
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        config, built = AutoConfig.for_model(model_type, **values), True
+    except (StrictDataclassError, TypeError, ValueError):  # a class that checks the division itself, naming no key
+        config, built = CONFIG_MAPPING[model_type](), False
     aliases = getattr(config, "attribute_map", {}) or {}
+
+    def size(std: str) -> Any:
+        """The size as built; where the build failed, as written, or the class's default (None for the KV heads,
+        whose default follows the heads)."""
+        for key in (std, aliases.get(std)):
+            if key in values:
+                return values[key]
+        return getattr(config, std, None) if built or std != "num_key_value_heads" else None
 
     def named(std: str) -> str:
         for key in (std, aliases.get(std)):
             if key in values:
                 return f"config.{key}={values[key]}"
-        return f"{std}={getattr(config, std)} ({model_type}'s default)"
+        return f"config.{std}={getattr(config, std)} ({model_type}'s default)"  # a key of model.config, as written
 
     problems = []
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None)
+    hidden, heads, kv = size("hidden_size"), size("num_attention_heads"), size("num_key_value_heads")
     if isinstance(hidden, int) and isinstance(heads, int) and "head_dim" not in values and hidden % heads:
         own_head_dim = "head_dim" in config.to_dict()  # llama-style: heads x head_dim need not be the hidden size
         problems.append(f"{named('hidden_size')} is not divisible by {named('num_attention_heads')}; each head "

@@ -38,6 +38,10 @@ class OptimConfig:
             problems.append(f"lr={self.lr} must be positive")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.weight_decay < 0:  # torch's AdamW refuses it with a traceback when the optimizer is built
+            problems.append(f"weight_decay={self.weight_decay} must be >= 0 (0 = no decay)")
+        if self.eps <= 0:  # AdamW divides by sqrt(v) + eps: a weight with no gradient yet would turn NaN
+            problems.append(f"eps={self.eps} must be > 0 (AdamW divides by it where a weight has had no gradient)")
         if self.warmup_steps < 0:
             problems.append(f"warmup_steps={self.warmup_steps} must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

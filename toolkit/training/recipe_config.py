@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 
 from toolkit.checkpoint.manager import CheckpointConfig
 from toolkit.config import field
+from toolkit.config_values import name_problems, path_problems
 from toolkit.data.chat import ChatDataConfig
 from toolkit.data.corpus import DataConfig
 from toolkit.data.records import ColumnsConfig
@@ -96,7 +97,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig, help="held-out evaluation cadence and size")
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = path_problems(self, ("output_dir", "resume"))
         if self.resume and self.overwrite:
             problems.append("resume and overwrite=true contradict each other; choose one")
         if not 0 <= self.seed <= SEED_MAX:  # numpy takes no negative seed; the batch order multiplies it
@@ -130,6 +131,19 @@ class PretrainConfig(RunConfig):
         **EVAL_RENAMED,
     }
 
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        # generated from final/ after training: past the model's positions it fails (learned positions) or runs on
+        # for hours, with training done and nothing of the samples saved
+        limit = self.model.positions()
+        if limit is not None and self.data.seq_len > limit:  # as recipes/pretrain.py's check_seq_len, at load
+            problems.append(f"data.seq_len={self.data.seq_len} is larger than the model's max positions ({limit}); "
+                            "lower data.seq_len or raise model.config.max_position_embeddings")
+        if limit is not None and self.samples.max_new_tokens > limit:
+            problems.append(f"samples.max_new_tokens={self.samples.max_new_tokens} is more than the model's "
+                            f"{limit} positions; use at most {limit}, or 0 for no samples")
+        return problems
+
 
 @dataclass
 class FinetuneDataConfig(DataConfig):
@@ -159,7 +173,12 @@ class FinetuneDataConfig(DataConfig):
     )
 
     def validate(self) -> list[str]:
-        problems = super().validate()
+        problems = super().validate() + path_problems(self, ("val_path",))
+        problems += [f"columns.{p}" for p in name_problems(self.columns, (
+            "conversation", "role", "content", "user", "assistant", "system"))]
+        if self.chat_template is not None and not self.chat_template.strip():
+            problems.append("chat_template is blank; give the template's text or a .jinja file, or leave it out "
+                            "(data.chat_template=) for the tokenizer's own")
         if self.streaming:
             problems.append("streaming=true is for pretraining (recipes/pretrain.py); fine-tuning prepares its "
                             "corpus ahead: drop data.streaming")

@@ -245,7 +245,7 @@ def test_degenerate_sizes_are_refused_in_one_line(model_type, sizes, message):
 
 def test_a_default_size_is_named_as_the_default():
     problems = ModelConfig(model_type="llama", config={"num_key_value_heads": 5}).validate()
-    assert problems == ["num_attention_heads=32 (llama's default) is not divisible by config.num_key_value_heads=5; "
+    assert problems == ["config.num_attention_heads=32 (llama's default) is not divisible by config.num_key_value_heads=5; "
                         "each key/value head serves a whole group of query heads"]
 
 
