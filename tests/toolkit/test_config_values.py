@@ -86,7 +86,8 @@ ACCEPTS: dict[str, dict[str, str]] = {
     "optim.max_grad_norm": {"0": "no clipping, as documented"},
     "optim.fused": {},
     "optim.lr_scaling": {},
-    "optim.lr_reference_batch": {"0": "the default; lr_scaling=none does not read it"},
+    "optim.lr_reference_batch": {"0": "the default; lr_scaling=none does not read it",
+                                 "2**31": "the batch lr was tuned at: the scaled rate is what the run logs"},
     "checkpoint.every": {"0": "only at the end", "2**31": "only at the end"},
     "checkpoint.final_dtype": {},
     "checkpoint.keep_last": {"2**31": "keep every checkpoint"},
@@ -143,8 +144,11 @@ ACCEPTS: dict[str, dict[str, str]] = {
     "data.num_proc": {"2**31": "datasets forks only where the corpus has 2 x num_proc documents: here, none"},
     "data.cache_dir": {"unset": "~/.cache/llm-toolkit"},
     "data.streaming": {},
-    "data.stream_val_documents": {"2**31": "pretrain: a stream of fewer documents is refused once read, before "
-                                  "training (recipes/pretrain.py: it leaves none to train on)"},
+    "data.stream_val_documents": {"2**31": "a stream of fewer documents is refused once read, before training "
+                                  "(recipes/pretrain.py: it leaves none to train on); fine-tuning does not stream, and "
+                                  "the note says the key is ignored",
+                                  "0": "finetune: it does not stream, and the note says the key is ignored",
+                                  "-1": "finetune: it does not stream, and the note says the key is ignored"},
     "data.sources": {"[]": "one corpus, data.path: the default"},
     "data.stages": {"[]": "the sources' weights all along: the default"},
     "data.format": {},

@@ -128,4 +128,7 @@ def repeated_entries(cfg) -> list[str]:
 
 
 def _said(value: Any) -> str:
-    return "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    if value is None:
+        return ""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return repr(text) if not text.isprintable() else text  # a line break would split the one line
