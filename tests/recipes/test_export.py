@@ -193,7 +193,7 @@ FLAGS = {
     "dtype without hf": (["--format", "gguf", "--dtype", "bf16", "--output", "{out}.gguf"],
                          "--dtype applies to --format hf only; for gguf leave it out"),
     "shard size that is not a size": (["--max-shard-size", "lots", "--output", "{out}"],
-                                      "--max-shard-size lots is not a size; write it like 500MB or 2GB"),
+                                      "--max-shard-size 'lots' is not a size; write it like 500MB or 2GB"),
     "base that does not exist": (["--merge-lora", "--base", "/nowhere", "--output", "{out}"],
                                  "--base /nowhere is not a folder; give the base model folder of the LoRA adapter"),
     "base of a model that is not an adapter": (["--base", "{model}", "--output", "{out}"],
