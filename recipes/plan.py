@@ -82,11 +82,10 @@ def parse_size(text: str) -> int:
 
 def load_recipe_config(path: str, overrides: list[str]):
     """(recipe name, its validated config): a YAML with an adapter section is a fine-tune."""
-    file = Path(path)
-    raw = read_config_file(file)
+    raw = read_config_file(path)  # as the user wrote it: Path("") would be the folder it runs in
     finetune = "adapter" in raw or any(o.startswith("adapter.") for o in overrides)
     cls = FinetuneConfig if finetune else PretrainConfig
-    return ("finetune" if finetune else "pretrain"), load_config(cls, file, overrides)
+    return ("finetune" if finetune else "pretrain"), load_config(cls, path, overrides)
 
 
 BUILT: dict[str, tuple] = {}  # a config's meta model, built once a process: plan() runs it for one GPU count at a time
