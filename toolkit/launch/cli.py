@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not argv or argv[0] not in RECIPES:
         said = f"{argv[0]!r} is not a recipe" if argv else "no recipe named"
-        print(f"{USAGE}\nerror: {said}: use one of {', '.join(RECIPES)}", file=sys.stderr)
+        print(f"error: {said}: use one of {', '.join(RECIPES)} (llm-toolkit --help: how)", file=sys.stderr)
         return 2
     cmd = command(argv)
     os.environ[CALLED_AS] = f"llm-toolkit {argv[0]}"
