@@ -31,8 +31,9 @@ s. A stage holds its layers' weights, gradients and AdamW state whole, its layer
 each micro-batch in flight, the logits on the last stage alone, and a receive buffer per micro-batch;
 under the launch's autocast, as DDP (fp16 is refused: the schedule's backward has no loss scaling).
 
-Errors (one line, exit code 2): an unreadable config or override, a --gpu-memory that is not a
-size, a model the planner does not model.
+Errors (one line, exit code 2): an unreadable config or override, any option's value outside what it takes
+(--gpus below 1, --headroom outside [0, 0.9), a --gpu-memory that is not a size or is none, a --micro-batch
+that is not sizes of 1 or more), argparse's own refusals, a model the planner does not model.
 """
 
 from __future__ import annotations

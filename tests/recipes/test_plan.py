@@ -321,11 +321,13 @@ def test_every_wrong_value_of_every_option_is_one_line(option, case, tmp_path, m
 def test_the_options_are_checked_apart_and_say_what_they_take():
     """Each option's line says what it takes; --micro-batch lists each size once, in order."""
     said = {args: plan("--config", "recipes/configs/pretrain_tiny.yaml", *args).stderr.strip() for args in
-            (("--gpus", "0"), ("--headroom", "1.5"), ("--gpu-memory", "0GB"), ("--micro-batch", "0,a"))}
+            (("--gpus", "0"), ("--headroom", "1.5"), ("--gpu-memory", "0GB"), ("--gpu-memory", "-5GB"), ("--micro-batch", "0,a"))}
     assert said[("--gpus", "0")] == "error: --gpus 0 must be at least 1: the GPUs the run will use"
     assert said[("--headroom", "1.5")].startswith("error: --headroom 1.5 must be at least 0 and below 0.9")
     assert "--gpus" not in said[("--headroom", "1.5")] and "--headroom" not in said[("--gpus", "0")]
     assert said[("--gpu-memory", "0GB")].startswith("error: --gpu-memory 0GB is too little to plan in")
+    assert said[("--gpu-memory", "-5GB")] == ("error: --gpu-memory '-5GB' is not a size; write one GPU's memory, e.g. 80GB, "
+                                              "24GiB or 40960MiB")  # -5GB was taken for an option: argparse's usage block
     assert said[("--micro-batch", "0,a")].startswith("error: --micro-batch 0,a: 0 is not a size; give sizes of 1 or more")
     assert PLAN.parse_micro_batches("8,2,8") == (2, 8) and PLAN.parse_micro_batches(None) == PLAN.MICRO_BATCHES
 
