@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from toolkit import quiet_weight_bars
-from toolkit.config import UserError, expand_path
+from toolkit.config import UserError
 from toolkit.data.corpus import read_utf8
 from toolkit.export import destination
 from toolkit.export.consolidate import adapter_base, load_model, resolve_source
@@ -47,6 +47,7 @@ from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
+from toolkit.user_paths import UnusablePath, expand_path
 
 FORMATS = ("hf", "gguf", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,7 +100,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if action.option_strings and action.option_strings[0] in PATH_OPTIONS and value is not None:
             if not value.strip():  # Path("") is the folder the command runs in
                 raise UserError(f"{action.option_strings[0]} {value!r} names no path; give one")
-            setattr(args, action.dest, expand_path(value, action.option_strings[0]))
+            try:
+                setattr(args, action.dest, expand_path(value, action.option_strings[0]))
+            except UnusablePath as exc:
+                raise UserError(str(exc)) from None
     return args
 
 

@@ -17,13 +17,14 @@ import difflib
 import json
 import math
 import os
-import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from toolkit.user_paths import UnusablePath, expand_path, expand_paths, from_here, only_beside_the_config
 
 T = TypeVar("T")
 
@@ -53,59 +54,6 @@ def cache_dir(override: str | None = None) -> Path:
     if override:
         return Path(override)
     return Path(os.environ.get("LLM_TOOLKIT_CACHE", Path.home() / ".cache" / "llm-toolkit"))
-
-
-_VARIABLE = re.compile(r"\$(\w+|\{([^}]*)\})")
-
-
-def expand_path(text: str, name: str) -> str:
-    """A path as users write it, in a config key or a command-line option (`name`, for the error): `~` and `~user`
-    for a home folder, `$VAR` and `${VAR}` for an environment variable, as a shell would; relative paths stay
-    relative to where the command runs. A variable that is not set, or a user that does not exist, is refused in one
-    line (the shell would give an empty string, and a path that silently means something else). A Jinja template's
-    text (a newline, `{{` or `{%`: data.chat_template takes either) is not a path, and is left as it is."""
-    if "\n" in text or "{{" in text or "{%" in text:
-        return text
-    said = f"{name} {text}" if name.startswith("-") else f"{name}={text}"  # an option, or a config key
-    for match in _VARIABLE.finditer(text):
-        variable = match.group(2) if match.group(2) is not None else match.group(1)
-        if variable not in os.environ:
-            raise UserError(f"{said} names the environment variable {variable}, which is not set; set it "
-                            f"(export {variable}=...) or write the path out")
-    expanded = os.path.expanduser(os.path.expandvars(text))
-    if expanded.startswith("~"):
-        user = expanded[1:].split("/")[0]
-        raise UserError(f"{said}: there is no user {user!r} whose home ~{user} could be; write ~/ for yours, "
-                        "or the path in full")
-    return expanded
-
-
-def expand_paths(cfg: Any, keys: dict[str, str], problems: list[str]) -> None:
-    """expand_path on each of `keys` (dotted, `[]` for every item of a list of sections) that `cfg` holds, in place;
-    each that cannot be expanded is one of `problems`."""
-    for key in keys:
-        for owner, leaf, shown in _holders(cfg, key.split("."), ""):
-            value = getattr(owner, leaf, None)
-            if isinstance(value, str):
-                try:
-                    setattr(owner, leaf, expand_path(value, shown))
-                except UserError as exc:
-                    problems.append(str(exc))
-
-
-def _holders(node: Any, parts: list[str], prefix: str):
-    """(the section, its field's name, the key as errors name it) for each place a dotted key names."""
-    head, rest = parts[0], parts[1:]
-    name = head.removesuffix("[]")
-    if not rest:
-        yield node, name, prefix + name
-        return
-    child = getattr(node, name, None)
-    if head.endswith("[]"):
-        for i, item in enumerate(child or []):
-            yield from _holders(item, rest, f"{prefix}{name}[{i}].")
-    elif child is not None:
-        yield from _holders(child, rest, f"{prefix}{name}.")
 
 
 def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
@@ -166,10 +114,14 @@ def load_config(
     lines = apply_renames(raw, renamed, problems) + apply_renames(over, renamed, problems)
     if notes is not None:
         notes.extend(dict.fromkeys(lines))
+    from_file = raw
     raw = merge(raw, over)
     cfg = _build(cls, raw, "", problems)
     if cfg is not None:  # before the range checks: they look for the files paths name
-        expand_paths(cfg, getattr(cls, "PATHS", {}), problems)
+        problems += expand_paths(cfg, getattr(cls, "PATHS", {}))
+        if path is not None:
+            problems += only_beside_the_config(cfg, getattr(cls, "PATHS", {}), from_file, over,
+                                               Path(expand_path(str(path), "--config")))
     if cfg is not None:  # range checks too, so that one run reports every problem
         reported = {_problem_key(p) for p in problems}  # a value of the wrong type is not range-checked again
         problems.extend(p for p in validate_tree(cfg) if p not in problems and _problem_key(p) not in reported)
@@ -182,20 +134,16 @@ def load_config(
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 
 
-def from_here(path: Path) -> str:
-    """`path` as it works from where the command runs: relative when it is below this folder, else absolute (a hint
-    of recipes/configs/X.yaml, given in another folder, named the very path that was not found)."""
-    relative = os.path.relpath(path)
-    return path.as_posix() if relative.startswith("..") else relative
-
-
 def read_config_file(path: str | Path, notes: list[str] | None = None) -> dict[str, Any]:
     """The mapping a `--config` file holds (YAML, or JSON for a .json file), refused in one line
     when it is not one. An empty file takes every default, and `notes` says so."""
     if not str(path).strip():  # Path("") is the folder the command runs in
         raise ConfigError([f"--config {str(path)!r} names no file; give a config file, e.g. "
                            f"{from_here(SHIPPED_CONFIGS / 'pretrain_tiny.yaml')}"])
-    path = Path(expand_path(str(path), "--config"))
+    try:
+        path = Path(expand_path(str(path), "--config"))
+    except UnusablePath as exc:
+        raise ConfigError([str(exc)]) from None
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.yaml"))
         hint = (f"e.g. {path / inside[0]} (it has {len(inside)})" if inside

@@ -150,21 +150,6 @@ def test_an_empty_config_path_is_not_the_folder_the_command_runs_in(tmp_path, mo
                                     f"{Path(__file__).resolve().parents[2]}/recipes/configs/pretrain_tiny.yaml"]
 
 
-def test_paths_expand_as_a_shell_would_and_refuse_what_it_would_make_empty(monkeypatch):
-    from toolkit.config import expand_path
-
-    monkeypatch.setenv("HOME", "/home/u")
-    monkeypatch.setenv("DATA", "/data")
-    monkeypatch.delenv("LLM_TOOLKIT_TEST_UNSET", raising=False)
-    assert expand_path("~/x$DATA${DATA}", "data.path") == "/home/u/x/data/data"
-    assert expand_path("runs/x", "output_dir") == "runs/x" and expand_path("a$", "output_dir") == "a$"
-    assert expand_path("{% for m in messages %}$x{% endfor %}", "data.chat_template").startswith("{%")  # text
-    with pytest.raises(UserError, match=r"^--output \$LLM_TOOLKIT_TEST_UNSET names the environment variable"):
-        expand_path("$LLM_TOOLKIT_TEST_UNSET", "--output")
-    with pytest.raises(UserError, match=r"^data.path=~nobody_here/x: there is no user 'nobody_here'"):
-        expand_path("~nobody_here/x", "data.path")
-
-
 def not_a_config(tmp_path, kind: str):
     """(the --config path, its one line) for a path that is not a config file."""
     path = tmp_path / "cfg.yaml"

@@ -50,9 +50,10 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.config import UserError, from_here
+from toolkit.config import UserError
 from toolkit.launch.environment import gpus_short
 from toolkit.launch.rank_process import LAUNCHER_PID
+from toolkit.user_paths import from_here
 
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
 # peers' collectives fail (4), and a rank stops (3) only when every rank does

@@ -27,7 +27,7 @@ import sys
 import yaml
 
 from toolkit import quiet_weight_bars
-from toolkit.config import SHIPPED_CONFIGS, UserError, from_here, key_lines, load_config, to_dict
+from toolkit.config import SHIPPED_CONFIGS, UserError, key_lines, load_config, to_dict
 from toolkit.launch.cli import CALLED_AS
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
@@ -35,6 +35,7 @@ from toolkit.launch.verdict import report_once, reported_verdict
 from toolkit.run_dir import release_all
 from toolkit.strategy.collectives import collective_failure
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
+from toolkit.user_paths import from_here
 
 
 def shipped_config() -> str:

@@ -209,3 +209,36 @@ def test_every_path_key_takes_paths_as_users_write_them(cls, key, tmp_path, monk
 def test_a_chat_template_given_as_text_is_not_expanded():
     cfg = load_config(FinetuneConfig, None, ["data.format=chat", "data.chat_template={{ '$HOME ~' ~ m }}"])
     assert cfg.data.chat_template == "{{ '$HOME ~' ~ m }}"
+
+
+@pytest.mark.parametrize("cls, key", [(c, k) for c in (PretrainConfig, FinetuneConfig) for k in c.PATHS],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_a_relative_path_found_only_beside_the_config_is_one_line(cls, key, tmp_path, monkeypatch):
+    """A YAML in another folder naming `data/f` that is beside it, not where the recipe runs: one line with both fixes,
+    not "does not exist" from whichever reader meets it first (or, for output_dir, a fresh run somewhere else)."""
+    import yaml
+
+    (tmp_path / "proj" / "data").mkdir(parents=True)
+    (tmp_path / "proj" / "data" / "f").write_text("{{ messages }}")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    tree: dict = {}
+    node = tree
+    *sections, leaf = key.split(".")
+    for part in sections:
+        if part.endswith("[]"):
+            node[part[:-2]] = [{"name": "a"}]
+            node = node[part[:-2]][0]
+        else:
+            node = node.setdefault(part, {})
+    node[leaf] = "data/f"
+    (tmp_path / "proj" / "cfg.yaml").write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(cls, "../proj/cfg.yaml", NEEDS.get(key, []))
+    shown = key.replace("[]", "[0]")
+    assert str(excinfo.value) == (
+        f"{shown}=data/f (in ../proj/cfg.yaml) is not in {tmp_path / 'here'}, where relative paths start, but it is "
+        f"beside the config; write {shown}={tmp_path / 'proj/data/f'}, or launch from {tmp_path / 'proj'}")
+    (tmp_path / "here" / "data").mkdir()
+    (tmp_path / "here" / "data" / "f").write_text("{{ messages }}")
+    assert load_config(cls, "../proj/cfg.yaml", NEEDS.get(key, []))  # where it runs, it is taken as written
