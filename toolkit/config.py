@@ -107,6 +107,7 @@ def load_config(
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_config_file(path, notes)
+        _not_a_launch_config(raw, path)
     problems: list[str] = []
     over = parse_overrides(overrides or [])
     renamed = getattr(cls, "RENAMED", {})
@@ -128,6 +129,21 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+# keys only an accelerate config or a DeepSpeed JSON has: such a file given as --config is the other option's
+LAUNCH_CONFIG_KEYS = {"compute_environment": "an accelerate config", "num_processes": "an accelerate config",
+                      "zero_optimization": "a DeepSpeed JSON", "train_micro_batch_size_per_gpu": "a DeepSpeed JSON"}
+
+
+def _not_a_launch_config(raw: dict[str, Any], path: str | Path) -> None:
+    """One line, not a problem per key, for a launch's config given where the recipe's goes."""
+    found = [key for key in LAUNCH_CONFIG_KEYS if key in raw]
+    if found:
+        kind = LAUNCH_CONFIG_KEYS[found[0]]
+        where = "--config_file" if kind.startswith("an accelerate") else "the accelerate config's deepspeed_config_file"
+        raise ConfigError([f"--config {path} is {kind} ({', '.join(found)}), not a recipe's; give it as {where}, and "
+                           f"a recipe YAML as --config, e.g. {from_here(SHIPPED_CONFIGS / 'pretrain_tiny.yaml')}"])
 
 
 # The configs the recipes ship, for the hint when --config names something else.

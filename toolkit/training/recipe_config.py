@@ -104,6 +104,8 @@ class RunConfig:
 
     def validate(self) -> list[str]:
         problems = []
+        if not self.output_dir.strip():  # Path("") is the folder the recipe runs in
+            problems.append(f"output_dir={self.output_dir!r} names no folder; give the run's folder, e.g. runs/x")
         if self.resume and self.overwrite:
             problems.append("resume and overwrite=true contradict each other; choose one")
         if not 0 <= self.seed <= SEED_MAX:  # numpy takes no negative seed; the batch order multiplies it

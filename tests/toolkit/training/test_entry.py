@@ -192,3 +192,15 @@ def test_a_missing_config_is_named_as_it_works_from_where_the_command_runs(recip
         assert capsys.readouterr().err == (f"error: --config recipes/configs/pretrain_tny.yaml does not exist; did you mean "
                                            f"{suggested}?\n")
         assert (where / suggested).is_file()
+
+
+@pytest.mark.parametrize("launch_config, kind", [("accelerate_configs/ddp.yaml", "an accelerate config"),
+                                                 ("ds_configs/zero3.json", "a DeepSpeed JSON")])
+def test_a_launch_config_given_as_the_recipes_is_one_line(launch_config, kind, recipe, capsys, monkeypatch):
+    """It was a problem per key it holds (`9 problems in the config: unknown key train_batch_size, ...`)."""
+    monkeypatch.delenv("RANK", raising=False)
+    path = str(Path(TINY).parents[2] / launch_config)
+    assert run("pretrain", PretrainConfig, recipe, ["--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --config {path} is {kind} (") and err.count("\n") == 1, err
+    assert "not a recipe's; give it as " in err

@@ -242,3 +242,9 @@ def test_a_relative_path_found_only_beside_the_config_is_one_line(cls, key, tmp_
     (tmp_path / "here" / "data").mkdir()
     (tmp_path / "here" / "data" / "f").write_text("{{ messages }}")
     assert load_config(cls, "../proj/cfg.yaml", NEEDS.get(key, []))  # where it runs, it is taken as written
+
+
+def test_an_empty_output_dir_is_not_the_folder_the_recipe_runs_in():
+    """output_dir='' was Path(''): the run wrote into the folder it was launched from."""
+    with pytest.raises(ConfigError, match=r"^output_dir='' names no folder; give the run's folder, e.g. runs/x$"):
+        load_config(PretrainConfig, None, ["output_dir=''"])
