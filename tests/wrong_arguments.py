@@ -25,7 +25,8 @@ WRONG: dict[str, dict[str, str | None]] = {
                "unset variable": f"${UNSET}/x"},
     "output": {"missing": None, "under a file": "{file}/out", "empty": "", "unset variable": f"${UNSET}/x"},
     "switch": {"given a value": "=yes"},
-    "overrides": {"not key=value": "oops", "unknown key": "nope=1", "unknown option": "--nope"},
+    "overrides": {"not key=value": "oops", "unknown key": "nope=1", "no key": "=1", "an empty key part": "train..lr=1",
+                  "unknown option": "--nope"},
     "help": {},  # prints the help, exit 0: nothing a user can give it wrongly
 }
 

@@ -70,8 +70,12 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" not in arg:
             raise ConfigError([f"override {arg!r} is not key=value (for example train.max_steps=200)"])
         key, raw = arg.split("=", 1)
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError([f"override {arg!r} has an empty name before a dot or its '='; write it like "
+                               "train.max_steps=200"])
         try:
-            value = parse_yaml(raw, f"override {key}") if raw != "" else None
+            # `key=` is null; `key=~` is the home folder, as a shell would read it (YAML's ~ is null)
+            value = parse_yaml(raw, f"override {key}") if raw not in ("", "~") else {"": None, "~": "~"}[raw]
         except _NotYaml as exc:
             # `data.path=*.txt` is a YAML alias that does not parse: the text as written, typed by its key
             value = _Unparsed(raw, exc.problems[0])

@@ -6,6 +6,7 @@ loader's rules (unknown keys, coercion, collected problems) and not any recipe's
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -92,6 +93,15 @@ def test_parse_overrides_keeps_everything_after_the_first_equals():
 def test_parse_overrides_rejects_an_argument_without_equals():
     with pytest.raises(ConfigError, match=r"override 'train\.lr' is not key=value"):
         parse_overrides(["train.lr"])
+
+
+def test_parse_overrides_rejects_an_empty_key_and_reads_a_bare_tilde_as_home():
+    """`=3` was "unknown key ;", `train..lr=1` "unknown key train."; `output_dir=~` was YAML's null ("must be a string,
+    found None"), and `data.path=~` the embedded corpus, silently. `key=` stays null."""
+    for arg in ("=3", "train..lr=1", "train.=1"):
+        with pytest.raises(ConfigError, match=rf"^override '{re.escape(arg)}' has an empty name before a dot or its '='"):
+            parse_overrides([arg])
+    assert parse_overrides(["output_dir=~", "data.path="]) == {"output_dir": "~", "data": {"path": None}}
 
 
 def test_parse_overrides_rejects_a_key_under_a_scalar():

@@ -104,7 +104,7 @@ class RunConfig:
 
     def validate(self) -> list[str]:
         problems = []
-        if not self.output_dir.strip():  # Path("") is the folder the recipe runs in
+        if isinstance(self.output_dir, str) and not self.output_dir.strip():  # Path("") is the folder the recipe runs in
             problems.append(f"output_dir={self.output_dir!r} names no folder; give the run's folder, e.g. runs/x")
         if self.resume and self.overwrite:
             problems.append("resume and overwrite=true contradict each other; choose one")
