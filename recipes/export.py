@@ -45,7 +45,9 @@ from toolkit.export import destination
 from toolkit.export.consolidate import adapter_base, load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
+from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
+from toolkit.user_paths import UnusablePath, expand_path
 
 FORMATS = ("hf", "gguf", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,15 +71,9 @@ Exported by llm-toolkit's `recipes/export.py`.
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # argparse prints its whole usage block first; one line, as every other refusal
-        raise UserError(f"{message}; see python recipes/export.py --help")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag; each is classified in toolkit.export.destination.EXPORT_FLAGS (a test checks)."""
-    parser = _Parser(description=__doc__.split("\n")[0])
+def parser() -> OneLineParser:
+    """The command line; every option's wrong values are refused in one line (tests/recipes/test_export.py walks them)."""
+    parser = OneLineParser("python recipes/export.py", description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="source", required=True, help="run, model, checkpoint or adapter folder")
     parser.add_argument("--checkpoint", help="with a run folder: step-N or latest (default: its final/)")
     parser.add_argument("--format", choices=FORMATS, default="hf")
@@ -92,8 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the options that name a path: `~` and environment variables expanded as in a config's paths (toolkit.config.expand_path)
+PATH_OPTIONS = ("--from", "--base", "--output", "--eval-text")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    options = parser()
+    args = options.parse_args(argv)
+    for action in options._actions:
+        value = getattr(args, action.dest, None)
+        if action.option_strings and action.option_strings[0] in PATH_OPTIONS and value is not None:
+            if not value.strip():  # Path("") is the folder the command runs in
+                raise UserError(f"{action.option_strings[0]} {value!r} names no path; give one")
+            try:
+                setattr(args, action.dest, expand_path(value, action.option_strings[0]))
+            except UnusablePath as exc:
+                raise UserError(str(exc)) from None
+    return args
 
 
 def check_args(args: argparse.Namespace) -> Path:
@@ -104,7 +115,7 @@ def check_args(args: argparse.Namespace) -> Path:
         from toolkit.export.gguf import GGUF_TYPES
 
         if args.quant not in GGUF_TYPES:
-            raise UserError(f"--quant {args.quant} is not offered for gguf; choose one of {', '.join(GGUF_TYPES)}")
+            raise UserError(f"--quant {args.quant!r} is not offered for gguf; choose one of {', '.join(GGUF_TYPES)}")
         if output.suffix != ".gguf":
             raise UserError(f"--output {output} must end in .gguf for --format gguf")
     elif args.quant != "f16":
@@ -113,9 +124,15 @@ def check_args(args: argparse.Namespace) -> Path:
         raise UserError(f"--dtype applies to --format hf only; for {args.format} leave it out")
     args.dtype = args.dtype or "fp32"
     if not re.fullmatch(r"\d+(\.\d*)?\s*[KMGT]B", args.max_shard_size, re.IGNORECASE):
-        raise UserError(f"--max-shard-size {args.max_shard_size} is not a size; write it like 500MB or 2GB")
+        raise UserError(f"--max-shard-size {args.max_shard_size!r} is not a size; write it like 500MB or 2GB")
+    if not float(re.match(r"[\d.]+", args.max_shard_size).group()):
+        raise UserError(f"--max-shard-size {args.max_shard_size} would put no weight in a shard; write it like 500MB or 2GB")
+    if args.checkpoint is not None and not args.checkpoint.strip():
+        raise UserError("--checkpoint '' names no checkpoint; give step-N or latest, or leave it out for the run's final/")
     if args.base and not Path(args.base).is_dir():
         raise UserError(f"--base {args.base} is not a folder; give the base model folder of the LoRA adapter")
+    if args.eval_text and Path(args.eval_text).is_dir():
+        raise UserError(f"--eval-text {args.eval_text} is a folder; give a UTF-8 text file")
     if args.eval_text and not Path(args.eval_text).is_file():
         raise UserError(f"--eval-text {args.eval_text} does not exist")
     # the nearest folder that exists must take new entries: the OS answers (root passes permission bits)

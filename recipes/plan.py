@@ -31,8 +31,9 @@ s. A stage holds its layers' weights, gradients and AdamW state whole, its layer
 each micro-batch in flight, the logits on the last stage alone, and a receive buffer per micro-batch;
 under the launch's autocast, as DDP (fp16 is refused: the schedule's backward has no loss scaling).
 
-Errors (one line, exit code 2): an unreadable config or override, a --gpu-memory that is not a
-size, a model the planner does not model.
+Errors (one line, exit code 2): an unreadable config or override, any option's value outside what it takes
+(--gpus below 1, --headroom outside [0, 0.9), a --gpu-memory that is not a size or is none, a --micro-batch
+that is not sizes of 1 or more), argparse's own refusals, a model the planner does not model.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.config import UserError, load_config, read_config_file, read_yaml, to_dict  # noqa: E402
+from toolkit.launch.cli import OneLineParser  # noqa: E402
 from toolkit.models.adapter import apply_adapter, leave_out_bitsandbytes, qlora_problem  # noqa: E402
 from toolkit.models.compilation import whole_model_refused  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
@@ -68,20 +70,23 @@ PIPELINE_STAGES = (2, 4)  # listed where they divide --gpus; more rows would bur
 
 
 def parse_size(text: str) -> int:
+    """--gpu-memory in bytes: a positive number with an optional unit (GB when none)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB|TB)?\s*", text, re.IGNORECASE)
     if not m:
-        raise UserError(f"--gpu-memory {text!r} is not a size; write e.g. 80GB, 24GiB or 40960MiB")
+        raise UserError(f"--gpu-memory {text!r} is not a size; write one GPU's memory, e.g. 80GB, 24GiB or 40960MiB")
     unit = (m.group(2) or "GB").lower()
-    return int(float(m.group(1)) * {"gb": 1e9, "gib": 2**30, "mb": 1e6, "mib": 2**20, "tb": 1e12}[unit])
+    size = int(float(m.group(1)) * {"gb": 1e9, "gib": 2**30, "mb": 1e6, "mib": 2**20, "tb": 1e12}[unit])
+    if size < 1e6:
+        raise UserError(f"--gpu-memory {text} is too little to plan in; write one GPU's memory (1MB or more), e.g. 80GB or 24GiB")
+    return size
 
 
 def load_recipe_config(path: str, overrides: list[str]):
     """(recipe name, its validated config): a YAML with an adapter section is a fine-tune."""
-    file = Path(path)
-    raw = read_config_file(file)
+    raw = read_config_file(path)  # as the user wrote it: Path("") would be the folder it runs in
     finetune = "adapter" in raw or any(o.startswith("adapter.") for o in overrides)
     cls = FinetuneConfig if finetune else PretrainConfig
-    return ("finetune" if finetune else "pretrain"), load_config(cls, file, overrides)
+    return ("finetune" if finetune else "pretrain"), load_config(cls, path, overrides)
 
 
 BUILT: dict[str, tuple] = {}  # a config's meta model, built once a process: plan() runs it for one GPU count at a time
@@ -209,7 +214,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     t, m = cfg.train, cfg.model
     precision = {"auto": "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
     budget = args.gpu_memory * (1 - args.headroom)
-    micro = [int(x) for x in args.micro_batch.split(",")] if args.micro_batch else MICRO_BATCHES
+    micro = list(args.micro_batch or MICRO_BATCHES)  # checked by check_args; a caller of plan() may leave it empty
     rows = []
     tensors = model_tensors(model, quantized)
     staged, pipeline_needs, pipeline_notes = pipelines(model, cfg, args.gpus, precision)
@@ -336,23 +341,58 @@ def shortlist(rows: list[dict]) -> list[dict]:
     return sorted(by_strategy.values(), key=lambda r: (not r["fits"], r["relative_step_time"]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    leave_out_bitsandbytes()  # a QLoRA is planned on the meta device, without its 4-bit kernels
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> OneLineParser:
+    """The command line; every option's wrong values are refused in one line (tests/recipes/test_plan.py walks them)."""
+    parser = OneLineParser("python recipes/plan.py", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="a recipe YAML from recipes/configs/")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs the run will use (its world size)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
-    parser.add_argument("--headroom", type=float, default=0.1, help="share of the GPU's memory kept free (0-0.9)")
-    parser.add_argument("--micro-batch", default="", help="comma-separated micro-batch sizes to list (default 1..32)")
+    parser.add_argument("--headroom", type=float, default=0.1, help=f"share of the GPU's memory kept free ({HEADROOM[0]}-"
+                        f"{HEADROOM[1]}, the upper end excluded)")
+    parser.add_argument("--micro-batch", help="comma-separated micro-batch sizes to list (default 1..32)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
     parser.add_argument("--all", action="store_true", help="list every row (strategy x recomputation x micro-batch), "
                         "not only each strategy's fastest that fits")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as for the recipe")
-    args = parser.parse_args(argv)
+    return parser
+
+
+HEADROOM = (0, 0.9)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Each option's value in its range, each refused in a line of its own, before any config is read."""
+    if args.gpus < 1:
+        raise UserError(f"--gpus {args.gpus} must be at least 1: the GPUs the run will use")
+    if not HEADROOM[0] <= args.headroom < HEADROOM[1]:  # nan fails too
+        raise UserError(f"--headroom {args.headroom:g} must be at least {HEADROOM[0]} and below {HEADROOM[1]}: the share "
+                        "of each GPU's memory kept free, e.g. 0.1")
+    args.gpu_memory = parse_size(args.gpu_memory)
+    args.micro_batch = parse_micro_batches(args.micro_batch)
+
+
+def parse_micro_batches(text: str | None) -> tuple[int, ...]:
+    """--micro-batch's sizes, in order, once each; MICRO_BATCHES when it is not given."""
+    if text is None:
+        return MICRO_BATCHES
+    allowed = "give sizes of 1 or more separated by commas, e.g. 1,2,4"
+    if not text.strip():
+        raise UserError(f"--micro-batch {text!r} names no size; {allowed}, or leave it out for {','.join(map(str, MICRO_BATCHES))}")
+    sizes = []
+    for part in text.split(","):
+        if not part.strip().isdigit():
+            raise UserError(f"--micro-batch {text}: {part.strip()!r} is not a whole number; {allowed}")
+        if int(part) < 1:
+            raise UserError(f"--micro-batch {text}: {int(part)} is not a size; {allowed}")
+        sizes.append(int(part))
+    return tuple(sorted(set(sizes)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    leave_out_bitsandbytes()  # a QLoRA is planned on the meta device, without its 4-bit kernels
     try:
-        args.gpu_memory = parse_size(args.gpu_memory)
-        if args.gpus < 1 or not 0 <= args.headroom < 0.9:
-            raise UserError(f"--gpus {args.gpus} must be at least 1 and --headroom {args.headroom} in [0, 0.9)")
+        args = parser().parse_args(argv)
+        check_args(args)
         rows, best, recipe, notes = plan(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

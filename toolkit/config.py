@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from toolkit.user_paths import UnusablePath, expand_path, expand_paths, from_here, only_beside_the_config
+
 T = TypeVar("T")
 
 
@@ -69,8 +71,12 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" not in arg:
             raise ConfigError([f"override {arg!r} is not key=value (for example train.max_steps=200)"])
         key, raw = arg.split("=", 1)
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError([f"override {arg!r} has an empty name before a dot or its '='; write it like "
+                               "train.max_steps=200"])
         try:
-            value = parse_yaml(raw, f"override {key}") if raw != "" else None
+            # `key=` is null; `key=~` is the home folder, as a shell would read it (YAML's ~ is null)
+            value = parse_yaml(raw, f"override {key}") if raw not in ("", "~") else {"": None, "~": "~"}[raw]
         except _NotYaml as exc:
             # `data.path=*.txt` is a YAML alias that does not parse: the text as written, typed by its key
             value = _Unparsed(raw, exc.problems[0])
@@ -102,10 +108,12 @@ def load_config(
 
     Keys renamed in `cls.RENAMED` still work for one release: they are moved to their new
     name, and `notes` (when given) gets one deprecation line for each, and the lines of the config's own
-    `notes()` (settings the rest of it leaves without effect)."""
+    `notes()` (settings the rest of it leaves without effect). The keys of `cls.PATHS` hold paths: `~` and
+    environment variables in them are expanded (expand_path), once, here."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_config_file(path, notes)
+        _not_a_launch_config(raw, path)
     problems: list[str] = []
     over = parse_overrides(overrides or [])
     renamed = getattr(cls, "RENAMED", {})
@@ -113,8 +121,14 @@ def load_config(
     lines = apply_renames(raw, renamed, problems) + apply_renames(over, renamed, problems)
     if notes is not None:
         notes.extend(dict.fromkeys(lines))
+    from_file = raw
     raw = merge(raw, over)
     cfg = _build(cls, raw, "", problems)
+    if cfg is not None:  # before the range checks: they look for the files paths name
+        problems += expand_paths(cfg, getattr(cls, "PATHS", {}))
+        if path is not None:
+            problems += only_beside_the_config(cfg, getattr(cls, "PATHS", {}), from_file, over,
+                                               Path(expand_path(str(path), "--config")))
     if cfg is not None:  # range checks too, so that one run reports every problem
         reported = {_problem_key(p) for p in problems}  # a value of the wrong type is not range-checked again
         problems.extend(p for p in validate_tree(cfg) if p not in problems and _problem_key(p) not in reported)
@@ -125,6 +139,21 @@ def load_config(
     return cfg
 
 
+# keys only an accelerate config or a DeepSpeed JSON has: such a file given as --config is the other option's
+LAUNCH_CONFIG_KEYS = {"compute_environment": "an accelerate config", "num_processes": "an accelerate config",
+                      "zero_optimization": "a DeepSpeed JSON", "train_micro_batch_size_per_gpu": "a DeepSpeed JSON"}
+
+
+def _not_a_launch_config(raw: dict[str, Any], path: str | Path) -> None:
+    """One line, not a problem per key, for a launch's config given where the recipe's goes."""
+    found = [key for key in LAUNCH_CONFIG_KEYS if key in raw]
+    if found:
+        kind = LAUNCH_CONFIG_KEYS[found[0]]
+        where = "--config_file" if kind.startswith("an accelerate") else "the accelerate config's deepspeed_config_file"
+        raise ConfigError([f"--config {path} is {kind} ({', '.join(found)}), not a recipe's; give it as {where}, and "
+                           f"a recipe YAML as --config, e.g. {from_here(SHIPPED_CONFIGS / 'pretrain_tiny.yaml')}"])
+
+
 # The configs the recipes ship, for the hint when --config names something else.
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 
@@ -132,15 +161,23 @@ SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 def read_config_file(path: str | Path, notes: list[str] | None = None) -> dict[str, Any]:
     """The mapping a `--config` file holds (YAML, or JSON for a .json file), refused in one line
     when it is not one. An empty file takes every default, and `notes` says so."""
-    path = Path(path)
+    if not str(path).strip():  # Path("") is the folder the command runs in
+        raise ConfigError([f"--config {str(path)!r} names no file; give a config file, e.g. "
+                           f"{from_here(SHIPPED_CONFIGS / 'pretrain_tiny.yaml')}"])
+    try:
+        path = Path(expand_path(str(path), "--config"))
+    except UnusablePath as exc:
+        raise ConfigError([str(exc)]) from None
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.yaml"))
-        hint = f"e.g. {path / inside[0]} (it has {len(inside)})" if inside else "e.g. recipes/configs/pretrain_tiny.yaml"
+        hint = (f"e.g. {path / inside[0]} (it has {len(inside)})" if inside
+                else f"e.g. {from_here(SHIPPED_CONFIGS / 'pretrain_tiny.yaml')}")
         raise ConfigError([f"--config {path} is a folder; give a config file, {hint}"])
     if not path.exists():
         shipped = sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml"))
         close = difflib.get_close_matches(path.name, shipped, n=1)
-        hint = f"did you mean recipes/configs/{close[0]}?" if close else "the shipped ones are in recipes/configs/"
+        hint = (f"did you mean {from_here(SHIPPED_CONFIGS / close[0])}?" if close
+                else f"the shipped ones are in {from_here(SHIPPED_CONFIGS)}/")
         raise ConfigError([f"--config {path} does not exist; {hint}"])
     if not path.is_file():  # /dev/zero, a FIFO: reading would never end
         raise ConfigError([f"--config {path} is not a regular file; give a YAML config file"])

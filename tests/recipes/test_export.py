@@ -15,6 +15,7 @@ from pathlib import Path
 import installed
 import pytest
 import torch
+import wrong_arguments
 from recipe_runner import FT_TINY, recipe_module, run_recipe
 from transformers import AutoModelForCausalLM
 
@@ -194,7 +195,7 @@ FLAGS = {
     "dtype without hf": (["--format", "gguf", "--dtype", "bf16", "--output", "{out}.gguf"],
                          "--dtype applies to --format hf only; for gguf leave it out"),
     "shard size that is not a size": (["--max-shard-size", "lots", "--output", "{out}"],
-                                      "--max-shard-size lots is not a size; write it like 500MB or 2GB"),
+                                      "--max-shard-size 'lots' is not a size; write it like 500MB or 2GB"),
     "base that does not exist": (["--merge-lora", "--base", "/nowhere", "--output", "{out}"],
                                  "--base /nowhere is not a folder; give the base model folder of the LoRA adapter"),
     "base of a model that is not an adapter": (["--base", "{model}", "--output", "{out}"],
@@ -226,6 +227,45 @@ def test_every_wrong_flag_is_one_line(export, capsys, tmp_path, model_folder, ca
     err = error_line(export, capsys, *(a.format(**fill) for a in argv))
     assert err.startswith("error: " + expected.format(**fill)), err
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.gguf").exists()
+
+
+# every option of export.py by kind (tests/wrong_arguments.py lists each kind's wrong values), and the other options
+# its wrong values are refused with (--quant names a tensor type under --format gguf)
+KINDS = {"--from": "folder", "--checkpoint": "name", "--format": "choice", "--quant": "name", "--dtype": "choice",
+         "--merge-lora": "switch", "--base": "folder", "--max-shard-size": "size", "--output": "output",
+         "--overwrite": "switch", "--eval-text": "file", "-h": "help"}
+WITH = {"--quant": ["--format", "gguf", "--output", "{tmp}/out.gguf"]}
+
+
+def test_every_option_of_export_has_a_kind(export):
+    """A new option fails here until KINDS says what it takes; every option naming a path expands ~ and $VAR."""
+    found = {action.option_strings[0] for action in export.parser()._actions}
+    assert found == set(KINDS)
+    assert set(export.PATH_OPTIONS) == {o for o, kind in KINDS.items() if kind in ("file", "folder", "output")}
+
+
+@pytest.mark.parametrize("option, case", wrong_arguments.cases(KINDS))
+def test_every_wrong_value_of_every_option_is_one_line(export, capsys, tmp_path, model_folder, monkeypatch, option, case):
+    monkeypatch.delenv(wrong_arguments.UNSET, raising=False)
+    (tmp_path / "file.txt").write_text("x")
+    fill = {"tmp": str(tmp_path), "file": str(tmp_path / "file.txt")}
+    argv, value = wrong_arguments.argv_of(option, KINDS[option], case, fill)
+    base = {"--from": str(model_folder), "--output": str(tmp_path / "out")}
+    context = [a.format(**fill) for a in WITH.get(option, [])]
+    base = [a for o, v in base.items() if o != option and o not in context for a in (o, v)]
+    code = export.main([*base, *context, *argv])
+    out, err = capsys.readouterr()
+    wrong_arguments.assert_one_line(code, out, err, option, value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # nothing written
+
+
+def test_paths_are_taken_as_users_write_them(export, tmp_path, monkeypatch):
+    """~ and $VAR in the path options, as a shell leaves them in quotes or after `=`: expanded once, as config paths."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("EXPORTS", str(tmp_path / "exports"))
+    args = export.parse_args(["--from=~/run", "--output", "${EXPORTS}/m", "--eval-text", "$EXPORTS/t.txt", "--base", "~"])
+    assert (args.source, args.output, args.eval_text, args.base) == (
+        f"{tmp_path}/run", f"{tmp_path}/exports/m", f"{tmp_path}/exports/t.txt", str(tmp_path))
 
 
 def test_merge_lora_on_a_full_model_says_there_was_nothing_to_merge(export, capsys, tmp_path, model_folder):

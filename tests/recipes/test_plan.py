@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import wrong_arguments
 from recipe_runner import recipe_module
 from transformers import AutoModelForCausalLM
 
@@ -292,6 +293,43 @@ def test_bad_input_is_one_line(args, message):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+# every option of plan.py by kind: tests/wrong_arguments.py lists each kind's wrong values
+KINDS = {"--config": "file", "--gpus": "count", "--gpu-memory": "size", "--headroom": "fraction", "--micro-batch": "sizes",
+         "--json": "switch", "--all": "switch", "overrides": "overrides", "-h": "help"}
+
+
+def test_every_option_of_plan_has_a_kind():
+    """A new option fails here until KINDS says what it takes, and so which wrong values it must refuse."""
+    found = {action.option_strings[0] if action.option_strings else action.dest for action in PLAN.parser()._actions}
+    assert found == set(KINDS)
+
+
+@pytest.mark.parametrize("option, case", wrong_arguments.cases(KINDS))
+def test_every_wrong_value_of_every_option_is_one_line(option, case, tmp_path, monkeypatch):
+    """--micro-batch 0 and 0,a were tracebacks, --gpus 0 and --headroom 1.5 blamed each other, --gpu-memory 0GB
+    planned 0 GB GPUs, --gpu-memory -5GB was argparse's usage block: each is one line naming the option and value."""
+    monkeypatch.delenv(wrong_arguments.UNSET, raising=False)
+    (tmp_path / "file.txt").write_text("x")
+    argv, value = wrong_arguments.argv_of(option, KINDS[option], case, {"tmp": str(tmp_path), "file": str(tmp_path / "file.txt")})
+    base = [] if option == "--config" else ["--config", "recipes/configs/pretrain_tiny.yaml"]
+    proc = plan(*base, *argv)
+    wrong_arguments.assert_one_line(proc.returncode, proc.stdout, proc.stderr, option, value)
+
+
+def test_the_options_are_checked_apart_and_say_what_they_take():
+    """Each option's line says what it takes; --micro-batch lists each size once, in order."""
+    said = {args: plan("--config", "recipes/configs/pretrain_tiny.yaml", *args).stderr.strip() for args in
+            (("--gpus", "0"), ("--headroom", "1.5"), ("--gpu-memory", "0GB"), ("--gpu-memory", "-5GB"), ("--micro-batch", "0,a"))}
+    assert said[("--gpus", "0")] == "error: --gpus 0 must be at least 1: the GPUs the run will use"
+    assert said[("--headroom", "1.5")].startswith("error: --headroom 1.5 must be at least 0 and below 0.9")
+    assert "--gpus" not in said[("--headroom", "1.5")] and "--headroom" not in said[("--gpus", "0")]
+    assert said[("--gpu-memory", "0GB")].startswith("error: --gpu-memory 0GB is too little to plan in")
+    assert said[("--gpu-memory", "-5GB")] == ("error: --gpu-memory '-5GB' is not a size; write one GPU's memory, e.g. 80GB, "
+                                              "24GiB or 40960MiB")  # -5GB was taken for an option: argparse's usage block
+    assert said[("--micro-batch", "0,a")].startswith("error: --micro-batch 0,a: 0 is not a size; give sizes of 1 or more")
+    assert PLAN.parse_micro_batches("8,2,8") == (2, 8) and PLAN.parse_micro_batches(None) == PLAN.MICRO_BATCHES
 
 
 def test_a_pipeline_row_is_its_largest_stage():

@@ -6,6 +6,7 @@ loader's rules (unknown keys, coercion, collected problems) and not any recipe's
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -94,6 +95,15 @@ def test_parse_overrides_rejects_an_argument_without_equals():
         parse_overrides(["train.lr"])
 
 
+def test_parse_overrides_rejects_an_empty_key_and_reads_a_bare_tilde_as_home():
+    """`=3` was "unknown key ;", `train..lr=1` "unknown key train."; `output_dir=~` was YAML's null ("must be a string,
+    found None"), and `data.path=~` the embedded corpus, silently. `key=` stays null."""
+    for arg in ("=3", "train..lr=1", "train.=1"):
+        with pytest.raises(ConfigError, match=rf"^override '{re.escape(arg)}' has an empty name before a dot or its '='"):
+            parse_overrides([arg])
+    assert parse_overrides(["output_dir=~", "data.path="]) == {"output_dir": "~", "data": {"path": None}}
+
+
 def test_parse_overrides_rejects_a_key_under_a_scalar():
     with pytest.raises(ConfigError, match=r"sets a key under 'seed', which is not a section"):
         parse_overrides(["seed=1", "seed.x=2"])
@@ -139,6 +149,15 @@ def test_a_missing_config_file_names_the_path(tmp_path):
     assert problems_of(excinfo) == [
         f"--config {tmp_path / 'pretrain_tiy.yaml'} does not exist; did you mean recipes/configs/pretrain_tiny.yaml?"
     ]
+
+
+def test_an_empty_config_path_is_not_the_folder_the_command_runs_in(tmp_path, monkeypatch):
+    """Path("") is ".": `--config ''` was "--config . is a folder"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, "")
+    assert problems_of(excinfo) == [f"--config '' names no file; give a config file, e.g. "
+                                    f"{Path(__file__).resolve().parents[2]}/recipes/configs/pretrain_tiny.yaml"]
 
 
 def not_a_config(tmp_path, kind: str):

@@ -58,7 +58,7 @@ def test_every_text_setting_is_classified():
 def test_every_export_flag_is_classified():
     from recipe_runner import recipe_module
 
-    flags = {a.dest for a in recipe_module("export").build_parser()._actions if a.dest != "help"}
+    flags = {a.dest for a in recipe_module("export").parser()._actions if a.dest != "help"}
     assert flags == set(destination.EXPORT_FLAGS), "classify the flag in destination.EXPORT_FLAGS"
 
 

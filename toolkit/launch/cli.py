@@ -14,13 +14,18 @@ would the script).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
 
+from toolkit.config import UserError
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the toolkit is installed from (pip install -e .)
 RECIPES = ("pretrain", "finetune", "export", "plan")
 CALLED_AS = "LLM_TOOLKIT_CALLED_AS"  # how the user started the recipe, for its usage lines: "llm-toolkit NAME"
+# the options whose value may name a shipped file by its name alone, and the folder it is looked up in
+SHIPPED_BY_OPTION = {"--config": "recipes/configs", "--config_file": "accelerate_configs"}
 USAGE = (f"usage: llm-toolkit {{{','.join(RECIPES)}}} [accelerate launch options] --config CONFIG [key=value ...]\n"
          "       llm-toolkit NAME --help   (the recipe's own keys and options)")
 
@@ -40,15 +45,14 @@ def command(argv: list[str]) -> list[str]:
     """The command line `llm-toolkit ARGV` runs (argv[0] a recipe's name)."""
     name, args = argv[0], list(argv[1:])
     script = str(ROOT / "recipes" / f"{name}.py")
-    config_at = args.index("--config") if "--config" in args else len(args)
-    if config_at + 1 < len(args):
-        args[config_at + 1] = shipped(args[config_at + 1], "recipes/configs")
+    for option, folder in SHIPPED_BY_OPTION.items():
+        if option in args and args.index(option) + 1 < len(args):
+            at = args.index(option) + 1
+            args[at] = shipped(args[at], folder)
     if name in ("export", "plan"):
         return [sys.executable, script, *args]
+    config_at = args.index("--config") if "--config" in args else len(args)
     launch, recipe = (args[:config_at], args[config_at:]) if "--config" in args else ([], args)  # --help, a usage
-    if "--config_file" in launch and launch.index("--config_file") + 1 < len(launch):
-        at = launch.index("--config_file") + 1
-        launch[at] = shipped(launch[at], "accelerate_configs")
     if not launch:
         return [sys.executable, script, *recipe]
     return [sys.executable, "-m", "toolkit.launch.launcher", *launch, script, *recipe]
@@ -61,13 +65,42 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not argv or argv[0] not in RECIPES:
         said = f"{argv[0]!r} is not a recipe" if argv else "no recipe named"
-        print(f"{USAGE}\nerror: {said}: use one of {', '.join(RECIPES)}", file=sys.stderr)
+        print(f"error: {said}: use one of {', '.join(RECIPES)} (llm-toolkit --help: how)", file=sys.stderr)
         return 2
     cmd = command(argv)
     os.environ[CALLED_AS] = f"llm-toolkit {argv[0]}"
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse for recipes/plan.py and export.py: each refusal is one line (a UserError, printed as `error: ...`
+    with exit code 2) instead of argparse's usage block, and an option's value that starts with '-' (`--gpu-memory
+    -5GB`, which argparse takes for an unknown option) is given to the option, for its own check to name."""
+
+    def __init__(self, command: str, **kwargs):
+        super().__init__(**kwargs)
+        self.command = command
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see {os.environ.get(CALLED_AS) or self.command} --help")
+
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        options = {s for action in self._actions for s in action.option_strings}
+        takes_one = {s for action in self._actions if action.option_strings and action.nargs is None
+                     and isinstance(action, argparse._StoreAction) for s in action.option_strings}
+        joined, i = [], 0
+        while i < len(argv):
+            if argv[i] in takes_one and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1] not in options \
+                    and argv[i + 1] != "--" and argv[i + 1].split("=")[0] not in options:
+                joined.append(f"{argv[i]}={argv[i + 1]}")
+                i += 2
+                continue
+            joined.append(argv[i])
+            i += 1
+        return super().parse_args(joined, namespace)
 
 
 if __name__ == "__main__":

@@ -50,9 +50,10 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.config import ConfigError, read_yaml
+from toolkit.config import ConfigError, UserError, read_yaml
 from toolkit.launch.environment import gpus_short
 from toolkit.launch.rank_process import LAUNCHER_PID
+from toolkit.user_paths import from_here
 
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
 # peers' collectives fail (4), and a rank stops (3) only when every rank does
@@ -64,7 +65,11 @@ ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # its warnings
 def main(argv: list[str] | None = None) -> int:
     from accelerate.commands import launch as accelerate_launch
 
-    args = accelerate_launch.launch_command_parser().parse_args(argv)
+    try:
+        args = one_line_parser(accelerate_launch.launch_command_parser()).parse_args(argv)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     problem = missing_file(args) or out_of_range(args) or unreadable_config(args.config_file)
     crowded = None if problem else ranks_per_machine(args, gpus(), len(os.sched_getaffinity(0)))
     if crowded is not None and crowded.startswith("error: "):
@@ -173,8 +178,22 @@ def cpu_allocator(gpus: int, environ) -> dict[str, str]:
     return {"LD_PRELOAD": found, "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2**62)}
 
 
+def one_line_parser(parser):
+    """accelerate launch's parser, whose refusals (`--num_processes x`) are one line instead of its 90-line usage."""
+
+    def error(message: str):
+        raise UserError(f"{message}; see accelerate launch --help")
+
+    parser.error = error
+    return parser
+
+
 def missing_file(args) -> str | None:
     """The launch's config file or script, when it does not exist: accelerate would raise a traceback."""
+    if args.config_file is not None and not args.config_file.strip():
+        return f"--config_file {args.config_file!r} names no file; give an accelerate config, e.g. {from_here(SHIPPED / 'ddp.yaml')}"
+    if args.config_file is not None and Path(args.config_file).is_dir():
+        return f"--config_file {args.config_file} is a folder; give an accelerate config in it, e.g. {from_here(SHIPPED / 'ddp.yaml')}"
     if args.config_file is not None and not Path(args.config_file).is_file():
         given = Path(args.config_file)
         shipped = sorted(p.name for p in given.parent.glob("*.yaml")) if given.parent.is_dir() else []
@@ -186,7 +205,7 @@ def missing_file(args) -> str | None:
             f"did you mean {given.parent / close[0]}?" if close
             else f"{given.parent}/ has {', '.join(shipped)}" if shipped
             else f"did you mean {near[0]} (accelerate_configs/{near[0]}.yaml)?" if near
-            else "the shipped ones are in accelerate_configs/"
+            else f"the shipped ones are in {from_here(SHIPPED)}/"
         )
         return f"--config_file {args.config_file} does not exist (paths are relative to where you launch); {hint}"
     if not (args.module or args.no_python) and not Path(args.training_script).is_file():

@@ -27,7 +27,7 @@ import sys
 import yaml
 
 from toolkit import quiet_weight_bars
-from toolkit.config import UserError, key_lines, load_config, to_dict
+from toolkit.config import SHIPPED_CONFIGS, UserError, key_lines, load_config, to_dict
 from toolkit.launch.cli import CALLED_AS
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
@@ -35,33 +35,79 @@ from toolkit.launch.verdict import report_once, reported_verdict
 from toolkit.run_dir import release_all
 from toolkit.strategy.collectives import collective_failure
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
+from toolkit.user_paths import from_here
+
+
+def shipped_config() -> str:
+    """A shipped config as a --config that works where the command runs: `llm-toolkit NAME` takes it by its name."""
+    return "NAME" if os.environ.get(CALLED_AS) else f"{from_here(SHIPPED_CONFIGS)}/NAME.yaml"
 
 
 def usage(name: str) -> str:
     called = os.environ.get(CALLED_AS)  # llm-toolkit NAME takes a shipped config by its name
-    command, config = (called, "NAME") if called else (f"recipes/{name}.py", "recipes/configs/NAME.yaml")
+    command, config = called or from_here(SHIPPED_CONFIGS.parent / f"{name}.py"), shipped_config()
     return (f"usage: {command} --config {config} [key.sub=value ...] [--print-config]\n"
             f"       {command} --help   (every key: its type, default and what it does)")
+
+
+# A recipe's options; every other argument is a key=value override. tests/toolkit/training/test_entry.py walks each
+# option's wrong values.
+OPTIONS = {"--config": "FILE: the recipe's YAML", "--print-config": "print the resolved config, do not run",
+           "--help": "every key, its type, default and help"}
+
+
+def command_line(argv: list[str]) -> tuple[str, list[str], bool]:
+    """(the --config file, the overrides, whether --print-config was given) of a recipe's arguments, each mistake
+    refused in one line naming the argument."""
+    config, overrides, show = None, [], False
+    example = f"e.g. --config {shipped_config()}"
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        option, _, attached = arg.partition("=")
+        if option == "--config":
+            value = attached if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+            if value is None or ("=" not in arg and value.startswith("--")):
+                raise UserError(f"--config needs the recipe's YAML file after it, {example}")
+            if config is not None:
+                raise UserError(f"--config is given twice ({config}, {value}); give one, and change its keys with "
+                                "key=value overrides")
+            config = value
+            i += 1 if "=" in arg else 2
+            continue
+        if arg == "--print-config":
+            show = True
+        elif option in OPTIONS:
+            raise UserError(f"{arg}: {option} takes no value; write {option} alone")
+        elif arg.startswith("-"):
+            raise UserError(f"{arg} is not an option of this recipe; its options are --config FILE, --print-config and "
+                            "--help, and every other argument is a key=value override")
+        else:
+            overrides.append(arg)
+        i += 1
+    if config is None:
+        raise UserError(f"no --config: give the recipe's YAML file, {example}")
+    return config, overrides, show
 
 
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
     die_with_launcher()  # first: a rank must not outlive a launcher killed while it starts
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("--help", "-h"):
+    if "--help" in argv or "-h" in argv:
         print("\n".join([usage(name), "", "--print-config: the config the YAML and the overrides resolve to, "
                           "as YAML, without running; a YAML of it is a --config of its own",
                           "", "keys (set in the YAML, or key.sub=value on the command line; the last one wins):",
                           *key_lines(config_class)]))
         return 0
-    if not argv or argv[0] != "--config" or len(argv) < 2:
+    if not argv:
         report_once(usage(name), 2)
         return 2
-    show = "--print-config" in argv[2:]
     quiet_weight_bars()
     recipe = None
     try:
+        config, overrides, show = command_line(argv)
         notes: list[str] = []
-        cfg = load_config(config_class, argv[1], [a for a in argv[2:] if a != "--print-config"], notes)
+        cfg = load_config(config_class, config, overrides, notes)
         if show:
             if is_launch_main():
                 print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")

@@ -25,6 +25,14 @@ from toolkit.training.unused import repeated_entries, unused_settings
 
 SEED_MAX = 2**32 - 1  # numpy's legacy seed range, the common one; the data order's generator takes seed x 1,000,003
 
+# Every key whose value is a path, and what it names: load_config expands `~` and environment variables in them
+# (toolkit.config.expand_path), the same way wherever they are read; relative ones are relative to where the recipe
+# runs. A string key missing here is not a path: tests/toolkit/test_config.py fails for one that is neither.
+RUN_PATHS = {"output_dir": "the run's folder, written", "resume": "auto, or a checkpoint folder read"}
+DATA_PATHS = {"data.path": "a text/jsonl/parquet file, folder or glob read, or a hub dataset id",
+              "data.sources[].path": "as data.path, for one source of a mixture",
+              "data.cache_dir": "the folder tokenized blocks are cached in"}
+
 # Keys renamed in 0.2 (one name per concept across the recipes); the old ones work for one release.
 EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval.blocks"}
 
@@ -125,6 +133,7 @@ class PretrainConfig(RunConfig):
         default_factory=lambda: SamplesConfig(max_new_tokens=40), help="generations from final/ at the end"
     )
 
+    PATHS: ClassVar[dict] = {**RUN_PATHS, **DATA_PATHS, "tokenizer.path": "a tokenizer folder read, or a hub id"}
     RENAMED: ClassVar[dict] = {
         "sample.prompt": ("samples.prompts", lambda prompt: [prompt]),
         "sample.max_new_tokens": "samples.max_new_tokens",
@@ -278,6 +287,12 @@ class FinetuneConfig(RunConfig):
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig, help="domain text or chat records")
     samples: SamplesConfig = field(default_factory=SamplesConfig, help="generations before and after, into samples.md")
 
+    PATHS: ClassVar[dict] = {
+        **RUN_PATHS, **DATA_PATHS, "data.val_path": "held-out data read, as data.path",
+        "data.chat_template": "a .jinja file read, or the template's text", "model.path": "a model folder read, or a hub id",
+        "model.gguf_file": "a .gguf file read, by itself or inside model.path",
+        "model.cache_dir": "the folder a dequantised GGUF is cached in",
+    }
     RENAMED: ClassVar[dict] = {"base_model": "model", **EVAL_RENAMED}
 
     def validate(self) -> list[str]:

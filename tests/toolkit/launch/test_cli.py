@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import wrong_arguments
 
-from toolkit.launch.cli import command, main
+from toolkit.launch.cli import SHIPPED_BY_OPTION, command, main
 from toolkit.launch.launcher import paths_from_its_folder
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -48,13 +49,34 @@ def test_the_command_runs_the_recipe_with_the_shipped_files_found_by_name(case, 
     assert said == [w if w != "PY" else sys.executable for w in expected]
 
 
-def test_no_recipe_is_one_line_and_usage(capsys):
-    assert main([]) == 2
-    assert main(["train"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("usage: llm-toolkit {pretrain,finetune,export,plan}") == 2
-    assert "error: 'train' is not a recipe: use one of pretrain, finetune, export, plan" in err
+# llm-toolkit's own argument by kind (tests/wrong_arguments.py lists each kind's wrong values); the options it looks
+# shipped files up for go on to the recipe or the launcher as written, which refuse them in their words:
+# tests/toolkit/training/test_entry.py (--config), test_launcher.py (--config_file)
+KINDS = {"recipe": "choice"}
+PASSED_ON = {"--config": ["pretrain", "--config"], "--config_file": ["pretrain", "--config_file"]}
+
+
+def test_no_recipe_is_one_line(capsys):
     assert main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: llm-toolkit")
+    assert {o for o in PASSED_ON} == set(SHIPPED_BY_OPTION)
+    for case, value in wrong_arguments.WRONG[KINDS["recipe"]].items():
+        code = main([] if value is None else [value])
+        out, err = capsys.readouterr()
+        wrong_arguments.assert_one_line(code, out, err, "recipe", value)
+        assert err.endswith("use one of pretrain, finetune, export, plan (llm-toolkit --help: how)\n"), case
+
+
+@pytest.mark.parametrize("option", PASSED_ON)
+def test_a_value_that_names_no_shipped_file_goes_on_as_written(option, elsewhere, monkeypatch):
+    monkeypatch.delenv(wrong_arguments.UNSET, raising=False)
+    (elsewhere / "file.txt").write_text("x")
+    for case, value in wrong_arguments.WRONG["file"].items():
+        if value is None:
+            continue
+        value = value.format(tmp=str(elsewhere), file=str(elsewhere / "file.txt"))
+        said = command([*PASSED_ON[option], value, "--config", "x.yaml"] if option == "--config_file" else
+                       [*PASSED_ON[option], value])
+        assert said[said.index(option) + 1] == value, case
 
 
 def test_a_shipped_deepspeed_config_is_found_from_its_accelerate_config_wherever_the_launch_runs(elsewhere):
@@ -86,7 +108,8 @@ def test_a_recipes_usage_names_the_command_the_user_typed(monkeypatch):
 
     monkeypatch.setenv(CALLED_AS, "")  # restored afterwards: main() below sets it in this process
     monkeypatch.delenv(CALLED_AS)
-    assert usage("finetune").startswith("usage: recipes/finetune.py --config recipes/configs/NAME.yaml")
+    # from the user's folder, the paths that work from there (recipes/configs/NAME.yaml named a path that is not there)
+    assert usage("finetune").startswith(f"usage: {ROOT}/recipes/finetune.py --config {ROOT}/recipes/configs/NAME.yaml")
     monkeypatch.setattr("os.execv", lambda path, args: None)  # main's exec of the recipe, not run
     main(["finetune", "--help"])
     assert usage("finetune").startswith("usage: llm-toolkit finetune --config NAME [key.sub=value ...]")

@@ -87,11 +87,28 @@ def test_missing_files_are_named_with_the_nearest_shipped_config(monkeypatch):
         "did you mean zero3 (accelerate_configs/zero3.yaml)?"
     )
     assert missing_file(launch_args("--config_file", "elsewhere/qqq.yaml", "recipes/pretrain.py")).endswith(
-        "the shipped ones are in accelerate_configs/"
+        "the shipped ones are in accelerate_configs/"  # from the checkout: relative
     )
     assert missing_file(launch_args("recipes/pretrian.py")) == (
         "recipes/pretrian.py does not exist (paths are relative to where you launch)"
     )
+
+
+def test_a_config_file_that_is_empty_or_a_folder_and_a_value_accelerate_refuses_are_one_line(tmp_path, monkeypatch, capsys):
+    """accelerate's own refusal (`--num_processes x`) was its 90-line usage block; a folder was "does not exist"."""
+    from toolkit.launch.launcher import main
+
+    monkeypatch.chdir(tmp_path)  # from elsewhere, the shipped configs by a path that works there
+    for argv, line in (
+        (["--config_file", str(tmp_path)], f"--config_file {tmp_path} is a folder; give an accelerate config in it, "
+                                            f"e.g. {ROOT}/accelerate_configs/ddp.yaml"),
+        (["--config_file", ""], f"--config_file '' names no file; give an accelerate config, e.g. {ROOT}/accelerate_configs/ddp.yaml"),
+        (["--num_processes", "x"], "argument --num_processes/--num-processes: invalid int value: 'x'; see accelerate launch --help"),
+        (["--config_file", "qqq.yaml"], f"--config_file qqq.yaml does not exist (paths are relative to where you launch); "
+                                        f"the shipped ones are in {ROOT}/accelerate_configs/"),
+    ):
+        assert main([*argv, str(ROOT / "recipes" / "pretrain.py"), "--config", "x"]) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
 
 
 OUT_OF_RANGE = {  # every bounded launch argument, each past both of its ends

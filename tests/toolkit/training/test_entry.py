@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import wrong_arguments
 
 from toolkit.config import UserError
 from toolkit.training.entry import run
@@ -145,3 +146,61 @@ def test_print_config_shows_the_resolved_config_without_running_and_reads_back(t
     assert capsys.readouterr().out == printed  # a config of its own, resolving to itself
     assert run("pretrain", PretrainConfig, _Recipe, ["--config", TINY, "train.max_stepz=7", "--print-config"]) == 2
     assert "did you mean train.max_steps?" in capsys.readouterr().err
+
+
+# every option of a recipe by kind (tests/wrong_arguments.py lists each kind's wrong values); the rest are overrides
+KINDS = {"--config": "file", "--print-config": "switch", "--help": "help", "overrides": "overrides"}
+
+
+def test_every_option_of_a_recipe_has_a_kind():
+    from toolkit.training.entry import OPTIONS
+
+    assert {*OPTIONS, "overrides"} == set(KINDS)
+
+
+@pytest.mark.parametrize("option, case", wrong_arguments.cases(KINDS))
+def test_every_wrong_value_of_every_option_is_one_line(option, case, recipe, capsys, tmp_path, monkeypatch):
+    """`--config` with no file, an empty one, a folder, one that is not there, an unset $VAR in it; a value glued to
+    --print-config, an unknown option, an override that is not key=value or names no key: one line each, exit 2."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv(wrong_arguments.UNSET, raising=False)
+    (tmp_path / "file.txt").write_text("x")
+    argv, value = wrong_arguments.argv_of(option, KINDS[option], case, {"tmp": str(tmp_path), "file": str(tmp_path / "file.txt")})
+    base = [] if option == "--config" else ["--config", TINY]
+    code = run("pretrain", PretrainConfig, recipe, [*base, *argv])
+    out, err = capsys.readouterr()
+    wrong_arguments.assert_one_line(code, out, err, option, value)
+    assert recipe.calls == []
+
+
+def test_the_arguments_may_come_in_any_order_and_config_once(recipe, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert run("pretrain", PretrainConfig, recipe, ["train.max_steps=3", f"--config={TINY}", "--print-config"]) == 0
+    assert "max_steps: 3" in capsys.readouterr().out and recipe.calls == []
+    assert run("pretrain", PretrainConfig, recipe, ["--config", TINY, "--config", TINY]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --config is given twice ({TINY}, {TINY}); give one")
+
+
+def test_a_missing_config_is_named_as_it_works_from_where_the_command_runs(recipe, capsys, tmp_path, monkeypatch):
+    """`--config recipes/configs/pretrain_tny.yaml` from another folder suggested recipes/configs/pretrain_tiny.yaml,
+    which is not there either; from the checkout the suggestion stays relative."""
+    monkeypatch.delenv("RANK", raising=False)
+    shipped = Path(TINY).parent
+    for where, suggested in ((tmp_path, str(shipped / "pretrain_tiny.yaml")), (shipped.parents[1], "recipes/configs/pretrain_tiny.yaml")):
+        monkeypatch.chdir(where)
+        assert run("pretrain", PretrainConfig, recipe, ["--config", "recipes/configs/pretrain_tny.yaml"]) == 2
+        assert capsys.readouterr().err == (f"error: --config recipes/configs/pretrain_tny.yaml does not exist; did you mean "
+                                           f"{suggested}?\n")
+        assert (where / suggested).is_file()
+
+
+@pytest.mark.parametrize("launch_config, kind", [("accelerate_configs/ddp.yaml", "an accelerate config"),
+                                                 ("ds_configs/zero3.json", "a DeepSpeed JSON")])
+def test_a_launch_config_given_as_the_recipes_is_one_line(launch_config, kind, recipe, capsys, monkeypatch):
+    """It was a problem per key it holds (`9 problems in the config: unknown key train_batch_size, ...`)."""
+    monkeypatch.delenv("RANK", raising=False)
+    path = str(Path(TINY).parents[2] / launch_config)
+    assert run("pretrain", PretrainConfig, recipe, ["--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --config {path} is {kind} (") and err.count("\n") == 1, err
+    assert "not a recipe's; give it as " in err

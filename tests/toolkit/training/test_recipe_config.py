@@ -123,3 +123,128 @@ def test_a_chat_setting_that_the_data_format_would_not_use_is_refused(overrides,
         load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_lora.yaml", overrides)
     load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_chat_lora.yaml", ["data.record_format=sharegpt",
                                                                               "data.path=chats.jsonl"])
+
+
+# every string-valued key of the recipes' configs that is not a path, and what it holds instead; the paths are each
+# config's PATHS (expanded by load_config). A new string key fails test_every_string_key_is_a_path_or_said_not_to_be.
+NOT_PATHS = {
+    "logging.trackers": "tracker names", "model.attn_implementation": "an attention kind",
+    "model.model_type": "a transformers model_type", "data.text_column": "a column name", "data.name": "a hub config name",
+    "data.split": "a split name", "data.sources[].name": "a source's name", "data.sources[].text_column": "a column name",
+    "data.sources[].subset": "a hub config name", "data.sources[].split": "a split name", "samples.prompts": "prompt text",
+    "adapter.target_modules": "module names", "adapter.modules_to_save": "module names",
+    "data.columns.conversation": "a column name", "data.columns.role": "a key of a turn",
+    "data.columns.content": "a key of a turn", "data.columns.user": "a speaker's name",
+    "data.columns.assistant": "a speaker's name", "data.columns.system": "a speaker's name",
+}
+
+
+def string_keys(cls, prefix: str = "") -> list[str]:
+    """Every key of a config tree whose value is text (str, str | None, list[str]); `[]` for each item of a list of
+    sections."""
+    import dataclasses
+    import types
+    import typing
+
+    hints, keys = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if dataclasses.is_dataclass(hint):
+            keys += string_keys(hint, f"{prefix}{f.name}.")
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(args[0]):
+            keys += string_keys(args[0], f"{prefix}{f.name}[].")
+        elif hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType) and args == [str]) or (
+                typing.get_origin(hint) is list and args == [str]):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+@pytest.mark.parametrize("cls", [PretrainConfig, FinetuneConfig], ids=lambda c: c.__name__)
+def test_every_string_key_is_a_path_or_said_not_to_be(cls):
+    keys = set(string_keys(cls))
+    assert keys - set(NOT_PATHS) == set(cls.PATHS), "a new text key: add it to the config's PATHS or to NOT_PATHS"
+    assert not set(cls.PATHS) & set(NOT_PATHS)
+
+
+# what each path key needs beside it to load (data.chat_template is read for chat records only)
+NEEDS = {"data.chat_template": ["data.format=chat"]}
+
+
+@pytest.mark.parametrize("cls, key", [(c, k) for c in (PretrainConfig, FinetuneConfig) for k in c.PATHS],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_every_path_key_takes_paths_as_users_write_them(cls, key, tmp_path, monkeypatch):
+    """~, $VAR and ${VAR} expanded the same way in every path key, before the range checks look for the file (a
+    chat_template of ~/t.jinja was "does not exist"; output_dir=~/runs/x made a folder named ~); relative paths stay
+    relative to where the recipe runs; an unset variable is one line naming the key."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RUNS", str(tmp_path))
+    monkeypatch.delenv("LLM_TOOLKIT_TEST_UNSET", raising=False)
+    (tmp_path / "f").write_text("{{ messages }}")
+    (tmp_path / "some").mkdir()
+    (tmp_path / "some" / "where").write_text("{{ messages }}")
+    monkeypatch.chdir(tmp_path)
+
+    def loaded(value: str):
+        override = (f"data.sources=[{{name: a, path: '{value}'}}]" if key == "data.sources[].path" else
+                    f"{key}={value}")
+        cfg = load_config(cls, None, [override, *NEEDS.get(key, [])])
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part.removesuffix("[]"))
+            node = node[0] if part.endswith("[]") else node
+        return node
+
+    for written in ("~/f", "$RUNS/f", "${RUNS}/f"):
+        assert loaded(written) == str(tmp_path / "f"), written
+    assert loaded("some/where") == "some/where"
+    with pytest.raises(ConfigError) as excinfo:
+        loaded("$LLM_TOOLKIT_TEST_UNSET/f")
+    shown = key.replace("[]", "[0]")
+    assert str(excinfo.value) == (f"{shown}=$LLM_TOOLKIT_TEST_UNSET/f names the environment variable "
+                                  "LLM_TOOLKIT_TEST_UNSET, which is not set; set it (export LLM_TOOLKIT_TEST_UNSET=...) "
+                                  "or write the path out")
+
+
+def test_a_chat_template_given_as_text_is_not_expanded():
+    cfg = load_config(FinetuneConfig, None, ["data.format=chat", "data.chat_template={{ '$HOME ~' ~ m }}"])
+    assert cfg.data.chat_template == "{{ '$HOME ~' ~ m }}"
+
+
+@pytest.mark.parametrize("cls, key", [(c, k) for c in (PretrainConfig, FinetuneConfig) for k in c.PATHS],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_a_relative_path_found_only_beside_the_config_is_one_line(cls, key, tmp_path, monkeypatch):
+    """A YAML in another folder naming `data/f` that is beside it, not where the recipe runs: one line with both fixes,
+    not "does not exist" from whichever reader meets it first (or, for output_dir, a fresh run somewhere else)."""
+    import yaml
+
+    (tmp_path / "proj" / "data").mkdir(parents=True)
+    (tmp_path / "proj" / "data" / "f").write_text("{{ messages }}")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    tree: dict = {}
+    node = tree
+    *sections, leaf = key.split(".")
+    for part in sections:
+        if part.endswith("[]"):
+            node[part[:-2]] = [{"name": "a"}]
+            node = node[part[:-2]][0]
+        else:
+            node = node.setdefault(part, {})
+    node[leaf] = "data/f"
+    (tmp_path / "proj" / "cfg.yaml").write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(cls, "../proj/cfg.yaml", NEEDS.get(key, []))
+    shown = key.replace("[]", "[0]")
+    assert str(excinfo.value) == (
+        f"{shown}=data/f (in ../proj/cfg.yaml) is not in {tmp_path / 'here'}, where relative paths start, but it is "
+        f"beside the config; write {shown}={tmp_path / 'proj/data/f'}, or launch from {tmp_path / 'proj'}")
+    (tmp_path / "here" / "data").mkdir()
+    (tmp_path / "here" / "data" / "f").write_text("{{ messages }}")
+    assert load_config(cls, "../proj/cfg.yaml", NEEDS.get(key, []))  # where it runs, it is taken as written
+
+
+def test_an_empty_output_dir_is_not_the_folder_the_recipe_runs_in():
+    """output_dir='' was Path(''): the run wrote into the folder it was launched from."""
+    with pytest.raises(ConfigError, match=r"^output_dir='' names no folder; give the run's folder, e.g. runs/x$"):
+        load_config(PretrainConfig, None, ["output_dir=''"])
