@@ -7,7 +7,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.config import UserError, value_at
+from toolkit.config import UserError
+from toolkit.config_keys import value_at
 from toolkit.data.mixture import stages_said, trained_part
 from toolkit.run_dir import TrainerState
 

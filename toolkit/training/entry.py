@@ -27,7 +27,8 @@ import sys
 import yaml
 
 from toolkit import quiet_weight_bars
-from toolkit.config import SHIPPED_CONFIGS, UserError, key_lines, load_config, to_dict
+from toolkit.config import SHIPPED_CONFIGS, UserError, load_config, to_dict
+from toolkit.config_keys import key_lines
 from toolkit.launch.cli import CALLED_AS
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher

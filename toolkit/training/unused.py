@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from toolkit.config import value_at as get
+from toolkit.config_keys import value_at as get
 
 _LORA = ("adapter.method", ("lora", "qlora"), "LoRA's")
 _CHAT = ("data.format", ("chat",), "chat records'")

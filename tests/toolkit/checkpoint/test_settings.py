@@ -86,7 +86,7 @@ def test_every_key_of_the_recipe_configs_says_what_a_resume_does_with_its_change
     """Refused, taken from the next step (said), kept by AdamW's state (refused), checked on its own, or free with
     the reason: a new key fails here until classified."""
     from toolkit.checkpoint import settings as s
-    from toolkit.config import dotted_keys
+    from toolkit.config_keys import dotted_keys
     from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
     classified = [*s.REFUSED, *s.OWN_CHECK, *s.SCHEDULE, *s.FROM_NEXT_STEP, *s.KEPT_BY_THE_OPTIMIZER, *s.FREE]

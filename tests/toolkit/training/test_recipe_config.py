@@ -246,5 +246,5 @@ def test_a_relative_path_found_only_beside_the_config_is_one_line(cls, key, tmp_
 
 def test_an_empty_output_dir_is_not_the_folder_the_recipe_runs_in():
     """output_dir='' was Path(''): the run wrote into the folder it was launched from."""
-    with pytest.raises(ConfigError, match=r"^output_dir='' names no folder; give the run's folder, e.g. runs/x$"):
+    with pytest.raises(ConfigError, match=r"^output_dir='' is blank; give a path, or drop it for the default, runs/pretrain$"):
         load_config(PretrainConfig, None, ["output_dir=''"])

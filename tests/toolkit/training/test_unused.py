@@ -7,7 +7,8 @@ import typing
 
 import pytest
 
-from toolkit.config import ConfigError, dotted_keys, load_config
+from toolkit.config import ConfigError, load_config
+from toolkit.config_keys import dotted_keys
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 from toolkit.training.unused import ALWAYS, CHECKED_BY, REPEATS_MEAN_SOMETHING, UNIQUE, USED_WHEN
 
