@@ -338,9 +338,9 @@ def test_resume_with_another_model_shape(pretrain, capsys, monkeypatch, tmp_path
     err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}", "train.max_steps=6", "resume=auto",
                    "model.config.hidden_size=128")
     assert err == (
-        f"error: checkpoint {out / 'checkpoints' / 'step-4'} holds a different model: model.embed_tokens.weight is "
-        "[512, 64] there and [512, 128] in this run; resume with the model settings it was saved with, or start a "
-        "new output_dir"
+        f"error: checkpoint {out / 'checkpoints' / 'step-4'} was trained with model.config.hidden_size=64 (this run has "
+        "128: it decides the model's shape and which weights train); a resume cannot take the change: resume with the "
+        "checkpoint's value, or start a new output_dir (model.path= its final/ or a checkpoint's weights for a fine-tune)"
     )
 
 

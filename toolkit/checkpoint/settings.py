@@ -138,8 +138,8 @@ def check_same_settings(folder: Path, settings: dict, max_steps: int) -> dict[st
     DeepSpeed JSON defines the optimizer or schedule (the recipe's optim section is not what runs)."""
     saved = TrainerState.read(folder)
     changed = {k: (saved.settings[k], v) for k, v in settings.items() if k in saved.settings and saved.settings[k] != v}
-    refused = [f"{k}={_said(was)} (this run has {_said(now)}: {REFUSED[k]})" for k, (was, now) in changed.items()
-               if k in REFUSED]
+    refused = [f"{key}={_said(a)} (this run has {_said(b)}: {REFUSED[k]})" for k, (was, now) in changed.items()
+               if k in REFUSED for key, a, b in _differences(k, was, now)]
     if refused:
         raise UserError(
             f"checkpoint {folder} was trained with {'; '.join(refused)}; a resume cannot take "
@@ -159,6 +159,16 @@ def check_same_settings(folder: Path, settings: dict, max_steps: int) -> dict[st
             f"resume cannot go back; set train.max_steps >= {saved.step}, or resume=PATH an earlier checkpoint"
         )
     return changed
+
+
+def _differences(key: str, was, now):
+    """(key, was, now) of each difference: a dict's (model.config) by its own keys."""
+    if not (isinstance(was, dict) and isinstance(now, dict)):
+        yield key, was, now
+        return
+    for sub in [*was, *(k for k in now if k not in was)]:
+        if was.get(sub) != now.get(sub):
+            yield f"{key}.{sub}", was.get(sub), now.get(sub)
 
 
 def _said(value) -> str:
