@@ -75,6 +75,7 @@ from toolkit.training.optim import prepare_optimization, wind_back
 from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
 from toolkit.training.stop import StopRequest
+from toolkit.writes import writing
 
 
 class SaveStopped(Exception):
@@ -147,6 +148,7 @@ class Trainer:
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
         self.metrics: MetricsWriter | None = None
+        self.trackers_written = True  # until a tracker's write fails (a full disk): said once, then left alone
         self.nonfinite_in_a_row = 0  # skipped steps since the last one that trained
         self.dead_check_pending = False  # set by a resume: the first step that trains is checked
 
@@ -288,7 +290,7 @@ class Trainer:
             self.print(f"resumed from {self.resume_from} at step {self.step}")
             self.dead_check_pending = True
         if self.strategy.is_main:
-            self.metrics = MetricsWriter(self.run.metrics, self.step)
+            self.metrics = MetricsWriter(self.run.metrics, self.step, self.print)
         if cfg.logging.trackers:
             # the project is the run folder's name (wandb's project, mlflow's experiment, ...); tensorboard
             # keeps its events in tensorboard/ (tracker_log_with)
@@ -565,14 +567,18 @@ class Trainer:
         }
 
     def close(self) -> Path | None:
-        """Flush the trackers and close metrics.jsonl; on the main process, plot the loss curve."""
-        self.accelerator.end_training()
+        """Flush the trackers and close metrics.jsonl; on the main process, plot the loss curve. A write
+        that fails here is one warning each (toolkit.writes.WRITERS): the deliverable is already written."""
+        with writing("trackers", say=self.print):
+            self.accelerator.end_training()
         self.run.release()  # after the deliverable: the recipe wrote it before calling close
         if self.metrics is None:
             return None
         self.metrics.close()
         self.metrics = None
-        return plot_loss(self.run.metrics, self.run.loss_plot)
+        with writing("loss plot", self.run.loss_plot, say=self.print):
+            return plot_loss(self.run.metrics, self.run.loss_plot)
+        return None
 
     def log(self, kind: str, record: dict) -> None:
         """A row of metrics.jsonl of `kind` (toolkit.training.metrics.KINDS: the columns each kind has), and its
@@ -580,8 +586,13 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write({"kind": check_kind(kind, record), **record})
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        if self.cfg.logging.trackers:
-            self.accelerator.log(scalars, step=record["step"])
+        if self.cfg.logging.trackers and self.trackers_written:
+            with writing("trackers", say=self._trackers_failed):
+                self.accelerator.log(scalars, step=record["step"])
+
+    def _trackers_failed(self, warning: str) -> None:
+        self.trackers_written = False
+        self.print(f"{warning} ({', '.join(self.cfg.logging.trackers)}: not written to again in this run)")
 
 
 def model_size(model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
