@@ -95,7 +95,7 @@ WRITERS: dict[str, Writer] = {
         "the previous export if any (the staging folder removed)",
     ),
     "metrics": Writer(
-        "metrics.jsonl: one row a step, eval, save error", ("toolkit.training.metrics:MetricsWriter.__init__",
+        "metrics.jsonl: one row a step, eval, save error", ("toolkit.training.metrics:MetricsWriter._open",
                                                             "toolkit.training.metrics:MetricsWriter.write"),
         "free space; the rows after it are not written", "the rows written before it", exit=None,
     ),
