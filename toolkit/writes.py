@@ -100,11 +100,11 @@ WRITERS: dict[str, Writer] = {
         "free space; the rows after it are not written", "the rows written before it", exit=None,
     ),
     "trackers": Writer(
-        "tensorboard/ (and the other trackers Accelerate drives)", ("toolkit.training.trainer:Trainer.log",),
-        "free space; the trackers are not written to again in this run", "the events written before it", exit=None,
+        "tensorboard/ (and the other trackers Accelerate drives)", ("toolkit.training.metrics:TrackerLog.log", "toolkit.training.metrics:TrackerLog.close"),
+        "free space; logging.trackers are not written to again in this run", "the events written before it", exit=None,
     ),
     "loss plot": Writer(
-        "loss.png", ("toolkit.training.metrics:plot_loss",), "free space; metrics.jsonl holds the same numbers",
+        "loss.png", ("toolkit.training.metrics:_plot_loss",), "free space; metrics.jsonl holds the same numbers",
         "no loss.png, or a partial one", exit=None,
     ),
     "profile": Writer(

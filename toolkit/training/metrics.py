@@ -193,7 +193,7 @@ class MetricsWriter:
             self._file.flush()
 
     def _give_up(self, warning: str) -> None:
-        self.say(f"{warning} (its later rows are not written)")
+        self.say(warning)
         if self._file is not None:
             with contextlib.suppress(OSError):  # closing flushes the rows that did not fit, and fails again
                 self._file.close()
@@ -206,11 +206,38 @@ class MetricsWriter:
             self._file = None
 
 
+class TrackerLog:
+    """The numbers of each row to the trackers Accelerate drives (logging.trackers), until a write fails (a full
+    disk): said once through `say`, then left alone for the rest of the run (toolkit.writes.WRITERS['trackers'])."""
+
+    def __init__(self, accelerator, trackers: list[str], say: Callable[[str], None]):
+        self.accelerator, self.trackers, self.say, self.written = accelerator, trackers, say, True
+
+    def log(self, scalars: dict, step: int) -> None:
+        if self.trackers and self.written:
+            self.written = False
+            with writing("trackers", say=self.say):
+                self.accelerator.log(scalars, step=step)
+                self.written = True
+
+    def close(self) -> None:
+        """Flush and close the trackers (Accelerate's end_training)."""
+        with writing("trackers", say=self.say):
+            self.accelerator.end_training()
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_loss(metrics_path: Path, out_png: Path) -> Path:
+def plot_loss(metrics_path: Path, out_png: Path, say: Callable[[str], None] = print) -> Path | None:
+    """loss.png; None where it could not be written (said through `say`: metrics.jsonl holds the same numbers)."""
+    with writing("loss plot", out_png, say=say):
+        return _plot_loss(metrics_path, out_png)
+    return None
+
+
+def _plot_loss(metrics_path: Path, out_png: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -59,6 +59,7 @@ from toolkit.training.feed import Feed
 from toolkit.training.metrics import (
     HostCopy,
     MetricsWriter,
+    TrackerLog,
     beside_the_bar,
     check_kind,
     check_trackers,
@@ -75,7 +76,6 @@ from toolkit.training.optim import prepare_optimization, wind_back
 from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
 from toolkit.training.stop import StopRequest
-from toolkit.writes import writing
 
 
 class SaveStopped(Exception):
@@ -148,7 +148,7 @@ class Trainer:
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
         self.metrics: MetricsWriter | None = None
-        self.trackers_written = True  # until a tracker's write fails (a full disk): said once, then left alone
+        self.trackers = TrackerLog(self.accelerator, cfg.logging.trackers, self.print)  # until a write fails
         self.nonfinite_in_a_row = 0  # skipped steps since the last one that trained
         self.dead_check_pending = False  # set by a resume: the first step that trains is checked
 
@@ -567,32 +567,21 @@ class Trainer:
         }
 
     def close(self) -> Path | None:
-        """Flush the trackers and close metrics.jsonl; on the main process, plot the loss curve. A write
-        that fails here is one warning each (toolkit.writes.WRITERS): the deliverable is already written."""
-        with writing("trackers", say=self.print):
-            self.accelerator.end_training()
+        """Flush the trackers and close metrics.jsonl; on the main process, plot the loss curve."""
+        self.trackers.close()
         self.run.release()  # after the deliverable: the recipe wrote it before calling close
         if self.metrics is None:
             return None
         self.metrics.close()
         self.metrics = None
-        with writing("loss plot", self.run.loss_plot, say=self.print):
-            return plot_loss(self.run.metrics, self.run.loss_plot)
-        return None
+        return plot_loss(self.run.metrics, self.run.loss_plot, self.print)
 
     def log(self, kind: str, record: dict) -> None:
         """A row of metrics.jsonl of `kind` (toolkit.training.metrics.KINDS: the columns each kind has), and its
         numbers to the trackers."""
         if self.metrics is not None:
             self.metrics.write({"kind": check_kind(kind, record), **record})
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        if self.cfg.logging.trackers and self.trackers_written:
-            with writing("trackers", say=self._trackers_failed):
-                self.accelerator.log(scalars, step=record["step"])
-
-    def _trackers_failed(self, warning: str) -> None:
-        self.trackers_written = False
-        self.print(f"{warning} ({', '.join(self.cfg.logging.trackers)}: not written to again in this run)")
+        self.trackers.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, record["step"])
 
 
 def model_size(model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
