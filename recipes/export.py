@@ -48,6 +48,7 @@ from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_o
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.user_paths import UnusablePath, expand_path
+from toolkit.writes import WriteFailed
 
 FORMATS = ("hf", "gguf", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -186,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.format == "hf":
                 model = model.to(DTYPES[args.dtype])
                 card = HF_CARD.format(name=output.name, dtype=args.dtype, ppl="see export_report.md", **facts)
-                write_model_folder(model, tokenizer, staged, {}, {}, card=card, max_shard_size=args.max_shard_size)
+                write_model_folder(model, tokenizer, staged, {}, {}, card=card, max_shard_size=args.max_shard_size,
+                                   writer="export")
                 exported = _load_hf(staged)
             else:
-                hf_folder = write_model_folder(model, tokenizer, work / "model", {}, {}, card="")
+                hf_folder = write_model_folder(model, tokenizer, work / "model", {}, {}, card="", writer="export")
                 if args.format == "gguf":
                     from toolkit.export.gguf import write_gguf, write_modelfile
 
@@ -221,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WriteFailed as exc:  # a full disk, an I/O error: one line, the staging folder removed
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit
     return 0
 
 

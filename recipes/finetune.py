@@ -243,7 +243,10 @@ class FinetuneRecipe:
         if cfg.samples.max_new_tokens and state.samples_before:
             after = generate(trained, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
             header = f"{base}, {cfg.adapter.method}, {cfg.data.format} data, {state.step} steps"
-            print(f"samples     : {write_samples(run_dir.samples, cfg.samples.prompts, state.samples_before, after, header)}")
+            written = write_samples(run_dir.samples, cfg.samples.prompts, state.samples_before, after, header,
+                                    say=lambda line: print(f"[finetune] {line}"))
+            if written is not None:
+                print(f"samples     : {written}")
 
 
 def _reload(final: Path | None, adapter_dir: Path | None, cfg: FinetuneConfig):

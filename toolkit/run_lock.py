@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from toolkit.config import UserError
+from toolkit.writes import writing
 
 LOCK_FILE = ".run.lock"  # the owner's lock; neither the run's entry nor a foreign one
 
@@ -59,8 +60,9 @@ class OwnerLock:
             os.close(fd)
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "launch": launch}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        with writing("run lock"):  # a full disk: one line (toolkit.writes.WRITERS), exit 2
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
         return cls(fd, path, made)
 
     @staticmethod

@@ -7,6 +7,7 @@
     run_lock             the run folder's one owner
     run_paths            every folder a run or an export writes or deletes, against what it may overlap
     manifest, faults     a checkpoint's checksums; the kill and write-failure points tests plant
+    writes               every writer and what a failed write does (the full-disk table)
     data                 corpus, tokenizer, packing, chat, batch schedule
     models               build from scratch, load a base, adapters, loss, gradient checkpointing
     launch               the launcher, what a rank knows from it, one error line and exit code per launch
@@ -27,7 +28,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"config", "config_keys", "config_values", "user_paths", "run_dir", "run_paths", "parallel_layout", "run_lock", "manifest", "faults"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
+LAYERS = [{"config", "config_keys", "config_values", "user_paths", "run_dir", "run_paths", "parallel_layout", "run_lock", "manifest", "faults", "writes"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
           {"planner"}, {"checkpoint"}, {"export"}, {"training"}]
 # the packages that may read the launcher's variables and import deepspeed (the planner reads an accelerate config)
 KNOW_THE_LAUNCH = ("launch", "strategy", "planner", "checkpoint")

@@ -32,6 +32,7 @@ from toolkit.config import UserError
 from toolkit.manifest import crc32
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import STATE_FILE, converted_state
+from toolkit.writes import failed_write
 
 
 def convert(folder: Path, into: Path) -> None:
@@ -104,13 +105,14 @@ def cached_conversion(folder: Path) -> tuple[Path, bool]:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         convert(folder, partial)
-    except OSError as exc:
+    except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)
-        why = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else exc.strerror or str(exc)
-        raise UserError(f"checkpoint {folder} could not be converted into {target} ({why}); copy the checkpoint "
+        cause = failed_write(exc)  # whatever the writer raised (toolkit.writes): an OSError, a SafetensorError...
+        if cause is None:
+            raise
+        if isinstance(exc, OSError) and exc.strerror and exc.filename:
+            cause = f"{exc.strerror}: {exc.filename}"
+        raise UserError(f"checkpoint {folder} could not be converted into {target} ({cause}); copy the checkpoint "
                         "into a writable folder with room for its weights and Adam state") from None
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     partial.rename(target)
     return target, False

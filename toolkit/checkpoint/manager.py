@@ -37,6 +37,7 @@ from toolkit.run_dir import (
     converted_state,
 )
 from toolkit.strategy.distributed import Strategy
+from toolkit.writes import failed_write
 
 
 @dataclass
@@ -92,9 +93,10 @@ def save_checkpoint(
     if acc.is_main_process and previous is not None:
         warn_low_space(folder, previous, say)
     acc.wait_for_everyone()
-    # A write that fails (disk full, I/O error, permission) on any rank fails the save on every
-    # rank: the partial folder goes, the previous checkpoint was never touched, and the trainer
-    # stops or goes on as checkpoint.on_save_error says.
+    # A write that fails (disk full, I/O error, permission; whatever its writer raises: toolkit.writes)
+    # on any rank fails the save on every rank: the partial folder goes, the previous checkpoint was
+    # never touched, and the trainer stops or goes on as checkpoint.on_save_error says. Any other error
+    # is raised as it is, its partial folder removed too.
     failure = None
     try:
         strategy.accelerator.save_state(str(folder))
@@ -103,8 +105,8 @@ def save_checkpoint(
         if rank_files is not None:
             rank_files(folder)
         fail_point("save.rank_files", state.step, folder)
-    except (OSError, RuntimeError) as exc:
-        failure = _write_failure(exc, strategy.rank, folder)
+    except BaseException as exc:
+        failure = _write_failure(exc, strategy.rank, folder, acc.is_main_process)
     kill_point("save.rank_files", state.step)
     failure = _first(strategy, failure)
     if failure is None and acc.is_main_process:
@@ -119,8 +121,8 @@ def save_checkpoint(
             state.manifest_crc32 = crc32(write_manifest(folder))
             kill_point("save.manifest", state.step)
             state.write(folder)
-        except (OSError, RuntimeError) as exc:
-            failure = _write_failure(exc, strategy.rank, folder)
+        except BaseException as exc:
+            failure = _write_failure(exc, strategy.rank, folder, True)
     failure = _first(strategy, failure)
     if failure is not None:
         if acc.is_main_process:
@@ -155,17 +157,19 @@ class SaveFailed(Exception):
     """A checkpoint could not be written; its partial folder is gone and the previous one is intact."""
 
 
-def _write_failure(exc: Exception, rank: int, folder: Path) -> str:
-    """One line for a failed write; anything else is re-raised. torch.save reports a full disk
-    as a RuntimeError from its zip writer ("unexpected pos ..."), not as an OSError."""
-    if isinstance(exc, OSError):
-        where = f" writing {exc.filename}" if exc.filename else ""
-        return f"rank {rank}{where}: {exc.strerror or exc}"
-    text = str(exc)
-    if "inline_container" not in text and "write" not in text.lower():
+def _write_failure(exc: BaseException, rank: int, folder: Path, main: bool) -> str:
+    """One line for a failed write (toolkit.writes.failed_write: an OSError, safetensors' SafetensorError,
+    torch.save's RuntimeError from its zip writer, a PicklingError); anything else is re-raised, the
+    partial folder removed first by the main process."""
+    cause = failed_write(exc)
+    if cause is None:
+        if main:
+            shutil.rmtree(folder, ignore_errors=True)
         raise exc
+    if isinstance(exc, OSError) and exc.filename:
+        return f"rank {rank} writing {exc.filename}: {exc.strerror or exc}"
     full = " (the disk is full)" if _free(folder) == 0 else ""
-    return f"rank {rank} writing into {folder}: {text.splitlines()[0][:200]}{full}"
+    return f"rank {rank} writing into {folder}: {cause}{full}"
 
 
 def _size(n: int) -> str:

@@ -45,6 +45,7 @@ import pyarrow.compute as pc
 import torch
 
 from toolkit.config import UserError
+from toolkit.writes import writing
 
 IGNORE_INDEX = -100
 PACKING_VERSION = "3"  # 3: documents over PIECE_CHARS tokenized in pieces; 2: one memory-mapped arrow file of blocks
@@ -387,41 +388,44 @@ def packed_dataset(
     if ranks.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     ranks.gather(None)  # cleared before anyone writes into it
-    tmp.mkdir(parents=True, exist_ok=True)
-    # the contiguous share datasets' shard(contiguous=True) takes, which may be empty: fewer documents than ranks
-    div, extra = divmod(len(docs), ranks.world)
-    first = ranks.rank * div + min(ranks.rank, extra)
-    size = div + (ranks.rank < extra)
-    shard = (docs.select(range(first, first + size)) if size else docs.select([])) if ranks.world > 1 else docs
-    ids_file = tmp / f"ids-{ranks.rank:05d}.arrow"
-    # num_proc is the node's: its ranks tokenize at once, so each takes its part of the processes
-    per_rank = max(1, num_proc // ranks.local_world)
-    # A window of documents at a time, each with fresh tokenizing processes: a process's RSS then
-    # holds the text pages of one window (datasets reads the text through its memory map), not the
-    # pages of its whole part, which grow with the corpus.
-    window = TOKENIZE_DOCUMENTS * per_rank
-    parts = [tokenize_documents(shard.select(range(a, min(a + window, len(shard)))) if len(shard) else shard,
-                                tokenizer, per_rank,
-                                cache_file=str(tmp / f"{ids_file.stem}-w{i:05d}.arrow"))
-             for i, a in enumerate(range(0, max(1, len(shard)), window))]
-    tokenized = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    name = f"blocks-{ranks.rank:05d}-of-{ranks.world:05d}.arrow"
-    n_blocks = pack_shard(tokenized, seq_len, tokenizer.pad_token_id, tmp / name, ranks)
-    del tokenized
-    for scratch in tmp.glob(f"{ids_file.stem}*.arrow"):  # one file per window and tokenizing process
-        scratch.unlink()
-    files = ranks.gather((name, n_blocks))
-    if not all(ranks.gather(all((tmp / f).is_file() for f, _ in files))):
-        raise UserError(
-            f"data.cache_dir={cache_root} is not one folder for all {ranks.world} ranks (a rank cannot see the "
-            "blocks another wrote); on several nodes put data.cache_dir on a filesystem every node mounts"
-        )
-    if ranks.rank == 0:
-        (tmp / MANIFEST).write_text(json.dumps({"files": [f for f, n in files if n], "blocks": sum(n for _, n in files)}))
-        for empty in (f for f, n in files if not n):  # a shard inside one block of the shard before it
-            (tmp / empty).unlink()
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
+    # a write that fails (a full disk, in this process or a tokenizing one) is one line, and the scratch and
+    # block files go with the .tmp folder (toolkit.writes.WRITERS['data cache'])
+    with writing("data cache", tmp):
+        tmp.mkdir(parents=True, exist_ok=True)
+        # the contiguous share datasets' shard(contiguous=True) takes, which may be empty: fewer documents than ranks
+        div, extra = divmod(len(docs), ranks.world)
+        first = ranks.rank * div + min(ranks.rank, extra)
+        size = div + (ranks.rank < extra)
+        shard = (docs.select(range(first, first + size)) if size else docs.select([])) if ranks.world > 1 else docs
+        ids_file = tmp / f"ids-{ranks.rank:05d}.arrow"
+        # num_proc is the node's: its ranks tokenize at once, so each takes its part of the processes
+        per_rank = max(1, num_proc // ranks.local_world)
+        # A window of documents at a time, each with fresh tokenizing processes: a process's RSS then
+        # holds the text pages of one window (datasets reads the text through its memory map), not the
+        # pages of its whole part, which grow with the corpus.
+        window = TOKENIZE_DOCUMENTS * per_rank
+        parts = [tokenize_documents(shard.select(range(a, min(a + window, len(shard)))) if len(shard) else shard,
+                                    tokenizer, per_rank,
+                                    cache_file=str(tmp / f"{ids_file.stem}-w{i:05d}.arrow"))
+                 for i, a in enumerate(range(0, max(1, len(shard)), window))]
+        tokenized = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        name = f"blocks-{ranks.rank:05d}-of-{ranks.world:05d}.arrow"
+        n_blocks = pack_shard(tokenized, seq_len, tokenizer.pad_token_id, tmp / name, ranks)
+        del tokenized
+        for scratch in tmp.glob(f"{ids_file.stem}*.arrow"):  # one file per window and tokenizing process
+            scratch.unlink()
+        files = ranks.gather((name, n_blocks))
+        if not all(ranks.gather(all((tmp / f).is_file() for f, _ in files))):
+            raise UserError(
+                f"data.cache_dir={cache_root} is not one folder for all {ranks.world} ranks (a rank cannot see the "
+                "blocks another wrote); on several nodes put data.cache_dir on a filesystem every node mounts"
+            )
+        if ranks.rank == 0:
+            (tmp / MANIFEST).write_text(json.dumps({"files": [f for f, n in files if n], "blocks": sum(n for _, n in files)}))
+            for empty in (f for f, n in files if not n):  # a shard inside one block of the shard before it
+                (tmp / empty).unlink()
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
     ranks.gather(None)
     return _load_blocks(target)
 

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from toolkit.config import ConfigError, UserError, field, first_line, read_json
 from toolkit.config_values import path_problems
 from toolkit.data.packing import document_pieces
+from toolkit.writes import writing
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -145,6 +146,7 @@ def get_tokenizer(cfg: TokenizerConfig, corpus: datasets.Dataset, cache: Path) -
         corpus = corpus.select(np.sort(pick))
     tok = train_bpe(corpus, cfg.vocab_size, cfg.min_frequency)
     tmp = cache.with_name(cache.name + ".tmp")
-    tok.save_pretrained(str(tmp))
-    tmp.rename(cache)
+    with writing("tokenizer cache", tmp):  # a failed write: one line, the .tmp removed
+        tok.save_pretrained(str(tmp))
+        tmp.rename(cache)
     return tok

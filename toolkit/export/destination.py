@@ -28,6 +28,7 @@ from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, write_manifest, written_by
 from toolkit.run_dir import RunDir
 from toolkit.run_paths import run_around
+from toolkit.writes import writing
 
 EXPORTED_BY = "llm-toolkit recipes/export.py"
 MODELFILE_FIRST_LINE = "# Ollama: ollama create "  # the first line of every Modelfile write_modelfile writes
@@ -139,9 +140,10 @@ def staging(output: Path) -> Iterator[tuple[Path, Path]]:
     renames), deleted on the way out with whatever is left in it."""
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.export-", dir=output.parent) as tmp:
-        (Path(tmp) / "out").mkdir()
-        (Path(tmp) / "work").mkdir()
-        yield Path(tmp) / "out" / output.name, Path(tmp) / "work"
+        with writing("export"):  # a write that fails inside: WriteFailed, one line (toolkit.writes.WRITERS)
+            (Path(tmp) / "out").mkdir()
+            (Path(tmp) / "work").mkdir()
+            yield Path(tmp) / "out" / output.name, Path(tmp) / "work"
 
 
 def put_in_place(staged: Path, output: Path, fmt: str, overwrite: bool, reads: dict[str, Path | None]) -> None:

@@ -23,6 +23,7 @@ from toolkit.manifest import write_manifest
 from toolkit.models.adapter import BASE_MODEL_FILE
 from toolkit.run_dir import replace_folder
 from toolkit.strategy.distributed import Strategy
+from toolkit.writes import writing
 
 # what a card of a model or an adapter says of the run that made it (its .format fields)
 RUN_ROWS = """| steps | {step} |
@@ -140,49 +141,52 @@ def write_model_folder(
     card: str | None = None,
     max_shard_size: str = "5GB",
     dtype: str | None = None,
+    writer: str = "final model",
 ) -> Path:
     """One process: the model (or `state_dict` for it), tokenizer and card, renamed into place.
 
     `card` replaces the training card (README.md); weights above `max_shard_size` are split
-    into shards with an index, as transformers does. `dtype` casts the floating-point weights
+    into shards with an index, as transformers does. `writer` names it in the line a failed write
+    says (toolkit.writes.WRITERS). `dtype` casts the floating-point weights
     (and says so in config.json); None keeps them as they are."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if dtype is not None:  # a torch dtype's name (checkpoint.final_dtype)
-        state_dict = {
-            k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
-            for k, v in (state_dict if state_dict is not None else model.state_dict()).items()
-        }
-    if state_dict is not None:
-        for key in tied_copies(model):
-            state_dict.pop(key, None)
-    generate_with_cache(model)
-    with undistributed(model.config):
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
-    if dtype is not None:  # save_pretrained wrote the dtype of the live parameters (16-bit under DeepSpeed)
-        model.config.dtype = dtype
-        model.config.save_pretrained(tmp)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    kill_point("final")
-    if card is not None:
-        (tmp / "README.md").write_text(card)
+    with writing(writer, tmp):  # a failed write: one line (toolkit.writes.WRITERS), the .tmp removed
+        if dtype is not None:  # a torch dtype's name (checkpoint.final_dtype)
+            state_dict = {
+                k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                for k, v in (state_dict if state_dict is not None else model.state_dict()).items()
+            }
+        if state_dict is not None:
+            for key in tied_copies(model):
+                state_dict.pop(key, None)
+        generate_with_cache(model)
+        with undistributed(model.config):
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+        if dtype is not None:  # save_pretrained wrote the dtype of the live parameters (16-bit under DeepSpeed)
+            model.config.dtype = dtype
+            model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        kill_point("final")
+        if card is not None:
+            (tmp / "README.md").write_text(card)
+            write_manifest(tmp)
+            return replace_folder(tmp, out_dir)
+        facts = {"name": out_dir.name, "origin": "trained from scratch", **card_facts}
+        facts.setdefault(
+            "weights", f"{dtype}, cast from the fp32 master weights (the same under every strategy)" if dtype else "as trained"
+        )
+        for key in ("eval_loss", "eval_ppl"):
+            if isinstance(facts.get(key), float):
+                facts[key] = f"{facts[key]:.4f}"
+        facts.setdefault("eval_loss", "n/a")
+        facts.setdefault("eval_ppl", "n/a")
+        (tmp / "README.md").write_text(CARD.format(config=yaml.safe_dump(train_config, sort_keys=False), **facts))
+        (tmp / "training_summary.json").write_text(json.dumps(card_facts, indent=2))
         write_manifest(tmp)
         return replace_folder(tmp, out_dir)
-    facts = {"name": out_dir.name, "origin": "trained from scratch", **card_facts}
-    facts.setdefault(
-        "weights", f"{dtype}, cast from the fp32 master weights (the same under every strategy)" if dtype else "as trained"
-    )
-    for key in ("eval_loss", "eval_ppl"):
-        if isinstance(facts.get(key), float):
-            facts[key] = f"{facts[key]:.4f}"
-    facts.setdefault("eval_loss", "n/a")
-    facts.setdefault("eval_ppl", "n/a")
-    (tmp / "README.md").write_text(CARD.format(config=yaml.safe_dump(train_config, sort_keys=False), **facts))
-    (tmp / "training_summary.json").write_text(json.dumps(card_facts, indent=2))
-    write_manifest(tmp)
-    return replace_folder(tmp, out_dir)
 
 
 @contextlib.contextmanager
@@ -246,20 +250,21 @@ def save_adapter(
     lora = peft_model.peft_config["default"]
     named = lora.base_model_name_or_path  # where the base was loaded from: a GGUF's folder holds no config
     lora.base_model_name_or_path = base_path or named
-    try:
-        peft_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
-    finally:
-        lora.base_model_name_or_path = named
-    tokenizer.save_pretrained(tmp)
-    if facts is not None:
-        note = (f"The base named is the float copy of {facts['gguf']} the toolkit cached on the machine that trained "
-                "it (elsewhere, load that GGUF's weights as the base). " if base_path and facts.get("gguf") else
-                "The base was a GGUF without a float copy to name (model.gguf_cache=false): peft cannot load it by "
-                "itself. " if not base_path else "")
-        (tmp / "README.md").write_text(adapter_card(out_dir, facts, lora.to_dict(), base_path or named, note, dtype))
-    if base_model is not None:
-        (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
-    write_manifest(tmp)
-    replace_folder(tmp, out_dir)
+    with writing("final model", tmp):  # a failed write: one line, the .tmp removed
+        try:
+            peft_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
+        finally:
+            lora.base_model_name_or_path = named
+        tokenizer.save_pretrained(tmp)
+        if facts is not None:
+            note = (f"The base named is the float copy of {facts['gguf']} the toolkit cached on the machine that trained "
+                    "it (elsewhere, load that GGUF's weights as the base). " if base_path and facts.get("gguf") else
+                    "The base was a GGUF without a float copy to name (model.gguf_cache=false): peft cannot load it by "
+                    "itself. " if not base_path else "")
+            (tmp / "README.md").write_text(adapter_card(out_dir, facts, lora.to_dict(), base_path or named, note, dtype))
+        if base_model is not None:
+            (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
+        write_manifest(tmp)
+        replace_folder(tmp, out_dir)
     strategy.accelerator.wait_for_everyone()
     return out_dir

@@ -54,6 +54,7 @@ from toolkit.config import ConfigError, UserError, read_yaml
 from toolkit.launch.environment import gpus_short
 from toolkit.launch.rank_process import LAUNCHER_PID
 from toolkit.user_paths import from_here
+from toolkit.writes import WriteFailed, writing
 
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
 # peers' collectives fail (4), and a rank stops (3) only when every rank does
@@ -80,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     if crowded is not None:
         print(crowded, file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="llm-toolkit-launch-") as copies:
-        args.config_file = paths_from_its_folder(args.config_file, Path(copies))
+        try:
+            args.config_file = paths_from_its_folder(args.config_file, Path(copies))
+        except WriteFailed as exc:  # a full temporary folder: one line (toolkit.writes.WRITERS)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return exc.exit
         return _launch(args)
 
 
@@ -282,7 +287,8 @@ def paths_from_its_folder(config_file: str | None, copies: Path) -> str | None:
         return config_file  # the rank's own check names it
     ds["deepspeed_config_file"] = str(found)
     copy = copies / Path(config_file).name
-    copy.write_text(yaml.safe_dump(config, sort_keys=False))
+    with writing("launch config copy", copy):
+        copy.write_text(yaml.safe_dump(config, sort_keys=False))
     return str(copy)
 
 

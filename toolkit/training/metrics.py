@@ -7,7 +7,7 @@ import contextlib
 import difflib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from toolkit.config import field
 from toolkit.training.profiling import check_steps
+from toolkit.writes import writing
 
 # Dense bf16 peak (no sparsity) per GPU, FLOP/s, from the vendors' datasheets.
 PEAK_BF16_FLOPS = {
@@ -155,11 +156,18 @@ def check_kind(kind: str, record: dict) -> str:
 
 class MetricsWriter:
     """Appends one JSON object per line; on resume, drops lines past the resumed step, and a
-    last line torn by a hard kill (it would otherwise make every later read fail)."""
+    last line torn by a hard kill (it would otherwise make every later read fail). A write that
+    fails (a full disk) is said once through `say`, and the run goes on without metrics.jsonl's
+    later rows (toolkit.writes.WRITERS['metrics'])."""
 
-    def __init__(self, path: Path, resume_step: int | None):
-        self.path = path
+    def __init__(self, path: Path, resume_step: int | None, say: Callable[[str], None] = print):
+        self.path, self.say = path, say
         self._kept: list[dict] = []
+        self._file = None
+        with writing("metrics", say=self._give_up):
+            self._open(path, resume_step)
+
+    def _open(self, path: Path, resume_step: int | None) -> None:
         if resume_step is not None and path.exists():
             kept = []
             for line in path.read_text().splitlines():
@@ -178,18 +186,58 @@ class MetricsWriter:
         return any(r.get("step") == step and key in r for r in self._kept)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is None:  # a write failed: said once, the rows after it are not written
+            return
+        with writing("metrics", say=self._give_up):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def _give_up(self, warning: str) -> None:
+        self.say(warning)
+        if self._file is not None:
+            with contextlib.suppress(OSError):  # closing flushes the rows that did not fit, and fails again
+                self._file.close()
+        self._file = None
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            with writing("metrics", say=self._give_up):
+                self._file.close()
+            self._file = None
+
+
+class TrackerLog:
+    """The numbers of each row to the trackers Accelerate drives (logging.trackers), until a write fails (a full
+    disk): said once through `say`, then left alone for the rest of the run (toolkit.writes.WRITERS['trackers'])."""
+
+    def __init__(self, accelerator, trackers: list[str], say: Callable[[str], None]):
+        self.accelerator, self.trackers, self.say, self.written = accelerator, trackers, say, True
+
+    def log(self, scalars: dict, step: int) -> None:
+        if self.trackers and self.written:
+            self.written = False
+            with writing("trackers", say=self.say):
+                self.accelerator.log(scalars, step=step)
+                self.written = True
+
+    def close(self) -> None:
+        """Flush and close the trackers (Accelerate's end_training)."""
+        with writing("trackers", say=self.say):
+            self.accelerator.end_training()
 
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_loss(metrics_path: Path, out_png: Path) -> Path:
+def plot_loss(metrics_path: Path, out_png: Path, say: Callable[[str], None] = print) -> Path | None:
+    """loss.png; None where it could not be written (said through `say`: metrics.jsonl holds the same numbers)."""
+    with writing("loss plot", out_png, say=say):
+        return _plot_loss(metrics_path, out_png)
+    return None
+
+
+def _plot_loss(metrics_path: Path, out_png: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

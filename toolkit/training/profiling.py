@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from toolkit.run_dir import RunDir
+from toolkit.writes import writing
 
 TOP = 12  # kernels and gaps in the table
 # Each kernel's (or CPU operator's) kind, by the first pattern its lowered name holds: what a step's device time
@@ -91,11 +92,16 @@ class StepProfiler:
             profiler.stop()
         if not self.is_main:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.summary = summarise(profiler.events(), wall_us, self.first, self.last)
-        (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=1))
-        (self.folder / "summary.md").write_text("\n".join(table(self.summary)) + "\n")
-        profiler.export_chrome_trace(str(self.folder / "trace.json"))  # kineto's: device streams included
+        written = False
+        with writing("profile", say=self.say):  # a full disk: one warning, the run goes on
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=1))
+            (self.folder / "summary.md").write_text("\n".join(table(self.summary)) + "\n")
+            profiler.export_chrome_trace(str(self.folder / "trace.json"))  # kineto's: device streams included
+            written = True
+        if not written:
+            return
         self.say(f"profile: {self.folder} ({_steps(self.first, self.last)}: {self.summary['wall_ms']:.0f} ms, the "
                  f"device busy {self.summary['busy_share']:.0%} of it; the table in summary.md)")
 

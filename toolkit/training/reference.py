@@ -27,6 +27,7 @@ from toolkit.models.gguf_base import resolve_gguf
 from toolkit.models.preference_loss import token_logps
 from toolkit.run_dir import RunDir
 from toolkit.training.step import on_device
+from toolkit.writes import writing
 
 
 @torch.no_grad()
@@ -130,6 +131,6 @@ def _read(path: Path, key: str) -> dict[str, np.ndarray] | None:
 
 def _write(path: Path, key: str, values: dict[str, np.ndarray]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with writing("preference reference", tmp), open(tmp, "wb") as f:  # a failed write: one line, the .tmp removed
         np.savez(f, fingerprint=np.array(key), **values)
     os.replace(tmp, path)

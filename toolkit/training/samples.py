@@ -11,6 +11,7 @@ waits forever for ranks that are elsewhere. A sharded model is refused instead o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from toolkit.config import field
 from toolkit.strategy.distributed import check_whole
+from toolkit.writes import writing
 
 
 @dataclass
@@ -84,12 +86,16 @@ def sample_folder(folder: Path, prompt: str, max_new_tokens: int, seed: int) -> 
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def write_samples(path: Path, prompts: list[str], before: list[str], after: list[str], header: str) -> Path:
+def write_samples(path: Path, prompts: list[str], before: list[str], after: list[str], header: str,
+                  say: Callable[[str], None] = print) -> Path | None:
+    """samples.md; None where it could not be written (said through `say`: final/ is complete, the run goes on)."""
     lines = [f"# Samples: {header}", "", "Greedy decoding; the same prompts before and after training.", ""]
     for i, (prompt, b, a) in enumerate(zip(prompts, before, after, strict=True), 1):
         lines += [f"## {i}. {prompt}", "", "**before**", "", _quote(b), "", "**after**", "", _quote(a), ""]
-    path.write_text("\n".join(lines))
-    return path
+    with writing("samples", path, say=say):
+        path.write_text("\n".join(lines))
+        return path
+    return None
 
 
 def _quote(text: str) -> str:

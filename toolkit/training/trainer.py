@@ -60,6 +60,7 @@ from toolkit.training.feed import Feed
 from toolkit.training.metrics import (
     HostCopy,
     MetricsWriter,
+    TrackerLog,
     beside_the_bar,
     check_kind,
     check_trackers,
@@ -146,6 +147,7 @@ class Trainer:
         self.eval_step = self.checkpoint_step = -1
         self.measured = False
         self.metrics: MetricsWriter | None = None
+        self.trackers = TrackerLog(self.accelerator, cfg.logging.trackers, self.print)  # until a write fails
         self.nonfinite_in_a_row = 0  # skipped steps since the last one that trained
         self.dead_check_pending = False  # set by a resume: the first step that trains is checked
 
@@ -288,7 +290,7 @@ class Trainer:
             self.print(f"resumed from {self.resume_from} at step {self.step}")
             self.dead_check_pending = True
         if self.strategy.is_main:
-            self.metrics = MetricsWriter(self.run.metrics, self.step)
+            self.metrics = MetricsWriter(self.run.metrics, self.step, self.print)
         if cfg.logging.trackers:
             # the project is the run folder's name (wandb's project, mlflow's experiment, ...); tensorboard
             # keeps its events in tensorboard/ (tracker_log_with)
@@ -566,22 +568,20 @@ class Trainer:
 
     def close(self) -> Path | None:
         """Flush the trackers and close metrics.jsonl; on the main process, plot the loss curve."""
-        self.accelerator.end_training()
+        self.trackers.close()
         self.run.release()  # after the deliverable: the recipe wrote it before calling close
         if self.metrics is None:
             return None
         self.metrics.close()
         self.metrics = None
-        return plot_loss(self.run.metrics, self.run.loss_plot)
+        return plot_loss(self.run.metrics, self.run.loss_plot, self.print)
 
     def log(self, kind: str, record: dict) -> None:
         """A row of metrics.jsonl of `kind` (toolkit.training.metrics.KINDS: the columns each kind has), and its
         numbers to the trackers."""
         if self.metrics is not None:
             self.metrics.write({"kind": check_kind(kind, record), **record})
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        if self.cfg.logging.trackers:
-            self.accelerator.log(scalars, step=record["step"])
+        self.trackers.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, record["step"])
 
 
 def model_size(model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
