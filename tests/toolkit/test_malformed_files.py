@@ -316,7 +316,7 @@ READERS: dict[str, str] = {
     "toolkit/data/tokenizer.py:check_tokenizer_files": "tokenizer folder",
     "toolkit/faults.py:_armed": "the test suite's fault-injection log, not a user's",
     "toolkit/faults.py:_fire": "the test suite's fault-injection log, not a user's",
-    "toolkit/training/metrics.py:__init__": OWN + " (metrics.jsonl, appended by the run)",
+    "toolkit/training/metrics.py:_open": OWN + " (metrics.jsonl, appended by the run; a line that is not JSON is dropped)",
     "toolkit/training/metrics.py:read_metrics": OWN + " (metrics.jsonl, appended by the run)",
     "toolkit/training/reference.py:base_identity": "the base's config.json as transformers wrote it: a fingerprint",
     "toolkit/training/reference.py:_write": OWN,

@@ -331,7 +331,7 @@ def test_a_state_file_that_does_not_belong_or_does_not_read(model, tiny_tokenize
     with pytest.raises(UserError, match=r"step-4/trainer_state.json belongs to another checkpoint"):
         resolve_source(run, "step-4")
     (folder / "trainer_state.json").write_text("{nope")  # was a JSONDecodeError traceback
-    with pytest.raises(UserError, match=r"step-4/trainer_state.json is not a readable trainer state \(Expecting"):
+    with pytest.raises(UserError, match=r"step-4/trainer_state.json is not a readable trainer state \(not JSON: Expecting"):
         resolve_source(run, "step-4")
 
 

@@ -14,6 +14,7 @@ import pytest
 from toolkit.config import UserError
 from toolkit.export import destination
 from toolkit.manifest import write_manifest
+from toolkit.writes import WriteFailed
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
@@ -159,7 +160,7 @@ def test_an_empty_folder_is_no_loss(tmp_path):
 def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path):
     out = an_export(tmp_path / "out")
     before = tree(tmp_path)
-    with pytest.raises(OSError, match="disk full"), destination.staging(out) as (staged, _):
+    with pytest.raises(WriteFailed, match="disk full"), destination.staging(out) as (staged, _):
         an_export(staged)
         raise OSError("disk full (simulated)")
     assert tree(tmp_path) == before
