@@ -320,21 +320,26 @@ def _written_twice(node: yaml.Node, prefix: str, seen_nodes: set[int]) -> tuple[
     return None
 
 
+class KeyTwice(ValueError):
+    """A JSON object that holds a key twice (json keeps the last with no word)."""
+
+
+def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook for objects whose keys are each written once."""
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise KeyTwice(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is written twice in one object")
+    return dict(pairs)
+
+
 def read_json(path: str | Path, what: str | None = None) -> Any:
     """A JSON file's contents, refused in one line when it does not parse or an object holds a key twice
     (json keeps the last with no word). With `what` (e.g. "a DeepSpeed config"), the file must hold an object."""
     path = Path(path)
-
-    def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ConfigError([f"{path}: the key {key!r} is written twice in one object; keep one"])
-            seen.add(key)
-        return dict(pairs)
-
     try:
         out = json.loads(_text(path), object_pairs_hook=once)
+    except KeyTwice as exc:
+        raise ConfigError([f"{path}: {exc}; keep one"]) from None
     except json.JSONDecodeError as exc:
         raise ConfigError([f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]) from None
     except ValueError as exc:  # an integer over 4,300 digits

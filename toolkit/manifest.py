@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from toolkit.config import once
+
 MANIFEST = "manifest.json"
 _CHUNK = 8 << 20
 
@@ -87,12 +89,6 @@ def check_manifest(folder: Path, only: Callable[[str], bool] | None = None) -> s
 def _entries(path: Path) -> dict[str, dict] | str:
     """A manifest's {name: {"size", "crc32"}}, or what is wrong with the file (it is the toolkit's own: anything
     but what write_manifest wrote means damage)."""
-
-    def once(pairs: list) -> dict:
-        keys = [k for k, _ in pairs]
-        if len(set(keys)) < len(keys):
-            raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is written twice")
-        return dict(pairs)
 
     try:
         saved = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=once)

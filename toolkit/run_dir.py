@@ -32,7 +32,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.config import UserError
+from toolkit.config import KeyTwice, UserError, once
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_lock import HELD, LOCK_FILE, OwnerLock, in_use
 
@@ -139,15 +139,10 @@ class DamagedState(ValueError):
 
 def _state_record(path: Path) -> dict:
     data = path.read_bytes()
-
-    def once(pairs: list) -> dict:
-        keys = [k for k, _ in pairs]
-        if len(set(keys)) < len(keys):
-            raise DamagedState(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is written twice")
-        return dict(pairs)
-
     try:
         saved = json.loads(data.decode("utf-8"), object_pairs_hook=once)
+    except KeyTwice as exc:
+        raise DamagedState(str(exc)) from None
     except UnicodeDecodeError as exc:
         raise DamagedState(f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
     except json.JSONDecodeError as exc:

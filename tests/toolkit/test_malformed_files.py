@@ -97,7 +97,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "truncated": (b'{"text": "a"}\n{"text": "b', "line 2 is not JSON (Unterminated string"),
         "top-level type": (b'["a"]\n["b"]\n', "is a JSON list, not an object"),
         "field type": (b'{"text": 12}\n', "record 0 has text=12 (int), not text; set data.text_column"),
-        "key twice": (b'{"text": "a", "text": "b"}\n', "line 1: the key 'text' is written twice in one record"),
+        "key twice": (b'{"text": "a", "text": "b"}\n', "line 1: the key 'text' is written twice in one object"),
     }),
     "corpus .parquet": ("corpus.parquet", {
         "empty": (b"", "holds no text (all 1 file(s) are empty)"),
@@ -117,7 +117,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "truncated": (b'{"messages": []}\n{"mess', "line 2 is not valid JSON"),
         "top-level type": (b"[1]\n", "line 1 is a JSON list, not an object"),
         "field type": "to_messages checks each record's fields: tests/toolkit/data/test_records.py (BAD records)",
-        "key twice": (b'{"prompt": "a", "prompt": "b"}\n', "the key 'prompt' is written twice in one record"),
+        "key twice": (b'{"prompt": "a", "prompt": "b"}\n', "the key 'prompt' is written twice in one object"),
     }),
     "chat records .json": ("chats.json", {
         "empty": (b"", f"{NOT_JSON} at line 1"),
@@ -197,7 +197,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "truncated": (b'{"step": 4, "tokens', "is not a readable trainer state (not JSON: "),
         "top-level type": (b"[4]", "is not a readable trainer state (a JSON list, not the object the toolkit writes)"),
         "field type": (b'{"step": "4"}', "is not a readable trainer state (its step is '4', not an integer)"),
-        "key twice": (b'{"step": 4, "step": 3}', "is not a readable trainer state (the key 'step' is written twice)"),
+        "key twice": (b'{"step": 4, "step": 3}', "is not a readable trainer state (the key 'step' is written twice in one object)"),
     }),
     "manifest.json": ("step-4/manifest.json", {
         "empty": (b"", "is not a readable manifest (not JSON"),
@@ -207,7 +207,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "truncated": (b'{"version": 1, "files": {"a": {"si', "is not a readable manifest (not JSON"),
         "top-level type": (b"[1]", "is not a readable manifest (a JSON list, not an object)"),
         "field type": (b'{"files": {"a": "x"}}', "is not a readable manifest (its entry for a is 'x'"),
-        "key twice": (b'{"files": {}, "files": {}}', "is not a readable manifest (the key 'files' is written twice)"),
+        "key twice": (b'{"files": {}, "files": {}}', "is not a readable manifest (the key 'files' is written twice in one object)"),
     }),
 }
 

@@ -25,13 +25,11 @@ from pathlib import Path
 
 import datasets
 
-from toolkit.config import UserError, field, first_line
+from toolkit.config import KeyTwice, UserError, field, first_line, once
 from toolkit.data.corpus import hub_dataset
 from toolkit.data.text_files import (
-    KeyTwice,
     datasets_quiet,
     not_parquet_error,
-    once,
     parquet_problem,
     read_utf8,
 )
@@ -135,12 +133,7 @@ def _read_file(path: Path, said: str) -> list:
             if line.strip():
                 records.append(_record(line, f"{said} line {number}"))
         return records
-    try:
-        records = json.loads(text, object_pairs_hook=once)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{said} is not valid JSON at line {exc.lineno}: {exc.msg}") from None
-    except KeyTwice as exc:
-        raise UserError(f"{said}: {exc}; keep one") from None
+    records = _json(text, said, whole_file=True)
     if not isinstance(records, list):
         raise UserError(f"{said} must hold a JSON list of records, found {type(records).__name__}")
     for i, record in enumerate(records):
@@ -150,14 +143,19 @@ def _read_file(path: Path, said: str) -> list:
     return records
 
 
-def _record(line: str, said: str) -> dict:
-    """One line of a .jsonl file as its record: a JSON object with each key once."""
+def _json(text: str, said: str, whole_file: bool):
+    """JSON whose objects hold each key once, or one line naming where it is not (a file's line; a line as it is)."""
     try:
-        record = json.loads(line, object_pairs_hook=once)
+        return json.loads(text, object_pairs_hook=once)
     except json.JSONDecodeError as exc:
-        raise UserError(f"{said} is not valid JSON: {exc.msg}") from None
+        raise UserError(f"{said} is not valid JSON{f' at line {exc.lineno}' if whole_file else ''}: {exc.msg}") from None
     except KeyTwice as exc:
         raise UserError(f"{said}: {exc}; keep one") from None
+
+
+def _record(line: str, said: str) -> dict:
+    """One line of a .jsonl file as its record: a JSON object with each key once."""
+    record = _json(line, said, whole_file=False)
     if not isinstance(record, dict):
         raise UserError(f"{said} is a JSON {type(record).__name__}, not an object; each line is one record, e.g. "
                         "{\"messages\": [...]}")

@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from toolkit.config import UserError, reencode_hint, utf16_sign
+from toolkit.config import KeyTwice, UserError, once, reencode_hint, utf16_sign
 
 
 @contextlib.contextmanager
@@ -183,18 +183,6 @@ def _first_line_not_a_record(source: str, files: list[str]) -> UserError | None:
         except (OSError, UnicodeDecodeError):  # the caller's error says so
             continue
     return None
-
-
-class KeyTwice(ValueError):
-    """A JSON object that holds a key twice (json keeps the last with no word)."""
-
-
-def once(pairs: list) -> dict:
-    """A JSON object whose keys are each written once (arrow refuses two without naming the line)."""
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) < len(keys):
-        raise KeyTwice(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is written twice in one record")
-    return dict(pairs)
 
 
 def _one_array(first: str, rest) -> bool:
