@@ -302,6 +302,7 @@ READERS: dict[str, str] = {
     "toolkit/data/records.py:read_records": "save_to_disk folder",
     "toolkit/data/records.py:_read_file": "chat records .jsonl",
     "toolkit/data/records.py:_record": "chat records .jsonl",
+    "toolkit/data/records.py:_json": "chat records .json",
     "toolkit/data/tokenizer.py:load_tokenizer": "tokenizer folder",
     "toolkit/data/tokenizer.py:get_tokenizer": "its own cache, written by save_pretrained then renamed into place",
     "toolkit/run_dir.py:_state_record": "trainer_state.json",
