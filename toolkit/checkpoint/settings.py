@@ -11,6 +11,7 @@ from toolkit.config import UserError
 from toolkit.config_keys import value_at
 from toolkit.data.mixture import stages_said, trained_part
 from toolkit.run_dir import TrainerState
+from toolkit.run_paths import PATH_SETTINGS, READ
 
 
 def check_same_data_order(folder: Path, seed: int, global_batch_size: int) -> None:
@@ -108,7 +109,7 @@ FREE = {
     "model.cache_dir": "where the base's float copy is kept", "model.gguf_cache": "whether it is kept",
     "adapter.merge": "what final/ holds after training",
 }
-PATHS = ("data.path", "data.val_path", "data.chat_template", "tokenizer.path", "model.path", "model.gguf_file")
+PATHS = tuple(key for key, role in PATH_SETTINGS.items() if role == READ)  # compared as the files they name
 
 
 def trained_settings(cfg, optimizer_in_ds_json: bool = False) -> dict:

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 
 from toolkit.checkpoint.manager import CheckpointConfig
 from toolkit.config import field
+from toolkit.config_keys import dotted_keys
 from toolkit.config_values import name_problems, path_problems
 from toolkit.data.chat import ChatDataConfig
 from toolkit.data.corpus import DataConfig
@@ -16,6 +17,7 @@ from toolkit.models.adapter import AdapterConfig
 from toolkit.models.base_model import BaseModelConfig
 from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.scratch import ModelConfig
+from toolkit.run_paths import PATH_SETTINGS
 from toolkit.training.evaluation import EvalConfig
 from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
@@ -28,11 +30,6 @@ SEED_MAX = 2**32 - 1  # numpy's legacy seed range, the common one; the data orde
 # Every key whose value is a path, and what it names: load_config expands `~` and environment variables in them
 # (toolkit.config.expand_path), the same way wherever they are read; relative ones are relative to where the recipe
 # runs. A string key missing here is not a path: tests/toolkit/test_config.py fails for one that is neither.
-RUN_PATHS = {"output_dir": "the run's folder, written", "resume": "auto, or a checkpoint folder read"}
-DATA_PATHS = {"data.path": "a text/jsonl/parquet file, folder or glob read, or a hub dataset id",
-              "data.sources[].path": "as data.path, for one source of a mixture",
-              "data.cache_dir": "the folder tokenized blocks are cached in"}
-
 # Keys renamed in 0.2 (one name per concept across the recipes); the old ones work for one release.
 EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval.blocks"}
 
@@ -94,6 +91,8 @@ YEAR_S = 365 * 24 * 3600
 class RunConfig:
     """The sections every recipe has, named alike: where the run goes and how the shared loop runs."""
 
+    PATHS: ClassVar[tuple[str, ...]] = ()  # the keys that hold paths: path_keys, set below each recipe's config
+
     output_dir: str = field("runs/run", help="where checkpoints, metrics, plots and the deliverables go")
     seed: int = field(1234, help="seed for init, data order and dropout")
     resume: str | None = field(None, help="auto (newest complete checkpoint in output_dir) or a checkpoint folder")
@@ -133,7 +132,6 @@ class PretrainConfig(RunConfig):
         default_factory=lambda: SamplesConfig(max_new_tokens=40), help="generations from final/ at the end"
     )
 
-    PATHS: ClassVar[dict] = {**RUN_PATHS, **DATA_PATHS, "tokenizer.path": "a tokenizer folder read, or a hub id"}
     RENAMED: ClassVar[dict] = {
         "sample.prompt": ("samples.prompts", lambda prompt: [prompt]),
         "sample.max_new_tokens": "samples.max_new_tokens",
@@ -287,12 +285,6 @@ class FinetuneConfig(RunConfig):
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig, help="domain text or chat records")
     samples: SamplesConfig = field(default_factory=SamplesConfig, help="generations before and after, into samples.md")
 
-    PATHS: ClassVar[dict] = {
-        **RUN_PATHS, **DATA_PATHS, "data.val_path": "held-out data read, as data.path",
-        "data.chat_template": "a .jinja file read, or the template's text", "model.path": "a model folder read, or a hub id",
-        "model.gguf_file": "a .gguf file read, by itself or inside model.path",
-        "model.cache_dir": "the folder a dequantised GGUF is cached in",
-    }
     RENAMED: ClassVar[dict] = {"base_model": "model", **EVAL_RENAMED}
 
     def validate(self) -> list[str]:
@@ -305,3 +297,14 @@ class FinetuneConfig(RunConfig):
             problems.append(f"train.objective={self.train.objective} trains on preference pairs; set "
                             "data.format=preference (records with prompt, chosen and rejected)")
         return problems
+
+
+def path_keys(cls: type) -> tuple[str, ...]:
+    """The keys of a recipe's config that hold paths (toolkit.run_paths.PATH_SETTINGS): load_config expands `~` and
+    variables in them."""
+    keys = dotted_keys(cls)
+    return tuple(k for k, role in PATH_SETTINGS.items() if role is not None and k.split("[]")[0] in keys)
+
+
+PretrainConfig.PATHS = path_keys(PretrainConfig)
+FinetuneConfig.PATHS = path_keys(FinetuneConfig)

@@ -125,46 +125,15 @@ def test_a_chat_setting_that_the_data_format_would_not_use_is_refused(overrides,
                                                                               "data.path=chats.jsonl"])
 
 
-# every string-valued key of the recipes' configs that is not a path, and what it holds instead; the paths are each
-# config's PATHS (expanded by load_config). A new string key fails test_every_string_key_is_a_path_or_said_not_to_be.
-NOT_PATHS = {
-    "logging.trackers": "tracker names", "model.attn_implementation": "an attention kind",
-    "model.model_type": "a transformers model_type", "data.text_column": "a column name", "data.name": "a hub config name",
-    "data.split": "a split name", "data.sources[].name": "a source's name", "data.sources[].text_column": "a column name",
-    "data.sources[].subset": "a hub config name", "data.sources[].split": "a split name", "samples.prompts": "prompt text",
-    "adapter.target_modules": "module names", "adapter.modules_to_save": "module names",
-    "data.columns.conversation": "a column name", "data.columns.role": "a key of a turn",
-    "data.columns.content": "a key of a turn", "data.columns.user": "a speaker's name",
-    "data.columns.assistant": "a speaker's name", "data.columns.system": "a speaker's name",
-}
-
-
-def string_keys(cls, prefix: str = "") -> list[str]:
-    """Every key of a config tree whose value is text (str, str | None, list[str]); `[]` for each item of a list of
-    sections."""
-    import dataclasses
-    import types
-    import typing
-
-    hints, keys = typing.get_type_hints(cls), []
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if dataclasses.is_dataclass(hint):
-            keys += string_keys(hint, f"{prefix}{f.name}.")
-        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(args[0]):
-            keys += string_keys(args[0], f"{prefix}{f.name}[].")
-        elif hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType) and args == [str]) or (
-                typing.get_origin(hint) is list and args == [str]):
-            keys.append(f"{prefix}{f.name}")
-    return keys
-
-
 @pytest.mark.parametrize("cls", [PretrainConfig, FinetuneConfig], ids=lambda c: c.__name__)
-def test_every_string_key_is_a_path_or_said_not_to_be(cls):
-    keys = set(string_keys(cls))
-    assert keys - set(NOT_PATHS) == set(cls.PATHS), "a new text key: add it to the config's PATHS or to NOT_PATHS"
-    assert not set(cls.PATHS) & set(NOT_PATHS)
+def test_the_path_keys_load_config_expands_are_the_classified_paths_this_recipe_has(cls):
+    """Every text key is classified in toolkit.run_paths.PATH_SETTINGS (test_run_paths); these are its paths."""
+    from toolkit.run_paths import PATH_SETTINGS
+
+    expected = {"output_dir", "resume", "data.path", "data.sources[].path", "data.cache_dir"} | (
+        {"tokenizer.path"} if cls is PretrainConfig else
+        {"data.val_path", "data.chat_template", "model.path", "model.gguf_file", "model.cache_dir"})
+    assert set(cls.PATHS) == expected and all(PATH_SETTINGS[k] for k in cls.PATHS)
 
 
 # what each path key needs beside it to load (data.chat_template is read for chat records only)
