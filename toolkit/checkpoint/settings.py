@@ -14,10 +14,14 @@ from toolkit.run_dir import TrainerState
 from toolkit.run_paths import PATH_SETTINGS, READ
 
 
-def check_same_data_order(folder: Path, seed: int, global_batch_size: int) -> None:
+def check_same_data_order(folder: Path, seed: int, global_batch_size: int, streaming: bool = False) -> None:
     """The batch order is a function of (seed, step, global batch): a resume with another seed or
     global batch would read other sequences than the interrupted run, so it is refused in one line.
-    Everything else a strategy splits (processes, micro-batches, accumulation) may change."""
+    Everything else a strategy splits (processes, micro-batches, accumulation) may change. A streamed
+    run's position is a place in its stream (stream_*.npz): prepared data cannot take it up."""
+    if not streaming and any(folder.glob("stream_*.npz")):
+        raise UserError(f"checkpoint {folder} was trained with data.streaming=true: its data position is a place in "
+                        "the stream; resume it with data.streaming=true")
     saved = TrainerState.read(folder)
     for key, was, now in (("seed", saved.seed, seed), ("train.global_batch_size", saved.global_batch_size or None,
                                                        global_batch_size)):

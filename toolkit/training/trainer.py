@@ -270,7 +270,7 @@ class Trainer:
             self.resume_from = intact_checkpoint(
                 self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
             )
-            check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size)
+            check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size, self.feed.stream is not None)
             check_same_mixture(self.resume_from, mixture := self.state.mixture, self.print)
             changed = check_same_settings(self.resume_from, self.state.settings, cfg.train.max_steps)
             self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
@@ -303,11 +303,6 @@ class Trainer:
         """A streamed run's position in its stream; prepared data needs none (its order is (seed, step))."""
         if self.feed.stream is not None:
             self.feed.stream.load(folder)
-        elif any(folder.glob("stream_*.npz")):
-            raise UserError(
-                f"checkpoint {folder} was trained with data.streaming=true: its data position is a place in the "
-                "stream; resume it with data.streaming=true"
-            )
 
     # ------------------------------------------------------------------ train
     def fit(self) -> None:
