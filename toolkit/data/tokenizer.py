@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
 import socket
 import urllib.parse
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from toolkit.config import ConfigError, UserError, field, first_line, read_json
 from toolkit.config_values import path_problems
 from toolkit.data.packing import document_pieces
+from toolkit.run_lock import one_writer
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -140,11 +142,16 @@ def get_tokenizer(cfg: TokenizerConfig, corpus: datasets.Dataset, cache: Path) -
         return load_tokenizer(cfg.path)
     if (cache / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache))
-    if 0 < cfg.train_documents < len(corpus):  # in corpus order, for the memory map's sake
-        pick = np.random.default_rng(0).choice(len(corpus), cfg.train_documents, replace=False)
-        corpus = corpus.select(np.sort(pick))
-    tok = train_bpe(corpus, cfg.vocab_size, cfg.min_frequency)
-    tmp = cache.with_name(cache.name + ".tmp")
-    tok.save_pretrained(str(tmp))
-    tmp.rename(cache)
-    return tok
+    with one_writer(cache.with_name(f".{cache.name}.lock")):  # another run may be training this one now
+        if (cache / "tokenizer.json").is_file():  # ... and has finished it
+            return AutoTokenizer.from_pretrained(str(cache))
+        if 0 < cfg.train_documents < len(corpus):  # in corpus order, for the memory map's sake
+            pick = np.random.default_rng(0).choice(len(corpus), cfg.train_documents, replace=False)
+            corpus = corpus.select(np.sort(pick))
+        tok = train_bpe(corpus, cfg.vocab_size, cfg.min_frequency)
+        tmp = cache.with_name(cache.name + ".tmp")
+        for left in (tmp, cache):  # what a run killed while saving left (no tokenizer.json in `cache`: not read)
+            shutil.rmtree(left, ignore_errors=True)
+        tok.save_pretrained(str(tmp))
+        tmp.rename(cache)
+        return tok
