@@ -208,13 +208,25 @@ def utf16_sign(head: bytes) -> str | None:
     return None
 
 
+# the first bytes of the compressed files users keep text in, and how to unpack each
+ARCHIVES = {b"\x1f\x8b": ("gzip-compressed", "gunzip"), b"PK\x03\x04": ("a zip archive", "unzip"),
+            b"BZh": ("bzip2-compressed", "bunzip2"), b"\xfd7zXZ\x00": ("xz-compressed", "unxz"),
+            b"\x28\xb5\x2f\xfd": ("zstd-compressed", "unzstd")}
+
+
 def reencode_hint(head: bytes) -> str:
     """What to do with a file that is not UTF-8, from its first bytes: UTF-16 (Windows' "Unicode", PowerShell's
-    default) named as such, anything else most likely latin-1."""
+    default) named as such; a compressed file or one holding NUL bytes as not text (re-encoding it from latin-1, the
+    hint for anything else, would make a text of its bytes); anything else most likely latin-1."""
     sign = utf16_sign(head)
     if sign is not None:
         name = "utf-32" if "UTF-32" in sign else "utf-16"
         return f"it is {name.upper()} text ({sign}); re-encode it as UTF-8, e.g. iconv -f {name} -t utf-8"
+    for magic, (what, unpack) in ARCHIVES.items():
+        if head.startswith(magic):
+            return f"it is {what}, not text; unpack it first ({unpack}) and give the text"
+    if b"\0" in head:
+        return "it holds NUL bytes, so it is a binary file, not text; give a text file"
     return "re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8"
 
 
