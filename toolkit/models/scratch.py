@@ -47,7 +47,8 @@ class ModelConfig(ComputeConfig):
         else:
             unknown = _unknown_config_keys(self.model_type, self.config)
             problems += ([f"config.{p}" for p in unknown] or _sizes_below_one(self.model_type, self.config)
-                         or _sizes_that_do_not_divide(self.model_type, self.config) or _wrong_types(self.model_type, self.config))
+                         or _sizes_that_do_not_divide(self.model_type, self.config) or _unknown_activations(self.config)
+                         or _wrong_types(self.model_type, self.config))
         return problems
 
     def positions(self) -> int | None:
@@ -181,14 +182,36 @@ def _wrong_types(model_type: str, values: dict[str, Any]) -> list[str]:
     return []
 
 
+# the activation's key in each family's config: llama-style (qwen2, mistral, ...), gemma, gpt2
+ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def _unknown_activations(values: dict[str, Any]) -> list[str]:
+    """An activation transformers does not have: a KeyError traceback from its ACT2FN once the model is built."""
+    from transformers.activations import ACT2CLS
+
+    problems = []
+    for key in ACTIVATION_KEYS:
+        if key in values and values[key] not in ACT2CLS:
+            close = difflib.get_close_matches(str(values[key]), sorted(ACT2CLS), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            problems.append(f"config.{key}={values[key]!r} is not an activation transformers has; {hint}its activations "
+                            f"are {', '.join(sorted(ACT2CLS))}")
+    return problems
+
+
 def _unknown_config_keys(model_type: str, sizes: dict[str, Any]) -> list[str]:
     reference = CONFIG_MAPPING[model_type]()
     known = set(reference.to_dict()) | set(getattr(reference, "attribute_map", {}))
     problems = []
+    rope = reference.to_dict().get("rope_parameters") or {}
     for key in sizes:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
+            if key in rope:  # rope_theta, a key of its own before transformers 5 (older configs and recipes have it)
+                hint = (f"; transformers keeps it in rope_parameters: write config.rope_parameters="
+                        f"{{rope_type: {rope.get('rope_type', 'default')}, {key}: {sizes[key]}}}")
             problems.append(f"{key} is not a {model_type} config key{hint}")
     return problems
 
