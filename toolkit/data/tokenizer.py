@@ -108,6 +108,11 @@ def offline_hint(key: str, path: str) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+# the files one of which holds a tokenizer's vocabulary (fast; GPT-2-style BPE; sentencepiece; WordPiece): a folder
+# with none (tokenizer_config.json alone, a copy cut short) was "Couldn't instantiate the backend tokenizer from one of: "
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
+
+
 def check_tokenizer_files(path: str, key: str = "tokenizer.path") -> None:
     folder = Path(path).expanduser()
     for name in TOKENIZER_FILES if folder.is_dir() else ():
@@ -121,6 +126,12 @@ def check_tokenizer_files(path: str, key: str = "tokenizer.path") -> None:
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     check_tokenizer_files(path)
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in VOCABULARY_FILES):
+        found = sorted(p.name for p in folder.iterdir())
+        raise UserError(f"tokenizer.path={path} holds no tokenizer's vocabulary ({' or '.join(VOCABULARY_FILES[:3])}; "
+                        f"it has {', '.join(found[:6]) or 'nothing'}{', …' if len(found) > 6 else ''}); copy the whole "
+                        "folder save_pretrained wrote, or give another")
     offline = local_files_only(path)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=offline)

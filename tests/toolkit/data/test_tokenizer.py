@@ -47,6 +47,22 @@ def test_missing_tokenizer_path_is_one_clear_error(tmp_path):
         load_tokenizer(str(tmp_path / "nope"))
 
 
+@pytest.mark.parametrize("left", [["tokenizer_config.json"], []])
+def test_a_folder_without_the_vocabulary_names_what_it_holds(corpus, tmp_path, left):
+    """A tokenizer folder copied without tokenizer.json was 'could not be loaded (Couldn't instantiate the backend
+    tokenizer from one of: )' (issue 44's probe)."""
+    train_bpe(corpus, vocab_size=600).save_pretrained(tmp_path / "tok")
+    for f in (tmp_path / "tok").iterdir():
+        if f.name not in left:
+            f.unlink()
+    with pytest.raises(UserError) as refused:
+        load_tokenizer(str(tmp_path / "tok"))
+    assert str(refused.value) == (
+        f"tokenizer.path={tmp_path / 'tok'} holds no tokenizer's vocabulary (tokenizer.json or vocab.json or "
+        f"tokenizer.model; it has {', '.join(left) or 'nothing'}); copy the whole folder save_pretrained wrote, or give "
+        "another")
+
+
 def test_a_bpe_can_learn_from_a_seeded_sample_of_the_documents(corpus, tmp_path, monkeypatch):
     """tokenizer.train_documents: a corpus of billions of tokens trains its BPE on a sample, the same on every run."""
     seen, train = [], train_bpe
