@@ -241,6 +241,7 @@ class FinetuneRecipe:
             print(f"final model : {final}")
         print(f"metrics     : {run_dir.metrics}")
         print(f"loss plot   : {plot}")
+        trainer.stop.all_saved()  # a signal from here on skips the samples: nothing is left to save
         if cfg.samples.max_new_tokens and state.samples_before:
             after = generate(trained, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
             header = f"{base}, {cfg.adapter.method}, {cfg.data.format} data, {state.step} steps"

@@ -218,6 +218,7 @@ class PretrainRecipe:
         print(f"loss plot   : {plot}")
         if "tensorboard" in cfg.logging.trackers:
             print(f"tensorboard : tensorboard --logdir {trainer.run.tensorboard}")
+        trainer.stop.all_saved()  # a signal from here on skips the samples: nothing is left to save
         if cfg.samples.max_new_tokens:
             with trainer.strategy.outside_training():  # a fresh load, not one partitioned by ZeRO-3's leftover config
                 for prompt in cfg.samples.prompts:
