@@ -59,6 +59,11 @@ class ModelConfig(ComputeConfig):
             return None
 
 
+# a config built from scratch takes its special tokens from the tokenizer (hf_config): transformers' defaults
+# (GPT-2's 50256) lie outside a trained tokenizer's smaller vocabulary, and its config warns of each
+NO_SPECIAL_IDS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
 def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int | None) -> PretrainedConfig:
     kwargs = dict(cfg.config)
     kwargs.setdefault("vocab_size", vocab_size)
@@ -67,7 +72,8 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int | None
             f"model.config.vocab_size={kwargs['vocab_size']} is smaller than the tokenizer's {vocab_size} tokens; "
             "remove it to take the tokenizer's size"
         )
-    config = AutoConfig.for_model(cfg.model_type, **kwargs)
+    # the tokenizer's ids from the start: GPT-2's default 50256 in a smaller vocabulary made transformers warn twice
+    config = AutoConfig.for_model(cfg.model_type, **{**kwargs, **NO_SPECIAL_IDS})
     config.eos_token_id = config.bos_token_id = eos_id
     config.pad_token_id = pad_id
     config.use_cache = False  # training; generate() turns it back on
@@ -112,7 +118,7 @@ def meta_model(cfg: ModelConfig, vocab_size: int | None = None) -> torch.nn.Modu
     """The architecture without memory (meta device), to check layer names and sizes before any work;
     `vocab_size` where model.config does not set one (the tokenizer's)."""
     sizes = dict(cfg.config) if vocab_size is None else {"vocab_size": vocab_size, **cfg.config}
-    config = AutoConfig.for_model(cfg.model_type, **sizes)
+    config = AutoConfig.for_model(cfg.model_type, **{**sizes, **NO_SPECIAL_IDS})  # sizes only: no token ids
     # the class itself, not from_config: under a ZeRO-3 launch from_config partitions the model with
     # deepspeed.zero.Init and then initialises its weights, which a meta tensor cannot be copied from
     with torch.device("meta"):
