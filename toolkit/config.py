@@ -421,8 +421,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
-    if not isinstance(raw, dict):
-        problems.append(_not_a(raw, "a mapping", prefix.rstrip(".") or "config"))
+    if not isinstance(raw, dict):  # with the keys it takes: a list of paths for data.sources told nothing of them
+        names = [f.name for f in dataclasses.fields(cls)]
+        keys = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+        problems.append(_not_a(raw, f"a mapping of its keys ({keys})", prefix.rstrip(".") or "config"))
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
