@@ -243,6 +243,8 @@ MODEL_CONFIG = {
     "hidden_sise=64": "model.config.hidden_sise",  # misspelt
     "hidden_act=gleu": "model.config.hidden_act",  # was transformers' KeyError traceback as the model was built
     "rope_theta=500000": "model.config.rope_theta",  # a key of its own before transformers 5
+    "rms_norm_eps=-1": "model.config.rms_norm_eps",  # NaN from the first step: 'diverged; lower optim.lr'
+    "rms_norm_eps=0": "model.config.rms_norm_eps",
 }
 
 

@@ -48,7 +48,7 @@ class ModelConfig(ComputeConfig):
             unknown = _unknown_config_keys(self.model_type, self.config)
             problems += ([f"config.{p}" for p in unknown] or _sizes_below_one(self.model_type, self.config)
                          or _sizes_that_do_not_divide(self.model_type, self.config) or _unknown_activations(self.config)
-                         or _wrong_types(self.model_type, self.config))
+                         or _eps_not_positive(self.config) or _wrong_types(self.model_type, self.config))
         return problems
 
     def positions(self) -> int | None:
@@ -204,6 +204,15 @@ def _unknown_activations(values: dict[str, Any]) -> list[str]:
             problems.append(f"config.{key}={values[key]!r} is not an activation transformers has; {hint}its activations "
                             f"are {', '.join(sorted(ACT2CLS))}")
     return problems
+
+
+def _eps_not_positive(values: dict[str, Any]) -> list[str]:
+    """A norm's epsilon (rms_norm_eps, layer_norm_eps, gpt2's layer_norm_epsilon) of 0 or less: the square root of a
+    variance of 0 plus it is NaN, and the run 'diverged' at its first step, blaming optim.lr."""
+    return [f"config.{key}={value} must be > 0 (the norm divides by the square root of the variance plus it: "
+            "NaN where the variance is 0); use e.g. 1e-5"
+            for key, value in values.items() if key.endswith(("_eps", "_epsilon")) and isinstance(value, (int, float))
+            and not isinstance(value, bool) and not value > 0]
 
 
 def _unknown_config_keys(model_type: str, sizes: dict[str, Any]) -> list[str]:
