@@ -503,7 +503,8 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
             spelled = [a for a in args if str(a).lower() in said]
             value = spelled[0] if spelled else value
         if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            same_letters = [str(a) for a in args if str(a).lower() == str(value).lower()]  # LoRA for lora
+            close = same_letters or difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint_txt = f"; did you mean {close[0]}?" if close else ""
             problems.append(f"{key}={value!r} is not one of {', '.join(map(str, args))}{hint_txt}")
         return value

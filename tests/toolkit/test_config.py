@@ -436,6 +436,15 @@ def test_literal_error_lists_the_choices_and_suggests_one():
     ]
 
 
+def test_literal_error_suggests_the_choice_written_in_other_case():
+    """adapter.method=LoRA listed the choices without the hint: difflib finds 'LoRA' and 'lora' too far apart."""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, None, ["train.schedule=COSINE"])
+    assert problems_of(excinfo) == [
+        "train.schedule='COSINE' is not one of cosine, linear, constant; did you mean cosine?"
+    ]
+
+
 def test_literal_error_without_a_close_choice():
     with pytest.raises(ConfigError) as excinfo:
         load_config(Recipe, None, ["train.schedule=xyz"])
