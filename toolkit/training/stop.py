@@ -97,5 +97,10 @@ class StopRequest:
             print(f"\n[{self.name}] {line}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # ending is what matters; the lock goes with the process anyway
             self.release()
+        with contextlib.suppress(Exception):  # os._exit runs no pool's cleanup: datasets' tokenizing workers (num_proc)
+            import psutil  # were left behind, asleep for ever, ~370 MB each, by a stop while the data was prepared
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
         sys.stdout.flush()
         os._exit(code)
