@@ -65,7 +65,7 @@ from toolkit.planner.estimate import check_base_fits, check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import FinetuneConfig
 from toolkit.training.reference import base_identity, use_reference
-from toolkit.training.samples import generate, write_samples
+from toolkit.training.samples import check_prompt_lengths, generate, write_samples
 from toolkit.training.trainer import Trainer, model_size
 
 
@@ -120,6 +120,7 @@ class FinetuneRecipe:
         if cfg.data.format in ("chat", "preference"):
             with strategy.accelerator.main_process_first():
                 self.chat_template = chat_template_for(self.tokenizer, cfg.data.chat_template)
+        check_prompt_lengths(self.tokenizer, cfg.samples, limit, self.chat_template, "the base model's")
         parts = []
         for i, data in enumerate(cfg.data.of_sources()):
             with naming(i, cfg.data.sources):
@@ -240,6 +241,7 @@ class FinetuneRecipe:
             print(f"final model : {final}")
         print(f"metrics     : {run_dir.metrics}")
         print(f"loss plot   : {plot}")
+        trainer.stop.all_saved()  # a signal from here on skips the samples: nothing is left to save
         if cfg.samples.max_new_tokens and state.samples_before:
             after = generate(trained, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
             header = f"{base}, {cfg.adapter.method}, {cfg.data.format} data, {state.step} steps"

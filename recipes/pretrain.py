@@ -48,7 +48,7 @@ from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, h
 from toolkit.planner.estimate import check_fits
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import PretrainConfig
-from toolkit.training.samples import sample_folder
+from toolkit.training.samples import check_prompt_lengths, sample_folder
 from toolkit.training.trainer import Trainer, model_size
 
 
@@ -90,6 +90,7 @@ class PretrainRecipe:
             )
         for line in data_notes:
             trainer.print(f"data: {line}")
+        check_prompt_lengths(self.tokenizer, cfg.samples, cfg.model.positions())  # not a crash after training
 
         # Model: random init from the config, seeded identically on every rank.
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
@@ -217,6 +218,7 @@ class PretrainRecipe:
         print(f"loss plot   : {plot}")
         if "tensorboard" in cfg.logging.trackers:
             print(f"tensorboard : tensorboard --logdir {trainer.run.tensorboard}")
+        trainer.stop.all_saved()  # a signal from here on skips the samples: nothing is left to save
         if cfg.samples.max_new_tokens:
             with trainer.strategy.outside_training():  # a fresh load, not one partitioned by ZeRO-3's leftover config
                 for prompt in cfg.samples.prompts:

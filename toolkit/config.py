@@ -208,13 +208,25 @@ def utf16_sign(head: bytes) -> str | None:
     return None
 
 
+# the first bytes of the compressed files users keep text in, and how to unpack each
+ARCHIVES = {b"\x1f\x8b": ("gzip-compressed", "gunzip"), b"PK\x03\x04": ("a zip archive", "unzip"),
+            b"BZh": ("bzip2-compressed", "bunzip2"), b"\xfd7zXZ\x00": ("xz-compressed", "unxz"),
+            b"\x28\xb5\x2f\xfd": ("zstd-compressed", "unzstd")}
+
+
 def reencode_hint(head: bytes) -> str:
     """What to do with a file that is not UTF-8, from its first bytes: UTF-16 (Windows' "Unicode", PowerShell's
-    default) named as such, anything else most likely latin-1."""
+    default) named as such; a compressed file or one holding NUL bytes as not text (re-encoding it from latin-1, the
+    hint for anything else, would make a text of its bytes); anything else most likely latin-1."""
     sign = utf16_sign(head)
     if sign is not None:
         name = "utf-32" if "UTF-32" in sign else "utf-16"
         return f"it is {name.upper()} text ({sign}); re-encode it as UTF-8, e.g. iconv -f {name} -t utf-8"
+    for magic, (what, unpack) in ARCHIVES.items():
+        if head.startswith(magic):
+            return f"it is {what}, not text; unpack it first ({unpack}) and give the text"
+    if b"\0" in head:
+        return "it holds NUL bytes, so it is a binary file, not text; give a text file"
     return "re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8"
 
 
@@ -414,8 +426,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
-    if not isinstance(raw, dict):
-        problems.append(_not_a(raw, "a mapping", prefix.rstrip(".") or "config"))
+    if not isinstance(raw, dict):  # with the keys it takes: a list of paths for data.sources told nothing of them
+        names = [f.name for f in dataclasses.fields(cls)]
+        keys = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+        problems.append(_not_a(raw, f"a mapping of its keys ({keys})", prefix.rstrip(".") or "config"))
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -494,7 +508,8 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
             spelled = [a for a in args if str(a).lower() in said]
             value = spelled[0] if spelled else value
         if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            same_letters = [str(a) for a in args if str(a).lower() == str(value).lower()]  # LoRA for lora
+            close = same_letters or difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint_txt = f"; did you mean {close[0]}?" if close else ""
             problems.append(f"{key}={value!r} is not one of {', '.join(map(str, args))}{hint_txt}")
         return value

@@ -406,6 +406,13 @@ class RunDir:
             return self.latest_checkpoint()
         path = Path(resume)
         check_path_length("resume", path)
+        if not os.path.lexists(path):  # a step rotated away (checkpoint.keep_last), or mistyped: say what is there
+            there = sorted((p for p in path.parent.iterdir() if checkpoint_step(p) is not None and is_complete(p)),
+                           key=checkpoint_step) if path.parent.is_dir() else []
+            if there:
+                raise UserError(f"resume={resume} does not exist; {path.parent} holds {', '.join(p.name for p in there)} "
+                                "(checkpoint.keep_last keeps the newest); give one of them, or resume=auto")
+            raise UserError(f"resume={resume} does not exist; give a checkpoints/step-N folder or resume=auto")
         if not path.is_dir():
             raise UserError(f"resume={resume} is not a folder; give a checkpoints/step-N folder or resume=auto")
         if not is_complete(path) and not _looks_like_checkpoint(path):

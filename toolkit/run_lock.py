@@ -106,6 +106,37 @@ class OwnerLock:
 HELD: dict[Path, OwnerLock] = {}
 
 
+@contextlib.contextmanager
+def one_writer(path: Path, take: bool = True):
+    """Wait for, and hold, an exclusive lock on the file `path` (made if missing): one writer at a time of an entry of
+    a cache that several runs share (data.cache_dir, ~/.cache/llm-toolkit by default), so that two runs started at
+    once do not write into one temporary folder (the second crashed with `Directory not empty`, leaving it). The
+    kernel drops the lock with its process. `take=False` (the other ranks of a run) holds nothing; so does a file
+    system without locks."""
+    if not take:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_LOCKS:
+                raise
+            yield
+            return
+        if _same_file(fd, path):  # not the file a writer before deleted as it released it
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:  # deleted while still locked, as OwnerLock.release does: the cache keeps no lock files
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
 def _record(fd: int) -> dict:
     try:
         return json.loads(os.pread(fd, 4096, 0) or b"{}")

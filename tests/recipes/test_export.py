@@ -169,7 +169,7 @@ def test_bad_input_is_one_line(export, capsys, tmp_path, tiny_base):
     assert "exists; choose another path or pass --overwrite" in error_line(
         export, capsys, "--from", str(tiny_base), "--output", str(tmp_path / "exists"))
     (tmp_path / "model.Modelfile").write_text("FROM ./model.gguf\n")  # from an export whose .gguf was moved
-    assert "model.Modelfile exists; choose another --output or pass --overwrite" in error_line(
+    assert "model.Modelfile is in the way and was not written by an export" in error_line(
         export, capsys, "--from", str(tiny_base), "--format", "gguf", "--output", str(tmp_path / "model.gguf"))
 
 

@@ -154,8 +154,8 @@ def test_plain_accelerate_launch_shows_a_rank_0_data_error_as_one_error_line(tmp
                       cache=data_cache, check=False, launcher=True)
     assert proc.returncode == 1  # accelerate launch passes no rank's code through
     errors = re.findall(r"error: .*", proc.stdout + proc.stderr)
-    assert errors == [f"error: data.path={data} is not UTF-8 text (byte 0xff at offset 2, line 1); re-encode it "
-                      "as UTF-8, e.g. iconv -f latin1 -t utf-8"], proc.stderr[-6000:]
+    assert errors == [f"error: data.path={data} is not UTF-8 text (byte 0xff at offset 2, line 1); it holds NUL "
+                      "bytes, so it is a binary file, not text; give a text file"], proc.stderr[-6000:]
     assert sorted(re.findall(r"exitcode\s+: (-?\d+)", proc.stderr)) == ["2", "2"], proc.stderr[-6000:]
 
 

@@ -265,8 +265,11 @@ def test_resume_from_something_that_is_not_a_checkpoint(pretrain, capsys, monkey
     err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"resume={path}")
     if kind == "a folder that is not a checkpoint":
         assert err.startswith(f"error: resume={path} is not a training checkpoint (no optimizer or RNG state)"), err
-    else:
+    elif kind == "a file":
         assert err == f"error: resume={path} is not a folder; give a checkpoints/step-N folder or resume=auto"
+    else:
+        assert err == f"error: resume={path} does not exist; give a checkpoints/step-N folder or resume=auto"
+
 
 
 @pytest.mark.parametrize("where", ["/proc", "a file"])

@@ -290,7 +290,7 @@ def test_a_missing_required_key_is_reported_with_its_help():
 def test_a_section_given_a_scalar():
     with pytest.raises(ConfigError) as excinfo:
         load_config(Recipe, None, ["train=5"])
-    assert problems_of(excinfo) == ["train must be a mapping, found 5"]
+    assert problems_of(excinfo) == ["train must be a mapping of its keys (lr, max_steps, compile, …), found 5"]
 
 
 def test_an_empty_section_takes_its_defaults(tmp_path):
@@ -368,7 +368,7 @@ def test_a_list_item_that_is_no_section_is_reported_and_the_others_range_checked
     with pytest.raises(ConfigError) as excinfo:
         load_config(Mixture, None, ["sources=[{name: a}, x.txt, {nme: b}, {name: a}]"])
     assert problems_of(excinfo) == [
-        "sources[1] must be a mapping, found 'x.txt'", "unknown key sources[2].nme; did you mean sources[2].name?",
+        "sources[1] must be a mapping of its keys (name), found 'x.txt'", "unknown key sources[2].nme; did you mean sources[2].name?",
         "missing required key sources[2].name (what it is called)", "a twice"]
 
 
@@ -433,6 +433,15 @@ def test_literal_error_lists_the_choices_and_suggests_one():
         load_config(Recipe, None, ["train.schedule=cosin"])
     assert problems_of(excinfo) == [
         "train.schedule='cosin' is not one of cosine, linear, constant; did you mean cosine?"
+    ]
+
+
+def test_literal_error_suggests_the_choice_written_in_other_case():
+    """adapter.method=LoRA listed the choices without the hint: difflib finds 'LoRA' and 'lora' too far apart."""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(Recipe, None, ["train.schedule=COSINE"])
+    assert problems_of(excinfo) == [
+        "train.schedule='COSINE' is not one of cosine, linear, constant; did you mean cosine?"
     ]
 
 

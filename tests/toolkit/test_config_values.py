@@ -241,7 +241,28 @@ MODEL_CONFIG = {
     "max_position_embeddings=0": "model.config.max_position_embeddings",
     "max_position_embeddings=16": "data.seq_len",  # blocks of 256 tokens do not fit
     "hidden_sise=64": "model.config.hidden_sise",  # misspelt
+    "hidden_act=gleu": "model.config.hidden_act",  # was transformers' KeyError traceback as the model was built
+    "rope_theta=500000": "model.config.rope_theta",  # a key of its own before transformers 5
+    "rms_norm_eps=-1": "model.config.rms_norm_eps",  # NaN from the first step: 'diverged; lower optim.lr'
+    "rms_norm_eps=0": "model.config.rms_norm_eps",
 }
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["model.config.hidden_act=gleu"], "config.hidden_act='gleu' is not an activation transformers has; did you mean "
+                                       "gelu? its activations are gelu, gelu_10,"),
+    (["model.model_type=gpt2", "model.config.activation_function=relu_new"],
+     "config.activation_function='relu_new' is not an activation transformers has; did you mean"),
+    (["model.config.rope_theta=500000"], "config.rope_theta is not a llama config key; transformers keeps it in "
+                                         "rope_parameters: write config.rope_parameters={rope_type: default, "
+                                         "rope_theta: 500000}"),
+])
+def test_an_activation_or_a_moved_rope_key_is_said_with_what_to_write(overrides, line):
+    """model.config.hidden_act=gleu was a KeyError traceback from transformers' ACT2FN after the data work; rope_theta
+    (a key before transformers 5, in older recipes) was 'not a llama config key' with no hint (issue 44's probe)."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(PretrainConfig, None, overrides)
+    assert any(line in p for p in caught.value.problems), caught.value.problems
 
 
 @pytest.mark.parametrize("written", list(MODEL_CONFIG))

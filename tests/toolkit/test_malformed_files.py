@@ -262,6 +262,8 @@ def test_a_malformed_file_is_one_line(kind, malformation, tmp_path, capfd):
         return
     assert isinstance(said, str), f"{kind} {malformation}: read without a word ({said!r:.200})"
     assert expected in said, said
+    if malformation == "binary":  # re-encoding from latin-1 would make a text of its bytes (issue 44's probe)
+        assert LATIN1 not in said, said
     assert "\n" not in said and len(said) < 600, said
     assert str(path.name) in said or str(path.parent.name) in said, f"the line does not name the file: {said}"
     # nothing from datasets, arrow or pandas before (or after) the line; progress bars aside
@@ -311,6 +313,7 @@ READERS: dict[str, str] = {
     "toolkit/run_lock.py:take": OWN,
     "toolkit/run_lock.py:holder": OWN,
     "toolkit/run_lock.py:_record": OWN,
+    "toolkit/run_lock.py:one_writer": "a lock file it opens, never reads (the lock is the kernel's)",
     "toolkit/data/text_files.py:_json_hint": "corpus .jsonl",
     "toolkit/data/text_files.py:_one_array": "corpus .jsonl",
     "toolkit/data/tokenizer.py:check_tokenizer_files": "tokenizer folder",

@@ -175,7 +175,7 @@ def test_checkpoints_are_found_by_step_number_and_completeness(tmp_path):
     assert RunDir.of_checkpoint(tmp_path) is None
     with pytest.raises(UserError, match="incomplete checkpoint"):
         run.resolve_resume(str(run.checkpoint(11)))
-    with pytest.raises(UserError, match="is not a folder"):
+    with pytest.raises(UserError, match="nowhere does not exist"):
         run.resolve_resume(str(tmp_path / "nowhere"))
 
 
@@ -230,3 +230,16 @@ def test_a_path_the_os_cannot_hold_is_one_line(tmp_path, name):
     assert not any(tmp_path.iterdir())
     with pytest.raises(UserError, match="has a folder name of 300 bytes"):
         RunDir(tmp_path).resolve_resume(str(tmp_path / ("r" * 300) / "checkpoints" / "step-2"))
+
+
+def test_resume_from_a_checkpoint_rotated_away_names_those_there(tmp_path):
+    """resume=run/checkpoints/step-2 after checkpoint.keep_last deleted it said 'is not a folder' (issue 44's probe)."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in (4, 6, 8):
+        (checkpoints / f"step-{step}").mkdir(parents=True)
+        (checkpoints / f"step-{step}" / "trainer_state.json").write_text(f'{{"step": {step}}}')
+    (checkpoints / "step-8" / "trainer_state.json").unlink()  # a save cut short: not offered
+    with pytest.raises(UserError) as refused:
+        RunDir(tmp_path / "run").resolve_resume(str(checkpoints / "step-2"))
+    assert str(refused.value) == (f"resume={checkpoints / 'step-2'} does not exist; {checkpoints} holds step-4, step-6 "
+                                  "(checkpoint.keep_last keeps the newest); give one of them, or resume=auto")

@@ -185,9 +185,10 @@ def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | 
     builders = {_BUILDERS.get(e, "text" if e == "" else None) for e in exts}  # no extension: plain text
     if None in builders or len(builders) != 1:
         kinds = sorted(e or "(no extension)" for e in exts)
-        raise UserError(
-            f"data.path={cfg.path} holds files of types {kinds}; use one of {sorted(_BUILDERS)} (all of one kind)"
-        )
+        if None not in builders:  # each readable, read differently (a model folder's .json and .md: not a corpus)
+            raise UserError(f"data.path={cfg.path} mixes files of types {kinds}, each read its own way; give files of "
+                            f"one kind, e.g. a glob such as {Path(cfg.path) / ('*' + kinds[-1])}")
+        raise UserError(f"data.path={cfg.path} holds files of types {kinds}; use one of {sorted(_BUILDERS)} (all of one kind)")
     builder = builders.pop()
     if (error := first_utf16(cfg.path, files)) is not None:
         raise error

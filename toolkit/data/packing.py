@@ -45,6 +45,7 @@ import pyarrow.compute as pc
 import torch
 
 from toolkit.config import UserError
+from toolkit.run_lock import one_writer
 from toolkit.writes import writing
 
 IGNORE_INDEX = -100
@@ -381,6 +382,13 @@ def packed_dataset(
     are shared by the ranks of a node."""
     ranks = ranks or Ranks.of_process_group()
     key = _fingerprint(source_fingerprint, tokenizer, seq_len, len(docs))
+    # rank 0 of each run waits for another run packing the same blocks (a shared data.cache_dir), then reads them
+    with one_writer(cache_root / f".packed-{key}.lock", take=ranks.rank == 0):
+        return _packed(docs, tokenizer, seq_len, cache_root, key, num_proc, ranks)
+
+
+def _packed(docs: datasets.Dataset, tokenizer, seq_len: int, cache_root: Path, key: str, num_proc: int,
+            ranks: Ranks) -> datasets.Dataset:
     target = cache_root / f"packed-{key}"
     if ranks.gather((target / MANIFEST).is_file())[0]:
         return _load_blocks(target)

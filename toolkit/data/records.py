@@ -126,7 +126,7 @@ def _read_file(path: Path, said: str) -> list:
             raise UserError(f"{said} cannot be read as {suffix[1:]}: {first_line(cause)[:200]}; write it again, or "
                             "give another file") from None
         return ds.to_list()
-    text = read_utf8(path, said)
+    text = read_utf8(path, said).removeprefix("\ufeff")  # Notepad's UTF-8 begins with a byte-order mark; json refuses it
     if suffix == ".jsonl":
         records = []
         for number, line in enumerate(text.splitlines(), 1):

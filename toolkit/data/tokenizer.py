@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
 import socket
 import urllib.parse
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from toolkit.config import ConfigError, UserError, field, first_line, read_json
 from toolkit.config_values import path_problems
 from toolkit.data.packing import document_pieces
+from toolkit.run_lock import one_writer
 from toolkit.writes import writing
 
 EOS = "<|endoftext|>"
@@ -107,6 +109,11 @@ def offline_hint(key: str, path: str) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+# the files one of which holds a tokenizer's vocabulary (fast; GPT-2-style BPE; sentencepiece; WordPiece): a folder
+# with none (tokenizer_config.json alone, a copy cut short) was "Couldn't instantiate the backend tokenizer from one of: "
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
+
+
 def check_tokenizer_files(path: str, key: str = "tokenizer.path") -> None:
     folder = Path(path).expanduser()
     for name in TOKENIZER_FILES if folder.is_dir() else ():
@@ -120,6 +127,12 @@ def check_tokenizer_files(path: str, key: str = "tokenizer.path") -> None:
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     check_tokenizer_files(path)
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in VOCABULARY_FILES):
+        found = sorted(p.name for p in folder.iterdir())
+        raise UserError(f"tokenizer.path={path} holds no tokenizer's vocabulary ({' or '.join(VOCABULARY_FILES[:3])}; "
+                        f"it has {', '.join(found[:6]) or 'nothing'}{', …' if len(found) > 6 else ''}); copy the whole "
+                        "folder save_pretrained wrote, or give another")
     offline = local_files_only(path)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=offline)
@@ -141,12 +154,17 @@ def get_tokenizer(cfg: TokenizerConfig, corpus: datasets.Dataset, cache: Path) -
         return load_tokenizer(cfg.path)
     if (cache / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache))
-    if 0 < cfg.train_documents < len(corpus):  # in corpus order, for the memory map's sake
-        pick = np.random.default_rng(0).choice(len(corpus), cfg.train_documents, replace=False)
-        corpus = corpus.select(np.sort(pick))
-    tok = train_bpe(corpus, cfg.vocab_size, cfg.min_frequency)
-    tmp = cache.with_name(cache.name + ".tmp")
-    with writing("tokenizer cache", tmp):  # a failed write: one line, the .tmp removed
-        tok.save_pretrained(str(tmp))
-        tmp.rename(cache)
-    return tok
+    with one_writer(cache.with_name(f".{cache.name}.lock")):  # another run may be training this one now
+        if (cache / "tokenizer.json").is_file():  # ... and has finished it
+            return AutoTokenizer.from_pretrained(str(cache))
+        if 0 < cfg.train_documents < len(corpus):  # in corpus order, for the memory map's sake
+            pick = np.random.default_rng(0).choice(len(corpus), cfg.train_documents, replace=False)
+            corpus = corpus.select(np.sort(pick))
+        tok = train_bpe(corpus, cfg.vocab_size, cfg.min_frequency)
+        tmp = cache.with_name(cache.name + ".tmp")
+        for left in (tmp, cache):  # what a run killed while saving left (no tokenizer.json in `cache`: not read)
+            shutil.rmtree(left, ignore_errors=True)
+        with writing("tokenizer cache", tmp):  # a failed write: one line, the .tmp removed
+            tok.save_pretrained(str(tmp))
+            tmp.rename(cache)
+        return tok

@@ -81,13 +81,14 @@ def check_output(output: Path, fmt: str, overwrite: bool, reads: dict[str, Path 
             )
         if not path.exists():
             continue
+        # what --overwrite would refuse is refused as such without it too: its hint would only lead there
+        problem = not_an_export(path, folder=path == output and fmt != "gguf")
+        if problem:
+            raise UserError(problem)
         if not overwrite:
             if path == output:
                 raise UserError(f"--output {output} exists; choose another path or pass --overwrite to replace it")
             raise UserError(f"{path} exists; choose another --output or pass --overwrite to replace it")
-        problem = not_an_export(path, folder=path == output and fmt != "gguf")
-        if problem:
-            raise UserError(problem)
 
 
 def not_an_export(path: Path, folder: bool) -> str | None:

@@ -47,7 +47,8 @@ class ModelConfig(ComputeConfig):
         else:
             unknown = _unknown_config_keys(self.model_type, self.config)
             problems += ([f"config.{p}" for p in unknown] or _sizes_below_one(self.model_type, self.config)
-                         or _sizes_that_do_not_divide(self.model_type, self.config) or _wrong_types(self.model_type, self.config))
+                         or _sizes_that_do_not_divide(self.model_type, self.config) or _unknown_activations(self.config)
+                         or _eps_not_positive(self.config) or _wrong_types(self.model_type, self.config))
         return problems
 
     def positions(self) -> int | None:
@@ -58,6 +59,11 @@ class ModelConfig(ComputeConfig):
             return None
 
 
+# a config built from scratch takes its special tokens from the tokenizer (hf_config): transformers' defaults
+# (GPT-2's 50256) lie outside a trained tokenizer's smaller vocabulary, and its config warns of each
+NO_SPECIAL_IDS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
 def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int | None) -> PretrainedConfig:
     kwargs = dict(cfg.config)
     kwargs.setdefault("vocab_size", vocab_size)
@@ -66,7 +72,8 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int | None
             f"model.config.vocab_size={kwargs['vocab_size']} is smaller than the tokenizer's {vocab_size} tokens; "
             "remove it to take the tokenizer's size"
         )
-    config = AutoConfig.for_model(cfg.model_type, **kwargs)
+    # the tokenizer's ids from the start: GPT-2's default 50256 in a smaller vocabulary made transformers warn twice
+    config = AutoConfig.for_model(cfg.model_type, **{**kwargs, **NO_SPECIAL_IDS})
     config.eos_token_id = config.bos_token_id = eos_id
     config.pad_token_id = pad_id
     config.use_cache = False  # training; generate() turns it back on
@@ -111,7 +118,7 @@ def meta_model(cfg: ModelConfig, vocab_size: int | None = None) -> torch.nn.Modu
     """The architecture without memory (meta device), to check layer names and sizes before any work;
     `vocab_size` where model.config does not set one (the tokenizer's)."""
     sizes = dict(cfg.config) if vocab_size is None else {"vocab_size": vocab_size, **cfg.config}
-    config = AutoConfig.for_model(cfg.model_type, **sizes)
+    config = AutoConfig.for_model(cfg.model_type, **{**sizes, **NO_SPECIAL_IDS})  # sizes only: no token ids
     # the class itself, not from_config: under a ZeRO-3 launch from_config partitions the model with
     # deepspeed.zero.Init and then initialises its weights, which a meta tensor cannot be copied from
     with torch.device("meta"):
@@ -181,14 +188,45 @@ def _wrong_types(model_type: str, values: dict[str, Any]) -> list[str]:
     return []
 
 
+# the activation's key in each family's config: llama-style (qwen2, mistral, ...), gemma, gpt2
+ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def _unknown_activations(values: dict[str, Any]) -> list[str]:
+    """An activation transformers does not have: a KeyError traceback from its ACT2FN once the model is built."""
+    from transformers.activations import ACT2CLS
+
+    problems = []
+    for key in ACTIVATION_KEYS:
+        if key in values and values[key] not in ACT2CLS:
+            close = difflib.get_close_matches(str(values[key]), sorted(ACT2CLS), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            problems.append(f"config.{key}={values[key]!r} is not an activation transformers has; {hint}its activations "
+                            f"are {', '.join(sorted(ACT2CLS))}")
+    return problems
+
+
+def _eps_not_positive(values: dict[str, Any]) -> list[str]:
+    """A norm's epsilon (rms_norm_eps, layer_norm_eps, gpt2's layer_norm_epsilon) of 0 or less: the square root of a
+    variance of 0 plus it is NaN, and the run 'diverged' at its first step, blaming optim.lr."""
+    return [f"config.{key}={value} must be > 0 (the norm divides by the square root of the variance plus it: "
+            "NaN where the variance is 0); use e.g. 1e-5"
+            for key, value in values.items() if key.endswith(("_eps", "_epsilon")) and isinstance(value, (int, float))
+            and not isinstance(value, bool) and not value > 0]
+
+
 def _unknown_config_keys(model_type: str, sizes: dict[str, Any]) -> list[str]:
     reference = CONFIG_MAPPING[model_type]()
     known = set(reference.to_dict()) | set(getattr(reference, "attribute_map", {}))
     problems = []
+    rope = reference.to_dict().get("rope_parameters") or {}
     for key in sizes:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
+            if key in rope:  # rope_theta, a key of its own before transformers 5 (older configs and recipes have it)
+                hint = (f"; transformers keeps it in rope_parameters: write config.rope_parameters="
+                        f"{{rope_type: {rope.get('rope_type', 'default')}, {key}: {sizes[key]}}}")
             problems.append(f"{key} is not a {model_type} config key{hint}")
     return problems
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.config import field
+from toolkit.config import UserError, field
 from toolkit.strategy.distributed import check_whole
 from toolkit.writes import writing
 
@@ -47,14 +47,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_tem
     device = next(model.parameters()).device
     outputs = []
     for prompt in prompts:
-        if chat_template is not None:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True,
-                chat_template=chat_template,
-            )
-            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        else:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        ids = prompt_ids(tokenizer, prompt, chat_template)
         # eagerly: a compiled model (model.compile) would compile its forward again for the cache's new lengths
         with torch.compiler.set_stance("force_eager"):
             out = model.generate(
@@ -64,6 +57,33 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_tem
         outputs.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
     model.train(was_training)
     return outputs
+
+
+def prompt_ids(tokenizer, prompt: str, chat_template: str | None = None) -> torch.Tensor:
+    """The ids generation starts from: the prompt, or in chat mode the prompt as a user turn (1 x tokens)."""
+    if chat_template is not None:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, chat_template=chat_template,
+        )
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def check_prompt_lengths(tokenizer, samples: SamplesConfig, limit: int | None, chat_template: str | None = None,
+                         whose: str = "the model's") -> None:
+    """Refuse, before training, a prompt whose tokens and samples.max_new_tokens together pass the model's positions:
+    generate fails there (learned positions, GPT-2: an IndexError), after training, with no sample written. The
+    check of max_new_tokens alone (the config's) cannot see the prompt's tokens."""
+    if limit is None or not samples.max_new_tokens:
+        return
+    for i, prompt in enumerate(samples.prompts):
+        n = prompt_ids(tokenizer, prompt, chat_template).shape[1]
+        if n + samples.max_new_tokens > limit:
+            raise UserError(
+                f"samples.prompts[{i}] is {n} tokens, and with samples.max_new_tokens={samples.max_new_tokens} a sample "
+                f"would be {n + samples.max_new_tokens} tokens, more than {whose} {limit} positions; use "
+                + (f"samples.max_new_tokens={limit - n} or less, or a shorter prompt" if n < limit else "a shorter prompt")
+            )
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ class StopRequest:
         self.training = False  # set by fit: from then on a signal stops at the end of a step
         self.step: Callable[[], int] = lambda: 0
         self.interrupts = 0
+        self.saved = False  # set by all_saved: training is over and what it made is written; only samples are left
         for sig in signals:
             signal.signal(sig, self._handle)
         if threading.current_thread() is threading.main_thread():
@@ -63,8 +64,22 @@ class StopRequest:
                 if stop is not None and signum in StopRequest.SIGNALS:
                     stop._now_or_later(signum)
 
+    def all_saved(self) -> None:
+        """Training is over and final/ (and the adapter, the metrics) are written: a signal from now on ends the
+        process at once, skipping the samples, and one that came during the final save ends it here. It was taken as
+        a flag no one read any more: Ctrl-C during minutes of samples did nothing, and the run exited 0."""
+        self.saved = True
+        if self.signal is not None:
+            self._end(self._after_saving(self.signal), 128 + self.signal)
+
+    def _after_saving(self, signum: int) -> str:
+        return (f"stopped by {signal.Signals(signum).name} after training: final/ and the run are saved; the samples "
+                "are skipped")
+
     def _now_or_later(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        if self.saved:
+            self._end(self._after_saving(signum), 128 + signum)
         if not self.training and signum == signal.SIGTERM and (code := reported_verdict()) is not None:
             # torchrun's agent ends the ranks once one exits; a peer's user error was the cause, and its
             # line is the launch's one line: end with its code, silently, as the rank would on its own
@@ -82,5 +97,10 @@ class StopRequest:
             print(f"\n[{self.name}] {line}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # ending is what matters; the lock goes with the process anyway
             self.release()
+        with contextlib.suppress(Exception):  # os._exit runs no pool's cleanup: datasets' tokenizing workers (num_proc)
+            import psutil  # were left behind, asleep for ever, ~370 MB each, by a stop while the data was prepared
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
         sys.stdout.flush()
         os._exit(code)

@@ -193,8 +193,10 @@ def test_a_folder_without_corpus_files(tmp_path):
 def test_files_of_mixed_kinds(tmp_path):
     (tmp_path / "a.txt").write_text("x\n")
     (tmp_path / "b.jsonl").write_text('{"text": "y"}\n')
-    with pytest.raises(UserError, match=r"holds files of types \['.jsonl', '.txt'\]; use one of"):
-        load_corpus(DataConfig(path=str(tmp_path)))
+    with pytest.raises(UserError) as refused:  # was "holds files of types ['.jsonl', '.txt']; use one of [..., '.jsonl',
+        load_corpus(DataConfig(path=str(tmp_path)))  # ..., '.txt'] (all of one kind)", naming both as the fix
+    assert str(refused.value) == (f"data.path={tmp_path} mixes files of types ['.jsonl', '.txt'], each read its own way; "
+                                  f"give files of one kind, e.g. a glob such as {tmp_path / '*.txt'}")
 
 
 def test_an_unsupported_file_type(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -128,6 +129,17 @@ def test_records_are_read_from_the_files_users_keep(tmp_path, kind, shape, capfd
     assert [to_messages(r, i) for i, r in enumerate(read)] == \
         [to_messages(r, i) for i, r in enumerate(records)]
     assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])
+def test_records_saved_with_a_utf8_byte_order_mark_are_read(tmp_path, kind):
+    """Notepad and Excel's "CSV UTF-8" begin a file with a byte-order mark; the corpus reader and the config take it,
+    and json.loads refused it: 'line 1 is not valid JSON: Unexpected UTF-8 BOM' for a good chat file (issue 44)."""
+    records = [SHAPES["sharegpt"], SHAPES["alpaca"]] if kind != "csv" else [SHAPES["alpaca"]] * 2
+    path = Path(write(tmp_path, kind, records))
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    read = read_records(str(path), "chat")
+    assert [to_messages(r, i) for i, r in enumerate(read)] == [to_messages(r, i) for i, r in enumerate(records)]
 
 
 def test_a_file_that_is_not_its_suffix_is_one_line(tmp_path):

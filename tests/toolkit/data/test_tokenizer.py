@@ -47,6 +47,22 @@ def test_missing_tokenizer_path_is_one_clear_error(tmp_path):
         load_tokenizer(str(tmp_path / "nope"))
 
 
+@pytest.mark.parametrize("left", [["tokenizer_config.json"], []])
+def test_a_folder_without_the_vocabulary_names_what_it_holds(corpus, tmp_path, left):
+    """A tokenizer folder copied without tokenizer.json was 'could not be loaded (Couldn't instantiate the backend
+    tokenizer from one of: )' (issue 44's probe)."""
+    train_bpe(corpus, vocab_size=600).save_pretrained(tmp_path / "tok")
+    for f in (tmp_path / "tok").iterdir():
+        if f.name not in left:
+            f.unlink()
+    with pytest.raises(UserError) as refused:
+        load_tokenizer(str(tmp_path / "tok"))
+    assert str(refused.value) == (
+        f"tokenizer.path={tmp_path / 'tok'} holds no tokenizer's vocabulary (tokenizer.json or vocab.json or "
+        f"tokenizer.model; it has {', '.join(left) or 'nothing'}); copy the whole folder save_pretrained wrote, or give "
+        "another")
+
+
 def test_a_bpe_can_learn_from_a_seeded_sample_of_the_documents(corpus, tmp_path, monkeypatch):
     """tokenizer.train_documents: a corpus of billions of tokens trains its BPE on a sample, the same on every run."""
     seen, train = [], train_bpe
@@ -94,3 +110,33 @@ def test_a_hub_tokenizer_while_offline_is_one_line_at_once(no_network):
         "tokenizer.path=nobody-org/no-such-tokenizer is read as a hub id, but the Hub cannot be reached (huggingface.co: "
         "Name or service not known) and it is not in the local hub cache; give a local folder, or load it once with a "
         "network (it is then cached)")
+
+
+def test_two_runs_training_one_tokenizer_at_once_train_it_once(corpus, tmp_path, monkeypatch):
+    """Two runs started together on one data.cache_dir (~/.cache/llm-toolkit by default): both trained the BPE into
+    one `.tmp` folder, and the second crashed with `OSError: Directory not empty`, leaving it (issue 44). The second
+    now waits for the first and reads its tokenizer."""
+    import threading
+    import time
+
+    trained, start, train = [], threading.Barrier(2), train_bpe
+    monkeypatch.setattr("toolkit.data.tokenizer.train_bpe",
+                        lambda *a: (trained.append(1), time.sleep(0.3), train(*a))[2])
+    got, failed = [], []
+
+    def one_run():
+        start.wait()
+        try:
+            got.append(get_tokenizer(TokenizerConfig(vocab_size=600), corpus, tmp_path / "tok-key"))
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            failed.append(exc)
+
+    runs = [threading.Thread(target=one_run) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert not failed, failed
+    assert len(trained) == 1
+    assert got[0](TEXT)["input_ids"] == got[1](TEXT)["input_ids"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok-key"]  # no .tmp, no lock file

@@ -129,6 +129,20 @@ def test_overwrite_refuses_what_no_export_wrote(case, tmp_path):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_without_overwrite_what_it_would_refuse_is_refused_alike(case, tmp_path):
+    """Without --overwrite the same line, never a hint to pass --overwrite: a user's file or folder as --output was
+    'exists; choose another path or pass --overwrite to replace it', and with --overwrite then refused (issue 44)."""
+    fmt, lay_out, source, expected = CASES[case]
+    output = lay_out(tmp_path)
+    before = tree(tmp_path)
+    with pytest.raises(UserError) as refused:
+        destination.check_output(output, fmt, overwrite=False, reads={"--from": tmp_path / source if source else None})
+    assert expected.format(t=tmp_path) in str(refused.value)
+    assert "pass --overwrite" not in str(refused.value)
+    assert tree(tmp_path) == before
+
+
 def test_an_earlier_export_is_replaced_whole(tmp_path):
     out = an_export(tmp_path / "out")
     (out / "model-00002.safetensors").write_bytes(b"a shard the new export does not have")
@@ -187,5 +201,5 @@ def test_a_report_or_modelfile_in_the_way_is_not_overwritten_unasked(tmp_path):
     """The report beside a GGUF was written over without --overwrite."""
     out = tmp_path / "m.gguf"
     destination.report_path(out, "gguf").write_text("my notes")
-    with pytest.raises(UserError, match=r"m.gguf.export_report.md exists; choose another --output or pass --overwrite"):
+    with pytest.raises(UserError, match=r"m.gguf.export_report.md is in the way and was not written by an export"):
         destination.check_output(out, "gguf", overwrite=False, reads={})

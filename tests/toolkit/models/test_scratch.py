@@ -116,6 +116,17 @@ def test_hf_config_takes_the_tokenizer_vocab_and_special_ids():
     assert hf_config(llama(), VOCAB, 0, None).pad_token_id is None
 
 
+def test_a_gpt2_with_a_smaller_vocabulary_is_built_without_transformers_warning(capfd, caplog):
+    """GPT-2's default bos/eos id 50256 outside a 1024-token BPE: transformers warned 'bos_token_id must be `None` or
+    an integer within the vocabulary' and the same for eos, at every run (issue 44's probe)."""
+    cfg = ModelConfig(model_type="gpt2", config=dict(n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    meta_model(cfg, 1024)
+    config = hf_config(cfg, vocab_size=1024, eos_id=3, pad_id=4)
+    assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (3, 3, 4)
+    said = capfd.readouterr().err + caplog.text
+    assert "token_id" not in said, said
+
+
 def test_hf_config_keeps_a_larger_vocab():
     cfg = llama(vocab_size=320)  # rounded up for the tensor cores: allowed
     assert hf_config(cfg, VOCAB, 0, 1).vocab_size == 320

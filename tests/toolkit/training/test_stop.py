@@ -82,3 +82,95 @@ def test_the_launchers_sigterm_after_a_peers_user_error_ends_a_rank_with_that_er
     out, err = child.communicate(timeout=30)
     assert child.returncode == 2, err
     assert "released" in out and err == ""
+
+
+AFTER = """
+import sys, time
+from toolkit.training.stop import StopRequest
+stop = StopRequest("unit", main=True)
+stop.training = True
+print("ready", flush=True)
+if sys.argv[1] == "saving":  # the signal comes during the final save, which goes on
+    while not stop.requested:
+        time.sleep(0.05)
+    print("saved", flush=True)
+stop.all_saved()
+print("sampling", flush=True)
+time.sleep(60)  # minutes of samples
+"""
+
+
+@pytest.mark.parametrize("when", ["saving", "sampling"])
+def test_ctrl_c_after_training_ends_once_all_is_saved_skipping_the_samples(when):
+    """A Ctrl-C after the last step (the final save, then samples) was a flag no one read: the samples went on for
+    minutes and the run exited 0 (issue 44's probe). During the save it lets the save finish; after it, it ends at
+    once."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen([sys.executable, "-c", AFTER, when], cwd=root, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    if when == "sampling":
+        assert child.stdout.readline().strip() == "sampling"
+    child.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    out, err = child.communicate(timeout=30)
+    assert time.monotonic() - start < 10
+    assert child.returncode == 128 + signal.SIGINT
+    assert out.split() == (["saved"] if when == "saving" else [])  # the save finished; no sample began after
+    assert err.strip() == ("[unit] stopped by SIGINT after training: final/ and the run are saved; the samples are "
+                           "skipped"), err
+
+
+WORKERS = """
+import os, time
+import datasets
+from toolkit.training.stop import StopRequest
+stop = StopRequest("unit", main=True)
+datasets.disable_progress_bars()
+
+def tokenize(batch):  # a worker says it is there, then works for a minute
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+    return batch
+
+datasets.Dataset.from_dict({"text": ["a", "b"]}).map(tokenize, batched=True, batch_size=1, num_proc=2)
+"""
+
+
+def test_a_stop_before_training_takes_the_tokenizing_workers_with_it():
+    """SIGTERM (or a Ctrl-C sent to the main process alone) while datasets tokenized with num_proc=2 ended the recipe
+    and left its pool's processes asleep for ever, ~370 MB each (issue 44's probe)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen([sys.executable, "-c", WORKERS], cwd=root, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    assert child.stdout.readline().strip().isdigit()  # a worker is tokenizing
+    deadline = time.monotonic() + 10
+    while len(descendants := psutil.Process(child.pid).children(recursive=True)) < 3:  # 2 workers, the pool's helper
+        assert time.monotonic() < deadline, descendants
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM  # not communicate(): a worker left holds its pipes
+    deadline = time.monotonic() + 5
+
+    def left() -> list[psutil.Process]:
+        return [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    try:
+        while left():
+            assert time.monotonic() < deadline, f"left behind: {[p.pid for p in left()]}"
+            time.sleep(0.05)
+    finally:
+        for process in left():  # a failed test leaves nothing behind either
+            process.kill()
