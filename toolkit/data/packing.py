@@ -549,9 +549,7 @@ def labels_for(input_ids: torch.Tensor, position_ids: torch.Tensor, num_tokens: 
 def target_counts(blocks: datasets.Dataset, chunk_rows: int = 4096) -> np.ndarray:
     """Number of loss targets per block (what the loss is normalised by), read a chunk of blocks at a time."""
     rows = blocks.select_columns(["position_ids", "num_tokens"]).with_format("numpy")
-    counts = []
-    for start in range(0, len(rows), chunk_rows):
-        counts.append(block_targets(rows[start : start + chunk_rows]))
+    counts = [block_targets(rows[start : start + chunk_rows]) for start in range(0, len(rows), chunk_rows)]
     return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
 
 
@@ -575,11 +573,8 @@ def collate(columns: dict, attn_implementation: str) -> dict[str, torch.Tensor]:
     input_ids = torch.as_tensor(np.asarray(columns["input_ids"]), dtype=torch.long)
     position_ids = torch.as_tensor(np.asarray(columns["position_ids"]), dtype=torch.long)
     num_tokens = torch.as_tensor(np.asarray(columns["num_tokens"]), dtype=torch.long)
-    batch = {
-        "input_ids": input_ids,
-        "position_ids": position_ids,
-        "labels": labels_for(input_ids, position_ids, num_tokens),
-    }
+    batch = {"input_ids": input_ids, "position_ids": position_ids,
+             "labels": labels_for(input_ids, position_ids, num_tokens)}
     return attention_inputs(batch, attn_implementation)
 
 
