@@ -47,7 +47,20 @@ class StopRequest:
                 os.set_blocking(write, False)
                 signal.set_wakeup_fd(write, warn_on_full_buffer=False)
                 threading.Thread(target=StopRequest._watch, args=(read,), daemon=True, name="stop-signals").start()
+                os.register_at_fork(after_in_child=StopRequest._not_in_a_fork)
             StopRequest._watched = self
+
+    @staticmethod
+    def _not_in_a_fork() -> None:
+        """A process forked from the run (datasets' tokenizing pool, num_proc) is a worker, not the run: its
+        signals are the default ones again. It inherited the handler that only sets a flag, and the wakeup fd
+        of the run's watcher: a pool's terminate() (SIGTERM, after a worker's error) left its idle workers
+        waiting for ever, and the pool's exit with them (the hang of a tokenizing map that failed)."""
+        with contextlib.suppress(ValueError):  # forked from another thread than the main one: nothing was set there
+            signal.set_wakeup_fd(-1)
+            for sig in StopRequest.SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+        StopRequest._watched = None
 
     def _handle(self, signum, frame) -> None:
         self.signal = signum  # before training, the watcher has ended the process already

@@ -174,3 +174,33 @@ def test_a_stop_before_training_takes_the_tokenizing_workers_with_it():
     finally:
         for process in left():  # a failed test leaves nothing behind either
             process.kill()
+
+
+FORKED_WORKER = """
+import multiprocessing, signal, time
+from toolkit.training.stop import StopRequest
+stop = StopRequest("unit", main=True)
+stop.training = True  # a run's process, its handler only setting a flag
+held = multiprocessing.get_context("fork").Semaphore(0)
+# a pool's idle worker waiting on its queue's lock, which the pool's terminate() holds and ends it by SIGTERM
+worker = multiprocessing.get_context("fork").Process(target=held.acquire)
+worker.start()
+time.sleep(0.5)
+worker.terminate()
+worker.join(10)
+print(worker.exitcode, stop.signal, flush=True)
+"""
+
+
+def test_a_process_forked_from_the_run_ends_on_sigterm_as_any_process():
+    """The run's handler only sets a flag, and its watcher reads the wakeup fd: a forked worker inherited both, so a
+    tokenizing pool's terminate() (after a worker's error: a full disk) could not end a worker waiting on the pool's
+    lock, and the map hung for ever (seen in tests/toolkit/test_writes.py). Forked, it takes the default signals back,
+    and the run does not take its signal for its own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", FORKED_WORKER], cwd=root, capture_output=True, text=True, timeout=30)
+    assert done.stdout.split() == [str(-signal.SIGTERM), "None"], (done.stdout, done.stderr[-2000:])
