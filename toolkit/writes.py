@@ -68,7 +68,7 @@ WRITERS: dict[str, Writer] = {
     ),
     "data cache": Writer(
         "data.cache_dir/packed-KEY/: tokenized ids (scratch) and packed blocks, in .packed-KEY.tmp renamed into place",
-        ("toolkit.data.packing:packed_dataset", "toolkit.data.packing:pack_shard",
+        ("toolkit.data.packing:_packed", "toolkit.data.packing:pack_shard",
          "toolkit.data.packing:tokenize_documents"),
         "free space there, or point data.cache_dir at a disk with room", "nothing (the .tmp folder removed)",
     ),

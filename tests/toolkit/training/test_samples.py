@@ -42,7 +42,7 @@ def test_a_prompt_and_its_new_tokens_past_the_positions_are_refused_before_train
     """GPT-2 (learned positions) with samples.max_new_tokens within n_positions but the prompt's tokens on top went
     past them: an IndexError in generate after training, exit 1, no samples (issue 44). Refused before training,
     with what fits; at exactly the positions it generates."""
-    from conftest import CHATML
+    from recipe_runner import CHATML
 
     from toolkit.config import UserError
     from toolkit.training.samples import SamplesConfig, check_prompt_lengths, prompt_ids
