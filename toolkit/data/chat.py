@@ -71,7 +71,8 @@ class ChatDataConfig:
         if not 0 <= self.val_fraction < 1:
             problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
         if self.chat_template and _looks_like_file(self.chat_template) and not _is_file(self.chat_template):
-            shown = self.chat_template if len(self.chat_template) <= 80 else f"{self.chat_template[:60]}..."
+            shown = (self.chat_template if len(self.chat_template) <= 240 else  # the end names the file
+                     f"{self.chat_template[:60]}...{self.chat_template[-60:]}")
             problems.append(f"chat_template={shown} does not exist; give a .jinja file or the template text")
         elif self.chat_template and not _looks_like_file(self.chat_template) and not _is_jinja(self.chat_template):
             problems.append(f"chat_template={self.chat_template[:40]!r} is neither a file nor a template (it has no "
