@@ -143,6 +143,31 @@ def smollm2_gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def at_once():
+    """at_once(fn): fn() called by two threads released together; (what each returned, what each raised)."""
+    import threading
+
+    def run(fn):
+        start, got, failed = threading.Barrier(2), [], []
+
+        def one():
+            start.wait()
+            try:
+                got.append(fn())
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                failed.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return got, failed
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def tiny_model():
     """Factory: `tiny_model("llama", seed=0, tokenizer=tok, num_hidden_layers=4, ...)`.
 

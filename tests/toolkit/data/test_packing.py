@@ -639,29 +639,15 @@ def test_a_corpus_of_fewer_documents_than_ranks_is_packed_by_the_ranks_that_have
         assert_blocks_equal(blocks, tuple(column(alone, n) for n in ("input_ids", "position_ids", "num_tokens")))
 
 
-def test_two_runs_packing_one_corpus_at_once_pack_it_once(docs, tiny_tokenizer, tmp_path, monkeypatch):
+def test_two_runs_packing_one_corpus_at_once_pack_it_once(docs, tiny_tokenizer, tmp_path, monkeypatch, at_once):
     """Two runs on one data.cache_dir packing the same blocks at once wrote into one temporary folder, each clearing
     it for itself (issue 44); the second now waits for the first and reads its blocks."""
-    import threading
     import time
 
-    tokenized, start, tokenize = [], threading.Barrier(2), tokenize_documents
+    tokenized, tokenize = [], tokenize_documents
     monkeypatch.setattr(packing, "tokenize_documents",
                         lambda *a, **k: (tokenized.append(1), time.sleep(0.3), tokenize(*a, **k))[2])
-    got, failed = [], []
-
-    def one_run():
-        start.wait()
-        try:
-            got.append(packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path, "source-a"))
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            failed.append(exc)
-
-    runs = [threading.Thread(target=one_run) for _ in range(2)]
-    for run in runs:
-        run.start()
-    for run in runs:
-        run.join()
+    got, failed = at_once(lambda: packed_dataset(docs, tiny_tokenizer, SEQ_LEN, tmp_path, "source-a"))
     assert not failed, failed
     assert len(tokenized) == 1
     np.testing.assert_array_equal(column(got[0], "input_ids"), column(got[1], "input_ids"))

@@ -112,30 +112,16 @@ def test_a_hub_tokenizer_while_offline_is_one_line_at_once(no_network):
         "network (it is then cached)")
 
 
-def test_two_runs_training_one_tokenizer_at_once_train_it_once(corpus, tmp_path, monkeypatch):
+def test_two_runs_training_one_tokenizer_at_once_train_it_once(corpus, tmp_path, monkeypatch, at_once):
     """Two runs started together on one data.cache_dir (~/.cache/llm-toolkit by default): both trained the BPE into
     one `.tmp` folder, and the second crashed with `OSError: Directory not empty`, leaving it (issue 44). The second
     now waits for the first and reads its tokenizer."""
-    import threading
     import time
 
-    trained, start, train = [], threading.Barrier(2), train_bpe
+    trained, train = [], train_bpe
     monkeypatch.setattr("toolkit.data.tokenizer.train_bpe",
                         lambda *a: (trained.append(1), time.sleep(0.3), train(*a))[2])
-    got, failed = [], []
-
-    def one_run():
-        start.wait()
-        try:
-            got.append(get_tokenizer(TokenizerConfig(vocab_size=600), corpus, tmp_path / "tok-key"))
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            failed.append(exc)
-
-    runs = [threading.Thread(target=one_run) for _ in range(2)]
-    for run in runs:
-        run.start()
-    for run in runs:
-        run.join()
+    got, failed = at_once(lambda: get_tokenizer(TokenizerConfig(vocab_size=600), corpus, tmp_path / "tok-key"))
     assert not failed, failed
     assert len(trained) == 1
     assert got[0](TEXT)["input_ids"] == got[1](TEXT)["input_ids"]
