@@ -240,7 +240,7 @@ class FinetuneRecipe:
         if final is not None:
             print(f"final model : {final}")
         print(f"metrics     : {run_dir.metrics}")
-        print(f"loss plot   : {plot}")
+        print(f"loss plot   : {plot or 'not written (said above); metrics.jsonl holds its numbers'}")
         trainer.stop.all_saved()  # a signal from here on skips the samples: nothing is left to save
         if cfg.samples.max_new_tokens and state.samples_before:
             after = generate(trained, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)

@@ -215,7 +215,7 @@ class PretrainRecipe:
             return
         print(f"\nfinal model : {final}")
         print(f"metrics     : {trainer.run.metrics}")
-        print(f"loss plot   : {plot}")
+        print(f"loss plot   : {plot or 'not written (said above); metrics.jsonl holds its numbers'}")
         if "tensorboard" in cfg.logging.trackers:
             print(f"tensorboard : tensorboard --logdir {trainer.run.tensorboard}")
         trainer.stop.all_saved()  # a signal from here on skips the samples: nothing is left to save
