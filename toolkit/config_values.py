@@ -8,16 +8,18 @@ opens it, with the file system's own words. Each is refused at load, in one line
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
-# a path's part (a folder or file name) longer than this is refused by the file system (Linux, macOS: NAME_MAX)
-NAME_MAX = 255
+from toolkit.config import UserError
+from toolkit.run_dir import check_path_length
 
 
 def path_problems(cfg: Any, names: tuple[str, ...]) -> list[str]:
     """Path settings of `cfg` that no run can use, one line each, caught at load rather than when the path is first
     opened (after data work, or after training): blank (output_dir="" is the folder the run was launched from), a
-    line break, or a part longer than the file system takes. None (`key=`, the default) is not checked."""
+    line break, or a path longer than the file system takes (run_dir.check_path_length). None (`key=`, the
+    default) is not checked."""
     problems = []
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in names:
@@ -30,9 +32,11 @@ def path_problems(cfg: Any, names: tuple[str, ...]) -> list[str]:
             problems.append(f"{name}={value!r} is blank; give a path, or {fix}")
         elif any(c in value for c in "\n\r"):
             problems.append(f"{name}={value[:60]!r} holds a line break; give the path on one line")
-        elif long := [part for part in value.split("/") if len(part.encode()) > NAME_MAX]:
-            problems.append(f"{name}={value[:40]}... has a part of {len(long[0].encode())} bytes, longer than a file "
-                            f"or folder name can be ({NAME_MAX}); shorten it")
+        else:
+            try:  # a folder name past the file system's NAME_MAX, or the whole past PATH_MAX
+                check_path_length(name, Path(value))
+            except UserError as exc:
+                problems.append(str(exc))
     return problems
 
 
