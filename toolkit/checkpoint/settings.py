@@ -129,8 +129,8 @@ def trained_settings(cfg, optimizer_in_ds_json: bool = False) -> dict:
         value = value_at(cfg, key, absent=dataclasses.MISSING)
         if value is dataclasses.MISSING or key in ("train.gamma", "train.orpo_lambda"):
             continue
-        if key in PATHS and isinstance(value, str) and Path(value).expanduser().exists():
-            value = str(Path(value).expanduser().resolve())  # the same file, wherever the run is launched from
+        if key in PATHS and isinstance(value, str) and Path(value).exists():  # load_config expanded `~` and $VAR
+            value = str(Path(value).resolve())  # the same file, wherever the run is launched from
         values[key] = list(value) if isinstance(value, tuple) else value
     if hasattr(cfg.train, "objective_settings"):
         values.update(cfg.train.objective_settings())

@@ -273,10 +273,10 @@ class Trainer:
             check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size, self.feed.stream is not None)
             check_same_mixture(self.resume_from, mixture := self.state.mixture, self.print)
             changed = check_same_settings(self.resume_from, self.state.settings, cfg.train.max_steps)
-            self.state = load_checkpoint(self.strategy, self.resume_from, self.print)
+            settings, self.state = self.state.settings, load_checkpoint(self.strategy, self.resume_from, self.print)
             take_changed_settings(changed, self.scheduler if self.step_scheduler else None, self.step,
                                   cfg.optim.peak_lr(cfg.train.global_batch_size), self.print)
-            self.state.settings = trained_settings(cfg, self.strategy.ds_owned)  # for the next checkpoint
+            self.state.settings = settings  # this run's, for the next checkpoint
             self.state.mixture = mixture
             self.resume_data(self.resume_from)
             self.state.global_batch_size = cfg.train.global_batch_size  # a checkpoint older than the field
