@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.config import load_config
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.packing import packed_dataset
@@ -133,7 +134,7 @@ def test_a_fresh_checkpoint_has_the_files_of_the_saved_fixtures_and_converts(str
     fresh = shutil.copytree(out / "checkpoints" / "step-3", tmp_path / "step-3")
     assert _files(fresh) == _files(FIXTURES / {"ddp": "ddp@3", "fsdp": "fsdp@2", "zero2": "zero2@2",
                                                 "zero3": "zero3@2"}[strategy] / "step-3")
-    converted, cached = cached_conversion(fresh)
+    converted, cached = cached_conversion(Checkpoint.read(fresh))
     state = ConsolidatedState(converted)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out / "final"))

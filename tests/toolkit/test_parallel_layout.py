@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from toolkit.checkpoint.state import TrainerState
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import TrainerState
 
 ZERO3_OFFLOAD = ParallelLayout("deepspeed", 2, zero_stage=3, offload=("optimizer", "param"))
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.checkpoint.state import TrainerState
 from toolkit.config import UserError
-from toolkit.run_dir import STATE_FILE, RunDir, TrainerState, checkpoint_step, converted_state
+from toolkit.run_dir import STATE_FILE, RunDir, checkpoint_step, converted_state
 
 
 def finished_run(folder: Path, checkpoint: str | None = "complete") -> Path:
@@ -145,17 +146,6 @@ def test_remove_run_deletes_only_the_runs_own_entries(tmp_path):
     assert (run / "thesis.tex").read_text() == "mine"
     assert (elsewhere / "keep.txt").read_text() == "keep"  # the link went, not what it points to
     RunDir(tmp_path / "missing").remove_own()
-
-
-def test_one_reader_and_one_writer_for_the_trainer_state(tmp_path):
-    state = TrainerState(step=7, tokens_seen=3584, seed=1, last_eval={"eval_loss": 2.5, "eval_ppl": 12.18},
-                         eval_before={"eval_loss": 3.0, "eval_ppl": 20.08}, samples_before=["a", "b"])
-    state.write(tmp_path)
-    assert not (tmp_path / (STATE_FILE + ".tmp")).exists()  # renamed into place
-    assert TrainerState.read(tmp_path) == state
-    # a state written before the typed contract (pretraining had no eval_before / samples_before) still reads
-    (tmp_path / STATE_FILE).write_text('{"step": 4, "tokens_seen": 10, "last_eval": {}, "seed": 3, "extra": 1}')
-    assert TrainerState.read(tmp_path) == TrainerState(step=4, tokens_seen=10, seed=3)
 
 
 def test_checkpoints_are_found_by_step_number_and_completeness(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 from accelerate.state import AcceleratorState
 from training.one_process_trainer import packed_blocks, start_trainer  # tests/toolkit/training/
 
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.writes import NOT_WRITERS, WRITERS, WriteFailed, full_disk_errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -371,7 +372,7 @@ def case_converted_checkpoint(request):
     for exc in full_disk_errors(str(folder) + ".converted.tmp/exp_avg.safetensors"):
         monkeypatch.setattr(conversion, "save_file", failing(exc))
         with _fails(UserError) as info:
-            conversion.cached_conversion(folder)
+            conversion.cached_conversion(Checkpoint.read(folder))
         monkeypatch.undo()
         assert f"checkpoint {folder} could not be converted into" in str(info.value) and _cause(exc) in str(info.value)
         assert sorted(p.name for p in folder.parent.iterdir()) == ["step-1"]

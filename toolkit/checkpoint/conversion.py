@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from toolkit.checkpoint import deepspeed
 from toolkit.checkpoint.by_name import MOMENTS, OPTIMIZER, VERSION, WEIGHTS
-from toolkit.checkpoint.formats import FORMATS, gather_full_weights, saved_by, saved_layout
+from toolkit.checkpoint.formats import FORMATS, Checkpoint, gather_full_weights, saved_by
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers_only_torch_load
 from toolkit.config import UserError
 from toolkit.manifest import crc32
@@ -35,9 +35,9 @@ from toolkit.run_dir import STATE_FILE, converted_state
 from toolkit.writes import failed_write
 
 
-def convert(folder: Path, into: Path) -> None:
-    """Write checkpoint `folder`'s state by parameter name into the new folder `into`."""
-    saved = saved_layout(folder)
+def convert(checkpoint: Checkpoint, into: Path) -> None:
+    """Write the checkpoint's state by parameter name into the new folder `into`."""
+    folder, saved = checkpoint.folder, checkpoint.layout
     format = saved_by(folder)
     if saved is None or format is None:
         raise UserError(f"checkpoint {folder} holds no strategy's files; it cannot be converted")
@@ -88,9 +88,10 @@ def _check_convertible(folder: Path, format: str, saved: ParallelLayout) -> None
                         f"converter reads; resume it under {saved.describe()}")
 
 
-def cached_conversion(folder: Path) -> tuple[Path, bool]:
-    """(checkpoint `folder` converted, whether it was already): made beside it, or reused when it was
-    made from this very checkpoint (its state file's CRC), in one rename so that a crash leaves none."""
+def cached_conversion(checkpoint: Checkpoint) -> tuple[Path, bool]:
+    """(the checkpoint converted, whether it was already): made beside it, or reused when it was made from
+    this very checkpoint (its state file's CRC), in one rename so that a crash leaves none."""
+    folder = checkpoint.folder
     target = converted_state(folder)
     source = crc32(folder / STATE_FILE)
     if target.is_dir():
@@ -104,7 +105,7 @@ def cached_conversion(folder: Path) -> tuple[Path, bool]:
     partial = target.with_name(target.name + ".tmp")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        convert(folder, partial)
+        convert(checkpoint, partial)
     except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)
         cause = failed_write(exc)  # whatever the writer raised (toolkit.writes): an OSError, a SafetensorError...

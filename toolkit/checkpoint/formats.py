@@ -10,25 +10,49 @@ older than that record, read from its files.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from toolkit.checkpoint import ddp, deepspeed, fsdp, pipeline
+from toolkit.checkpoint.state import TrainerState
 from toolkit.checkpoint.unpickling import numbers_only_torch_load
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import TrainerState, is_complete
+from toolkit.run_dir import is_complete
 
 Format = Literal["ddp", "fsdp", "deepspeed", "pipeline"]
 # asked in this order: a DeepSpeed or FSDP2 save may hold a model*.safetensors too
 FORMATS = {"deepspeed": deepspeed, "fsdp": fsdp, "pipeline": pipeline, "ddp": ddp}
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint, read once: its folder, its state file, and the layout that wrote its files
+    (recorded in the state, or read from the files of checkpoints older than that record; None if they are no
+    strategy's). Everything a resume checks and loads is asked of this value (toolkit.checkpoint.resume)."""
+
+    folder: Path
+    state: TrainerState
+    layout: ParallelLayout | None
+
+    @classmethod
+    def read(cls, folder: Path) -> Checkpoint:
+        """DamagedState (a ValueError) when its state file is not what TrainerState.write wrote."""
+        state = TrainerState.read(folder)
+        return cls(folder, state, state.layout or layout_from_files(folder))
+
+
 def saved_layout(folder: Path) -> ParallelLayout | None:
-    """The layout that wrote checkpoint `folder`; None if its files are no strategy's."""
+    """The layout that wrote checkpoint `folder` (complete or not); None if its files are no strategy's."""
     if is_complete(folder):
         layout = TrainerState.read(folder).layout
         if layout is not None:
             return layout
+    return layout_from_files(folder)
+
+
+def layout_from_files(folder: Path) -> ParallelLayout | None:
+    """The layout of a checkpoint older than the record, from the files it holds."""
     files = saved_by(folder)
     if files is None:
         return None

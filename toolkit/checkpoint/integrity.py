@@ -7,32 +7,35 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.checkpoint import deepspeed
-from toolkit.checkpoint.formats import saved_layout
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, check_manifest, crc32
-from toolkit.run_dir import STATE_FILE, RunDir, TrainerState, checkpoint_step
+from toolkit.parallel_layout import ParallelLayout
+from toolkit.run_dir import STATE_FILE, RunDir, checkpoint_step
 from toolkit.strategy.distributed import Strategy
 
 
 def intact_checkpoint(
     strategy: Strategy, run: RunDir, chosen: Path, auto: bool, say: Callable[[str], None] = print
-) -> Path:
-    """Collective: the checkpoint to resume from once its manifest is checked (on the main process;
-    every rank gets the same verdict).
+) -> Checkpoint:
+    """Collective: the checkpoint to resume from once its manifest is checked, read once on the main process;
+    every rank gets the same verdict and the same value.
 
     resume=auto falls back to the newest older checkpoint that is intact, saying so, and moves
     each damaged one aside (`step-N.damaged`: kept for a post-mortem, out of rotation, never
     resumed from); resume=PATH stops in one line that names the damaged file.
     """
 
-    def choose() -> Path:
+    def choose() -> Checkpoint:
         run.drop_pruned()
         candidates = [chosen] + ([c for c in reversed(run.complete_checkpoints()) if c != chosen] if auto else [])
         problems = []
         for folder in candidates:
-            problem = check_manifest(folder) or check_state_file(folder)
+            checkpoint, problem = None, check_manifest(folder)
             if problem is None:
-                return folder
+                checkpoint, problem = read_intact(folder)
+            if checkpoint is not None:
+                return checkpoint
             problems.append(problem)
             if not auto:
                 break
@@ -48,29 +51,35 @@ def intact_checkpoint(
 def check_state_file(folder: Path) -> str | None:
     """None if the checkpoint's trainer_state.json is its own: readable, of the folder's step, and
     naming the checksum of the manifest beside it (checkpoints older than that field pass on the step)."""
+    return read_intact(folder)[1]
+
+
+def read_intact(folder: Path) -> tuple[Checkpoint | None, str | None]:
+    """(the checkpoint read, None), or (None, what is wrong with its state file: check_state_file)."""
     path = folder / STATE_FILE
     try:
-        state = TrainerState.read(folder)
+        checkpoint = Checkpoint.read(folder)
     except (OSError, ValueError, TypeError) as exc:
-        return f"{path} is not a readable trainer state ({exc})"
-    step = checkpoint_step(folder)
+        return None, f"{path} is not a readable trainer state ({exc})"
+    state, step = checkpoint.state, checkpoint_step(folder)
     if step is not None and state.step != step:
-        return f"{path} is of step {state.step}, not {step}: a state file from another checkpoint"
+        return None, f"{path} is of step {state.step}, not {step}: a state file from another checkpoint"
     manifest = folder / MANIFEST
     if state.manifest_crc32 and not manifest.is_file():  # else every file it lists would go unchecked
-        return f"{manifest} is missing (its {STATE_FILE} names one), so its files cannot be checked"
+        return None, f"{manifest} is missing (its {STATE_FILE} names one), so its files cannot be checked"
     if state.manifest_crc32 and crc32(manifest) != state.manifest_crc32:
-        return f"{path} belongs to another checkpoint (it names another manifest than {manifest})"
+        return None, f"{path} belongs to another checkpoint (it names another manifest than {manifest})"
     if not manifest.is_file():  # a checkpoint older than manifests: at least every rank's files
-        return missing_rank_file(folder)
-    return None
+        missing = missing_rank_file(folder, checkpoint.layout)
+        if missing is not None:
+            return None, missing
+    return checkpoint, None
 
 
-def missing_rank_file(folder: Path) -> str | None:
-    """The first file one rank of the run that saved `folder` should have written and did not: its
-    random states (every strategy), its ZeRO optimizer partition (DeepSpeed ZeRO-1/2/3, which
+def missing_rank_file(folder: Path, saved: ParallelLayout | None) -> str | None:
+    """The first file one rank of the run that saved `folder` (under layout `saved`) should have written and
+    did not: its random states (every strategy), its ZeRO optimizer partition (DeepSpeed ZeRO-1/2/3, which
     otherwise fails deep in DeepSpeed with a ValueError that names no rank)."""
-    saved = saved_layout(folder)
     if saved is None or not saved.world:
         return None
     for rank in range(saved.world):

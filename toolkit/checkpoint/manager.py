@@ -21,21 +21,16 @@ import torch
 from toolkit.checkpoint import ddp, deepspeed, fsdp, pipeline
 from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
-from toolkit.checkpoint.formats import saved_layout
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
+from toolkit.checkpoint.state import TrainerState
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
 from toolkit.config import UserError, field
 from toolkit.faults import fail_point, kill_point
 from toolkit.manifest import MANIFEST, crc32, write_manifest
 from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import (
-    MODEL_FILES,
-    PRUNED,
-    RunDir,
-    TrainerState,
-    converted_state,
-)
+from toolkit.run_dir import MODEL_FILES, PRUNED, RunDir, converted_state
 from toolkit.strategy.distributed import Strategy
 from toolkit.writes import failed_write
 
@@ -208,8 +203,9 @@ def warn_low_space(folder: Path, previous: Path, say: Callable[[str], None]) -> 
             "it will likely fail; free space or lower checkpoint.keep_last")
 
 
-def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None] = print) -> TrainerState:
-    """Collective. A checkpoint of another model shape is refused with one line, before loading.
+def load_checkpoint(strategy: Strategy, checkpoint: Checkpoint, say: Callable[[str], None] = print) -> None:
+    """Collective: the checkpoint's tensors, schedule and random states into the prepared run. A checkpoint of
+    another model shape is refused with one line, before loading.
 
     The shapes are compared from the configs (the checkpoint's model_files/ and the live model's),
     which reads the same under every strategy and on every rank; a size mismatch that still
@@ -218,24 +214,22 @@ def load_checkpoint(strategy: Strategy, folder: Path, say: Callable[[str], None]
     A checkpoint of another strategy or world size that Accelerate cannot load as it is (see
     resumes_natively) is converted to its state by parameter name and loaded from that
     (toolkit.checkpoint.conversion), with one line saying so."""
+    folder, saved = checkpoint.folder, checkpoint.layout
     # outside_training: the meta models are built as in a single process (under ZeRO-3 too)
     with strategy.outside_training():
         for model in strategy.prepared()[0]:  # the trainer hands over only the strategy
             check_same_model(folder, model)
-    saved = saved_layout(folder)
     if saved is not None and not resumes_natively(strategy, saved):
-        _load_converted(strategy, folder, saved, say)
+        _load_converted(strategy, checkpoint, say)
     else:
         _load_native(strategy, folder)
         if strategy.pipeline is not None:
             pipeline.load_stage(strategy.pipeline, folder, strategy.pipeline.optimizer)
-    state = TrainerState.read(folder)
     # Accelerate counts micro-batches to know which one closes an optimizer step, and load_state
     # restores the count of the run that saved: with another accumulation (another world size)
     # the steps would close on the wrong micro-batch (measured: FSDP2 from 2 processes to 1 went
     # off the curve at the first step). Every optimizer step is `accumulation` micro-batches.
-    strategy.accelerator.step = state.step * strategy.accumulation
-    return state
+    strategy.accelerator.step = checkpoint.state.step * strategy.accumulation
 
 
 def _load_native(strategy: Strategy, folder: Path) -> None:
@@ -251,10 +245,10 @@ def _load_native(strategy: Strategy, folder: Path) -> None:
         raise UserError(different_model(folder, found)) from None
 
 
-def _load_converted(strategy: Strategy, folder: Path, saved: ParallelLayout, say: Callable[[str], None]) -> None:
+def _load_converted(strategy: Strategy, checkpoint: Checkpoint, say: Callable[[str], None]) -> None:
     """Weights and Adam state from the checkpoint's state by parameter name; the LR schedule and the
     random states (of the ranks that exist in both) from the checkpoint itself."""
-    here = strategy.layout.describe()
+    folder, saved, here = checkpoint.folder, checkpoint.layout, strategy.layout.describe()
     if strategy.ds_owned:
         raise UserError(
             f"checkpoint {folder} was saved under {saved.describe()}; resuming it under {here} needs a conversion, "
@@ -262,7 +256,7 @@ def _load_converted(strategy: Strategy, folder: Path, saved: ParallelLayout, say
             f"conversion cannot fill: remove them from the JSON, or resume under {saved.describe()}"
         )
     # made by the main process alone (or found made before) while the others wait
-    converted, cached = strategy.on_main(lambda: cached_conversion(folder))
+    converted, cached = strategy.on_main(lambda: cached_conversion(checkpoint))
     _load_by_name(strategy, ConsolidatedState(converted))
     for index, obj in enumerate(strategy.prepared()[2]):  # the LR schedule
         saved_state = numbers(folder / f"custom_checkpoint_{index}.pkl")

@@ -7,22 +7,22 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.config import UserError
 from toolkit.config_keys import value_at
 from toolkit.data.mixture import stages_said, trained_part
-from toolkit.run_dir import TrainerState
 from toolkit.run_paths import PATH_SETTINGS, READ
 
 
-def check_same_data_order(folder: Path, seed: int, global_batch_size: int, streaming: bool = False) -> None:
+def check_same_data_order(checkpoint: Checkpoint, seed: int, global_batch_size: int, streaming: bool = False) -> None:
     """The batch order is a function of (seed, step, global batch): a resume with another seed or
     global batch would read other sequences than the interrupted run, so it is refused in one line.
     Everything else a strategy splits (processes, micro-batches, accumulation) may change. A streamed
     run's position is a place in its stream (stream_*.npz): prepared data cannot take it up."""
+    folder, saved = checkpoint.folder, checkpoint.state
     if not streaming and any(folder.glob("stream_*.npz")):
         raise UserError(f"checkpoint {folder} was trained with data.streaming=true: its data position is a place in "
                         "the stream; resume it with data.streaming=true")
-    saved = TrainerState.read(folder)
     for key, was, now in (("seed", saved.seed, seed), ("train.global_batch_size", saved.global_batch_size or None,
                                                        global_batch_size)):
         if was is not None and was != now:
@@ -32,12 +32,11 @@ def check_same_data_order(folder: Path, seed: int, global_batch_size: int, strea
             )
 
 
-def check_same_mixture(folder: Path, mixture: dict, say: Callable[[str], None]) -> None:
+def check_same_mixture(checkpoint: Checkpoint, mixture: dict, say: Callable[[str], None]) -> None:
     """A mixture's sources and the weights of the steps trained are part of the data order: a resume that
     changes them is refused in one line; other weights for the steps to come are taken, said in one line.
     `mixture` is this run's TrainerState.mixture ({} for one corpus)."""
-    saved = TrainerState.read(folder)
-    was, step = saved.mixture, saved.step
+    folder, was, step = checkpoint.folder, checkpoint.state.mixture, checkpoint.state.step
     if not was and not mixture:
         return
 
@@ -79,7 +78,7 @@ REFUSED = {
     "train.mixed_precision": "the strategy's saved weights and optimizer state are in its precision",
 }
 # Checked on their own, before these: the data order and the mixture (check_same_data_order, check_same_mixture),
-# and a streamed run's place in its stream (Trainer.resume_data).
+# and a streamed run's place in its stream (resume's rank_files).
 OWN_CHECK = ("seed", "train.global_batch_size", "data.sources", "data.stages", "data.streaming")
 # Taken from the resumed step on, said in one line: the schedule is a function of the step rebuilt from the
 # config; the rest is read at every step.
@@ -137,11 +136,11 @@ def trained_settings(cfg, optimizer_in_ds_json: bool = False) -> dict:
     return values
 
 
-def check_same_settings(folder: Path, settings: dict, max_steps: int) -> dict[str, tuple]:
+def check_same_settings(checkpoint: Checkpoint, settings: dict, max_steps: int) -> dict[str, tuple]:
     """Before loading: refuse a change a resume cannot take (one line naming each and what to do);
     return the ones it takes, {key: (in the checkpoint, now)}. `settings` is {} where a user's
     DeepSpeed JSON defines the optimizer or schedule (the recipe's optim section is not what runs)."""
-    saved = TrainerState.read(folder)
+    folder, saved = checkpoint.folder, checkpoint.state
     changed = {k: (saved.settings[k], v) for k, v in settings.items() if k in saved.settings and saved.settings[k] != v}
     refused = [f"{key}={_said(a)} (this run has {_said(b)}: {REFUSED[k]})" for k, (was, now) in changed.items()
                if k in REFUSED for key, a, b in _differences(k, was, now)]

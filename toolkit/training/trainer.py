@@ -28,15 +28,10 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from toolkit.checkpoint.integrity import intact_checkpoint
-from toolkit.checkpoint.manager import SaveFailed, load_checkpoint, save_checkpoint
-from toolkit.checkpoint.settings import (
-    check_same_data_order,
-    check_same_mixture,
-    check_same_settings,
-    take_changed_settings,
-    trained_settings,
-)
+from toolkit.checkpoint.manager import SaveFailed, save_checkpoint
+from toolkit.checkpoint.resume import resume
+from toolkit.checkpoint.settings import trained_settings
+from toolkit.checkpoint.state import TrainerState
 from toolkit.config import UserError, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
@@ -51,7 +46,7 @@ from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.models.scratch import count_parameters
 from toolkit.models.weight_cast import AUTOCAST, weight_cast
-from toolkit.run_dir import RunDir, TrainerState
+from toolkit.run_dir import RunDir
 from toolkit.run_paths import check_run_paths
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
@@ -267,19 +262,14 @@ class Trainer:
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
                                        self.strategy.pipeline is not None, cfg.model.compile)
         if self.resume_from is not None:
-            self.resume_from = intact_checkpoint(
-                self.strategy, self.run, self.resume_from, cfg.resume == "auto", self.print
+            stream = self.feed.stream
+            self.resume_from, self.state = resume(
+                self.strategy, self.run, self.resume_from, self.state, auto=cfg.resume == "auto",
+                streaming=stream is not None, max_steps=cfg.train.max_steps,
+                peak_lr=cfg.optim.peak_lr(cfg.train.global_batch_size),
+                scheduler=self.scheduler if self.step_scheduler else None,
+                rank_files=stream.load if stream is not None else None, say=self.print,
             )
-            check_same_data_order(self.resume_from, cfg.seed, cfg.train.global_batch_size, self.feed.stream is not None)
-            check_same_mixture(self.resume_from, mixture := self.state.mixture, self.print)
-            changed = check_same_settings(self.resume_from, self.state.settings, cfg.train.max_steps)
-            settings, self.state = self.state.settings, load_checkpoint(self.strategy, self.resume_from, self.print)
-            take_changed_settings(changed, self.scheduler if self.step_scheduler else None, self.step,
-                                  cfg.optim.peak_lr(cfg.train.global_batch_size), self.print)
-            self.state.settings = settings  # this run's, for the next checkpoint
-            self.state.mixture = mixture
-            self.resume_data(self.resume_from)
-            self.state.global_batch_size = cfg.train.global_batch_size  # a checkpoint older than the field
             bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
             if bad is not None:
                 raise UserError(
@@ -298,11 +288,6 @@ class Trainer:
             self.accelerator.init_trackers(project, config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(self.strategy.device)
         self.profiler = StepProfiler(cfg.logging.profile, self.run.root, self.accelerator.is_main_process, self.strategy.device, self.print)
-
-    def resume_data(self, folder: Path) -> None:
-        """A streamed run's position in its stream; prepared data needs none (its order is (seed, step))."""
-        if self.feed.stream is not None:
-            self.feed.stream.load(folder)
 
     # ------------------------------------------------------------------ train
     def fit(self) -> None:

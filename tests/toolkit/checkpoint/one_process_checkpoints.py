@@ -10,7 +10,8 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 
 from toolkit.checkpoint.manager import save_checkpoint
-from toolkit.run_dir import RunDir, TrainerState
+from toolkit.checkpoint.state import TrainerState
+from toolkit.run_dir import RunDir
 from toolkit.strategy.distributed import Strategy
 
 

@@ -12,6 +12,7 @@ from one_process_checkpoints import launch, trained
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.ddp import load_into as load_into_ddp
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.config import UserError
 from toolkit.models.parameters import parameter_names
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 def test_the_converted_state_loads_into_a_fresh_run(tmp_path, one_process_checkpoint, tiny_model):
     folder, model, optimizer = one_process_checkpoint
-    made, _ = cached_conversion(folder)
+    made, _ = cached_conversion(Checkpoint.read(folder))
     strategy = launch(tmp_path)
     fresh, fresh_optimizer = trained(strategy, tiny_model, steps=0)
     load_into_ddp(fresh, fresh_optimizer.optimizer, ConsolidatedState(made))
@@ -36,7 +37,7 @@ def test_the_converted_state_loads_into_a_fresh_run(tmp_path, one_process_checkp
 def test_a_run_that_trains_other_parameters_is_refused(tmp_path, one_process_checkpoint, tiny_model):
     """Every parameter this run trains must find its Adam state, or its moments would restart silently."""
     folder, _, _ = one_process_checkpoint
-    made, _ = cached_conversion(folder)
+    made, _ = cached_conversion(Checkpoint.read(folder))
     strategy = launch(tmp_path)
     fresh, fresh_optimizer = trained(strategy, tiny_model, steps=0)
     state = ConsolidatedState(made)
@@ -53,7 +54,7 @@ def test_a_run_of_another_model_is_refused(tmp_path, one_process_checkpoint, tin
     """A parameter the converted checkpoint has no weight for (an older checkpoint without model_files/, whose
     shapes could not be compared first)."""
     folder, _, _ = one_process_checkpoint
-    made, _ = cached_conversion(folder)
+    made, _ = cached_conversion(Checkpoint.read(folder))
     strategy = launch(tmp_path)
     fresh, fresh_optimizer = trained(strategy, tiny_model, steps=0)
     fresh.register_parameter("extra", torch.nn.Parameter(torch.zeros(3), requires_grad=False))

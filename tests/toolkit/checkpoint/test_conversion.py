@@ -19,18 +19,20 @@ from unprivileged import error_as_nobody
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion, convert
 from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
+from toolkit.checkpoint.formats import Checkpoint, saved_layout
 from toolkit.checkpoint.manager import save_checkpoint
+from toolkit.checkpoint.state import TrainerState
 from toolkit.config import UserError
 from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import RunDir, TrainerState, converted_state
+from toolkit.run_dir import RunDir, converted_state
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def test_the_conversion_holds_the_weights_and_adam_state_by_name(one_process_checkpoint, tmp_path):
     folder, model, optimizer = one_process_checkpoint
-    made, cached = cached_conversion(folder)
+    made, cached = cached_conversion(Checkpoint.read(folder))
     assert made == converted_state(folder) == folder.with_name("step-2.converted") and not cached
     state = ConsolidatedState(made)
     assert state.source == ParallelLayout("single", 1) and state.source.describe() == "one process"
@@ -55,9 +57,9 @@ def test_the_conversion_holds_the_weights_and_adam_state_by_name(one_process_che
 
 def test_the_conversion_is_reused_and_made_again_for_a_new_save_of_the_step(tmp_path, one_process_checkpoint, tiny_model):
     folder, _, _ = one_process_checkpoint
-    made, _ = cached_conversion(folder)
+    made, _ = cached_conversion(Checkpoint.read(folder))
     stamp = (made / "optimizer.json").stat().st_mtime_ns
-    assert cached_conversion(folder) == (made, True)
+    assert cached_conversion(Checkpoint.read(folder)) == (made, True)
     assert (made / "optimizer.json").stat().st_mtime_ns == stamp
     # the same step saved again (another run in the folder): its state file differs, the conversion is redone
     strategy = launch(tmp_path)
@@ -65,19 +67,19 @@ def test_the_conversion_is_reused_and_made_again_for_a_new_save_of_the_step(tmp_
     shutil.rmtree(folder)
     save_checkpoint(strategy, RunDir(tmp_path / "run"), TrainerState(step=2, tokens_seen=1), keep_last=1)
     assert not made.exists(), "a new save of step-2 leaves the conversion of the old one behind"
-    again, cached = cached_conversion(folder)
+    again, cached = cached_conversion(Checkpoint.read(folder))
     assert again == made and not cached
     # a conversion interrupted before its rename is not taken for one
     shutil.rmtree(made)
     made.with_name(made.name + ".tmp").mkdir()
-    assert cached_conversion(folder) == (made, False) and not made.with_name(made.name + ".tmp").exists()
+    assert cached_conversion(Checkpoint.read(folder)) == (made, False) and not made.with_name(made.name + ".tmp").exists()
 
 
 def test_a_ddp_checkpoint_without_its_parameter_names_is_refused(one_process_checkpoint, tmp_path):
     folder, _, _ = one_process_checkpoint
     (folder / OPTIMIZER_NAMES).unlink()
     with pytest.raises(UserError) as info:
-        convert(folder, tmp_path / "out")
+        convert(Checkpoint.read(folder), tmp_path / "out")
     assert str(info.value) == (
         f"checkpoint {folder} was saved before the toolkit recorded which parameter each of optimizer.bin's entries "
         "belongs to, so its Adam state cannot be moved to another strategy; resume it under DDP or one process (any "
@@ -91,14 +93,14 @@ def test_names_that_do_not_fit_optimizer_bin_are_refused(one_process_checkpoint,
     names["groups"][1].pop()
     (folder / OPTIMIZER_NAMES).write_text(json.dumps(names))
     with pytest.raises(UserError, match=r"optimizer.bin and its parameter names disagree \(another save's files\)$"):
-        convert(folder, tmp_path / "out")
+        convert(Checkpoint.read(folder), tmp_path / "out")
 
 
 def test_a_checkpoint_without_the_recipes_schedule_is_refused(one_process_checkpoint, tmp_path):
     folder, _, _ = one_process_checkpoint
     (folder / "custom_checkpoint_0.pkl").unlink()
     with pytest.raises(UserError) as info:
-        convert(folder, tmp_path / "out")
+        convert(Checkpoint.read(folder), tmp_path / "out")
     assert str(info.value) == (
         f"checkpoint {folder} (one process) holds no LR schedule of the recipe's (custom_checkpoint_0.pkl), so it "
         "cannot be converted for another strategy or world size; resume it under one process"
@@ -114,7 +116,7 @@ def test_a_file_that_pickles_code_is_refused(one_process_checkpoint, tmp_path, c
     folder, _, _ = one_process_checkpoint
     torch.save({"state": _Payload(), "param_groups": []}, folder / "optimizer.bin")
     with pytest.raises(UserError) as info:
-        convert(folder, tmp_path / "out")
+        convert(Checkpoint.read(folder), tmp_path / "out")
     assert str(info.value) == (
         f"checkpoint {folder} holds pickled objects beyond tensors and numbers (print); the toolkit never "
         "unpickles those (they can run code): resume from a checkpoint the toolkit wrote"
@@ -134,10 +136,15 @@ def _deepspeed_folder(tmp_path, ds_config: dict) -> Path:
     return folder
 
 
+def _unfinished(folder):
+    """A checkpoint without its state file, as far as the converter reads it."""
+    return Checkpoint(folder, TrainerState(step=1), saved_layout(folder))
+
+
 def test_deepspeed_checkpoints_the_converter_cannot_read_are_refused(tmp_path):
     owned = _deepspeed_folder(tmp_path / "a", {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}})
     with pytest.raises(UserError) as info:
-        convert(owned, tmp_path / "out")
+        convert(_unfinished(owned), tmp_path / "out")
     assert str(info.value) == (
         f"checkpoint {owned} (DeepSpeed ZeRO-2 on 1 process) was trained with the optimizer its DeepSpeed JSON defines, "
         "whose state is DeepSpeed's own: it cannot be converted for another strategy or world size; resume it under "
@@ -145,7 +152,7 @@ def test_deepspeed_checkpoints_the_converter_cannot_read_are_refused(tmp_path):
     )
     stage0 = _deepspeed_folder(tmp_path / "b", {"zero_optimization": {"stage": 0}})
     with pytest.raises(UserError) as info:
-        convert(stage0, tmp_path / "out")
+        convert(_unfinished(stage0), tmp_path / "out")
     assert str(info.value) == (
         f"checkpoint {stage0} (DeepSpeed ZeRO-0 on 1 process): DeepSpeed without ZeRO (stage 0) keeps no per-parameter "
         "state that DeepSpeed's converter reads; resume it under DeepSpeed ZeRO-0 on 1 process"
@@ -164,7 +171,7 @@ def test_a_checkpoint_beside_which_nothing_can_be_written_is_one_line(one_proces
             path.chmod(0o755 if path.is_dir() else 0o644)
         if os.geteuid() != 0:
             shared.chmod(0o555)
-        error = error_as_nobody(lambda: cached_conversion(shared / "step-2"))
+        error = error_as_nobody(lambda: cached_conversion(Checkpoint.read(shared / "step-2")))
     finally:
         shared.chmod(0o755)
         shutil.rmtree(shared)

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint.ddp import OPTIMIZER_NAMES, read_optimizer_names
 from toolkit.checkpoint.formats import gather_full_weights, saved_by, saved_layout
+from toolkit.checkpoint.state import TrainerState
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import TrainerState
 
 # what Accelerate's save_state writes besides the model, whatever the strategy
 ACCELERATE_EXTRAS = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")

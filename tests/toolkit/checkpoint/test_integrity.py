@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from toolkit.checkpoint.integrity import check_state_file
+from toolkit.checkpoint.state import TrainerState
 from toolkit.manifest import MANIFEST, crc32, write_manifest
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import TrainerState
 
 
 def a_zero3_checkpoint(folder, missing: str | None = None):

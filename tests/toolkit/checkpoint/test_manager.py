@@ -11,11 +11,13 @@ import torch
 from accelerate.state import AcceleratorState
 
 from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import CheckpointConfig, _load_schedule, load_checkpoint, save_checkpoint
+from toolkit.checkpoint.state import TrainerState
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, crc32
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, TrainerState, converted_state
+from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, converted_state
 from toolkit.strategy.distributed import Strategy
 
 
@@ -41,7 +43,8 @@ def test_a_checkpoint_round_trips_weights_and_state_and_keeps_the_last_k(tmp_pat
 
     with torch.no_grad():
         model.weight.zero_()
-    state = load_checkpoint(strategy, run.checkpoint(3))
+    load_checkpoint(strategy, checkpoint := Checkpoint.read(run.checkpoint(3)))
+    state = checkpoint.state
     assert state.manifest_crc32 == crc32(run.checkpoint(3) / MANIFEST)  # bound to the files beside it
     assert state == TrainerState(step=3, tokens_seen=30, manifest_crc32=state.manifest_crc32,
                                  layout=ParallelLayout("single", 1))  # what wrote the files
@@ -90,7 +93,7 @@ def test_a_resume_counts_the_micro_batches_of_this_run(tmp_path):
     resuming = Strategy.launch(mixed_precision="no", global_batch=6, micro_batch=1, max_grad_norm=1.0,
                                project_dir=str(tmp_path), trackers=[], timeout_s=60)
     resuming.prepare(torch.nn.Linear(2, 2))
-    load_checkpoint(resuming, folder)
+    load_checkpoint(resuming, Checkpoint.read(folder))
     assert resuming.accumulation == 6 and resuming.accelerator.step == 18
 
 
@@ -104,7 +107,7 @@ def test_a_conversion_into_a_deepspeed_json_that_owns_the_optimizer_is_refused(t
     state.write(folder)
     owning = dataclasses.replace(strategy, ds_owned=("optimizer", "scheduler"))
     with pytest.raises(UserError) as info:
-        load_checkpoint(owning, folder)
+        load_checkpoint(owning, Checkpoint.read(folder))
     assert str(info.value) == (
         f"checkpoint {folder} was saved under FSDP2 on 2 processes; resuming it under one process needs a conversion, "
         "and this launch's DeepSpeed JSON defines its own optimizer and scheduler, whose state the conversion cannot "

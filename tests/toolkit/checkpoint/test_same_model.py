@@ -7,9 +7,11 @@ import pytest
 import torch
 from one_process_checkpoints import launch
 
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import load_checkpoint, save_checkpoint
+from toolkit.checkpoint.state import TrainerState
 from toolkit.config import UserError
-from toolkit.run_dir import RunDir, TrainerState
+from toolkit.run_dir import RunDir
 
 
 def test_resuming_with_another_model_shape_is_one_line_before_loading(tmp_path, strategy, tiny_model):
@@ -26,14 +28,15 @@ def test_resuming_with_another_model_shape_is_one_line_before_loading(tmp_path, 
         other = launch(tmp_path)
         other.prepare(tiny_model("llama", **{"hidden_size": 64, **sizes}))
         with pytest.raises(UserError) as info:
-            load_checkpoint(other, folder)
+            load_checkpoint(other, Checkpoint.read(folder))
         assert str(info.value) == (
             f"checkpoint {folder} holds a different model: {first}; resume with the model settings it was saved "
             "with, or start a new output_dir"
         )
     same = launch(tmp_path)
     same.prepare(tiny_model("llama", hidden_size=64))
-    assert load_checkpoint(same, folder).step == 3
+    load_checkpoint(same, Checkpoint.read(folder))
+    assert same.accelerator.step == 3 * same.accumulation  # where the run was
 
 
 def test_a_size_mismatch_the_configs_cannot_see_is_translated_too(tmp_path, strategy):
@@ -45,7 +48,7 @@ def test_a_size_mismatch_the_configs_cannot_see_is_translated_too(tmp_path, stra
     other = launch(tmp_path)
     other.prepare(torch.nn.Linear(4, 5))
     with pytest.raises(UserError) as info:
-        load_checkpoint(other, folder)
+        load_checkpoint(other, Checkpoint.read(folder))
     assert str(info.value) == (
         f"checkpoint {folder} holds a different model: weight is [3, 4] there and [5, 4] in this run; resume with "
         "the model settings it was saved with, or start a new output_dir"

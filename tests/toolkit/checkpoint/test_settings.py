@@ -6,23 +6,24 @@ import re
 
 import pytest
 
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.settings import check_same_data_order
+from toolkit.checkpoint.state import TrainerState
 from toolkit.config import UserError
-from toolkit.run_dir import TrainerState
 
 
 def test_a_resume_with_another_seed_or_global_batch_is_refused_and_anything_else_is_not(tmp_path):
     """The batch order is a function of (seed, step, global batch): changing either would feed the
     resumed run other sequences. A checkpoint older than the global-batch field is not refused."""
     TrainerState(step=3, seed=7, global_batch_size=12).write(tmp_path)
-    check_same_data_order(tmp_path, seed=7, global_batch_size=12)
+    check_same_data_order(Checkpoint.read(tmp_path), seed=7, global_batch_size=12)
     with pytest.raises(UserError, match=r"train.global_batch_size=12 and this run has train.global_batch_size=16: "
                                         r"the data position would not carry over; resume with train.global_batch_size=12"):
-        check_same_data_order(tmp_path, seed=7, global_batch_size=16)
+        check_same_data_order(Checkpoint.read(tmp_path), seed=7, global_batch_size=16)
     with pytest.raises(UserError, match=r"seed=7 and this run has seed=8"):
-        check_same_data_order(tmp_path, seed=8, global_batch_size=12)
+        check_same_data_order(Checkpoint.read(tmp_path), seed=8, global_batch_size=12)
     TrainerState(step=3, seed=7).write(tmp_path)  # written before the field existed: 0
-    check_same_data_order(tmp_path, seed=7, global_batch_size=16)
+    check_same_data_order(Checkpoint.read(tmp_path), seed=7, global_batch_size=16)
 
 
 def test_a_mixtures_trained_weights_are_kept_and_its_coming_stages_may_change(tmp_path):
@@ -38,24 +39,24 @@ def test_a_mixtures_trained_weights_are_kept_and_its_coming_stages_may_change(tm
 
     TrainerState(step=50, mixture=mixture(StageConfig(80, {"code": 0.9}))).write(tmp_path)
     said: list[str] = []
-    check_same_mixture(tmp_path, mixture(StageConfig(80, {"code": 0.9})), said.append)
+    check_same_mixture(Checkpoint.read(tmp_path), mixture(StageConfig(80, {"code": 0.9})), said.append)
     assert said == []
-    check_same_mixture(tmp_path, mixture(StageConfig(51, {"code": 1.0}), StageConfig(90, {"web": 0})), said.append)
+    check_same_mixture(Checkpoint.read(tmp_path), mixture(StageConfig(51, {"code": 1.0}), StageConfig(90, {"web": 0})), said.append)
     assert said == ["resumed with changed data.stages, taken from step 51 on: from step 51: weights web 0.412, code "
                     "0.588; from step 90: weights web 0.000, code 1.000"]
-    check_same_mixture(tmp_path, mixture(), said.append)  # the stage to come dropped: the weights in force said
+    check_same_mixture(Checkpoint.read(tmp_path), mixture(), said.append)  # the stage to come dropped: the weights in force said
     assert said[-1] == "resumed with changed data.stages, taken from step 51 on: from step 51: weights web 0.700, code 0.300"
     with pytest.raises(UserError, match=r"trained steps 1-50 with other data.sources weights or data.stages than "
                                         r"this run gives those steps; resume with them as they were: only the weights "
                                         r"from step 51 on may change"):
-        check_same_mixture(tmp_path, mixture(StageConfig(50, {"code": 0.9})), said.append)
+        check_same_mixture(Checkpoint.read(tmp_path), mixture(StageConfig(50, {"code": 0.9})), said.append)
     with pytest.raises(UserError, match=r"was trained on the mixture of web, code \(data.sources\) and this run reads "
                                         r"one corpus \(data.path\): the data position would not carry over"):
-        check_same_mixture(tmp_path, {}, said.append)
+        check_same_mixture(Checkpoint.read(tmp_path), {}, said.append)
     TrainerState(step=50).write(tmp_path)
-    check_same_mixture(tmp_path, {}, said.append)
+    check_same_mixture(Checkpoint.read(tmp_path), {}, said.append)
     with pytest.raises(UserError, match=r"was trained on one corpus \(data.path\) and this run reads the mixture"):
-        check_same_mixture(tmp_path, mixture(), said.append)
+        check_same_mixture(Checkpoint.read(tmp_path), mixture(), said.append)
 
 
 def test_a_resume_takes_a_changed_preference_setting_from_the_next_step_and_says_so(tmp_path):
@@ -74,7 +75,7 @@ def test_a_resume_takes_a_changed_preference_setting_from_the_next_step_and_says
     assert simpo["train.gamma"] == 0.5 and "train.orpo_lambda" not in simpo
     assert "train.objective" not in trained_settings(load_config(PretrainConfig, None, []))
     TrainerState(step=3, seed=1, settings=saved).write(tmp_path)
-    changed = check_same_settings(tmp_path, trained_settings(load_config(FinetuneConfig, None, [*dpo, "train.beta=0.2"])),
+    changed = check_same_settings(Checkpoint.read(tmp_path), trained_settings(load_config(FinetuneConfig, None, [*dpo, "train.beta=0.2"])),
                                   10)
     assert changed == {"train.beta": (0.1, 0.2)}
     said: list[str] = []
@@ -118,13 +119,13 @@ def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_sha
         if key in s.REFUSED:
             with pytest.raises(UserError, match=rf"was trained with {re.escape(key)}=.* \(this run has .*-other: "
                                                 rf"{re.escape(s.REFUSED[key])}\); a resume cannot take the change"):
-                s.check_same_settings(tmp_path, other, 10)
+                s.check_same_settings(Checkpoint.read(tmp_path), other, 10)
         elif key in s.KEPT_BY_THE_OPTIMIZER:
             with pytest.raises(UserError, match=rf"{re.escape(key)}=.*AdamW's saved state carries them"):
-                s.check_same_settings(tmp_path, other, 10)
+                s.check_same_settings(Checkpoint.read(tmp_path), other, 10)
         else:
-            assert s.check_same_settings(tmp_path, other, 10) == {key: (value, f"{value}-other")}
-    assert s.check_same_settings(tmp_path, {**saved, "data.cache_dir": "elsewhere"}, 10) == {}  # free, not recorded
+            assert s.check_same_settings(Checkpoint.read(tmp_path), other, 10) == {key: (value, f"{value}-other")}
+    assert s.check_same_settings(Checkpoint.read(tmp_path), {**saved, "data.cache_dir": "elsewhere"}, 10) == {}  # free, not recorded
 
 
 def test_a_path_is_recorded_as_the_file_it_names_wherever_the_run_is_launched_from(tmp_path, monkeypatch):

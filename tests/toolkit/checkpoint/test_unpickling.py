@@ -8,10 +8,12 @@ import inspect
 import pytest
 import torch
 
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import load_checkpoint, save_checkpoint
+from toolkit.checkpoint.state import TrainerState
 from toolkit.checkpoint.unpickling import numbers_only_resume
 from toolkit.config import UserError
-from toolkit.run_dir import RunDir, TrainerState
+from toolkit.run_dir import RunDir
 
 
 class _Payload:
@@ -32,10 +34,10 @@ def test_a_checkpoint_never_unpickles_more_than_numbers(tmp_path, strategy, caps
     folder = save_checkpoint(strategy, RunDir(tmp_path / "run"), TrainerState(step=1), keep_last=1)
     schedule = folder / "custom_checkpoint_0.pkl"
     assert schedule.is_file()
-    load_checkpoint(strategy, folder)  # the real one: plain numbers
+    load_checkpoint(strategy, Checkpoint.read(folder))  # the real one: plain numbers
     torch.save({"last_epoch": _Payload()}, schedule)
     with pytest.raises(UserError, match=r"custom_checkpoint_0.pkl holds pickled objects beyond tensors and numbers"):
-        load_checkpoint(strategy, folder)
+        load_checkpoint(strategy, Checkpoint.read(folder))
     assert "code ran" not in capsys.readouterr().out
 
 

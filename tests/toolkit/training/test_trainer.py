@@ -12,9 +12,10 @@ import torch
 from accelerate.state import AcceleratorState
 from one_process_trainer import SETTINGS, packed_blocks, start_trainer
 
+from toolkit.checkpoint.state import TrainerState
 from toolkit.config import UserError, load_config
 from toolkit.manifest import check_manifest
-from toolkit.run_dir import RunDir, TrainerState
+from toolkit.run_dir import RunDir
 from toolkit.training.metrics import read_metrics
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.trainer import SaveStopped, Stopped, Trainer, model_size
