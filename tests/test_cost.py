@@ -3,6 +3,7 @@ the launch budget fails naming the tests that launched."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -106,3 +107,13 @@ def test_each_test_lands_in_its_area_and_a_run_over_the_launch_budget_fails(tmp_
     within.pytest_sessionfinish(session, 0)
     assert session.exitstatus == 0
 
+
+
+def test_the_launch_budget_is_the_count_now_so_a_new_launch_must_retire_one():
+    """Issue 40: a new launch-heavy test shares a launch that already runs or retires one. A budget above the count
+    the suite launches now lets a new launch in for free, so the budget row names no more than its "now"."""
+    row = re.search(r"^\| launches counted \|[^|\n]*\| *(\d+) *\| *(\d+) *\|", cost.README.read_text(), re.M)
+    assert row, "tests/README.md's Budget table has no 'launches counted' row with a budget and a count"
+    budget, now = map(int, row.groups())
+    assert budget == now == cost.budget()[1], (
+        f"the launch budget is {budget} with {now} launches now: a new launch would pass without retiring one")
