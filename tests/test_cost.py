@@ -117,3 +117,26 @@ def test_the_launch_budget_is_the_count_now_so_a_new_launch_must_retire_one():
     budget, now = map(int, row.groups())
     assert budget == now == cost.budget()[1], (
         f"the launch budget is {budget} with {now} launches now: a new launch would pass without retiring one")
+
+
+def test_every_run_prints_the_30_slowest_tests_and_the_total(tmp_path):
+    """Issue 40: each CI run prints the 30 slowest tests (a test, not a phase: setup, call and teardown summed) and
+    the total."""
+    readme = tmp_path / "README.md"
+    readme.write_text(BUDGET)
+    ledger = cost.Ledger(readme)
+    for i in range(40):  # test i takes i seconds of wall and twice that of CPU, its setup and call reported apart
+        for phase in (0.25, 0.75):
+            ledger.pytest_runtest_logreport(report(f"t.py::t{i}@g", wall_s=i * phase, cpu_s=2 * i * phase))
+    ledger.pytest_runtest_logreport(report("t.py::setup_heavy", wall_s=30.0, cpu_s=1.0))  # setup 30 s, call 8 s
+    ledger.pytest_runtest_logreport(report("t.py::setup_heavy", wall_s=8.0, cpu_s=1.0))
+    terminal = Terminal()
+    ledger.pytest_terminal_summary(terminal, 0, None)
+    start = next(i for i, line in enumerate(terminal.lines) if line.startswith("the 30 slowest tests"))
+    rows = [line.split() for line in terminal.lines[start + 2:start + 2 + 30]]
+    assert [r[3] for r in rows[:3]] == ["t.py::t39", "t.py::t38", "t.py::setup_heavy"]
+    assert rows[0][:3] == ["39.0", "78.0", "in-process"] and rows[2][:2] == ["38.0", "2.0"]
+    assert [r[3] for r in rows[3:]] == [f"t.py::t{i}" for i in range(37, 10, -1)]
+    total = next(line for line in terminal.lines if line.startswith("total: "))
+    assert total.startswith("total: 41 tests, ") and f"{(sum(range(40)) + 38) / 60:.1f} min of tests' wall time" in total
+    assert f"{(2 * sum(range(40)) + 2) / 60:.1f} CPU min" in total
