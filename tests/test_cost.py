@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import cost
@@ -161,3 +162,34 @@ def test_a_run_of_the_fast_suite_says_its_wall_time_against_its_goal(tmp_path, t
     whole = Terminal()  # the whole suite has its own goal, with the install, over a fresh clone
     ledger.pytest_terminal_summary(whole, 0, SimpleNamespace(getoption=lambda name, default=None: default))
     assert not any(line.startswith("the fast suite") for line in whole.lines)
+
+
+def ledger_problems(text: str, tests: Path) -> list[str]:
+    """Each test the coverage ledger's "now checked by" column names, as `file.py::name` or `name`, that is not defined
+    in that file (a file named by its last parts) or, for a bare name, anywhere under tests/."""
+    ledger = text[text.index("## Coverage ledger"):]
+    sources = {p.relative_to(tests.parent).as_posix(): p.read_text() for p in tests.rglob("*.py")}
+    found = []
+    for line in ledger.splitlines()[3:]:
+        if not line.startswith("| "):
+            continue
+        now = line.strip().strip("|").split(" | ")[-1]
+        for file, name in re.findall(r"`([\w/.]*?test_\w+\.py)::(\w+)", now):
+            holders = [s for p, s in sources.items() if p.endswith("/" + file) or p == file]
+            if not any(re.search(rf"^\s*(async )?def {name}\(", s, re.M) for s in holders):
+                found.append(f"{file}::{name}" if holders else f"{file} (no such file)")
+        for name in re.findall(r"(?<![:\w])`(test_\w+)(?:\[[^\]`]*\])?`", now):
+            if not any(re.search(rf"^\s*def {name}\(", s, re.M) for s in sources.values()):
+                found.append(name)
+    return found
+
+
+def test_every_test_the_coverage_ledger_says_now_checks_a_behaviour_exists():
+    """Issue 40, nothing less covered: a test renamed or removed after its behaviour moved to it leaves the ledger
+    pointing at nothing."""
+    text = cost.README.read_text()
+    assert ledger_problems(text, cost.README.parent) == []
+    renamed = text.replace("test_a_deepspeed_json_that_cannot_work_is_one_line`", "test_no_such_test`").replace(
+        "`test_eager_keeps_packed_documents_apart_as_sdpa_does`", "`test_no_such_bare_test`")
+    assert ledger_problems(renamed, cost.README.parent) == [
+        "tests/toolkit/strategy/test_accelerator.py::test_no_such_test", "test_no_such_bare_test"]
