@@ -11,6 +11,10 @@ budget. A test's area is the costliest thing it does:
 - "forked ranks": it runs recipes or probes on ranks forked from the rank server;
 - "in-process": the rest.
 
+Every run ends with that table, the 30 slowest tests (a test's setup, call and teardown together, with its
+CPU time and area) and the total: the run's wall time, the tests' summed wall time and CPU minutes. A run of
+the fast suite (`-m "not distributed"`) also says its wall time against its goal of 4 minutes.
+
 The launches are also counted: one is the imports of every process it starts (~13 CPU-s for 2 ranks on a
 fast core, ~20 on a slow one), and a new test that launches can share a launch that already runs or be
 forked instead. A run that starts more launches than the budget fails, naming the tests that launched.
@@ -32,6 +36,8 @@ import pytest
 README = Path(__file__).with_name("README.md")
 COSTS_ENV = "LLM_TOOLKIT_TEST_COSTS"  # a file to write every test's cost to, as JSON
 AREAS = ("real model", "launches", "forked ranks", "in-process")
+SLOWEST = 30  # the slowest tests every run prints, CI's included (issue 40)
+FAST_SUITE, FAST_GOAL_S = "not distributed", 240  # the fast suite's marks and its goal (issue 40), said at its end
 # a subprocess that runs a recipe (recipes/*.py, recipes/launch.sh, llm-toolkit, or a test's wrapper of one in tests/recipes;
 # recipes/install.sh runs none),
 # through a launcher or as a new Python; the launches that only record a launcher's environment for the forked
@@ -103,6 +109,7 @@ class Ledger:
 
     def __init__(self, readme: Path = README):
         self.readme = readme
+        self.started = time.monotonic()  # registered at pytest_configure, before the workers start and collect
         self.tests: dict[str, dict[str, float]] = collections.defaultdict(collections.Counter)
 
     @pytest.hookimpl
@@ -131,9 +138,18 @@ class Ledger:
               f"  (~{total / 2:.1f} min on 2 busy cores)")
         launches = self.launches()
         write(f"launches counted: {sum(launches.values())} (budget {launch_budget}) in {len(launches)} tests")
-        write("the 10 costliest tests (CPU s):")
-        for node, spent in sorted(self.tests.items(), key=lambda kv: -kv[1]["cpu_s"])[:10]:
-            write(f"{spent['cpu_s']:8.1f}  {area(spent):<13} {node}")
+        slowest = sorted(self.tests.items(), key=lambda kv: -kv[1]["wall_s"])[:SLOWEST]
+        write(f"the {len(slowest)} slowest tests (setup, call and teardown together):")
+        write(f"{'wall s':>8}{'CPU s':>8}  {'area':<13} test")
+        for node, spent in slowest:
+            write(f"{spent['wall_s']:8.1f}{spent['cpu_s']:8.1f}  {area(spent):<13} {node}")
+        wall = time.monotonic() - self.started
+        write(f"total: {len(self.tests)} tests, {wall // 60:.0f}:{wall % 60:02.0f} wall (pytest's, from its start), "
+              f"{sum(c['wall_s'] for c in self.tests.values()) / 60:.1f} min of tests' wall time, {total:.1f} CPU min")
+        if config is not None and config.getoption("markexpr", "") == FAST_SUITE:
+            over = f"  over its goal by {wall - FAST_GOAL_S:.0f} s" if wall > FAST_GOAL_S else ""
+            write(f'the fast suite (-m "{FAST_SUITE}"): {wall // 60:.0f}:{wall % 60:02.0f} wall, '
+                  f"goal {FAST_GOAL_S // 60}:00{over}", red=bool(over))
         if os.environ.get(COSTS_ENV):  # every test's cost, for a closer look than the table
             Path(os.environ[COSTS_ENV]).write_text(json.dumps({n: {**c, "area": area(c)} for n, c in self.tests.items()}))
         if sum(launches.values()) > launch_budget:
