@@ -53,7 +53,6 @@ from toolkit.models.adapter import (
     leave_out_bitsandbytes,
     load_with_adapter,
     merge,
-    qlora_problem,
     quantization_config,
 )
 from toolkit.models.base_model import load_base_model, loadable_base, meta_base
@@ -81,8 +80,6 @@ class FinetuneRecipe:
             leave_out_bitsandbytes()
         self.trainer = trainer = Trainer("finetune", cfg)
         strategy = trainer.strategy
-        if problem := qlora_problem(cfg.adapter, strategy.layout):
-            raise UserError(problem)
 
         # Records of a shape the recipe cannot read are refused before the base loads: seconds, not a model load.
         for i, data in enumerate(cfg.data.of_sources()):
@@ -165,7 +162,7 @@ class FinetuneRecipe:
         model, weights_note = apply_adapter(model, cfg.adapter)
         trainer.print(weights_note)
         # after the adapter, so that what is compiled holds its modules
-        compile_model(model, cfg.model.compile, strategy.layout)
+        compile_model(model, cfg.model.compile)
         trainer.prepare(model, self.tokenizer, n_params, flops_token, {"base_model.json": to_dict(cfg.model)})
         trainer.state.samples_before = before
         if trainer.objective is not None and trainer.objective.needs_reference:  # DPO: the model before training

@@ -51,12 +51,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from toolkit.combinations import refusals  # noqa: E402
 from toolkit.config import UserError, load_config, read_config_file, read_yaml, to_dict  # noqa: E402
 from toolkit.launch.cli import OneLineParser  # noqa: E402
-from toolkit.models.adapter import apply_adapter, leave_out_bitsandbytes, qlora_problem  # noqa: E402
-from toolkit.models.compilation import whole_model_refused  # noqa: E402
+from toolkit.models.adapter import apply_adapter, leave_out_bitsandbytes  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
-from toolkit.models.weight_cast import AUTOCAST, applies, auto_applies  # noqa: E402
+from toolkit.models.weight_cast import AUTOCAST, auto_applies  # noqa: E402
 from toolkit.planner.estimate import estimate  # noqa: E402
 from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy  # noqa: E402
 from toolkit.planner.state import model_tensors  # noqa: E402
@@ -156,13 +156,9 @@ def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus
             needs["model.attn_implementation"] = "sdpa"
         found = module.problems(config, max(facts.layout.cp, facts.layout.sp), cfg.data.seq_len, "sdpa")
     else:
-        if m.chunk_tokens:
-            needs["model.loss"] = "full"  # memory.Run says why
         found = tensor_parallel.problems(config, facts.layout.tp)
         if problem := tensor_parallel.sequence_problem(facts.layout.tp, cfg.data.seq_len):  # as the launch refuses it
             found.append(problem)
-        if hasattr(model, "peft_config"):
-            found.append("tensor parallel trains a whole model, not a LoRA adapter")
     return needs, (found[0] if found else None)
 
 
@@ -185,23 +181,19 @@ def axis_name(facts: StrategyFacts) -> str:
     return "cp" if facts.layout.cp > 1 else "sp" if facts.layout.sp > 1 else "tp"
 
 
-def pipelines(model: torch.nn.Module, cfg, gpus: int, precision: str) -> tuple[list[StrategyFacts], dict[str, str], list[str]]:
-    """(a StrategyFacts per stage count to list, the overrides their launch needs, lines on those not
-    listed), by toolkit.strategy.pipeline_parallel.problems, the check the launch makes."""
+def pipelines(model: torch.nn.Module, gpus: int) -> tuple[list[StrategyFacts], list[str]]:
+    """(a StrategyFacts per stage count to list, lines on those not listed), by
+    toolkit.strategy.pipeline_parallel.problems, the check the launch makes of the model."""
     facts, notes = [], []
     for p in PIPELINE_STAGES:
         if gpus % p:
             continue
         found = pipeline_parallel.problems(model, p)
-        if precision == "fp16":  # toolkit.strategy.parallelism.check_pipeline_launch
-            found.append("train.mixed_precision=fp16 does not run in a pipeline (no loss scaling in the schedule's "
-                         "backward); use bf16")
         if found:
             notes.append(f"pipeline, train.pipeline_stages={p}: not listed: {found[0]}")
             continue
         facts.append(StrategyFacts("pipeline", parallel_layout("MULTI_GPU", {}, stages=p)))
-    # the last stage computes the loss from its logits: no chunked loss (the recipe refuses it)
-    return facts, ({"model.loss": "full"} if cfg.model.chunk_tokens else {}), notes
+    return facts, notes
 
 
 def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
@@ -217,26 +209,18 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     micro = list(args.micro_batch or MICRO_BATCHES)  # checked by check_args; a caller of plan() may leave it empty
     rows = []
     tensors = model_tensors(model, quantized)
-    staged, pipeline_needs, pipeline_notes = pipelines(model, cfg, args.gpus, precision)
-    objective = cfg.train.objective if recipe == "finetune" else "sft"
+    staged, pipeline_notes = pipelines(model, args.gpus)
     for facts in [*strategies(ROOT / "accelerate_configs", hidden), *staged]:
+        # the launch's own refusals: the first that no override lifts leaves the layout out, in its words
+        found = refusals(cfg, facts.layout, precision)
         needs, refused = model_parallel_needs(facts, model, cfg, args.gpus)
-        if recipe == "finetune" and (problem := qlora_problem(cfg.adapter, facts.layout)):  # the recipe refuses it
-            refused = problem.split(";")[0]
-        if objective != "sft":  # the trainer's refusals: a pair is scored whole, in one forward of full logits
-            if facts.layout.model_parallel > 1:
-                refused = f"train.objective={objective} trains under DDP, FSDP and ZeRO (data parallel) only"
-            elif m.chunk_tokens:
-                needs = {**needs, "model.loss": "full"}
+        refused = next((r.line.split(";")[0] for r in found if r.instead is None), refused)
         if refused:
-            notes.append(f"{facts.name}: not listed: {refused}")
+            name = f"pipeline, train.pipeline_stages={facts.layout.pp}" if facts.layout.pp > 1 else facts.name
+            notes.append(f"{name}: not listed: {refused}")
             continue
-        if facts.layout.pp > 1:
-            needs = pipeline_needs
-        if m.compile == "model" and whole_model_refused(facts.layout):
-            needs = {**needs, "model.compile": "layers"}
-        if m.cast_weights == "per_step" and applies(facts.layout, AUTOCAST.get(precision), facts.layout.pp > 1):
-            needs = {**needs, "model.cast_weights": "auto"}
+        for refusal in found:
+            needs = {**needs, **refusal.instead}
         group = facts.layout.cp * facts.layout.tp * facts.layout.sp
         data_ranks = args.gpus // (group * facts.layout.pp)  # a cp, tp or sp group, or a pipeline, reads one micro-batch
         required = " ".join(f"{k}={v}" for k, v in needs.items())
@@ -264,7 +248,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                     fused_adam=cfg.optim.fused != "false", compiled=m.compile != "none",
                     # (a 4-bit base's matrices are not copied: QLoRA's copies are its adapters')
                     cast_per_step=not quantized and auto_applies(m.cast_weights, facts.layout, AUTOCAST.get(precision),
-                                                                 facts.layout.pp > 1, m.compile),
+                                                                 needs.get("model.compile", m.compile)),
                 )
                 est = estimate(model, run, tensors)
                 offload = facts.offload_optimizer or facts.offload_params

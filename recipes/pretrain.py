@@ -98,7 +98,7 @@ class PretrainRecipe:
             model = build_model(cfg.model, config, cfg.seed)
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
                                      strategy.layout)
-        compile_model(model, cfg.model.compile, strategy.layout)
+        compile_model(model, cfg.model.compile)
         n_params, flops_token = model_size(model, cfg.data.seq_len)
         trainer.print(
             f"model: {cfg.model.model_type}, {n_params:,} parameters, "

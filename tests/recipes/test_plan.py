@@ -404,7 +404,8 @@ def test_what_a_pipeline_refuses_is_named_under_the_table():
     assert {r["pipeline_stages"] for r in json.loads(lora.stdout)} == {1}
     fp16 = plan("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "2", "--micro-batch", "8",
                 "train.mixed_precision=fp16", "--json")
-    assert "pipeline, train.pipeline_stages=2: not listed: train.mixed_precision=fp16 does not run in a pipeline" in fp16.stderr
+    assert ("pipeline, train.pipeline_stages=2: not listed: train.pipeline_stages=2 with train.mixed_precision=fp16 is "
+            "not supported") in fp16.stderr
 
 
 def test_preference_tuning_is_planned_data_parallel_with_full_logits():
@@ -414,7 +415,8 @@ def test_preference_tuning_is_planned_data_parallel_with_full_logits():
     rows = json.loads(proc.stdout)
     assert rows and {r["cp"] * r["tp"] * r["sp"] * r["pipeline_stages"] for r in rows} == {1}
     assert all(r["requires"] == ["model.loss=full"] for r in rows)
-    assert "not listed: train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel) only" in proc.stderr
+    assert "not listed: train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel), not with model parallel" \
+        in proc.stderr
     sft = json.loads(plan("--config", "recipes/configs/finetune_smollm2_chat_lora.yaml", "--gpus", "2", "--json",
                           "model.loss=chunked", "adapter.method=full", "data.seq_len=512").stdout)
     # the same model and blocks, trained on the full logits: what the chunked SFT loss saves is held

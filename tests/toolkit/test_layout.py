@@ -1,6 +1,7 @@
 """The architecture, checked: imports point down the layers, and strategy facts live in one package.
 
-    config, run_dir      contracts: validated config, the run folder and its TrainerState
+    config, run_dir      contracts: validated config, the run folder
+    combinations         which settings train under which layouts, one table
     config_keys          the keys of a config tree (dotted names, types, values, help lines)
     user_paths           paths as users write them, expanded one way
     parallel_layout      the strategy kind and parallel degrees of a run, as a checkpoint records them
@@ -28,7 +29,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"config", "config_keys", "config_values", "user_paths", "run_dir", "run_paths", "parallel_layout", "run_lock", "manifest", "faults", "writes"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
+LAYERS = [{"combinations", "config", "config_keys", "config_values", "user_paths", "run_dir", "run_paths", "parallel_layout", "run_lock", "manifest", "faults", "writes"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
           {"planner"}, {"checkpoint"}, {"export"}, {"training"}]
 # the packages that may read the launcher's variables and import deepspeed (the planner reads an accelerate config)
 KNOW_THE_LAUNCH = ("launch", "strategy", "planner", "checkpoint")

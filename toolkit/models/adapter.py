@@ -75,22 +75,6 @@ class AdapterConfig:
         return self.method in ("lora", "qlora")
 
 
-def qlora_problem(cfg: AdapterConfig, layout) -> str | None:
-    """Why a QLoRA run cannot train under `layout` (a toolkit.parallel_layout.ParallelLayout), or None. Its 4-bit
-    base is bitsandbytes' packed NF4 weights, which every process holds whole: FSDP and ZeRO-3 would shard them,
-    DeepSpeed's bf16 mode casts the module, and model parallel splits the layers (none is supported yet)."""
-    if cfg.method != "qlora" or (layout.kind in ("single", "ddp") and layout.model_parallel == 1):
-        return None
-    if layout.model_parallel > 1:
-        return ("adapter.method=qlora trains under DDP only (model parallel would split its 4-bit base, which "
-                "bitsandbytes keeps whole on each GPU); launch with accelerate_configs/ddp.yaml and no "
-                "train.pipeline_stages")
-    how = "FSDP would shard" if layout.kind == "fsdp" else "DeepSpeed would cast or shard"
-    return (f"adapter.method=qlora trains under DDP only ({how} its 4-bit base, which bitsandbytes keeps whole on "
-            "each GPU); launch with accelerate_configs/ddp.yaml, or use adapter.method=lora to shard a full-precision "
-            "base")
-
-
 def check_qlora_device(cfg: AdapterConfig) -> None:
     """QLoRA needs bitsandbytes' 4-bit CUDA kernels; say so before any work is done."""
     if cfg.method != "qlora":

@@ -22,7 +22,6 @@ import torch
 
 from toolkit.config import UserError
 from toolkit.models.loss import put_loss_in_forward, unwrapped
-from toolkit.parallel_layout import ParallelLayout
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -32,28 +31,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in base.modules() if type(m).__name__ in names]
 
 
-def compile_model(model: torch.nn.Module, how: str, layout: ParallelLayout | None = None) -> None:
-    """`how`: "none", "layers" or "model" (model.compile); `layout`: the launch's, for what "model" refuses."""
+def compile_model(model: torch.nn.Module, how: str) -> None:
+    """`how`: "none", "layers" or "model" (model.compile; where "model" does not run, the launch refused it:
+    toolkit.combinations)."""
     if how == "layers":
         compile_layers(model)
     elif how == "model":
-        refused = whole_model_refused(layout)
-        if refused:
-            raise UserError(f"model.compile=model does not run {refused}; use model.compile=layers")
         inner = unwrapped(model)
         put_loss_in_forward(inner)
         inner.compile()
-
-
-def whole_model_refused(layout: ParallelLayout | None) -> str | None:
-    """Why model.compile=model does not run under `layout` ("... under ZeRO-3"), or None where it runs."""
-    if layout is None:
-        return None
-    if layout.pp > 1:  # the stages run their parts of the model, never its whole forward: it would compile nothing
-        return "with pipeline stages (each stage runs its own part of the model)"
-    if layout.tp > 1 or layout.sp > 1:  # dynamo fails on their hooks' tensors (torch 2.13: "Mixing fake modes", KeyError)
-        return "with tensor or sequence parallelism"
-    return None
 
 
 def compile_layers(model: torch.nn.Module) -> int:

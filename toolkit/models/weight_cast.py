@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from toolkit.config import UserError
+from toolkit.combinations import cast_refused
 from toolkit.parallel_layout import ParallelLayout
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a mixed precision's compute dtype (Accelerate's names)
@@ -67,36 +67,25 @@ class WeightCast:
             module.step_weight = None
 
 
-def applies(layout: ParallelLayout, autocast_dtype: torch.dtype | None, pipeline: bool) -> str | None:
+def applies(layout: ParallelLayout, autocast_dtype: torch.dtype | None) -> str | None:
     """Why the copy cannot be made once per step here, or None where it can (`auto_applies` for what auto takes)."""
-    if autocast_dtype is None:
-        return "the run computes in fp32 (train.mixed_precision), with no low-precision copy to make"
-    if layout.kind not in ("single", "ddp"):
-        return (f"{'FSDP2' if layout.kind == 'fsdp' else 'DeepSpeed'} casts the weights its own way "
-                "(FSDP2 at each all-gather, DeepSpeed in its bf16 mode)")
-    if pipeline or layout.model_parallel > 1:
-        return "tensor, sequence, context parallel and pipelines compute under autocast"
-    return None
+    return cast_refused(layout, "no" if autocast_dtype is None else "bf16")
 
 
-def auto_applies(setting: str, layout: ParallelLayout, autocast_dtype: torch.dtype | None, pipeline: bool,
-                 compile_mode: str) -> bool:
+def auto_applies(setting: str, layout: ParallelLayout, autocast_dtype: torch.dtype | None, compile_mode: str) -> bool:
     """Whether model.cast_weights (`setting`) makes the copies once per step. auto also leaves the whole model
     compiled under DDP of several ranks to autocast: dynamo cuts that graph at the parameters for DDP's bucketed
     all-reduce, and the copies are not parameters (unmeasured: the overlap with the backward could go)."""
-    if setting == "per_forward" or applies(layout, autocast_dtype, pipeline) is not None:
+    if setting == "per_forward" or applies(layout, autocast_dtype) is not None:
         return False
     return setting == "per_step" or not (compile_mode == "model" and layout.kind == "ddp" and layout.world > 1)
 
 
 def weight_cast(setting: str, model: torch.nn.Module, layout: ParallelLayout, autocast_dtype: torch.dtype | None,
-                pipeline: bool, compile_mode: str = "none") -> WeightCast | None:
+                compile_mode: str = "none") -> WeightCast | None:
     """model.cast_weights (auto, per_forward or per_step) for this run: a WeightCast, or None for autocast's
-    casts at every forward. auto = per_step where it applies; per_step elsewhere is refused in one line."""
-    why = applies(layout, autocast_dtype, pipeline)
-    if setting == "per_step" and why is not None:
-        raise UserError(f"model.cast_weights=per_step cannot cast the weights once per step here: {why}; use "
-                        "model.cast_weights=auto or per_forward")
-    if not auto_applies(setting, layout, autocast_dtype, pipeline, compile_mode):
+    casts at every forward. auto = per_step where it applies; per_step elsewhere the launch refused
+    (toolkit.combinations)."""
+    if not auto_applies(setting, layout, autocast_dtype, compile_mode):
         return None
     return WeightCast(model, autocast_dtype)

@@ -214,10 +214,6 @@ class Strategy:
                 raise UserError(found[0])
             self.sequence.apply(model)
         if self.layout.tp > 1:
-            if hasattr(model, "peft_config"):
-                raise UserError(
-                    "tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs"
-                )
             model = split(model, self.layout.tp, self.layout.world // self.layout.tp, attn_implementation)
             self.layout = replace(self.layout, ep=expert_ranks(model))
             whole = model.tp_whole_between_layers

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from toolkit.combinations import FP16_IN_A_PIPELINE
 from toolkit.config import UserError
 from toolkit.parallel_layout import ParallelLayout
 
@@ -85,9 +86,8 @@ def check_pipeline_launch(stages: int, world: int, model_parallel: int, mixed_pr
     """Refuses, before any process group exists, a pipeline the launch cannot hold."""
     if stages == 1:
         return
-    if mixed_precision == "fp16":
-        raise UserError(f"train.pipeline_stages={stages} with train.mixed_precision=fp16 is not supported (the schedule "
-                        "runs the backward itself, without fp16's loss scaling); use bf16")
+    if line := FP16_IN_A_PIPELINE.refused(None, ParallelLayout("ddp", world, pp=stages), mixed_precision):
+        raise UserError(line)
     if model_parallel > 1:
         raise UserError(f"train.pipeline_stages={stages} with an accelerate parallelism_config (cp, tp or sp) is not "
                         "supported yet; use accelerate_configs/ddp.yaml")

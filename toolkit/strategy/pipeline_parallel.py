@@ -54,8 +54,6 @@ def problems(model: nn.Module, stages: int) -> list[str]:
         return []
     config = model.config
     found = []
-    if hasattr(model, "peft_config"):
-        found.append("pipeline parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml or the zero configs")
     if expert_count(config):
         found.append(f"pipeline parallel does not train a mixture of experts ({config.model_type}) yet: its router "
                      "loss spans the stages; use fsdp_tp.yaml or the zero configs")

@@ -32,6 +32,7 @@ from toolkit.checkpoint.manager import SaveFailed, save_checkpoint
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.settings import trained_settings
 from toolkit.checkpoint.state import TrainerState
+from toolkit.combinations import check as check_combinations
 from toolkit.config import UserError, to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
@@ -118,6 +119,7 @@ class Trainer:
             timeout_s=t.collective_timeout_s, pipeline_stages=t.pipeline_stages,
         )
         self.accelerator = strategy.accelerator
+        check_combinations(cfg, strategy.layout, self.accelerator.mixed_precision)  # before the model loads
         strategy.check_sequence_length(cfg.data.seq_len)
         if cfg.model.attn_implementation == "flex_attention" and self.accelerator.device.type == "cpu":
             raise UserError(
@@ -228,25 +230,6 @@ class Trainer:
                 f"{cfg.optim.lr_scaling} to train.global_batch_size={cfg.train.global_batch_size}: peak lr "
                 f"{cfg.optim.peak_lr(cfg.train.global_batch_size):g}"
             )
-        if self.strategy.layout.pp > 1 and cfg.model.chunk_tokens:
-            raise UserError("model.loss=chunked is not supported with train.pipeline_stages > 1 yet (the last stage "
-                            "computes the loss from its logits); use model.loss=full")
-        if self.strategy.layout.tp > 1 and cfg.model.chunk_tokens:
-            # the head's weight is split by vocabulary over the tp ranks: its loss needs the vocab-parallel
-            # cross-entropy, which the chunked head does not compute (it failed on mixed Tensor/DTensor)
-            raise UserError("model.loss=chunked is not supported with tensor parallel (parallelism_config_tp_size) "
-                            "yet; use model.loss=full")
-        layout = self.strategy.layout
-        if self.objective is not None and layout.model_parallel > 1:
-            # a pair's two answers are scored in one forward, whole: not split over ranks or stages
-            degrees = ", ".join(f"{axis} {getattr(layout, axis)}" for axis in ("tp", "cp", "sp", "pp")
-                                if getattr(layout, axis) > 1)
-            raise UserError(f"train.objective={self.objective.objective} trains under DDP, FSDP and ZeRO (data "
-                            f"parallel), not with model parallel ({degrees}) yet; use accelerate_configs/ddp.yaml, "
-                            "fsdp.yaml or a zero*.yaml, and train.pipeline_stages=1")
-        if self.objective is not None and cfg.model.chunk_tokens:
-            raise UserError(f"train.objective={self.objective.objective} scores each answer from the full logits: "
-                            "model.loss=chunked is not supported with it yet; use model.loss=full")
         model = self.strategy.apply_model_parallel(model, cfg.data.seq_len, cfg.model.attn_implementation)
         for line in self.strategy.notes:
             self.print(line)
@@ -260,7 +243,7 @@ class Trainer:
         self.state.settings = trained_settings(cfg, self.strategy.ds_owned)  # train.epochs has set max_steps
         self.weight_cast = weight_cast(cfg.model.cast_weights, self.accelerator.unwrap_model(self.model),
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
-                                       self.strategy.pipeline is not None, cfg.model.compile)
+                                       cfg.model.compile)
         if self.resume_from is not None:
             stream = self.feed.stream
             self.resume_from, self.state = resume(

@@ -22,10 +22,8 @@ from toolkit.models.adapter import (
     layer_kind,
     load_with_adapter,
     merge,
-    qlora_problem,
     quantization_config,
 )
-from toolkit.parallel_layout import ParallelLayout
 
 LLAMA_LINEARS = ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"]
 LLAMA_ADAPTABLE = sorted([*LLAMA_LINEARS, "embed_tokens"])
@@ -77,21 +75,6 @@ def test_qlora_needs_cuda_and_says_what_to_use_instead():
             UserError, match=r"adapter.method=qlora needs a CUDA GPU .* use adapter.method=lora"
         ):
             check_qlora_device(AdapterConfig(method="qlora"))
-
-
-@pytest.mark.parametrize(("layout", "refused"), [
-    (ParallelLayout("single"), None), (ParallelLayout("ddp", world=8), None),
-    (ParallelLayout("fsdp", world=8), "FSDP would shard"), (ParallelLayout("deepspeed", zero_stage=1), "DeepSpeed would"),
-    (ParallelLayout("fsdp", world=4, tp=2), "model parallel would split"), (ParallelLayout("ddp", pp=2), "model parallel"),
-])
-def test_qlora_trains_under_ddp_only_and_each_other_layout_says_why(layout, refused):
-    """bitsandbytes' 4-bit base is held whole on each GPU: a layout that shards, casts or splits it is one line."""
-    assert qlora_problem(AdapterConfig(method="lora"), layout) is None  # a full-precision base goes anywhere
-    said = qlora_problem(AdapterConfig(method="qlora"), layout)
-    if refused is None:
-        assert said is None
-    else:
-        assert said.startswith(f"adapter.method=qlora trains under DDP only ({refused}") and "ddp.yaml" in said
 
 
 def test_quantization_config_only_for_qlora():

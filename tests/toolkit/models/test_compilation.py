@@ -14,7 +14,6 @@ from toolkit.data.packing import block_causal_mask, labels_for
 from toolkit.models.compilation import compile_layers, compile_model, decoder_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.loss import forward_loss_sum, put_loss_in_forward
-from toolkit.parallel_layout import ParallelLayout
 
 SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
@@ -100,21 +99,6 @@ def test_decoder_layers_found_through_a_peft_wrapper(tiny_model):
 def test_a_model_without_decoder_layers_is_refused():
     with pytest.raises(UserError, match="set model.compile=model or none"):
         compile_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
-
-
-# What runs was tried on 2 CPU processes, 4 tiny steps: DDP, FSDP2, ZeRO-2, ZeRO-3 and context parallel gave the losses
-# and held-out losses of the eager one-process run to 6 decimals (docs/benchmarks.md, issue 41 session 6)
-@pytest.mark.parametrize("layout, why", [
-    (ParallelLayout("ddp", world=2, pp=2), "with pipeline stages"),
-    (ParallelLayout("fsdp", world=2, tp=2), "with tensor or sequence parallelism"),
-    (ParallelLayout("deepspeed", world=2, zero_stage=3, sp=2), "with tensor or sequence parallelism"),
-])
-def test_the_whole_model_compiled_is_refused_where_it_cannot_run(tiny_model, layout, why):
-    model = tiny_model("llama", seed=0, **SIZES)
-    with pytest.raises(UserError, match=f"model.compile=model does not run {why}.*; use model.compile=layers"):
-        compile_model(model, "model", layout)
-    compile_model(model, "model", ParallelLayout("deepspeed", world=2, zero_stage=3))
-    compile_model(model, "model", ParallelLayout("fsdp", world=2, cp=2))
 
 
 def test_a_forward_whose_loss_is_not_the_targets_sum_is_refused_on_its_first_batch(tiny_model, monkeypatch):

@@ -12,11 +12,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from toolkit.config import UserError
 from toolkit.data.packing import collate, pack_documents, tokenize_documents
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.loss import backward_scale
-from toolkit.models.weight_cast import WeightCast, weight_cast
+from toolkit.models.weight_cast import WeightCast, applies, weight_cast
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.training.step import optimizer_step
 
@@ -82,35 +81,33 @@ def test_a_copy_per_step_trains_as_autocasts_copy_per_forward(tiny_model, tiny_t
 
 
 LAYOUTS = {  # where the copy cannot be made once per step, and why
-    "fp32": (ParallelLayout("ddp", 2), None, False, "the run computes in fp32"),
-    "fsdp": (ParallelLayout("fsdp", 2), torch.bfloat16, False, "FSDP2 casts the weights its own way"),
-    "zero3": (ParallelLayout("deepspeed", 2, zero_stage=3), torch.bfloat16, False, "DeepSpeed casts the weights"),
-    "tensor parallel": (ParallelLayout("fsdp", 2, tp=2), torch.bfloat16, False, "FSDP2 casts"),
-    "context parallel": (ParallelLayout("ddp", 2, cp=2), torch.bfloat16, False, "context parallel"),
-    "pipeline": (ParallelLayout("ddp", 2, pp=2), torch.bfloat16, True, "pipelines compute under autocast"),
+    "fp32": (ParallelLayout("ddp", 2), None, "the run computes in fp32"),
+    "fsdp": (ParallelLayout("fsdp", 2), torch.bfloat16, "FSDP2 casts the weights its own way"),
+    "zero3": (ParallelLayout("deepspeed", 2, zero_stage=3), torch.bfloat16, "DeepSpeed casts the weights"),
+    "tensor parallel": (ParallelLayout("fsdp", 2, tp=2), torch.bfloat16, "FSDP2 casts"),
+    "context parallel": (ParallelLayout("ddp", 2, cp=2), torch.bfloat16, "context parallel"),
+    "pipeline": (ParallelLayout("ddp", 2, pp=2), torch.bfloat16, "pipelines compute under autocast"),
 }
 
 
 @pytest.mark.parametrize("case", LAYOUTS)
-def test_per_step_is_refused_where_it_cannot_apply_and_auto_falls_back(tiny_model, case):
-    layout, dtype, pipeline, why = LAYOUTS[case]
+def test_auto_falls_back_where_per_step_cannot_apply(tiny_model, case):
+    """(per_step there is refused at launch: tests/toolkit/test_combinations.py)"""
+    layout, dtype, why = LAYOUTS[case]
     model = tiny_model("llama")
-    with pytest.raises(UserError) as refused:
-        weight_cast("per_step", model, layout, dtype, pipeline)
-    assert str(refused.value).startswith("model.cast_weights=per_step cannot cast the weights once per step here: ")
-    assert why in str(refused.value) and str(refused.value).endswith("use model.cast_weights=auto or per_forward")
-    assert weight_cast("auto", model, layout, dtype, pipeline) is None
+    assert why in applies(layout, dtype)
+    assert weight_cast("auto", model, layout, dtype) is None
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_auto_casts_once_per_step_on_one_process_and_ddp(tiny_model):
     for layout in (ParallelLayout("single", 1), ParallelLayout("ddp", 2)):
-        assert isinstance(weight_cast("auto", tiny_model("llama"), layout, torch.bfloat16, False), WeightCast)
-        assert weight_cast("per_forward", tiny_model("llama"), layout, torch.bfloat16, False) is None
+        assert isinstance(weight_cast("auto", tiny_model("llama"), layout, torch.bfloat16), WeightCast)
+        assert weight_cast("per_forward", tiny_model("llama"), layout, torch.bfloat16) is None
     # the whole model compiled under DDP of several ranks: auto leaves it to autocast (dynamo splits that graph at
     # the parameters for the all-reduce); one process, or asked for, it casts once per step
     ddp = ParallelLayout("ddp", 2)
-    assert weight_cast("auto", tiny_model("llama"), ddp, torch.bfloat16, False, "model") is None
-    assert weight_cast("auto", tiny_model("llama"), ddp, torch.bfloat16, False, "layers") is not None
-    assert weight_cast("auto", tiny_model("llama"), ParallelLayout("ddp", 1), torch.bfloat16, False, "model") is not None
-    assert weight_cast("per_step", tiny_model("llama"), ddp, torch.bfloat16, False, "model") is not None
+    assert weight_cast("auto", tiny_model("llama"), ddp, torch.bfloat16, "model") is None
+    assert weight_cast("auto", tiny_model("llama"), ddp, torch.bfloat16, "layers") is not None
+    assert weight_cast("auto", tiny_model("llama"), ParallelLayout("ddp", 1), torch.bfloat16, "model") is not None
+    assert weight_cast("per_step", tiny_model("llama"), ddp, torch.bfloat16, "model") is not None

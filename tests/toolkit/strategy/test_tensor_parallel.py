@@ -59,18 +59,6 @@ def test_a_mixture_of_experts_spreads_its_experts_over_the_tp_ranks_if_they_divi
     ]
 
 
-def test_a_lora_adapter_under_tensor_parallel_is_refused_before_the_split(tiny_model):
-    from peft import LoraConfig, get_peft_model
-
-    from toolkit.parallel_layout import ParallelLayout
-    from toolkit.strategy.distributed import Strategy
-
-    model = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
-    strategy = Strategy(accelerator=None, layout=ParallelLayout("fsdp", 2, tp=2), accumulation=1, ds_owned=())
-    with pytest.raises(UserError, match="tensor parallel trains a whole model, not a LoRA adapter, yet; use fsdp.yaml"):
-        strategy.apply_model_parallel(model, 64, "sdpa")
-
-
 def test_split_refuses_before_touching_the_model(tiny_model):
     model = tiny_model("gpt2")
     with pytest.raises(UserError, match="model_type=gpt2 has no tensor-parallel plan"):
