@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, load_whole, step_value
 from toolkit.checkpoint.unpickling import load
 from toolkit.config import UserError
 from toolkit.models.parameters import parameter_names
+
+if TYPE_CHECKING:
+    from toolkit.strategy.distributed import Strategy
 
 OPTIMIZER_NAMES = "optimizer_param_names.json"  # DDP / one process: the parameter names of optimizer.bin's ids
 
@@ -57,8 +59,9 @@ def moments(folder: Path, scratch: Path) -> tuple[dict, dict]:
     return moments, steps
 
 
-def load_into(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ConsolidatedState) -> None:
+def load_into(strategy: Strategy, state: ConsolidatedState) -> None:
     """DDP or one process: the whole model and the optimizer state dict, on every rank."""
+    (module,), (optimizer,), _ = strategy.prepared()
     names = parameter_names(module)
     check_moments(state, module, names)
     load_whole(list(module.parameters()), names, optimizer, state)

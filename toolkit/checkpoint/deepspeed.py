@@ -10,12 +10,16 @@ import contextlib
 import io
 from argparse import Namespace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, step_value
 from toolkit.checkpoint.unpickling import load
 from toolkit.models.parameters import parameter_names
+
+if TYPE_CHECKING:
+    from toolkit.strategy.distributed import Strategy
 
 
 def tag_folder(folder: Path) -> Path:
@@ -93,11 +97,12 @@ def _universal_tensor(path: Path) -> torch.Tensor:
     return value["param"] if isinstance(value, dict) else value  # ZeRO-1/2: {"param", "cat_dim"}; ZeRO-3: the tensor
 
 
-def load_into(engine, state: ConsolidatedState) -> None:
+def load_into(strategy: Strategy, state: ConsolidatedState) -> None:
     """DeepSpeed ZeRO-1/2/3: fp32 masters and their Adam state through DeepSpeed's setters, and the
     module's copy from the same values; the engine's step counters where the checkpoint left them."""
     import deepspeed
 
+    engine = strategy.accelerator.deepspeed_engine_wrapped.engine
     module = engine.module
     names = parameter_names(module)
     check_moments(state, module, names)

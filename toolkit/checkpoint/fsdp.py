@@ -6,12 +6,16 @@ one process with torch's `dcp_to_torch_save`, and loaded into an FSDP2 run with 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, plain_name, step_value
 from toolkit.checkpoint.unpickling import load
 from toolkit.models.parameters import parameter_names
+
+if TYPE_CHECKING:
+    from toolkit.strategy.distributed import Strategy
 
 
 def model_dir(folder: Path) -> Path | None:
@@ -51,7 +55,7 @@ def moments(folder: Path, scratch: Path) -> tuple[dict, dict]:
     return moments, steps
 
 
-def load_into(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ConsolidatedState) -> None:
+def load_into(strategy: Strategy, state: ConsolidatedState) -> None:
     """FSDP2: full tensors in, each rank keeps its shard (torch.distributed.checkpoint's setters)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -59,6 +63,7 @@ def load_into(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: 
         set_optimizer_state_dict,
     )
 
+    (module,), (optimizer,), _ = strategy.prepared()
     names = parameter_names(module)
     check_moments(state, module, names)
     weights = {}

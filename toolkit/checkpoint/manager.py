@@ -18,10 +18,10 @@ from typing import Literal
 
 import torch
 
-from toolkit.checkpoint import ddp, deepspeed, fsdp, pipeline
+from toolkit.checkpoint import ddp, pipeline
 from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
-from toolkit.checkpoint.formats import Checkpoint
+from toolkit.checkpoint.formats import FORMATS, Checkpoint, format_of
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
 from toolkit.checkpoint.state import TrainerState
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
@@ -343,11 +343,4 @@ def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
 def _load_by_name(strategy: Strategy, state: ConsolidatedState) -> None:
     """Collective: a converted checkpoint into the prepared model and optimizer, with this strategy's
     own setters (each format's load_into)."""
-    if strategy.pipeline is not None:
-        pipeline.load_into(strategy.pipeline, strategy.pipeline.optimizer, state)
-        return
-    if strategy.layout.kind == "deepspeed":
-        deepspeed.load_into(strategy.accelerator.deepspeed_engine_wrapped.engine, state)
-        return
-    models, optimizers, _ = strategy.prepared()
-    (fsdp if strategy.layout.kind == "fsdp" else ddp).load_into(models[0], optimizers[0], state)
+    FORMATS[format_of(strategy.layout)].load_into(strategy, state)

@@ -6,12 +6,16 @@ pipeline's stage, of the same cut as it is or of any other strategy by name."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, load_whole, step_value
 from toolkit.checkpoint.unpickling import load
 from toolkit.config import UserError
+
+if TYPE_CHECKING:
+    from toolkit.strategy.distributed import Strategy
 
 STAGE = "pipeline_stage_{}.safetensors"  # a pipeline stage's weights, by their whole-model names
 OPTIMIZER = "pipeline_stage_{}_optimizer.pt"  # its optimizer state and the names of its parameters
@@ -94,10 +98,12 @@ def load_stage(pipeline, folder: Path, optimizer: torch.optim.Optimizer) -> None
     optimizer.load_state_dict(load(state, map_location=p.device)["optimizer"])
 
 
-def load_into(pipeline, optimizer: torch.optim.Optimizer, state: ConsolidatedState) -> None:
+def load_into(strategy: Strategy, state: ConsolidatedState) -> None:
     """A pipeline stage (toolkit.strategy.pipeline_parallel): its weights and their Adam state, found
     by their names in the whole model (a tied head's copy by the embedding's name where the saving
     strategy kept only that one)."""
+    pipeline = strategy.pipeline
+    optimizer = pipeline.optimizer
     names = {id(p): pipeline.aliases.get(n, [n]) for n, p in pipeline.named_parameters()}
     check_moments(state, pipeline.module, names)
     load_whole(list(pipeline.parameters()), names, optimizer, state)

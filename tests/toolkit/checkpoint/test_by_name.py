@@ -24,7 +24,7 @@ def test_the_converted_state_loads_into_a_fresh_run(tmp_path, one_process_checkp
     made, _ = cached_conversion(Checkpoint.read(folder))
     strategy = launch(tmp_path)
     fresh, fresh_optimizer = trained(strategy, tiny_model, steps=0)
-    load_into_ddp(fresh, fresh_optimizer.optimizer, ConsolidatedState(made))
+    load_into_ddp(strategy, ConsolidatedState(made))
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
     names, fresh_names = parameter_names(model), parameter_names(fresh)
     loaded = {fresh_names[id(p)][0]: s for p, s in fresh_optimizer.optimizer.state.items()}
@@ -43,7 +43,7 @@ def test_a_run_that_trains_other_parameters_is_refused(tmp_path, one_process_che
     state = ConsolidatedState(made)
     state.meta["steps"].pop("model.norm.weight")
     with pytest.raises(UserError) as info:
-        load_into_ddp(fresh, fresh_optimizer.optimizer, state)
+        load_into_ddp(strategy, state)
     assert str(info.value) == (
         f"the converted checkpoint {made} has no Adam state for model.norm.weight (and 0 more), which this run "
         "trains: it was saved with other trainable parameters (another adapter?)"
@@ -59,5 +59,5 @@ def test_a_run_of_another_model_is_refused(tmp_path, one_process_checkpoint, tin
     fresh, fresh_optimizer = trained(strategy, tiny_model, steps=0)
     fresh.register_parameter("extra", torch.nn.Parameter(torch.zeros(3), requires_grad=False))
     with pytest.raises(UserError) as info:
-        load_into_ddp(fresh, fresh_optimizer.optimizer, ConsolidatedState(made))
+        load_into_ddp(strategy, ConsolidatedState(made))
     assert str(info.value) == f"the converted checkpoint {made} has no weight for extra: it holds another model"
