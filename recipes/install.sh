@@ -81,6 +81,19 @@ get_accelerator().create_op_builder('CPUAdamBuilder').load(verbose=False)" >/dev
 if installed; then
   if (( BUILD )); then build_cpu_adam; fi
 else
+  # a system Python marked externally managed (PEP 668: Debian 12, Ubuntu 23.04 and later) takes nothing from pip
+  # (uv says so too): a screenful of pip's, after a minute. One line says what to do, unless pip was told to install
+  # there anyway (break-system-packages in pip's config or environment).
+  managed=$("$PY" -c 'import os, sys, sysconfig
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+print(marker if sys.prefix == sys.base_prefix and os.path.isfile(marker) else "")')
+  if [[ -n $managed ]] && ! { "$PY" -m pip config list 2>/dev/null || true; } \
+      | grep -Eiq "break-system-packages='(1|true|yes|on)'"; then
+    echo "error: $PY is the system's Python, marked as managed by the system ($managed): pip installs nothing" \
+         "into it; make a virtual environment and install there: python3 -m venv .venv && . .venv/bin/activate &&" \
+         "bash recipes/install.sh" >&2
+    exit 2
+  fi
   rm -f "$STAMP"
   pip=("$PY" -m pip install --quiet)
   uv=()

@@ -265,7 +265,9 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     notes += pipeline_notes
     if not rows:
         raise UserError(
-            f"no micro-batch in {micro} divides train.global_batch_size={t.global_batch_size} over {args.gpus} GPUs"
+            f"no micro-batch in {micro} divides train.global_batch_size={t.global_batch_size} over {args.gpus} GPUs; "
+            f"plan for a --gpus that divides {t.global_batch_size}, or set train.global_batch_size to a multiple of "
+            f"{args.gpus}"
         )
     fitting = [r for r in rows if r["fits"]]
     best = min(fitting, key=lambda r: (r["relative_step_time"], r["peak_bytes"])) if fitting else None

@@ -42,7 +42,8 @@ FAST_SUITE, FAST_GOAL_S = "not distributed", 240  # the fast suite's marks and i
 # recipes/install.sh runs none),
 # through a launcher or as a new Python; the launches that only record a launcher's environment for the forked
 # ranks (tests/probe_ranks.py) start no recipe and are not counted, though their CPU time is
-LAUNCH = re.compile(r"recipes/(?!install\.sh)\w+\.(py|sh)$|(^|/)llm-toolkit$")  # or the installed command (toolkit/launch/cli.py)
+# recipes/quickstart.sh runs only in test_install.py, with its install and launch logged, not run (a few CPU-s)
+LAUNCH = re.compile(r"recipes/(?!install\.sh|quickstart\.sh)\w+\.(py|sh)$|(^|/)llm-toolkit$")  # or the installed command (toolkit/launch/cli.py)
 
 # this process's running tallies; probe_ranks adds the forked ranks' CPU time, recipe_runner the real model
 tally = {"launches": 0, "forked_cpu_s": 0.0, "forked_runs": 0, "real_model": 0}

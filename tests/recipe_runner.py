@@ -148,3 +148,15 @@ def foreign_lines(output: str) -> list[str]:
         if not (TOOLKIT_LINE.fullmatch(last) and all(PROGRESS_BAR.fullmatch(p) for p in parts[:-1])):
             foreign.append(last[:300])
     return foreign
+
+
+def assert_generates_with_the_cache(folder: Path) -> None:
+    """A folder the toolkit writes for inference (final/, an HF export, a merged LoRA, a weight-only export, the
+    GGUF's float copy an adapter names as its base) says use_cache in config.json and generation_config.json:
+    training's use_cache=false kept in an export of a checkpoint made generate() 2.6x slower (issue 42 point 5)."""
+    import json
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    assert config.get("use_cache") is True, f"{folder}/config.json: use_cache={config.get('use_cache')!r}"
+    generation = json.loads((Path(folder) / "generation_config.json").read_text())
+    assert generation.get("use_cache", True) is True, f"{folder}/generation_config.json: {generation}"

@@ -58,7 +58,9 @@ def test_the_readme_gets_to_a_fine_tuned_exported_model_in_its_first_screen():
     came at line ~190 of 575); the reference lives in docs/."""
     first = (ROOT / "README.md").read_text().splitlines()[:40]
     commands = [line.split()[:2] for line in first]
-    for wanted in (["bash", "recipes/install.sh"], ["llm-toolkit", "finetune"], ["llm-toolkit", "export"]):
+    # an environment first: Debian's and Ubuntu's own python3 take nothing from pip (PEP 668), and install.sh says so
+    for wanted in (["python3", "-m"], ["bash", "recipes/install.sh"], ["llm-toolkit", "finetune"],
+                   ["llm-toolkit", "export"]):
         assert wanted in commands, wanted
 
 

@@ -16,7 +16,7 @@ import installed
 import pytest
 import torch
 import wrong_arguments
-from recipe_runner import FT_TINY, recipe_module, run_recipe
+from recipe_runner import FT_TINY, assert_generates_with_the_cache, recipe_module, run_recipe
 from transformers import AutoModelForCausalLM
 
 from toolkit.export.consolidate import load_model, resolve_source
@@ -48,6 +48,7 @@ def test_checkpoint_consolidates_to_the_model_it_saved(strategy, runs):
     source = resolve_source(runs[strategy], "step-6")
     assert source.kind == KIND[strategy] and source.step == 6
     model, tokenizer, _ = load_model(source)
+    assert_generates_with_the_cache(runs[strategy] / "final")
     live = AutoModelForCausalLM.from_pretrained(runs[strategy] / "final")  # gathered from the live model at step 6
     torch.testing.assert_close(logits(model), logits(live), atol=1e-5, rtol=0)
     assert tokenizer("def f(x):")["input_ids"] == source_tokenizer(runs[strategy])("def f(x):")["input_ids"]
@@ -69,6 +70,7 @@ def test_hf_export_of_a_zero3_checkpoint(export, runs, tmp_path, capsys):
     for line in ("Processing zero checkpoint", "Parsing checkpoint created by deepspeed", "Detected checkpoint of type",
                  "Reconstructed", "Saving checkpoint shards"):  # zero_to_fp32's, not the export's
         assert line not in said.out + said.err, line
+    assert_generates_with_the_cache(out)  # an export of a checkpoint: training's use_cache=false was kept
     model = AutoModelForCausalLM.from_pretrained(out)
     assert next(model.parameters()).dtype == torch.bfloat16
     card = (out / "README.md").read_text()
@@ -83,6 +85,7 @@ def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, d
     run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
                             f"data.chat_template={chatml_file}", "train.max_steps=2", "checkpoint.every=2",
                             f"output_dir={out}"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
+    assert_generates_with_the_cache(out / "final")
     source = resolve_source(out, "step-2")
     with warnings.catch_warnings(record=True) as said:  # no library noise (peft's "base was renamed")
         warnings.simplefilter("always")
@@ -132,6 +135,7 @@ def test_lora_adapter_merge_equals_base_plus_adapter(tiny_base, tmp_path, export
     code = export.main(["--from", str(tmp_path / "adapter"), "--base", str(tiny_base), "--merge-lora", "--format", "hf",
                         "--output", str(out)])
     assert code == 0, capsys.readouterr().err
+    assert_generates_with_the_cache(out)
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     base = shutil.copytree(tiny_base, tmp_path / "base")
@@ -407,6 +411,7 @@ def test_weight_only_export_loads_and_generates(scheme, export, tiny_base, tmp_p
     out = tmp_path / scheme
     code = export.main(["--from", str(tiny_base), "--format", scheme, "--output", str(out)])
     assert code == 0, capsys.readouterr().err
+    assert_generates_with_the_cache(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.quantization_config is not None
     ids = torch.tensor([[1, 2, 3]])

@@ -13,7 +13,7 @@ from pydoc_data.topics import topics
 
 import pytest
 import torch
-from recipe_runner import ROOT, recipe_module
+from recipe_runner import ROOT, assert_generates_with_the_cache, recipe_module
 from transformers import AutoModelForCausalLM
 
 from toolkit.config import load_config
@@ -113,6 +113,8 @@ def test_the_adapter_loads_by_itself_with_peft_and_has_a_card(smol_run):
     out, _, inputs, live_logits = smol_run
     named = json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert (Path(named) / "config.json").is_file(), named
+    for folder in (named, out / "final"):  # the adapter's base generates with the KV cache, as final/ does
+        assert_generates_with_the_cache(folder)
     loaded = AutoPeftModelForCausalLM.from_pretrained(out / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, live_logits, atol=1e-5, rtol=0)

@@ -136,5 +136,62 @@ def test_the_quickstart_installs_only_what_it_needs_once(tmp_path, stamp):
     assert install(tmp_path, "--for", "quickstart") == []  # the second run: installed
     assert install(tmp_path)[-2].endswith("-e .[deepspeed,smollm2]")  # a user's needs more: SmolLM2
     assert install(tmp_path, "--for", "tests")[-2].endswith("-e .[deepspeed,smollm2,test,quant]")  # the suite's more still
-    assert "install.sh --for quickstart" in (ROOT / "recipes" / "quickstart.sh").read_text()
+    assert "recipes/install.sh\" --for quickstart" in (ROOT / "recipes" / "quickstart.sh").read_text()
     assert "install.sh --for tests" in (ROOT / "tests" / "run.sh").read_text()
+
+
+def test_a_system_python_marked_externally_managed_is_one_line_before_anything_installs(tmp_path):
+    """The README's install, run with Debian's or Ubuntu's own python3 (PEP 668's EXTERNALLY-MANAGED marker), was
+    pip's screenful after uv's refusal: now one line that says to make a virtual environment, and nothing installed.
+    pip told to install there anyway (PIP_BREAK_SYSTEM_PACKAGES, or its config) goes on. This Python stands for the
+    system's: it says where the marker is and where its packages go (here), and logs pip and uv instead of running."""
+    log = tmp_path / "pip.log"
+    log.write_text("")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\ncase "$2" in *EXTERNALLY-MANAGED*) echo /usr/lib/python3/EXTERNALLY-MANAGED; exit 0;; '
+                      f'*purelib*) echo {tmp_path}; exit 0;; esac\n'
+                      f'case "$1 $2 $3" in "-m pip config") exec {sys.executable} "$@";; '
+                      f'"-m pip "*|"-m uv "*) echo "$*" >> {log}; exit 0;; esac\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PIP_BREAK_SYSTEM_PACKAGES"}
+    env |= {"PYTHON": str(python), "PIP_CONFIG_FILE": os.devnull}  # no pip.conf of this machine's
+
+    def run(**extra) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "recipes/install.sh"], cwd=ROOT, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=300)
+
+    proc = run()
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and not proc.stdout, proc
+    assert lines[0].startswith(f"error: {python} is the system's Python, marked as managed by the system "
+                               "(/usr/lib/python3/EXTERNALLY-MANAGED)"), lines
+    assert lines[0].endswith("python3 -m venv .venv && . .venv/bin/activate && bash recipes/install.sh"), lines
+    assert log.read_text() == "" and not (tmp_path / STAMP.name).exists()
+    proc = run(PIP_BREAK_SYSTEM_PACKAGES="1")
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines()[0] == "-m pip install --quiet uv" and (tmp_path / STAMP.name).exists()
+
+
+def test_the_quickstart_run_from_another_folder_trains_there(tmp_path):
+    """`bash ~/llm-toolkit/recipes/quickstart.sh` from a user's folder cd'd into the checkout: the run went to the
+    checkout's runs/tiny, and the paths it printed (runs/tiny/final) were not there from where the user was. The
+    launch now starts where the user is, with the checkout's files named in full. This Python logs the install's pip
+    and the launch, without running them."""
+    log = tmp_path / "launched.log"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\ncase "$2" in *purelib*) echo {tmp_path}; exit 0;; esac\n'
+                      f'case "$1 $2" in "-m toolkit.launch.launcher") echo "$(pwd) $*" >> {log}; exit 0;; esac\n'
+                      f'case "$1 $2 $3" in "-m pip config") exec {sys.executable} "$@";; '
+                      f'"-m pip "*|"-m uv "*) exit 0;; esac\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    proc = subprocess.run(["bash", str(ROOT / "recipes" / "quickstart.sh"), "train.max_steps=2"], cwd=mine,
+                          env={**os.environ, "PYTHON": str(python), "PIP_CONFIG_FILE": os.devnull},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    where, *argv = log.read_text().split()
+    assert where == str(mine)
+    assert argv == ["-m", "toolkit.launch.launcher", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
+                    "--num_processes", "2", str(ROOT / "recipes" / "pretrain.py"), "--config",
+                    str(ROOT / "recipes" / "configs" / "pretrain_tiny.yaml"), "resume=auto", "train.max_steps=2"]

@@ -279,6 +279,28 @@ def test_the_readmes_fine_tune_plans_what_it_measured_on_cpu():
     assert 2.36e9 <= row["peak_bytes"] <= 2.36e9 * 1.2, row
 
 
+# the shipped configs tests/recipes/test_base_configs.py does not plan (it plans the bases people fine-tune)
+OWN_CONFIGS = sorted(p.name for p in (ROOT / "recipes" / "configs").glob("*.yaml")
+                     if p.name.startswith(("pretrain_", "finetune_smollm2_")))
+
+
+@pytest.mark.parametrize("name", OWN_CONFIGS)
+def test_every_shipped_config_is_planned_or_refused_with_its_reason(name):
+    """Issue 42 point 9: plan.py refused the shipped GPT-2 config, where a user is told nothing to do. On 8 x 80 GB,
+    as the README plans: the answer first, or one line that says why and what to do instead."""
+    proc = plan("--config", f"recipes/configs/{name}", "--gpus", "8", "--gpu-memory", "80GB")
+    if proc.returncode == 0:
+        assert proc.stdout.startswith("fastest that fits: "), proc.stdout[:300]
+        return
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and not proc.stdout.strip() and len(lines) == 1 and lines[0].startswith("error: "), proc
+    reasons = {"model_type 'gpt2' is not modelled yet": "launch it as its YAML's first line says",
+               "no micro-batch in [1, 2, 4, 8, 16, 32] divides train.global_batch_size=4 over 8 GPUs":
+                   "plan for a --gpus that divides 4, or set train.global_batch_size to a multiple of 8"}
+    said = [reason for reason in reasons if reason in proc.stderr]
+    assert said and reasons[said[0]] in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

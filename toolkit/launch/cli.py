@@ -41,9 +41,19 @@ def shipped(name: str, folder: str) -> str:
     return name
 
 
+def apart(args: list[str]) -> list[str]:
+    """`--config=NAME` and `--config_file=NAME` (argparse's other spelling, which the recipes and accelerate take) as
+    `--config NAME`: the shipped file is then found by its name, and the options before --config go to the launcher."""
+    said = []
+    for arg in args:
+        option, equals, value = arg.partition("=")
+        said += [option, value] if equals and option in SHIPPED_BY_OPTION else [arg]
+    return said
+
+
 def command(argv: list[str]) -> list[str]:
     """The command line `llm-toolkit ARGV` runs (argv[0] a recipe's name)."""
-    name, args = argv[0], list(argv[1:])
+    name, args = argv[0], apart(argv[1:])
     script = str(ROOT / "recipes" / f"{name}.py")
     for option, folder in SHIPPED_BY_OPTION.items():
         if option in args and args.index(option) + 1 < len(args):

@@ -54,7 +54,9 @@ class Shapes:
         if model_type not in LLAMA_STYLE + GEMMA_STYLE + MIXTURES:
             raise UserError(
                 f"the memory planner models LLaMA-style decoders ({', '.join(LLAMA_STYLE + GEMMA_STYLE)}) and "
-                f"mixtures of experts ({', '.join(MIXTURES)}); model_type {model_type!r} is not modelled yet"
+                f"mixtures of experts ({', '.join(MIXTURES)}); model_type {model_type!r} is not modelled yet, so there is "
+                "no plan: launch it as its YAML's first line says and read what each process held in metrics.jsonl's "
+                "memory row (docs/metrics.md)"
             )
         heads = config.num_attention_heads
         layer = base.model.layers[0]

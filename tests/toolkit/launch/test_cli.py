@@ -37,6 +37,15 @@ COMMANDS = {
     "export": (["export", "--from", "runs/ft", "--format", "gguf"],
                ["PY", "ROOT/recipes/export.py", "--from", "runs/ft", "--format", "gguf"]),
     "help": (["finetune", "--help"], ["PY", "ROOT/recipes/finetune.py", "--help"]),
+    # argparse's other spelling, which the recipes and accelerate take: found by name, the launch options split off
+    "with =": (["finetune", "--config_file=zero3", "--num_processes", "2", "--config=finetune_smollm2_lora",
+                "output_dir=runs/ft"],
+               ["PY", "-m", "toolkit.launch.launcher", "--config_file", "ROOT/accelerate_configs/zero3.yaml",
+                "--num_processes", "2", "ROOT/recipes/finetune.py", "--config",
+                "ROOT/recipes/configs/finetune_smollm2_lora.yaml", "output_dir=runs/ft"]),
+    "plan with =": (["plan", "--config=pretrain_llama_1b", "--gpus=8"],
+                    ["PY", "ROOT/recipes/plan.py", "--config", "ROOT/recipes/configs/pretrain_llama_1b.yaml",
+                     "--gpus=8"]),
 }
 
 

@@ -270,3 +270,22 @@ def test_a_resumed_writer_knows_what_its_kept_records_hold(tmp_path):
     assert writer.has(2, "parameter_digests") and writer.has(1, "loss")
     assert not writer.has(1, "parameter_digests") and not writer.has(3, "loss")
     writer.close()
+
+
+def test_docs_metrics_md_lists_each_row_kind_with_its_columns():
+    """Issue 42 point 11: a documented schema per row kind. docs/metrics.md's table has a row for each kind the writer
+    checks (toolkit.training.metrics.KINDS), no other, and names each of that kind's columns."""
+    from pathlib import Path
+
+    from toolkit.training.metrics import KINDS
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "metrics.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            rows[cells[0].strip("`")] = cells[2]
+    assert set(rows) == set(KINDS), sorted(set(rows) ^ set(KINDS))
+    for kind, columns in KINDS.items():
+        missing = [c for c in columns if f"`{c}`" not in rows[kind]]
+        assert not missing, f"docs/metrics.md's {kind} row does not name {missing}"
