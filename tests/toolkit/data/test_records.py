@@ -359,3 +359,32 @@ def test_each_format_users_bring_packs_its_records_with_loss_on_the_assistants_t
             "trl_preference_parquet": "2 preference records: 0 with chosen equal to rejected and 0 with an empty answer "
                                       "left out; TRL's 2 conversational (messages), implicit prompt"}[fmt]
     assert notes[0] == said
+
+
+def test_each_source_of_a_chat_mixture_reads_its_records_by_its_own_shape_or_mapping(tmp_path, chat_tokenizer):
+    """data.sources for chat as for text (where each source names its text_column): a source names its own
+    record_format or columns (a support-desk export mixed with ShareGPT and Alpaca sets); one naming neither reads by
+    data.record_format and data.columns. Each is checked before the model and packed by its own."""
+    from toolkit.config import load_config
+    from toolkit.data.records import check_first_records
+    from toolkit.training.recipe_config import FinetuneConfig
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    desk = {"ticket": 7, "dialog": [{"speaker": "customer", "text": "My order is late."},
+                                    {"speaker": "agent", "text": "It ships today."}]}
+    paths = {"sharegpt": write(tmp_path / "a", "jsonl", [SHAPES["sharegpt"]] * 3),
+             "desk": write(tmp_path / "b", "jsonl", [desk] * 2),
+             "alpaca": write(tmp_path, "parquet", [SHAPES["alpaca"]] * 2)}
+    cfg = load_config(FinetuneConfig, None, [
+        "data.format=chat", "data.record_format=alpaca", "data.seq_len=256", "data.val_fraction=0",
+        f"data.sources=[{{name: sharegpt, path: {paths['sharegpt']}, record_format: sharegpt}}, {{name: desk, path: "
+        f"{paths['desk']}, columns: {{conversation: dialog, role: speaker, content: text, user: customer, assistant: "
+        f"agent}}}}, {{name: alpaca, path: {paths['alpaca']}}}]"]).data
+    said = []
+    for part in cfg.of_sources():
+        check_first_records(part)
+        said.append(chat_blocks(part.chat(), chat_tokenizer, 0)[2][0])
+    assert said == ["3 records, ShareGPT (conversations of from/value) (data.record_format)",
+                    "2 records, turns in `dialog` (data.columns)",
+                    "2 records, Alpaca (instruction/input/output) (data.record_format)"]
