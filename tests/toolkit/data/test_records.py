@@ -41,6 +41,10 @@ def test_every_shape_is_listed_and_named_by_the_config():
     assert set(SHAPES) == set(FORMATS)
     for config in (ChatDataConfig, FinetuneDataConfig):
         assert typing.get_args(typing.get_type_hints(config)["record_format"]) == ("auto", *FORMATS)
+    from toolkit.data.mixture import SourceConfig  # a mixture source's own (empty: data.record_format)
+
+    own, none = typing.get_args(typing.get_type_hints(SourceConfig)["record_format"])
+    assert typing.get_args(own) == ("auto", *FORMATS) and none is type(None)
 
 
 @pytest.mark.parametrize("shape", FORMATS)
