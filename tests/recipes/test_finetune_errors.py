@@ -97,6 +97,21 @@ def test_records_that_cannot_train_are_refused_before_the_model_loads(finetune, 
     assert said in err
 
 
+@pytest.mark.parametrize("fmt", ["chat", "preference"])
+def test_a_source_of_a_mixture_is_checked_before_the_model_loads_too(finetune, capsys, tmp_path, fmt):
+    """Each of data.sources is read and checked before the base loads, as data.path is; the error names the source's
+    key. The base named is a folder transformers cannot load."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "Hi", "chosen": "Hello", "rejected": "Go"} if fmt ==
+                                                 "preference" else {"prompt": "Hi", "completion": "Hello"}] * 4)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"conversation": [{"from": "human", "value": "Hi"}]}] * 4)
+    err = one_error(finetune, capsys, tmp_path, f"model.path={tmp_path / 'base'}", f"data.format={fmt}",
+                    f"data.sources=[{{name: good, path: {good}}}, {{name: bad, path: {bad}}}]",
+                    *(["train.objective=dpo"] if fmt == "preference" else []))
+    assert err.startswith(f"error: data.sources[1].path={bad}: record 0 ")
+
+
 def test_chat_message_with_an_unknown_role(finetune, capsys, tmp_path, tiny_base, chatml_file):
     record = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}
     data = write_jsonl(tmp_path / "chat.jsonl", [record] * 4)

@@ -102,15 +102,21 @@ def gemma2_base(tiny_base, tmp_path_factory):
 def test_gemma2_lora_under_zero3_matches_one_process(gemma2_base, chatml_file, data_cache, tmp_path):
     """Gemma 2 as its shipped YAML trains it (eager attention with packing's additive mask, the chunked loss capping
     its logits, LoRA) under ZeRO-3 follows one process: the chunked forward returns the loss through the model's own
-    output, whose hooks ZeRO-3 runs its backward by."""
+    output, whose hooks ZeRO-3 runs its backward by. With peft's switches users ask for (issue 43): DoRA (its
+    magnitude reads each adapted weight whole, which ZeRO-3 holds in parts), rsLoRA, a module trained whole
+    (modules_to_save) and the layers to adapt, so that ZeRO-3 is shown to hold them as one process does."""
     common = [*FT_TINY, f"model.path={gemma2_base}", "model.attn_implementation=eager", "data.format=chat",
-              f"data.chat_template={chatml_file}", "adapter.r=8", "train.max_steps=3", "checkpoint.every=0"]
+              f"data.chat_template={chatml_file}", "adapter.r=8", "train.max_steps=3", "checkpoint.every=0",
+              "adapter.dora=true", "adapter.rslora=true", "adapter.modules_to_save=[norm]", "adapter.layers=[1]"]
     one, sharded = tmp_path / "one", tmp_path / "zero3"
     run_recipe("finetune", [*common, f"output_dir={one}"], nproc=1, cache=data_cache, config=CONFIG)
     run_recipe("finetune", [*common, f"output_dir={sharded}"], nproc=2, cache=data_cache, config=CONFIG,
                accelerate_config="zero3.yaml")
     expected, got = train_losses(one), train_losses(sharded)
     assert len(got) == 3 and got[-1] < got[0]
+    config = json.loads((sharded / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] and config["use_rslora"] and config["modules_to_save"] == ["norm"]
+    assert config["layers_to_transform"] == [1]
     for step, (a, b) in enumerate(zip(expected, got, strict=True), 1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: 1 process {a}, zero3 {b}"
 

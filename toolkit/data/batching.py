@@ -47,3 +47,11 @@ class BatchSchedule:
     def steps_for(self, epochs: float) -> int:
         """The optimizer steps of `epochs` passes (train.epochs): at least one."""
         return max(1, math.ceil(epochs * self.steps_per_epoch))
+
+    def epochs_said(self, epochs: float, steps: int) -> str:
+        """train.epochs' line: its steps, and the blocks each pass leaves out (every step's global batch is whole; each
+        pass is reshuffled, so another few are left out of the next)."""
+        left = self.n_blocks - self.steps_per_epoch * self.global_batch
+        out = (f"; a pass trains {self.n_blocks - left} of the {self.n_blocks} blocks ({left} left out, others in each "
+               "reshuffled pass)") if left else ""
+        return f"train.epochs={epochs:g}: {steps} steps, {self.steps_per_epoch} an epoch{out}"

@@ -66,7 +66,7 @@ class DataConfig:
     )
     sources: list[SourceConfig] = field(
         default_factory=list, help="corpora mixed by weight, each {name, path, weight, text_column, sample_by, "
-        "subset, split}, instead of data.path (docs/data.md)"
+        "subset, split; chat: record_format, columns}, instead of data.path (docs/data.md)"
     )
     stages: list[StageConfig] = field(
         default_factory=list, help="from a step on, other weights for data.sources: [{start_step, weights: {name: w}}]"
@@ -85,7 +85,12 @@ class DataConfig:
         if self.sources and self.path:
             problems.append(f"path={self.path} and sources are both set; list it in data.sources as one more source "
                             "and leave data.path empty (data.path=), or drop data.sources")
-        return problems + mixture_problems(self.sources, self.stages)
+        return problems + mixture_problems(self.sources, self.stages) + self.source_problems()
+
+    def source_problems(self) -> list[str]:
+        """A source's settings that this section does not read: pretraining reads text, not chat records."""
+        return [f"sources[{i}].{key} maps chat records; pretraining reads text: drop it" for i, s in
+                enumerate(self.sources) if s is not None for key in ("record_format", "columns") if getattr(s, key)]
 
     def of_sources(self) -> list[DataConfig]:
         """Each of data.sources as a data section of its own (the one corpus of data.path is the only one)."""

@@ -39,6 +39,11 @@ class SourceConfig:
     )
     subset: str | None = field(None, help="hub dataset config name (data.name of a single source)")
     split: str = field("train", help="split to read from a hub dataset")
+    record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] | None = field(
+        None, help="chat: this source's record shape (docs/data.md); empty = data.record_format")
+    columns: dict = field(default_factory=dict, help="chat: this source's records of another shape, mapped as "
+                          "data.columns maps them ({conversation, role, content, user, assistant, system}); empty = "
+                          "data.columns")
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from toolkit.config import UserError
 from toolkit.data.chat import ChatDataConfig, best_fit_decreasing, chat_template_for, render_conversation
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
-from toolkit.data.records import read_records, to_pair
+from toolkit.data.records import pair_shapes_said, read_records, to_pair
 
 # The embedded set's non-answers, for a third of its pairs (the others reject another question's answer).
 NON_ANSWERS = (
@@ -207,7 +207,7 @@ def preference_blocks(cfg: ChatDataConfig, tokenizer, seed: int) -> tuple[datase
         train_rows = [rows[i] for i in train["row"]]
         val_rows = [rows[i] for i in held["row"]] if held is not None else []
     train, stats = pack_pairs(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
-    notes = [read, f"train: {stats}"]
+    notes = [f"{read}; TRL's {pair_shapes_said(records)}", f"train: {stats}"]
     val = None
     if val_rows:
         val, val_stats = pack_pairs(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)

@@ -18,6 +18,7 @@ import contextlib
 import difflib
 import glob
 import json
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -318,10 +319,46 @@ def _answer(value, index: int, key: str) -> str:
     return value
 
 
+# TRL's preference shapes: answers as text (standard) or as messages (conversational), the prompt given or implicit
+PAIR_SAID = {("standard", True): "standard (text), prompt given", ("standard", False): "standard (text), implicit prompt",
+             ("conversational", True): "conversational (messages), prompt given",
+             ("conversational", False): "conversational (messages), implicit prompt"}
+
+
+def pair_shape(record) -> tuple[str, bool] | None:
+    """TRL's shape of a preference record, as (standard or conversational, prompt given), or None."""
+    if not isinstance(record, dict) or record.get("chosen") is None or record.get("rejected") is None:
+        return None
+    parts = [record.get(k) for k in ("prompt", "chosen", "rejected")]
+    kind = "standard" if all(p is None or isinstance(p, str) for p in parts) else "conversational"
+    return kind, record.get("prompt") is not None
+
+
+def pair_shapes_said(records: list) -> str:
+    """The log's words for the preference shapes of `records`, counted."""
+    counts = Counter(pair_shape(r) for r in records)
+    return ", ".join(f"{n} {PAIR_SAID[k]}" for k, n in counts.most_common() if k)
+
+
+def _shared_opening(chosen: str, rejected: str, index: int) -> dict:
+    """TRL's standard implicit prompt: two whole texts that begin alike. Their shared opening words are the prompt
+    (the user's turn) and each one's rest its answer (TRL cuts at the first differing character; here at the space
+    before it, so that no word is split between the prompt and an answer)."""
+    shared = os.path.commonprefix([chosen, rejected])
+    cut = max((i for i, c in enumerate(shared) if c.isspace()), default=0)  # the last space both have
+    if not shared[:cut].strip():
+        raise UserError(f"record {index}: `chosen` and `rejected` without `prompt` share no opening words to take as "
+                        "the prompt; give `prompt` apart")
+    return {"prompt": chosen[:cut].rstrip(), "chosen": chosen[cut:].strip(), "rejected": rejected[cut:].strip()}
+
+
 def to_pair(record, index: int) -> tuple[list[dict[str, str]], str, str]:
     """One record -> (prompt messages, chosen text, rejected text); `index` names the record in errors. Without
-    `prompt`, `chosen` and `rejected` are whole conversations (TRL's implicit prompt): the turns both share are the
-    prompt, and each one's last, the assistant's, its answer."""
+    `prompt`, `chosen` and `rejected` are whole conversations or texts (TRL's implicit prompt): the turns both share
+    are the prompt, and each one's last, the assistant's, its answer; of two texts, the words both open with."""
+    if isinstance(record, dict) and record.get("prompt") is None and all(
+            isinstance(record.get(k), str) for k in ("chosen", "rejected")):
+        record = _shared_opening(record["chosen"], record["rejected"], index)
     if isinstance(record, dict) and record.get("prompt") is None and all(
             isinstance(record.get(k), list) and len(record[k]) > 1 for k in ("chosen", "rejected")):
         chosen, rejected = record["chosen"], record["rejected"]
@@ -332,8 +369,11 @@ def to_pair(record, index: int) -> tuple[list[dict[str, str]], str, str]:
     missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(record, dict) or record.get(k) is None]
     if missing:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise UserError(f"record {index} lacks {', '.join(f'`{k}`' for k in missing)} (has {keys}); a preference "
-                        "record needs `prompt`, `chosen` and `rejected` (or `chosen` and `rejected` as whole conversations)")
+        chat = shape_of(record) if {"chosen", "rejected"} & set(missing) else None
+        nearly = f" (a chat record, {SAID[chat]}: train on it with data.format=chat)" if chat else ""
+        raise UserError(f"record {index} lacks {', '.join(f'`{k}`' for k in missing)} (has {keys}){nearly}; a "
+                        "preference record needs `prompt`, `chosen` and `rejected` (or `chosen` and `rejected` as whole "
+                        "conversations or texts)")
     return _prompt(record["prompt"], index), _answer(record["chosen"], index, "chosen"), _answer(
         record["rejected"], index, "rejected")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -213,6 +214,39 @@ class FinetuneDataConfig(DataConfig):
             problems.append("val_path holds one corpus's held-out data; with sources each source holds out its own "
                             "(val_fraction): drop val_path")
         return problems
+
+    def source_problems(self) -> list[str]:
+        """Each source's record_format and columns: chat's only; columns keys as data.columns has, naming the column
+        of turns, and not beside a record_format."""
+        problems, keys = [], [f.name for f in dataclasses.fields(ColumnsConfig)]
+        for i, s in enumerate(self.sources):
+            set_here = [k for k in ("record_format", "columns") if s is not None and getattr(s, k)]
+            if s is None:
+                continue
+            if set_here and self.format != "chat":
+                problems += [f"sources[{i}].{k} maps chat records; format={self.format} does not read it: drop it, or "
+                             "set data.format=chat" for k in set_here]
+            elif unknown := sorted(set(map(str, s.columns)) - set(keys)):
+                problems.append(f"sources[{i}].columns names {', '.join(unknown)}; its keys are {', '.join(keys)}")
+            elif bad := [k for k, v in s.columns.items() if not isinstance(v, str) or not v.strip()]:
+                problems.append(f"sources[{i}].columns.{bad[0]}={s.columns[bad[0]]!r} must be a name (a string)")
+            elif s.columns and not s.columns.get("conversation"):
+                problems.append(f"sources[{i}].columns has no conversation: name the column holding the turns")
+            elif s.columns and s.record_format:
+                problems.append(f"sources[{i}].record_format={s.record_format} and its columns both say how to read "
+                                "its records: keep one")
+        return problems
+
+    def of_sources(self) -> list[FinetuneDataConfig]:
+        """Each source as a data section, its record_format and columns its own where it names them (a source naming
+        either reads by it alone; one naming neither reads by data.record_format and data.columns)."""
+        parts = super().of_sources()
+        if not self.sources:
+            return parts
+        return [dataclasses.replace(
+            part, record_format=s.record_format or ("auto" if s.columns else self.record_format),
+            columns=ColumnsConfig(**s.columns) if s.columns else ColumnsConfig() if s.record_format else self.columns)
+            for part, s in zip(parts, self.sources, strict=True)]
 
     def chat(self) -> ChatDataConfig:
         return ChatDataConfig(

@@ -174,7 +174,7 @@ class Trainer:
         self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, train, target_counts, schedule)
         if t.epochs is not None:  # the steps follow from the packed blocks; a resume derives the same number
             t.max_steps = schedule.steps_for(t.epochs)
-            self.print(f"train.epochs={t.epochs:g}: {t.max_steps} steps, {schedule.steps_per_epoch} an epoch")
+            self.print(schedule.epochs_said(t.epochs, t.max_steps))
         return schedule
 
     def use_mixture(self, train: dict[str, datasets.Dataset], val: dict[str, datasets.Dataset], plan: list,

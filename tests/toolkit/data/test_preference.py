@@ -42,6 +42,40 @@ def test_record_forms():
         to_pair({"prompt": "Q", "chosen": "a", "rejected": 7}, 0)
 
 
+def test_trl_s_standard_implicit_prompt_is_the_words_both_texts_open_with():
+    """TRL's fourth preference shape: `chosen` and `rejected` as whole texts, no `prompt` (it was refused as lacking
+    one). The shared opening words are the user's turn; no word is split between prompt and answer."""
+    assert to_pair({"chosen": "The sky is blue.", "rejected": "The sky is green."}, 0) == (
+        [{"role": "user", "content": "The sky is"}], "blue.", "green.")
+    assert to_pair({"chosen": "Q: 2 + 2? A: no thanks", "rejected": "Q: 2 + 2? A: nope"}, 0) == (
+        [{"role": "user", "content": "Q: 2 + 2? A:"}], "no thanks", "nope")
+    with pytest.raises(UserError, match=r"^record 4: `chosen` and `rejected` without `prompt` share no opening words to "
+                                        r"take as the prompt; give `prompt` apart$"):
+        to_pair({"chosen": "Blue.", "rejected": "Bleak."}, 4)
+
+
+def test_a_chat_record_given_as_a_pair_says_it_is_one():
+    with pytest.raises(UserError, match=r"^record 0 lacks `prompt`, `chosen`, `rejected` \(has \['conversations'\]\) \(a chat "
+                                        r"record, ShareGPT \(conversations of from/value\): train on it with "
+                                        r"data.format=chat\); a preference record needs"):
+        to_pair({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}, 0)
+
+
+def test_the_log_says_the_trl_shape_of_each_record(tmp_path, chat_tokenizer):
+    """The first data line counts the records by TRL's shape, as chat records are counted by theirs."""
+    said = [{"role": "user", "content": "Q"}]
+    records = [{"prompt": "Q", "chosen": "a", "rejected": "b"}, {"chosen": "Q: x is a", "rejected": "Q: x is b"},
+               {"chosen": [*said, {"role": "assistant", "content": "a"}],
+                "rejected": [*said, {"role": "assistant", "content": "b"}]},
+               {"chosen": "Q: y is a", "rejected": "Q: y is c"}]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    _, _, notes = preference_blocks(ChatDataConfig(path=str(tmp_path / "pairs.jsonl"), seq_len=256, val_fraction=0),
+                                    chat_tokenizer, 0)
+    assert notes[0] == ("4 preference records: 0 with chosen equal to rejected and 0 with an empty answer left out; "
+                        "TRL's 2 standard (text), implicit prompt, 1 standard (text), prompt given, 1 conversational "
+                        "(messages), implicit prompt")
+
+
 def test_targets_are_each_answer_and_its_turn_end_after_one_prompt(chat_tokenizer):
     record = {"prompt": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "earlier answer"},
                          {"role": "user", "content": "Q2"}], "chosen": "the good one", "rejected": "the bad one"}

@@ -41,6 +41,10 @@ def test_every_shape_is_listed_and_named_by_the_config():
     assert set(SHAPES) == set(FORMATS)
     for config in (ChatDataConfig, FinetuneDataConfig):
         assert typing.get_args(typing.get_type_hints(config)["record_format"]) == ("auto", *FORMATS)
+    from toolkit.data.mixture import SourceConfig  # a mixture source's own (empty: data.record_format)
+
+    own, none = typing.get_args(typing.get_type_hints(SourceConfig)["record_format"])
+    assert typing.get_args(own) == ("auto", *FORMATS) and none is type(None)
 
 
 @pytest.mark.parametrize("shape", FORMATS)
@@ -256,3 +260,135 @@ def test_the_first_records_check_reads_a_held_out_hub_folder_as_training_does(tm
     datasets.Dataset.from_list([SHAPES["sharegpt"]] * 2).to_parquet(str(repo / "data" / "train-00000-of-00001.parquet"))
     check_first_records(FinetuneDataConfig(format="chat", path=write(tmp_path, "jsonl", [SHAPES["messages"]]),
                                            val_path=str(repo), split="test"))
+
+
+# Records as the sets users bring write them: a ShareGPT jsonl (SlimOrca's shape: a system turn, ids), OpenAI messages
+# in a parquet, Alpaca jsonl (alpaca-cleaned's, one with a system prompt), TRL's preference parquet (ultrafeedback
+# binarized: whole conversations and their scores), and UltraChat 200k laid out as the hub lays it out (its card's
+# configs name the split train_sft; its records hold `prompt` and `prompt_id` beside `messages`).
+QUESTIONS = [("How do I reverse a list?", "items[::-1] gives a reversed copy."),
+             ("And a string?", "text[::-1]: strings have no reverse method."),
+             ("What does zip do?", "It pairs the items of its arguments: zip([1, 2], 'ab') gives (1, 'a'), (2, 'b').")]
+SYSTEM = "You answer questions about Python."
+
+
+def _as_users_keep_them(folder: Path, fmt: str) -> tuple[str, dict, list[list[dict]]]:
+    """(data path, the ChatDataConfig's other settings, each record's conversation as the template renders it)."""
+    turns = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in QUESTIONS]
+    chats = [[{"role": "system", "content": SYSTEM}, *turns[0], *turns[1]], turns[2]]
+    if fmt == "sharegpt_jsonl":
+        said = {"system": "system", "user": "human", "assistant": "gpt"}
+        records = [{"id": f"orca-{i}", "conversations": [{"from": said[m["role"]], "value": m["content"]} for m in c]}
+                   for i, c in enumerate(chats)]
+        return write(folder, "jsonl", records), {}, chats
+    if fmt == "messages_parquet":
+        return write(folder, "parquet", [{"messages": c, "source": "written here"} for c in chats]), {}, chats
+    if fmt == "alpaca_jsonl":
+        records = [{"instruction": "Reverse this list.", "input": "[1, 2, 3]", "output": "[3, 2, 1]"},
+                   {"system": SYSTEM, "instruction": QUESTIONS[2][0], "input": "", "output": QUESTIONS[2][1]}]
+        return write(folder, "jsonl", records), {}, [
+            [{"role": "user", "content": "Reverse this list.\n\n[1, 2, 3]"}, {"role": "assistant", "content": "[3, 2, 1]"}],
+            [{"role": "system", "content": SYSTEM}, *turns[2]]]
+    if fmt == "hub_folder":
+        repo = folder / "HuggingFaceH4--ultrachat_200k"
+        (repo / "data").mkdir(parents=True)
+        (repo / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train_sft\n"
+                                        "    path: data/train_sft-*\n  - split: test_sft\n    path: data/test_sft-*\n"
+                                        "---\n# UltraChat 200k\n")
+        for split, these in (("train_sft", chats), ("test_sft", [turns[0]])):
+            datasets.Dataset.from_list([{"prompt": c[-2]["content"], "prompt_id": str(i), "messages": c}
+                                        for i, c in enumerate(these)]).to_parquet(
+                str(repo / "data" / f"{split}-00000-of-00001-0a1b2c3d.parquet"))
+        return str(repo), {"split": "train_sft"}, chats
+    # TRL's preference parquet: each answer after the conversation both share
+    records = [{"chosen": [*c[:-1], c[-1]], "rejected": [*c[:-1], {"role": "assistant", "content": "No idea."}],
+                "score_chosen": 9.0, "score_rejected": 2.0} for c in chats]
+    write(folder, "parquet", records)
+    return str(folder / "records.parquet"), {}, [[*r[k][:-1], r[k][-1]] for r in records for k in ("chosen", "rejected")]
+
+
+def _labels_as_the_template_marks_them(tokenizer, messages: list[dict], last_only: bool) -> tuple[list, list]:
+    """(ids, labels) found apart from toolkit.data.chat: the template's text, tokenized; a token is a target when its
+    characters lie inside an assistant turn's content and its <|im_end|> (the last turn's only, for a pair's answer,
+    whose sequence ends there)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, at = [], 0
+    for m in messages:
+        at = text.index(f"<|im_start|>{m['role']}\n", at) + len(f"<|im_start|>{m['role']}\n")
+        if m["role"] == "assistant":
+            assert text.startswith(m["content"] + "<|im_end|>", at)
+            spans.append((at, at + len(m["content"]) + len("<|im_end|>")))
+    spans = spans[-1:] if last_only else spans
+    if last_only:
+        text = text[:spans[-1][1]]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [t if any(s <= a and b <= e for s, e in spans) else IGNORE_INDEX
+              for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
+    return enc["input_ids"], labels
+
+
+@pytest.mark.parametrize("fmt", ["sharegpt_jsonl", "messages_parquet", "alpaca_jsonl", "trl_preference_parquet",
+                                 "hub_folder"])
+def test_each_format_users_bring_packs_its_records_with_loss_on_the_assistants_turns_only(tmp_path, fmt,
+                                                                                         chat_tokenizer):
+    """Issue 43's formats, read as a fine-tune reads them (chat_blocks, preference_blocks): every packed document is
+    its record as the chat template renders it, token for token, and its targets are exactly the assistant's
+    turns' tokens (content and <|im_end|>; a pair's answer only), found here from the template's text. The chat LoRA
+    trains on each: tests/recipes/test_mixture_training.py::test_a_fine_tune_mixes_chat_sets_by_weight (ShareGPT and
+    messages parquets, the latter in a hub-layout folder, Alpaca jsonl) and test_preference_training.py::
+    test_simpo_and_orpo_train_without_a_reference[orpo] (a TRL preference parquet)."""
+    from toolkit.data.preference import preference_blocks
+
+    path, settings, conversations = _as_users_keep_them(tmp_path, fmt)
+    pairs = fmt == "trl_preference_parquet"
+    cfg = ChatDataConfig(path=path, seq_len=512, val_fraction=0, **settings)
+    blocks, _, notes = (preference_blocks if pairs else chat_blocks)(cfg, chat_tokenizer, 0)
+    expected = {}
+    for messages in conversations:
+        ids, labels = _labels_as_the_template_marks_them(chat_tokenizer, messages, last_only=pairs)
+        expected[tuple(ids)] = labels
+    documents = []
+    for block in blocks:
+        used, positions = block["num_tokens"], block["position_ids"]
+        starts = [i for i in range(used) if positions[i] == 0] + [used]
+        documents += [(block["input_ids"][a:b], block["labels"][a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    assert len(documents) == len(conversations) == len(expected)
+    for ids, labels in documents:
+        assert tuple(ids) in expected  # the template's own rendering, token for token
+        assert labels[1:] == expected[tuple(ids)][1:]  # a document's first token has nothing before it to predict
+        assert any(y != IGNORE_INDEX for y in labels)
+    said = {"sharegpt_jsonl": "2 records: 2 ShareGPT (conversations of from/value)",
+            "messages_parquet": "2 records: 2 messages (role/content)", "hub_folder": "2 records: 2 messages (role/content)",
+            "alpaca_jsonl": "2 records: 2 Alpaca (instruction/input/output)",
+            "trl_preference_parquet": "2 preference records: 0 with chosen equal to rejected and 0 with an empty answer "
+                                      "left out; TRL's 2 conversational (messages), implicit prompt"}[fmt]
+    assert notes[0] == said
+
+
+def test_each_source_of_a_chat_mixture_reads_its_records_by_its_own_shape_or_mapping(tmp_path, chat_tokenizer):
+    """data.sources for chat as for text (where each source names its text_column): a source names its own
+    record_format or columns (a support-desk export mixed with ShareGPT and Alpaca sets); one naming neither reads by
+    data.record_format and data.columns. Each is checked before the model and packed by its own."""
+    from toolkit.config import load_config
+    from toolkit.data.records import check_first_records
+    from toolkit.training.recipe_config import FinetuneConfig
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    desk = {"ticket": 7, "dialog": [{"speaker": "customer", "text": "My order is late."},
+                                    {"speaker": "agent", "text": "It ships today."}]}
+    paths = {"sharegpt": write(tmp_path / "a", "jsonl", [SHAPES["sharegpt"]] * 3),
+             "desk": write(tmp_path / "b", "jsonl", [desk] * 2),
+             "alpaca": write(tmp_path, "parquet", [SHAPES["alpaca"]] * 2)}
+    cfg = load_config(FinetuneConfig, None, [
+        "data.format=chat", "data.record_format=alpaca", "data.seq_len=256", "data.val_fraction=0",
+        f"data.sources=[{{name: sharegpt, path: {paths['sharegpt']}, record_format: sharegpt}}, {{name: desk, path: "
+        f"{paths['desk']}, columns: {{conversation: dialog, role: speaker, content: text, user: customer, assistant: "
+        f"agent}}}}, {{name: alpaca, path: {paths['alpaca']}}}]"]).data
+    said = []
+    for part in cfg.of_sources():
+        check_first_records(part)
+        said.append(chat_blocks(part.chat(), chat_tokenizer, 0)[2][0])
+    assert said == ["3 records, ShareGPT (conversations of from/value) (data.record_format)",
+                    "2 records, turns in `dialog` (data.columns)",
+                    "2 records, Alpaca (instruction/input/output) (data.record_format)"]

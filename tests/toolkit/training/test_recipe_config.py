@@ -116,6 +116,15 @@ def test_an_empty_beta_is_the_objectives_usual_value_and_a_given_one_is_kept(obj
     (["data.columns.conversation=dialog"], "columns.conversation=dialog maps chat records; format=text does not read it"),
     (["data.format=chat", "data.path=x.jsonl", "data.columns.conversation=dialog", "data.record_format=sharegpt"],
      "record_format=sharegpt and columns.conversation=dialog both say how to read the records"),
+    # a mixture source's own record shape or mapping (issue 43: data.sources for chat as for text)
+    (["data.sources=[{name: a, path: a.txt, record_format: alpaca}]"],
+     r"data.sources\[0\].record_format maps chat records; format=text does not read it"),
+    (["data.format=chat", "data.sources=[{name: a, path: a.jsonl, columns: {role: speaker}}]"],
+     r"data.sources\[0\].columns has no conversation: name the column holding the turns"),
+    (["data.format=chat", "data.sources=[{name: a, path: a.jsonl, columns: {conversation: d, speaker: s}}]"],
+     r"data.sources\[0\].columns names speaker; its keys are conversation, role, content, user, assistant, system"),
+    (["data.format=chat", "data.sources=[{name: a, path: a.jsonl, columns: {conversation: d}, record_format: alpaca}]"],
+     r"data.sources\[0\].record_format=alpaca and its columns both say how to read its records: keep one"),
 ])
 def test_a_chat_setting_that_the_data_format_would_not_use_is_refused(overrides, said):
     """Set and silently not used (issue 44's class): each is one line."""
@@ -123,6 +132,11 @@ def test_a_chat_setting_that_the_data_format_would_not_use_is_refused(overrides,
         load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_lora.yaml", overrides)
     load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_chat_lora.yaml", ["data.record_format=sharegpt",
                                                                               "data.path=chats.jsonl"])
+
+
+def test_a_pretraining_source_naming_a_chat_shape_is_refused():
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].columns maps chat records; pretraining reads text: drop it"):
+        load_config(PretrainConfig, None, ["data.sources=[{name: a, path: a.txt, columns: {conversation: dialog}}]"])
 
 
 @pytest.mark.parametrize("cls", [PretrainConfig, FinetuneConfig], ids=lambda c: c.__name__)
