@@ -134,7 +134,9 @@ class Trainer:
             self.run.remove_own()  # only its own entries: check() refused anything else
         self.accelerator.wait_for_everyone()
         self.run.root.mkdir(parents=True, exist_ok=True)
-        self.print(strategy.describe())
+        # the length of a run of train.epochs is said here too: its steps follow once the data is packed (use_data)
+        length = f" train.epochs={t.epochs:g} (its steps follow from the packed blocks)" if t.epochs is not None else ""
+        self.print(strategy.describe() + length)
         if not strategy.is_main:
             datasets.disable_progress_bars()
 

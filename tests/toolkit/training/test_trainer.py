@@ -295,8 +295,10 @@ def test_epochs_train_the_steps_their_passes_over_the_packed_blocks_take(tmp_pat
     trainer.finish()
     trainer.close()
     assert sorted(losses(trainer.run)) == list(range(1, steps + 1))
-    assert capsys.readouterr().out.count(f"[unit] train.epochs=1.5: {steps} steps, {per_epoch} an epoch; a pass trains "
-                                         "12 of the 14 blocks (2 left out, others in each reshuffled pass)\n") == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith(" train.epochs=1.5 (its steps follow from the packed blocks)")  # the first line
+    assert out.count(f"[unit] train.epochs=1.5: {steps} steps, {per_epoch} an epoch; a pass trains "
+                     "12 of the 14 blocks (2 left out, others in each reshuffled pass)\n") == 1
     again = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.epochs=1.5", "eval.every=0",
                   "checkpoint.every=0", "resume=auto")
     assert again.state.step == again.cfg.train.max_steps == steps
