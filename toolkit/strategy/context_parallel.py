@@ -33,6 +33,8 @@ from toolkit.config import UserError
 from toolkit.data.packing import document_ids
 from toolkit.models.loss import targets_of
 from toolkit.models.router import expert_count
+from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.parallelism import device_mesh
 
 ATTENTION = "toolkit_context_parallel"  # the name it is registered under in transformers' AttentionInterface
 SUPPORTED_ATTENTION = ("sdpa", "eager")  # the kinds that take packing's block-causal mask
@@ -116,12 +118,12 @@ class ContextParallel:
 
     Collective to build (every rank creates the device mesh)."""
 
-    def __init__(self, cp: int, device: torch.device):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        world = torch.distributed.get_world_size()
+    def __init__(self, cp: int, device: torch.device, mesh=None):
+        """`mesh`: the launch's (toolkit.strategy.parallelism.device_mesh), else one is built for cp alone."""
+        if mesh is None:
+            mesh = device_mesh(ParallelLayout("fsdp", torch.distributed.get_world_size(), cp=cp), device.type)
         self.cp = cp
-        self.mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
+        self.mesh = mesh["cp"]
         self.group = self.mesh.get_group()
         self.cp_rank = self.mesh.get_local_rank()
         self.device = device

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
@@ -35,6 +35,7 @@ from toolkit.strategy.context_parallel import problems as context_parallel_probl
 from toolkit.strategy.parallelism import (
     accumulation_steps,
     check_pipeline_launch,
+    device_mesh,
     launched_sizes,
     model_parallel_sizes,
     parallel_layout,
@@ -110,6 +111,7 @@ class Strategy:
     context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
     sequence: SequenceParallel | None = None  # sequences split over groups of ranks (parallelism_config_sp_size)
     pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
+    mesh: Any = None  # the launch's one device mesh (parallelism.device_mesh); None without model parallel
     notes: list[str] = field(default_factory=list)  # for the recipe's log, once the model is split
 
     @classmethod
@@ -135,9 +137,10 @@ class Strategy:
         if accelerator.device.type == "cpu":
             keep_freed_memory()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
-        context = ContextParallel(cp, accelerator.device) if cp > 1 else None
-        sequence = SequenceParallel(sp, accelerator.device) if sp > 1 else None
-        return cls(accelerator, layout, accumulation, tuple(owned), context, sequence)
+        mesh = device_mesh(layout, accelerator.device.type)
+        context = ContextParallel(cp, accelerator.device, mesh) if cp > 1 else None
+        sequence = SequenceParallel(sp, accelerator.device, mesh) if sp > 1 else None
+        return cls(accelerator, layout, accumulation, tuple(owned), context, sequence, mesh=mesh)
 
     # ----------------------------------------------------------------- facts
     @property
@@ -214,7 +217,7 @@ class Strategy:
                 raise UserError(found[0])
             self.sequence.apply(model)
         if self.layout.tp > 1:
-            model = split(model, self.layout.tp, self.layout.world // self.layout.tp, attn_implementation)
+            model = split(model, self.layout.tp, self.layout.world // self.layout.tp, attn_implementation, self.mesh)
             self.layout = replace(self.layout, ep=expert_ranks(model))
             whole = model.tp_whole_between_layers
             self.notes.append(f"tensor_parallel={self.layout.tp}: " + ("Megatron sequence parallel, hidden states split by sequence "
@@ -229,7 +232,7 @@ class Strategy:
             if found:
                 raise UserError(found[0])
             self.pipeline = Pipeline(model, self.layout.pp, self.accumulation, attn_implementation, self.device,
-                                     self.accelerator.autocast)
+                                     self.accelerator.autocast, self.mesh)
             model = self.pipeline.module
         return model
 

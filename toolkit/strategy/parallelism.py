@@ -4,6 +4,7 @@ group exists."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -24,7 +25,30 @@ def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
     return global_batch // per_step
 
 
-AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # an accelerate config's parallelism_config sizes
+
+# The axes of a launch's device mesh, outermost first: the one glossary of them (ParallelLayout holds their degrees).
+MESH_AXES = {
+    "dp": "data parallel: the ranks that read different batches (DDP's replicas, FSDP2's and ZeRO's shards)",
+    "pp": "pipeline parallel: stages of consecutive layers (train.pipeline_stages)",
+    "cp": "context parallel: chunks of every sequence; attention gathers the other chunks' keys and values",
+    "sp": "sequence parallel (Ulysses): chunks of every sequence; attention trades them for heads (all-to-all)",
+    "tp": "tensor parallel: slices of every layer's weights (Megatron); a mixture's experts spread over them (ep)",
+}
+
+
+def device_mesh(layout: ParallelLayout, device_type: str):
+    """Collective: the launch's one device mesh, dp and each model-parallel axis of `layout` above 1, outermost
+    first (rank = dp index x the model-parallel ranks + the index within them); None where every model-parallel
+    degree is 1 (DDP, FSDP2 and ZeRO use the default process group). Every applier takes its axis of it
+    (toolkit.strategy's context_parallel, sequence_parallel, tensor_parallel and pipeline_parallel)."""
+    axes = [(axis, getattr(layout, axis)) for axis in MESH_AXES if axis != "dp" and getattr(layout, axis) > 1]
+    if not axes:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names, sizes = zip(*axes, strict=True)
+    return init_device_mesh(device_type, (layout.world // math.prod(sizes), *sizes), mesh_dim_names=("dp", *names))
 
 
 def launched_sizes(world: int) -> dict[str, int]:

@@ -41,6 +41,8 @@ from toolkit.data.packing import MASKED_ATTENTION, packed_mask
 from toolkit.models.loss import target_loss_sum, targets_of
 from toolkit.models.parameters import parameter_names
 from toolkit.models.router import expert_count
+from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.parallelism import device_mesh
 
 # decoders whose forward is embedding -> layers -> norm and nothing else (checked in transformers 5.23)
 SPLITTABLE = ("llama", "mistral", "qwen2", "qwen3")
@@ -142,12 +144,14 @@ class Pipeline:
     replica x stages + stage)."""
 
     def __init__(self, model: nn.Module, stages: int, micro_batches: int, attn_implementation: str,
-                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        from torch.distributed.device_mesh import init_device_mesh
+                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 mesh=None):
+        """`mesh`: the launch's (toolkit.strategy.parallelism.device_mesh), else one is built for the stages alone."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         world = dist.get_world_size()
-        mesh = init_device_mesh(device.type, (world // stages, stages), mesh_dim_names=("dp", "pp"))
+        if mesh is None:
+            mesh = device_mesh(ParallelLayout("ddp", world, pp=stages), device.type)
         self.stages, self.index = stages, mesh.get_local_rank("pp")
         self.replica = mesh.get_local_rank("dp")
         self.replicas = mesh.get_group("dp") if world > stages else None

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from toolkit.config import UserError
 from toolkit.data.packing import block_causal_mask
 from toolkit.models.loss import targets_of
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.context_parallel import sequence_split_problems
+from toolkit.strategy.parallelism import device_mesh
 
 ATTENTION = "toolkit_sequence_parallel"  # the name it is registered under in transformers' AttentionInterface
 SUPPORTED_ATTENTION = ("sdpa",)  # the kind whose block-causal mask the core attention rebuilds
@@ -102,18 +104,19 @@ class SequenceParallel:
 
     Collective to build (every rank creates the device mesh)."""
 
-    def __init__(self, sp: int, device: torch.device):
+    def __init__(self, sp: int, device: torch.device, mesh=None):
+        """`mesh`: the launch's (toolkit.strategy.parallelism.device_mesh), else one is built for sp alone."""
         import deepspeed
-        from torch.distributed.device_mesh import init_device_mesh
 
         if device.type == "cpu":  # Ulysses starts DeepSpeed's comm, under FSDP2 too
             skip_shared_memory_kernel()
         if not deepspeed.comm.is_initialized():  # the engine's collectives go through DeepSpeed's comm,
             # which wraps the process group Accelerate made (under DDP or FSDP nothing else starts it)
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
-        world = torch.distributed.get_world_size()
+        if mesh is None:
+            mesh = device_mesh(ParallelLayout("fsdp", torch.distributed.get_world_size(), sp=sp), device.type)
         self.sp = sp
-        self.mesh = init_device_mesh(device.type, (world // sp, sp), mesh_dim_names=("dp", "sp"))["sp"]
+        self.mesh = mesh["sp"]
         self.group = self.mesh.get_group()
         self.sp_rank = self.mesh.get_local_rank()
         self.device = device

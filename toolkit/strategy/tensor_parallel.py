@@ -49,6 +49,8 @@ from transformers import PretrainedConfig
 
 from toolkit.config import UserError
 from toolkit.models.router import expert_count
+from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.parallelism import device_mesh
 
 # attention kinds whose packed-document mask arrives whole (4-D) and so survives the sequence split
 SEQUENCE_ATTENTION = ("sdpa", "eager")
@@ -172,14 +174,16 @@ def sequence_layout(model: torch.nn.Module, attn_implementation: str) -> tuple[d
     return layout, None
 
 
-def split(model: torch.nn.Module, tp: int, dp: int = 1, attn_implementation: str = "") -> torch.nn.Module:
+def split(model: torch.nn.Module, tp: int, dp: int = 1, attn_implementation: str = "", mesh=None) -> torch.nn.Module:
     """`model` (built from the same seed, or loaded from the same files, on every rank; process group
     started) with its layers split over `tp` ranks (a mixture of experts' experts spread whole over the
     same ranks) and, across the `dp` groups of tp ranks, sharded by FSDP2 (the 2-D mesh dp x tp, rank =
     dp index x tp + tp index); refused in one line if it cannot be split. A dense model under
     `attn_implementation` sdpa or eager gets Megatron's sequence parallelism besides
     (`sequence_layout`; `model.tp_whole_between_layers` is None then, else why not). With dp = 1 the model is still an
-    FSDP2 module over a mesh of one, so that the strategy sees it already sharded and wraps it no further."""
+    FSDP2 module over a mesh of one, so that the strategy sees it already sharded and wraps it no further.
+    `mesh`: the launch's (toolkit.strategy.parallelism.device_mesh), else one is built for dp x tp alone; a mixture of
+    experts is split by transformers' own plan, over the mesh transformers builds for it."""
     found = problems(model.config, tp)
     if found:
         raise UserError(found[0])
@@ -195,7 +199,7 @@ def split(model: torch.nn.Module, tp: int, dp: int = 1, attn_implementation: str
         # weight twice: untied for the split, and tied again after it (both halves are cut by vocabulary)
         output.weight = torch.nn.Parameter(output.weight.detach().clone())
     if layout:
-        model = _split_sequence(model, tp, dp, layout, partial, tied)
+        model = _split_sequence(model, tp, dp, layout, partial, tied, mesh)
     else:
         model = _split_by_plan(model, tp, dp, partial, tied)
     model.tp_whole_between_layers = whole
@@ -238,15 +242,15 @@ def _mergeable_or_other(record: logging.LogRecord) -> bool:
                 and "flatten mesh dimensions" not in str(record.args[-1] if record.args else ""))
 
 
-def _split_sequence(model, tp: int, dp: int, layout: dict, partial: list[str], tied: bool) -> torch.nn.Module:
+def _split_sequence(model, tp: int, dp: int, layout: dict, partial: list[str], tied: bool, mesh) -> torch.nn.Module:
     """torch's parallelize_module with Megatron's sequence-parallel `layout` over the tp axis, then
     FSDP2 over the dp axis, each decoder layer its own unit."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    if mesh is None:
+        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        mesh = device_mesh(ParallelLayout("fsdp", dp * tp, tp=tp), device)
     # a DTensor placed on both axes (the gradient norm, a weight gathered whole) then moves in one
     # collective over the flattened mesh, not one per axis (torch logs each such pair as suboptimal)
     mesh._flatten("dp_tp")
