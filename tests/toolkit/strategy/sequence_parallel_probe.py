@@ -20,6 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import toolkit.strategy.sequence_parallel as sequence_parallel
 from toolkit.data.packing import collate
 from toolkit.models.loss import forward_loss_sum
+from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.parallelism import device_mesh
 
 out, kv_heads, mask = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(1)
@@ -81,7 +83,10 @@ split = False
 whole = run(LlamaForCausalLM(config).train(), batch, single)
 torch.manual_seed(0)
 model = LlamaForCausalLM(config).train()
-sp = sequence_parallel.SequenceParallel(2, device)
+mesh = device_mesh(ParallelLayout("fsdp", 2, sp=2), device.type)  # the launch's one mesh, as Strategy.launch builds it
+assert mesh.mesh_dim_names == ("dp", "sp") and mesh.shape == (1, 2)
+sp = sequence_parallel.SequenceParallel(2, device, mesh)
+assert sp.mesh.mesh_dim_names == ("sp",) and dist.get_process_group_ranks(sp.group) == [0, 1]  # its axis of it
 if mask == "causal":
     sequence_parallel.block_causal_attention = causal_only
 sp.apply(model)

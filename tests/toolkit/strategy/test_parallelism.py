@@ -66,3 +66,15 @@ def test_a_pipeline_the_launch_cannot_hold_is_refused_before_any_process_group(s
     assert says in str(raised.value)
     check_pipeline_launch(2, 4, 1, "bf16")  # 2 replicas x 2 stages
     check_pipeline_launch(1, 3, 2, "fp16")  # no pipeline: nothing to check
+
+
+def test_the_mesh_has_an_axis_for_every_parallel_degree_and_none_without_model_parallel():
+    from dataclasses import fields
+
+    from toolkit.parallel_layout import ParallelLayout
+    from toolkit.strategy.parallelism import MESH_AXES, device_mesh
+
+    degrees = {f.name for f in fields(ParallelLayout) if f.type == "int"} - {"world", "zero_stage", "fsdp_version", "ep"}
+    assert set(MESH_AXES) - {"dp"} == degrees  # ep is not an axis: a mixture's experts spread over the tp ranks
+    for layout in (ParallelLayout("ddp", 8), ParallelLayout("fsdp", 8), ParallelLayout("deepspeed", 8, zero_stage=3)):
+        assert device_mesh(layout, "cpu") is None  # the default process group: no collective, no group made
