@@ -28,7 +28,6 @@ from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_onl
 from toolkit.config import UserError, field
 from toolkit.faults import fail_point, kill_point
 from toolkit.manifest import MANIFEST, crc32, write_manifest
-from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import MODEL_FILES, PRUNED, RunDir, converted_state
 from toolkit.strategy.distributed import Strategy
@@ -314,30 +313,19 @@ def _restore_random_states(file: Path) -> None:
 
 
 def resumes_natively(strategy: Strategy, saved: ParallelLayout) -> bool:
-    """Whether Accelerate's load_state (and a pipeline's stage files) read checkpoint `saved` as it is.
-
-    Measured on CPU: DDP's files (the whole model, an optimizer keyed by parameter order) are the
-    same for any number of processes, and torch.distributed.checkpoint reshards FSDP2's DCP files
-    to any number on load; DeepSpeed's ZeRO partitions fit only the stage and world size that
-    wrote them, a pipeline's stage files only the same cut. Anything else goes through the state by
-    parameter name (toolkit.checkpoint.conversion)."""
-    files = strategy.layout.files
-    if saved.files != files:
-        return False
-    if files == "pipeline":
-        return saved.pp == strategy.layout.pp
-    return files in ("ddp", "fsdp2") or saved.world in (0, strategy.layout.world)
+    """Whether Accelerate's load_state (and a pipeline's stage files) read checkpoint `saved` as it is: its
+    backend's answer (measured on CPU: DDP's files fit any number of processes, FSDP2's DCP files are resharded to
+    any number on load, ZeRO's partitions fit only the stage and world size that wrote them, a pipeline's stage
+    files only the same cut). Anything else goes through the state by parameter name
+    (toolkit.checkpoint.conversion)."""
+    return strategy.backend.resumes_natively(strategy.layout, saved)
 
 
 def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
-    """DDP / one process: the parameter names of the optimizer's groups, in the order that
-    optimizer.bin numbers them (saved beside it: ddp.OPTIMIZER_NAMES). None elsewhere: FSDP2 and
-    DeepSpeed checkpoints name their parameters themselves."""
-    models, optimizers, _ = strategy.prepared()
-    if strategy.layout.kind not in ("single", "ddp") or len(models) != 1 or len(optimizers) != 1:
-        return None
-    names = parameter_names(models[0])
-    return [[names[id(p)][0] for p in group["params"]] for group in optimizers[0].param_groups]
+    """DDP / one process: the parameter names of the optimizer's groups, in the order that optimizer.bin numbers
+    them (saved beside it: ddp.OPTIMIZER_NAMES). None elsewhere: FSDP2 and DeepSpeed checkpoints name their
+    parameters themselves."""
+    return strategy.backend.optimizer_names(strategy)
 
 
 def _load_by_name(strategy: Strategy, state: ConsolidatedState) -> None:

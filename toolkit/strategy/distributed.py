@@ -4,7 +4,6 @@ of it (docs/architecture.md, "Where a strategy quirk goes")."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -17,19 +16,18 @@ from toolkit.config import UserError
 from toolkit.launch.environment import (
     LAUNCHED_PRECISION,
     gpu_short,
-    has_gpu,
     launched_mixed_precision,
     world_size,
 )
-from toolkit.models.loss import backward_scale
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.accelerator import (
     build_accelerator,
     configure_deepspeed,
     keep_freed_memory,
     outside_training,
-    prepare,
 )
+from toolkit.strategy.backends import ddp, deepspeed, fsdp, pipeline, single
+from toolkit.strategy.backends.base import Backend
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
 from toolkit.strategy.parallelism import (
@@ -49,6 +47,15 @@ from toolkit.strategy.tensor_parallel import sequence_problem as tensor_parallel
 
 T = TypeVar("T")
 
+# Each strategy family's backend: adding a strategy is one module of toolkit/strategy/backends/ and one entry here.
+BACKENDS: dict[str, Backend] = {b.name: b for b in (single.BACKEND, ddp.BACKEND, fsdp.BACKEND, deepspeed.BACKEND,
+                                                   pipeline.BACKEND)}
+
+
+def family(layout: ParallelLayout) -> str:
+    """The strategy family that trains `layout`: pipeline stages run under DDP's launch, as a family of their own."""
+    return "pipeline" if layout.pp > 1 else layout.kind
+
 def launched_layout(accelerator: Accelerator, sizes: dict[str, int], world: int, stages: int = 1) -> ParallelLayout:
     """This launch's ParallelLayout: the strategy kind, ZeRO stage, offload and FSDP version as the
     Accelerator took them from the accelerate config (and its DeepSpeed JSON)."""
@@ -62,29 +69,6 @@ def launched_layout(accelerator: Accelerator, sizes: dict[str, int], world: int,
     elif accelerator.distributed_type == DistributedType.FSDP:
         fsdp_version = int(accelerator.state.fsdp_plugin.fsdp_version)
     return parallel_layout(accelerator.distributed_type, sizes, world, stages, zero_stage, fsdp_version, offload)
-
-
-def held_values(param: torch.Tensor) -> torch.Tensor:
-    """The values of a parameter that this rank holds: FSDP2's local shard of a DTensor, or ZeRO-3's
-    partition (`ds_tensor`) without its padding. DeepSpeed pads the last partitions of a parameter whose
-    size the world does not divide with uninitialised memory, which may read as NaN."""
-    if hasattr(param, "to_local"):
-        return param.to_local()
-    part = getattr(param, "ds_tensor", None)
-    if part is None:
-        return param
-    start = param.ds_zero_partition_rank * part.numel()
-    return part.narrow(0, 0, max(0, min(part.numel(), param.ds_numel - start)))
-
-
-def parameter_digest(model: torch.nn.Module) -> str:
-    """Exact fingerprint of the parameters held by this rank (bit-level)."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        local = held_values(p)
-        h.update(name.encode())
-        h.update(local.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def check_whole(model: torch.nn.Module) -> None:
@@ -144,18 +128,19 @@ class Strategy:
 
     # ----------------------------------------------------------------- facts
     @property
+    def backend(self) -> Backend:
+        """What this launch's strategy family does its own way (toolkit.strategy.backends)."""
+        return BACKENDS[family(self.layout)]
+
+    @property
     def is_replicated(self) -> bool:
         """Whether every rank holds the full parameters (DDP, ZeRO-1/2) rather than shards or stages."""
-        kind = self.layout.kind
-        return self.layout.pp == 1 and (kind in ("single", "ddp") or (kind == "deepspeed" and self.layout.zero_stage < 3))
+        return self.backend.replicated(self.layout)
 
     @property
     def offloads_optimizer(self) -> bool:
         """DeepSpeed optimizer offload on a GPU machine (on a CPU machine there is nothing to offload)."""
-        if self.layout.kind != "deepspeed" or not has_gpu():
-            return False
-        zero = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        return zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
+        return self.backend.offloads_optimizer(self)
 
     @property
     def data_ranks(self) -> tuple[int, int]:
@@ -179,9 +164,7 @@ class Strategy:
         """Factor turning a micro-batch's token loss sum into its share of the global per-token mean
         (toolkit.models.loss.backward_scale); a pipeline sums its micro-batches' and replicas' gradients
         as they are."""
-        if self.pipeline is not None:
-            return 1.0 / max(1, global_targets)
-        return backward_scale(global_targets, self.gradient_ranks, self.accumulation)
+        return self.backend.backward_scale(self, global_targets)
 
     def split_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch -> this rank's share of its sequences (the batch itself without context or
@@ -272,35 +255,18 @@ class Strategy:
 
     # ------------------------------------------------------- model and optimizer
     def check_fsdp_layers(self, model: torch.nn.Module | Callable[[], torch.nn.Module]) -> None:
-        """An FSDP config naming a layer class the model does not have would fail deep inside
-        prepare; check it first. `model` may be a function building it (the pretraining recipe
-        builds a memory-free meta copy, and only under FSDP: under ZeRO-3 a model constructed
-        while DeepSpeed's config is registered would go through zero.Init)."""
-        if self.layout.kind != "fsdp":
-            return
-        if not isinstance(model, torch.nn.Module):
-            model = model()
-        named = self.accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap or []
-        present = {type(m).__name__ for m in model.modules()}
-        missing = [n for n in named if n not in present]
-        if missing:
-            layers = getattr(model, "_no_split_modules", None) or sorted(present)
-            raise UserError(
-                f"the FSDP config wraps {', '.join(missing)}, which this {type(model).__name__} does not have; "
-                f"its decoder layer class is {', '.join(layers)} (or leave fsdp_transformer_layer_cls_to_wrap out)"
-            )
+        """A config naming a layer class the model does not have would fail deep inside prepare; check it first.
+        `model` may be a function building it (the pretraining recipe builds a memory-free meta copy, and only
+        under FSDP: under ZeRO-3 a model constructed while DeepSpeed's config is registered would go through
+        zero.Init)."""
+        self.backend.check_layers(self, model)
 
     def outside_training(self):
         return outside_training(self.accelerator)
 
     def adamw(self) -> type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer]:
-        """The AdamW class to build: DeepSpeed refuses a torch optimizer for state it offloads to
-        the CPU (it would be slow) and brings its own CPU AdamW, the same update."""
-        if not self.offloads_optimizer:
-            return torch.optim.AdamW
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return lambda groups, **kw: DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+        """The AdamW class to build (DeepSpeed's own where it offloads the optimizer)."""
+        return self.backend.adamw(self)
 
     def placeholder_optimizer(self, params: list, lr: float, weight_decay: float):
         """Stands in for the optimizer a user's DeepSpeed JSON defines (DeepSpeed builds the real one)."""
@@ -314,76 +280,21 @@ class Strategy:
         return DummyScheduler(optimizer, total_num_steps=max_steps, warmup_num_steps=warmup_steps)
 
     def prepare(self, *objects):
-        if self.pipeline is None:
-            return prepare(self.accelerator, *objects)
-        # a stage is not wrapped (DDP would average it with the other stages); its optimizer is kept
-        # to save with the stage
-        self.pipeline.optimizer = next((o for o in objects if isinstance(o, torch.optim.Optimizer)), None)
-        return objects if len(objects) > 1 else objects[0]
+        return self.backend.prepare(self, *objects)
 
     def master_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The trained weights in float32, the same under every strategy: on the main process, None elsewhere.
-
-        Collective. Mixed precision keeps fp32 master weights, but where depends on the strategy:
-        DDP and FSDP2 train the fp32 parameters themselves (autocast or FSDP's mixed-precision policy
-        casts copies for compute), while DeepSpeed's bf16/fp16 modes turn the parameters into 16-bit
-        copies and keep the fp32 masters partitioned in its optimizer, and Accelerate's
-        `get_state_dict` returns those 16-bit copies. So under DeepSpeed each trained parameter's
-        master is assembled (`safe_get_full_fp32_param`), and a frozen one (a LoRA's base), which has
-        no master, is gathered as it is.
-        """
-        if self.pipeline is not None:
-            return self.pipeline.gathered_state_dict()
-        acc = self.accelerator
-        if self.layout.kind != "deepspeed":
-            state_dict = acc.get_state_dict(model)
-            if not acc.is_main_process:
-                return None
-            return {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
-        import deepspeed
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        module = acc.unwrap_model(model)
-        params = dict(module.named_parameters(remove_duplicate=False))  # tied names map to one parameter
-        out = {}
-        for name, value in module.state_dict().items():  # under ZeRO-3 the values are empty partitions
-            param = params.get(name)
-            if param is None:  # a buffer: whole on every rank
-                full = value
-            else:
-                full = safe_get_full_fp32_param(param) if param.requires_grad else None
-                if full is None:
-                    with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
-                        full = param.detach().clone()
-            if acc.is_main_process:
-                out[name] = full.float().cpu() if full.is_floating_point() else full.cpu()
-        return out if acc.is_main_process else None
+        Collective. Mixed precision keeps fp32 master weights, but where depends on the strategy (its backend)."""
+        return self.backend.master_weights(self, model)
 
     def model_to_save(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
         """Main process: the model whose save_pretrained writes `state_dict` (master_weights) as one folder."""
-        if self.pipeline is not None:
-            return self.pipeline.whole_model(state_dict)
-        return self.accelerator.unwrap_model(model)
+        return self.backend.model_to_save(self, model, state_dict)
 
     def check_replicas_in_sync(self, model: torch.nn.Module) -> list[str]:
         """Collective: every rank's parameter digest; data-parallel replicas (of each pipeline stage) must be
         bit-identical."""
-        from accelerate.utils import gather_object
-
-        if self.pipeline is None:
-            digests = gather_object([parameter_digest(self.accelerator.unwrap_model(model))])
-            if self.is_replicated and len(set(digests)) > 1:
-                raise RuntimeError(
-                    f"data-parallel ranks ended with different weights ({digests}); gradients were not "
-                    "synchronised. Report this with the launch command and accelerate config."
-                )
-            return digests
-        digests = gather_object([parameter_digest(model)])
-        for stage in range(self.layout.pp):
-            if len(set(digests[stage::self.layout.pp])) > 1:
-                raise RuntimeError(f"the replicas of pipeline stage {stage} ended with different weights ({digests}); "
-                                   "gradients were not synchronised. Report this with the launch command")
-        return digests
+        return self.backend.check_replicas(self, model)
 
     def device_map(self) -> dict[str, int]:
         """Where a quantised (QLoRA) base loads: this rank's own GPU."""

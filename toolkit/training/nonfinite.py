@@ -29,7 +29,7 @@ import os
 import torch
 from accelerate.utils import gather_object
 
-from toolkit.strategy.distributed import held_values
+from toolkit.strategy.backends.base import held_values
 
 ENV = "LLM_TOOLKIT_NONFINITE"
 KINDS = ("batch", "loss", "grad")

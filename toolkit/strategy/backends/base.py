@@ -1,0 +1,128 @@
+"""What a strategy family does its own way, behind one Protocol: each family (single, ddp, fsdp, deepspeed,
+pipeline) is one module of toolkit/strategy/backends/, and toolkit.strategy.distributed.BACKENDS names them.
+`DataParallel` is what the families that train one whole model per data-parallel rank share.
+
+Adding a strategy is one new module here and one entry in BACKENDS; the Strategy asks its backend and never
+branches on the layout's kind itself."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from toolkit.models.loss import backward_scale
+from toolkit.models.parameters import parameter_names
+from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.accelerator import prepare
+
+# toolkit.strategy.distributed.Strategy, which imports the backends: they are handed it, and import nothing of it
+Strategy = Any
+
+
+class Backend(Protocol):
+    name: str  # the family: single, ddp, fsdp, deepspeed or pipeline
+    format: str  # the checkpoint format its save writes (toolkit.checkpoint.formats.FORMATS)
+
+    def replicated(self, layout: ParallelLayout) -> bool: ...
+    def offloads_optimizer(self, strategy: Strategy) -> bool: ...
+    def adamw(self, strategy: Strategy) -> Callable[..., torch.optim.Optimizer]: ...
+    def check_layers(self, strategy: Strategy, model: torch.nn.Module | Callable[[], torch.nn.Module]) -> None: ...
+    def prepare(self, strategy: Strategy, *objects): ...
+    def backward_scale(self, strategy: Strategy, global_targets: int) -> float: ...
+    def master_weights(self, strategy: Strategy, model: torch.nn.Module) -> dict[str, torch.Tensor] | None: ...
+    def model_to_save(self, strategy: Strategy, model: torch.nn.Module, state_dict: dict) -> torch.nn.Module: ...
+    def check_replicas(self, strategy: Strategy, model: torch.nn.Module) -> list[str]: ...
+    def optimizer_names(self, strategy: Strategy) -> list[list[str]] | None: ...
+    def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool: ...
+
+
+class DataParallel:
+    """One whole model per data-parallel rank, prepared by Accelerate: the defaults the families override."""
+
+    name = format = "ddp"
+
+    def replicated(self, layout: ParallelLayout) -> bool:
+        """Whether every rank holds the full parameters rather than shards or stages."""
+        return True
+
+    def offloads_optimizer(self, strategy: Strategy) -> bool:
+        return False
+
+    def adamw(self, strategy: Strategy) -> Callable[..., torch.optim.Optimizer]:
+        return torch.optim.AdamW
+
+    def check_layers(self, strategy: Strategy, model) -> None:
+        """Refuses, before prepare, a model the launch's config cannot wrap (FSDP's layer classes)."""
+
+    def prepare(self, strategy: Strategy, *objects):
+        return prepare(strategy.accelerator, *objects)
+
+    def backward_scale(self, strategy: Strategy, global_targets: int) -> float:
+        return backward_scale(global_targets, strategy.gradient_ranks, strategy.accumulation)
+
+    def master_weights(self, strategy: Strategy, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Collective: the fp32 parameters themselves (autocast or FSDP's policy casts copies for compute)."""
+        acc = strategy.accelerator
+        state_dict = acc.get_state_dict(model)
+        if not acc.is_main_process:
+            return None
+        return {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+
+    def model_to_save(self, strategy: Strategy, model: torch.nn.Module, state_dict: dict) -> torch.nn.Module:
+        return strategy.accelerator.unwrap_model(model)
+
+    def check_replicas(self, strategy: Strategy, model: torch.nn.Module) -> list[str]:
+        """Collective: every rank's parameter digest; replicas must be bit-identical."""
+        from accelerate.utils import gather_object
+
+        digests = gather_object([parameter_digest(strategy.accelerator.unwrap_model(model))])
+        if self.replicated(strategy.layout) and len(set(digests)) > 1:
+            raise RuntimeError(
+                f"data-parallel ranks ended with different weights ({digests}); gradients were not "
+                "synchronised. Report this with the launch command and accelerate config."
+            )
+        return digests
+
+    def optimizer_names(self, strategy: Strategy) -> list[list[str]] | None:
+        """The parameter names of the optimizer's groups in the order its saved state numbers them, where the
+        format does not name them itself (DDP's optimizer.bin); None."""
+        return None
+
+    def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
+        """Whether Accelerate's load_state reads a checkpoint `saved` wrote into a run of `layout` as it is."""
+        return saved.files == layout.files
+
+
+def named_groups(strategy: Strategy) -> list[list[str]] | None:
+    """The parameter names of the one prepared optimizer's groups, in their order (None for several models)."""
+    models, optimizers, _ = strategy.prepared()
+    if len(models) != 1 or len(optimizers) != 1:
+        return None
+    names = parameter_names(models[0])
+    return [[names[id(p)][0] for p in group["params"]] for group in optimizers[0].param_groups]
+
+
+def held_values(param: torch.Tensor) -> torch.Tensor:
+    """The values of a parameter that this rank holds: FSDP2's local shard of a DTensor, or ZeRO-3's
+    partition (`ds_tensor`) without its padding. DeepSpeed pads the last partitions of a parameter whose
+    size the world does not divide with uninitialised memory, which may read as NaN."""
+    if hasattr(param, "to_local"):
+        return param.to_local()
+    part = getattr(param, "ds_tensor", None)
+    if part is None:
+        return param
+    start = param.ds_zero_partition_rank * part.numel()
+    return part.narrow(0, 0, max(0, min(part.numel(), param.ds_numel - start)))
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """Exact fingerprint of the parameters held by this rank (bit-level)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        local = held_values(p)
+        h.update(name.encode())
+        h.update(local.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,64 @@
+"""DeepSpeed ZeRO-0/1/2/3: the engine holds the fp32 masters and Adam state, partitioned from stage 1 on, the
+16-bit parameters from stage 3 on; its optimizer may be offloaded to the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from toolkit.launch.environment import has_gpu
+from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.backends.base import DataParallel, Strategy
+
+
+class DeepSpeed(DataParallel):
+    name = format = "deepspeed"
+
+    def replicated(self, layout: ParallelLayout) -> bool:
+        return layout.zero_stage < 3
+
+    def offloads_optimizer(self, strategy: Strategy) -> bool:
+        """Optimizer offload on a GPU machine (on a CPU machine there is nothing to offload)."""
+        return "optimizer" in strategy.layout.offload and has_gpu()
+
+    def adamw(self, strategy: Strategy) -> Callable[..., torch.optim.Optimizer]:
+        """DeepSpeed refuses a torch optimizer for state it offloads to the CPU (it would be slow) and brings its
+        own CPU AdamW, the same update."""
+        if not self.offloads_optimizer(strategy):
+            return torch.optim.AdamW
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return lambda groups, **kw: DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+
+    def master_weights(self, strategy: Strategy, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Collective. DeepSpeed's bf16/fp16 modes turn the parameters into 16-bit copies and keep the fp32 masters
+        partitioned in its optimizer (Accelerate's get_state_dict returns the 16-bit copies): each trained
+        parameter's master is assembled (`safe_get_full_fp32_param`), and a frozen one (a LoRA's base), which has no
+        master, is gathered as it is."""
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        acc = strategy.accelerator
+        module = acc.unwrap_model(model)
+        params = dict(module.named_parameters(remove_duplicate=False))  # tied names map to one parameter
+        out = {}
+        for name, value in module.state_dict().items():  # under ZeRO-3 the values are empty partitions
+            param = params.get(name)
+            if param is None:  # a buffer: whole on every rank
+                full = value
+            else:
+                full = safe_get_full_fp32_param(param) if param.requires_grad else None
+                if full is None:
+                    with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+                        full = param.detach().clone()
+            if acc.is_main_process:
+                out[name] = full.float().cpu() if full.is_floating_point() else full.cpu()
+        return out if acc.is_main_process else None
+
+    def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
+        """ZeRO's partitions fit only the stage and world size that wrote them."""
+        return saved.files == layout.files and saved.world in (0, layout.world)
+
+
+BACKEND = DeepSpeed()
