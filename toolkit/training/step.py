@@ -25,7 +25,7 @@ from toolkit.config import UserError
 from toolkit.models.loss import forward_loss_sum
 from toolkit.models.preference_loss import STATS, PreferenceLoss
 from toolkit.models.router import RouterLoss
-from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite
+from toolkit.strategy.backends.base import DATA_PARALLEL, Backend, nonfinite_flags, verdict
 
 
 def optimizer_step(
@@ -40,6 +40,7 @@ def optimizer_step(
     objective: PreferenceLoss | None = None,
     skip_on_device: bool = False,
     weight_cast=None,
+    backend: Backend = DATA_PARALLEL,
 ) -> tuple[torch.Tensor, torch.Tensor | None, str | torch.Tensor | None, torch.Tensor]:
     """(this rank's summed loss as float64, the pre-clipping gradient norm or None, what was not
     finite, this rank's sums of what else it counts: the router loss, then the objective's STATS).
@@ -58,7 +59,6 @@ def optimizer_step(
     third value is the flags [loss, grad] (counts of ranks, on the device) in place of the verdict.
     `weight_cast` (model.cast_weights=per_step, toolkit.models.weight_cast): its copies go after the last backward.
     """
-    engine = engine_of(accelerator)
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     router_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     stats = torch.zeros(len(STATS) if objective is not None else 0, device=accelerator.device, dtype=torch.float64)
@@ -79,39 +79,10 @@ def optimizer_step(
                 router_sum += router_loss.detach().double()
                 micro_loss = micro_loss + router.coef * router_loss
             loss_sum += token_sum.detach().double()
-            if engine is not None:
-                # accelerator.backward would run engine.step() too, before anything could be checked
-                engine_backward(engine, micro_loss, accelerator.sync_gradients)
-                if accelerator.sync_gradients:
-                    (loss_bad,) = _any_nonfinite(accelerator, loss_sum + router_sum)
-                    nonfinite = engine_step_unless_nonfinite(engine, loss_bad)
-                    if nonfinite is None:
-                        # Accelerate's DeepSpeed optimizer does nothing here (the engine stepped), but a
-                        # schedule built on it learns that the optimizer stepped before it is stepped
-                        optimizer.step()
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
-                continue
-            accelerator.backward(micro_loss)
+            backend.backward(accelerator, micro_loss)
             if accelerator.sync_gradients:
-                if weight_cast is not None:
-                    weight_cast.release()
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
-                # the norm is of the reduced gradients (the same on every rank); the losses are each rank's
-                norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-                # fp16: an overflowing gradient is the loss scaler's business (it skips and lowers the scale)
-                norm = norm if accelerator.scaler is None else torch.zeros(())
-                found = _nonfinite_flags(accelerator, loss_sum + router_sum, norm)
-                if skip_on_device:
-                    getattr(optimizer, "optimizer", optimizer).found_inf = (found.sum() > 0).float()  # the fused kernel skips on it
-                    optimizer.step()
-                    nonfinite = found
-                else:
-                    nonfinite = verdict(found.tolist())
-                    if nonfinite is None:
-                        optimizer.step()
-                    elif accelerator.scaler is not None:
-                        accelerator.scaler.update()  # closes the unscale_ that clipping did, without a step
-            optimizer.zero_grad(set_to_none=True)
+                grad_norm, nonfinite = backend.update(accelerator, model, optimizer, loss_sum + router_sum,
+                                                      max_grad_norm, skip_on_device, weight_cast)
     return loss_sum, grad_norm, nonfinite, torch.cat([router_sum[None], stats])
 
 
@@ -122,31 +93,12 @@ def on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _nonfinite_flags(accelerator: Accelerator, *values: torch.Tensor) -> torch.Tensor:
-    """For each 0-d value, on how many ranks it is NaN or inf: one all-reduce, left on the device."""
-    found = (~torch.isfinite(torch.stack([v.to(accelerator.device, torch.float64) for v in values]))).double()
-    if accelerator.num_processes > 1:
-        found = accelerator.reduce(found, reduction="sum")
-    return found
-
-
-def _any_nonfinite(accelerator: Accelerator, *values: torch.Tensor) -> list[bool]:
-    """For each 0-d value, whether it is NaN or inf on any rank, read on the host."""
-    return [v > 0 for v in _nonfinite_flags(accelerator, *values).tolist()]
-
-
-def verdict(flags: list[float]) -> str | None:
-    """The host's reading of optimizer_step's on-device flags: "loss", "grad" or None."""
-    return "loss" if flags[0] > 0 else "grad" if flags[1] > 0 else None
-
-
-def skips_on_device(setting: str, accelerator: Accelerator, optimizer, pipeline) -> bool:
+def skips_on_device(setting: str, accelerator: Accelerator, optimizer, backend: Backend = DATA_PARALLEL) -> bool:
     """Whether train.step_sync (`setting`: auto, host or none) leaves the skip decision on the device:
     only torch's fused AdamW takes it there. auto: wherever that optimizer steps; none: refused elsewhere."""
     inner = getattr(optimizer, "optimizer", optimizer)
     why = (
-        "DeepSpeed's optimizer steps on the host's decision" if engine_of(accelerator) is not None
-        else "a pipeline's schedule decides on the host" if pipeline is not None
+        backend.host_decides if backend.host_decides is not None
         else "fp16's loss scaler decides on the host" if accelerator.scaler is not None
         else "it needs torch's fused AdamW (optim.fused=true; auto fuses on CUDA only)"
         if not (type(inner) is torch.optim.AdamW and inner.defaults.get("fused")) else None
@@ -175,7 +127,7 @@ def pipeline_step(
     grad_norm = pipeline.clip_grad_norm_(max_grad_norm)
     if meter is not None:
         meter.measure(at_boundary=True)
-    nonfinite = verdict(_nonfinite_flags(accelerator, loss_sum, grad_norm).tolist())
+    nonfinite = verdict(nonfinite_flags(accelerator, loss_sum, grad_norm).tolist())
     if nonfinite is None:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

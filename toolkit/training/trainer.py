@@ -241,7 +241,7 @@ class Trainer:
             self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
         )
         self.skip_on_device = skips_on_device(cfg.train.step_sync, self.accelerator, self.optimizer,
-                                              self.strategy.pipeline)
+                                              self.strategy.backend)
         self.state.settings = trained_settings(cfg, self.strategy.ds_owned)  # train.epochs has set max_steps
         self.weight_cast = weight_cast(cfg.model.cast_weights, self.accelerator.unwrap_model(self.model),
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
@@ -320,7 +320,7 @@ class Trainer:
                     loss_sum, grad_norm, nonfinite, extras = optimizer_step(
                         acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
                         cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router, self.objective,
-                        self.skip_on_device, self.weight_cast,
+                        self.skip_on_device, self.weight_cast, self.strategy.backend,
                     )
             kill_point("after_optimizer", state.step + 1)
             on_device = nonfinite if isinstance(nonfinite, torch.Tensor) else None  # the verdict's flags, unread

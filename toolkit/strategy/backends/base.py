@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from accelerate import Accelerator
 
 from toolkit.models.loss import backward_scale
 from toolkit.models.parameters import parameter_names
@@ -25,6 +26,7 @@ Strategy = Any
 class Backend(Protocol):
     name: str  # the family: single, ddp, fsdp, deepspeed or pipeline
     format: str  # the checkpoint format its save writes (toolkit.checkpoint.formats.FORMATS)
+    host_decides: str | None  # why a non-finite step's skip is decided on the host (train.step_sync), or None
 
     def replicated(self, layout: ParallelLayout) -> bool: ...
     def offloads_optimizer(self, strategy: Strategy) -> bool: ...
@@ -32,6 +34,9 @@ class Backend(Protocol):
     def check_layers(self, strategy: Strategy, model: torch.nn.Module | Callable[[], torch.nn.Module]) -> None: ...
     def prepare(self, strategy: Strategy, *objects): ...
     def backward_scale(self, strategy: Strategy, global_targets: int) -> float: ...
+    def backward(self, accelerator, loss: torch.Tensor) -> None: ...
+    def update(self, accelerator, model, optimizer, loss: torch.Tensor, max_grad_norm: float, skip_on_device: bool,
+               weight_cast) -> tuple[torch.Tensor | None, str | torch.Tensor | None]: ...
     def master_weights(self, strategy: Strategy, model: torch.nn.Module) -> dict[str, torch.Tensor] | None: ...
     def model_to_save(self, strategy: Strategy, model: torch.nn.Module, state_dict: dict) -> torch.nn.Module: ...
     def check_replicas(self, strategy: Strategy, model: torch.nn.Module) -> list[str]: ...
@@ -43,6 +48,7 @@ class DataParallel:
     """One whole model per data-parallel rank, prepared by Accelerate: the defaults the families override."""
 
     name = format = "ddp"
+    host_decides = None
 
     def replicated(self, layout: ParallelLayout) -> bool:
         """Whether every rank holds the full parameters rather than shards or stages."""
@@ -62,6 +68,35 @@ class DataParallel:
 
     def backward_scale(self, strategy: Strategy, global_targets: int) -> float:
         return backward_scale(global_targets, strategy.gradient_ranks, strategy.accumulation)
+
+    def backward(self, accelerator, loss: torch.Tensor) -> None:
+        accelerator.backward(loss)
+
+    def update(self, accelerator, model, optimizer, loss: torch.Tensor, max_grad_norm: float, skip_on_device: bool,
+               weight_cast) -> tuple[torch.Tensor | None, str | torch.Tensor | None]:
+        """Collective, at the accumulation boundary (toolkit.training.step.optimizer_step): clip once, agree whether
+        any rank's `loss` or the gradients are not finite, and step unless so. (the pre-clipping gradient norm, what
+        was not finite: None, "loss" or "grad", or the on-device flags with `skip_on_device`)."""
+        if weight_cast is not None:
+            weight_cast.release()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+        # the norm is of the reduced gradients (the same on every rank); the losses are each rank's
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+        # fp16: an overflowing gradient is the loss scaler's business (it skips and lowers the scale)
+        norm = norm if accelerator.scaler is None else torch.zeros(())
+        found = nonfinite_flags(accelerator, loss, norm)
+        if skip_on_device:
+            getattr(optimizer, "optimizer", optimizer).found_inf = (found.sum() > 0).float()  # the fused kernel skips on it
+            optimizer.step()
+            nonfinite = found
+        else:
+            nonfinite = verdict(found.tolist())
+            if nonfinite is None:
+                optimizer.step()
+            elif accelerator.scaler is not None:
+                accelerator.scaler.update()  # closes the unscale_ that clipping did, without a step
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm, nonfinite
 
     def master_weights(self, strategy: Strategy, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """Collective: the fp32 parameters themselves (autocast or FSDP's policy casts copies for compute)."""
@@ -126,3 +161,25 @@ def parameter_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(local.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+DATA_PARALLEL = DataParallel()  # the step of a bare Accelerator (tests, tools)
+
+
+def nonfinite_flags(accelerator: Accelerator, *values: torch.Tensor) -> torch.Tensor:
+    """For each 0-d value, on how many ranks it is NaN or inf: one all-reduce, left on the device."""
+    found = (~torch.isfinite(torch.stack([v.to(accelerator.device, torch.float64) for v in values]))).double()
+    if accelerator.num_processes > 1:
+        found = accelerator.reduce(found, reduction="sum")
+    return found
+
+
+def any_nonfinite(accelerator: Accelerator, *values: torch.Tensor) -> list[bool]:
+    """For each 0-d value, whether it is NaN or inf on any rank, read on the host."""
+    return [v > 0 for v in nonfinite_flags(accelerator, *values).tolist()]
+
+
+def verdict(flags: list[float]) -> str | None:
+    """The host's reading of optimizer_step's on-device flags: "loss", "grad" or None."""
+    return "loss" if flags[0] > 0 else "grad" if flags[1] > 0 else None
+

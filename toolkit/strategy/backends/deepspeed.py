@@ -9,11 +9,29 @@ import torch
 
 from toolkit.launch.environment import has_gpu
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.strategy.backends.base import DataParallel, Strategy
+from toolkit.strategy.backends.base import DataParallel, Strategy, any_nonfinite
+from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite
 
 
 class DeepSpeed(DataParallel):
     name = format = "deepspeed"
+    host_decides = "DeepSpeed's optimizer steps on the host's decision"
+
+    def backward(self, accelerator, loss: torch.Tensor) -> None:
+        """accelerator.backward would run engine.step() too, before anything could be checked."""
+        engine_backward(engine_of(accelerator), loss, accelerator.sync_gradients)
+
+    def update(self, accelerator, model, optimizer, loss: torch.Tensor, max_grad_norm: float, skip_on_device: bool,
+               weight_cast) -> tuple[torch.Tensor | None, str | None]:
+        """The engine's step, its update dropped unless every rank's loss and the gradients are finite
+        (toolkit.strategy.deepspeed_step); the engine clears its gradients itself."""
+        (loss_bad,) = any_nonfinite(accelerator, loss)
+        nonfinite = engine_step_unless_nonfinite(engine_of(accelerator), loss_bad)
+        if nonfinite is None:
+            # Accelerate's DeepSpeed optimizer does nothing here (the engine stepped), but a schedule built on it
+            # learns that the optimizer stepped before it is stepped
+            optimizer.step()
+        return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")), nonfinite
 
     def replicated(self, layout: ParallelLayout) -> bool:
         return layout.zero_stage < 3

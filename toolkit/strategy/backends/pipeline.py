@@ -11,6 +11,7 @@ from toolkit.strategy.backends.base import DataParallel, Strategy, parameter_dig
 
 class Stages(DataParallel):
     name, format = "pipeline", "pipeline"
+    host_decides = "a pipeline's schedule decides on the host"
 
     def replicated(self, layout: ParallelLayout) -> bool:
         return False
