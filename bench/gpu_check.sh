@@ -49,7 +49,7 @@ else
   FINETUNE=(--steps 10 --warmup 3)
   # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s, fine-tuning 118 s
   # before its two rows with the whole model compiled (~35 s each, compiling); the throughput rows were 3 then as now
-  echo "== estimate: throughput ~5.5 minutes, fine-tuning ~3 (an H200, 2026-11-27): ~8.5 minutes" >&2
+  echo "== estimate (an H200, 2026-11-27): setup 20 s + throughput 321 s + fine-tuning 118 s + 2 compiled fine-tune rows ~35 s each = ~530 s, 8.8 minutes" >&2
 fi
 
 status=0
