@@ -29,10 +29,13 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 
 if (( SMOKE )); then
-  # pretrain_tiny's shape, 2 timed steps: the two recipe rows with that YAML's switches, and plain loop (a); CPU has
-  # no backward for flex_attention, which the 1B YAML and loops (b) and (c) use
-  THROUGHPUT=(--model recipes/configs/pretrain_tiny.yaml --configs check --strategies ddp --switches shipped
-              --peer-variants a --seq-len 128 --global-batch 16 --steps 2 --warmup 1 --profile 1)
+  # pretrain_tiny's shape, 2 timed steps: check's two recipe rows with the full form's code paths (the 1B YAML's
+  # switches: compiled layers and the chunked loss; the whole model compiled with its loss), and plain loop (a). CPU
+  # has no backward for flex_attention, which the 1B YAML and loops (b) and (c) use: the rows take sdpa here. One
+  # decoder layer in the recipe rows: the whole model's graph holds every layer, and its cold compile is most of a row
+  THROUGHPUT=(--model recipes/configs/pretrain_tiny.yaml --configs smoke --strategies ddp
+              --peer-variants a --seq-len 128 --global-batch 16 --steps 2 --warmup 1 --profile 1
+              --extra model.config.num_hidden_layers=1)
 else
   # The 1B YAML. Rows: as it ships (no recomputation, micro-batch 16), the whole model compiled (micro-batch 8), and
   # plain loop (c), the bar, each with 2 profiled steps (most of a row is start-up and compiling).
@@ -46,7 +49,7 @@ else
   FINETUNE=(--steps 10 --warmup 3)
   # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s, fine-tuning 118 s
   # before its two rows with the whole model compiled (~35 s each, compiling); the throughput rows were 3 then as now
-  echo "== estimate: throughput ~5.5 minutes, fine-tuning ~3 (an H200, 2026-11-27): ~8.5 minutes" >&2
+  echo "== estimate (an H200, 2026-11-27): setup 20 s + throughput 321 s + fine-tuning 118 s + 2 compiled fine-tune rows ~35 s each = ~530 s, 8.8 minutes" >&2
 fi
 
 status=0

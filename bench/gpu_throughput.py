@@ -62,7 +62,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_NOTE = "CPU: MFU unknown (no peak FLOP/s), peak memory is RSS; the recipe trains fp32 here, the loops bf16"
+CPU_NOTE = ("CPU: MFU unknown (no peak FLOP/s), peak memory is RSS; the recipe trains fp32 here, the loops bf16; "
+            "flex_attention is sdpa here (no CPU backward)")
 
 # The recipe's switches per row: name -> (overrides, what the table says).
 SWITCHES = {
@@ -113,6 +114,8 @@ def preset(name: str) -> list[Row]:
         return [shipped, Row("recipe", "ddp", "full", 8, "fast"), Row("recipe", "ddp", "selective", 8, "fast")] + peers
     if name == "check":  # bench/gpu_check.sh: the shipped YAML, and the whole model compiled (the loop's way)
         return [shipped, Row("recipe", "ddp", "none", 8, "whole")] + peers
+    if name == "smoke":  # gpu_check.sh --smoke: check's rows on a small YAML, the first with the 1B YAML's switches
+        return [replace(shipped, switches="fast"), Row("recipe", "ddp", "none", 8, "whole")] + peers
     if name == "levers":  # what each of issue 41's switches adds: the whole model compiled, then each one taken off
         whole = Row("recipe", "ddp", "none", 8, "whole")
         return [whole, replace(whole, extra="train.step_sync=host"), replace(whole, extra="model.cast_weights=per_forward"),
@@ -120,7 +123,7 @@ def preset(name: str) -> list[Row]:
     if name == "full":
         grid = itertools.product(("ddp", "fsdp", "zero2", "zero3"), ("none", "full"), (8, 16))
         return [shipped] + [Row("recipe", *g, "fast") for g in grid] + peers + [Row("peer", "-", "full", 8, v) for v in "abc"]
-    raise SystemExit(f"--configs {name}: use quick, check, levers or full")
+    raise SystemExit(f"--configs {name}: use quick, check, smoke, levers or full")
 
 
 # ---------------------------------------------------------------- the plain-loop peer (its own code)
@@ -260,12 +263,17 @@ def launch(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
     return rc, why[:160]
 
 
+def switch_overrides(name: str, gpu: bool) -> list[str]:
+    """A row's switches as overrides; without a GPU flex_attention is sdpa (CPU has no flex_attention backward)."""
+    return [s if gpu else s.replace("=flex_attention", "=sdpa") for s in SWITCHES[name][0]]
+
+
 def recipe_overrides(row: Row, args, vocab: int, out: Path) -> list[str]:
     return [
         f"output_dir={out}", f"data.seq_len={args.seq_len}", f"model.config.vocab_size={vocab}",
         f"train.max_steps={args.warmup + args.steps + args.profile}", f"train.micro_batch_size={row.micro_batch}",
         f"train.global_batch_size={args.global_batch}", f"model.gradient_checkpointing={row.checkpointing}",
-        *QUIET, log_every(args.warmup), *SWITCHES[row.switches][0], *row.extra.split(),
+        *QUIET, log_every(args.warmup), *switch_overrides(row.switches, on_gpu()), *row.extra.split(),
         *([f"logging.profile=[{args.warmup + args.steps + 1}, {args.warmup + args.steps + args.profile}]"]
           if args.profile else []),
     ]
@@ -466,8 +474,9 @@ def select_rows(args) -> list[Row]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="quick",
-                   help="preset rows: quick (2 recipe + 3 loop rows), check (2 + 3: the YAML as shipped and selective "
-                        "recomputation), levers (the whole model compiled, then without each of train.step_sync "
+                   help="preset rows: quick (2 recipe + 3 loop rows), check (2 + 3: the YAML as shipped and the whole "
+                        "model compiled), smoke (check's rows on a small YAML, the first with the 1B YAML's "
+                        "switches), levers (the whole model compiled, then without each of train.step_sync "
                         "and model.cast_weights, + loop c) or full (17 + 6)")
     p.add_argument("--model", default="recipes/configs/pretrain_llama_1b.yaml", help="pretraining YAML: shape, vocab")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per block (default: the YAML's data.seq_len)")
@@ -475,7 +484,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator warm-up)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (processes) per recipe row; a loop uses one")
-    p.add_argument("--switches", default=None, help="replace the recipe rows' switches: shipped and/or fast (comma)")
+    p.add_argument("--switches", default=None, help="replace the recipe rows' switches: any of shipped, fast, whole (comma)")
     p.add_argument("--strategies", default=None, help="keep only the recipe rows of these strategies (comma)")
     p.add_argument("--peer-variants", default="abc", help="which plain loops run: any of a, b, c")
     p.add_argument("--peer-only", action="store_true", help="only the plain-loop rows")

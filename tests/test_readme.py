@@ -83,3 +83,42 @@ def test_every_link_between_the_readme_and_docs_leads_to_a_file_and_heading_that
                 if fragment not in slugs:
                     broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, broken
+
+
+# issue 41's switches (and the profile mode): each a row of the README's table of options
+SPEED_OPTIONS = ("train.step_sync", "model.cast_weights", "model.compile", "model.loss", "model.gradient_checkpointing",
+                 "optim.fused", "logging.profile")
+
+
+def test_the_readmes_table_of_options_lists_every_speed_switch_with_its_choices_and_a_test_that_exists():
+    """Each switch under "Options for speed on a GPU": its choices as the config takes them, the default first, and the
+    CPU test that shows it trains the same model, a test that exists (issue 41: "documented in the README's table of
+    options")."""
+    import dataclasses
+    import typing
+
+    from toolkit.config import load_config
+    from toolkit.training.recipe_config import PretrainConfig
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Options for speed on a GPU", 1)[1].split("\n## ", 1)[0]
+    rows = {cells[0].strip("` "): cells for line in section.splitlines() if line.startswith("| `")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    assert set(rows) == set(SPEED_OPTIONS)
+    cfg = load_config(PretrainConfig, None, [])
+    tests = {p.name: p.read_text() for p in (ROOT / "tests").rglob("test_*.py")}
+    for key in SPEED_OPTIONS:
+        section_name, name = key.split(".")
+        section_cfg = getattr(cfg, section_name)
+        hint = typing.get_type_hints(type(section_cfg))[name]
+        default = getattr(section_cfg, name)
+        choices = re.findall(r"`([^`]+)`", rows[key][1])
+        if typing.get_origin(hint) is typing.Literal:
+            assert choices == [default, *(c for c in typing.get_args(hint) if c != default)], key
+        else:  # logging.profile: off, or the steps to trace
+            assert choices[0] == str(default).replace(" ", ""), key
+        assert any(f.name == name for f in dataclasses.fields(section_cfg))
+        for file, test in re.findall(r"`(test_\w+\.py)::(test_\w+)", rows[key][3]):
+            assert f"def {test}(" in tests[file], (key, file, test)
+    below = re.findall(r"`(test_\w+\.py)::(test_\w+)`", section.split("\n\n")[-2])
+    assert below and all(f"def {test}(" in tests[file] for file, test in below)

@@ -48,3 +48,26 @@ def test_the_timed_rate_counts_the_steps_after_warmup_from_rows_logged_every_war
     rate, first = timed_rate(rows, 3, 10)
     assert rate == pytest.approx(1000.0) and first["step"] == 6
     assert timed_rate(rows, 3, 6)[1]["step"] == 6  # only the rows up to step 9
+
+
+def test_the_smoke_rows_run_the_code_paths_of_the_gpu_rows():
+    """bash bench/gpu_check.sh --smoke runs the full form's code paths on tiny shapes (issue 41, point 6): check's recipe
+    rows, the first with the 1B YAML's switches (compiled layers, the chunked loss), the second the whole model compiled
+    with its loss, on pretrain_tiny; flex_attention is sdpa on CPU. (Before: both rows as pretrain_tiny ships, eager.)"""
+    import yaml
+
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    smoke = script.split("if (( SMOKE )); then", 1)[1].split("else", 1)[0]
+    assert "--configs smoke" in smoke and "--switches" not in smoke
+    check = [r for r in bench.preset("check") if r.kind == "recipe"]
+    rows = [r for r in bench.preset("smoke") if r.kind == "recipe"]
+    assert [(r.strategy, r.checkpointing, r.micro_batch) for r in rows] == [
+        (r.strategy, r.checkpointing, r.micro_batch) for r in check]
+    shipped = yaml.safe_load((ROOT / "recipes" / "configs" / "pretrain_llama_1b.yaml").read_text())["model"]
+    first = dict(o.split("=", 1) for o in bench.switch_overrides(rows[0].switches, gpu=True))
+    assert {k: v for k, v in first.items() if k.startswith("model.")} == {
+        f"model.{k}": str(shipped[k]) for k in ("compile", "attn_implementation", "loss")}
+    assert rows[1].switches == check[1].switches == "whole"
+    on_cpu = [o for r in rows for o in bench.switch_overrides(r.switches, gpu=False)]
+    assert "model.compile=model" in on_cpu and "model.compile=layers" in on_cpu and "model.loss=chunked" in on_cpu
+    assert "model.attn_implementation=sdpa" in on_cpu and not any("flex" in o for o in on_cpu)

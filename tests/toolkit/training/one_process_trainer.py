@@ -10,6 +10,8 @@ from accelerate.state import AcceleratorState
 
 from toolkit.config import load_config
 from toolkit.data.packing import collate, packed_dataset, target_counts
+from toolkit.models.compilation import compile_model
+from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.trainer import Trainer, model_size
 
@@ -35,5 +37,9 @@ def start_trainer(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
     trainer = Trainer("unit", cfg)
     trainer.use_data(*blocks, collate, target_counts)
     model = tiny_model("llama", seed=0, tokenizer=tokenizer)
+    # as recipes/pretrain.py does: recomputation, then compilation, before the strategy wraps the model
+    apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
+                                 trainer.strategy.layout)
+    compile_model(model, cfg.model.compile, trainer.strategy.layout)
     trainer.prepare(model, tokenizer, *model_size(model, SEQ_LEN))
     return trainer

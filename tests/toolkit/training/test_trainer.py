@@ -417,21 +417,43 @@ def test_a_resume_refuses_a_setting_it_cannot_take(tmp_path, blocks, tiny_tokeni
     assert sorted(p.name for p in first.run.checkpoint(2).iterdir()) == before
 
 
-def test_bf16_training_casts_the_weights_once_per_step_unless_told_otherwise(tmp_path, blocks, tiny_tokenizer, tiny_model):
-    """model.cast_weights: auto makes the copy once per step under bf16 on one process (the same numbers as
-    autocast's per forward: tests/toolkit/models/test_weight_cast.py); per_forward leaves it to autocast;
-    per_step is refused in fp32 before a step runs."""
+# issue 41's levers, off (the path before them) and on; both with torch's fused AdamW, whose found_inf the skip on
+# the device needs, and a chunk of 32 tokens (2 chunks a micro-batch)
+BEFORE_THE_LEVERS = ["model.cast_weights=per_forward", "train.step_sync=host", "model.loss=chunked",
+                     "model.loss_chunk_tokens=32", "model.gradient_checkpointing=none"]
+EVERY_LEVER = ["model.cast_weights=auto", "train.step_sync=none", "model.loss=full",
+               "model.gradient_checkpointing=selective"]
+BF16_NOISE = 2.0**-8  # bf16's unit roundoff (8 significant bits): a relative difference below it is not bf16's to tell
+
+
+def test_twenty_bf16_steps_with_every_lever_stay_within_bf16_noise(tmp_path, blocks, tiny_tokenizer, tiny_model):
+    """Issue 41: the bf16 copy of the weights once per step (auto: per_step here), the non-finite skip decided on the
+    device, the unchunked loss and selective recomputation, together, train what the path before them trains: each
+    of the first 20 steps' losses in bf16 within bf16 noise of the path's (measured: 9.7e-5 of the loss at most;
+    weight copies left stale fail at step 3, 9e-3 off), the first step's to fp32 rounding (the same weights and
+    batch; only the loss's chunks sum in another order). Each lever alone is bit-equal in fp32 and bf16 where its
+    arithmetic is the same, and within a stated fp32 tolerance where it is not (the tests the README's table of
+    options names); model.compile=model, whose cold compile alone is ~40 s, is checked for one step's loss and
+    gradients in test_compilation.py. One micro-batch a step: the copy held over accumulated micro-batches is
+    test_weight_cast.py's. per_step is refused in fp32, before a step runs."""
     from toolkit.models.weight_cast import WeightCast
 
-    finals = {}
-    for setting in ("auto", "per_forward"):
-        trainer = start(tmp_path / setting, blocks, tiny_tokenizer, tiny_model, "train.max_steps=2",
-                        "train.mixed_precision=bf16", f"model.cast_weights={setting}")
-        assert isinstance(trainer.weight_cast, WeightCast) == (setting == "auto")
+    curves = {}
+    for name, levers in (("before", BEFORE_THE_LEVERS), ("levers", EVERY_LEVER)):
+        trainer = start(tmp_path / name, blocks, tiny_tokenizer, tiny_model, "train.max_steps=20",
+                        "train.global_batch_size=2", "train.mixed_precision=bf16", "optim.fused=true", "optim.lr=3e-3",
+                        *levers)
+        assert isinstance(trainer.weight_cast, WeightCast) == (name == "levers")
+        assert trainer.skip_on_device == (name == "levers")
         trainer.fit()
         trainer.close()
-        finals[setting] = losses(trainer.run)
-    assert finals["auto"] == finals["per_forward"]
+        curves[name] = losses(trainer.run)
+    before, levers = curves["before"], curves["levers"]
+    assert sorted(before) == sorted(levers) == list(range(1, 21))
+    assert levers[1] == pytest.approx(before[1], rel=1e-6)
+    assert before[20] < before[1] - 0.5  # it trains: a lever that stopped the training would stand out
+    for step in before:
+        assert levers[step] == pytest.approx(before[step], rel=BF16_NOISE), step
     with pytest.raises(UserError, match=r"^model.cast_weights=per_step cannot cast the weights once per step here: "
                                         r"the run computes in fp32 \(train.mixed_precision\)"):
         start(tmp_path / "fp32", blocks, tiny_tokenizer, tiny_model, "model.cast_weights=per_step")
