@@ -40,6 +40,6 @@ def start_trainer(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
     # as recipes/pretrain.py does: recomputation, then compilation, before the strategy wraps the model
     apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
                                  trainer.strategy.layout)
-    compile_model(model, cfg.model.compile, trainer.strategy.layout)
+    compile_model(model, cfg.model.compile)
     trainer.prepare(model, tokenizer, *model_size(model, SEQ_LEN))
     return trainer
