@@ -154,8 +154,7 @@ class FinetuneRecipe:
             before = generate(model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
 
         # Weights to train: all, or a LoRA adapter (seeded, so every rank starts from the same one).
-        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
-                                     strategy.layout)
+        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         model.config.use_cache = False
         n_params, flops_token = model_size(model, cfg.data.seq_len)
         torch.manual_seed(cfg.seed)

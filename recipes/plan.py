@@ -39,6 +39,7 @@ that is not sizes of 1 or more), argparse's own refusals, a model the planner do
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -210,6 +211,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     rows = []
     tensors = model_tensors(model, quantized)
     staged, pipeline_notes = pipelines(model, args.gpus)
+    # the rows of selective recomputation, where the launch's own rules let it run
+    selective = dataclasses.replace(cfg, model=dataclasses.replace(m, gradient_checkpointing="selective"))
     for facts in [*strategies(ROOT / "accelerate_configs", hidden), *staged]:
         # the launch's own refusals: the first that no override lifts leaves the layout out, in its words
         found = refusals(cfg, facts.layout, precision)
@@ -235,7 +238,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
         for ckpt in CHECKPOINTING:
             # selective: not modelled for a mixture or a model-parallel group (selective_bytes_per_token), refused
             # under ZeRO-3 at launch (gradient_checkpointing.py)
-            if ckpt == "selective" and (experts or group > 1 or facts.layout.zero_stage == 3):
+            if ckpt == "selective" and (experts or group > 1 or any(
+                    r.setting == "model.gradient_checkpointing=selective" for r in refusals(selective, facts.layout, precision))):
                 continue
             for mb in micro:
                 if t.global_batch_size % (mb * data_ranks):

@@ -96,8 +96,7 @@ class PretrainRecipe:
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         with strategy.outside_training():
             model = build_model(cfg.model, config, cfg.seed)
-        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
-                                     strategy.layout)
+        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         compile_model(model, cfg.model.compile)
         n_params, flops_token = model_size(model, cfg.data.seq_len)
         trainer.print(

@@ -112,6 +112,14 @@ RULES: tuple[Rule, ...] = (
     Rule("model.compile=model", lambda cfg, layout, precision: (
         f"model.compile=model does not run {why}; use model.compile=layers"
     ) if cfg.model.compile == "model" and (why := whole_model_refused(layout)) else None, {"model.compile": "layers"}),
+    # ZeRO-3 gathers a weight in its module's hook, inside the layer, and again in the recompute whenever it was
+    # released in between: torch's selective checkpointing refuses an operator the forward did not run
+    # ("c10d._allgather_base_ encountered during backward but not found in storage")
+    Rule("model.gradient_checkpointing=selective", lambda cfg, layout, precision: (
+        "model.gradient_checkpointing=selective does not run under ZeRO-3 (its weight gathers inside each layer "
+        "differ between the forward and the recompute); use full, or fsdp.yaml"
+    ) if cfg.model.gradient_checkpointing == "selective" and layout.kind == "deepspeed" and layout.zero_stage == 3
+        else None, {"model.gradient_checkpointing": "full"}),
     Rule("model.cast_weights=per_step", lambda cfg, layout, precision: (
         f"model.cast_weights=per_step cannot cast the weights once per step here: {why}; use model.cast_weights=auto "
         "or per_forward"
@@ -122,6 +130,7 @@ RULES: tuple[Rule, ...] = (
 
 @dataclass(frozen=True)
 class Refusal:
+    setting: str  # the rule's (Rule.setting)
     line: str  # the one error line
     instead: dict[str, str] | None  # the override that trains under the layout; None: another layout
 
@@ -129,7 +138,7 @@ class Refusal:
 def refusals(cfg: Any, layout: ParallelLayout, precision: str) -> list[Refusal]:
     """Every rule recipe config `cfg` breaks under `layout` at compute `precision` ("no", "bf16" or "fp16")."""
     found = [(rule, rule.refused(cfg, layout, precision)) for rule in RULES]
-    return [Refusal(line, rule.instead) for rule, line in found if line is not None]
+    return [Refusal(rule.setting, line, rule.instead) for rule, line in found if line is not None]
 
 
 def check(cfg: Any, layout: ParallelLayout, precision: str) -> None:

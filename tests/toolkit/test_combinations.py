@@ -38,6 +38,9 @@ CASES = {
                            "model.loss=chunked is not supported with"),
     "model.compile=model": ("pretrain", ["model.compile=model"], "bf16", {"fsdp_tp", "fsdp_sp", "zero3_sp", "pipeline"},
                             "model.compile=model does not run with"),
+    "model.gradient_checkpointing=selective": (
+        "pretrain", ["model.gradient_checkpointing=selective"], "bf16", {"zero3", "zero3_offload", "zero3_sp"},
+        "model.gradient_checkpointing=selective does not run under ZeRO-3"),
     "model.cast_weights=per_step": ("pretrain", ["model.cast_weights=per_step"], "bf16", set(LAYOUTS) - {"ddp"},
                                     "model.cast_weights=per_step cannot cast the weights once per step here: "),
 }

@@ -27,7 +27,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from toolkit.config import UserError
 from toolkit.models.compilation import decoder_layers
-from toolkit.parallel_layout import ParallelLayout
 
 MODES = ("none", "full", "every_k", "selective")
 
@@ -69,20 +68,13 @@ def _selective_forward(self, *args, **kwargs):
     return forward(*args, **kwargs)
 
 
-def apply_gradient_checkpointing(model: torch.nn.Module, mode: str, every_k: int = 2,
-                                 layout: ParallelLayout | None = None) -> None:
-    """`mode`: "none", "full" (every decoder layer), "every_k" (every k-th layer) or "selective"; `layout`: the
-    launch's, for what it refuses."""
+def apply_gradient_checkpointing(model: torch.nn.Module, mode: str, every_k: int = 2) -> None:
+    """`mode`: "none", "full" (every decoder layer), "every_k" (every k-th layer) or "selective" (where it does not
+    run, the launch refused it: toolkit.combinations)."""
     if mode == "none":
         return
     if mode not in MODES:
         raise ValueError(f"gradient checkpointing mode {mode!r}: use {', '.join(MODES)}")
-    if mode == "selective" and layout is not None and layout.kind == "deepspeed" and layout.zero_stage == 3:
-        # ZeRO-3 gathers a weight in its module's hook, inside the layer, and again in the recompute whenever it
-        # was released in between: torch's selective checkpointing refuses an operator the forward did not run
-        # ("c10d._allgather_base_ encountered during backward but not found in storage")
-        raise UserError("model.gradient_checkpointing=selective does not run under ZeRO-3 (its weight gathers "
-                        "inside each layer differ between the forward and the recompute); use full, or fsdp.yaml")
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; set it to none")
     if mode == "selective":

@@ -38,8 +38,7 @@ def start_trainer(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
     trainer.use_data(*blocks, collate, target_counts)
     model = tiny_model("llama", seed=0, tokenizer=tokenizer)
     # as recipes/pretrain.py does: recomputation, then compilation, before the strategy wraps the model
-    apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k,
-                                 trainer.strategy.layout)
+    apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
     compile_model(model, cfg.model.compile)
     trainer.prepare(model, tokenizer, *model_size(model, SEQ_LEN))
     return trainer
