@@ -83,9 +83,11 @@ def _read_strategy(path: Path, hidden_size: int) -> StrategyFacts:
         def offloaded(key: str) -> bool:
             return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
 
+        # recorded in the layout as a launch records it (toolkit.strategy.distributed.launched_layout)
+        offload = tuple(key.split("_")[1] for key in ("offload_optimizer", "offload_param") if offloaded(key))
         return StrategyFacts(
-            path.stem, replace(layout, zero_stage=int(zero.get("stage", 0))),
-            offload_optimizer=offloaded("offload_optimizer"), offload_params=offloaded("offload_param"),
+            path.stem, replace(layout, zero_stage=int(zero.get("stage", 0)), offload=offload),
+            offload_optimizer="optimizer" in offload, offload_params="param" in offload,
             reduce_bucket=size("reduce_bucket_size", h2, 5e8),
             prefetch_bucket=size("stage3_prefetch_bucket_size", 0.9 * h2, 5e7),
             persistence_threshold=size("stage3_param_persistence_threshold", 10 * hidden_size, 1e5),
@@ -172,8 +174,7 @@ def live_facts(strategy) -> StrategyFacts:
     acc, layout = strategy.accelerator, strategy.layout
     offload_params = False
     if layout.kind == "deepspeed":
-        zero = (acc.state.deepspeed_plugin.deepspeed_config or {}).get("zero_optimization", {})
-        offload_params = (zero.get("offload_param") or {}).get("device", "none") in ("cpu", "nvme")
+        offload_params = "param" in layout.offload  # as the launch recorded it
     elif layout.kind == "fsdp":
         offload_params = bool(getattr(getattr(acc.state.fsdp_plugin, "cpu_offload", None), "offload_params", False))
     return StrategyFacts(layout.name, layout, offload_optimizer=strategy.offloads_optimizer, offload_params=offload_params)
