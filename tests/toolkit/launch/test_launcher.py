@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from toolkit.launch.launcher import (
     RANGES,
     HeldLog,
+    bundled_mimalloc,
     cpu_allocator,
     killed_at_shutdown,
     missing_file,
@@ -156,6 +158,18 @@ def test_more_ranks_than_the_machine_has_gpus_or_cores_is_said_before_any_starts
     assert said == line if line is None or line.startswith("error") else said.startswith(line), said
 
 
+def test_cpu_ranks_get_the_bundled_mimalloc_and_it_is_what_their_processes_run_on():
+    """The toolkit's own allocator, installed with it (docs/benchmarks.md: 5.3 GB of resident memory under glibc,
+    3.1 under mimalloc for the README's LoRA of SmolLM2), preloaded before tcmalloc, and mapped in a process given
+    the launcher's variables."""
+    added = cpu_allocator(0, {})
+    assert added == {"LD_PRELOAD": bundled_mimalloc()} and added["LD_PRELOAD"].endswith("libmimalloc.so")
+    maps = subprocess.run([sys.executable, "-c", "print(open('/proc/self/maps').read())"], env={**os.environ, **added},
+                          capture_output=True, text=True, check=True)
+    assert "libmimalloc.so" in maps.stdout and not maps.stderr
+    assert cpu_allocator(2, {}) == {} and cpu_allocator(0, {"LD_PRELOAD": ""}) == {}
+
+
 @pytest.mark.parametrize(("libraries", "gpus", "environ", "expected"), [
     ({"tcmalloc_minimal": "libtcmalloc_minimal.so.4"}, 0, {}, "libtcmalloc_minimal.so.4"),
     ({"tcmalloc": "libtcmalloc.so.4"}, 0, {}, "libtcmalloc.so.4"),  # gperftools' full library, when only it is there
@@ -169,7 +183,10 @@ def test_cpu_ranks_get_tcmalloc_where_the_system_has_it(monkeypatch, libraries, 
     under glibc, 3.6 under tcmalloc, for the shipped LoRA of SmolLM2)."""
     import ctypes.util
 
+    import toolkit.launch.launcher as launcher
+
     monkeypatch.setattr(ctypes.util, "find_library", libraries.get)
+    monkeypatch.setattr(launcher, "bundled_mimalloc", lambda: None)  # a system without the package (not Linux)
     added = cpu_allocator(gpus, environ)
     assert added.get("LD_PRELOAD") == expected
     if expected:  # and tcmalloc's "large alloc" lines stay off the user's terminal
