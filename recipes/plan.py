@@ -2,6 +2,7 @@
 
     python recipes/plan.py --config recipes/configs/pretrain_llama_1b.yaml --gpus 8 --gpu-memory 80GB
     python recipes/plan.py --config recipes/configs/finetune_smollm2_lora.yaml --gpus 1 --gpu-memory 24GB --json
+    python recipes/plan.py --config recipes/configs/finetune_smollm2_lora.yaml --cpu --gpus 2 --gpu-memory 12GB
 
 Reads the recipe YAML and key=value overrides as the recipe does, builds the model on the meta
 device (no weights, no GPU) and, for every accelerate config in accelerate_configs/ x gradient
@@ -10,7 +11,9 @@ layout, where it is modelled) x micro-batch, estimates the per-GPU peak broken i
 parameters, gradients, optimizer state (fp32 masters included), activations, logits and loss,
 and communication/gathering buffers (toolkit.planner; docs/memory.md has the formulas).
 `fits` means the peak plus the CUDA context and allocator slack stays under (1 - headroom) of the
-GPU's memory. It then names the fastest row that fits and prints its launch line. The global
+GPU's memory. With --cpu it plans CPU processes instead (--gpus counts them, --gpu-memory is each one's share of
+the host's memory; train.mixed_precision=auto is fp32 there, as on a CPU launch) and +rsv is what a process holds
+beside its tensors: the runtime and glibc's free heap (toolkit.planner.estimate.cpu_reserve). It then names the fastest row that fits and prints its launch line. The global
 batch stays the recipe's: a micro-batch is listed only if it divides it over the data-parallel ranks.
 
 Context, tensor and sequence parallel (fsdp_cp.yaml, fsdp_tp.yaml, zero3_sp.yaml) take cp, tp or sp
@@ -58,7 +61,7 @@ from toolkit.launch.cli import OneLineParser  # noqa: E402
 from toolkit.models.adapter import apply_adapter, leave_out_bitsandbytes  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402
 from toolkit.models.weight_cast import AUTOCAST, auto_applies  # noqa: E402
-from toolkit.planner.estimate import estimate  # noqa: E402
+from toolkit.planner.estimate import cpu_reserve, estimate  # noqa: E402
 from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy  # noqa: E402
 from toolkit.planner.state import model_tensors  # noqa: E402
 from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
@@ -205,7 +208,7 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     hidden, experts = config.hidden_size, expert_count(config)
     t, m = cfg.train, cfg.model
-    precision = {"auto": "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
+    precision = {"auto": "fp32" if args.cpu else "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
     budget = args.gpu_memory * (1 - args.headroom)
     micro = list(args.micro_batch or MICRO_BATCHES)  # checked by check_args; a caller of plan() may leave it empty
     rows = []
@@ -255,6 +258,8 @@ def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
                                                                  needs.get("model.compile", m.compile)),
                 )
                 est = estimate(model, run, tensors)
+                if args.cpu:
+                    est.reserve_bytes = cpu_reserve(est.peak_bytes)
                 offload = facts.offload_optimizer or facts.offload_params
                 rows.append({
                     "strategy": facts.name, "gradient_checkpointing": ckpt, "micro_batch_size": mb,
@@ -305,6 +310,9 @@ LEGEND = ("per GPU, GB = 1e9 bytes; step: estimated step time relative to the fa
           "CUDA context and the allocator's slack beside the peak, which must fit too")
 
 
+CPU_RSV = "the runtime (interpreter, torch, the data) and the heap glibc keeps free"
+
+
 def table(rows: list[dict], args) -> str:
     gb = 1e9
     head = (f"{'strategy':<14}{'ckpt':<9}{'mb':>3}{'step':>6}{'params':>8}{'grads':>8}{'optim':>8}{'master':>8}"
@@ -340,6 +348,8 @@ def parser() -> OneLineParser:
     parser.add_argument("--headroom", type=float, default=0.1, help=f"share of the GPU's memory kept free ({HEADROOM[0]}-"
                         f"{HEADROOM[1]}, the upper end excluded)")
     parser.add_argument("--micro-batch", help="comma-separated micro-batch sizes to list (default 1..32)")
+    parser.add_argument("--cpu", action="store_true", help="plan CPU processes: --gpus counts them, --gpu-memory is "
+                        "each one's share of the host's memory, +rsv the runtime and the allocator's free heap")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
     parser.add_argument("--all", action="store_true", help="list every row (strategy x recomputation x micro-batch), "
                         "not only each strategy's fastest that fits")
@@ -392,22 +402,24 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     budget = args.gpu_memory * (1 - args.headroom) / 1e9
+    unit, units = ("CPU process", "CPU process(es)") if args.cpu else ("GPU", "GPU(s)")
     if best is None:
         smallest = min(rows, key=lambda r: r["peak_bytes"])
-        print(f"nothing fits {args.gpus} GPU(s) of {args.gpu_memory / 1e9:.0f} GB: the smallest is {label(smallest)} / "
+        print(f"nothing fits {args.gpus} {units} of {args.gpu_memory / 1e9:.0f} GB: the smallest is {label(smallest)} / "
               f"{smallest['gradient_checkpointing']} / micro-batch {smallest['micro_batch_size']} at "
-              f"{smallest['peak_bytes'] / 1e9:.1f} GB per GPU; add GPUs, shorten data.seq_len or train a LoRA")
+              f"{smallest['peak_bytes'] / 1e9:.1f} GB per {unit}; add GPUs, shorten data.seq_len or train a LoRA")
     else:
         print(f"fastest that fits: {label(best)}, gradient checkpointing {best['gradient_checkpointing']}, "
-              f"micro-batch {best['micro_batch_size']} ({best['peak_bytes'] / 1e9:.1f} GB peak per GPU, "
+              f"micro-batch {best['micro_batch_size']} ({best['peak_bytes'] / 1e9:.1f} GB peak per {unit}, "
               f"{(best['peak_bytes'] + best['reserve_bytes']) / 1e9:.1f} with +rsv, of {budget:.1f} usable: "
               f"{args.gpu_memory / 1e9:.0f} GB less {args.headroom:.0%} headroom)")
         print(launch_line(best, recipe, args))
     shown = rows if args.all else shortlist(rows)
     print(f"\n{'every row' if args.all else 'each strategy at its fastest that fits'} ({len(shown)} of {len(rows)}"
-          f"{'' if args.all else '; --all lists every one'}), {args.gpus} GPU(s) of {args.gpu_memory / 1e9:.0f} GB:")
+          f"{'' if args.all else '; --all lists every one'}), {args.gpus} {units} of {args.gpu_memory / 1e9:.0f} GB:")
     print(table(shown, args))
-    print(LEGEND)
+    print(LEGEND.replace("per GPU", "per CPU process").replace("the CUDA context and the allocator's slack", CPU_RSV)
+          if args.cpu else LEGEND)
     if notes:
         print("\n" + "\n".join(notes))
     return 0

@@ -27,6 +27,10 @@ from toolkit.planner.state import Held, Stage, model_tensors, pipeline_stages, s
 
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
 ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
+# a CPU process (plan.py --cpu): its resident memory beside the tensors' peak, measured on the README's SmolLM2 LoRA
+# (docs/benchmarks.md, issue 42 point 12): the interpreter, torch, transformers, the data and tokenizer before the model
+CPU_RUNTIME = 340 * 10**6
+CPU_ALLOCATOR_SLACK = 0.9  # glibc's heap kept free beside the live tensors (keep_freed_memory): ~0.9x their peak
 
 
 
@@ -137,6 +141,12 @@ def _estimate_stage(tensors: list[Held], shapes: Shapes, run: Run, stage: Stage)
     reserve = CUDA_CONTEXT + int(ALLOCATOR_SLACK * peak)
     return Estimate(parts=parts, peak_bytes=peak, moment=moment, reserve_bytes=reserve, held=held,
                     stage=stage.index if s.layout.pp > 1 else None)
+
+
+def cpu_reserve(peak_bytes: int) -> int:
+    """What a CPU process holds beside its tensors' peak (plan.py --cpu, in place of a CUDA context and the caching
+    allocator's slack): the runtime and glibc's heap kept free beside the live tensors."""
+    return CPU_RUNTIME + int(CPU_ALLOCATOR_SLACK * peak_bytes)
 
 
 def receive_buffers(shapes: Shapes, run: Run, stage: Stage) -> int:

@@ -49,6 +49,7 @@ from toolkit.models.scratch import count_parameters
 from toolkit.models.weight_cast import AUTOCAST, weight_cast
 from toolkit.run_dir import RunDir
 from toolkit.run_paths import check_run_paths
+from toolkit.strategy.accelerator import release_freed_memory
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.evaluation import evaluate
@@ -468,6 +469,7 @@ class Trainer:
     def evaluate(self, phase: str) -> dict[str, float]:
         """Held-out loss and perplexity (collective); `phase` is before, train or after training."""
         cfg = self.cfg
+        release_freed_memory(self.accelerator.device)  # a CPU run's peak was the training's heap kept under this
         with model_kill_points(self.accelerator.unwrap_model(self.model), self.step, "eval"):
             result = evaluate(
                 self.accelerator, self.model, self.feed.val, cfg.train.micro_batch_size,
