@@ -13,7 +13,7 @@ and communication/gathering buffers (toolkit.planner; docs/memory.md has the for
 `fits` means the peak plus the CUDA context and allocator slack stays under (1 - headroom) of the
 GPU's memory. With --cpu it plans CPU processes instead (--gpus counts them, --gpu-memory is each one's share of
 the host's memory; train.mixed_precision=auto is fp32 there, as on a CPU launch) and +rsv is what a process holds
-beside its tensors: the runtime and glibc's free heap (toolkit.planner.estimate.cpu_reserve). It then names the fastest row that fits and prints its launch line. The global
+beside its tensors: the runtime and its allocator's free memory (toolkit.planner.estimate.cpu_reserve). It then names the fastest row that fits and prints its launch line. The global
 batch stays the recipe's: a micro-batch is listed only if it divides it over the data-parallel ranks.
 
 Context, tensor and sequence parallel (fsdp_cp.yaml, fsdp_tp.yaml, zero3_sp.yaml) take cp, tp or sp
@@ -310,7 +310,7 @@ LEGEND = ("per GPU, GB = 1e9 bytes; step: estimated step time relative to the fa
           "CUDA context and the allocator's slack beside the peak, which must fit too")
 
 
-CPU_RSV = "the runtime (interpreter, torch, the data) and the heap glibc keeps free"
+CPU_RSV = "the runtime (interpreter, torch, the data) and the memory the allocator keeps free (mimalloc)"
 
 
 def table(rows: list[dict], args) -> str:

@@ -281,11 +281,11 @@ def test_the_readmes_fine_tune_plans_what_it_measured_on_cpu():
 
 def test_the_cpu_plan_of_the_readmes_fine_tune_is_its_measured_resident_memory():
     """Issue 42 point 12: plan.py had no CPU answer (a GPU's, with a CUDA context, for `--gpus 1 --gpu-memory 24GB
-    train.mixed_precision=no`). With --cpu, `auto` is fp32 as on a CPU launch and +rsv is the runtime and glibc's
-    free heap: peak + rsv against the peak RSS measured for one process and, per rank, for ZeRO-3 x 2 (the larger
-    rank), in bytes (docs/benchmarks.md gives /usr/bin/time's KiB / 1e6: 5.22 and 4.68)."""
+    train.mixed_precision=no`). With --cpu, `auto` is fp32 as on a CPU launch and +rsv is the runtime and the free
+    memory of the allocator the launcher preloads (mimalloc): peak + rsv against the peak RSS measured for one process
+    and, per rank, for ZeRO-3 x 2 (the larger rank), in bytes (/usr/bin/time's KiB; docs/benchmarks.md)."""
     config = "recipes/configs/finetune_smollm2_lora.yaml"
-    for gpus, strategy, measured in ((1, "ddp", MEASURED_ONE_PROCESS), (2, "zero3", 4.68e6 * 1024)):
+    for gpus, strategy, measured in ((1, "ddp", MEASURED_ONE_PROCESS), (2, "zero3", 3_062_772 * 1024)):
         proc = plan("--config", config, "--cpu", "--gpus", str(gpus), "--gpu-memory", "12GB", "--json", "--micro-batch", "4")
         row = next(r for r in json.loads(proc.stdout) if (r["strategy"], r["gradient_checkpointing"]) == (strategy, "none"))
         resident = row["peak_bytes"] + row["reserve_bytes"]
@@ -294,7 +294,7 @@ def test_the_cpu_plan_of_the_readmes_fine_tune_is_its_measured_resident_memory()
     assert "per CPU process" in text and "CUDA" not in text, text[:400]
 
 
-MEASURED_ONE_PROCESS = 5_218_196 * 1024  # peak RSS in bytes, one process, as shipped after issue 42 point 12 (5.34e9)
+MEASURED_ONE_PROCESS = 3_097_384 * 1024  # peak RSS in bytes, one process under mimalloc (issue 42 point 12)
 
 
 # the shipped configs tests/recipes/test_base_configs.py does not plan (it plans the bases people fine-tune)

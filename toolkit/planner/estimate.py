@@ -30,7 +30,7 @@ ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps bes
 # a CPU process (plan.py --cpu): its resident memory beside the tensors' peak, measured on the README's SmolLM2 LoRA
 # (docs/benchmarks.md, issue 42 point 12): the interpreter, torch, transformers, the data and tokenizer before the model
 CPU_RUNTIME = 340 * 10**6
-CPU_ALLOCATOR_SLACK = 0.9  # glibc's heap kept free beside the live tensors (keep_freed_memory): ~0.9x their peak
+CPU_ALLOCATOR_SLACK = 0.15  # mimalloc's free memory beside the live tensors (the launcher preloads it; glibc's: ~0.9x)
 
 
 
@@ -145,7 +145,8 @@ def _estimate_stage(tensors: list[Held], shapes: Shapes, run: Run, stage: Stage)
 
 def cpu_reserve(peak_bytes: int) -> int:
     """What a CPU process holds beside its tensors' peak (plan.py --cpu, in place of a CUDA context and the caching
-    allocator's slack): the runtime and glibc's heap kept free beside the live tensors."""
+    allocator's slack): the runtime and the free memory its allocator keeps beside the live tensors (mimalloc, which
+    the launcher preloads into CPU ranks: toolkit.launch.launcher.cpu_allocator)."""
     return CPU_RUNTIME + int(CPU_ALLOCATOR_SLACK * peak_bytes)
 
 
