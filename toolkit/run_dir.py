@@ -6,7 +6,7 @@ One contract, used by the trainer, the recipes, checkpoints, the HF-folder write
       checkpoints/step-N/         .checkpoint(N): the strategy's save_state files, plus
         model_files/              MODEL_FILES: config + tokenizer (+ adapter config), so a
                                   checkpoint exports without its run
-        trainer_state.json        STATE_FILE: a TrainerState (toolkit.checkpoint.state); written last, so its presence
+        trainer_state.json        STATE_FILE: a TrainerState (toolkit.checkpoint.trainer_state); written last, so its presence
                                   means "complete" (a crash mid-save leaves none)
       checkpoints/step-N.converted/  converted_state(step-N): that checkpoint's state by parameter
                                   name, made when a run resumed it under another strategy or world

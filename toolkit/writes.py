@@ -48,7 +48,7 @@ WRITERS: dict[str, Writer] = {
         ("toolkit.checkpoint.manager:save_checkpoint", "toolkit.checkpoint.pipeline:save_stage",
          "toolkit.data.streaming:StreamingBlocks.save", "toolkit.data.streaming:MixedStreams.save",
          "toolkit.export.hf_folder:write_model_files",
-         "toolkit.manifest:write_manifest", "toolkit.checkpoint.state:TrainerState.write"),
+         "toolkit.manifest:write_manifest", "toolkit.checkpoint.trainer_state:TrainerState.write"),
         RESUME, "no step-N (removed); the previous checkpoint untouched",
         exit=5,  # checkpoint.on_save_error=stop; =continue says a warning and trains on
     ),

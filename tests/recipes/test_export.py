@@ -337,7 +337,7 @@ def test_overwrite_replaces_an_earlier_export_and_nothing_else(export, capsys, t
 
 def a_checkpoint(model_folder: Path, folder: Path) -> Path:
     """A one-process checkpoint as training saves it: weights, model_files/, manifest, state last."""
-    from toolkit.checkpoint.state import TrainerState
+    from toolkit.checkpoint.trainer_state import TrainerState
     from toolkit.manifest import crc32, write_manifest
     from toolkit.run_dir import checkpoint_step
 

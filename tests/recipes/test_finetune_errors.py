@@ -93,7 +93,7 @@ def test_records_that_cannot_train_are_refused_before_the_model_loads(finetune, 
     (tmp_path / "base" / "config.json").write_text("{}")
     data = write_jsonl(tmp_path / "records.jsonl", [record] * 4)
     err = one_error(finetune, capsys, tmp_path, f"model.path={tmp_path / 'base'}", f"data.format={fmt}",
-                    f"data.path={data}", *(["train.objective=dpo"] if fmt == "preference" else []))
+                    f"data.path={data}", *(["train.objective=dpo", "model.loss=full"] if fmt == "preference" else []))
     assert said in err
 
 
@@ -108,7 +108,7 @@ def test_a_source_of_a_mixture_is_checked_before_the_model_loads_too(finetune, c
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"conversation": [{"from": "human", "value": "Hi"}]}] * 4)
     err = one_error(finetune, capsys, tmp_path, f"model.path={tmp_path / 'base'}", f"data.format={fmt}",
                     f"data.sources=[{{name: good, path: {good}}}, {{name: bad, path: {bad}}}]",
-                    *(["train.objective=dpo"] if fmt == "preference" else []))
+                    *(["train.objective=dpo", "model.loss=full"] if fmt == "preference" else []))
     assert err.startswith(f"error: data.sources[1].path={bad}: record 0 ")
 
 
@@ -229,7 +229,8 @@ def test_preference_settings_that_contradict(finetune, capsys, tmp_path, overrid
 ])
 def test_preference_records_that_cannot_train(finetune, capsys, tmp_path, records, said):
     path = write_jsonl(tmp_path / "pairs.jsonl", records)
-    err = one_error(finetune, capsys, tmp_path, "train.objective=dpo", "data.format=preference", f"data.path={path}")
+    err = one_error(finetune, capsys, tmp_path, "train.objective=dpo", "data.format=preference", "model.loss=full",
+                    f"data.path={path}")
     assert said in err
 
 

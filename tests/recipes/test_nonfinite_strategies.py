@@ -16,7 +16,7 @@ import torch
 from recipe_runner import LAUNCH_TIMEOUT_S, ROOT, TINY, run_recipe
 from safetensors.torch import load_file
 
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.training.metrics import read_metrics
 from toolkit.training.nonfinite import ENV
 

@@ -306,7 +306,7 @@ READERS: dict[str, str] = {
     "toolkit/data/records.py:_json": "chat records .json and .jsonl",
     "toolkit/data/tokenizer.py:load_tokenizer": "tokenizer folder",
     "toolkit/data/tokenizer.py:get_tokenizer": "its own cache, written by save_pretrained then renamed into place",
-    "toolkit/checkpoint/state.py:_state_record": "trainer_state.json",
+    "toolkit/checkpoint/trainer_state.py:_state_record": "trainer_state.json",
     "toolkit/manifest.py:crc32": "manifest.json",
     "toolkit/manifest.py:_entries": "manifest.json",
     "toolkit/manifest.py:written_by": "manifest.json",

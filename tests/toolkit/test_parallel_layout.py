@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.parallel_layout import ParallelLayout
 
 ZERO3_OFFLOAD = ParallelLayout("deepspeed", 2, zero_stage=3, offload=("optimizer", "param"))

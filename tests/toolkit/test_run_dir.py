@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError
 from toolkit.run_dir import STATE_FILE, RunDir, checkpoint_step, converted_state
 

@@ -5,7 +5,7 @@ against this table: a file no part names, or a part a checkpoint lacks, fails it
 The tensors are the strategy's own (Accelerate's save_state of the prepared model and optimizer, or a pipeline's
 stage files); everything else is the toolkit's: the schedule (registered for checkpointing by
 toolkit.training.optim), each rank's random states, a stream's position, the files that turn the weights back into a
-model, the manifest, and the TrainerState (toolkit.checkpoint.state), written last.
+model, the manifest, and the TrainerState (toolkit.checkpoint.trainer_state), written last.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from toolkit.checkpoint import ddp, deepspeed, fsdp, pipeline
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import numbers_only_torch_load
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.run_dir import is_complete

@@ -23,7 +23,7 @@ from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.formats import FORMATS, Checkpoint, format_of
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
 from toolkit.config import UserError, field
 from toolkit.faults import fail_point, kill_point

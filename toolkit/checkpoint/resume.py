@@ -24,7 +24,7 @@ from toolkit.checkpoint.settings import (
     check_same_settings,
     take_changed_settings,
 )
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.run_dir import RunDir
 from toolkit.strategy.distributed import Strategy
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.checkpoint.formats import gather_full_weights, saved_by
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import not_only_numbers
 from toolkit.config import UserError, first_line
 from toolkit.manifest import MANIFEST, check_manifest, crc32

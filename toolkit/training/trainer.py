@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from toolkit.checkpoint.manager import SaveFailed, save_checkpoint
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.settings import trained_settings
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.combinations import check as check_combinations
 from toolkit.config import UserError, to_dict
 from toolkit.data.batching import BatchSchedule

@@ -10,7 +10,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 
 from toolkit.checkpoint.manager import save_checkpoint
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.run_dir import RunDir
 from toolkit.strategy.distributed import Strategy
 

@@ -13,7 +13,7 @@ from one_process_checkpoints import launch, trained
 from toolkit.checkpoint.contents import PARTS, against_parts
 from toolkit.checkpoint.formats import FORMATS, saved_by
 from toolkit.checkpoint.manager import save_checkpoint
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.export.hf_folder import write_model_files
 from toolkit.run_dir import RunDir
 

@@ -21,7 +21,7 @@ from toolkit.checkpoint.conversion import cached_conversion, convert
 from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
 from toolkit.checkpoint.formats import Checkpoint, saved_layout
 from toolkit.checkpoint.manager import save_checkpoint
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError
 from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout

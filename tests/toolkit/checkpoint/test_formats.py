@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint.ddp import OPTIMIZER_NAMES, read_optimizer_names
 from toolkit.checkpoint.formats import gather_full_weights, saved_by, saved_layout
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.parallel_layout import ParallelLayout
 
 # what Accelerate's save_state writes besides the model, whatever the strategy

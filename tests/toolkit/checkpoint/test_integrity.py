@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from toolkit.checkpoint.integrity import check_state_file
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.manifest import MANIFEST, crc32, write_manifest
 from toolkit.parallel_layout import ParallelLayout
 

@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState
 from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import CheckpointConfig, _load_schedule, load_checkpoint, save_checkpoint
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, crc32
 from toolkit.parallel_layout import ParallelLayout

@@ -8,7 +8,7 @@ import torch
 
 from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.checkpoint.resume import resume
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError
 from toolkit.run_dir import RunDir
 

@@ -9,7 +9,7 @@ from one_process_checkpoints import launch
 
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import load_checkpoint, save_checkpoint
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError
 from toolkit.run_dir import RunDir
 

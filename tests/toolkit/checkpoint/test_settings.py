@@ -8,7 +8,7 @@ import pytest
 
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.settings import check_same_data_order
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError
 
 

@@ -10,7 +10,7 @@ import torch
 
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import load_checkpoint, save_checkpoint
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import numbers_only_resume
 from toolkit.config import UserError
 from toolkit.run_dir import RunDir

@@ -12,7 +12,7 @@ from accelerate.state import AcceleratorState
 from one_process_trainer import packed_blocks, start_trainer
 from safetensors.torch import load_file, save_file
 
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import ConfigError, UserError, load_config
 from toolkit.data.packing import collate
 from toolkit.manifest import crc32, write_manifest

@@ -12,7 +12,7 @@ import torch
 from accelerate.state import AcceleratorState
 from one_process_trainer import SETTINGS, packed_blocks, start_trainer
 
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError, load_config
 from toolkit.manifest import check_manifest
 from toolkit.run_dir import RunDir

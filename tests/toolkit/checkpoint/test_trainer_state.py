@@ -1,6 +1,6 @@
-"""The state a checkpoint carries: its one writer and its one reader (toolkit.checkpoint.state)."""
+"""The state a checkpoint carries: its one writer and its one reader (toolkit.checkpoint.trainer_state)."""
 
-from toolkit.checkpoint.state import TrainerState
+from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.run_dir import STATE_FILE
 
 
