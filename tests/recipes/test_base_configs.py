@@ -5,7 +5,6 @@ device with its adapter on the modules it names."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import re
@@ -52,8 +51,9 @@ def test_every_base_a_shipped_yaml_names_ships_its_architecture_and_each_has_lor
 
 def planned(config: str, gpus: int) -> tuple[dict, str]:
     """plan.py's pick for `config` on `gpus` x 80 GB, and its launch line."""
-    args = argparse.Namespace(config=config, overrides=[], gpus=gpus, gpu_memory=80_000_000_000, headroom=0.1,
-                              micro_batch="", json=False, all=False)
+    # plan.py's own parser, so that an option added there is here too
+    args = PLAN.parser().parse_args(["--config", config, "--gpus", str(gpus), "--gpu-memory", "80GB"])
+    PLAN.check_args(args)
     with contextlib.redirect_stderr(io.StringIO()):
         _, best, recipe, notes = PLAN.plan(args)
     return best, PLAN.launch_line(best, recipe, args), notes
