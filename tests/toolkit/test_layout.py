@@ -172,7 +172,6 @@ STRATEGY_BRANCHES = {
     "toolkit/strategy/distributed.py": (3, "the backend's family; the DeepSpeed-owned blocks; stages under ddp.yaml"),
     "toolkit/checkpoint/integrity.py": (1, "ZeRO's per-rank partition files, checked before a resume"),
     "toolkit/checkpoint/conversion.py": (1, "ZeRO-0 keeps no per-parameter state to convert"),
-    "toolkit/checkpoint/formats.py": (1, "the format module of a layout's files"),
     "toolkit/checkpoint/deepspeed.py": (1, "DeepSpeed's own format module: its engine"),
     "toolkit/strategy/deepspeed_step.py": (1, "DeepSpeed's own step module: its engine"),
     "toolkit/strategy/sharding.py": (1, "bytes held per rank: DeepSpeed's engine holds its partitions"),

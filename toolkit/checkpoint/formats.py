@@ -67,12 +67,6 @@ def layout_from_files(folder: Path) -> ParallelLayout | None:
     return ParallelLayout("deepspeed", world, zero_stage=int(stage))
 
 
-def format_of(layout: ParallelLayout) -> Format:
-    """The format whose module reads and loads what a run of `layout` saves."""
-    files = layout.files
-    return "deepspeed" if files.startswith("zero") else "fsdp" if files.startswith("fsdp") else files
-
-
 def saved_by(folder: Path) -> Format | None:
     """Which strategy's save_state wrote `folder`, from the files it holds; None if none matches."""
     return next((name for name, module in FORMATS.items() if module.is_mine(folder)), None)

@@ -21,7 +21,7 @@ import torch
 from toolkit.checkpoint import ddp, pipeline
 from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
-from toolkit.checkpoint.formats import FORMATS, Checkpoint, format_of
+from toolkit.checkpoint.formats import FORMATS, Checkpoint
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
@@ -331,4 +331,4 @@ def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
 def _load_by_name(strategy: Strategy, state: ConsolidatedState) -> None:
     """Collective: a converted checkpoint into the prepared model and optimizer, with this strategy's
     own setters (each format's load_into)."""
-    FORMATS[format_of(strategy.layout)].load_into(strategy, state)
+    FORMATS[strategy.backend.format].load_into(strategy, state)
