@@ -3,11 +3,12 @@
 #
 #   bash bench/gpu_check.sh [OUT]           # on one H100/H200: its estimate is printed first
 #   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 3 minutes
-#   bash bench/gpu_check.sh --only finetune [OUT]   # one part (throughput or finetune): two device calls in a row
+#   bash bench/gpu_check.sh --only finetune [OUT]   # one part (throughput, finetune or fp8): device calls in a row
 #
 # OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB and the planner's
 # per row, then one profile table per row: device busy %, longest idle gaps, top kernels), finetune.md (the recipe
-# against transformers.Trainer, LoRA and full) and the log of each part. On a lent
+# against transformers.Trainer, LoRA and full), fp8.md / fp8-rowwise.md (issue 46: the 1B YAML as shipped in bf16,
+# then in fp8, 100 steps each with their loss curves side by side; rowwise 30 steps) and the log of each part. On a lent
 # machine (../shared/gpu/README.md): `source .gpu/setup.sh && bash bench/gpu_check.sh "$OUT"`. The GPU suite
 # stays the second command: `python3 -m pytest -m gpu -n 7 tests/recipes/test_gpu_end_to_end.py` (3.5 minutes).
 set -uo pipefail
@@ -16,12 +17,12 @@ SMOKE=0 ONLY=
 while [[ "${1:-}" == --* ]]; do
   case $1 in
     --smoke) SMOKE=1; shift ;;
-    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput or finetune" >&2; exit 2; }
+    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput, finetune or fp8" >&2; exit 2; }
             ONLY=$2; shift 2 ;;
-    *) echo "error: $1: use --smoke and/or --only throughput|finetune, then OUT" >&2; exit 2 ;;
+    *) echo "error: $1: use --smoke and/or --only throughput|finetune|fp8, then OUT" >&2; exit 2 ;;
   esac
 done
-case $ONLY in ""|throughput|finetune) ;; *) echo "error: --only '$ONLY': use throughput or finetune" >&2; exit 2 ;; esac
+case $ONLY in ""|throughput|finetune|fp8) ;; *) echo "error: --only '$ONLY': use throughput, finetune or fp8" >&2; exit 2 ;; esac
 DEST=${1:-${OUT:-gpu-check}}
 mkdir -p "$DEST"
 PY=${PYTHON:-python3}
@@ -41,6 +42,21 @@ else
   # plain loop (c), the bar, each with 2 profiled steps (most of a row is start-up and compiling).
   THROUGHPUT=(--configs check --strategies ddp --peer-variants c --steps 10 --warmup 3
               --profile 2 --row-timeout 240)
+fi
+
+# fp8 (issue 46): the same data, seed and steps in bf16 and fp8; the warmup is cut to 10 steps (the YAML's 2000 would
+# leave 100 steps at a learning rate too small to move the loss) for both rows alike
+if (( SMOKE )); then
+  # torchao's casts emulated on CPU (LLM_TOOLKIT_FP8_EMULATE=1: no size rule, no fp8 matmul), the layers compiled
+  export LLM_TOOLKIT_FP8_EMULATE=1
+  FP8=(--model recipes/configs/pretrain_tiny.yaml --configs fp8-smoke --seq-len 128 --global-batch 16 --steps 4
+       --warmup 1 --extra model.config.num_hidden_layers=1 optim.warmup_steps=2)
+  FP8_ROWWISE=()
+  FP8_LAYERS=(--model recipes/configs/pretrain_tiny.yaml --tokens 256 --repeat 2)
+else
+  FP8=(--configs fp8 --steps 100 --warmup 3 --row-timeout 260 --extra optim.warmup_steps=10)
+  FP8_ROWWISE=(--configs fp8-rowwise --steps 30 --warmup 3 --row-timeout 200 --extra optim.warmup_steps=10)
+  FP8_LAYERS=()
 fi
 
 if (( SMOKE )); then
@@ -63,9 +79,21 @@ part() {  # NAME CMD...: one part, its log in DEST, its time said; a failed part
   (( rc == 0 )) || { status=1; tail -20 "$DEST/$name.log" >&2; }
 }
 
-[[ $ONLY == finetune ]] || part throughput "$PY" bench/gpu_throughput.py "${THROUGHPUT[@]}" --workdir "$WORK" \
+[[ -z $ONLY || $ONLY == throughput ]] && part throughput "$PY" bench/gpu_throughput.py "${THROUGHPUT[@]}" --workdir "$WORK" \
   --save "$DEST/throughput.json" --out "$DEST/throughput.md"
-[[ $ONLY != finetune && -f "$DEST/throughput.md" ]] && cat "$DEST/throughput.md"
-[[ $ONLY == throughput ]] || part finetune "$PY" bench/finetune_throughput.py "${FINETUNE[@]}" --out "$DEST/finetune.md"
-[[ $ONLY != throughput && -f "$DEST/finetune.md" ]] && cat "$DEST/finetune.md"
+[[ -z $ONLY || $ONLY == throughput ]] && [[ -f "$DEST/throughput.md" ]] && cat "$DEST/throughput.md"
+[[ -z $ONLY || $ONLY == finetune ]] && part finetune "$PY" bench/finetune_throughput.py "${FINETUNE[@]}" --out "$DEST/finetune.md"
+[[ -z $ONLY || $ONLY == finetune ]] && [[ -f "$DEST/finetune.md" ]] && cat "$DEST/finetune.md"
+if [[ -z $ONLY || $ONLY == fp8 ]]; then
+  part fp8 "$PY" bench/gpu_throughput.py "${FP8[@]}" --strategies ddp --recipe-only --workdir "$WORK" \
+    --save "$DEST/fp8.json" --out "$DEST/fp8.md"
+  [[ -f "$DEST/fp8.md" ]] && cat "$DEST/fp8.md"
+  part fp8-layers "$PY" bench/fp8_layers.py "${FP8_LAYERS[@]}" --out "$DEST/fp8-layers.md"
+  [[ -f "$DEST/fp8-layers.md" ]] && cat "$DEST/fp8-layers.md"
+  if (( ${#FP8_ROWWISE[@]} )); then
+    part fp8-rowwise "$PY" bench/gpu_throughput.py "${FP8_ROWWISE[@]}" --strategies ddp --recipe-only \
+      --workdir "$WORK" --save "$DEST/fp8-rowwise.json" --out "$DEST/fp8-rowwise.md"
+    [[ -f "$DEST/fp8-rowwise.md" ]] && cat "$DEST/fp8-rowwise.md"
+  fi
+fi
 exit $status

@@ -96,6 +96,9 @@ def log_every(warmup: int) -> str:
     return f"logging.every={max(1, warmup)}"
 
 
+FP8 = "train.mixed_precision=fp8"
+
+
 @dataclass(frozen=True)
 class Row:
     kind: str  # "recipe" or "peer"
@@ -116,6 +119,13 @@ def preset(name: str) -> list[Row]:
         return [shipped, Row("recipe", "ddp", "none", 8, "whole")] + peers
     if name == "smoke":  # gpu_check.sh --smoke: check's rows on a small YAML, the first with the 1B YAML's switches
         return [replace(shipped, switches="fast"), Row("recipe", "ddp", "none", 8, "whole")] + peers
+    if name == "fp8":  # issue 46: the YAML as shipped in bf16, then in fp8 (torchao tensorwise; rowwise in fp8-rowwise)
+        return [shipped, replace(shipped, extra=FP8)]
+    if name == "fp8-rowwise":
+        return [replace(shipped, extra=f"{FP8} train.fp8_recipe=rowwise")]
+    if name == "fp8-smoke":  # gpu_check.sh --smoke: fp8's rows on a small YAML, its casts emulated on CPU
+        return [replace(shipped, switches="fast"), replace(shipped, switches="fast", extra=FP8),
+                replace(shipped, switches="fast", extra=f"{FP8} train.fp8_recipe=rowwise")]
     if name == "levers":  # what each of issue 41's switches adds: the whole model compiled, then each one taken off
         whole = Row("recipe", "ddp", "none", 8, "whole")
         return [whole, replace(whole, extra="train.step_sync=host"), replace(whole, extra="model.cast_weights=per_forward"),
@@ -123,7 +133,7 @@ def preset(name: str) -> list[Row]:
     if name == "full":
         grid = itertools.product(("ddp", "fsdp", "zero2", "zero3"), ("none", "full"), (8, 16))
         return [shipped] + [Row("recipe", *g, "fast") for g in grid] + peers + [Row("peer", "-", "full", 8, v) for v in "abc"]
-    raise SystemExit(f"--configs {name}: use quick, check, smoke, levers or full")
+    raise SystemExit(f"--configs {name}: use quick, check, smoke, fp8, fp8-rowwise, fp8-smoke, levers or full")
 
 
 # ---------------------------------------------------------------- the plain-loop peer (its own code)
@@ -348,8 +358,12 @@ def run_recipe(row: Row, args, vocab: int, workdir: Path) -> dict:
     memory = next(r["peak_memory"] for r in records if "peak_memory" in r)
     peak = {k: max(m[k] for m in memory) for k in ("cuda_max_allocated_mb", "peak_rss_mb") if k in memory[0]}
     planned = planned_gib(row, args, vocab)
+    losses = [[r["step"], r["loss"]] for r in records if r.get("kind") == "train"]
+    converted = next((line for line in (workdir / "log.out").read_text(errors="replace").splitlines()
+                      if "] fp8: " in line), None) if (workdir / "log.out").exists() else None
     return {"tokens_per_s": tps, "mfu": mfu, **peak, **({"planned_gib": planned} if planned else {}),
-            **({"profile": profile} if profile else {})}
+            **({"profile": profile} if profile else {}), "losses": losses,
+            **({"fp8": converted.split("] ", 1)[1]} if converted else {})}
 
 
 def run_peer(row: Row, args, facts: dict, workdir: Path) -> dict:
@@ -446,6 +460,26 @@ def profiles(rows: list[Row], results: list[dict]) -> list[str]:
             switches = SWITCHES[row.switches][1] if row.kind == "recipe" else PEER_VARIANTS[row.switches]
             lines += ["", f"### Profile: {what}, {row.strategy}, {row.checkpointing}, micro-batch {row.micro_batch}, "
                           f"{switches}", "", *profile_table(res["profile"])]
+    return lines
+
+
+def curves(rows: list[Row], results: list[dict]) -> list[str]:
+    """The recipe rows' logged training losses side by side, and each row's largest distance from the first row's
+    (the fp8 rows against bf16's: the same data, seed and steps), where more than one row logged them."""
+    logged = [(row, res) for row, res in zip(rows, results, strict=True) if res.get("losses")]
+    if len(logged) < 2:
+        return []
+    names = [row.extra or "as configured" for row, _ in logged]
+    by_step = [dict(map(tuple, res["losses"])) for _, res in logged]
+    steps = sorted(set(by_step[0]).intersection(*by_step[1:]))
+    lines = ["", "### Training loss of the recipe rows (logged steps)", "",
+             "| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    lines += [f"| {step} | " + " | ".join(f"{losses[step]:.4f}" for losses in by_step) + " |" for step in steps]
+    lines.append("")
+    for name, res, losses in zip(names[1:], [r for _, r in logged[1:]], by_step[1:], strict=True):
+        gaps = [abs(losses[s] - by_step[0][s]) / by_step[0][s] for s in steps]
+        lines.append(f"- {name}: largest relative distance from the first row {max(gaps):.2%} (step "
+                     f"{steps[gaps.index(max(gaps))]}), last step {gaps[-1]:.2%}" + (f"; {res['fp8']}" if "fp8" in res else ""))
     return lines
 
 
@@ -575,7 +609,7 @@ def report(header: list[str], rows: list[Row], results: list[dict], out: str | N
         "model.gradient_checkpointing, train.micro_batch_size and switches "
         f"(fast: {' '.join(SWITCHES['fast'][0])})",
     ]
-    text = "\n".join([*header, "", *table(rows, results), "", *notes, *profiles(rows, results)])
+    text = "\n".join([*header, "", *table(rows, results), "", *notes, *curves(rows, results), *profiles(rows, results)])
     print(text)
     if out:
         Path(out).write_text(text + "\n")

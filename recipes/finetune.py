@@ -47,6 +47,7 @@ from toolkit.data.preference import collate_pairs, pair_counts, preference_block
 from toolkit.data.records import check_first_records
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
+from toolkit.models import float8
 from toolkit.models.adapter import (
     apply_adapter,
     check_qlora_device,
@@ -153,6 +154,8 @@ class FinetuneRecipe:
         if strategy.is_main and cfg.samples.max_new_tokens:
             before = generate(model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
 
+        if cfg.train.mixed_precision == "fp8":  # before the adapter and the compile: they see Float8Linear layers
+            trainer.print(float8.convert(model, cfg.train.fp8_recipe).said())
         # Weights to train: all, or a LoRA adapter (seeded, so every rank starts from the same one).
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         model.config.use_cache = False

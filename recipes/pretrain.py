@@ -41,6 +41,7 @@ from toolkit.data.streaming import MixedStreams, StreamingBlocks, held_out_docum
 from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
 from toolkit.launch.verdict import exit_process
+from toolkit.models import float8
 from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.models.compilation import compile_model
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
@@ -96,6 +97,8 @@ class PretrainRecipe:
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         with strategy.outside_training():
             model = build_model(cfg.model, config, cfg.seed)
+        if cfg.train.mixed_precision == "fp8":  # before the compile, which compiles the Float8Linear layers
+            trainer.print(float8.convert(model, cfg.train.fp8_recipe).said())
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         compile_model(model, cfg.model.compile)
         n_params, flops_token = model_size(model, cfg.data.seq_len)

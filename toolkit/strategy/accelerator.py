@@ -40,6 +40,7 @@ from toolkit.launch.environment import (
     launched_kind,
     launched_mixed_precision,
 )
+from toolkit.models.float8 import hardware_refused
 from toolkit.strategy.collectives import creating_groups, set_collective_timeout
 from toolkit.strategy.sequence_parallel import skip_shared_memory_kernel
 
@@ -54,8 +55,9 @@ def resolve_mixed_precision(choice: str) -> str:
     if launched is not None:
         if launched not in ("bf16", "fp16"):
             raise UserError(
-                f"{LAUNCHED_PRECISION} is {launched}; the toolkit trains in bf16, fp16 or fp32: set mixed_precision "
-                "\"no\" in the accelerate config (and drop --mixed_precision), then choose with train.mixed_precision"
+                f"{LAUNCHED_PRECISION} is {launched}; the toolkit trains in bf16, fp16, fp8 or fp32 as "
+                "train.mixed_precision says: set mixed_precision \"no\" in the accelerate config (and drop "
+                "--mixed_precision), then choose with train.mixed_precision (fp8: train.mixed_precision=fp8)"
             )
         if choice not in ("auto", launched):
             raise UserError(
@@ -64,6 +66,10 @@ def resolve_mixed_precision(choice: str) -> str:
                 "say \"no\" so that train.mixed_precision decides)"
             )
         choice, source = launched, f"{LAUNCHED_PRECISION}={launched}"
+    if choice == "fp8":  # bf16 autocast around the float8 layers (toolkit.models.float8 converts them)
+        if line := hardware_refused(torch.device("cuda" if has_gpu() else "cpu")):
+            raise UserError(line)
+        return "bf16"
     if choice == "fp16" and not has_gpu():
         raise UserError(f"{source} needs a GPU; this machine has none (use auto or no for fp32, or bf16)")
     if choice != "auto":

@@ -97,6 +97,7 @@ class Strategy:
     pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
     mesh: Any = None  # the launch's one device mesh (parallelism.device_mesh); None without model parallel
     notes: list[str] = field(default_factory=list)  # for the recipe's log, once the model is split
+    float8: bool = False  # train.mixed_precision=fp8: bf16 autocast, its large linear layers in float8
 
     @classmethod
     def launch(
@@ -124,7 +125,8 @@ class Strategy:
         mesh = device_mesh(layout, accelerator.device.type)
         context = ContextParallel(cp, accelerator.device, mesh) if cp > 1 else None
         sequence = SequenceParallel(sp, accelerator.device, mesh) if sp > 1 else None
-        return cls(accelerator, layout, accumulation, tuple(owned), context, sequence, mesh=mesh)
+        return cls(accelerator, layout, accumulation, tuple(owned), context, sequence, mesh=mesh,
+                   float8=mixed_precision == "fp8")
 
     # ----------------------------------------------------------------- facts
     @property
@@ -235,6 +237,8 @@ class Strategy:
         """The line every run logs first: what is actually in force, not what was asked for."""
         acc = self.accelerator
         precision = {"no": "fp32"}.get(str(acc.mixed_precision), str(acc.mixed_precision))
+        if self.float8:
+            precision = "fp8 (float8 linear layers, bf16 elsewhere)"
         if launched_mixed_precision() is not None:  # taken from the launcher, not train.mixed_precision
             precision += f" ({LAUNCHED_PRECISION})"
         line = (f"strategy={self.layout.accelerate_name} world_size={acc.num_processes} backend={acc.state.backend or 'none'} "

@@ -44,8 +44,14 @@ class TrainConfig:
     )
     global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
     micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
-        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU; bf16 also trains on CPU (slowly)"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16", "fp8"] = field(
+        "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU; bf16 also trains on CPU (slowly); fp8 = "
+        "the large linear layers in float8 through torchao, the rest in bf16 (GPUs of compute capability 8.9+, with "
+        "model.compile; docs/fp8.md)"
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise"] = field(
+        "tensorwise", help="with mixed_precision=fp8: torchao's scaling, one scale per tensor (faster) or per row "
+        "(closer to bf16)"
     )
     collective_timeout_s: int = field(
         1800,

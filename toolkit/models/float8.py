@@ -1,0 +1,146 @@
+"""fp8 training (`train.mixed_precision=fp8`): the model's large `nn.Linear` layers compute in float8 through
+torchao's float8 training, the rest of the model in bf16 autocast as `bf16` does.
+
+`convert_to_float8_training` swaps each chosen layer for torchao's `Float8Linear`, an `nn.Linear` with the same
+parameters (names, shapes, fp32 masters): checkpoints, `final/`, a resume under another strategy or precision and
+every export read the same files as a bf16 run's. Its forward casts the input and the weight to float8 e4m3, and its
+backward the output's gradient to e5m2, with dynamic scales (one per tensor for `tensorwise`, one per row for
+`rowwise`), and multiplies them with `torch._scaled_mm`.
+
+Which layers: `RULES`, the first that holds for a layer leaves it in bf16, with its reason. The size rule is
+torchao's own (`_auto_filter_for_recipe`), from its H100 table: a float8 matmul of a small layer spends more on its
+casts than it saves (torchao measured 0.8x at 1024x2048x1024). For Llama-3.2-1B's shapes it keeps q, o and the MLP,
+about 80 % of the layers' FLOPs, and leaves k and v (2048 -> 512) in bf16.
+
+`LLM_TOOLKIT_FP8_EMULATE=1` (tests only) runs torchao's same casts and scales with an emulated matmul
+(`Float8LinearConfig(emulate=True)`): on CPU, without the size rule (a test model has no layer that large), and
+without the compile that a GPU run needs for speed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.config import UserError
+
+EMULATE = "LLM_TOOLKIT_FP8_EMULATE"
+RECIPES = ("tensorwise", "rowwise")
+MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores (torch._scaled_mm)
+
+
+def emulated() -> bool:
+    return os.environ.get(EMULATE, "") == "1"
+
+
+def hardware_refused(device: torch.device) -> str | None:
+    """Why this machine cannot train in fp8, or None where it can (or emulates it)."""
+    if emulated():
+        return None
+    if device.type != "cuda":
+        return ("train.mixed_precision=fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                f"this run is on {device.type}: use bf16")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (f"train.mixed_precision=fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); {name} is "
+                f"{capability[0]}.{capability[1]}, without float8 matmuls: use bf16")
+    return None
+
+
+def _head(model: torch.nn.Module) -> torch.nn.Module | None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    return base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+
+
+@dataclass(frozen=True)
+class Rule:
+    reason: str  # why a layer it holds for stays in bf16
+    holds: Callable[[torch.nn.Module, torch.nn.Module, str, bool], bool]  # (layer, model, recipe, sizes) -> left?
+
+
+def _too_small(layer: torch.nn.Linear, recipe: str) -> bool:
+    from torchao.float8 import _auto_filter_for_recipe  # noqa: PLC0415 (torchao only where fp8 is asked for)
+
+    return not _auto_filter_for_recipe(recipe, filter_fqns=[])(layer, "")
+
+
+RULES: tuple[Rule, ...] = (
+    # the chunked loss reads the head's weight itself; its logits are the loss's precision (as torchtitan leaves it)
+    Rule("output head", lambda layer, model, recipe, sizes: layer is _head(model)),
+    Rule("a dimension not a multiple of 16",  # float8 matmuls (torch._scaled_mm) need it
+         lambda layer, model, recipe, sizes: layer.in_features % 16 != 0 or layer.out_features % 16 != 0),
+    Rule("below torchao's size rule",
+         lambda layer, model, recipe, sizes: sizes and _too_small(layer, recipe)),
+)
+
+
+@dataclass
+class Conversion:
+    recipe: str
+    converted: list[str]  # module names now computing in float8
+    left: dict[str, str]  # module name -> the rule's reason
+
+    def said(self) -> str:
+        shapes = sorted({_shape_of(n) for n in self.converted})
+        kept = sorted({f"{_shape_of(n)} ({why})" for n, why in self.left.items()})
+        mode = ", emulated (LLM_TOOLKIT_FP8_EMULATE=1)" if emulated() else ""
+        return (f"fp8: {len(self.converted)} of {len(self.converted) + len(self.left)} linear layers in float8 "
+                f"({self.recipe} scaling{mode}): {', '.join(shapes)}; left in bf16: {', '.join(kept) or 'none'}")
+
+
+def _shape_of(name: str) -> str:
+    """A layer's name without its index and prefixes: model.layers.3.mlp.up_proj -> mlp.up_proj."""
+    parts = name.split(".")
+    tail = [p for p in parts[-2:] if not p.isdigit()]
+    return ".".join(tail) if len(tail) > 1 or not any(p.isdigit() for p in parts) else tail[-1]
+
+
+def plan(model: torch.nn.Module, recipe: str, sizes: bool) -> Conversion:
+    """Which of `model`'s nn.Linear layers convert, and why each other one does not (`sizes`: apply the size rule).
+    Works on a meta-device model: it reads shapes only."""
+    converted, left = [], {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, torch.nn.Linear):
+            continue
+        rule = next((r for r in RULES if r.holds(layer, model, recipe, sizes)), None)
+        if rule is None:
+            converted.append(name)
+        else:
+            left[name] = rule.reason
+    return Conversion(recipe, converted, left)
+
+
+def convert(model: torch.nn.Module, recipe: str) -> Conversion:
+    """Swap `model`'s eligible layers for torchao's Float8Linear, in place, before the adapter, the compile and the
+    strategy's wrapping; a model with none eligible is refused (it would train in bf16 while saying fp8)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
+    except ImportError:
+        raise UserError("train.mixed_precision=fp8 trains through torchao, which is not installed: "
+                        "pip install -e '.[fp8]' (or pip install torchao)") from None
+    emulate = emulated()
+    chosen = plan(model, recipe, sizes=not emulate)
+    if not chosen.converted:
+        largest = max((m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)),
+                      key=lambda s: s.numel(), default=None)
+        raise UserError(
+            "train.mixed_precision=fp8: no linear layer of this model is large enough to gain from float8 (the "
+            f"largest is {tuple(largest) if largest is not None else 'none'}; torchao's rule for {recipe} wants "
+            "more than 4096 inputs or 1024 outputs): it would train in bf16; use train.mixed_precision=bf16"
+        )
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        config = _emulating(config)
+    names = set(chosen.converted)
+    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in names, config=config)
+    return chosen
+
+
+def _emulating(config):
+    import dataclasses  # noqa: PLC0415
+
+    return dataclasses.replace(config, emulate=True)
