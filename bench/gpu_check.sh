@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Every GPU measurement of the toolkit in one command (one 10-minute device run at most), each part saved as it ends.
+# Every GPU measurement of the toolkit in one script, each part saved as it ends; the parts fit three device calls of
+# at most 10 minutes (the whole, ~19 minutes on an H200, fits none).
 #
 #   bash bench/gpu_check.sh [OUT]           # on one H100/H200: its estimate is printed first
 #   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 3 minutes
-#   bash bench/gpu_check.sh --only finetune [OUT]   # one part (throughput, finetune or fp8): device calls in a row
+#   bash bench/gpu_check.sh --only finetune [OUT]   # one part (throughput, finetune, fp8, fp8-rowwise); the calls:
+#       --only throughput and --only fp8-rowwise, then --only finetune, then --only fp8 (9 min with the setup)
 #
 # OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB and the planner's
 # per row, then one profile table per row: device busy %, longest idle gaps, top kernels), finetune.md (the recipe
 # against transformers.Trainer, LoRA and full), fp8.md / fp8-rowwise.md (issue 46: the 1B YAML as shipped in bf16,
-# then in fp8, 100 steps each with their loss curves side by side; rowwise 30 steps) and the log of each part. On a lent
+# then in fp8, 100 steps each with their loss curves side by side, and each layer shape timed; fp8-rowwise.md: 30
+# steps of rowwise) and the log of each part. On a lent
 # machine (../shared/gpu/README.md): `source .gpu/setup.sh && bash bench/gpu_check.sh "$OUT"`. The GPU suite
 # stays the second command: `python3 -m pytest -m gpu -n 7 tests/recipes/test_gpu_end_to_end.py` (3.5 minutes).
 set -uo pipefail
@@ -17,12 +20,13 @@ SMOKE=0 ONLY=
 while [[ "${1:-}" == --* ]]; do
   case $1 in
     --smoke) SMOKE=1; shift ;;
-    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput, finetune or fp8" >&2; exit 2; }
+    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput, finetune, fp8 or fp8-rowwise" >&2; exit 2; }
             ONLY=$2; shift 2 ;;
-    *) echo "error: $1: use --smoke and/or --only throughput|finetune|fp8, then OUT" >&2; exit 2 ;;
+    *) echo "error: $1: use --smoke and/or --only throughput|finetune|fp8|fp8-rowwise, then OUT" >&2; exit 2 ;;
   esac
 done
-case $ONLY in ""|throughput|finetune|fp8) ;; *) echo "error: --only '$ONLY': use throughput, finetune or fp8" >&2; exit 2 ;; esac
+case $ONLY in ""|throughput|finetune|fp8|fp8-rowwise) ;;
+  *) echo "error: --only '$ONLY': use throughput, finetune, fp8 or fp8-rowwise" >&2; exit 2 ;; esac
 DEST=${1:-${OUT:-gpu-check}}
 mkdir -p "$DEST"
 PY=${PYTHON:-python3}
@@ -65,7 +69,8 @@ else
   FINETUNE=(--steps 10 --warmup 3)
   # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s, fine-tuning 118 s
   # before its two rows with the whole model compiled (~35 s each, compiling); the throughput rows were 3 then as now
-  echo "== estimate (an H200, 2026-11-27): setup 20 s + throughput 321 s + fine-tuning 118 s + 2 compiled fine-tune rows ~35 s each = ~530 s, 8.8 minutes" >&2
+  # fp8 on an H200 (2026-11-28): its two 100-step rows 441 s, the layer table 86 s, the rowwise row ~110 s
+  echo "== estimate (an H200): throughput 321 s, fine-tuning ~190 s, fp8 527 s, fp8-rowwise ~110 s: three device calls (the header's)" >&2
 fi
 
 status=0
@@ -90,10 +95,10 @@ if [[ -z $ONLY || $ONLY == fp8 ]]; then
   [[ -f "$DEST/fp8.md" ]] && cat "$DEST/fp8.md"
   part fp8-layers "$PY" bench/fp8_layers.py "${FP8_LAYERS[@]}" --out "$DEST/fp8-layers.md"
   [[ -f "$DEST/fp8-layers.md" ]] && cat "$DEST/fp8-layers.md"
-  if (( ${#FP8_ROWWISE[@]} )); then
-    part fp8-rowwise "$PY" bench/gpu_throughput.py "${FP8_ROWWISE[@]}" --strategies ddp --recipe-only \
-      --workdir "$WORK" --save "$DEST/fp8-rowwise.json" --out "$DEST/fp8-rowwise.md"
-    [[ -f "$DEST/fp8-rowwise.md" ]] && cat "$DEST/fp8-rowwise.md"
-  fi
+fi
+if [[ ( -z $ONLY || $ONLY == fp8-rowwise ) && ${#FP8_ROWWISE[@]} -gt 0 ]]; then
+  part fp8-rowwise "$PY" bench/gpu_throughput.py "${FP8_ROWWISE[@]}" --strategies ddp --recipe-only \
+    --workdir "$WORK" --save "$DEST/fp8-rowwise.json" --out "$DEST/fp8-rowwise.md"
+  [[ -f "$DEST/fp8-rowwise.md" ]] && cat "$DEST/fp8-rowwise.md"
 fi
 exit $status

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkit.config import UserError
-from toolkit.models.float8 import emulated
 from toolkit.parallel_layout import ParallelLayout
 
 Why = Callable[[Any, ParallelLayout, str], str | None]  # (recipe config, layout, precision) -> the line, or None
@@ -87,29 +86,16 @@ FP16_IN_A_PIPELINE = Rule("train.mixed_precision=fp16", lambda cfg, layout, prec
 ) if precision == "fp16" and layout.pp > 1 else None, None)
 
 def _fp8(cfg, layout: ParallelLayout, precision: str) -> str | None:
-    if cfg.train.mixed_precision != "fp8":
-        return None
-    if layout.model_parallel > 1:  # torchao converts tensor-parallel layers with float8 styles of its own, not ours
+    # torchao converts tensor-parallel layers with float8 styles of its own, not ours; the rest are untried
+    if cfg.train.mixed_precision == "fp8" and layout.model_parallel > 1:
         return (f"train.mixed_precision=fp8 trains under DDP, FSDP and ZeRO (data parallel), not with model parallel "
                 f"({_degrees(layout)}) yet; use bf16 there")
-    if _method(cfg) == "qlora":
-        return ("train.mixed_precision=fp8 converts linear layers to float8, and adapter.method=qlora's base is 4-bit "
-                "(bitsandbytes), not linear layers; use adapter.method=lora")
-    return None
-
-
-def _fp8_eager(cfg, layout: ParallelLayout, precision: str) -> str | None:
-    # float8's casts and scales are separate kernels eagerly: nanochat measured 0.23x bf16's speed without compile
-    if cfg.train.mixed_precision == "fp8" and cfg.model.compile == "none" and not emulated():
-        return ("train.mixed_precision=fp8 is slower than bf16 without torch.compile (its casts and scales run as "
-                "separate kernels); set model.compile=layers (or model)")
     return None
 
 
 RULES: tuple[Rule, ...] = (
     FP16_IN_A_PIPELINE,
     Rule("train.mixed_precision=fp8", _fp8, None),
-    Rule("train.mixed_precision=fp8 with model.compile=none", _fp8_eager, {"model.compile": "layers"}),
     Rule("adapter.method=qlora", _qlora, None),
     Rule("adapter.method=lora", lambda cfg, layout, precision: (
         f"{'tensor' if layout.tp > 1 else 'pipeline'} parallel trains a whole model, not a LoRA adapter, yet; use "

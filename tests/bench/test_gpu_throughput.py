@@ -71,3 +71,25 @@ def test_the_smoke_rows_run_the_code_paths_of_the_gpu_rows():
     on_cpu = [o for r in rows for o in bench.switch_overrides(r.switches, gpu=False)]
     assert "model.compile=model" in on_cpu and "model.compile=layers" in on_cpu and "model.loss=chunked" in on_cpu
     assert "model.attn_implementation=sdpa" in on_cpu and not any("flex" in o for o in on_cpu)
+
+
+def test_the_fp8_rows_and_their_smoke_form_and_the_loss_curves_side_by_side():
+    """Issue 46's GPU rows: the 1B YAML as shipped in bf16, then in fp8 (rowwise its own part); the smoke form runs
+    them with the 1B YAML's switches on CPU. The curves table puts the rows' logged losses side by side and says each
+    row's largest distance from the first."""
+    fp8 = bench.preset("fp8")
+    assert [r.extra for r in fp8] == ["", "train.mixed_precision=fp8"] and fp8[0].switches == "shipped"
+    assert [r.extra for r in bench.preset("fp8-rowwise")] == ["train.mixed_precision=fp8 train.fp8_recipe=rowwise"]
+    smoke = bench.preset("fp8-smoke")
+    assert [r.extra for r in smoke] == ["", "train.mixed_precision=fp8", "train.mixed_precision=fp8 train.fp8_recipe=rowwise"]
+    assert {r.switches for r in smoke} == {"fast"}
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    assert "export LLM_TOOLKIT_FP8_EMULATE=1" in script.split("if (( SMOKE )); then", 2)[2].split("else", 1)[0]
+    rows = fp8[:2]
+    results = [{"tokens_per_s": 1.0, "losses": [[3, 10.0], [6, 8.0]]},
+               {"tokens_per_s": 1.2, "losses": [[3, 10.1], [6, 7.6]], "fp8": "fp8: 80 of 113 linear layers"}]
+    lines = bench.curves(rows, results)
+    assert "| 6 | 8.0000 | 7.6000 |" in lines
+    assert lines[-1] == ("- train.mixed_precision=fp8: largest relative distance from the first row 5.00% (step 6), "
+                         "last step 5.00%; fp8: 80 of 113 linear layers")
+    assert bench.curves(rows[:1], results[:1]) == []

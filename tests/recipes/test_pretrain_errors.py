@@ -49,6 +49,11 @@ CASES = {
     "attention that cannot keep packed documents apart": (["model.attn_implementation=sdpa_paged"],
                                                           "cannot keep packed documents apart"),
     "fp16 on a CPU": (["train.mixed_precision=fp16"], "train.mixed_precision=fp16 needs a GPU"),
+    "fp8 on a CPU": (["train.mixed_precision=fp8", "model.compile=layers"],
+                     "train.mixed_precision=fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                     "this run is on cpu: use bf16"),
+    "fp8 without compile": (["train.mixed_precision=fp8"], "train.mixed_precision=fp8 is slower than bf16 without "
+                            "torch.compile"),
     "tracker not installed": (["logging.trackers=[tensorboard,wandb]"], "logging.trackers has wandb, but the wandb package is not installed"),
     "out of range": (["train.max_steps=-1"], "train.max_steps=-1 must be at least 1"),
     "profile: one step": (["logging.profile=[3]"], "logging.profile=[3]: give two step numbers, [FIRST, LAST]"),
@@ -103,9 +108,9 @@ LAUNCHED_PRECISION = {  # ACCELERATE_MIXED_PRECISION: what `accelerate launch` s
                            "bf16 (its config file or --mixed_precision) and train.mixed_precision=no: they contradict "
                            "each other; keep one (the shipped accelerate configs say \"no\" so that "
                            "train.mixed_precision decides)"),
-    "fp8": ("fp8", [], "error: the accelerate launch's mixed_precision is fp8; the toolkit trains in bf16, fp16 or "
-            "fp32: set mixed_precision \"no\" in the accelerate config (and drop --mixed_precision), then choose with "
-            "train.mixed_precision"),
+    "fp8": ("fp8", [], "error: the accelerate launch's mixed_precision is fp8; the toolkit trains in bf16, fp16, fp8 "
+            "or fp32 as train.mixed_precision says: set mixed_precision \"no\" in the accelerate config (and drop "
+            "--mixed_precision), then choose with train.mixed_precision (fp8: train.mixed_precision=fp8)"),
     # mixed_precision: bf16 in zero3.yaml: Accelerate refused it in 5 lines of a ValueError traceback
     "beside a DeepSpeed JSON": ("bf16", [], "error: the accelerate config sets mixed_precision beside "
                                 "deepspeed_config_file, which decides them: remove them from the accelerate config "

@@ -26,6 +26,9 @@ LAYOUTS["pipeline"] = ParallelLayout("ddp", 8, pp=2)
 CASES = {
     "train.mixed_precision=fp16": ("pretrain", [], "fp16", {"pipeline"},
                                    "train.pipeline_stages=2 with train.mixed_precision=fp16 is not supported"),
+    "train.mixed_precision=fp8": ("pretrain", ["train.mixed_precision=fp8", "model.compile=layers"], "bf16",
+                                  {"fsdp_cp", "fsdp_sp", "fsdp_tp", "zero3_sp", "pipeline"},
+                                  "train.mixed_precision=fp8 trains under DDP, FSDP and ZeRO (data parallel), not with"),
     "adapter.method=qlora": ("finetune", ["adapter.method=qlora"], "bf16",
                              set(LAYOUTS) - {"ddp"}, "adapter.method=qlora trains under DDP only ("),
     "adapter.method=lora": ("finetune", ["adapter.method=lora"], "bf16", {"fsdp_tp", "pipeline"},

@@ -77,6 +77,8 @@ REFUSED = {
                                        "rslora")},
     "train.mixed_precision": "the strategy's saved weights and optimizer state are in its precision",
 }
+# but for these: fp8 is bf16 with some matmuls in float8, over the same parameters, masters and optimizer state
+SAME_STATE_PRECISIONS = ({"bf16", "fp8"},)
 # Checked on their own, before these: the data order and the mixture (check_same_data_order, check_same_mixture),
 # and a streamed run's place in its stream (resume's rank_files).
 OWN_CHECK = ("seed", "train.global_batch_size", "data.sources", "data.stages", "data.streaming")
@@ -84,7 +86,7 @@ OWN_CHECK = ("seed", "train.global_batch_size", "data.sources", "data.stages", "
 # config; the rest is read at every step.
 SCHEDULE = ("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch", "optim.warmup_steps", "optim.schedule",
             "optim.min_lr_ratio", "train.max_steps")
-FROM_NEXT_STEP = ("optim.max_grad_norm", "train.epochs", "train.on_nonfinite", "train.max_nonfinite_skips",
+FROM_NEXT_STEP = ("optim.max_grad_norm", "train.epochs", "train.fp8_recipe", "train.on_nonfinite", "train.max_nonfinite_skips",
                   "adapter.dropout", "eval.blocks", "train.objective", "train.beta", "train.gamma", "train.orpo_lambda")
 # AdamW's hyperparameters travel with its saved state, which a resume loads over the config's: refused.
 KEPT_BY_THE_OPTIMIZER = ("optim.betas", "optim.eps", "optim.weight_decay")
@@ -143,7 +145,7 @@ def check_same_settings(checkpoint: Checkpoint, settings: dict, max_steps: int) 
     folder, saved = checkpoint.folder, checkpoint.state
     changed = {k: (saved.settings[k], v) for k, v in settings.items() if k in saved.settings and saved.settings[k] != v}
     refused = [f"{key}={_said(a)} (this run has {_said(b)}: {REFUSED[k]})" for k, (was, now) in changed.items()
-               if k in REFUSED for key, a, b in _differences(k, was, now)]
+               if k in REFUSED and not _same_state(k, was, now) for key, a, b in _differences(k, was, now)]
     if refused:
         raise UserError(
             f"checkpoint {folder} was trained with {'; '.join(refused)}; a resume cannot take "
@@ -163,6 +165,10 @@ def check_same_settings(checkpoint: Checkpoint, settings: dict, max_steps: int) 
             f"resume cannot go back; set train.max_steps >= {saved.step}, or resume=PATH an earlier checkpoint"
         )
     return changed
+
+
+def _same_state(key: str, was, now) -> bool:
+    return key == "train.mixed_precision" and any({was, now} <= same for same in SAME_STATE_PRECISIONS)
 
 
 def _differences(key: str, was, now):

@@ -14,6 +14,7 @@ from toolkit.data.chat import ChatDataConfig
 from toolkit.data.corpus import DataConfig
 from toolkit.data.records import ColumnsConfig
 from toolkit.data.tokenizer import TokenizerConfig
+from toolkit.models import float8
 from toolkit.models.adapter import AdapterConfig
 from toolkit.models.base_model import BaseModelConfig
 from toolkit.models.preference_loss import PreferenceLoss
@@ -118,6 +119,8 @@ class RunConfig:
             problems.append(f"seed={self.seed} must be in [0, {SEED_MAX}]")
         if not check_steps(self.logging.profile) and self.train.epochs is None:  # else the steps follow from the data
             problems += [f"logging.{p}" for p in check_steps(self.logging.profile, self.train.max_steps)]
+        if self.train.mixed_precision == "fp8":
+            problems += float8.config_problems(self)
         if self.train.epochs is not None and (self.data.sources or getattr(self.data, "streaming", False)):
             problems.append(f"train.epochs={self.train.epochs:g} counts passes over one prepared corpus; with "
                             f"data.{'sources' if self.data.sources else 'streaming'} give train.max_steps instead")

@@ -26,6 +26,8 @@ CASES = {
     "data.text_column": (FinetuneConfig, "data.text_column=body", ["data.format=chat"], []),
     "data.stream_val_documents": (PretrainConfig, "data.stream_val_documents=5", [], ["data.streaming=true"]),
     "train.max_nonfinite_skips": (PretrainConfig, "train.max_nonfinite_skips=9", ["train.on_nonfinite=abort"], []),
+    "train.fp8_recipe": (PretrainConfig, "train.fp8_recipe=rowwise", ["train.mixed_precision=bf16"],
+                         ["train.mixed_precision=fp8", "model.compile=layers"]),
     "model.gradient_checkpointing_k": (PretrainConfig, "model.gradient_checkpointing_k=3", [],
                                        ["model.gradient_checkpointing=every_k"]),
     "model.loss_chunk_tokens": (PretrainConfig, "model.loss_chunk_tokens=64", [], ["model.loss=chunked"]),
