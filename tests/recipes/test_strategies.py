@@ -298,7 +298,7 @@ EMULATED = {"LLM_TOOLKIT_FP8_EMULATE": "1"}
 @pytest.fixture(scope="module")
 def fp8_runs(tmp_path_factory, data_cache):
     runs = {}
-    for strategy in ("one process", "ddp", "fsdp", "zero2", "zero3"):
+    for strategy in ("one process", "ddp", "fsdp", "zero1", "zero2", "zero3"):
         out = tmp_path_factory.mktemp(f"fp8-{strategy.replace(' ', '-')}") / "run"
         proc = run_recipe("pretrain", [*FP8, f"output_dir={out}"], nproc=1 if strategy == "one process" else 2,
                           cache=data_cache, accelerate_config="ddp.yaml" if strategy == "one process" else f"{strategy}.yaml",
@@ -331,11 +331,12 @@ def test_fp8_trains_under_every_strategy_as_on_one_process(fp8_runs, bf16_finals
 
 def test_a_checkpoint_moves_between_fp8_and_bf16_and_exports(fp8_runs, bf16_finals, data_cache, tmp_path):
     """fp8 is bf16 with float8 matmuls over the same parameters and optimizer state: a checkpoint of either resumes
-    in the other, said in the resume's line, under another strategy too; an fp8 ZeRO-3 checkpoint exports."""
+    in the other, said in the resume's line, under another strategy too (DDP's fp8 checkpoint under FSDP2 in bf16);
+    an fp8 ZeRO-3 checkpoint exports."""
     fp8_ddp = fp8_runs["ddp"][0] / "checkpoints" / "step-3"
     out = tmp_path / "to-bf16"
-    proc = run_recipe("pretrain", [*BF16, "train.max_steps=4", f"output_dir={out}", f"resume={fp8_ddp}"], nproc=1,
-                      cache=data_cache)
+    proc = run_recipe("pretrain", [*BF16, "train.max_steps=4", f"output_dir={out}", f"resume={fp8_ddp}"], nproc=2,
+                      cache=data_cache, accelerate_config="fsdp.yaml")
     said = proc.stdout + proc.stderr
     assert "resumed with changed settings, taken from step 4 on: train.mixed_precision fp8 -> bf16" in said
     assert sorted(losses(out)) == [4]
