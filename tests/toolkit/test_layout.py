@@ -157,11 +157,6 @@ def test_tests_mirror_the_toolkit_layout():
 STRATEGY_BRANCH = re.compile(r"\blayout\.kind\b|\blayout\.files\b|\bsaved\.files\b|\bpipeline is (not )?None\b"
                              r"|\bds_owned\b|deepspeed_engine_wrapped")
 STRATEGY_BRANCHES = {
-    # the planner's memory model per family, from StrategyFacts (an accelerate config read without a launch)
-    "toolkit/planner/estimate.py": (7, "buffers and moments of each family's step"),
-    "toolkit/planner/state.py": (3, "params, grads, optimizer state and masters each family holds per rank"),
-    "toolkit/planner/facts.py": (2, "what a DeepSpeed or FSDP accelerate config says of offload and buckets"),
-    "toolkit/planner/activations.py": (1, "where the sharded families gather each layer's weights"),
     # a user's DeepSpeed JSON may own the optimizer and schedule: the recipe builds placeholders and says so
     "toolkit/training/optim.py": (3, "placeholders for the optimizer and schedule a DeepSpeed JSON owns"),
     "toolkit/training/trainer.py": (4, "the DeepSpeed-owned line and settings; a pipeline's own step"),

@@ -24,6 +24,7 @@ from toolkit.launch.environment import local_world_size
 from toolkit.planner.activations import Shapes, activation_bytes, dtypes, loss_bytes, sequence_mask_bytes
 from toolkit.planner.facts import Run, StrategyFacts, live_facts
 from toolkit.planner.state import Held, Stage, model_tensors, pipeline_stages, stage_tensors, state_bytes
+from toolkit.strategy.distributed import backend_of
 
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
 ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
@@ -61,7 +62,7 @@ def estimate(model: torch.nn.Module, run: Run, tensors: list[Held] | None = None
 
 def _estimate_stage(tensors: list[Held], shapes: Shapes, run: Run, stage: Stage) -> Estimate:
     held = state_bytes(tensors, run)
-    s, w = run.strategy, run.world
+    s = run.strategy
     acts = activation_bytes(shapes, run, stage.layers)
     acts["saved"] *= stage.in_flight
     rb, cb, _ = dtypes(run)
@@ -75,68 +76,36 @@ def _estimate_stage(tensors: list[Held], shapes: Shapes, run: Run, stage: Stage)
     loss = loss_bytes(shapes, run, head is not None and head.trainable)
     if not stage.last:  # the final norm, the head and the loss are the last stage's
         loss = dict.fromkeys(loss, 0)
-    grads_full = held["grads"]
     # between micro-batches ZeRO-1 keeps whole gradients, reduced into its partition only at the boundary;
     # a pipeline stage holds gradients beside its most activations only when a forward follows its first backward
-    grads_held = held.get("grads_peak", grads_full) if run.accumulation > stage.in_flight else 0
-    layer = shapes.layer_params // s.layout.tp  # a rank's slice of a layer under tensor parallel (its norms whole: ~1e-4)
-    # buffers that communication and gathering keep
-    buffers_fwd = buffers_bwd = 0
-    static_buffers = 0
-    end_of_backward = None
-    if s.layout.pp > 1:  # a stage is not wrapped in DDP (Pipeline all-reduces its replicas' gradients itself)
-        static_buffers = receive_buffers(shapes, run, stage)
-    elif s.layout.kind in ("single", "ddp") and w > 1:
-        static_buffers = sum(t.numel for t in tensors if t.trainable) * (torch.finfo(run.param_dtype).bits // 8)
-    elif s.layout.kind == "fsdp" and s.layout.tp > 1 and w // s.layout.tp == 1:
-        # tensor parallel with one data-parallel group: toolkit.strategy.tensor_parallel wraps only the
-        # root in FSDP2 over a mesh of one, which copies every parameter into its unsharded buffer (torch's
-        # world-size-1 path) and, being the root, keeps it from the forward to the end of the backward;
-        # there all the unsharded gradients are held at once, then copied into the reduce's input
-        pb = torch.finfo(run.param_dtype).bits // 8
-        local = sum(math.prod(t.tp_slice(s.layout.tp)) for t in tensors)
-        buffers_fwd = buffers_bwd = local * pb
-        unsharded_grads = sum(math.prod(t.tp_slice(s.layout.tp)) for t in tensors if t.trainable) * pb
-        end_of_backward = {"grads": grads_held + unsharded_grads, "activations": 0, "logits_loss": 0, "buffers": local * pb}
-    elif s.layout.kind == "fsdp":
-        # FSDP2 gathers in its param_dtype (the compute dtype); transformers' FSDP2 under tensor parallel
-        # in the weights' own dtype, and it keeps the output head (and final norm) unsharded from the
-        # forward to the backward (its _fsdp_plan: keep_full_weight)
-        wb = cb if s.layout.tp == 1 else torch.finfo(run.param_dtype).bits // 8
-        gathered = (1 if s.reshard_after_forward else shapes.layers) * layer * wb + layer * wb  # this layer + the prefetched next
-        if s.layout.tp > 1 and head is not None:
-            gathered += math.prod(head.tp_slice(s.layout.tp)) * wb
-        buffers_fwd = gathered
-        buffers_bwd = gathered + layer * (wb + 4)  # unsharded gradients and their fp32 reduce-scatter input
-    elif s.layout.kind == "deepspeed":
-        bucket = s.reduce_bucket * cb * (2 if s.overlap_comm else 1)
-        buffers_bwd = bucket
-        if s.layout.zero_stage == 3:
-            buffers_fwd = layer * cb + s.prefetch_bucket * cb
-            buffers_bwd += buffers_fwd
+    grads_held = held.get("grads_peak", held["grads"]) if run.accumulation > stage.in_flight else 0
+    backend = backend_of(s.layout)
+    buffers = backend.planned_buffers(run, shapes, tensors, head, stage, grads_held, (rb, cb))
     moments = {
-        "forward": {"grads": grads_held, "activations": acts["saved"], "logits_loss": loss["forward"], "buffers": buffers_fwd},
+        "forward": {"grads": grads_held, "activations": acts["saved"], "logits_loss": loss["forward"],
+                    "buffers": buffers.forward},
         "loss backward": {
             "grads": grads_held, "activations": acts["saved"], "logits_loss": loss["kept"] + loss["backward"],
-            "buffers": buffers_bwd,
+            "buffers": buffers.backward,
         },
         "last layer's backward": {
             "grads": max(grads_held, _head_grad(head, s.layout.tp)),
-            "activations": acts["saved"] + acts["recompute"] + acts["transient"], "logits_loss": 0, "buffers": buffers_bwd,
+            "activations": acts["saved"] + acts["recompute"] + acts["transient"], "logits_loss": 0,
+            "buffers": buffers.backward,
         },
         "optimizer step": {
-            "grads": grads_full + (held["master"] if s.layout.kind == "deepspeed" else 0),  # ZeRO: + the fp32 gradient partition
+            "grads": backend.step_gradients(held),
             "activations": sequence_mask_bytes(run), "logits_loss": 0, "buffers": 0,  # the strategy keeps the mask
         },
     }
-    if end_of_backward:
-        moments["end of backward"] = end_of_backward
-    if not run.fused_adam and s.layout.kind in ("single", "ddp", "fsdp"):
+    if buffers.end_of_backward:
+        moments["end of backward"] = buffers.end_of_backward
+    if not run.fused_adam and backend.foreach_temporaries:
         moments["optimizer step"]["buffers"] = held["optimizer"] // 2  # foreach AdamW's sqrt(v) temporaries
     moment, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     parts = {"params": held["params"], "optimizer": held["optimizer"], "master": held["master"], **parts}
     held = {k: v for k, v in held.items() if k != "grads_peak"}
-    parts["buffers"] += static_buffers
+    parts["buffers"] += buffers.static
     peak = sum(parts.values())
     reserve = CUDA_CONTEXT + int(ALLOCATOR_SLACK * peak)
     return Estimate(parts=parts, peak_bytes=peak, moment=moment, reserve_bytes=reserve, held=held,
@@ -148,16 +117,6 @@ def cpu_reserve(peak_bytes: int) -> int:
     allocator's slack): the runtime and the free memory its allocator keeps beside the live tensors (mimalloc, which
     the launcher preloads into CPU ranks: toolkit.launch.launcher.cpu_allocator)."""
     return CPU_RUNTIME + int(CPU_ALLOCATOR_SLACK * peak_bytes)
-
-
-def receive_buffers(shapes: Shapes, run: Run, stage: Stage) -> int:
-    """A pipeline stage's receive buffers: torch.distributed.pipelining allocates, for every micro-batch of
-    the step (not only those in flight), one for the hidden states and position ids it receives (all
-    but the first stage) and one for the gradient coming back (all but the last), and keeps them."""
-    tokens = run.micro_batch * run.local_seq
-    rb = dtypes(run)[0]
-    received = (0 if stage.first else rb * shapes.hidden + 8) + (0 if stage.last else rb * shapes.hidden)
-    return run.accumulation * tokens * received
 
 
 def _head_grad(head: Held | None, tp: int = 1) -> int:
@@ -188,8 +147,8 @@ def check_fits(model: torch.nn.Module, strategy, what: str) -> None:
     per_process = training_state_bytes(model, facts, strategy.layout.world, precision)
     device = strategy.device
     if device.type == "cuda":
-        if facts.layout.kind == "fsdp" and facts.offload_params:
-            return  # FSDP's CPU offload keeps the weights, gradients and optimizer state on the host
+        if backend_of(facts.layout).state_on_host(facts):
+            return
         free, machine = torch.cuda.mem_get_info(device)[0], "this GPU has"
         need = per_process
     else:

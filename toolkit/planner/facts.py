@@ -171,10 +171,6 @@ def rank_key(strategy: str, checkpointing: str, every_k: int, micro_batch: int, 
 def live_facts(strategy) -> StrategyFacts:
     """StrategyFacts of a launched toolkit.strategy.distributed.Strategy (what read_strategy reads
     from its config file), for the sizes of model state."""
-    acc, layout = strategy.accelerator, strategy.layout
-    offload_params = False
-    if layout.kind == "deepspeed":
-        offload_params = "param" in layout.offload  # as the launch recorded it
-    elif layout.kind == "fsdp":
-        offload_params = bool(getattr(getattr(acc.state.fsdp_plugin, "cpu_offload", None), "offload_params", False))
-    return StrategyFacts(layout.name, layout, offload_optimizer=strategy.offloads_optimizer, offload_params=offload_params)
+    layout = strategy.layout
+    return StrategyFacts(layout.name, layout, offload_optimizer=strategy.offloads_optimizer,
+                         offload_params=strategy.backend.offloads_parameters(strategy))

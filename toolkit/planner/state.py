@@ -11,6 +11,7 @@ import torch
 
 from toolkit.models.router import expert_count
 from toolkit.planner.facts import Run
+from toolkit.strategy.distributed import backend_of
 
 
 @dataclass
@@ -132,14 +133,11 @@ def stage_tensors(model: torch.nn.Module, tensors: list[Held], stage: Stage) -> 
 
 def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
     """The largest rank's params, grads (at the accumulation boundary), optimizer state and fp32
-    master weights, in the terms of toolkit.strategy.sharding.held_bytes."""
-    s, w = run.strategy, run.world
-    pb = torch.finfo(run.param_dtype).bits // 8
-    if s.layout.kind == "deepspeed" and run.precision != "fp32":
-        pb = 2  # DeepSpeed's bf16/fp16 mode turns the module's weights to 16 bits; fp32 masters apart
+    master weights, in the terms of toolkit.strategy.sharding.held_bytes, as its strategy family holds them."""
+    backend = backend_of(run.strategy.layout)
+    pb = backend.planned_parameter_bytes(run, torch.finfo(run.param_dtype).bits // 8)
     gb = pb  # gradients come in the weights' dtype
     step = 4  # torch AdamW's step: one fp32 scalar per state-holding tensor
-    groups = _groups(tensors)
 
     def stored(t: Held, numel: int | None = None) -> float:
         n = t.numel if numel is None else numel
@@ -147,55 +145,4 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
         # head, norms)
         return n * 0.516 if t.quantized else n * (4 if run.quantized_base and not t.trainable else pb)
 
-    if s.layout.kind in ("single", "ddp") or (s.layout.kind == "deepspeed" and s.layout.zero_stage == 0):
-        train = sum(t.numel for g in groups for t in g)
-        n_state = sum(len(g) for g in groups)
-        return {
-            "params": int(sum(stored(t) for t in tensors)),
-            "grads": train * gb,
-            "optimizer": 8 * train + step * n_state,
-            "master": 0,
-        }
-    if s.layout.kind == "fsdp":
-        # tensor parallel: FSDP2 shards each rank's slice over the data-parallel groups (the 2-D
-        # mesh dp x tp); context parallel: over every rank (Accelerate's FSDP2, as fsdp.yaml)
-        dp = w // s.layout.tp
-
-        def shard(t: Held) -> int:  # rank 0 holds the first ceil(dim0 / dp) rows of its slice
-            shape = t.tp_slice(s.layout.tp)
-            rows = min(math.ceil(shape[0] / dp), shape[0]) if shape else 1
-            return math.prod(shape) // max(1, shape[0]) * rows if shape else 1
-
-        train = [t for g in groups for t in g]
-        return {
-            "params": int(sum(stored(t, shard(t)) for t in tensors)),
-            "grads": sum(shard(t) for t in train) * gb,
-            "optimizer": sum(8 * shard(t) + step for t in train),
-            "master": 0,
-        }
-    if s.layout.zero_stage in (1, 2):
-        # stage_1_and_2.py: each group flattened, padded to a multiple of 2 x world, cut in world parts
-        parts = [math.ceil(sum(t.numel for t in g) / (2 * w)) * 2 for g in groups]
-        part = sum(parts)
-        full_grads = sum(t.numel for g in groups for t in g) * gb
-        return {
-            "params": int(sum(stored(t) for t in tensors)),
-            "grads": part * gb,  # measured at the boundary: ZeRO-1 has reduced them into its partition too
-            "optimizer": 0 if s.offload_optimizer else 8 * part + step * len(parts),
-            "master": 0 if s.offload_optimizer else 4 * part,
-            "grads_peak": full_grads if s.layout.zero_stage == 1 else part * gb,
-        }
-    # ZeRO-3: every parameter partitioned; the small ones (persistence threshold) also whole
-    def part3(t: Held) -> int:
-        return math.ceil(t.numel / w)
-
-    train = [t for g in groups for t in g]
-    persisted = sum(stored(t) for t in tensors if t.numel <= s.persistence_threshold)
-    partitions = sum(stored(t, part3(t)) for t in tensors)
-    master = sum(part3(t) for t in train)
-    return {
-        "params": 0 if s.offload_params else int(partitions + persisted),
-        "grads": master * gb,
-        "optimizer": 0 if s.offload_optimizer else 8 * master + step * len(groups),
-        "master": 0 if s.offload_optimizer else 4 * master,
-    }
+    return backend.planned_state(run, tensors, _groups(tensors), stored, gb, step)

@@ -56,6 +56,11 @@ def family(layout: ParallelLayout) -> str:
     """The strategy family that trains `layout`: pipeline stages run under DDP's launch, as a family of their own."""
     return "pipeline" if layout.pp > 1 else layout.kind
 
+
+def backend_of(layout: ParallelLayout) -> Backend:
+    """What `layout`'s strategy family does its own way (toolkit.strategy.backends), launched or not."""
+    return BACKENDS[family(layout)]
+
 def launched_layout(accelerator: Accelerator, sizes: dict[str, int], world: int, stages: int = 1) -> ParallelLayout:
     """This launch's ParallelLayout: the strategy kind, ZeRO stage, offload and FSDP version as the
     Accelerator took them from the accelerate config (and its DeepSpeed JSON)."""
@@ -132,7 +137,7 @@ class Strategy:
     @property
     def backend(self) -> Backend:
         """What this launch's strategy family does its own way (toolkit.strategy.backends)."""
-        return BACKENDS[family(self.layout)]
+        return backend_of(self.layout)
 
     @property
     def is_replicated(self) -> bool:

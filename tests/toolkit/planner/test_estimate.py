@@ -31,15 +31,17 @@ from toolkit.config import UserError
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.planner.activations import (
     Shapes,
+    dtypes,
     layer_bytes,
     loss_bytes,
     norm_core_bytes_per_token,
     sequence_mask_bytes,
     stream_tokens,
 )
-from toolkit.planner.estimate import estimate, receive_buffers
+from toolkit.planner.estimate import estimate
 from toolkit.planner.facts import Run, StrategyFacts, live_facts, read_strategy
 from toolkit.planner.state import model_tensors, pipeline_stages, stage_tensors, state_bytes
+from toolkit.strategy.distributed import backend_of
 
 POINTS = json.loads(Path(__file__).with_name("gpu_memory_points.json").read_text())
 
@@ -159,7 +161,9 @@ def test_pipeline_stages_hold_what_the_estimate_says(tmp_path):
         held = state_bytes(stage_tensors(model, tensors, stage), run)
         for key in ("params", "grads", "optimizer"):
             assert held[key] == rank[key], f"stage {stage.index} {key}"
-        assert receive_buffers(Shapes.of(model), run, stage) == rank["buffers"], f"stage {stage.index}"
+        buffers = backend_of(run.strategy.layout).planned_buffers(run, Shapes.of(model), [], None, stage, 0,
+                                                                  dtypes(run)[:2])
+        assert buffers.static == rank["buffers"], f"stage {stage.index}"  # the stage's receive buffers
     embedding = 512 * 128 * 4
     assert ranks[0]["params"] + ranks[1]["params"] == state_bytes(tensors, run)["params"] + embedding, \
         "the tied embedding/head counted on both ends"
@@ -212,7 +216,8 @@ def launched(kind: str = "single", world: int = 1, device: str = "cpu", precisio
                          if offload_params else {})
     fsdp = SimpleNamespace(cpu_offload=SimpleNamespace(offload_params=offload_params))
     accelerator = SimpleNamespace(mixed_precision=precision, state=SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp))
-    return SimpleNamespace(accelerator=accelerator, layout=ParallelLayout(kind, world, zero_stage=zero_stage),
+    layout = ParallelLayout(kind, world, zero_stage=zero_stage)
+    return SimpleNamespace(accelerator=accelerator, layout=layout, backend=backend_of(layout),
                            offloads_optimizer=offload_optimizer, device=torch.device(device))
 
 

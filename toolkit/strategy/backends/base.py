@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -42,6 +42,26 @@ class Backend(Protocol):
     def check_replicas(self, strategy: Strategy, model: torch.nn.Module) -> list[str]: ...
     def optimizer_names(self, strategy: Strategy) -> list[list[str]] | None: ...
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool: ...
+    # what recipes/plan.py's memory model (toolkit.planner) takes of the family, before any launch
+    foreach_temporaries: bool
+    def casts_weights(self, layout: ParallelLayout) -> bool: ...
+    def offloads_parameters(self, strategy: Strategy) -> bool: ...
+    def state_on_host(self, facts) -> bool: ...
+    def planned_parameter_bytes(self, run, bytes_per_weight: int) -> int: ...
+    def planned_state(self, run, tensors: list, groups: list[list], stored: Callable, grad_bytes: int,
+                      step_bytes: int) -> dict[str, int]: ...
+    def planned_buffers(self, run, shapes, tensors: list, head, stage, grads_held: int,
+                        dtype_bytes: tuple[int, int]) -> PlannedBuffers: ...
+    def step_gradients(self, held: dict[str, int]) -> int: ...
+
+
+class PlannedBuffers(NamedTuple):
+    """What a family's communication and gathering keep, in bytes per rank (toolkit.planner.estimate)."""
+
+    forward: int = 0
+    backward: int = 0
+    static: int = 0  # for the whole step
+    end_of_backward: dict[str, int] | None = None  # a moment of its own, where the family has one
 
 
 class DataParallel:
@@ -129,6 +149,41 @@ class DataParallel:
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
         """Whether Accelerate's load_state reads a checkpoint `saved` wrote into a run of `layout` as it is."""
         return saved.files == layout.files
+
+    # ------------------------------------- what the planner takes of the family (toolkit.planner), without a launch
+    foreach_temporaries = True  # torch's foreach AdamW holds sqrt(v) temporaries at its step
+
+    def casts_weights(self, layout: ParallelLayout) -> bool:
+        """Whether the strategy casts the weights to the compute dtype, rather than autocast each matmul's input."""
+        return False
+
+    def offloads_parameters(self, strategy: Strategy) -> bool:
+        """Whether the launched strategy keeps the parameters on the CPU."""
+        return False
+
+    def state_on_host(self, facts) -> bool:
+        """Whether the weights, gradients and optimizer state all stay on the host (StrategyFacts `facts`)."""
+        return False
+
+    def planned_parameter_bytes(self, run, bytes_per_weight: int) -> int:
+        """The bytes of a weight as the family holds it (toolkit.planner.state.Run `run`)."""
+        return bytes_per_weight
+
+    def planned_state(self, run, tensors, groups, stored, grad_bytes, step_bytes) -> dict[str, int]:
+        """The largest rank's params, grads (at the accumulation boundary), optimizer state and fp32 masters, of
+        `tensors` (toolkit.planner.state.Held) in their optimizer `groups`; `stored(t, numel)`: a weight's bytes."""
+        train = sum(t.numel for g in groups for t in g)
+        return {"params": int(sum(stored(t) for t in tensors)), "grads": train * grad_bytes,
+                "optimizer": 8 * train + step_bytes * sum(len(g) for g in groups), "master": 0}
+
+    def planned_buffers(self, run, shapes, tensors, head, stage, grads_held, dtype_bytes) -> PlannedBuffers:
+        """The buffers its communication keeps (toolkit.planner.estimate); `dtype_bytes`: the residual stream's and the
+        matmul inputs' (toolkit.planner.activations.dtypes)."""
+        return PlannedBuffers()
+
+    def step_gradients(self, held: dict[str, int]) -> int:
+        """The gradient bytes held at the optimizer step."""
+        return held["grads"]
 
 
 def named_groups(strategy: Strategy) -> list[list[str]] | None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from toolkit.strategy.backends.base import DataParallel, Strategy, named_groups
+import torch
+
+from toolkit.strategy.backends.base import DataParallel, PlannedBuffers, Strategy, named_groups
 
 
 class Ddp(DataParallel):
@@ -14,6 +16,12 @@ class Ddp(DataParallel):
     def optimizer_names(self, strategy: Strategy) -> list[list[str]] | None:
         """optimizer.bin numbers the parameters; the checkpoint says which is which (a conversion needs it)."""
         return named_groups(strategy)
+
+    def planned_buffers(self, run, shapes, tensors, head, stage, grads_held, dtype_bytes) -> PlannedBuffers:
+        """DistributedDataParallel's buckets hold a copy of every trainable gradient, in the weights' dtype."""
+        if run.world == 1:
+            return PlannedBuffers()
+        return PlannedBuffers(static=sum(t.numel for t in tensors if t.trainable) * (torch.finfo(run.param_dtype).bits // 8))
 
 
 BACKEND = Ddp()

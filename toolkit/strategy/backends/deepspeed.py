@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from toolkit.launch.environment import has_gpu
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.strategy.backends.base import DataParallel, Strategy, any_nonfinite
+from toolkit.strategy.backends.base import DataParallel, PlannedBuffers, Strategy, any_nonfinite
 from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite
 
 
@@ -77,6 +78,62 @@ class DeepSpeed(DataParallel):
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
         """ZeRO's partitions fit only the stage and world size that wrote them."""
         return saved.files == layout.files and saved.world in (0, layout.world)
+
+    # ------------------------------------------------------------------ the planner's
+    foreach_temporaries = False  # the engine steps its own flat partitions
+
+    def casts_weights(self, layout: ParallelLayout) -> bool:
+        """Its bf16/fp16 mode turns the module's weights to 16 bits."""
+        return True
+
+    def offloads_parameters(self, strategy: Strategy) -> bool:
+        return "param" in strategy.layout.offload  # as the launch recorded it
+
+    def planned_parameter_bytes(self, run, bytes_per_weight: int) -> int:
+        return bytes_per_weight if run.precision == "fp32" else 2  # 16-bit weights, fp32 masters apart
+
+    def planned_state(self, run, tensors, groups, stored, grad_bytes, step_bytes) -> dict[str, int]:
+        s, w = run.strategy, run.world
+        if s.layout.zero_stage == 0:
+            return super().planned_state(run, tensors, groups, stored, grad_bytes, step_bytes)
+        if s.layout.zero_stage in (1, 2):
+            # stage_1_and_2.py: each group flattened, padded to a multiple of 2 x world, cut in world parts
+            parts = [math.ceil(sum(t.numel for t in g) / (2 * w)) * 2 for g in groups]
+            part = sum(parts)
+            full_grads = sum(t.numel for g in groups for t in g) * grad_bytes
+            return {
+                "params": int(sum(stored(t) for t in tensors)),
+                "grads": part * grad_bytes,  # measured at the boundary: ZeRO-1 has reduced them into its partition too
+                "optimizer": 0 if s.offload_optimizer else 8 * part + step_bytes * len(parts),
+                "master": 0 if s.offload_optimizer else 4 * part,
+                "grads_peak": full_grads if s.layout.zero_stage == 1 else part * grad_bytes,
+            }
+
+        # ZeRO-3: every parameter partitioned; the small ones (persistence threshold) also whole
+        def part3(t) -> int:
+            return math.ceil(t.numel / w)
+
+        train = [t for g in groups for t in g]
+        persisted = sum(stored(t) for t in tensors if t.numel <= s.persistence_threshold)
+        partitions = sum(stored(t, part3(t)) for t in tensors)
+        master = sum(part3(t) for t in train)
+        return {
+            "params": 0 if s.offload_params else int(partitions + persisted),
+            "grads": master * grad_bytes,
+            "optimizer": 0 if s.offload_optimizer else 8 * master + step_bytes * len(groups),
+            "master": 0 if s.offload_optimizer else 4 * master,
+        }
+
+    def planned_buffers(self, run, shapes, tensors, head, stage, grads_held, dtype_bytes) -> PlannedBuffers:
+        s, compute_bytes = run.strategy, dtype_bytes[1]
+        bucket = s.reduce_bucket * compute_bytes * (2 if s.overlap_comm else 1)
+        if s.layout.zero_stage != 3:
+            return PlannedBuffers(0, bucket)
+        gathered = shapes.layer_params // s.layout.tp * compute_bytes + s.prefetch_bucket * compute_bytes
+        return PlannedBuffers(gathered, bucket + gathered)
+
+    def step_gradients(self, held: dict[str, int]) -> int:
+        return held["grads"] + held["master"]  # + the fp32 gradient partition
 
 
 BACKEND = DeepSpeed()

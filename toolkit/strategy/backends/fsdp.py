@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from toolkit.config import UserError
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.strategy.backends.base import DataParallel, Strategy
+from toolkit.strategy.backends.base import DataParallel, PlannedBuffers, Strategy
 
 
 class Fsdp(DataParallel):
@@ -34,6 +36,61 @@ class Fsdp(DataParallel):
         """torch.distributed.checkpoint reshards FSDP2's DCP files to any number of processes on load (FSDP1's
         only to the world that wrote them)."""
         return saved.files == layout.files and (layout.files == "fsdp2" or saved.world in (0, layout.world))
+
+
+    # ------------------------------------------------------------------ the planner's
+    def casts_weights(self, layout: ParallelLayout) -> bool:
+        """FSDP2's param_dtype (transformers' FSDP2 under tensor parallel keeps the weights' own)."""
+        return layout.tp == 1
+
+    def offloads_parameters(self, strategy: Strategy) -> bool:
+        offload = getattr(strategy.accelerator.state.fsdp_plugin, "cpu_offload", None)
+        return bool(getattr(offload, "offload_params", False))
+
+    def state_on_host(self, facts) -> bool:
+        """FSDP's CPU offload keeps the weights, gradients and optimizer state on the host."""
+        return facts.offload_params
+
+    def planned_state(self, run, tensors, groups, stored, grad_bytes, step_bytes) -> dict[str, int]:
+        # tensor parallel: FSDP2 shards each rank's slice over the data-parallel groups (the 2-D mesh dp x tp);
+        # context parallel: over every rank (Accelerate's FSDP2, as fsdp.yaml)
+        tp = run.strategy.layout.tp
+        dp = run.world // tp
+
+        def shard(t) -> int:  # rank 0 holds the first ceil(dim0 / dp) rows of its slice
+            shape = t.tp_slice(tp)
+            rows = min(math.ceil(shape[0] / dp), shape[0]) if shape else 1
+            return math.prod(shape) // max(1, shape[0]) * rows if shape else 1
+
+        train = [t for g in groups for t in g]
+        return {
+            "params": int(sum(stored(t, shard(t)) for t in tensors)),
+            "grads": sum(shard(t) for t in train) * grad_bytes,
+            "optimizer": sum(8 * shard(t) + step_bytes for t in train),
+            "master": 0,
+        }
+
+    def planned_buffers(self, run, shapes, tensors, head, stage, grads_held, dtype_bytes) -> PlannedBuffers:
+        s, tp, compute_bytes = run.strategy, run.strategy.layout.tp, dtype_bytes[1]
+        layer = shapes.layer_params // tp  # a rank's slice of a layer under tensor parallel (its norms whole: ~1e-4)
+        if tp > 1 and run.world // tp == 1:
+            # tensor parallel with one data-parallel group: toolkit.strategy.tensor_parallel wraps only the
+            # root in FSDP2 over a mesh of one, which copies every parameter into its unsharded buffer (torch's
+            # world-size-1 path) and, being the root, keeps it from the forward to the end of the backward;
+            # there all the unsharded gradients are held at once, then copied into the reduce's input
+            pb = torch.finfo(run.param_dtype).bits // 8
+            local = sum(math.prod(t.tp_slice(tp)) for t in tensors)
+            unsharded_grads = sum(math.prod(t.tp_slice(tp)) for t in tensors if t.trainable) * pb
+            return PlannedBuffers(local * pb, local * pb, 0, {"grads": grads_held + unsharded_grads, "activations": 0,
+                                                              "logits_loss": 0, "buffers": local * pb})
+        # FSDP2 gathers in its param_dtype (the compute dtype); transformers' FSDP2 under tensor parallel
+        # in the weights' own dtype, and it keeps the output head (and final norm) unsharded from the
+        # forward to the backward (its _fsdp_plan: keep_full_weight)
+        wb = compute_bytes if tp == 1 else torch.finfo(run.param_dtype).bits // 8
+        gathered = (1 if s.reshard_after_forward else shapes.layers) * layer * wb + layer * wb  # this layer + the next
+        if tp > 1 and head is not None:
+            gathered += math.prod(head.tp_slice(tp)) * wb
+        return PlannedBuffers(gathered, gathered + layer * (wb + 4))  # + unsharded gradients, their fp32 reduce input
 
 
 BACKEND = Fsdp()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.strategy.backends.base import DataParallel, Strategy, parameter_digest
+from toolkit.strategy.backends.base import DataParallel, PlannedBuffers, Strategy, parameter_digest
 
 
 class Stages(DataParallel):
@@ -46,6 +46,17 @@ class Stages(DataParallel):
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
         """A pipeline's stage files fit only the same cut."""
         return saved.files == layout.files and saved.pp == layout.pp
+
+
+    def planned_buffers(self, run, shapes, tensors, head, stage, grads_held, dtype_bytes) -> PlannedBuffers:
+        """A stage is not wrapped in DDP (Pipeline all-reduces its replicas' gradients itself). Its receive buffers:
+        torch.distributed.pipelining allocates, for every micro-batch of the step (not only those in flight), one
+        for the hidden states and position ids it receives (all but the first stage) and one for the gradient coming
+        back (all but the last), and keeps them."""
+        tokens = run.micro_batch * run.local_seq
+        rb = dtype_bytes[0]  # the residual stream's
+        received = (0 if stage.first else rb * shapes.hidden + 8) + (0 if stage.last else rb * shapes.hidden)
+        return PlannedBuffers(static=run.accumulation * tokens * received)
 
 
 BACKEND = Stages()
