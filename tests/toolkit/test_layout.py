@@ -157,28 +157,24 @@ def test_tests_mirror_the_toolkit_layout():
 STRATEGY_BRANCH = re.compile(r"\blayout\.kind\b|\blayout\.files\b|\bsaved\.files\b|\bpipeline is (not )?None\b"
                              r"|\bds_owned\b|deepspeed_engine_wrapped")
 STRATEGY_BRANCHES = {
-    # a user's DeepSpeed JSON may own the optimizer and schedule: the recipe builds placeholders and says so
-    "toolkit/training/optim.py": (3, "placeholders for the optimizer and schedule a DeepSpeed JSON owns"),
-    "toolkit/training/trainer.py": (4, "the DeepSpeed-owned line and settings; a pipeline's own step"),
-    "toolkit/checkpoint/manager.py": (4, "a pipeline's stage files beside Accelerate's; a DeepSpeed-owned schedule "
-                                         "cannot be converted"),
-    # a pipeline evaluates whole micro-batches through its schedule, the last stage's loss alone
+    # a pipeline's own step and evaluation: the Pipeline object's schedule, its last stage's loss alone
+    "toolkit/training/trainer.py": (1, "a pipeline's own step"),
     "toolkit/training/evaluation.py": (3, "the Pipeline object's schedule"),
-    "toolkit/strategy/distributed.py": (3, "the backend's family; the DeepSpeed-owned blocks; stages under ddp.yaml"),
-    "toolkit/checkpoint/integrity.py": (1, "ZeRO's per-rank partition files, checked before a resume"),
-    "toolkit/checkpoint/conversion.py": (1, "ZeRO-0 keeps no per-parameter state to convert"),
-    "toolkit/checkpoint/deepspeed.py": (1, "DeepSpeed's own format module: its engine"),
-    "toolkit/strategy/deepspeed_step.py": (1, "DeepSpeed's own step module: its engine"),
+    "toolkit/strategy/distributed.py": (3, "the family of a layout; the DeepSpeed JSON's own blocks, which the backend "
+                                           "reads; stages under ddp.yaml"),
     "toolkit/strategy/sharding.py": (1, "bytes held per rank: DeepSpeed's engine holds its partitions"),
     "toolkit/models/weight_cast.py": (1, "auto leaves a whole model compiled under multi-rank DDP to autocast"),
 }
+# each family's own modules: its backend (and DeepSpeed's step) and its checkpoint format (toolkit.checkpoint.formats)
+FAMILY_MODULES = ("toolkit/strategy/backends/", "toolkit/checkpoint/ddp.py", "toolkit/checkpoint/fsdp.py",
+                  "toolkit/checkpoint/deepspeed.py", "toolkit/checkpoint/pipeline.py")
 
 
 def test_strategy_branches_are_counted():
     found = {}
     for path in sorted((ROOT / "toolkit").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("toolkit/strategy/backends/") or rel in ("toolkit/parallel_layout.py", "toolkit/combinations.py"):
+        if rel.startswith(FAMILY_MODULES) or rel in ("toolkit/parallel_layout.py", "toolkit/combinations.py"):
             continue
         lines = [line for line in path.read_text().splitlines()
                  if STRATEGY_BRANCH.search(line) and not line.lstrip().startswith("#") and "reference_logps" not in line]

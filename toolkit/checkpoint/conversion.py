@@ -83,9 +83,8 @@ def _check_convertible(folder: Path, format: str, saved: ParallelLayout) -> None
             "DeepSpeed's own: it cannot be converted for another strategy or world size; resume it under "
             f"{saved.describe()} with the same DeepSpeed JSON"
         )
-    if saved.files == "zero0":
-        raise UserError(f"{where}: DeepSpeed without ZeRO (stage 0) keeps no per-parameter state that DeepSpeed's "
-                        f"converter reads; resume it under {saved.describe()}")
+    if why := deepspeed.unconvertible(saved):
+        raise UserError(f"{where}: {why}; resume it under {saved.describe()}")
 
 
 def cached_conversion(checkpoint: Checkpoint) -> tuple[Path, bool]:

@@ -17,6 +17,7 @@ import torch
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, step_value
 from toolkit.checkpoint.unpickling import load
 from toolkit.models.parameters import parameter_names
+from toolkit.parallel_layout import ParallelLayout
 
 if TYPE_CHECKING:
     from toolkit.strategy.distributed import Strategy
@@ -176,3 +177,23 @@ def _create_adam_state(zero, step: float) -> None:
     link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)  # ZeRO-1/2: fragments of that state
     if link is not None:
         link()
+
+
+def missing_partition(folder: Path, saved: ParallelLayout) -> str | None:
+    """The first ZeRO optimizer partition of a rank that a checkpoint written under `saved` (ZeRO-1/2/3) lacks, said
+    in one line (DeepSpeed would fail deep inside with a ValueError that names no rank); None for any other layout."""
+    if saved.files not in ("zero1", "zero2", "zero3"):
+        return None
+    world = saved.world
+    tag = tag_folder(folder)
+    for rank in range(world):
+        if not any(tag.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
+            return f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank {rank} of {world})"
+    return None
+
+
+def unconvertible(saved: ParallelLayout) -> str | None:
+    """Why a checkpoint written under `saved` cannot be converted for another layout, or None."""
+    if saved.files == "zero0":
+        return "DeepSpeed without ZeRO (stage 0) keeps no per-parameter state that DeepSpeed's converter reads"
+    return None

@@ -85,10 +85,4 @@ def missing_rank_file(folder: Path, saved: ParallelLayout | None) -> str | None:
     for rank in range(saved.world):
         if not (folder / f"random_states_{rank}.pkl").is_file():
             return f"{folder / f'random_states_{rank}.pkl'} is missing (rank {rank} of {saved.world} writes it)"
-    if saved.files in ("zero1", "zero2", "zero3"):
-        tag = deepspeed.tag_folder(folder)
-        for rank in range(saved.world):
-            if not any(tag.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
-                return (f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank "
-                        f"{rank} of {saved.world})")
-    return None
+    return deepspeed.missing_partition(folder, saved)

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from toolkit.checkpoint import ddp, pipeline
+from toolkit.checkpoint import ddp
 from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.formats import FORMATS, Checkpoint
@@ -94,8 +94,9 @@ def save_checkpoint(
     failure = None
     try:
         strategy.accelerator.save_state(str(folder))
-        if strategy.pipeline is not None:  # each stage's weights and optimizer state, which Accelerate does not hold
-            pipeline.save_stage(strategy.pipeline, folder, strategy.pipeline.optimizer)
+        beside = getattr(FORMATS[strategy.backend.format], "save_beside", None)  # files Accelerate does not hold
+        if beside is not None:
+            beside(strategy, folder)
         if rank_files is not None:
             rank_files(folder)
         fail_point("save.rank_files", state.step, folder)
@@ -222,8 +223,9 @@ def load_checkpoint(strategy: Strategy, checkpoint: Checkpoint, say: Callable[[s
         _load_converted(strategy, checkpoint, say)
     else:
         _load_native(strategy, folder)
-        if strategy.pipeline is not None:
-            pipeline.load_stage(strategy.pipeline, folder, strategy.pipeline.optimizer)
+        beside = getattr(FORMATS[strategy.backend.format], "load_beside", None)
+        if beside is not None:
+            beside(strategy, folder)
     # Accelerate counts micro-batches to know which one closes an optimizer step, and load_state
     # restores the count of the run that saved: with another accumulation (another world size)
     # the steps would close on the wrong micro-batch (measured: FSDP2 from 2 processes to 1 went
@@ -248,12 +250,9 @@ def _load_converted(strategy: Strategy, checkpoint: Checkpoint, say: Callable[[s
     """Weights and Adam state from the checkpoint's state by parameter name; the LR schedule and the
     random states (of the ranks that exist in both) from the checkpoint itself."""
     folder, saved, here = checkpoint.folder, checkpoint.layout, strategy.layout.describe()
-    if strategy.ds_owned:
-        raise UserError(
-            f"checkpoint {folder} was saved under {saved.describe()}; resuming it under {here} needs a conversion, "
-            f"and this launch's DeepSpeed JSON defines its own {' and '.join(strategy.ds_owned)}, whose state the "
-            f"conversion cannot fill: remove them from the JSON, or resume under {saved.describe()}"
-        )
+    if why := strategy.backend.conversion_refused(strategy):
+        raise UserError(f"checkpoint {folder} was saved under {saved.describe()}; resuming it under {here} needs a "
+                        f"conversion, and {why}: remove them from the JSON, or resume under {saved.describe()}")
     # made by the main process alone (or found made before) while the others wait
     converted, cached = strategy.on_main(lambda: cached_conversion(checkpoint))
     _load_by_name(strategy, ConsolidatedState(converted))

@@ -79,6 +79,16 @@ def save_stage(pipeline, folder: Path, optimizer: torch.optim.Optimizer) -> None
     torch.save({"optimizer": optimizer.state_dict(), "parameter_names": groups}, state)
 
 
+def save_beside(strategy: Strategy, folder: Path) -> None:
+    """What the checkpoint manager writes beside Accelerate's files: this rank's stage, which Accelerate does not hold."""
+    save_stage(strategy.pipeline, folder, strategy.pipeline.optimizer)
+
+
+def load_beside(strategy: Strategy, folder: Path) -> None:
+    """save_beside's files, read back after Accelerate's, in a resume of the same pipeline."""
+    load_stage(strategy.pipeline, folder, strategy.pipeline.optimizer)
+
+
 def load_stage(pipeline, folder: Path, optimizer: torch.optim.Optimizer) -> None:
     """This rank's stage's weights and optimizer state from a checkpoint of the same pipeline."""
     from safetensors.torch import load_file

@@ -114,13 +114,13 @@ def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max
     peak rate for `global_batch` (OptimConfig.peak_lr).
 
     The recipe's AdamW and schedule, unless a user's DeepSpeed JSON defines its own optimizer or
-    scheduler (`strategy.ds_owned`): then DeepSpeed builds them from placeholders. Our scheduler
+    scheduler (its backend's `optimization_owned`): then DeepSpeed builds them from placeholders. Our scheduler
     is built on the prepared optimizer (ZeRO-3 and FSDP2 rebuild the parameter groups), stepped
     once per optimizer step by the trainer (`step_scheduler`; Accelerate would step it once per
     process) and saved through register_for_checkpointing.
     """
-    lr = cfg.peak_lr(global_batch)
-    if "optimizer" in strategy.ds_owned:
+    lr, owned = cfg.peak_lr(global_batch), strategy.backend.optimization_owned(strategy)
+    if "optimizer" in owned:
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = strategy.placeholder_optimizer(trainable, lr, cfg.weight_decay)
     else:
@@ -128,7 +128,7 @@ def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max
         if adamw is torch.optim.AdamW and use_fused(cfg.fused, strategy.accelerator.device):
             adamw = functools.partial(torch.optim.AdamW, fused=True)
         optimizer = build_optimizer(model, cfg, adamw, lr)
-    if "scheduler" in strategy.ds_owned:
+    if "scheduler" in owned:
         scheduler = strategy.placeholder_scheduler(optimizer, max_steps, cfg.warmup_steps)
         model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
         return model, optimizer, scheduler, False  # the DeepSpeed engine steps it

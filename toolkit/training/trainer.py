@@ -224,9 +224,10 @@ class Trainer:
         if cfg.model.chunk_tokens:
             output_head(model)  # a head the chunked loss cannot replace is refused before any step
         # The recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON defines its own.
-        if self.strategy.ds_owned:
-            owned = " and ".join(self.strategy.ds_owned)
-            self.print(f"the DeepSpeed config defines {owned}: using them instead of the recipe's optim section")
+        owned = self.strategy.backend.optimization_owned(self.strategy)
+        if owned:
+            self.print(f"the DeepSpeed config defines {' and '.join(owned)}: using them instead of the recipe's optim "
+                       "section")
         if cfg.optim.lr_scaling != "none":
             self.print(
                 f"optim.lr={cfg.optim.lr:g} was tuned at a global batch of {cfg.optim.lr_reference_batch}; scaled "
@@ -243,7 +244,7 @@ class Trainer:
         )
         self.skip_on_device = skips_on_device(cfg.train.step_sync, self.accelerator, self.optimizer,
                                               self.strategy.backend)
-        self.state.settings = trained_settings(cfg, self.strategy.ds_owned)  # train.epochs has set max_steps
+        self.state.settings = trained_settings(cfg, bool(owned))  # train.epochs has set max_steps
         self.weight_cast = weight_cast(cfg.model.cast_weights, self.accelerator.unwrap_model(self.model),
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
                                        cfg.model.compile)

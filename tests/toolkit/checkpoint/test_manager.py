@@ -105,11 +105,14 @@ def test_a_conversion_into_a_deepspeed_json_that_owns_the_optimizer_is_refused(t
     state = TrainerState.read(folder)
     state.layout = ParallelLayout("fsdp", 2)  # as an FSDP2 run on 2 processes records it
     state.write(folder)
-    owning = dataclasses.replace(strategy, ds_owned=("optimizer", "scheduler"))
+    # the launch's layout as DeepSpeed's backend sees it (its refusal is the backend's): ZeRO-3 on one process
+    owning = dataclasses.replace(strategy, ds_owned=("optimizer", "scheduler"),
+                                 layout=ParallelLayout("deepspeed", 1, zero_stage=3))
     with pytest.raises(UserError) as info:
         load_checkpoint(owning, Checkpoint.read(folder))
+    said = owning.layout.describe()
     assert str(info.value) == (
-        f"checkpoint {folder} was saved under FSDP2 on 2 processes; resuming it under one process needs a conversion, "
+        f"checkpoint {folder} was saved under FSDP2 on 2 processes; resuming it under {said} needs a conversion, "
         "and this launch's DeepSpeed JSON defines its own optimizer and scheduler, whose state the conversion cannot "
         "fill: remove them from the JSON, or resume under FSDP2 on 2 processes"
     )

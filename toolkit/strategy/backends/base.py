@@ -42,6 +42,8 @@ class Backend(Protocol):
     def check_replicas(self, strategy: Strategy, model: torch.nn.Module) -> list[str]: ...
     def optimizer_names(self, strategy: Strategy) -> list[list[str]] | None: ...
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool: ...
+    def conversion_refused(self, strategy: Strategy) -> str | None: ...
+    def optimization_owned(self, strategy: Strategy) -> tuple[str, ...]: ...
     # what recipes/plan.py's memory model (toolkit.planner) takes of the family, before any launch
     foreach_temporaries: bool
     def casts_weights(self, layout: ParallelLayout) -> bool: ...
@@ -149,6 +151,15 @@ class DataParallel:
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
         """Whether Accelerate's load_state reads a checkpoint `saved` wrote into a run of `layout` as it is."""
         return saved.files == layout.files
+
+    def conversion_refused(self, strategy: Strategy) -> str | None:
+        """Why a checkpoint of another layout cannot be converted into this launch, or None."""
+        return None
+
+    def optimization_owned(self, strategy: Strategy) -> tuple[str, ...]:
+        """What of the optimizer ("optimizer") and schedule ("scheduler") the launch's own config defines in place of
+        the recipe's optim section."""
+        return ()
 
     # ------------------------------------- what the planner takes of the family (toolkit.planner), without a launch
     foreach_temporaries = True  # torch's foreach AdamW holds sqrt(v) temporaries at its step

@@ -11,7 +11,7 @@ import torch
 from toolkit.launch.environment import has_gpu
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.backends.base import DataParallel, PlannedBuffers, Strategy, any_nonfinite
-from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite
+from toolkit.strategy.backends.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite
 
 
 class DeepSpeed(DataParallel):
@@ -25,7 +25,7 @@ class DeepSpeed(DataParallel):
     def update(self, accelerator, model, optimizer, loss: torch.Tensor, max_grad_norm: float, skip_on_device: bool,
                weight_cast) -> tuple[torch.Tensor | None, str | None]:
         """The engine's step, its update dropped unless every rank's loss and the gradients are finite
-        (toolkit.strategy.deepspeed_step); the engine clears its gradients itself."""
+        (toolkit.strategy.backends.deepspeed_step); the engine clears its gradients itself."""
         (loss_bad,) = any_nonfinite(accelerator, loss)
         nonfinite = engine_step_unless_nonfinite(engine_of(accelerator), loss_bad)
         if nonfinite is None:
@@ -78,6 +78,16 @@ class DeepSpeed(DataParallel):
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
         """ZeRO's partitions fit only the stage and world size that wrote them."""
         return saved.files == layout.files and saved.world in (0, layout.world)
+
+    def optimization_owned(self, strategy: Strategy) -> tuple[str, ...]:
+        """A user's DeepSpeed JSON may define its optimizer and scheduler blocks; DeepSpeed then builds them."""
+        return strategy.ds_owned
+
+    def conversion_refused(self, strategy: Strategy) -> str | None:
+        if strategy.ds_owned:
+            return (f"this launch's DeepSpeed JSON defines its own {' and '.join(strategy.ds_owned)}, whose state the "
+                    "conversion cannot fill")
+        return None
 
     # ------------------------------------------------------------------ the planner's
     foreach_temporaries = False  # the engine steps its own flat partitions

@@ -1,7 +1,7 @@
-"""Worker for test_deepspeed_step.py: a real DeepSpeed engine, stepped through toolkit.strategy.deepspeed_step.
+"""Worker for test_deepspeed_step.py: a real DeepSpeed engine, stepped through toolkit.strategy.backends.deepspeed_step.
 
     accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 1 \\
-        tests/toolkit/strategy/deepspeed_step_probe.py OUT.json
+        tests/toolkit/strategy/backends/deepspeed_step_probe.py OUT.json
 
 A tiny LLaMA prepared as the recipes prepare one (build_accelerator, configure_deepspeed, AdamW,
 prepare), then four optimizer steps of one micro-batch each: a good one, one whose loss the
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.strategy.accelerator import build_accelerator, configure_deepspeed, outside_training, prepare  # noqa: E402
-from toolkit.strategy.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite  # noqa: E402
+from toolkit.strategy.backends.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite  # noqa: E402
 from toolkit.strategy.distributed import launched_layout  # noqa: E402
 
 VOCAB, SEQ = 64, 16
