@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -88,7 +89,7 @@ def main() -> int:
             else:
                 config = Float8LinearConfig.from_recipe_name(recipe)
                 if float8.emulated():
-                    config = float8._emulating(config)
+                    config = dataclasses.replace(config, emulate=True)
                 holder = torch.nn.Sequential(layer.to(torch.bfloat16))
                 convert_to_float8_training(holder, config=config)
                 layer = holder[0]

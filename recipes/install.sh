@@ -18,7 +18,8 @@
 # What goes in: the toolkit, DeepSpeed and SmolLM2's reader and file (what the README's commands use), unless
 #   --for quickstart   only what recipes/quickstart.sh needs (the toolkit and DeepSpeed)
 #   --for tests        also the test tools (pytest, ruff, TRL as a reference) and torchao: what tests/run.sh runs.
-# Optional parts are asked for by name: pip install -e ".[quant]" (int8/int4 export), ".[qlora]" (CUDA).
+# Optional parts are asked for by name: pip install -e ".[quant]" (int8/int4 export), ".[fp8]" (fp8 training, torchao;
+# tests install it as quant), ".[qlora]" (CUDA).
 # A larger install already there covers a smaller one, and is left as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,6 +19,7 @@ without the compile that a GPU run needs for speed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ import torch
 from toolkit.config import UserError
 
 EMULATE = "LLM_TOOLKIT_FP8_EMULATE"
-RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores (torch._scaled_mm)
 
 
@@ -71,7 +71,7 @@ def _head(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 @dataclass(frozen=True)
-class Rule:
+class LayerRule:
     reason: str  # why a layer it holds for stays in bf16
     holds: Callable[[torch.nn.Module, torch.nn.Module, str, bool], bool]  # (layer, model, recipe, sizes) -> left?
 
@@ -82,12 +82,12 @@ def _too_small(layer: torch.nn.Linear, recipe: str) -> bool:
     return not _auto_filter_for_recipe(recipe, filter_fqns=[])(layer, "")
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[LayerRule, ...] = (
     # the chunked loss reads the head's weight itself; its logits are the loss's precision (as torchtitan leaves it)
-    Rule("output head", lambda layer, model, recipe, sizes: layer is _head(model)),
-    Rule("a dimension not a multiple of 16",  # float8 matmuls (torch._scaled_mm) need it
+    LayerRule("output head", lambda layer, model, recipe, sizes: layer is _head(model)),
+    LayerRule("a dimension not a multiple of 16",  # float8 matmuls (torch._scaled_mm) need it
          lambda layer, model, recipe, sizes: layer.in_features % 16 != 0 or layer.out_features % 16 != 0),
-    Rule("below torchao's size rule",
+    LayerRule("below torchao's size rule",
          lambda layer, model, recipe, sizes: sizes and _too_small(layer, recipe)),
 )
 
@@ -135,7 +135,7 @@ def convert(model: torch.nn.Module, recipe: str) -> Conversion:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
     except ImportError:
         raise UserError("train.mixed_precision=fp8 trains through torchao, which is not installed: "
-                        "pip install -e '.[fp8]' (or pip install torchao)") from None
+                        "pip install -e '.[fp8]'") from None
     emulate = emulated()
     chosen = plan(model, recipe, sizes=not emulate)
     if not chosen.converted:
@@ -143,18 +143,13 @@ def convert(model: torch.nn.Module, recipe: str) -> Conversion:
                       key=lambda s: s.numel(), default=None)
         raise UserError(
             "train.mixed_precision=fp8: no linear layer of this model is large enough to gain from float8 (the "
-            f"largest is {tuple(largest) if largest is not None else 'none'}; torchao's rule for {recipe} wants "
-            "more than 4096 inputs or 1024 outputs): it would train in bf16; use train.mixed_precision=bf16"
+            f"largest is {tuple(largest) if largest is not None else 'none'}, below torchao's size rule for {recipe}): "
+            "it would train in bf16; use train.mixed_precision=bf16"
         )
     config = Float8LinearConfig.from_recipe_name(recipe)
     if emulate:
-        config = _emulating(config)
+        config = dataclasses.replace(config, emulate=True)
     names = set(chosen.converted)
     convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in names, config=config)
     return chosen
 
-
-def _emulating(config):
-    import dataclasses  # noqa: PLC0415
-
-    return dataclasses.replace(config, emulate=True)
