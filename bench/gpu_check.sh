@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Every GPU measurement of the toolkit in one script, each part saved as it ends; the parts fit three device calls of
-# at most 10 minutes (the whole, ~19 minutes on an H200, fits none).
+# Every GPU measurement of the toolkit in one script, each part saved as it ends; each part fits a device call of at
+# most 10 minutes (the whole, ~25 minutes on an H200, fits none; a session's 15 minutes hold two calls).
 #
 #   bash bench/gpu_check.sh [OUT]           # on one H100/H200: its estimate is printed first
 #   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 3 minutes
-#   bash bench/gpu_check.sh --only finetune [OUT]   # one part (throughput, finetune, fp8, fp8-rowwise); the calls:
-#       --only throughput and --only fp8-rowwise, then --only finetune, then --only fp8 (9 min with the setup)
+#   bash bench/gpu_check.sh --only finetune [OUT]   # one part: throughput (5.5 min), finetune (3.5), fp8 (9: run
+#       already, 2026-11-28), fp8-variants (7.5: the one not yet run); throughput and finetune fit one call together
 #
 # OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB and the planner's
 # per row, then one profile table per row: device busy %, longest idle gaps, top kernels), finetune.md (the recipe
-# against transformers.Trainer, LoRA and full), fp8.md / fp8-rowwise.md (issue 46: the 1B YAML as shipped in bf16,
-# then in fp8, 100 steps each with their loss curves side by side, and each layer shape timed; fp8-rowwise.md: 30
-# steps of rowwise) and the log of each part. On a lent
+# against transformers.Trainer, LoRA and full), fp8.md / fp8-variants.md (issue 46: the 1B YAML as shipped in bf16,
+# then in fp8, 100 steps each with their loss curves side by side, and each layer shape timed; fp8-variants.md: 30
+# steps each of bf16, fp8, fp8 with only the MLP's layers, and rowwise) and the log of each part. On a lent
 # machine (../shared/gpu/README.md): `source .gpu/setup.sh && bash bench/gpu_check.sh "$OUT"`. The GPU suite
 # stays the second command: `python3 -m pytest -m gpu -n 7 tests/recipes/test_gpu_end_to_end.py` (3.5 minutes).
 set -uo pipefail
@@ -20,13 +20,13 @@ SMOKE=0 ONLY=
 while [[ "${1:-}" == --* ]]; do
   case $1 in
     --smoke) SMOKE=1; shift ;;
-    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput, finetune, fp8 or fp8-rowwise" >&2; exit 2; }
+    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput, finetune, fp8 or fp8-variants" >&2; exit 2; }
             ONLY=$2; shift 2 ;;
-    *) echo "error: $1: use --smoke and/or --only throughput|finetune|fp8|fp8-rowwise, then OUT" >&2; exit 2 ;;
+    *) echo "error: $1: use --smoke and/or --only throughput|finetune|fp8|fp8-variants, then OUT" >&2; exit 2 ;;
   esac
 done
-case $ONLY in ""|throughput|finetune|fp8|fp8-rowwise) ;;
-  *) echo "error: --only '$ONLY': use throughput, finetune, fp8 or fp8-rowwise" >&2; exit 2 ;; esac
+case $ONLY in ""|throughput|finetune|fp8|fp8-variants) ;;
+  *) echo "error: --only '$ONLY': use throughput, finetune, fp8 or fp8-variants" >&2; exit 2 ;; esac
 DEST=${1:-${OUT:-gpu-check}}
 mkdir -p "$DEST"
 PY=${PYTHON:-python3}
@@ -55,11 +55,11 @@ if (( SMOKE )); then
   export LLM_TOOLKIT_FP8_EMULATE=1
   FP8=(--model recipes/configs/pretrain_tiny.yaml --configs fp8-smoke --seq-len 128 --global-batch 16 --steps 4
        --warmup 1 --extra model.config.num_hidden_layers=1 optim.warmup_steps=2)
-  FP8_ROWWISE=()
+  FP8_VARIANTS=()
   FP8_LAYERS=(--model recipes/configs/pretrain_tiny.yaml --tokens 256 --repeat 2)
 else
   FP8=(--configs fp8 --steps 100 --warmup 3 --row-timeout 260 --extra optim.warmup_steps=10)
-  FP8_ROWWISE=(--configs fp8-rowwise --steps 30 --warmup 3 --row-timeout 200 --extra optim.warmup_steps=10)
+  FP8_VARIANTS=(--configs fp8-variants --steps 30 --warmup 3 --row-timeout 160 --extra optim.warmup_steps=10)
   FP8_LAYERS=()
 fi
 
@@ -70,7 +70,7 @@ else
   # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s, fine-tuning 118 s
   # before its two rows with the whole model compiled (~35 s each, compiling); the throughput rows were 3 then as now
   # fp8 on an H200 (2026-11-28): its two 100-step rows 441 s, the layer table 86 s, the rowwise row ~110 s
-  echo "== estimate (an H200): throughput 321 s, fine-tuning ~190 s, fp8 527 s, fp8-rowwise ~110 s: three device calls (the header's)" >&2
+  echo "== estimate (an H200): throughput 321 s, fine-tuning ~190 s, fp8 527 s, fp8-variants ~440 s: a call per part but throughput + finetune (the header's)" >&2
 fi
 
 status=0
@@ -96,9 +96,9 @@ if [[ -z $ONLY || $ONLY == fp8 ]]; then
   part fp8-layers "$PY" bench/fp8_layers.py "${FP8_LAYERS[@]}" --out "$DEST/fp8-layers.md"
   [[ -f "$DEST/fp8-layers.md" ]] && cat "$DEST/fp8-layers.md"
 fi
-if [[ ( -z $ONLY || $ONLY == fp8-rowwise ) && ${#FP8_ROWWISE[@]} -gt 0 ]]; then
-  part fp8-rowwise "$PY" bench/gpu_throughput.py "${FP8_ROWWISE[@]}" --strategies ddp --recipe-only \
-    --workdir "$WORK" --save "$DEST/fp8-rowwise.json" --out "$DEST/fp8-rowwise.md"
-  [[ -f "$DEST/fp8-rowwise.md" ]] && cat "$DEST/fp8-rowwise.md"
+if [[ ( -z $ONLY || $ONLY == fp8-variants ) && ${#FP8_VARIANTS[@]} -gt 0 ]]; then
+  part fp8-variants "$PY" bench/gpu_throughput.py "${FP8_VARIANTS[@]}" --strategies ddp --recipe-only \
+    --workdir "$WORK" --save "$DEST/fp8-variants.json" --out "$DEST/fp8-variants.md"
+  [[ -f "$DEST/fp8-variants.md" ]] && cat "$DEST/fp8-variants.md"
 fi
 exit $status

@@ -119,12 +119,14 @@ def preset(name: str) -> list[Row]:
         return [shipped, Row("recipe", "ddp", "none", 8, "whole")] + peers
     if name == "smoke":  # gpu_check.sh --smoke: check's rows on a small YAML, the first with the 1B YAML's switches
         return [replace(shipped, switches="fast"), Row("recipe", "ddp", "none", 8, "whole")] + peers
-    if name == "fp8":  # issue 46: the YAML as shipped in bf16, then in fp8 (torchao tensorwise; rowwise in fp8-rowwise)
+    if name == "fp8":  # issue 46: the YAML as shipped in bf16, then in fp8 (torchao tensorwise; the others: fp8-variants)
         return [shipped, replace(shipped, extra=FP8)]
-    if name == "fp8-rowwise":
-        return [replace(shipped, extra=f"{FP8} train.fp8_recipe=rowwise")]
+    if name == "fp8-variants":  # the layers issue 46 asks about: the MLP's alone, and rowwise; bf16 and auto beside
+        return [shipped, replace(shipped, extra=FP8), replace(shipped, extra=f"{FP8} train.fp8_layers=mlp"),
+                replace(shipped, extra=f"{FP8} train.fp8_recipe=rowwise")]
     if name == "fp8-smoke":  # gpu_check.sh --smoke: fp8's rows on a small YAML, its casts emulated on CPU
         return [replace(shipped, switches="fast"), replace(shipped, switches="fast", extra=FP8),
+                replace(shipped, switches="fast", extra=f"{FP8} train.fp8_layers=mlp"),
                 replace(shipped, switches="fast", extra=f"{FP8} train.fp8_recipe=rowwise")]
     if name == "levers":  # what each of issue 41's switches adds: the whole model compiled, then each one taken off
         whole = Row("recipe", "ddp", "none", 8, "whole")
@@ -133,7 +135,7 @@ def preset(name: str) -> list[Row]:
     if name == "full":
         grid = itertools.product(("ddp", "fsdp", "zero2", "zero3"), ("none", "full"), (8, 16))
         return [shipped] + [Row("recipe", *g, "fast") for g in grid] + peers + [Row("peer", "-", "full", 8, v) for v in "abc"]
-    raise SystemExit(f"--configs {name}: use quick, check, smoke, fp8, fp8-rowwise, fp8-smoke, levers or full")
+    raise SystemExit(f"--configs {name}: use quick, check, smoke, fp8, fp8-variants, fp8-smoke, levers or full")
 
 
 # ---------------------------------------------------------------- the plain-loop peer (its own code)

@@ -87,7 +87,7 @@ def test_every_link_between_the_readme_and_docs_leads_to_a_file_and_heading_that
 
 # issue 41's switches (and the profile mode): each a row of the README's table of options
 SPEED_OPTIONS = ("train.step_sync", "model.cast_weights", "model.compile", "model.loss", "model.gradient_checkpointing",
-                 "train.mixed_precision", "train.fp8_recipe", "optim.fused", "logging.profile")
+                 "train.mixed_precision", "train.fp8_recipe", "train.fp8_layers", "optim.fused", "logging.profile")
 
 
 def test_the_readmes_table_of_options_lists_every_speed_switch_with_its_choices_and_a_test_that_exists():

@@ -74,14 +74,17 @@ def test_the_smoke_rows_run_the_code_paths_of_the_gpu_rows():
 
 
 def test_the_fp8_rows_and_their_smoke_form_and_the_loss_curves_side_by_side():
-    """Issue 46's GPU rows: the 1B YAML as shipped in bf16, then in fp8 (rowwise its own part); the smoke form runs
+    """Issue 46's GPU rows: the 1B YAML as shipped in bf16, then in fp8 (the MLP alone and rowwise their own part); the
+    smoke form runs
     them with the 1B YAML's switches on CPU. The curves table puts the rows' logged losses side by side and says each
     row's largest distance from the first."""
     fp8 = bench.preset("fp8")
     assert [r.extra for r in fp8] == ["", "train.mixed_precision=fp8"] and fp8[0].switches == "shipped"
-    assert [r.extra for r in bench.preset("fp8-rowwise")] == ["train.mixed_precision=fp8 train.fp8_recipe=rowwise"]
+    variants = ["", "train.mixed_precision=fp8", "train.mixed_precision=fp8 train.fp8_layers=mlp",
+                "train.mixed_precision=fp8 train.fp8_recipe=rowwise"]
+    assert [r.extra for r in bench.preset("fp8-variants")] == variants
     smoke = bench.preset("fp8-smoke")
-    assert [r.extra for r in smoke] == ["", "train.mixed_precision=fp8", "train.mixed_precision=fp8 train.fp8_recipe=rowwise"]
+    assert [r.extra for r in smoke] == variants
     assert {r.switches for r in smoke} == {"fast"}
     script = (ROOT / "bench" / "gpu_check.sh").read_text()
     assert "export LLM_TOOLKIT_FP8_EMULATE=1" in script.split("if (( SMOKE )); then", 2)[2].split("else", 1)[0]

@@ -67,6 +67,7 @@ ACCEPTS: dict[str, dict[str, str]] = {
     "train.micro_batch_size": {"2**31": "refused at launch by the layout: it does not divide global_batch_size"},
     "train.mixed_precision": {},
     "train.fp8_recipe": {},
+    "train.fp8_layers": {},
     "train.collective_timeout_s": {},
     "train.on_nonfinite": {},
     "train.pipeline_stages": {"2**31": "refused at launch: it does not divide the processes launched "

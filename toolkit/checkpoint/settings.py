@@ -86,7 +86,7 @@ OWN_CHECK = ("seed", "train.global_batch_size", "data.sources", "data.stages", "
 # config; the rest is read at every step.
 SCHEDULE = ("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch", "optim.warmup_steps", "optim.schedule",
             "optim.min_lr_ratio", "train.max_steps")
-FROM_NEXT_STEP = ("optim.max_grad_norm", "train.epochs", "train.fp8_recipe", "train.on_nonfinite", "train.max_nonfinite_skips",
+FROM_NEXT_STEP = ("optim.max_grad_norm", "train.epochs", "train.fp8_recipe", "train.fp8_layers", "train.on_nonfinite", "train.max_nonfinite_skips",
                   "adapter.dropout", "eval.blocks", "train.objective", "train.beta", "train.gamma", "train.orpo_lambda")
 # AdamW's hyperparameters travel with its saved state, which a resume loads over the config's: refused.
 KEPT_BY_THE_OPTIMIZER = ("optim.betas", "optim.eps", "optim.weight_decay")

@@ -90,6 +90,8 @@ RULES: tuple[LayerRule, ...] = (
     LayerRule("below torchao's size rule",
          lambda layer, model, recipe, sizes: sizes and _too_small(layer, recipe)),
 )
+# train.fp8_layers=mlp: one rule more, by the layer's name
+OUTSIDE_THE_MLP = "outside the MLP (train.fp8_layers=mlp)"
 
 
 @dataclass
@@ -113,22 +115,24 @@ def _shape_of(name: str) -> str:
     return ".".join(tail) if len(tail) > 1 or not any(p.isdigit() for p in parts) else tail[-1]
 
 
-def plan(model: torch.nn.Module, recipe: str, sizes: bool) -> Conversion:
-    """Which of `model`'s nn.Linear layers convert, and why each other one does not (`sizes`: apply the size rule).
-    Works on a meta-device model: it reads shapes only."""
+def plan(model: torch.nn.Module, recipe: str, sizes: bool, layers: str = "auto") -> Conversion:
+    """Which of `model`'s nn.Linear layers convert, and why each other one does not (`sizes`: apply the size rule;
+    `layers`: train.fp8_layers). Works on a meta-device model: it reads shapes only."""
     converted, left = [], {}
     for name, layer in model.named_modules():
         if not isinstance(layer, torch.nn.Linear):
             continue
         rule = next((r for r in RULES if r.holds(layer, model, recipe, sizes)), None)
-        if rule is None:
-            converted.append(name)
-        else:
+        if rule is not None:
             left[name] = rule.reason
+        elif layers == "mlp" and ".mlp." not in f".{name}.":
+            left[name] = OUTSIDE_THE_MLP
+        else:
+            converted.append(name)
     return Conversion(recipe, converted, left)
 
 
-def convert(model: torch.nn.Module, recipe: str) -> Conversion:
+def convert(model: torch.nn.Module, recipe: str, layers: str = "auto") -> Conversion:
     """Swap `model`'s eligible layers for torchao's Float8Linear, in place, before the adapter, the compile and the
     strategy's wrapping; a model with none eligible is refused (it would train in bf16 while saying fp8)."""
     try:
@@ -137,7 +141,10 @@ def convert(model: torch.nn.Module, recipe: str) -> Conversion:
         raise UserError("train.mixed_precision=fp8 trains through torchao, which is not installed: "
                         "pip install -e '.[fp8]'") from None
     emulate = emulated()
-    chosen = plan(model, recipe, sizes=not emulate)
+    chosen = plan(model, recipe, sizes=not emulate, layers=layers)
+    if not chosen.converted and OUTSIDE_THE_MLP in chosen.left.values():
+        raise UserError("train.fp8_layers=mlp: no linear layer under this model's .mlp. modules passes the rules "
+                        "above it; use train.fp8_layers=auto")
     if not chosen.converted:
         largest = max((m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)),
                       key=lambda s: s.numel(), default=None)

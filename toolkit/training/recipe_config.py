@@ -54,6 +54,11 @@ class TrainConfig:
         "tensorwise", help="with mixed_precision=fp8: torchao's scaling, one scale per tensor (faster) or per row "
         "(closer to bf16)"
     )
+    fp8_layers: Literal["auto", "mlp"] = field(
+        "auto", help="with mixed_precision=fp8: which linear layers compute in float8; auto = those torchao's size "
+        "rule keeps, mlp = only the MLP's among them (on an H200 the 1B's 2048 x 2048 attention projections were "
+        "slower in float8 alone: docs/fp8.md)"
+    )
     collective_timeout_s: int = field(
         1800,
         help="seconds a rank waits in a collective (all-reduce, barrier) before the run fails with an error "

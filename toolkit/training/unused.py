@@ -40,6 +40,7 @@ USED_WHEN: dict[str, Need | Callable[[Any], str | None]] = {
     "data.stream_val_documents": Need("data.streaming", (True,), "streaming's"),
     "train.max_nonfinite_skips": Need("train.on_nonfinite", ("skip",), "on_nonfinite=skip's"),
     "train.fp8_recipe": Need("train.mixed_precision", ("fp8",), "fp8's"),
+    "train.fp8_layers": Need("train.mixed_precision", ("fp8",), "fp8's"),
     "model.gradient_checkpointing_k": Need("model.gradient_checkpointing", ("every_k",), "every_k recomputation's"),
     "model.loss_chunk_tokens": Need("model.loss", ("chunked",), "the chunked loss's"),
     "optim.lr_reference_batch": Need("optim.lr_scaling", ("linear", "sqrt"), "lr_scaling's"),

@@ -44,6 +44,10 @@ def test_the_1b_keeps_q_o_and_the_mlp_in_float8_and_k_v_and_the_head_in_bf16():
                     "lm_head": "output head"}
     converted, _ = short(float8.plan(model, "rowwise", sizes=True))
     assert converted == {"mlp.gate_proj", "mlp.up_proj"}
+    converted, left = short(float8.plan(model, "tensorwise", sizes=True, layers="mlp"))  # train.fp8_layers=mlp
+    assert converted == {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    assert left["self_attn.q_proj"] == left["self_attn.o_proj"] == float8.OUTSIDE_THE_MLP
+    assert left["self_attn.k_proj"] == "below torchao's size rule"  # the rules first
     # 16 layers x 5 converted of 7, and the head: 80 of 113, as the H200 run said (docs/fp8.md)
     whole = float8.plan(model, "tensorwise", sizes=True)
     assert (len(whole.converted), len(whole.converted) + len(whole.left)) == (80, 113)
@@ -68,6 +72,10 @@ def test_emulated_conversion_keeps_every_parameter_and_trains(emulated, tiny_mod
 
 
 def test_a_model_with_no_layer_large_enough_is_refused(monkeypatch, tiny_model):
+    monkeypatch.setenv(float8.EMULATE, "1")
+    no_mlp = torch.nn.Sequential(torch.nn.Linear(64, 64))  # a linear layer float8 takes, but not under .mlp.
+    with pytest.raises(UserError, match=r"^train.fp8_layers=mlp: no linear layer under this model's .mlp. modules"):
+        float8.convert(no_mlp, "tensorwise", layers="mlp")
     monkeypatch.delenv(float8.EMULATE, raising=False)
     with pytest.raises(UserError, match=r"no linear layer of this model is large enough to gain from float8 \(the "
                                         r"largest is \(300, 64\), below torchao's size rule for tensorwise\): it "

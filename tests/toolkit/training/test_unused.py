@@ -28,6 +28,8 @@ CASES = {
     "train.max_nonfinite_skips": (PretrainConfig, "train.max_nonfinite_skips=9", ["train.on_nonfinite=abort"], []),
     "train.fp8_recipe": (PretrainConfig, "train.fp8_recipe=rowwise", ["train.mixed_precision=bf16"],
                          ["train.mixed_precision=fp8", "model.compile=layers"]),
+    "train.fp8_layers": (PretrainConfig, "train.fp8_layers=mlp", ["train.mixed_precision=bf16"],
+                         ["train.mixed_precision=fp8", "model.compile=layers"]),
     "model.gradient_checkpointing_k": (PretrainConfig, "model.gradient_checkpointing_k=3", [],
                                        ["model.gradient_checkpointing=every_k"]),
     "model.loss_chunk_tokens": (PretrainConfig, "model.loss_chunk_tokens=64", [], ["model.loss=chunked"]),
