@@ -8,7 +8,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY_SIZES
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -16,7 +15,10 @@ import gpu_throughput as bench  # noqa: E402
 
 
 def test_the_plain_loop_profiles_two_steps_after_the_timed_ones(tmp_path):
-    spec = {"model_type": "llama", "sizes": TINY_SIZES["llama"], "vocab": 300, "seed": 0, "variant": "a",
+    # tests/conftest.py's tiny llama (an import of conftest is ambiguous beside the other conftest.py files)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512)
+    spec = {"model_type": "llama", "sizes": sizes, "vocab": 300, "seed": 0, "variant": "a",
             "micro_batch": 2, "checkpointing": "none", "seq_len": 64, "accumulation": 1, "steps": 2, "warmup": 1,
             "profile": 2, "workdir": str(tmp_path)}
     result = bench.peer_worker(spec)
