@@ -345,6 +345,13 @@ def test_a_checkpoint_moves_between_fp8_and_bf16_and_exports(fp8_runs, bf16_fina
     proc = run_recipe("pretrain", [*FP8, "train.max_steps=4", f"output_dir={out}", f"resume={bf16_zero3}"], nproc=2,
                       cache=data_cache, accelerate_config="zero3.yaml", env=EMULATED)
     assert "train.mixed_precision bf16 -> fp8" in proc.stdout + proc.stderr and sorted(losses(out)) == [4]
+    # FSDP2's fp8 checkpoint under FSDP2 in fp8 again, and converted for DDP in bf16
+    fsdp_fp8 = fp8_runs["fsdp"][0] / "checkpoints" / "step-3"
+    for config, overrides in (("fsdp.yaml", FP8), ("ddp.yaml", BF16)):
+        out = tmp_path / f"fsdp-to-{config}"
+        proc = run_recipe("pretrain", [*overrides, "train.max_steps=4", f"output_dir={out}", f"resume={fsdp_fp8}"],
+                          nproc=2, cache=data_cache, accelerate_config=config, env=EMULATED)
+        assert "resumed from" in proc.stdout + proc.stderr and sorted(losses(out)) == [4], config
     # the fp8 ZeRO-3 run's own checkpoint, consolidated into one Hugging Face folder
     exported = tmp_path / "exported"
     code = recipe_module("export").main(["--from", str(fp8_runs["zero3"][0]), "--checkpoint", "step-3", "--format", "hf",
