@@ -184,11 +184,11 @@ def missing_partition(folder: Path, saved: ParallelLayout) -> str | None:
     in one line (DeepSpeed would fail deep inside with a ValueError that names no rank); None for any other layout."""
     if saved.files not in ("zero1", "zero2", "zero3"):
         return None
-    world = saved.world
     tag = tag_folder(folder)
-    for rank in range(world):
+    for rank in range(saved.world):
         if not any(tag.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
-            return f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank {rank} of {world})"
+            return (f"{tag}/*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt is missing (the optimizer state of rank "
+                    f"{rank} of {saved.world})")
     return None
 
 

@@ -78,7 +78,7 @@ REFUSED = {
     "train.mixed_precision": "the strategy's saved weights and optimizer state are in its precision",
 }
 # but for these: fp8 is bf16 with some matmuls in float8, over the same parameters, masters and optimizer state
-SAME_STATE_PRECISIONS = ({"bf16", "fp8"},)
+SAME_STATE_PRECISIONS = {"bf16", "fp8"}
 # Checked on their own, before these: the data order and the mixture (check_same_data_order, check_same_mixture),
 # and a streamed run's place in its stream (resume's rank_files).
 OWN_CHECK = ("seed", "train.global_batch_size", "data.sources", "data.stages", "data.streaming")
@@ -86,8 +86,8 @@ OWN_CHECK = ("seed", "train.global_batch_size", "data.sources", "data.stages", "
 # config; the rest is read at every step.
 SCHEDULE = ("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch", "optim.warmup_steps", "optim.schedule",
             "optim.min_lr_ratio", "train.max_steps")
-FROM_NEXT_STEP = ("optim.max_grad_norm", "train.epochs", "train.fp8_recipe", "train.fp8_layers", "train.on_nonfinite", "train.max_nonfinite_skips",
-                  "adapter.dropout", "eval.blocks", "train.objective", "train.beta", "train.gamma", "train.orpo_lambda")
+FROM_NEXT_STEP = ("optim.max_grad_norm", "train.epochs", "train.fp8_recipe", "train.fp8_layers", "train.on_nonfinite",
+                  "train.max_nonfinite_skips", "adapter.dropout", "eval.blocks", "train.objective", "train.beta", "train.gamma", "train.orpo_lambda")
 # AdamW's hyperparameters travel with its saved state, which a resume loads over the config's: refused.
 KEPT_BY_THE_OPTIMIZER = ("optim.betas", "optim.eps", "optim.weight_decay")
 # Free to change: where and how the same numbers are computed, saved or reported (the proof in brackets).
@@ -168,7 +168,7 @@ def check_same_settings(checkpoint: Checkpoint, settings: dict, max_steps: int) 
 
 
 def _same_state(key: str, was, now) -> bool:
-    return key == "train.mixed_precision" and any({was, now} <= same for same in SAME_STATE_PRECISIONS)
+    return key == "train.mixed_precision" and {was, now} <= SAME_STATE_PRECISIONS
 
 
 def _differences(key: str, was, now):

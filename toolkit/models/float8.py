@@ -86,9 +86,8 @@ RULES: tuple[LayerRule, ...] = (
     # the chunked loss reads the head's weight itself; its logits are the loss's precision (as torchtitan leaves it)
     LayerRule("output head", lambda layer, model, recipe, sizes: layer is _head(model)),
     LayerRule("a dimension not a multiple of 16",  # float8 matmuls (torch._scaled_mm) need it
-         lambda layer, model, recipe, sizes: layer.in_features % 16 != 0 or layer.out_features % 16 != 0),
-    LayerRule("below torchao's size rule",
-         lambda layer, model, recipe, sizes: sizes and _too_small(layer, recipe)),
+              lambda layer, model, recipe, sizes: layer.in_features % 16 != 0 or layer.out_features % 16 != 0),
+    LayerRule("below torchao's size rule", lambda layer, model, recipe, sizes: sizes and _too_small(layer, recipe)),
 )
 # train.fp8_layers=mlp: one rule more, by the layer's name
 OUTSIDE_THE_MLP = "outside the MLP (train.fp8_layers=mlp)"
@@ -159,4 +158,3 @@ def convert(model: torch.nn.Module, recipe: str, layers: str = "auto") -> Conver
     names = set(chosen.converted)
     convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in names, config=config)
     return chosen
-

@@ -21,7 +21,8 @@ class Ddp(DataParallel):
         """DistributedDataParallel's buckets hold a copy of every trainable gradient, in the weights' dtype."""
         if run.world == 1:
             return PlannedBuffers()
-        return PlannedBuffers(static=sum(t.numel for t in tensors if t.trainable) * (torch.finfo(run.param_dtype).bits // 8))
+        trainable = sum(t.numel for t in tensors if t.trainable)
+        return PlannedBuffers(static=trainable * (torch.finfo(run.param_dtype).bits // 8))
 
 
 BACKEND = Ddp()

@@ -84,9 +84,8 @@ class DeepSpeed(DataParallel):
         return strategy.ds_owned
 
     def conversion_refused(self, strategy: Strategy) -> str | None:
-        if strategy.ds_owned:
-            return (f"this launch's DeepSpeed JSON defines its own {' and '.join(strategy.ds_owned)}, whose state the "
-                    "conversion cannot fill")
+        if owned := self.optimization_owned(strategy):
+            return f"this launch's DeepSpeed JSON defines its own {' and '.join(owned)}, whose state the conversion cannot fill"
         return None
 
     # ------------------------------------------------------------------ the planner's
