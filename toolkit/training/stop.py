@@ -30,6 +30,8 @@ class StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     _watched: StopRequest | None = None  # the newest one; one watcher thread per process
+    # the main thread (all_saved) and the watcher can both reach the end for one signal: its line was printed twice
+    _ending = threading.Lock()
 
     def __init__(self, name: str = "run", main: bool = True, release: Callable[[], None] = lambda: None,
                  signals: tuple[int, ...] = SIGNALS):
@@ -106,6 +108,8 @@ class StopRequest:
                           "continue with resume=auto (from the newest checkpoint)", 128 + signum)
 
     def _end(self, line: str | None, code: int) -> None:
+        if not StopRequest._ending.acquire(blocking=False):
+            threading.Event().wait()  # the other thread is ending the process
         if self.main and line is not None:
             print(f"\n[{self.name}] {line}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # ending is what matters; the lock goes with the process anyway
