@@ -2,6 +2,7 @@
 
     python bench/kill_soak.py                          # 10 random kill points per strategy, seed 0
     python bench/kill_soak.py --kills 3 --strategies ddp zero3 --seed 7
+    python bench/kill_soak.py --async --strategies ddp fsdp   # checkpoints written in the background
 
 For each strategy (DDP, FSDP2, ZeRO-2, ZeRO-3; 2 CPU processes, a tiny LLaMA, fp32, accumulation
 2, checkpoints every 2 steps with keep_last=1, evaluation every 3), it trains once without a fault,
@@ -13,6 +14,10 @@ sends itself SIGKILL):
   2. relaunches with resume=auto, and checks that it resumed from that newest complete checkpoint
      (never a partial one), and that its loss curve and final/ weights equal the uninterrupted
      run's bit for bit.
+With --async (checkpoint.async_save=true; DDP and FSDP2) the points inside the background writes join the draw.
+A kill while training may come before or after the save of a step before it completed: the relaunch must resume from
+the newest complete checkpoint on disk, which lies between the newest save that had to be complete (the one before
+the last save begun: a save completes before the next begins) and the newest begun.
 It prints one table, a row per kill, and the line "N kill points, N resumed bit-exact, 0 lost".
 tests/recipes/test_strategies.py runs the same harness in a small deterministic form.
 """
@@ -40,6 +45,7 @@ from toolkit.manifest import check_manifest  # noqa: E402
 from toolkit.run_dir import RunDir  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3"]
+ASYNC = "checkpoint.async_save=true"
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
     "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "tokenizer.vocab_size=512",
@@ -71,6 +77,8 @@ def possible_kills(overrides: list[str]) -> list[str]:
     kills = [f"{p}@{s}/{r}" for p in TRAINING_POINTS for s in range(1, last + 1) for r in (0, 1)]
     kills += [f"eval@{s}/{r}" for s in evals for r in (0, 1)]
     kills += [f"{p}@{s}/{r}" for p in ("save.start", "save.rank_files") for s in saves for r in (0, 1)]
+    if ASYNC in overrides:
+        kills += [f"save.background@{s}/{r}" for s in saves for r in (0, 1)]
     kills += [f"{p}@{s}/0" for p in ("save.manifest", "save.state_file") for s in saves]
     kills += [f"prune@{s}/0" for s in saves[keep:]]
     return [*kills, "final/0"]
@@ -78,7 +86,8 @@ def possible_kills(overrides: list[str]) -> list[str]:
 
 def expected_resume(kill: str, overrides: list[str]) -> int:
     """The checkpoint step a relaunch after `kill` must resume from (0: a fresh start): the
-    newest whose save finished (state file written) before the kill."""
+    newest whose save finished (state file written) before the kill. In the background (ASYNC), the
+    newest one that may have: see resume_range."""
     point, _, rest = kill.partition("@")
     saves = saved_steps(overrides)
     if point.startswith("final"):
@@ -86,6 +95,18 @@ def expected_resume(kill: str, overrides: list[str]) -> int:
     step = int(rest.split("/")[0])
     done = step if point in ("save.state_file", "prune") else step - 1  # eval at N runs before N's save
     return max((s for s in saves if s <= done), default=0)
+
+
+def resume_range(kill: str, overrides: list[str]) -> tuple[int, int]:
+    """The steps a relaunch after `kill` may resume from, oldest and newest. Blocking, one step. In the background a
+    save completes at the first step after its writes end, and at the latest when the next save begins (its own
+    points, save.*, and prune, are reached in order): a kill while training may come before or after."""
+    newest = expected_resume(kill, overrides)
+    point = kill.partition("@")[0]
+    if ASYNC not in overrides or point.startswith(("save.", "prune", "final")):
+        return newest, newest
+    saves = saved_steps(overrides)
+    return max((s for s in saves if s < newest), default=0), newest
 
 
 def free_port() -> int:
@@ -179,8 +200,12 @@ def kill_and_resume(strategy: str, kill: str, work: Path, reference: Path, overr
     if not fired:
         row["problems"].append(f"the kill never fired (exit {killed.returncode}): {killed.stderr[-300:]}")
         return row
-    want = expected_resume(kill, overrides)
+    oldest, newest = resume_range(kill, overrides)
+    complete = [int(c.name.split("-")[1]) for c in RunDir(out).complete_checkpoints()]
+    want = max(complete, default=0) if oldest < newest else newest
     lost = audit(out, want)
+    if not oldest <= want <= newest:
+        lost.append(f"the newest complete checkpoint after the kill is step {want}, expected {oldest} to {newest}")
     again = launch(strategy, out, [*overrides, "resume=auto"], cache)
     row["resumed"] = again.returncode == 0
     if again.returncode == 0:
@@ -202,8 +227,10 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10, help="random kill points per strategy")
     parser.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async", dest="background", action="store_true",
+                        help="checkpoints written in the background (checkpoint.async_save; DDP and FSDP2 only)")
     args = parser.parse_args()
-    overrides = [*TINY, *SAVES]
+    overrides = [*TINY, *SAVES, *([ASYNC] if args.background else [])]
     draw = random.Random(args.seed)
     rows = []
     print(f"{'strategy':<8} {'kill point':<28} {'resumed':<8} {'bit-exact':<10} problems", flush=True)

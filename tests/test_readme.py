@@ -87,7 +87,8 @@ def test_every_link_between_the_readme_and_docs_leads_to_a_file_and_heading_that
 
 # issue 41's switches (and the profile mode): each a row of the README's table of options
 SPEED_OPTIONS = ("train.step_sync", "model.cast_weights", "model.compile", "model.loss", "model.gradient_checkpointing",
-                 "train.mixed_precision", "train.fp8_recipe", "train.fp8_layers", "optim.fused", "logging.profile")
+                 "train.mixed_precision", "train.fp8_recipe", "train.fp8_layers", "checkpoint.async_save", "optim.fused",
+                 "logging.profile")
 
 
 def test_the_readmes_table_of_options_lists_every_speed_switch_with_its_choices_and_a_test_that_exists():
@@ -115,6 +116,8 @@ def test_the_readmes_table_of_options_lists_every_speed_switch_with_its_choices_
         choices = re.findall(r"`([^`]+)`", rows[key][1])
         if typing.get_origin(hint) is typing.Literal:
             assert choices == [default, *(c for c in typing.get_args(hint) if c != default)], key
+        elif hint is bool:  # as YAML writes them
+            assert choices == [str(default).lower(), str(not default).lower()], key
         else:  # logging.profile: off, or the steps to trace
             assert choices[0] == str(default).replace(" ", ""), key
         assert any(f.name == name for f in dataclasses.fields(section_cfg))

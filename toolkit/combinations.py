@@ -97,6 +97,15 @@ RULES: tuple[Rule, ...] = (
     FP16_IN_A_PIPELINE,
     Rule("train.mixed_precision=fp8", _fp8, None),
     Rule("adapter.method=qlora", _qlora, None),
+    # DeepSpeed's engine writes its checkpoint through calls of its own, not Accelerate's or DCP's save that
+    # toolkit.checkpoint.background stages; a pipeline's stage files are written beside them, untried in the background
+    Rule("checkpoint.async_save=true", lambda cfg, layout, precision: (
+        "checkpoint.async_save=true writes DDP's and FSDP2's checkpoints in the background, not "
+        + ("DeepSpeed's (its engine writes its own files) yet; use checkpoint.async_save=false, or fsdp.yaml"
+           if layout.kind == "deepspeed" else
+           "a pipeline's stage files yet; use checkpoint.async_save=false, or train.pipeline_stages=1")
+    ) if cfg.checkpoint.async_save and (layout.kind == "deepspeed" or layout.pp > 1) else None,
+        {"checkpoint.async_save": "false"}),
     Rule("adapter.method=lora", lambda cfg, layout, precision: (
         f"{'tensor' if layout.tp > 1 else 'pipeline'} parallel trains a whole model, not a LoRA adapter, yet; use "
         "fsdp.yaml or the zero configs"

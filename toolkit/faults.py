@@ -35,6 +35,7 @@ POINTS = {
     "eval": "inside an evaluation, after its first forward",
     "save.start": "before the strategy's save_state",
     "save.rank_files": "after this rank wrote its part of save_state, before the others finish",
+    "save.background": "in a checkpoint's writes in the background (checkpoint.async_save), after one of its files",
     "save.manifest": "after the manifest, before the state file (the checkpoint is not complete)",
     "save.state_file": "after the state file, before old checkpoints are pruned",
     "prune": "between moving an old checkpoint out of rotation and deleting it",

@@ -45,7 +45,8 @@ WRITERS: dict[str, Writer] = {
     "checkpoint": Writer(
         "checkpoints/step-N/: the strategy's save_state, each rank's stream position, model_files/, the manifest, "
         "trainer_state.json (last: a folder without it is never complete)",
-        ("toolkit.checkpoint.manager:save_checkpoint", "toolkit.checkpoint.pipeline:save_stage",
+        ("toolkit.checkpoint.manager:begin_save", "toolkit.checkpoint.manager:Saving.complete",
+         "toolkit.checkpoint.pipeline:save_stage",
          "toolkit.data.streaming:StreamingBlocks.save", "toolkit.data.streaming:MixedStreams.save",
          "toolkit.export.hf_folder:write_model_files",
          "toolkit.manifest:write_manifest", "toolkit.checkpoint.trainer_state:TrainerState.write"),

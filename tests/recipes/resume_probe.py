@@ -105,8 +105,8 @@ def main() -> int:
                 return
             save, at = trainer.save_checkpoint, int(os.environ["RESUME_PROBE_STEP"])
 
-            def save_and_dump():
-                folder = save()
+            def save_and_dump(background: bool = False):
+                folder = save(background)
                 if trainer.step == at:
                     dump(trainer)
                 return folder

@@ -144,14 +144,15 @@ def test_a_fresh_checkpoint_has_the_files_of_the_saved_fixtures_and_converts(str
     assert state.weight(names[:1]).shape == model.get_parameter(names[0]).shape
 
 
-# Hard kills at 8 points, two per strategy (toolkit.faults): a kill inside a step before the update (forward) and
-# after it (after_optimizer), in an evaluation, at each stage of a save, in a prune and in final/. The other kinds
-# (backward, between_micro_batches, save.rank_files) are the same moments as far as a resume can tell, and
+# Hard kills at 9 points (toolkit.faults): a kill inside a step before the update (forward) and after it
+# (after_optimizer), in an evaluation, at each stage of a save, in a prune and in final/. The other kinds (backward,
+# between_micro_batches, save.rank_files, save.manifest) are the same moments as far as a resume can tell, and
 # bench/kill_soak.py draws every kind under every strategy. The steps: checkpoints at 2, 4 and 6 with keep_last=1
-# (so pruning at 4 and 6), evaluations at 3 and 6.
+# (so pruning at 4 and 6), evaluations at 3 and 6. DDP and FSDP2 write theirs in the background (BACKGROUND): killed
+# inside those writes too, they still come back to the blocking reference run's numbers, bit for bit.
 KILLS = {
-    "ddp": ["forward@1/1", "prune@4/0"],
-    "fsdp": ["save.manifest@4/0", "final/0"],
+    "ddp": ["forward@1/1", "save.background@4/0", "prune@4/0"],
+    "fsdp": ["save.background@4/1", "final/0"],
     "zero2": ["eval@3/1", "save.state_file@6/0"],
     "zero3": ["after_optimizer@3/0", "save.start@4/1"],
 }
@@ -160,15 +161,17 @@ KILLS = {
 # same run with resume=auto on ranks forked from the rank server, as a scheduler's requeue would. What comes back,
 # and from where, is the toolkit's either way: the newest complete checkpoint, never a partial one.
 ELASTIC = "zero3"
+BACKGROUND = {"ddp", "fsdp"}  # checkpoint.async_save=true
 
 
 @pytest.mark.parametrize("strategy", sorted(KILLS))
 def test_hard_kills_come_back_bit_exact(strategy, strategy_runs, tmp_path, data_cache):
-    """The soak harness (bench/kill_soak.py) in its small deterministic form: resume=auto, two SIGKILLs of one
-    rank, each firing once. After each the ranks come back and resume from the newest complete checkpoint, and the
+    """The soak harness (bench/kill_soak.py) in its small deterministic form: resume=auto, two or three SIGKILLs of
+    one rank, each firing once. After each the ranks come back and resume from the newest complete checkpoint, and the
     run ends with the uninterrupted run's losses and final weights, bit for bit, nothing lost."""
     reference, _ = strategy_runs(strategy)
-    overrides = [*MATRIX_RUN, *kill_soak.SAVES, "resume=auto", "train.collective_timeout_s=120"]
+    overrides = [*MATRIX_RUN, *kill_soak.SAVES, "resume=auto", "train.collective_timeout_s=120",
+                 *([kill_soak.ASYNC] if strategy in BACKGROUND else [])]
     out, log = tmp_path / "run", tmp_path / "kills.log"
     if strategy == ELASTIC:
         proc = kill_soak.launch(strategy, out, overrides, data_cache, KILLS[strategy], log, restarts=3)

@@ -95,6 +95,7 @@ ACCEPTS: dict[str, dict[str, str]] = {
     "checkpoint.final_dtype": {},
     "checkpoint.keep_last": {"2**31": "keep every checkpoint"},
     "checkpoint.on_save_error": {},
+    "checkpoint.async_save": {},
     "logging.every": {"2**31": "metrics at the last step only"},
     "logging.trackers": {"[]": "metrics.jsonl only, as documented"},
     "logging.profile": {"[]": "no profiling: the default"},

@@ -8,6 +8,8 @@ the manifest records every file's size and CRC-32 (toolkit.manifest), checked be
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import pickle
 import shutil
@@ -19,6 +21,7 @@ from typing import Literal
 import torch
 
 from toolkit.checkpoint import ddp
+from toolkit.checkpoint.background import Writes, staged
 from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.formats import FORMATS, Checkpoint
@@ -45,6 +48,10 @@ class CheckpointConfig:
         "stop", help="when a checkpoint cannot be written (disk full, I/O error): stop the run (exit 5; resume=auto "
         "continues from the previous checkpoint once there is room) or train on and try again at the next save"
     )
+    async_save: bool = field(
+        False, help="write each checkpoint's files in the background while training goes on (its tensors are copied "
+        "to host memory first, so the host needs room for one more copy of what the rank saves); DDP and FSDP2"
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -55,7 +62,14 @@ class CheckpointConfig:
         return problems
 
 
-def save_checkpoint(
+def save_checkpoint(strategy: Strategy, run: RunDir, state: TrainerState, keep_last: int,
+                    model_files: Callable[[Path], None] | None = None, say: Callable[[str], None] = print,
+                    rank_files: Callable[[Path], None] | None = None) -> Path:
+    """Collective: a checkpoint written and complete when it returns (begin_save's arguments)."""
+    return begin_save(strategy, run, state, keep_last, model_files, say, rank_files).complete()
+
+
+def begin_save(
     strategy: Strategy,
     run: RunDir,
     state: TrainerState,
@@ -63,8 +77,10 @@ def save_checkpoint(
     model_files: Callable[[Path], None] | None = None,
     say: Callable[[str], None] = print,
     rank_files: Callable[[Path], None] | None = None,
-) -> Path:
-    """Collective: every rank must call it.
+    background: bool = False,
+) -> Saving:
+    """Collective: every rank must call it. The checkpoint is complete once its `Saving.complete()` has returned
+    (collective too); with `background`, the strategy's files are written meanwhile (toolkit.checkpoint.background).
 
     `model_files(folder)` writes what turns the saved weights back into a model without the
     run (config, tokenizer): recipes/export.py consolidates any checkpoint from it alone.
@@ -74,7 +90,6 @@ def save_checkpoint(
     folder = run.checkpoint(state.step)
     # what wrote the files: a resume under another strategy or world size converts them
     state.layout = strategy.layout
-    optimizer_names = optimizer_parameter_names(strategy)
     kill_point("save.start", state.step)
     if acc.is_main_process:
         if folder.is_symlink():  # the name this save writes; the link goes, never what it points to
@@ -87,13 +102,17 @@ def save_checkpoint(
     if acc.is_main_process and previous is not None:
         warn_low_space(folder, previous, say)
     acc.wait_for_everyone()
+    # training goes on from here while the writes run: the state as it is now is the checkpoint's
+    saving = Saving(strategy, run, folder, copy.deepcopy(state), keep_last, model_files,
+                    optimizer_parameter_names(strategy), previous)
     # A write that fails (disk full, I/O error, permission; whatever its writer raises: toolkit.writes)
     # on any rank fails the save on every rank: the partial folder goes, the previous checkpoint was
     # never touched, and the trainer stops or goes on as checkpoint.on_save_error says. Any other error
     # is raised as it is, its partial folder removed too.
-    failure = None
+    writes = Writes(state.step, folder) if background else None
     try:
-        strategy.accelerator.save_state(str(folder))
+        with staged(writes) if writes is not None else contextlib.nullcontext():
+            strategy.accelerator.save_state(str(folder))
         beside = getattr(FORMATS[strategy.backend.format], "save_beside", None)  # files Accelerate does not hold
         if beside is not None:
             beside(strategy, folder)
@@ -101,51 +120,86 @@ def save_checkpoint(
             rank_files(folder)
         fail_point("save.rank_files", state.step, folder)
     except BaseException as exc:
-        failure = _write_failure(exc, strategy.rank, folder, acc.is_main_process)
+        saving.failure = _write_failure(exc, strategy.rank, folder, acc.is_main_process)
     kill_point("save.rank_files", state.step)
-    failure = _first(strategy, failure)
-    if failure is None and acc.is_main_process:
-        try:
-            if model_files is not None:
-                model_files(folder / MODEL_FILES)
-            if optimizer_names is not None:  # optimizer.bin numbers its parameters; say which is which
-                (folder / ddp.OPTIMIZER_NAMES).write_text(json.dumps({"groups": optimizer_names}))
-            fail_point("save.manifest", state.step, folder / MANIFEST)
-            # The manifest before the state file (a complete checkpoint always has one), and its
-            # checksum in the state: a state file copied in from another checkpoint is told apart.
-            state.manifest_crc32 = crc32(write_manifest(folder))
-            kill_point("save.manifest", state.step)
-            state.write(folder)
-        except BaseException as exc:
-            failure = _write_failure(exc, strategy.rank, folder, True)
-    failure = _first(strategy, failure)
-    if failure is not None:
+    if writes is not None and saving.failure is None:
+        saving.writes = writes
+        writes.start()
+    return saving
+
+
+@dataclass
+class Saving:
+    """A checkpoint being written: its folder has no state file until `complete()` (a resume never takes it)."""
+
+    strategy: Strategy
+    run: RunDir
+    folder: Path
+    state: TrainerState  # as it was when the save began
+    keep_last: int
+    model_files: Callable[[Path], None] | None
+    optimizer_names: list[list[str]] | None
+    previous: Path | None
+    failure: str | None = None  # this rank's, from the files written before training went on
+    writes: Writes | None = None  # the files written in the background, where they are
+
+    def writing(self) -> bool:
+        """Whether this rank's files are still being written (the trainer asks every rank, in its step's reduce)."""
+        return self.writes is not None and self.writes.writing()
+
+    def complete(self) -> Path:
+        """Collective: wait for this rank's writes, agree on every rank's failure, then the manifest, the state file
+        and the rotation. Raises SaveFailed on every rank alike."""
+        strategy, folder, state = self.strategy, self.folder, self.state
+        acc, previous, failure = strategy.accelerator, self.previous, self.failure
+        if self.writes is not None and (error := self.writes.wait()) is not None:
+            failure = _write_failure(error, strategy.rank, folder, acc.is_main_process)
+        failure = _first(strategy, failure)
+        if failure is None and acc.is_main_process:
+            try:
+                if self.model_files is not None:
+                    self.model_files(folder / MODEL_FILES)
+                if self.optimizer_names is not None:  # optimizer.bin numbers its parameters; say which is which
+                    (folder / ddp.OPTIMIZER_NAMES).write_text(json.dumps({"groups": self.optimizer_names}))
+                fail_point("save.manifest", state.step, folder / MANIFEST)
+                # The manifest before the state file (a complete checkpoint always has one), and its
+                # checksum in the state: a state file copied in from another checkpoint is told apart.
+                state.manifest_crc32 = crc32(write_manifest(folder))
+                kill_point("save.manifest", state.step)
+                state.write(folder)
+            except BaseException as exc:
+                failure = _write_failure(exc, strategy.rank, folder, True)
+        failure = _first(strategy, failure)
+        if failure is not None:
+            if acc.is_main_process:
+                written = _bytes(folder)
+                shutil.rmtree(folder, ignore_errors=True)
+                needed = _bytes(previous) if previous is not None else written
+                failure += f"; a checkpoint needs about {_size(needed)}, {_size(_free(folder))} is free there"
+                failure += f"; {previous.name} is intact" if previous is not None else "; no earlier checkpoint exists"
+            failure = _first(strategy, failure if acc.is_main_process else None)
+            raise SaveFailed(f"checkpoint {folder.name} could not be written: {failure}")
         if acc.is_main_process:
-            written = _bytes(folder)
-            shutil.rmtree(folder, ignore_errors=True)
-            needed = _bytes(previous) if previous is not None else written
-            failure += f"; a checkpoint needs about {_size(needed)}, {_size(_free(folder))} is free there"
-            failure += f"; {previous.name} is intact" if previous is not None else "; no earlier checkpoint exists"
-        failure = _first(strategy, failure if acc.is_main_process else None)
-        raise SaveFailed(f"checkpoint {folder.name} could not be written: {failure}")
-    if acc.is_main_process:
-        kill_point("save.state_file", state.step)
-        done = run.complete_checkpoints()
+            kill_point("save.state_file", state.step)
+            self._rotate()
+        acc.wait_for_everyone()
+        return folder
+
+    def _rotate(self) -> None:
+        done = self.run.complete_checkpoints()
         # never the newest one that passed its checks: after a skipped non-finite step or with
         # non-finite weights, the last keep_last saves may all hold a model that diverged
         passed = [c for c in done if TrainerState.passed(c)][-1:]
         # a link in checkpoints/ is not a folder this run wrote: rotation never deletes through one
-        for old in [c for c in done[:-keep_last] if c not in passed and not c.is_symlink()]:
+        for old in [c for c in done[:-self.keep_last] if c not in passed and not c.is_symlink()]:
             # Out of rotation in one rename, then deleted: a crash mid-delete leaves a folder
             # that is plainly not a checkpoint, never a step-N that lost some of its files.
             going = old.rename(old.with_name(old.name + PRUNED))
-            kill_point("prune", state.step)
+            kill_point("prune", self.state.step)
             shutil.rmtree(going)
             converted = converted_state(old)  # its state by parameter name goes with it, the same way
             if converted.exists():
                 shutil.rmtree(converted.rename(converted.with_name(converted.name + PRUNED)))
-    acc.wait_for_everyone()
-    return folder
 
 
 class SaveFailed(Exception):

@@ -99,7 +99,7 @@ FREE = {
     "train.collective_timeout_s": "a wait limit", "train.step_sync": "when the host reads the step's verdict",
     "optim.fused": "an implementation of the same AdamW step",
     **{f"checkpoint.{k}": "what is saved and when, not what trains" for k in ("every", "keep_last", "final_dtype",
-                                                                            "on_save_error")},
+                                                                            "on_save_error", "async_save")},
     **{f"logging.{k}": "what is reported" for k in ("every", "trackers", "profile")},
     "eval.every": "when the held-out loss is measured",
     "samples.prompts": "generated from the base again on a resume (recipes/finetune.py)",

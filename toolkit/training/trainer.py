@@ -28,7 +28,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from toolkit.checkpoint.manager import SaveFailed, save_checkpoint
+from toolkit.checkpoint.manager import SaveFailed, Saving, begin_save
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.settings import trained_settings
 from toolkit.checkpoint.trainer_state import TrainerState
@@ -145,6 +145,7 @@ class Trainer:
         self.feed: Feed | None = None  # set by use_data, use_mixture or use_stream
         self.objective: PreferenceLoss | None = None  # set by use_data: the loss of preference pairs
         self.eval_step = self.checkpoint_step = -1
+        self.saving: Saving | None = None  # a checkpoint whose files are written in the background
         self.measured = False
         self.metrics: MetricsWriter | None = None
         self.trackers = TrackerLog(self.accelerator, cfg.logging.trackers, self.print)  # until a write fails
@@ -335,8 +336,12 @@ class Trainer:
             # idle while the host prepares the next step.
             stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
             skipped = on_device if on_device is not None else torch.zeros(2, dtype=torch.float64, device=acc.device)
-            # [loss, stop, the non-finite flags (loss, grad), router loss, the objective's STATS]
-            totals = HostCopy(acc.reduce(torch.cat([torch.stack([loss_sum, stop_flag]), skipped, extras]), reduction="sum"))
+            # the ranks whose checkpoint files are still being written in the background
+            writing = torch.tensor([float(self.saving is not None and self.saving.writing())], dtype=torch.float64,
+                                   device=acc.device)
+            # [loss, stop, the non-finite flags (loss, grad), router loss, the objective's STATS, writing]
+            totals = HostCopy(acc.reduce(torch.cat([torch.stack([loss_sum, stop_flag]), skipped, extras, writing]),
+                                         reduction="sum"))
             last = state.step == cfg.train.max_steps
             log_now = state.step % cfg.logging.every == 0 or last
             eval_now = self.feed.val is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
@@ -377,7 +382,7 @@ class Trainer:
                     **{f"tokens/{name}": n for name, n in state.source_tokens.items()},
                     # a mixture of experts: the routers' load-balancing loss, mean over every micro-batch
                     **({} if self.router is None else {"router_aux_loss": values[4] / micro_batches}),
-                    **({} if self.objective is None else PreferenceLoss.means(values[5:], "rewards")),
+                    **({} if self.objective is None else PreferenceLoss.means(values[5:-1], "rewards")),
                 })
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
                 window_tokens, window_time = 0, 0.0
@@ -392,20 +397,25 @@ class Trainer:
             # model then fails ("Trying to resize storage that is not resizable").
             if eval_now:
                 state.last_eval = self.evaluate("after" if last else "train")
+            # A signal, and the end of a checkpoint's writes, are seen in this step's values where they were
+            # read, else in the previous step's, which arrived while this step ran: every rank agrees at one step.
+            flags = values if values is not None else previous.get() if previous is not None else None
+            seen_at = state.step if values is not None else state.step - 1
+            if self.saving is not None and flags is not None and seen_at > self.saving.state.step and flags[-1] == 0:
+                self.complete_save()
             if save_now:
-                self.save_checkpoint()
-            # A signal is seen in this step's values where they were read, else in the previous
-            # step's, which arrived while this step ran: every rank stops at the same step.
-            flags = values if values is not None else previous.get() if previous is not None else [0.0] * 4
+                self.save_checkpoint(background=cfg.checkpoint.async_save)
             previous = totals
-            if flags[1] > 0:
+            if flags is not None and flags[1] > 0:
                 if unread is not None:  # the checkpoint counts this step's tokens only if it trained
                     self.settle(*unread, verdict(totals.get()[2:4]), bar, unread=True)
                 bar.close()
+                self.complete_save()
                 folder = self.save_checkpoint() if self.checkpoint_step != state.step else self.run.checkpoint(state.step)
                 saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
                 raise Stopped(f"stopped by a signal at step {state.step}; {saved}; continue with resume=auto")
         bar.close()
+        self.complete_save()  # training ends with its checkpoints complete
 
     def settle(self, step: int, step_tokens: int, nonfinite: str | None, bar, unread: bool = False) -> None:
         """What a step's verdict decides: the tokens it trained on count, or its skip is logged and the run stops
@@ -487,8 +497,10 @@ class Trainer:
                       f", reward margin {result['eval_rewards/margin']:.4f}, accuracy {result['eval_rewards/accuracy']:.2f}"))
         return result
 
-    def save_checkpoint(self) -> Path | None:
-        """Collective; None when the save failed and checkpoint.on_save_error=continue."""
+    def save_checkpoint(self, background: bool = False) -> Path | None:
+        """Collective; None when the save failed and checkpoint.on_save_error=continue, or goes on in the
+        `background` (complete_save ends it). A save still being written is completed first."""
+        self.complete_save()
         self.checkpoint_step = self.step
         unwrapped = self.accelerator.unwrap_model(self.model)
         # a checkpoint that may hold a diverged model is marked, so that rotation keeps an older one
@@ -498,15 +510,25 @@ class Trainer:
             else f"saved right after {self.nonfinite_in_a_row} skipped non-finite step(s)" if self.nonfinite_in_a_row
             else ""
         )
+        self.saving = begin_save(
+            self.strategy, self.run, self.state, self.cfg.checkpoint.keep_last,
+            lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files), self.print,
+            rank_files=self.feed.stream.save if self.feed.stream is not None else None, background=background,
+        )
+        return None if background else self.complete_save()
+
+    def complete_save(self) -> Path | None:
+        """Collective: the checkpoint being written (if any), made complete once its files are; None when there was
+        none, or it failed and checkpoint.on_save_error=continue."""
+        saving, self.saving = self.saving, None
+        if saving is None:
+            return None
         try:
-            folder = save_checkpoint(
-                self.strategy, self.run, self.state, self.cfg.checkpoint.keep_last,
-                lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files), self.print,
-                rank_files=self.feed.stream.save if self.feed.stream is not None else None,
-            )
+            folder = saving.complete()
         except SaveFailed as exc:
-            self.checkpoint_step = -1  # the step has no checkpoint: finish() and a stop try again
-            self.log("checkpoint_error", {"step": self.step, "checkpoint_error": str(exc)})
+            if self.checkpoint_step == saving.state.step:
+                self.checkpoint_step = -1  # the step has no checkpoint: finish() and a stop try again
+            self.log("checkpoint_error", {"step": saving.state.step, "checkpoint_error": str(exc)})
             if self.cfg.checkpoint.on_save_error == "stop":
                 raise SaveStopped(f"{exc}; free space, then continue with resume=auto") from None
             self.print(f"warning: {exc}; training goes on (checkpoint.on_save_error=continue)")

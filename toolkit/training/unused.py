@@ -76,6 +76,7 @@ ALWAYS = (
     "optim.lr", "optim.lr_scaling", "optim.schedule", "optim.warmup_steps", "optim.betas", "optim.eps",
     "optim.weight_decay", "optim.max_grad_norm", "optim.fused",
     "checkpoint.every", "checkpoint.keep_last", "checkpoint.final_dtype", "checkpoint.on_save_error",
+    "checkpoint.async_save",  # refused where it cannot write in the background: toolkit.combinations
     "logging.every", "logging.trackers", "logging.profile",
     "eval.every", "eval.blocks",  # without held-out data (val_fraction=0) the data line says 0 held-out
     "samples.max_new_tokens", "samples.prompts",  # max_new_tokens=0 is the samples' off switch

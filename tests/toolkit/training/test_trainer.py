@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState
 from one_process_trainer import SETTINGS, packed_blocks, start_trainer
 
+from toolkit.checkpoint import background
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError, load_config
 from toolkit.manifest import check_manifest
@@ -233,16 +235,18 @@ def test_resume_auto_starts_over_a_run_killed_before_its_first_checkpoint(tmp_pa
     assert [p.name for p in trainer.run.complete_checkpoints()] == ["step-2"]
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
 @pytest.mark.parametrize("policy", ["stop", "continue"])
 def test_a_save_that_hits_a_full_disk_keeps_the_previous_checkpoint(tmp_path, blocks, tiny_tokenizer, tiny_model,
-                                                                   monkeypatch, policy):
+                                                                   monkeypatch, policy, background):
     """ENOSPC injected while step-4's files are written (toolkit.faults): the partial step-4 is
     removed, step-2 is untouched, the error names the file, the need and the free space; the run
-    stops (resume=auto continues from step-2) or trains on and saves step-6, as configured."""
-    monkeypatch.setenv("LLM_TOOLKIT_FAIL", "save.manifest@4/0=ENOSPC")
+    stops (resume=auto continues from step-2) or trains on and saves step-6, as configured. In the
+    background (checkpoint.async_save) the write fails in the writing thread, said when the save completes."""
+    monkeypatch.setenv("LLM_TOOLKIT_FAIL", f"save.{'background' if background else 'manifest'}@4/0=ENOSPC")
     monkeypatch.setenv("LLM_TOOLKIT_KILL_LOG", str(tmp_path / "faults.log"))
     settings = ["train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=3", "eval.every=0",
-                f"checkpoint.on_save_error={policy}"]
+                f"checkpoint.on_save_error={policy}", f"checkpoint.async_save={str(background).lower()}"]
     trainer = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, *settings)
     if policy == "stop":
         with pytest.raises(SaveStopped) as info:
@@ -263,6 +267,54 @@ def test_a_save_that_hits_a_full_disk_keeps_the_previous_checkpoint(tmp_path, bl
     assert check_manifest(trainer.run.checkpoint(2)) is None
     if policy == "stop":
         assert start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, *settings, "resume=auto").step == 2
+
+
+def files(folder) -> dict:
+    """A checkpoint's manifest, less what differs between any two runs: Python's and numpy's random states, which
+    the run never seeds (dropout draws from torch's, compared apart)."""
+    listed = json.loads((folder / "manifest.json").read_text())["files"]
+    return {name: entry for name, entry in listed.items() if not name.startswith("random_states_")}
+
+
+def test_a_checkpoint_written_in_the_background_is_the_blocking_ones_file_for_file(tmp_path, blocks, tiny_tokenizer,
+                                                                                   tiny_model, monkeypatch):
+    """Its writes slowed by 0.2 s each: step 3 trains before step-2 is complete, and every checkpoint holds
+    the same bytes as a blocking run's (the weights, Adam state, schedule and torch's random state)."""
+    settings = ["train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=2", "eval.every=0"]
+    completed = []  # (the checkpoint's step, the step training had reached), at each completion
+    complete = Trainer.complete_save
+
+    def recording(self):
+        if self.saving is not None:
+            completed.append((self.saving.state.step, self.step))
+        return complete(self)
+
+    monkeypatch.setattr(Trainer, "complete_save", recording)
+    runs = {}
+    for name in ("blocking", "background"):
+        if name == "background":
+            slow = background.Writes._run
+
+            def slowly(self):
+                self.jobs = [job for write in self.jobs for job in (lambda: time.sleep(0.2), write)]
+                slow(self)
+
+            monkeypatch.setattr(background.Writes, "_run", slowly)
+            completed.clear()
+        trainer = start(tmp_path / name, blocks, tiny_tokenizer, tiny_model, *settings,
+                                f"checkpoint.async_save={str(name == 'background').lower()}")
+        trainer.fit()
+        trainer.finish()
+        trainer.close()
+        runs[name] = trainer.run
+    assert completed[0][0] == 2 and completed[0][1] > 2, completed  # step 3 trained while step-2 was written
+    assert [r["loss"] for r in read_metrics(runs["background"].metrics) if "loss" in r] == \
+        [r["loss"] for r in read_metrics(runs["blocking"].metrics) if "loss" in r]
+    for step in (2, 4):
+        a, b = runs["blocking"].checkpoint(step), runs["background"].checkpoint(step)
+        assert files(b) == files(a), step
+        states = [torch.load(f / "random_states_0.pkl", weights_only=False)["torch_manual_seed"] for f in (a, b)]
+        assert states[0].equal(states[1])
 
 
 def test_low_disk_space_is_said_before_the_save(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch, capsys):
