@@ -54,6 +54,11 @@ USED_WHEN: dict[str, Need | Callable[[Any], str | None]] = {
         f"data.val_path={cfg.data.val_path} is the held-out data" if getattr(cfg.data, "val_path", None) else None),
     **{f"data.{name}": (lambda cfg, name=name: "data.sources name their own" if cfg.data.sources else None)
        for name in ("name", "split")},
+    # the end's save waits for its files either way (the run ends with its checkpoint complete); refused where it
+    # cannot write in the background at all: toolkit.combinations
+    "checkpoint.async_save": lambda cfg: (
+        "checkpoint.every=0 saves only at the end, which waits for its files either way" if not cfg.checkpoint.every
+        else None),
     "model.gguf_cache": lambda cfg: (
         None if _gguf_base(cfg.model) else f"model.path={cfg.model.path} is not a GGUF base (model.gguf_file is empty)"),
 }
@@ -76,7 +81,6 @@ ALWAYS = (
     "optim.lr", "optim.lr_scaling", "optim.schedule", "optim.warmup_steps", "optim.betas", "optim.eps",
     "optim.weight_decay", "optim.max_grad_norm", "optim.fused",
     "checkpoint.every", "checkpoint.keep_last", "checkpoint.final_dtype", "checkpoint.on_save_error",
-    "checkpoint.async_save",  # refused where it cannot write in the background: toolkit.combinations
     "logging.every", "logging.trackers", "logging.profile",
     "eval.every", "eval.blocks",  # without held-out data (val_fraction=0) the data line says 0 held-out
     "samples.max_new_tokens", "samples.prompts",  # max_new_tokens=0 is the samples' off switch

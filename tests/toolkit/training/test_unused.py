@@ -42,6 +42,7 @@ CASES = {
                           ["data.path=a.jsonl"]),
     **{f"data.{k}": (PretrainConfig, f"data.{k}={v}", ["data.sources=[{name: a}]"], []) for k, v in (("name", "x"),
                                                                                                      ("split", "test"))},
+    "checkpoint.async_save": (PretrainConfig, "checkpoint.async_save=true", ["checkpoint.every=0"], []),
     "model.gguf_cache": (FinetuneConfig, "model.gguf_cache=false", ["model.path=org/base"], ["model.path=b.gguf"]),
     # CHECKED_BY: refused by their component, in its own words
     "resume": (FinetuneConfig, "resume=auto", ["overwrite=true"], []),
