@@ -6,7 +6,9 @@ import math
 
 import torch
 
+from toolkit.checkpoint.by_name import plain_name
 from toolkit.config import UserError
+from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.backends.base import DataParallel, PlannedBuffers, Strategy
 
@@ -31,6 +33,22 @@ class Fsdp(DataParallel):
                 f"the FSDP config wraps {', '.join(missing)}, which this {type(model).__name__} does not have; "
                 f"its decoder layer class is {', '.join(layers)} (or leave fsdp_transformer_layer_cls_to_wrap out)"
             )
+
+    def prepare(self, strategy: Strategy, *objects):
+        """Accelerate's prepare, with each optimizer's parameters found again by name where its own mapping fails.
+        Accelerate swaps them for FSDP2's sharded ones by data_ptr(), which torchao's float8 weight wrapper (the
+        float8 all-gather's) answers 0 for every weight: all of them became the last one, stepped once per name
+        while the others never moved, and had no Adam state to save. Names are what that mapping stands for."""
+        names = _ambiguous_optimizer_names(objects) if strategy.layout.files == "fsdp2" else None
+        prepared = super().prepare(strategy, *objects)
+        if names is not None:
+            model = next(o for o in prepared if isinstance(o, torch.nn.Module))
+            sharded = {plain_name(n): p for n, p in model.named_parameters()}
+            optimizers = [o for o in prepared if isinstance(o, torch.optim.Optimizer)]
+            for optimizer, groups in zip(optimizers, names, strict=True):
+                for group, group_names in zip(optimizer.param_groups, groups, strict=True):
+                    group["params"] = [sharded[n] for n in group_names]
+        return prepared
 
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
         """torch.distributed.checkpoint reshards FSDP2's DCP files to any number of processes on load (FSDP1's
@@ -91,6 +109,18 @@ class Fsdp(DataParallel):
         if tp > 1 and head is not None:
             gathered += math.prod(head.tp_slice(tp)) * wb
         return PlannedBuffers(gathered, gathered + layer * (wb + 4))  # + unsharded gradients, their fp32 reduce input
+
+
+def _ambiguous_optimizer_names(objects) -> list[list[list[str]]] | None:
+    """The name of each optimizer's every parameter, group by group, before FSDP2 replaces them, where two of them
+    answer the same data_ptr() (None otherwise, or without a model and an optimizer to prepare)."""
+    model = next((o for o in objects if isinstance(o, torch.nn.Module)), None)
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    if model is None or len({p.data_ptr() for p in params}) == len(params):
+        return None
+    names = parameter_names(model)
+    return [[[plain_name(names[id(p)][0]) for p in g["params"]] for g in o.param_groups] for o in optimizers]
 
 
 BACKEND = Fsdp()
