@@ -155,7 +155,8 @@ class FinetuneRecipe:
             before = generate(model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
 
         if cfg.train.mixed_precision == "fp8":  # before the adapter and the compile: they see Float8Linear layers
-            trainer.print(float8.convert(model, cfg.train.fp8_recipe, cfg.train.fp8_layers).said())
+            trainer.print(float8.convert(model, cfg.train.fp8_recipe, cfg.train.fp8_layers,
+                                        fsdp2=strategy.layout.files == "fsdp2").said())
         # Weights to train: all, or a LoRA adapter (seeded, so every rank starts from the same one).
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         model.config.use_cache = False

@@ -12,6 +12,10 @@ torchao's own (`_auto_filter_for_recipe`), from its H100 table: a float8 matmul 
 casts than it saves (torchao measured 0.8x at 1024x2048x1024). For Llama-3.2-1B's shapes it keeps q, o and the MLP,
 about 80 % of the layers' FLOPs, and leaves k and v (2048 -> 512) in bf16.
 
+Under FSDP2 with `tensorwise` scaling the layers gather their weights in float8 (torchao's
+`enable_fsdp_float8_all_gather`): each rank casts its shard with the whole weight's scale, which
+`precompute_scales` computes in one all-reduce after each optimizer step, and the gather moves half bf16's bytes.
+
 `LLM_TOOLKIT_FP8_EMULATE=1` (tests only) runs torchao's same casts and scales with an emulated matmul
 (`Float8LinearConfig(emulate=True)`): on CPU, without the size rule (a test model has no layer that large), and
 without the compile that a GPU run needs for speed.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,11 +103,13 @@ class Conversion:
     recipe: str
     converted: list[str]  # module names now computing in float8
     left: dict[str, str]  # module name -> the rule's reason
+    gathers_float8: bool = False  # FSDP2 gathers the converted layers' weights in float8
 
     def said(self) -> str:
         shapes = sorted({_shape_of(n) for n in self.converted})
         kept = sorted({f"{_shape_of(n)} ({why})" for n, why in self.left.items()})
         mode = ", emulated (LLM_TOOLKIT_FP8_EMULATE=1)" if emulated() else ""
+        mode += ", gathered in float8 by FSDP2" if self.gathers_float8 else ""
         return (f"fp8: {len(self.converted)} of {len(self.converted) + len(self.left)} linear layers in float8 "
                 f"({self.recipe} scaling{mode}): {', '.join(shapes)}; left in bf16: {', '.join(kept) or 'none'}")
 
@@ -131,9 +138,10 @@ def plan(model: torch.nn.Module, recipe: str, sizes: bool, layers: str = "auto")
     return Conversion(recipe, converted, left)
 
 
-def convert(model: torch.nn.Module, recipe: str, layers: str = "auto") -> Conversion:
+def convert(model: torch.nn.Module, recipe: str, layers: str = "auto", fsdp2: bool = False) -> Conversion:
     """Swap `model`'s eligible layers for torchao's Float8Linear, in place, before the adapter, the compile and the
-    strategy's wrapping; a model with none eligible is refused (it would train in bf16 while saying fp8)."""
+    strategy's wrapping; a model with none eligible is refused (it would train in bf16 while saying fp8).
+    `fsdp2` (the launch shards with FSDP2): tensorwise layers gather their weights in float8 (as the module says)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
     except ImportError:
@@ -155,6 +163,30 @@ def convert(model: torch.nn.Module, recipe: str, layers: str = "auto") -> Conver
     config = Float8LinearConfig.from_recipe_name(recipe)
     if emulate:
         config = dataclasses.replace(config, emulate=True)
+    if fsdp2 and recipe == "tensorwise":  # torchao gathers float8 with one scale per tensor only
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        chosen.gathers_float8 = True
     names = set(chosen.converted)
     convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in names, config=config)
     return chosen
+
+
+def precompute_scales(model: torch.nn.Module) -> None:
+    """After an optimizer step under FSDP2: every float8-gathered weight's scale, from its new values, in one
+    all-reduce for them all (without it each layer's gather would all-reduce its own amax). A no-op for a model
+    without such weights, and without importing torchao where nothing imported it (no layer was converted)."""
+    if "torchao.float8" not in sys.modules:
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # noqa: PLC0415
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside torchao's float8 weight wrapper (an FSDP2 shard's, with the float8 all-gather), which
+    has no storage of its own to read (.numpy(), data_ptr()); any other tensor as it is."""
+    if "torchao.float8" not in sys.modules:
+        return tensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: PLC0415
+
+    return tensor._tensor if isinstance(tensor, WeightWithDynamicFloat8CastTensor) else tensor

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from accelerate import Accelerator
 
+from toolkit.models import float8
 from toolkit.models.loss import backward_scale
 from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
@@ -211,7 +212,7 @@ def held_values(param: torch.Tensor) -> torch.Tensor:
     partition (`ds_tensor`) without its padding. DeepSpeed pads the last partitions of a parameter whose
     size the world does not divide with uninitialised memory, which may read as NaN."""
     if hasattr(param, "to_local"):
-        return param.to_local()
+        return float8.unwrapped(param.to_local())
     part = getattr(param, "ds_tensor", None)
     if part is None:
         return param

@@ -8,6 +8,7 @@ import torch
 
 from toolkit.checkpoint.by_name import plain_name
 from toolkit.config import UserError
+from toolkit.models import float8
 from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.backends.base import DataParallel, PlannedBuffers, Strategy
@@ -54,6 +55,12 @@ class Fsdp(DataParallel):
         """torch.distributed.checkpoint reshards FSDP2's DCP files to any number of processes on load (FSDP1's
         only to the world that wrote them)."""
         return saved.files == layout.files and (layout.files == "fsdp2" or saved.world in (0, layout.world))
+
+    def update(self, accelerator, model, optimizer, loss, max_grad_norm, skip_on_device, weight_cast):
+        grad_norm, nonfinite = super().update(accelerator, model, optimizer, loss, max_grad_norm, skip_on_device,
+                                              weight_cast)
+        float8.precompute_scales(model)  # the float8 gather's scales, of the weights this step left
+        return grad_norm, nonfinite
 
 
     # ------------------------------------------------------------------ the planner's
