@@ -25,15 +25,13 @@ from safetensors import safe_open
 
 from toolkit.checkpoint.unpickling import load
 from toolkit.config import UserError
+from toolkit.models.parameters import plain_name
 from toolkit.parallel_layout import ParallelLayout
 
 VERSION = 1
 WEIGHTS = "weights"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OPTIMIZER = "optimizer.json"
-# wrappers that torch.distributed.checkpoint leaves out of a parameter's name (torch.compile,
-# activation checkpointing, FSDP1): the names are compared without them
-_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 def step_value(value) -> float:
@@ -41,13 +39,6 @@ def step_value(value) -> float:
 
 
 # ---------------------------------------------------------------- reading it (every rank)
-def plain_name(name: str) -> str:
-    """A parameter's name without the wrappers torch.distributed.checkpoint leaves out of it."""
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
-
-
 class ConsolidatedState:
     """A converted checkpoint, read a tensor at a time (nothing is loaded whole)."""
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, plain_name, step_value
+from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, step_value
 from toolkit.checkpoint.unpickling import load
-from toolkit.models.parameters import parameter_names
+from toolkit.models.parameters import parameter_names, plain_name
 
 if TYPE_CHECKING:
     from toolkit.strategy.distributed import Strategy

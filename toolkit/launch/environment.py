@@ -67,3 +67,11 @@ def gpus_short(here: int, gpus: int, machines: int, where: str = "") -> str | No
 def is_launch_main() -> bool:
     """Rank 0 of the launch."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def run_alone() -> None:
+    """Forget the launch: from here this process is one process on its own (the launcher's variables gone), for a
+    library that would otherwise form a process group over ranks that do not take part (recipes/evaluate.py on CPU)."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_WORLD_SIZE"):
+        os.environ.pop(name, None)

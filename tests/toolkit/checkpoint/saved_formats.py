@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 from saved_checkpoints import FIXTURES
 
-from toolkit.checkpoint.by_name import MOMENTS, plain_name
+from toolkit.checkpoint.by_name import MOMENTS
 from toolkit.checkpoint.formats import FORMATS, saved_by
 from toolkit.checkpoint.unpickling import numbers_only_torch_load
+from toolkit.models.parameters import plain_name
 
 
 def read_back(kind: str, fixture: str, tmp_path: Path) -> tuple[dict, dict, dict]:

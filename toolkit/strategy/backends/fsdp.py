@@ -6,10 +6,9 @@ import math
 
 import torch
 
-from toolkit.checkpoint.by_name import plain_name
 from toolkit.config import UserError
 from toolkit.models import float8
-from toolkit.models.parameters import parameter_names
+from toolkit.models.parameters import parameter_names, plain_name
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.backends.base import DataParallel, PlannedBuffers, Strategy
 

@@ -1,0 +1,161 @@
+"""Score what training made on lm-evaluation-harness tasks: the numbers to put beside a published score.
+
+    python recipes/evaluate.py --from runs/ft --tasks arc_easy,hellaswag --num-fewshot 0 --limit 500
+    python recipes/evaluate.py --from runs/ft --checkpoint step-300 --tasks my_task --include-path my_tasks/
+    accelerate launch --num_processes 8 recipes/evaluate.py --from runs/ft --tasks mmlu     # data parallel on GPUs
+
+`--from` takes what recipes/export.py takes: a run folder (its final/, or --checkpoint step-N / latest), any Hugging
+Face model folder (an export), a checkpoint of any strategy (DDP, FSDP, ZeRO-1/2/3, stages: consolidated as export
+consolidates it, into a temporary folder, never into the run), or a LoRA adapter (merged into its base). The harness
+itself scores it (its `hf` model on that folder, as `lm_eval --model hf` does: the same numbers to the last digit),
+and the recipe prints its table and writes its JSON to --output (default ./harness-<name>.json).
+
+Under `accelerate launch` the harness splits the documents over the processes where each has a GPU; on CPU the first
+process evaluates alone, said in one line. Errors, one line and exit code 2: an unknown task (with the closest
+names), a task whose documents are on the Hub when it cannot be reached, a folder that is not a model, a
+checkpoint still being written, an existing --output without --overwrite, the harness not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from toolkit import quiet_weight_bars
+from toolkit.config import UserError
+from toolkit.export.consolidate import Source, load_model, resolve_source
+from toolkit.export.hf_folder import write_model_folder
+from toolkit.launch import environment
+from toolkit.launch.cli import OneLineParser
+from toolkit.models.adapter import leave_out_bitsandbytes
+from toolkit.training.harness import HarnessConfig, check_tasks, harness, scores, table, task_manager
+from toolkit.user_paths import UnusablePath, expand_path
+from toolkit.writes import WriteFailed
+
+MARK = "llm_toolkit_evaluation"  # in the JSON this recipe writes: what --overwrite may replace
+
+
+def parser() -> OneLineParser:
+    parser = OneLineParser("python recipes/evaluate.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--from", dest="source", required=True, help="run, model, checkpoint or adapter folder")
+    parser.add_argument("--checkpoint", help="with a run folder: step-N or latest (default: its final/)")
+    parser.add_argument("--tasks", required=True, help="harness task or group names, comma-separated")
+    parser.add_argument("--include-path", help="a folder of your own task YAML files")
+    parser.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
+    parser.add_argument("--limit", type=float, help="documents per task (below 1: a fraction); for a quick look")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--base", help="the base model folder of a LoRA adapter, when the adapter does not name it")
+    parser.add_argument("--output", help="the JSON file for the harness's results (default ./harness-<name>.json)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation's JSON")
+    return parser
+
+
+def parse_args(argv: list[str] | None):
+    args = parser().parse_args(argv)
+    for flag, dest in (("--from", "source"), ("--include-path", "include_path"), ("--base", "base"),
+                       ("--output", "output")):
+        value = getattr(args, dest)
+        if value is not None:
+            if not value.strip():
+                raise UserError(f"{flag} {value!r} names no path; give one")
+            try:
+                setattr(args, dest, expand_path(value, flag))
+            except UnusablePath as exc:
+                raise UserError(str(exc)) from None
+    cfg = HarnessConfig([t.strip() for t in args.tasks.split(",")], args.include_path, args.num_fewshot, args.limit,
+                        args.batch_size)
+    if problems := cfg.validate():
+        raise UserError(problems[0])
+    return args, cfg
+
+
+def output_path(args, source: Source) -> Path:
+    """--output, or ./harness-<run or folder name>[-step-N].json; an existing file only with --overwrite, and only one
+    this recipe wrote."""
+    name = (source.run_dir or source.path).name + (f"-step-{source.step}" if source.step is not None else "")
+    output = Path(args.output) if args.output else Path(f"harness-{name}.json")
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder; give a file name ending in .json")
+    if output.exists():
+        if not args.overwrite:
+            raise UserError(f"{output} exists; give another --output, or --overwrite to replace it")
+        try:
+            ours = MARK in json.loads(output.read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise UserError(f"{output} was not written by recipes/evaluate.py; --overwrite replaces only an earlier "
+                            "evaluation's results: give another --output")
+    return output
+
+
+def model_folder(source: Source, base: str | None, work: Path) -> Path:
+    """A Hugging Face folder the harness loads: the source itself, or the checkpoint or adapter made into one."""
+    if source.kind == "hf":
+        return source.path
+    model, tokenizer, notes = load_model(source, base, merge_lora=True)
+    for line in notes:
+        print(f"[evaluate] {line}")
+    return write_model_folder(model, tokenizer, work / "model", {}, {}, card="", writer="evaluation")
+
+
+def main(argv: list[str] | None = None) -> int:
+    leave_out_bitsandbytes()
+    quiet_weight_bars()
+    world, main_process = environment.world_size(), environment.is_launch_main()
+    try:
+        args, cfg = parse_args(argv)
+        if world > 1 and not environment.has_gpu():
+            # the harness splits its documents over processes only where each has a GPU; elsewhere every process
+            # would score them all: the first does, alone, as one process
+            if not main_process:
+                return 0
+            print(f"[evaluate] {world} processes were launched, and the harness splits its work over GPUs only: "
+                  "the first process evaluates alone on the CPU")
+            environment.run_alone()
+            world = 1
+        harness()  # installed, and quiet
+        source = resolve_source(args.source, args.checkpoint)
+        output = output_path(args, source)
+        manager = task_manager(cfg)
+        check_tasks(cfg, manager)
+        # a checkpoint or adapter becomes a folder beside the output, so that every process of a launch reads it
+        work = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=output.absolute().parent)) if main_process else None
+        try:
+            if world > 1:
+                from accelerate import PartialState
+                from accelerate.utils import broadcast_object_list
+
+                PartialState()
+                shared = [str(model_folder(source, args.base, work)) if main_process else None]
+                broadcast_object_list(shared)  # after rank 0 wrote it
+                folder = Path(shared[0])
+            else:
+                folder = model_folder(source, args.base, work)
+            print(f"[evaluate] {source.describe()}: tasks {', '.join(cfg.tasks)}")
+            from toolkit.training.harness import score
+
+            results = score(folder, cfg, manager)
+        finally:
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)
+        if results is None:  # a data-parallel run's other processes
+            return 0
+        results[MARK] = {"source": source.describe(), "scores": scores(results)}
+        print(table(results))
+        output.write_text(json.dumps(results, indent=2, default=str))
+        print(f"[evaluate] wrote {output}")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except WriteFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
