@@ -19,6 +19,7 @@ checkpoint still being written, an existing --output without --overwrite, the ha
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -72,11 +73,24 @@ def parse_args(argv: list[str] | None):
     return args, cfg
 
 
+def as_evaluation(read, *args, **kwargs):
+    """recipes/export.py's reading of a source, its lines said of an evaluation: what to evaluate instead of what to
+    export (--from and --checkpoint mean the same in both)."""
+    try:
+        return read(*args, **kwargs)
+    except UserError as exc:
+        line = re.sub(r"\bexported\b", "evaluated", re.sub(r"\bexport\b", "evaluate", str(exc)))
+        raise UserError(line) from None
+
+
 def output_path(args, source: Source) -> Path:
     """--output, or ./harness-<run or folder name>[-step-N].json; an existing file only with --overwrite, and only one
     this recipe wrote."""
     name = (source.run_dir or source.path).name + (f"-step-{source.step}" if source.step is not None else "")
     output = Path(args.output) if args.output else Path(f"harness-{name}.json")
+    existing = next(p for p in output.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"--output {output} cannot be created: {existing} is a file, not a folder")
     if output.is_dir():
         raise UserError(f"--output {output} is a folder; give a file name ending in .json")
     if output.exists():
@@ -96,7 +110,7 @@ def model_folder(source: Source, base: str | None, work: Path) -> Path:
     """A Hugging Face folder the harness loads: the source itself, or the checkpoint or adapter made into one."""
     if source.kind == "hf":
         return source.path
-    model, tokenizer, notes = load_model(source, base, merge_lora=True)
+    model, tokenizer, notes = as_evaluation(load_model, source, base, merge_lora=True)
     for line in notes:
         print(f"[evaluate] {line}")
     return write_model_folder(model, tokenizer, work / "model", {}, {}, card="", writer="evaluation")
@@ -118,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             environment.run_alone()
             world = 1
         harness()  # installed, and quiet
-        source = resolve_source(args.source, args.checkpoint)
+        if args.base and not Path(args.base).is_dir():
+            raise UserError(f"--base {args.base} is not a folder; give the base model folder of the LoRA adapter")
+        source = as_evaluation(resolve_source, args.source, args.checkpoint)
+        if args.base and source.kind != "adapter":
+            raise UserError(f"--base {args.base} applies to a LoRA adapter; {source.describe()} is not one, leave "
+                            "--base out")
         output = output_path(args, source)
         manager = task_manager(cfg)
         check_tasks(cfg, manager)

@@ -128,8 +128,6 @@ def check_args(args: argparse.Namespace) -> Path:
         raise UserError(f"--max-shard-size {args.max_shard_size!r} is not a size; write it like 500MB or 2GB")
     if not float(re.match(r"[\d.]+", args.max_shard_size).group()):
         raise UserError(f"--max-shard-size {args.max_shard_size} would put no weight in a shard; write it like 500MB or 2GB")
-    if args.checkpoint is not None and not args.checkpoint.strip():
-        raise UserError("--checkpoint '' names no checkpoint; give step-N or latest, or leave it out for the run's final/")
     if args.base and not Path(args.base).is_dir():
         raise UserError(f"--base {args.base} is not a folder; give the base model folder of the LoRA adapter")
     if args.eval_text and Path(args.eval_text).is_dir():

@@ -13,6 +13,9 @@ UNSET = "LLM_TOOLKIT_TEST_UNSET"  # an environment variable the tests never set
 # kind -> {case: the value (None: the option given without one; "=V": glued to a switch, --json=V)}
 WRONG: dict[str, dict[str, str | None]] = {
     "count": {"missing": None, "not a number": "x", "zero": "0", "negative": "-1", "empty": ""},
+    "count or zero": {"missing": None, "not a number": "x", "negative": "-1", "empty": ""},
+    "amount": {"missing": None, "not a number": "x", "zero": "0", "negative": "-1", "nan": "nan", "empty": ""},
+    "names": {"missing": None, "unknown": "nope_9", "empty": "", "no name": ","},
     "fraction": {"missing": None, "not a number": "x", "negative": "-0.1", "out of range": "1.5", "nan": "nan",
                  "empty": ""},
     "size": {"missing": None, "not a size": "lots", "zero": "0GB", "negative": "-5GB", "empty": ""},

@@ -88,6 +88,8 @@ def _find_source(path: str | Path, checkpoint: str | None) -> Source:
             f"--from {path} is a file; give the folder that holds it (a run, a model folder with config.json, "
             "a checkpoint or an adapter)"
         )
+    if checkpoint is not None and not checkpoint.strip():
+        raise UserError("--checkpoint '' names no checkpoint; give step-N or latest, or leave it out for the run's final/")
     if checkpoint:
         folder = _run_checkpoint(p, checkpoint)
         return _checkpoint_source(folder, p)

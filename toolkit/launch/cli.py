@@ -3,6 +3,7 @@
     llm-toolkit pretrain --config pretrain_tiny train.max_steps=200
     llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora output_dir=runs/ft
     llm-toolkit export --from runs/ft --format gguf --output runs/ft.gguf
+    llm-toolkit evaluate --from runs/ft --tasks arc_easy --limit 200
     llm-toolkit plan --config pretrain_llama_1b --gpus 8 --gpu-memory 80GB
 
 A shipped recipe config or accelerate config may be named without its folder or suffix; any other path is taken
@@ -22,7 +23,7 @@ from pathlib import Path
 from toolkit.config import UserError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the toolkit is installed from (pip install -e .)
-RECIPES = ("pretrain", "finetune", "export", "plan")
+RECIPES = ("pretrain", "finetune", "export", "evaluate", "plan")
 CALLED_AS = "LLM_TOOLKIT_CALLED_AS"  # how the user started the recipe, for its usage lines: "llm-toolkit NAME"
 # the options whose value may name a shipped file by its name alone, and the folder it is looked up in
 SHIPPED_BY_OPTION = {"--config": "recipes/configs", "--config_file": "accelerate_configs"}
@@ -59,7 +60,7 @@ def command(argv: list[str]) -> list[str]:
         if option in args and args.index(option) + 1 < len(args):
             at = args.index(option) + 1
             args[at] = shipped(args[at], folder)
-    if name in ("export", "plan"):
+    if name in ("export", "evaluate", "plan"):  # one process (a launch of evaluate: accelerate launch recipes/...)
         return [sys.executable, script, *args]
     config_at = args.index("--config") if "--config" in args else len(args)
     launch, recipe = (args[:config_at], args[config_at:]) if "--config" in args else ([], args)  # --help, a usage

@@ -72,7 +72,7 @@ def test_no_recipe_is_one_line(capsys):
         code = main([] if value is None else [value])
         out, err = capsys.readouterr()
         wrong_arguments.assert_one_line(code, out, err, "recipe", value)
-        assert err.endswith("use one of pretrain, finetune, export, plan (llm-toolkit --help: how)\n"), case
+        assert err.endswith("use one of pretrain, finetune, export, evaluate, plan (llm-toolkit --help: how)\n"), case
 
 
 @pytest.mark.parametrize("option", PASSED_ON)

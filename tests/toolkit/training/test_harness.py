@@ -11,8 +11,8 @@ from toolkit.config import UserError
 from toolkit.training.harness import INSTALL, HarnessConfig, check_tasks, harness, scores, task_manager
 
 WRONG = [
-    (HarnessConfig([]), "name at least one task"),
-    (HarnessConfig(["a", " "]), "name at least one task"),
+    (HarnessConfig([]), "--tasks '' names no task"),
+    (HarnessConfig(["a", " "]), "--tasks 'a, ' names no task"),
     (HarnessConfig(["a"], include_path="/nonexistent/tasks"), "is not a folder of task YAML files"),
     (HarnessConfig(["a"], num_fewshot=-1), "--num-fewshot -1 must be >= 0"),
     (HarnessConfig(["a"], limit=0), "--limit 0 must be > 0"),
@@ -29,7 +29,7 @@ def test_an_unknown_task_names_the_closest_and_a_hub_task_offline_says_so(monkey
     harness()
     cfg = HarnessConfig(["arc_easyy"])
     manager = task_manager(cfg)
-    with pytest.raises(UserError, match=r"unknown task 'arc_easyy'.*did you mean arc_easy"):
+    with pytest.raises(UserError, match=r"--tasks arc_easyy: unknown task, .*did you mean arc_easy"):
         check_tasks(cfg, manager)
     import datasets.config
     import huggingface_hub.constants
