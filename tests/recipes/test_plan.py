@@ -145,6 +145,21 @@ def test_the_whole_model_compiled_is_launched_with_compiled_layers_where_it_cann
         assert "model.compile=layers" in needs[strategy], (strategy, needs[strategy])
 
 
+def test_fp8_is_planned_as_bf16_its_upper_bound_and_said_so():
+    """The float8 layers' memory is not modelled: the rows are bf16's, and the plan says so under its table."""
+    args = ("--config", "recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8", "--gpu-memory", "80GB", "--json")
+    fp8 = plan(*args, "train.mixed_precision=fp8", "model.compile=layers")
+    bf16 = plan(*args, "model.compile=layers")
+    assert fp8.returncode == 0, fp8.stderr
+    rows = {(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]): r["peak_bytes"]
+            for r in json.loads(bf16.stdout)}
+    planned = json.loads(fp8.stdout)
+    assert planned and all(rows[(r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"])] == r["peak_bytes"]
+                           for r in planned)
+    text = plan(*args[:-1], "train.mixed_precision=fp8", "model.compile=layers").stdout
+    assert "train.mixed_precision=fp8 is planned as bf16, its upper bound" in text
+
+
 def test_weight_copies_once_per_step_are_planned_where_they_run_and_refused_elsewhere():
     """model.cast_weights=per_step: DDP's rows hold every layer's bf16 copy through a fully recomputed step (2 bytes a
     matmul weight of the other layers beside the recomputed one's, which is all autocast holds); FSDP2 and ZeRO cast their own way, so
