@@ -34,7 +34,7 @@ from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.training.harness import HarnessConfig, check_tasks, harness, scores, table, task_manager
 from toolkit.user_paths import UnusablePath, expand_path
-from toolkit.writes import WriteFailed
+from toolkit.writes import WriteFailed, writing
 
 MARK = "llm_toolkit_evaluation"  # in the JSON this recipe writes: what --overwrite may replace
 
@@ -165,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         results[MARK] = {"source": source.describe(), "scores": scores(results)}
         print(table(results))
-        output.write_text(json.dumps(results, indent=2, default=str))
+        staged = output.with_name(f".{output.name}.tmp")  # an earlier evaluation stays whole until this one is
+        with writing("evaluation", staged):
+            staged.write_text(json.dumps(results, indent=2, default=str))
+            staged.replace(output)
         print(f"[evaluate] wrote {output}")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -45,7 +45,7 @@ WRITERS: dict[str, Writer] = {
     "checkpoint": Writer(
         "checkpoints/step-N/: the strategy's save_state, each rank's stream position, model_files/, the manifest, "
         "trainer_state.json (last: a folder without it is never complete)",
-        ("toolkit.checkpoint.manager:begin_save", "toolkit.checkpoint.manager:Saving.complete",
+        ("toolkit.checkpoint.manager:begin_save", "toolkit.checkpoint.manager:Saving._name",
          "toolkit.checkpoint.pipeline:save_stage",
          "toolkit.data.streaming:StreamingBlocks.save", "toolkit.data.streaming:MixedStreams.save",
          "toolkit.export.hf_folder:write_model_files",
@@ -94,6 +94,12 @@ WRITERS: dict[str, Writer] = {
          "toolkit.export.destination:put_in_place", "recipes.export:main"),
         "free space beside --output, or choose an --output on a disk with room",
         "the previous export if any (the staging folder removed)",
+    ),
+    "evaluation": Writer(
+        "recipes/evaluate.py --output: the harness's results; a checkpoint or adapter made a model folder beside it "
+        "for the harness (removed after)", ("recipes.evaluate:main",),
+        "free space beside --output, or choose an --output on a disk with room",
+        "nothing (the partial results and the model folder removed)",
     ),
     "metrics": Writer(
         "metrics.jsonl: one row a step, eval, save error", ("toolkit.training.metrics:MetricsWriter._open",

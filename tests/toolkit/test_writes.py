@@ -292,6 +292,30 @@ def case_export(request):
         assert list((tmp / "exports").iterdir()) == []  # the staging folder is gone
 
 
+def case_evaluation(request):
+    """recipes/evaluate.py: a checkpoint made a model folder for the harness, then the harness's results."""
+    from transformers import modeling_utils
+
+    from toolkit.export.hf_folder import write_model_folder
+    from toolkit.writes import writing
+
+    tmp, monkeypatch = request.getfixturevalue("tmp_path"), request.getfixturevalue("monkeypatch")
+    tok, model = request.getfixturevalue("tiny_tokenizer"), request.getfixturevalue("tiny_model")("llama")
+    for exc in full_disk_errors(str(tmp / "work" / "model" / "model.safetensors")):
+        monkeypatch.setattr(modeling_utils, "safe_save_file", failing(exc))
+        with _fails() as info:
+            write_model_folder(model, tok, tmp / "work" / "model", {}, {}, card="", writer="evaluation")
+        monkeypatch.undo()
+        assert str(info.value).startswith("evaluation could not be written: ") and _cause(exc) in str(info.value)
+        assert "choose an --output on a disk with room" in str(info.value)
+        assert not (tmp / "work" / "model").exists()
+    results = tmp / "harness.json"
+    with _fails() as info, writing("evaluation", results):
+        results.write_text("{")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(results))
+    assert "No space left on device" in str(info.value) and not results.exists()
+
+
 def case_data_cache(request):
     from toolkit.data import packing
 
@@ -416,7 +440,8 @@ def case_run_lock(request):
 CASES = {
     "checkpoint": case_checkpoint, "converted checkpoint": case_converted_checkpoint, "final model": case_final_model,
     "data cache": case_data_cache, "tokenizer cache": case_tokenizer_cache, "gguf float copy": case_gguf_float_copy,
-    "preference reference": case_preference_reference, "export": case_export, "metrics": case_metrics,
+    "preference reference": case_preference_reference, "export": case_export, "evaluation": case_evaluation,
+    "metrics": case_metrics,
     "trackers": case_trackers, "loss plot": case_loss_plot, "profile": case_profile, "samples": case_samples,
     "launch config copy": case_launch_config_copy, "run lock": case_run_lock,
 }

@@ -24,16 +24,19 @@ import torch
 
 from toolkit.faults import fail_point, kill_point
 
-_group = None  # the gloo group DCP's background collectives use: made once, by every rank at its first save
+_groups: dict[int, object] = {}  # the default group's id -> the gloo group DCP's background collectives use
 
 
 def _dcp_group():
-    global _group
-    if _group is None:
-        import torch.distributed as dist
+    """Made once per process group (every rank at its first save in the background), apart from the training's
+    NCCL or gloo group: DCP plans on the CPU, and its collectives must not meet the training's."""
+    import torch.distributed as dist
 
-        _group = dist.new_group(backend="gloo")  # DCP's CPU-side planning, apart from the training's NCCL or gloo
-    return _group
+    default = dist.group.WORLD
+    if id(default) not in _groups:
+        _groups.clear()  # of a process group destroyed before this one
+        _groups[id(default)] = dist.new_group(backend="gloo")
+    return _groups[id(default)]
 
 
 class Writes:

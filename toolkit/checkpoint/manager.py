@@ -13,6 +13,7 @@ import copy
 import json
 import pickle
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,12 @@ def begin_save(
 
 @dataclass
 class Saving:
-    """A checkpoint being written: its folder has no state file until `complete()` (a resume never takes it)."""
+    """A checkpoint being written: its folder has no state file until it is complete (a resume never takes it).
+
+    It is complete in two steps, each agreed by every rank: every rank's files are written, then the main process
+    writes what names them (model_files/, the manifest with every file's CRC-32, the state file) and rotates. In
+    the background both run while training goes on: `writing()` says whether this rank is still at it, and the
+    trainer calls `advance()` once no rank is."""
 
     strategy: Strategy
     run: RunDir
@@ -142,20 +148,51 @@ class Saving:
     previous: Path | None
     failure: str | None = None  # this rank's, from the files written before training went on
     writes: Writes | None = None  # the files written in the background, where they are
+    naming: threading.Thread | None = None  # the main process's second step, in the background
+    named: BaseException | None = None  # what that step raised
+    since: int = -1  # the step the current step of the save began at (the trainer's)
 
     def writing(self) -> bool:
-        """Whether this rank's files are still being written (the trainer asks every rank, in its step's reduce)."""
-        return self.writes is not None and self.writes.writing()
+        """Whether this rank is still writing (the trainer asks every rank, in its step's reduce)."""
+        return (self.writes is not None and self.writes.writing()) or (self.naming is not None and self.naming.is_alive())
 
     def complete(self) -> Path:
-        """Collective: wait for this rank's writes, agree on every rank's failure, then the manifest, the state file
-        and the rotation. Raises SaveFailed on every rank alike."""
-        strategy, folder, state = self.strategy, self.folder, self.state
-        acc, previous, failure = strategy.accelerator, self.previous, self.failure
-        if self.writes is not None and (error := self.writes.wait()) is not None:
-            failure = _write_failure(error, strategy.rank, folder, acc.is_main_process)
-        failure = _first(strategy, failure)
-        if failure is None and acc.is_main_process:
+        """Collective: both steps, waiting for what runs in the background. Raises SaveFailed on every rank alike."""
+        folder = self.advance()
+        return folder if folder is not None else self.advance()
+
+    def advance(self, background: bool = False) -> Path | None:
+        """Collective: the next step, once it can run without waiting (or waiting for it). After the files, the main
+        process names them (in the `background`: returns None, and the next call ends it); after that, the folder
+        of the complete checkpoint."""
+        strategy, folder = self.strategy, self.folder
+        main = strategy.accelerator.is_main_process
+        if self.naming is None:  # every rank's files
+            failure = self.failure
+            if self.writes is not None and (error := self.writes.wait()) is not None:
+                failure = _write_failure(error, strategy.rank, folder, main)
+            self._agree(_first(strategy, failure))
+            self.naming = threading.Thread(target=self._name, daemon=True, name="checkpoint-manifest")
+            if main:
+                self.naming.start() if background else self._name()
+            if background:
+                return None
+        if main and self.naming.ident is not None:  # started in the background
+            self.naming.join()
+        if isinstance(self.named, SaveFailed):
+            failure = str(self.named)
+        elif self.named is not None:
+            raise self.named
+        else:
+            failure = None
+        self._agree(_first(strategy, failure if main else None))
+        return folder
+
+    def _name(self) -> None:
+        """The main process's step: what names the files, the manifest, the state file (complete from here), the
+        rotation. A write that fails is kept as a SaveFailed for `advance` to agree on; anything else as it is."""
+        folder, state = self.folder, self.state
+        try:
             try:
                 if self.model_files is not None:
                     self.model_files(folder / MODEL_FILES)
@@ -168,22 +205,27 @@ class Saving:
                 kill_point("save.manifest", state.step)
                 state.write(folder)
             except BaseException as exc:
-                failure = _write_failure(exc, strategy.rank, folder, True)
-        failure = _first(strategy, failure)
-        if failure is not None:
-            if acc.is_main_process:
-                written = _bytes(folder)
-                shutil.rmtree(folder, ignore_errors=True)
-                needed = _bytes(previous) if previous is not None else written
-                failure += f"; a checkpoint needs about {_size(needed)}, {_size(_free(folder))} is free there"
-                failure += f"; {previous.name} is intact" if previous is not None else "; no earlier checkpoint exists"
-            failure = _first(strategy, failure if acc.is_main_process else None)
-            raise SaveFailed(f"checkpoint {folder.name} could not be written: {failure}")
-        if acc.is_main_process:
+                self.named = SaveFailed(_write_failure(exc, self.strategy.rank, folder, True))
+                return
             kill_point("save.state_file", state.step)
             self._rotate()
-        acc.wait_for_everyone()
-        return folder
+        except BaseException as exc:
+            self.named = exc
+
+    def _agree(self, failure: str | None) -> None:
+        """Collective: raise SaveFailed on every rank where any rank failed (`failure`, the same on every rank), the
+        partial folder removed and the previous checkpoint's state said."""
+        if failure is None:
+            return
+        strategy, folder, previous = self.strategy, self.folder, self.previous
+        if strategy.accelerator.is_main_process:
+            written = _bytes(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            needed = _bytes(previous) if previous is not None else written
+            failure += f"; a checkpoint needs about {_size(needed)}, {_size(_free(folder))} is free there"
+            failure += f"; {previous.name} is intact" if previous is not None else "; no earlier checkpoint exists"
+        failure = _first(strategy, failure if strategy.accelerator.is_main_process else None)
+        raise SaveFailed(f"checkpoint {folder.name} could not be written: {failure}")
 
     def _rotate(self) -> None:
         done = self.run.complete_checkpoints()

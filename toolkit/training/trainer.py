@@ -401,8 +401,8 @@ class Trainer:
             # read, else in the previous step's, which arrived while this step ran: every rank agrees at one step.
             flags = values if values is not None else previous.get() if previous is not None else None
             seen_at = state.step if values is not None else state.step - 1
-            if self.saving is not None and flags is not None and seen_at > self.saving.state.step and flags[-1] == 0:
-                self.complete_save()
+            if self.saving is not None and flags is not None and seen_at > self.saving.since and flags[-1] == 0:
+                self.complete_save(wait=False)
             if save_now:
                 self.save_checkpoint(background=cfg.checkpoint.async_save)
             previous = totals
@@ -515,17 +515,20 @@ class Trainer:
             lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files), self.print,
             rank_files=self.feed.stream.save if self.feed.stream is not None else None, background=background,
         )
+        self.saving.since = self.step
         return None if background else self.complete_save()
 
-    def complete_save(self) -> Path | None:
-        """Collective: the checkpoint being written (if any), made complete once its files are; None when there was
-        none, or it failed and checkpoint.on_save_error=continue."""
-        saving, self.saving = self.saving, None
+    def complete_save(self, wait: bool = True) -> Path | None:
+        """Collective: the checkpoint being written (if any) made complete, waiting for what is still written; the
+        folder, or None when there was none or it failed and checkpoint.on_save_error=continue. Without `wait`
+        (no rank is writing), only its next step: the main process's manifest and state file, in the background."""
+        saving = self.saving
         if saving is None:
             return None
         try:
-            folder = saving.complete()
+            folder = saving.complete() if wait else saving.advance(background=True)
         except SaveFailed as exc:
+            self.saving = None
             if self.checkpoint_step == saving.state.step:
                 self.checkpoint_step = -1  # the step has no checkpoint: finish() and a stop try again
             self.log("checkpoint_error", {"step": saving.state.step, "checkpoint_error": str(exc)})
@@ -533,6 +536,10 @@ class Trainer:
                 raise SaveStopped(f"{exc}; free space, then continue with resume=auto") from None
             self.print(f"warning: {exc}; training goes on (checkpoint.on_save_error=continue)")
             return None
+        if folder is None:  # the manifest and state file being written
+            saving.since = self.step
+            return None
+        self.saving = None
         self.print(f"checkpoint saved: {folder}")
         return folder
 
