@@ -2,6 +2,7 @@
 
     python bench/async_checkpoint.py                  # a 0.2B LLaMA, 16 steps, a checkpoint every 4
     python bench/async_checkpoint.py --hidden 1536 --layers 12 --rounds 2
+    python bench/async_checkpoint.py --threads 1      # training on one core, the other free for the writes
     python bench/async_checkpoint.py --smoke          # the tiny model: the harness works, the figures mean nothing
 
 Each mode runs recipes/pretrain.py's PretrainRecipe (recipes/configs/pretrain_tiny.yaml with the sizes below, fp32,
@@ -11,6 +12,10 @@ between the two rows (a blocking save; the copy of an async save; the writes' co
 table gives, per mode: the median period of a step far from any save, the periods of the steps that began a save
 (and the step after), the time all saves added to the run (total minus steps x the quiet median), and the run's wall
 time. The last save of a run is the end's, which waits for its files either way.
+
+The writes need cores too. On a GPU the step runs on the device and the host's cores are free for them; on a CPU
+whose every core trains (the default: torch takes them all), the writes and the training share the cores and an async
+save can hide little. `--threads 1` trains on one core, leaving one for the writes, as a GPU run leaves its host's.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--every", type=int, default=4, help="checkpoint.every")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating which goes first")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for training (0: torch's default, every core)")
     p.add_argument("--smoke", action="store_true", help="the tiny model, 8 steps: the harness, not the figures")
     p.add_argument("--worker", nargs=3, metavar=("MODE", "OUT", "CACHE"), help=argparse.SUPPRESS)
     args, rest = p.parse_known_args()
@@ -92,7 +98,9 @@ def main() -> int:
         for r in range(args.rounds):
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
                 cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", mode, f"{tmp}/{mode}-{r}", f"{tmp}/cache"]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      env={**os.environ, "PYTHONPATH": str(ROOT), **threads})
                 if proc.returncode:
                     sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
                 results[mode].append(json.loads(proc.stdout.splitlines()[-1]))
@@ -102,7 +110,8 @@ def main() -> int:
     saves = list(range(args.every, args.steps, args.every))  # in the loop; the last step's is the end's
     print("\n`" + " ".join(["python", "bench/async_checkpoint.py", *sys.argv[1:]]) + "`")
     print(f"\nLLaMA {first['params'] / 1e6:.1f}M parameters, fp32 + AdamW: a checkpoint of "
-          f"{first['checkpoint_bytes'] / 2**30:.2f} GiB; 1 process on CPU ({os.cpu_count()} cores), {args.steps} steps, "
+          f"{first['checkpoint_bytes'] / 2**30:.2f} GiB; 1 process on CPU ({os.cpu_count()} cores, training on "
+          f"{args.threads or 'all'}), {args.steps} steps, "
           f"a save at steps {', '.join(map(str, saves))} and {args.steps}; best of {args.rounds} round(s) per step\n")
     print("| mode | quiet step s | step with a save s | the step after s | added per save s | run wall s |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -69,16 +69,16 @@ def saved_steps(overrides: list[str]) -> list[int]:
     return sorted({*range(every, last + 1, every), last}) if every else [last]
 
 
-def possible_kills(overrides: list[str]) -> list[str]:
-    """Every kill point a run of `overrides` reaches, as LLM_TOOLKIT_KILL items."""
+def possible_kills(overrides: list[str], strategy: str) -> list[str]:
+    """Every kill point a run of `overrides` under `strategy` reaches, as LLM_TOOLKIT_KILL items."""
     last, every_eval = setting(overrides, "train.max_steps"), setting(overrides, "eval.every")
     saves, keep = saved_steps(overrides), setting(overrides, "checkpoint.keep_last")
     evals = sorted({*range(every_eval, last + 1, every_eval), last}) if every_eval else [last]
     kills = [f"{p}@{s}/{r}" for p in TRAINING_POINTS for s in range(1, last + 1) for r in (0, 1)]
     kills += [f"eval@{s}/{r}" for s in evals for r in (0, 1)]
     kills += [f"{p}@{s}/{r}" for p in ("save.start", "save.rank_files") for s in saves for r in (0, 1)]
-    if ASYNC in overrides:
-        kills += [f"save.background@{s}/{r}" for s in saves for r in (0, 1)]
+    if ASYNC in overrides:  # DDP's files are the main process's alone; under FSDP2 each rank writes its shards
+        kills += [f"save.background@{s}/{r}" for s in saves for r in ((0, 1) if strategy == "fsdp" else (0,))]
     kills += [f"{p}@{s}/0" for p in ("save.manifest", "save.state_file") for s in saves]
     kills += [f"prune@{s}/0" for s in saves[keep:]]
     return [*kills, "final/0"]
@@ -241,7 +241,7 @@ def main() -> None:
             done = launch(strategy, reference, overrides, cache)
             if done.returncode != 0:
                 sys.exit(f"the uninterrupted {strategy} run failed:\n{done.stderr[-4000:]}")
-            for i, kill in enumerate(draw.sample(possible_kills(overrides), args.kills)):
+            for i, kill in enumerate(draw.sample(possible_kills(overrides, strategy), args.kills)):
                 row = kill_and_resume(strategy, kill, work / f"{strategy}-{i}", reference, overrides, cache)
                 rows.append(row)
                 print(f"{strategy:<8} {kill:<28} {'yes' if row['resumed'] else 'NO':<8} "
