@@ -142,19 +142,18 @@ def main(argv: list[str] | None = None) -> int:
         manager = task_manager(cfg)
         check_tasks(cfg, manager)
         # a checkpoint or adapter becomes a folder beside the output, so that every process of a launch reads it
-        work = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=output.absolute().parent)) if main_process else None
+        work = None
+        if main_process and source.kind != "hf":
+            with writing("evaluation"):
+                output.absolute().parent.mkdir(parents=True, exist_ok=True)
+                work = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=output.absolute().parent))
         try:
             if world > 1:
-                from accelerate import PartialState
-                from accelerate.utils import broadcast_object_list
-
-                PartialState()
-                shared = [str(model_folder(source, args.base, work)) if main_process else None]
-                broadcast_object_list(shared)  # after rank 0 wrote it
-                folder = Path(shared[0])
+                folder = shared_folder(source, args.base, work, main_process)
             else:
                 folder = model_folder(source, args.base, work)
-            print(f"[evaluate] {source.describe()}: tasks {', '.join(cfg.tasks)}")
+            if main_process:
+                print(f"[evaluate] {source.describe()}: tasks {', '.join(cfg.tasks)}")
             from toolkit.training.harness import score
 
             results = score(folder, cfg, manager)
@@ -167,16 +166,54 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results))
         staged = output.with_name(f".{output.name}.tmp")  # an earlier evaluation stays whole until this one is
         with writing("evaluation", staged):
+            output.absolute().parent.mkdir(parents=True, exist_ok=True)
             staged.write_text(json.dumps(results, indent=2, default=str))
             staged.replace(output)
         print(f"[evaluate] wrote {output}")
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return said(exc, 2, main_process)
     except WriteFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit
+        return said(exc, exc.exit, main_process)
+    except Elsewhere as exc:
+        return exc.code  # the first process said why
     return 0
+
+
+class Elsewhere(Exception):
+    """The first process of a launch failed where the others wait for it: they end with its exit code, silently."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def said(exc: Exception, code: int, main_process: bool) -> int:
+    """Every process of a launch meets the same refusal: its line is said once."""
+    if main_process:
+        print(f"error: {exc}", file=sys.stderr)
+    return code
+
+
+def shared_folder(source: Source, base: str | None, work: Path | None, main_process: bool) -> Path:
+    """Collective: the model folder, made by the first process and named to the others (who wait for it); a
+    refusal or failed write of its making ends every process with its exit code, said by the first."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    PartialState()
+    made: list = [None]
+    if main_process:
+        try:
+            made = [(str(model_folder(source, base, work)), None)]
+        except (UserError, WriteFailed) as exc:
+            made = [(None, exc.exit if isinstance(exc, WriteFailed) else 2)]
+            broadcast_object_list(made)
+            raise
+    broadcast_object_list(made)
+    folder, code = made[0]
+    if folder is None:
+        raise Elsewhere(code)
+    return Path(folder)
 
 
 if __name__ == "__main__":

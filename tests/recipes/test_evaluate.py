@@ -52,6 +52,15 @@ def domain(tasks, tmp_path_factory, data_cache) -> tuple[Path, Path]:
     return run, base
 
 
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, tiny_model, tiny_tokenizer) -> Path:
+    """A small Hugging Face folder, so that the refusals need no training run."""
+    folder = tmp_path_factory.mktemp("evaluate-flags") / "model"
+    tiny_model(tokenizer=tiny_tokenizer).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
 def scored(evaluate, source: Path, tasks: Path, out: Path, *more: str) -> dict:
     assert evaluate(["--from", str(source), "--tasks", TASKS, "--include-path", str(tasks), "--output", str(out),
                      *more]) == 0
@@ -62,6 +71,7 @@ def files(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")}
 
 
+@pytest.mark.distributed  # a pretraining run and the harness's CLI, each a process of its own
 def test_the_recipe_scores_as_the_harness_cli_and_training_on_the_domain_beats_the_base(evaluate, tasks, domain,
                                                                                          tmp_path, capsys):
     run, base = domain
@@ -104,9 +114,9 @@ def test_a_checkpoint_of_any_strategy_scores_as_its_final_folder(strategy, strat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final.json", "step.json"]  # the consolidated folder gone
 
 
-def test_on_cpu_a_launch_of_two_evaluates_on_its_first_process_alone(evaluate, tasks, domain, tmp_path, monkeypatch,
-                                                                     capsys):
-    run, _ = domain
+def test_on_cpu_a_launch_of_two_evaluates_on_its_first_process_alone(evaluate, tasks, model_folder, tmp_path,
+                                                                     monkeypatch, capsys):
+    run = model_folder
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert evaluate(["--from", str(run), "--tasks", TASKS, "--include-path", str(tasks[0]), "--output",
@@ -148,19 +158,19 @@ def bad_inputs(run: Path, tasks: Path, tmp_path: Path) -> list[tuple[list[str], 
     ]
 
 
-def test_bad_input_is_one_line(evaluate, tasks, domain, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line(evaluate, tasks, model_folder, tmp_path, monkeypatch, capsys):
     import datasets.config
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what this machine's network answers
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
-    for argv, said in bad_inputs(domain[0], tasks[0], tmp_path):
+    for argv, said in bad_inputs(model_folder, tasks[0], tmp_path):
         assert evaluate([*argv, *([] if "--output" in argv else ["--output", str(tmp_path / "x.json")])]) == 2, argv
         captured = capsys.readouterr()
         assert captured.err.startswith(said) and captured.err.count("\n") == 1, (argv, captured.err)
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    assert evaluate(["--from", str(domain[0]), "--tasks", "t", "--output", str(tmp_path / "x.json")]) == 2
+    assert evaluate(["--from", str(model_folder), "--tasks", "t", "--output", str(tmp_path / "x.json")]) == 2
     assert "pip install -e '.[eval]'" in capsys.readouterr().err
 
 
@@ -177,16 +187,14 @@ def test_every_option_of_evaluate_has_a_kind():
 
 
 @pytest.mark.parametrize("option, case", wrong_arguments.cases(KINDS))
-def test_every_wrong_value_of_every_option_is_one_line(evaluate, capsys, tmp_path, tasks, domain, monkeypatch,
+def test_every_wrong_value_of_every_option_is_one_line(evaluate, capsys, tmp_path, tasks, model_folder, monkeypatch,
                                                        option, case):
     monkeypatch.delenv(wrong_arguments.UNSET, raising=False)
     (tmp_path / "file.txt").write_text("x")
     fill = {"tmp": str(tmp_path), "file": str(tmp_path / "file.txt")}
     argv, value = wrong_arguments.argv_of(option, KINDS[option], case, fill)
-    given = {"--from": str(domain[0]), "--tasks": "pydoc_continuation", "--include-path": str(tasks[0]),
+    given = {"--from": str(model_folder), "--tasks": "pydoc_continuation", "--include-path": str(tasks[0]),
              "--output": str(tmp_path / "out.json")}
-    if option == "--base":  # an option of adapters: with one as --from
-        given["--from"] = str(domain[1])
     base = [a for o, v in given.items() if o != option for a in (o, v)]
     code = evaluate([*base, *argv])
     out, err = capsys.readouterr()

@@ -123,9 +123,13 @@ def begin_save(
     except BaseException as exc:
         saving.failure = _write_failure(exc, strategy.rank, folder, acc.is_main_process)
     kill_point("save.rank_files", state.step)
-    if writes is not None and saving.failure is None:
-        saving.writes = writes
-        writes.start()
+    if writes is not None:
+        # agreed before any thread starts: DCP's writes are collective, and a rank that failed here would leave
+        # the others' threads waiting for it
+        saving.failure = _first(strategy, saving.failure)
+        if saving.failure is None:
+            saving.writes = writes
+            writes.start()
     return saving
 
 
@@ -168,10 +172,13 @@ class Saving:
         strategy, folder = self.strategy, self.folder
         main = strategy.accelerator.is_main_process
         if self.naming is None:  # every rank's files
-            failure = self.failure
+            failure, crash = self.failure, None
             if self.writes is not None and (error := self.writes.wait()) is not None:
-                failure = _write_failure(error, strategy.rank, folder, main)
-            self._agree(_first(strategy, failure))
+                try:
+                    failure = _write_failure(error, strategy.rank, folder, main)
+                except BaseException as exc:  # not a write's failure: raised once every rank knows
+                    crash = exc
+            self._agree(_first(strategy, CRASHED if crash is not None else failure), crash)
             self.naming = threading.Thread(target=self._name, daemon=True, name="checkpoint-manifest")
             if main:
                 self.naming.start() if background else self._name()
@@ -179,13 +186,10 @@ class Saving:
                 return None
         if main and self.naming.ident is not None:  # started in the background
             self.naming.join()
-        if isinstance(self.named, SaveFailed):
-            failure = str(self.named)
-        elif self.named is not None:
-            raise self.named
-        else:
-            failure = None
-        self._agree(_first(strategy, failure if main else None))
+        named = self.named if main else None
+        crash = named if named is not None and not isinstance(named, SaveFailed) else None
+        failure = CRASHED if crash is not None else str(named) if named is not None else None
+        self._agree(_first(strategy, failure), crash)
         return folder
 
     def _name(self) -> None:
@@ -212,12 +216,18 @@ class Saving:
         except BaseException as exc:
             self.named = exc
 
-    def _agree(self, failure: str | None) -> None:
+    def _agree(self, failure: str | None, crash: BaseException | None = None) -> None:
         """Collective: raise SaveFailed on every rank where any rank failed (`failure`, the same on every rank), the
-        partial folder removed and the previous checkpoint's state said."""
+        partial folder removed and the previous checkpoint's state said. Where a rank raised something that is not
+        a write's failure (CRASHED), it raises that, and the others say so, all at once: none is left waiting."""
         if failure is None:
             return
         strategy, folder, previous = self.strategy, self.folder, self.previous
+        if failure == CRASHED:
+            if crash is not None:
+                raise crash
+            raise RuntimeError(f"checkpoint {folder.name}: another process failed while writing it; its error is "
+                               "above")
         if strategy.accelerator.is_main_process:
             written = _bytes(folder)
             shutil.rmtree(folder, ignore_errors=True)
@@ -242,6 +252,9 @@ class Saving:
             converted = converted_state(old)  # its state by parameter name goes with it, the same way
             if converted.exists():
                 shutil.rmtree(converted.rename(converted.with_name(converted.name + PRUNED)))
+
+
+CRASHED = "\0 not a write's failure"  # what a rank tells the others when it raised something else
 
 
 class SaveFailed(Exception):

@@ -446,6 +446,8 @@ class Trainer:
             )
             return
         bar.close()
+        with contextlib.suppress(SaveStopped):  # (every rank aborts here) a save of good weights still written ends
+            self.complete_save()                # first; one that fails is logged, and the divergence is the line
         why = "train.on_nonfinite=abort" if t.on_nonfinite == "abort" else (
             f"{k} steps in a row, train.max_nonfinite_skips={t.max_nonfinite_skips}"
         )

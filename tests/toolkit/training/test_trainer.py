@@ -235,15 +235,17 @@ def test_resume_auto_starts_over_a_run_killed_before_its_first_checkpoint(tmp_pa
     assert [p.name for p in trainer.run.complete_checkpoints()] == ["step-2"]
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
+@pytest.mark.parametrize(("point", "background"), [("manifest", False), ("background", True), ("rank_files", True)],
+                         ids=["blocking", "background", "background-before-its-writes"])
 @pytest.mark.parametrize("policy", ["stop", "continue"])
 def test_a_save_that_hits_a_full_disk_keeps_the_previous_checkpoint(tmp_path, blocks, tiny_tokenizer, tiny_model,
-                                                                   monkeypatch, policy, background):
+                                                                   monkeypatch, policy, point, background):
     """ENOSPC injected while step-4's files are written (toolkit.faults): the partial step-4 is
     removed, step-2 is untouched, the error names the file, the need and the free space; the run
     stops (resume=auto continues from step-2) or trains on and saves step-6, as configured. In the
-    background (checkpoint.async_save) the write fails in the writing thread, said when the save completes."""
-    monkeypatch.setenv("LLM_TOOLKIT_FAIL", f"save.{'background' if background else 'manifest'}@4/0=ENOSPC")
+    background (checkpoint.async_save) the write fails in the writing thread, said when the save completes, or before
+    any thread starts (agreed by every rank first: DCP's writes are collective)."""
+    monkeypatch.setenv("LLM_TOOLKIT_FAIL", f"save.{point}@4/0=ENOSPC")
     monkeypatch.setenv("LLM_TOOLKIT_KILL_LOG", str(tmp_path / "faults.log"))
     settings = ["train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=3", "eval.every=0",
                 f"checkpoint.on_save_error={policy}", f"checkpoint.async_save={str(background).lower()}"]
@@ -284,10 +286,10 @@ def test_a_checkpoint_written_in_the_background_is_the_blocking_ones_file_for_fi
     completed = []  # (the checkpoint's step, the step training had reached), at each completion
     complete = Trainer.complete_save
 
-    def recording(self):
+    def recording(self, wait=True):
         if self.saving is not None:
             completed.append((self.saving.state.step, self.step))
-        return complete(self)
+        return complete(self, wait)
 
     monkeypatch.setattr(Trainer, "complete_save", recording)
     runs = {}
