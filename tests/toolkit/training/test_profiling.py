@@ -73,9 +73,12 @@ def test_a_profile_is_two_steps_in_order():
 def test_steps_first_to_last_are_traced_and_a_resume_past_first_says_so(tmp_path):
     said = []
     profiler = StepProfiler([2, 3], tmp_path, True, torch.device("cpu"), said.append)
+    # the operands made outside the steps: inside, the matmul is the only work (under load, making two 64 x 64
+    # operands inside them once took longer than multiplying them, and aten::ones came first: CI failed on it)
+    a = torch.ones(256, 256)
     for step in (1, 2, 3, 4):
         profiler.begin(step)
-        torch.ones(64, 64) @ torch.ones(64, 64)
+        a @ a
         profiler.end(step)
     assert profiler.summary["steps"] == [2, 3] and profiler.summary["top"][0]["name"] == "aten::mm"
     assert said == [f"profile: {tmp_path / 'profile'} (steps 2-3: {profiler.summary['wall_ms']:.0f} ms, the device "
