@@ -33,7 +33,6 @@ from toolkit.launch import environment
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.training.harness import HarnessConfig, check_tasks, harness, scores, table, task_manager
-from toolkit.user_paths import UnusablePath, expand_path
 from toolkit.writes import WriteFailed, writing
 
 MARK = "llm_toolkit_evaluation"  # in the JSON this recipe writes: what --overwrite may replace
@@ -54,18 +53,13 @@ def parser() -> OneLineParser:
     return parser
 
 
+# the options that name a path: `~` and environment variables expanded as in a config's paths
+PATH_OPTIONS = ("--from", "--include-path", "--base", "--output")
+
+
 def parse_args(argv: list[str] | None):
-    args = parser().parse_args(argv)
-    for flag, dest in (("--from", "source"), ("--include-path", "include_path"), ("--base", "base"),
-                       ("--output", "output")):
-        value = getattr(args, dest)
-        if value is not None:
-            if not value.strip():
-                raise UserError(f"{flag} {value!r} names no path; give one")
-            try:
-                setattr(args, dest, expand_path(value, flag))
-            except UnusablePath as exc:
-                raise UserError(str(exc)) from None
+    options = parser()
+    args = options.parse_paths(options.parse_args(argv), PATH_OPTIONS)
     cfg = HarnessConfig([t.strip() for t in args.tasks.split(",")], args.include_path, args.num_fewshot, args.limit,
                         args.batch_size)
     if problems := cfg.validate():

@@ -47,7 +47,6 @@ from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
-from toolkit.user_paths import UnusablePath, expand_path
 from toolkit.writes import WriteFailed
 
 FORMATS = ("hf", "gguf", "int8", "int4")
@@ -95,17 +94,7 @@ PATH_OPTIONS = ("--from", "--base", "--output", "--eval-text")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     options = parser()
-    args = options.parse_args(argv)
-    for action in options._actions:
-        value = getattr(args, action.dest, None)
-        if action.option_strings and action.option_strings[0] in PATH_OPTIONS and value is not None:
-            if not value.strip():  # Path("") is the folder the command runs in
-                raise UserError(f"{action.option_strings[0]} {value!r} names no path; give one")
-            try:
-                setattr(args, action.dest, expand_path(value, action.option_strings[0]))
-            except UnusablePath as exc:
-                raise UserError(str(exc)) from None
-    return args
+    return options.parse_paths(options.parse_args(argv), PATH_OPTIONS)
 
 
 def check_args(args: argparse.Namespace) -> Path:

@@ -182,8 +182,10 @@ KINDS = {"--from": "folder", "--checkpoint": "name", "--tasks": "names", "--incl
 
 def test_every_option_of_evaluate_has_a_kind():
     """A new option fails here until KINDS says what it takes."""
-    found = {action.option_strings[0] for action in recipe_module("evaluate").parser()._actions}
+    evaluate = recipe_module("evaluate")
+    found = {action.option_strings[0] for action in evaluate.parser()._actions}
     assert found == set(KINDS)
+    assert set(evaluate.PATH_OPTIONS) == {o for o, kind in KINDS.items() if kind in ("file", "folder", "output")}
 
 
 @pytest.mark.parametrize("option, case", wrong_arguments.cases(KINDS))

@@ -94,6 +94,23 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(**kwargs)
         self.command = command
 
+    def parse_paths(self, args: argparse.Namespace, options: tuple[str, ...]) -> argparse.Namespace:
+        """`options` (those naming a path) of the parsed `args` expanded as a config's paths are (~, $VAR): an
+        empty one, or one that names an unset variable, is a UserError naming the option."""
+        from toolkit.user_paths import UnusablePath, expand_path
+
+        for action in self._actions:
+            value = getattr(args, action.dest, None)
+            if action.option_strings and action.option_strings[0] in options and value is not None:
+                flag = action.option_strings[0]
+                if not value.strip():  # Path("") is the folder the command runs in
+                    raise UserError(f"{flag} {value!r} names no path; give one")
+                try:
+                    setattr(args, action.dest, expand_path(value, flag))
+                except UnusablePath as exc:
+                    raise UserError(str(exc)) from None
+        return args
+
     def error(self, message: str):
         raise UserError(f"{message}; see {os.environ.get(CALLED_AS) or self.command} --help")
 
