@@ -164,9 +164,8 @@ def peer_worker(spec: dict) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.training.metrics import estimate_mfu, peak_flops
+    from toolkit.training.metrics import estimate_mfu, model_size, peak_flops
     from toolkit.training.profiling import StepProfiler
-    from toolkit.training.trainer import model_size
 
     variant, mb, seq_len, accum = spec["variant"], spec["micro_batch"], spec["seq_len"], spec["accumulation"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -549,8 +548,8 @@ def main() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.config import load_config
+    from toolkit.training.metrics import model_size
     from toolkit.training.recipe_config import PretrainConfig
-    from toolkit.training.trainer import model_size
 
     if args.steps < 1 or args.warmup < 0 or args.profile < 0:
         raise SystemExit(f"--steps {args.steps} --warmup {args.warmup} --profile {args.profile}: time at least 1 "

@@ -31,6 +31,7 @@ from toolkit.export.consolidate import Source, load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder
 from toolkit.launch import environment
 from toolkit.launch.cli import OneLineParser
+from toolkit.launch.rank_process import die_with_trainer
 from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.training.harness import HarnessConfig, check_tasks, harness, scores, table, task_manager
 from toolkit.writes import WriteFailed, writing
@@ -111,6 +112,7 @@ def model_folder(source: Source, base: str | None, work: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_trainer()  # a training run's scoring (eval.harness_tasks) ends with it
     leave_out_bitsandbytes()
     quiet_weight_bars()
     world, main_process = environment.world_size(), environment.is_launch_main()

@@ -63,10 +63,13 @@ from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import check_window, max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
 from toolkit.training.entry import run
+from toolkit.training.harness import score
+from toolkit.training.harness import scores as named_scores
+from toolkit.training.metrics import model_size
 from toolkit.training.recipe_config import FinetuneConfig
 from toolkit.training.reference import base_identity, use_reference
 from toolkit.training.samples import check_prompt_lengths, generate, write_samples
-from toolkit.training.trainer import Trainer, model_size
+from toolkit.training.trainer import Trainer
 
 
 class FinetuneRecipe:
@@ -218,8 +221,8 @@ class FinetuneRecipe:
             final = save_final_model(
                 strategy, trainer.model, self.tokenizer, run_dir.final, facts, to_dict(cfg), cfg.checkpoint.final_dtype
             )
-        plot = trainer.close()
         if not strategy.is_main:
+            trainer.close()
             return
 
         # The deliverable is reloaded as an inference user would (whole, in this process only:
@@ -232,9 +235,13 @@ class FinetuneRecipe:
                     merged, self.tokenizer, run_dir.final, facts, to_dict(cfg), dtype=cfg.checkpoint.final_dtype
                 )
             trained = _reload(final, adapter_dir, cfg)
+            # eval.harness_tasks: the base and the result scored here, with no collective left, so that training
+            # was never touched; before metrics.jsonl closes, which takes their rows
+            before, after = self.harness_scores(final or trained) if trainer.harness is not None else ({}, {})
+        plot = trainer.close()
         print()
-        if state.eval_before and state.last_eval:
-            print(_before_after(state.eval_before, state.last_eval))
+        if (state.eval_before and state.last_eval) or before:
+            print(_before_after({**state.eval_before, **before}, {**state.last_eval, **after}))
         if adapter_dir is not None:
             print(f"adapter     : {adapter_dir}")
         if final is not None:
@@ -251,6 +258,26 @@ class FinetuneRecipe:
                 print(f"samples     : {written}")
 
 
+    def harness_scores(self, trained) -> tuple[dict[str, float], dict[str, float]]:
+        """eval.harness_tasks' scores (harness/<task>/<metric>) of the base, as this run loaded it, and of `trained`:
+        final/ (scored as recipes/evaluate.py scores it), or the base with the adapter in memory."""
+        trainer = self.trainer
+        runs, device = trainer.harness, trainer.strategy.device
+        found = {}
+        for phase in ("before", "after"):
+            if phase == "before":
+                model, tokenizer, _ = load_base_model(self.cfg.model)  # full precision, also after QLoRA
+            else:
+                model, tokenizer = trained, self.tokenizer
+            if isinstance(model, torch.nn.Module) and device.type == "cuda":
+                model.to(device)
+            trainer.print(f"harness: scoring the {'base' if phase == 'before' else 'result'} on {', '.join(runs.cfg.tasks)}")
+            found[phase] = named_scores(score(model, runs.cfg, runs.manager, tokenizer))
+            trainer.log("harness", {"step": 0 if phase == "before" else trainer.step, "phase": phase, **found[phase]})
+            del model  # the base, before the result is scored
+        return found["before"], found["after"]
+
+
 def _reload(final: Path | None, adapter_dir: Path | None, cfg: FinetuneConfig):
     """The trained model from what was written: final/, or the base with the adapter on top."""
     from transformers import AutoModelForCausalLM
@@ -262,14 +289,20 @@ def _reload(final: Path | None, adapter_dir: Path | None, cfg: FinetuneConfig):
 
 
 def _before_after(before: dict[str, float], after: dict[str, float]) -> str:
-    rows = [("held-out", "before", "after"), ("-" * 14, "-" * 10, "-" * 10)]
+    rows = [("held-out", "before", "after"), ("-" * 14, "-" * 10, "-" * 10)] if "eval_loss" in before else []
     named = (("loss", "eval_loss"), ("perplexity", "eval_ppl"), ("reward margin", "eval_rewards/margin"),
              ("reward accuracy", "eval_rewards/accuracy"))
     rows += [(name, f"{before[key]:.4f}", f"{after[key]:.4f}") for name, key in named if key in before and key in after]
     # a mixture's sources: what each gained or lost (a domain's, and the general text it should not forget)
     rows += [(f"loss: {key.split('/', 1)[1]}", f"{before[key]:.4f}", f"{after[key]:.4f}")
              for key in before if key.startswith("eval_loss/") and key in after]
-    return "\n".join(f"{a:<16}{b:>12}{c:>12}" for a, b, c in rows)
+    # eval.harness_tasks: what the domain gained and what general tasks lost
+    harness = [(key.removeprefix("harness/"), f"{before[key]:.4f}", f"{after[key]:.4f}")
+               for key in before if key.startswith("harness/") and key in after]
+    if harness:
+        rows += [("harness", "before", "after"), ("-" * 14, "-" * 10, "-" * 10), *harness]
+    width = max(16, *(len(a) + 2 for a, _, _ in rows))
+    return "\n".join(f"{a:<{width}}{b:>12}{c:>12}" for a, b, c in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

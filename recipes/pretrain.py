@@ -48,9 +48,10 @@ from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, hf_config, meta_model
 from toolkit.planner.estimate import check_fits
 from toolkit.training.entry import run
+from toolkit.training.metrics import model_size
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.samples import check_prompt_lengths, sample_folder
-from toolkit.training.trainer import Trainer, model_size
+from toolkit.training.trainer import Trainer
 
 
 class PretrainRecipe:
@@ -213,6 +214,9 @@ class PretrainRecipe:
             trainer.strategy, trainer.model, self.tokenizer, trainer.run.final, facts, to_dict(cfg),
             cfg.checkpoint.final_dtype,
         )
+        if trainer.harness is not None and trainer.strategy.is_main and final is not None:
+            trainer.harness.start(trainer.step, "after", final, keep=True)  # final/ itself, before metrics.jsonl closes
+            trainer.harness.wait()
         plot = trainer.close()
         if not trainer.strategy.is_main:
             return

@@ -12,7 +12,7 @@ One contract, used by the trainer, the recipes, checkpoints, the HF-folder write
                                   name, made when a run resumed it under another strategy or world
                                   size; never a checkpoint itself, deleted with step-N
       final/  adapter/            .final, .adapter: the deliverables
-      metrics.jsonl  loss.png  samples.md  tensorboard/  profile/
+      metrics.jsonl  loss.png  samples.md  tensorboard/  profile/  harness/
       reference_logps.npz         .reference: DPO's reference log-probabilities of the pairs
       .run.lock                   LOCK_FILE: held by the run that owns the folder (RunDir.claim)
 
@@ -71,7 +71,7 @@ class RunDir:
     ENTRIES = (
         "final", "adapter", "checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "samples.md",
         "final.tmp", "adapter.tmp", "final.old", "adapter.old", "reference_logps.npz", "reference_logps.npz.tmp",
-        "profile",
+        "profile", "harness",
     )
 
     @property
@@ -111,6 +111,11 @@ class RunDir:
     def profile(self) -> Path:
         """logging.profile's trace and summary (toolkit.training.profiling)."""
         return self.root / "profile"
+
+    @property
+    def harness(self) -> Path:
+        """eval.harness_tasks' scorings: their JSON, their output, the model being scored (toolkit.training.harness_runs)."""
+        return self.root / "harness"
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step}"

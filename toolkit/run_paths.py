@@ -36,6 +36,7 @@ PATH_SETTINGS: dict[str, str | None] = {
     "data.val_path": READ,
     "data.sources[].path": READ,
     "data.chat_template": READ,  # a .jinja file, or the template itself
+    "eval.harness_include_path": READ,  # the user's task YAMLs
     # not paths
     "logging.trackers": None, "model.attn_implementation": None, "model.model_type": None, "model.config": None,
     "data.text_column": None, "data.name": None, "data.split": None, "data.sources[].name": None,
@@ -43,6 +44,7 @@ PATH_SETTINGS: dict[str, str | None] = {
     "samples.prompts": None, "adapter.target_modules": None, "adapter.modules_to_save": None,
     "data.columns.conversation": None, "data.columns.role": None, "data.columns.content": None,
     "data.columns.user": None, "data.columns.assistant": None, "data.columns.system": None,
+    "eval.harness_tasks": None,
 }
 
 # The kinds of overlap: the folder is the other, lies inside it, holds it, or is a symbolic link to it.

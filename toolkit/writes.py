@@ -101,6 +101,11 @@ WRITERS: dict[str, Writer] = {
         "free space beside --output, or choose an --output on a disk with room",
         "nothing (the partial results and the model folder removed)",
     ),
+    "harness scoring": Writer(
+        "harness/: a step's model for eval.harness_tasks' scoring (step-N/, removed once scored) and the scorings' "
+        "output (harness.log)", ("toolkit.training.harness_runs:HarnessRuns.start",),
+        "free space; that step is not scored, and training goes on", "no harness/step-N/ (removed)", exit=None,
+    ),
     "metrics": Writer(
         "metrics.jsonl: one row a step, eval, save error", ("toolkit.training.metrics:MetricsWriter._open",
                                                             "toolkit.training.metrics:MetricsWriter.write"),

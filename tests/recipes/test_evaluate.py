@@ -1,4 +1,4 @@
-"""recipes/evaluate.py: lm-evaluation-harness tasks of a user's own (tests/recipes/harness_tasks.py: a multiple-choice
+"""recipes/evaluate.py: lm-evaluation-harness tasks of a user's own (tests/harness_tasks.py: a multiple-choice
 and a generation task from the CPython docs) scored on what runs made, as the harness's own CLI scores them; a model
 trained on the tasks' sentences beats its base; every strategy's checkpoint scores as its final/; bad input is one
 line."""
@@ -14,6 +14,8 @@ import pytest
 import wrong_arguments
 from harness_tasks import write_tasks
 from recipe_runner import recipe_module, run_recipe
+
+from toolkit.training.metrics import read_metrics
 
 TASKS = "pydoc_continuation,pydoc_last_word"
 TINY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -40,7 +42,9 @@ def domain(tasks, tmp_path_factory, data_cache) -> tuple[Path, Path]:
     text = work / "domain.txt"
     text.write_text("\n\n".join(tasks[1]) + "\n")
     run = work / "run"
-    run_recipe("pretrain", [*TINY, f"output_dir={run}", f"data.path={text}", "train.max_steps=150"], nproc=1,
+    # eval.harness_tasks: step 75's model scored beside training, and final/ at the end
+    run_recipe("pretrain", [*TINY, f"output_dir={run}", f"data.path={text}", "train.max_steps=150", "eval.every=75",
+                            f"eval.harness_tasks=[{TASKS}]", f"eval.harness_include_path={tasks[0]}"], nproc=1,
                cache=data_cache)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -85,6 +89,11 @@ def test_the_recipe_scores_as_the_harness_cli_and_training_on_the_domain_beats_t
     mine = trained["llm_toolkit_evaluation"]["scores"]
     assert set(mine) == {"harness/pydoc_continuation/acc", "harness/pydoc_last_word/exact_match[first_word]"}
     theirs = untrained["llm_toolkit_evaluation"]["scores"]
+    # the run's own scores, logged in metrics.jsonl: step 75's while it trained on, and final/'s as this recipe's
+    logged = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "harness"]
+    assert [(r["step"], r["phase"]) for r in logged] == [(75, "train"), (150, "after")]
+    assert {k: v for k, v in logged[1].items() if k.startswith("harness/")} == mine
+    assert sorted(p.name for p in (run / "harness").iterdir()) == ["harness.log", "step-150.json", "step-75.json"]
     # measured: acc 0.75 against the base's 0.3 (chance: 0.25), exact match 0.6 against 0.0
     assert mine["harness/pydoc_continuation/acc"] >= theirs["harness/pydoc_continuation/acc"] + 0.25, (mine, theirs)
     assert mine["harness/pydoc_last_word/exact_match[first_word]"] >= 0.3 > theirs[

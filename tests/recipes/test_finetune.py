@@ -13,6 +13,7 @@ from pydoc_data.topics import topics
 
 import pytest
 import torch
+from harness_tasks import write_tasks
 from recipe_runner import ROOT, assert_generates_with_the_cache, recipe_module
 from transformers import AutoModelForCausalLM
 
@@ -45,8 +46,11 @@ def smol_run(tmp_path_factory, smollm2_gguf_path):
     out = tmp_path_factory.mktemp("smol-lora") / "run"
     held_out = out.parent / "held_out.jsonl"  # data.val_path: the user's own held-out text, in place of val_fraction
     held_out.write_text("".join(json.dumps({"text": topics[name]}) + "\n" for name in HELD_OUT_TOPICS))
+    write_tasks(out.parent / "tasks")
+    harness = ["eval.harness_tasks=[pydoc_continuation]", f"eval.harness_include_path={out.parent / 'tasks'}",
+               "eval.harness_limit=4"]  # the base and the result scored at the end
     cfg = load_config(FinetuneConfig, ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml",
-                      [*SMOL_LORA, f"output_dir={out}", f"data.val_path={held_out}"])
+                      [*SMOL_LORA, f"output_dir={out}", f"data.val_path={held_out}", *harness])
     recipe = recipe_module("finetune").FinetuneRecipe(cfg)
     recipe.setup()
     recipe.train()
@@ -66,13 +70,28 @@ def smol_run(tmp_path_factory, smollm2_gguf_path):
 
 def test_lora_steps_lower_the_held_out_loss(smol_run):
     out, recipe, _, _ = smol_run
-    phases = {r["phase"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "phase" in r}
+    phases = {r["phase"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"}
     assert phases["after"] < phases["before"] - 0.01, phases
     assert recipe.trainer.state.eval_before["eval_loss"] == phases["before"]
     # held out: data.val_path's documents, whole (the first of them opens the first block), the corpus all trained on
     val = recipe.trainer.feed.val
     first = recipe.tokenizer.decode(val[0]["input_ids"][:40])
     assert topics[HELD_OUT_TOPICS[0]].startswith(first.strip()[:60]), first
+
+
+def test_the_harness_scores_the_base_and_the_result_into_the_before_after_table(smol_run):
+    """eval.harness_tasks: two rows of metrics.jsonl, the base's at step 0, and the table's harness rows; the result
+    is final/, scored as recipes/evaluate.py scores it."""
+    out, recipe, _, _ = smol_run
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "harness"]
+    assert [(r["step"], r["phase"]) for r in rows] == [(0, "before"), (2, "after")]
+    assert all(0 <= r["harness/pydoc_continuation/acc"] <= 1 for r in rows)
+    phases = {r["phase"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"}
+    table = recipe_module("finetune")._before_after(
+        {**phases["before"], **rows[0]}, {**phases["after"], **rows[1]}).splitlines()
+    assert table[0].split() == ["held-out", "before", "after"] and table[4].split() == ["harness", "before", "after"]
+    assert table[6].split() == ["pydoc_continuation/acc", f"{rows[0]['harness/pydoc_continuation/acc']:.4f}",
+                                f"{rows[1]['harness/pydoc_continuation/acc']:.4f}"]
 
 
 def test_adapter_reloads_onto_the_base_with_the_same_logits(smol_run):

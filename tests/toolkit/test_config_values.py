@@ -101,6 +101,11 @@ ACCEPTS: dict[str, dict[str, str]] = {
     "logging.profile": {"[]": "no profiling: the default"},
     "eval.every": {"0": "only at the end", "2**31": "only at the end"},
     "eval.blocks": {"0": "every held-out block", "2**31": "every held-out block"},
+    "eval.harness_tasks": {"[]": "nothing scored: the default"},
+    "eval.harness_include_path": {"unset": "the harness's own tasks only: the default"},
+    "eval.harness_num_fewshot": {"unset": "each task's own number of shots", "0": "no shots", "2**31": "more than a "
+                                 "task has is refused at the start, once its examples are read (harness.check_tasks)"},
+    "eval.harness_limit": {"unset": "every document"},
     "samples.prompts": {"[]": "no samples"},
     "samples.max_new_tokens": {"0": "no samples", "2**31": "finetune: refused once the base model is loaded, "
                                "before any sample or training (recipes/finetune.py: more than its positions)"},
@@ -173,6 +178,7 @@ CONTEXT = {
     "train.gamma": ["train.objective=simpo", "data.format=preference"],
     "train.orpo_lambda": ["train.objective=orpo", "data.format=preference"],
     **{key: ["data.format=chat"] for key in ("data.chat_template", "data.record_format", "data.columns.conversation")},
+    **{f"eval.harness_{key}": ["eval.harness_tasks=[my_task]"] for key in ("include_path", "num_fewshot", "limit")},
 }
 
 

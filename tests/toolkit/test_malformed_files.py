@@ -323,6 +323,9 @@ READERS: dict[str, str] = {
     "toolkit/training/metrics.py:read_metrics": OWN + " (metrics.jsonl, appended by the run)",
     "toolkit/training/reference.py:base_identity": "the base's config.json as transformers wrote it: a fingerprint",
     "toolkit/training/reference.py:_write": OWN,
+    "toolkit/training/harness_runs.py:_collect": OWN + " (harness/step-N.json, staged and renamed by recipes/evaluate.py; "
+                                                   "one it cannot read is a warning: the step is not scored)",
+    "toolkit/training/harness_runs.py:start": "harness.log, opened to append the scoring's output, never read",
     "toolkit/training/samples.py:sample_folder": "final/, which the run wrote and checked",
     "toolkit/training/profiling.py:_quiet_stderr": "/dev/null",
     "toolkit/checkpoint/deepspeed.py:tag_folder": OWN + " (DeepSpeed's `latest`)",

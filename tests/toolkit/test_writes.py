@@ -316,6 +316,46 @@ def case_evaluation(request):
     assert "No space left on device" in str(info.value) and not results.exists()
 
 
+def case_harness_scoring(request):
+    """eval.harness_tasks in pretraining: a step's model folder, then the log its scoring appends to; either failing
+    is a warning, the folder is gone, and nothing is left running."""
+    import types
+
+    from transformers import modeling_utils
+
+    from toolkit.training import harness_runs
+    from toolkit.training.harness import HarnessConfig
+
+    tmp, monkeypatch = request.getfixturevalue("tmp_path"), request.getfixturevalue("monkeypatch")
+    tok, model = request.getfixturevalue("tiny_tokenizer"), request.getfixturevalue("tiny_model")("llama")
+    said = []
+    runs = object.__new__(harness_runs.HarnessRuns)  # its tasks unchecked: the harness's index is not the point
+    runs.cfg, runs.root, runs.main, runs.say, runs.running = HarnessConfig(["t"]), tmp / "harness", True, said.append, None
+    strategy = types.SimpleNamespace(master_weights=lambda m: None, is_main=True, model_to_save=lambda m, sd: m,
+                                     accelerator=types.SimpleNamespace(wait_for_everyone=lambda: None))
+    for exc in full_disk_errors(str(tmp / "harness" / "step-2" / "model.safetensors")):
+        said.clear()
+        monkeypatch.setattr(modeling_utils, "safe_save_file", failing(exc))
+        assert runs.write(strategy, model, tok, 2) is None
+        monkeypatch.undo()
+        assert len(said) == 1 and said[0].startswith("warning: harness scoring could not be written: ")
+        assert _cause(exc) in said[0] and said[0].endswith("that step is not scored, and training goes on")
+        assert not (tmp / "harness" / "step-2").exists()
+    folder = runs.write(strategy, model, tok, 4)
+    assert folder == tmp / "harness" / "step-4" and (folder / "config.json").exists()
+    for exc in full_disk_errors(str(tmp / "harness" / harness_runs.LOG)):
+        said.clear()
+        monkeypatch.setattr(harness_runs, "open", failing(exc, partial_arg=None), raising=False)
+        runs.start(4, "train", folder, keep=True)
+        monkeypatch.undo()
+        assert len(said) == 1 and said[0].startswith("warning: harness scoring could not be written: ")
+        assert runs.running is None and folder.exists()  # kept: final/ is never removed
+    monkeypatch.setattr(harness_runs, "open", failing(OSError(28, "No space left on device"), partial_arg=None),
+                        raising=False)
+    runs.start(4, "train", folder)  # a step's own folder is removed with its scoring, which never started
+    assert runs.running is None and not folder.exists()
+
+
 def case_data_cache(request):
     from toolkit.data import packing
 
@@ -441,7 +481,7 @@ CASES = {
     "checkpoint": case_checkpoint, "converted checkpoint": case_converted_checkpoint, "final model": case_final_model,
     "data cache": case_data_cache, "tokenizer cache": case_tokenizer_cache, "gguf float copy": case_gguf_float_copy,
     "preference reference": case_preference_reference, "export": case_export, "evaluation": case_evaluation,
-    "metrics": case_metrics,
+    "harness scoring": case_harness_scoring, "metrics": case_metrics,
     "trackers": case_trackers, "loss plot": case_loss_plot, "profile": case_profile, "samples": case_samples,
     "launch config copy": case_launch_config_copy, "run lock": case_run_lock,
 }

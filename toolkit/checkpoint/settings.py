@@ -102,6 +102,8 @@ FREE = {
                                                                             "on_save_error", "async_save")},
     **{f"logging.{k}": "what is reported" for k in ("every", "trackers", "profile")},
     "eval.every": "when the held-out loss is measured",
+    **{f"eval.harness_{k}": "what is scored, in a process of its own (toolkit.training.harness_runs)"
+       for k in ("tasks", "include_path", "num_fewshot", "limit")},
     "samples.prompts": "generated from the base again on a resume (recipes/finetune.py)",
     "samples.max_new_tokens": "generated from the base again on a resume (recipes/finetune.py)",
     "data.num_proc": "tokenization processes", "data.cache_dir": "where the same blocks are cached",

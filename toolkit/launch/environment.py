@@ -69,9 +69,20 @@ def is_launch_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+# what a launcher tells each rank: who it is among how many
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_WORLD_SIZE")
+
+
 def run_alone() -> None:
     """Forget the launch: from here this process is one process on its own (the launcher's variables gone), for a
     library that would otherwise form a process group over ranks that do not take part (recipes/evaluate.py on CPU)."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_WORLD_SIZE"):
+    for name in LAUNCH_VARIABLES:
         os.environ.pop(name, None)
+
+
+def alone_environment() -> dict[str, str]:
+    """A rank's environment for a process of one that it starts (eval.harness_tasks' scoring): without the launch,
+    its rendezvous and Accelerate's strategy (a ZeRO config would make the child's Accelerator a DeepSpeed one)."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES
+            and not k.startswith(("ACCELERATE_", "FSDP_", "TORCHELASTIC_", "MASTER_", "LLM_TOOLKIT_LAUNCHER"))}

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LAUNCHER_PID = "LLM_TOOLKIT_LAUNCHER_PID"  # set by toolkit.launch.launcher for its ranks
+TRAINER_PID = "LLM_TOOLKIT_TRAINER_PID"  # set by a training run for the process that scores its model
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,6 +49,17 @@ def die_with_launcher() -> None:
     # The launcher may have died while this rank was importing, before the line above: then
     # this process was handed to another parent and nothing would ever deliver the signal.
     if launcher is not None and os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_trainer() -> None:
+    """recipes/evaluate.py started by a training run (eval.harness_tasks): killed when that run ends, however it
+    ends, as its ranks die with their launcher; a scoring nobody will read is only a GPU and cores held."""
+    trainer = os.environ.get(TRAINER_PID)
+    if trainer is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != int(trainer):  # it ended while this process was starting
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -11,9 +11,11 @@ import torch
 from accelerate import Accelerator
 
 from toolkit.config import field
+from toolkit.config_values import path_problems
 from toolkit.data.packing import IGNORE_INDEX, collate
 from toolkit.models.loss import forward_loss_sum, targets_of
 from toolkit.models.preference_loss import STATS, PreferenceLoss
+from toolkit.training.harness import HarnessConfig
 from toolkit.training.step import on_device
 
 
@@ -22,9 +24,19 @@ class EvalConfig:
     every: int = field(50, help="held-out loss and perplexity every N optimizer steps (0 = only at the end)")
     blocks: int = field(64, help="held-out blocks per evaluation (of each source of a mixture), the same on any "
                         "number of processes (0 = all)")
+    harness_tasks: list[str] = field(
+        default_factory=list, help="lm-evaluation-harness tasks: a fine-tune scores its base and its result, "
+        "pretraining every eval.every steps in a process beside training (pip install -e '.[eval]'; docs/evaluation.md)")
+    harness_include_path: str | None = field(None, help="a folder of your own harness task YAML files")
+    harness_num_fewshot: int | None = field(None, help="examples in each harness prompt (empty: each task's own)")
+    harness_limit: float | None = field(None, help="documents per harness task, below 1 a fraction (empty: all)")
 
     def validate(self) -> list[str]:
-        return [f"{name}={getattr(self, name)} must be >= 0" for name in ("every", "blocks") if getattr(self, name) < 0]
+        problems = [f"{name}={getattr(self, name)} must be >= 0" for name in ("every", "blocks") if getattr(self, name) < 0]
+        if self.harness_tasks:  # the config's loader names the section
+            unusable = path_problems(self, ("harness_include_path",))
+            problems += unusable or [line.removeprefix("eval.") for line in HarnessConfig.of_training(self).validate()]
+        return problems
 
 
 def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[str, datasets.Dataset], *args,

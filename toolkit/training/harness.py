@@ -7,17 +7,26 @@ The harness is an extra (`pip install -e '.[eval]'`): the core install does not 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import logging
+import math
+import random
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from toolkit.config import UserError
 
 INSTALL = "pip install -e '.[eval]' (or pip install lm-eval)"
+
+
+# how each setting is named where it was given: recipes/evaluate.py's options, or a training config's eval.harness_*
+OPTIONS = {"tasks": "--tasks ", "include_path": "--include-path ", "num_fewshot": "--num-fewshot ", "limit": "--limit ",
+           "batch_size": "--batch-size "}
+KEYS = {name: f"eval.harness_{name}=" for name in OPTIONS}
 
 
 @dataclass
@@ -29,20 +38,36 @@ class HarnessConfig:
     num_fewshot: int | None = None  # None: each task's own
     limit: float | None = None  # documents per task (a fraction below 1, as the harness takes it)
     batch_size: int = 8
+    named: dict[str, str] = field(default_factory=lambda: OPTIONS)
+
+    @classmethod
+    def of_training(cls, eval_cfg) -> HarnessConfig:
+        """A training config's eval.harness_* keys (toolkit.training.evaluation.EvalConfig)."""
+        return cls(list(eval_cfg.harness_tasks), eval_cfg.harness_include_path, eval_cfg.harness_num_fewshot,
+                   eval_cfg.harness_limit, named=KEYS)
 
     def validate(self) -> list[str]:
-        problems = []
-        if not self.tasks or any(not name.strip() for name in self.tasks):
-            problems.append(f"--tasks {','.join(self.tasks)!r} names no task; name at least one, comma-separated (a,b)")
-        if self.include_path is not None and not Path(self.include_path).is_dir():
-            problems.append(f"--include-path {self.include_path} is not a folder of task YAML files")
+        problems, n = [], self.named
+        if not self.tasks or any(not isinstance(name, str) or not name.strip() for name in self.tasks):
+            problems.append(f"{n['tasks']}{','.join(self.tasks)!r} names no task; name at least one, comma-separated (a,b)"
+                            if n is OPTIONS else f"{n['tasks']}{self.tasks} holds an empty name; list task names, "
+                            "for example [arc_easy, hellaswag]")
+        if self.include_path is not None and not _is_dir(self.include_path):
+            problems.append(f"{n['include_path']}{self.include_path} is not a folder of task YAML files")
         if self.num_fewshot is not None and self.num_fewshot < 0:
-            problems.append(f"--num-fewshot {self.num_fewshot} must be >= 0")
-        if self.limit is not None and not self.limit > 0:  # nan too
-            problems.append(f"--limit {self.limit:g} must be > 0 (documents per task, or a fraction of them below 1)")
+            problems.append(f"{n['num_fewshot']}{self.num_fewshot} must be >= 0")
+        if self.limit is not None and not 0 < self.limit < math.inf:  # nan too; the harness takes int(limit)
+            problems.append(f"{n['limit']}{self.limit:g} must be > 0 and finite (documents per task, or a fraction of them below 1)")
         if self.batch_size < 1:
-            problems.append(f"--batch-size {self.batch_size} must be >= 1")
+            problems.append(f"{n['batch_size']}{self.batch_size} must be >= 1")
         return problems
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):  # a name too long, a NUL
+        return False
 
 
 def harness():
@@ -69,15 +94,23 @@ def _git_commit() -> str | None:
 
 
 def task_manager(cfg: HarnessConfig):
-    return _indexed(str(Path(cfg.include_path).absolute()) if cfg.include_path else None)
+    """The user's own tasks alone where every name is one of them, as tasks (a group of them may name the harness's);
+    else the harness's ~15,000 with them."""
+    include = str(Path(cfg.include_path).absolute()) if cfg.include_path else None
+    if include is not None:
+        own = _indexed(include, False)
+        entries = [own.task_index.get(name) for name in cfg.tasks]
+        if all(entry is not None and entry.kind.name == "TASK" for entry in entries):
+            return own
+    return _indexed(include, True)
 
 
 @functools.lru_cache(maxsize=4)
-def _indexed(include_path: str | None):
-    """The harness's index of its ~15,000 tasks and the user's: 7 s to build on a CPU core, made once a process."""
+def _indexed(include_path: str | None, harness_tasks: bool):
+    """The harness's index of tasks: 7 s to build with its own on a CPU core, made once a process."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path)
+    return TaskManager(include_path=include_path, include_defaults=harness_tasks)
 
 
 def check_tasks(cfg: HarnessConfig, manager) -> None:
@@ -89,17 +122,33 @@ def check_tasks(cfg: HarnessConfig, manager) -> None:
             continue
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        where = f" or in --include-path {cfg.include_path}" if cfg.include_path else ""
-        raise UserError(f"--tasks {name}: unknown task, not among the harness's {len(known):,} tasks{where}{hint} "
+        where = f" or in {cfg.named['include_path']}{cfg.include_path}" if cfg.include_path else ""
+        raise UserError(f"{cfg.named['tasks']}{name}: unknown task, not among the harness's {len(known):,} tasks{where}{hint} "
                         "(list them with: lm-eval ls tasks)")
     for name in cfg.tasks:
         try:
-            manager.load([name])  # builds the task: reads (or downloads) its documents
+            built = manager.load([name])  # builds the task: reads (or downloads) its documents
         except Exception as exc:  # the datasets and hub errors of a task whose data is not here
-            raise UserError(_unreadable(name, manager, exc)) from None
+            raise UserError(_unreadable(name, manager, exc, cfg.named["include_path"].strip(" ="))) from None
+        if cfg.num_fewshot:  # the harness draws the shots from a task's examples, the document asked about aside
+            for task, examples in _shot_pools(built.get("tasks", {})):
+                if cfg.num_fewshot > examples:
+                    raise UserError(f"{cfg.named['num_fewshot']}{cfg.num_fewshot}: task {task} has {examples} "
+                                    f"examples to draw shots from; give at most {examples}")
 
 
-def _unreadable(name: str, manager, exc: Exception) -> str:
+def _shot_pools(tasks: dict) -> list[tuple[str, int]]:
+    pools = []
+    for task_name, task in tasks.items():
+        if isinstance(task, dict):  # a group's tasks
+            pools += _shot_pools(task)
+        elif hasattr(task, "fewshot_docs"):
+            docs = task.fewshot_docs()
+            pools.append((task_name, max(0, len(docs) - 1) if docs is not None else 0))
+    return pools
+
+
+def _unreadable(name: str, manager, exc: Exception, include: str) -> str:
     config = _task_config(name, manager)
     dataset = config.get("dataset_path", "?")
     kind = type(exc).__name__
@@ -107,7 +156,7 @@ def _unreadable(name: str, manager, exc: Exception) -> str:
                                                         "DatasetNotFound", "couldn't be found", "Couldn't reach"))
     if offline:
         return (f"task {name} reads its documents from the Hugging Face Hub ({dataset}), which cannot be reached from "
-                f"here ({kind}); run it where the Hub is reachable, or give a task of your own files with --include-path")
+                f"here ({kind}); run it where the Hub is reachable, or give a task of your own files with {include}")
     return f"task {name}'s documents ({dataset}) could not be read: {kind}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
@@ -116,14 +165,42 @@ def _task_config(name: str, manager) -> dict[str, Any]:
     return dict(entry.cfg or {}) if entry is not None else {}
 
 
-def score(folder: Path, cfg: HarnessConfig, manager) -> dict | None:
-    """The harness's results for the model in `folder` (None on every process but the first of a data-parallel run)."""
+def score(model, cfg: HarnessConfig, manager, tokenizer=None) -> dict | None:
+    """The harness's results for `model`: a folder (None on every process but the first of a data-parallel run), or a
+    model in memory with its `tokenizer`, scored where it lies. The harness seeds Python's, NumPy's and torch's
+    generators as its CLI does; a training process gets its own states back, so that its run goes on untouched."""
     lm_eval = harness()
-    return lm_eval.simple_evaluate(
-        model="hf", model_args={"pretrained": str(folder)}, tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot,
-        limit=cfg.limit, batch_size=cfg.batch_size, task_manager=manager, log_samples=False,
-        device="cuda:0",  # the CLI's default: the harness takes the CPU where there is no GPU, and a launch's own GPU
-    )
+    if isinstance(model, (str, Path)):
+        model, model_args = "hf", {"pretrained": str(model)}
+    else:
+        from lm_eval.models.huggingface import HFLM
+
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)  # "many other model arguments may be ignored": none given
+        try:
+            model, model_args = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size), None
+        finally:
+            logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    with untouched_randomness():
+        return lm_eval.simple_evaluate(
+            model=model, model_args=model_args, tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, limit=cfg.limit,
+            batch_size=cfg.batch_size, task_manager=manager, log_samples=False,
+            device="cuda:0",  # the CLI's default: the harness takes the CPU where there is no GPU, and a launch's own GPU
+        )
+
+
+@contextlib.contextmanager
+def untouched_randomness():
+    """Python's, NumPy's and torch's (CPU and CUDA) generators as they were before the block."""
+    import numpy as np
+    import torch
+
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 def table(results: dict) -> str:

@@ -16,6 +16,7 @@ from accelerate.utils import LoggerType
 from tqdm.auto import tqdm
 
 from toolkit.config import field
+from toolkit.models.scratch import count_parameters
 from toolkit.training.profiling import check_steps
 from toolkit.writes import writing
 
@@ -122,6 +123,21 @@ def estimate_mfu(tokens_per_s: float, flops_token: float, world_size: int, peak:
     return tokens_per_s * flops_token / (peak * world_size)
 
 
+def model_size(model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
+    """(parameters, training FLOPs per token) of a model about to train, for the card and MFU.
+
+    The FLOPs count every weight that multiplies: the input embedding is a lookup and does not,
+    but a tied output head is the same matrix used as a matmul over the vocabulary, and counts
+    (leaving it out read SmolLM2's MFU ~20 % low, the 1B config's ~6 %).
+    """
+    n_params = count_parameters(model)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied_head = head is not None and embedding is not None and head.weight is embedding.weight
+    n_matmul = count_parameters(model, exclude_embeddings=True) + (head.weight.numel() if tied_head else 0)
+    flops = flops_per_token(n_matmul, model.config.num_hidden_layers, model.config.hidden_size, seq_len)
+    return n_params, flops
+
+
 def peak_memory_mb(device: torch.device) -> dict[str, float]:
     """This process's peak resident memory, and on GPUs the peak memory torch allocated."""
     import resource
@@ -142,6 +158,7 @@ KINDS = {
     "memory": ("step", "held_bytes"),  # the bytes each rank held after its first step
     "nonfinite": ("step", "nonfinite", "action", "in_a_row"),  # a NaN/inf step skipped, or the run stopped
     "checkpoint_error": ("step", "checkpoint_error"),  # a save that failed under checkpoint.on_save_error=continue
+    "harness": ("step", "phase"),  # eval.harness_tasks' scores, harness/<task>/<metric>; logged when they arrive
     "summary": ("step", "parameter_digests", "peak_memory"),  # the run's last row
 }
 

@@ -45,7 +45,6 @@ from toolkit.launch.rank_process import launch_id
 from toolkit.models.loss import output_head
 from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
-from toolkit.models.scratch import count_parameters
 from toolkit.models.weight_cast import AUTOCAST, weight_cast
 from toolkit.run_dir import RunDir
 from toolkit.run_paths import check_run_paths
@@ -54,6 +53,7 @@ from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.evaluation import evaluate
 from toolkit.training.feed import Feed
+from toolkit.training.harness_runs import HarnessRuns
 from toolkit.training.metrics import (
     HostCopy,
     MetricsWriter,
@@ -63,7 +63,6 @@ from toolkit.training.metrics import (
     check_trackers,
     estimate_mfu,
     flat_hparams,
-    flops_per_token,
     peak_flops,
     peak_memory_mb,
     plot_loss,
@@ -151,6 +150,7 @@ class Trainer:
         self.trackers = TrackerLog(self.accelerator, cfg.logging.trackers, self.print)  # until a write fails
         self.nonfinite_in_a_row = 0  # skipped steps since the last one that trained
         self.dead_check_pending = False  # set by a resume: the first step that trains is checked
+        self.harness = HarnessRuns.of(self)  # eval.harness_tasks: checked now, before the data and the model
 
     @property
     def step(self) -> int:
@@ -397,6 +397,8 @@ class Trainer:
             # model then fails ("Trying to resize storage that is not resizable").
             if eval_now:
                 state.last_eval = self.evaluate("after" if last else "train")
+            if self.harness is not None and self.name != "finetune":  # a fine-tune scores before and after, at its end
+                self.harness.at_step(self, not last and cfg.eval.every and state.step % cfg.eval.every == 0)
             # A signal, and the end of a checkpoint's writes, are seen in this step's values where they were
             # read, else in the previous step's, which arrived while this step ran: every rank agrees at one step.
             flags = values if values is not None else previous.get() if previous is not None else None
@@ -581,19 +583,4 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write({"kind": check_kind(kind, record), **record})
         self.trackers.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, record["step"])
-
-
-def model_size(model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
-    """(parameters, training FLOPs per token) of a model about to train, for the card and MFU.
-
-    The FLOPs count every weight that multiplies: the input embedding is a lookup and does not,
-    but a tied output head is the same matrix used as a matmul over the vocabulary, and counts
-    (leaving it out read SmolLM2's MFU ~20 % low, the 1B config's ~6 %).
-    """
-    n_params = count_parameters(model)
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied_head = head is not None and embedding is not None and head.weight is embedding.weight
-    n_matmul = count_parameters(model, exclude_embeddings=True) + (head.weight.numel() if tied_head else 0)
-    flops = flops_per_token(n_matmul, model.config.num_hidden_layers, model.config.hidden_size, seq_len)
-    return n_params, flops
 

@@ -59,6 +59,8 @@ USED_WHEN: dict[str, Need | Callable[[Any], str | None]] = {
     "checkpoint.async_save": lambda cfg: (
         "checkpoint.every=0 saves only at the end, which waits for its files either way" if not cfg.checkpoint.every
         else None),
+    **{f"eval.harness_{name}": (lambda cfg: None if cfg.eval.harness_tasks else "eval.harness_tasks is empty: nothing "
+                                "is scored") for name in ("include_path", "num_fewshot", "limit")},
     "model.gguf_cache": lambda cfg: (
         None if _gguf_base(cfg.model) else f"model.path={cfg.model.path} is not a GGUF base (model.gguf_file is empty)"),
 }
@@ -82,6 +84,7 @@ ALWAYS = (
     "optim.weight_decay", "optim.max_grad_norm", "optim.fused",
     "checkpoint.every", "checkpoint.keep_last", "checkpoint.final_dtype", "checkpoint.on_save_error",
     "logging.every", "logging.trackers", "logging.profile",
+    "eval.harness_tasks",  # empty: nothing scored, its default
     "eval.every", "eval.blocks",  # without held-out data (val_fraction=0) the data line says 0 held-out
     "samples.max_new_tokens", "samples.prompts",  # max_new_tokens=0 is the samples' off switch
     "data.path", "data.seq_len", "data.num_proc", "data.cache_dir", "data.streaming", "data.sources", "data.stages",
@@ -95,7 +98,7 @@ ALWAYS = (
 
 # List-valued keys whose repeated entries would do a thing twice or mean nothing: refused (repeated_entries). The others' order or
 # repeats mean something (optim.betas, logging.profile's [first, last], a prompt asked twice).
-UNIQUE = ("logging.trackers", "adapter.target_modules", "adapter.modules_to_save", "adapter.layers")
+UNIQUE = ("logging.trackers", "adapter.target_modules", "adapter.modules_to_save", "adapter.layers", "eval.harness_tasks")
 REPEATS_MEAN_SOMETHING = ("optim.betas", "logging.profile", "samples.prompts", "data.sources", "data.stages")
 
 

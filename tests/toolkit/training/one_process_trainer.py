@@ -12,8 +12,9 @@ from toolkit.config import load_config
 from toolkit.data.packing import collate, packed_dataset, target_counts
 from toolkit.models.compilation import compile_model
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
+from toolkit.training.metrics import model_size
 from toolkit.training.recipe_config import PretrainConfig
-from toolkit.training.trainer import Trainer, model_size
+from toolkit.training.trainer import Trainer
 
 SEQ_LEN = 64
 SETTINGS = [

@@ -18,9 +18,9 @@ from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config import UserError, load_config
 from toolkit.manifest import check_manifest
 from toolkit.run_dir import RunDir
-from toolkit.training.metrics import read_metrics
+from toolkit.training.metrics import model_size, read_metrics
 from toolkit.training.recipe_config import PretrainConfig
-from toolkit.training.trainer import SaveStopped, Stopped, Trainer, model_size
+from toolkit.training.trainer import SaveStopped, Stopped, Trainer
 
 
 @pytest.fixture(scope="module")

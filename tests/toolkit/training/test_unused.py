@@ -43,6 +43,8 @@ CASES = {
     **{f"data.{k}": (PretrainConfig, f"data.{k}={v}", ["data.sources=[{name: a}]"], []) for k, v in (("name", "x"),
                                                                                                      ("split", "test"))},
     "checkpoint.async_save": (PretrainConfig, "checkpoint.async_save=true", ["checkpoint.every=0"], []),
+    **{f"eval.harness_{k}": (PretrainConfig, f"eval.harness_{k}={v}", [], ["eval.harness_tasks=[my_task]"])
+       for k, v in (("include_path", "."), ("num_fewshot", 2), ("limit", 5))},
     "model.gguf_cache": (FinetuneConfig, "model.gguf_cache=false", ["model.path=org/base"], ["model.path=b.gguf"]),
     # CHECKED_BY: refused by their component, in its own words
     "resume": (FinetuneConfig, "resume=auto", ["overwrite=true"], []),

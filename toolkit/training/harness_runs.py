@@ -1,0 +1,127 @@
+"""eval.harness_tasks in a training run (docs/evaluation.md): the tasks checked before any work, then scored on the
+model as it trains.
+
+In pretraining, each `eval.every` step the model is gathered (collective) and written to `harness/step-N/`, and
+recipes/evaluate.py scores it in a process of its own while training goes on: the training processes' generators and
+data position are never touched, so a run with the harness on trains bit-equal to one without. The scores are
+logged at step N when they arrive (metrics.jsonl's `harness` rows, the trackers) and the folder is removed. One
+scoring runs at a time: the next waits for it. The last step's scoring reads final/, and the run ends once it is in.
+A fine-tune scores its base and its result in its own process at the end (recipes/finetune.py, `score`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from toolkit.export.hf_folder import write_model_folder
+from toolkit.launch.cli import ROOT
+from toolkit.launch.environment import alone_environment
+from toolkit.launch.rank_process import TRAINER_PID
+from toolkit.training.harness import HarnessConfig, check_tasks, harness, task_manager
+from toolkit.writes import WriteFailed, writing
+
+LOG = "harness.log"  # every scoring's output, appended, in harness/
+
+
+class HarnessRuns:
+    def __init__(self, cfg: HarnessConfig, root: Path, main: bool, say: Callable[[str], None],
+                 log: Callable[[str, dict], None]):
+        harness()  # installed: else one line, before any work
+        self.cfg, self.root, self.main, self.say, self.log = cfg, root, main, say, log
+        self.manager = task_manager(cfg)
+        check_tasks(cfg, self.manager)
+        self.running: tuple[int, str, subprocess.Popen, Path, bool] | None = None
+        if main and root.is_dir():  # a model folder a killed run left unscored
+            for stale in root.glob("step-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    @classmethod
+    def of(cls, trainer) -> HarnessRuns | None:
+        cfg = trainer.cfg
+        if not cfg.eval.harness_tasks:
+            return None
+        return cls(HarnessConfig.of_training(cfg.eval), trainer.run.harness, trainer.strategy.is_main, trainer.print,
+                   trainer.log)
+
+    # ---------------------------------------------------------------- pretraining
+    def at_step(self, trainer, due: bool) -> None:
+        """A step's part: the scores that arrived, logged; at a `due` step (collective), the model written and a
+        scoring of it started."""
+        if self.main:
+            self.poll()
+        if due:
+            folder = self.write(trainer.strategy, trainer.model, trainer.tokenizer, trainer.step)
+            if folder is not None:
+                self.start(trainer.step, "train", folder)
+
+    def write(self, strategy, model, tokenizer, step: int) -> Path | None:
+        """Collective: the model gathered and written by the main process for a scoring (None where its write
+        failed: said, and training goes on)."""
+        state_dict = strategy.master_weights(model)
+        folder = None
+        if strategy.is_main:
+            try:
+                folder = write_model_folder(strategy.model_to_save(model, state_dict), tokenizer,
+                                            self.root / f"step-{step}", {}, {}, state_dict, card="",
+                                            writer="harness scoring")
+            except WriteFailed as exc:  # a warning: the writer lets the run go on
+                self.say(f"warning: {exc}")
+        strategy.accelerator.wait_for_everyone()
+        return folder
+
+    def start(self, step: int, phase: str, folder: Path, keep: bool = False) -> None:
+        """Main process: recipes/evaluate.py on `folder` in a process of its own (after the one still running)."""
+        self.wait()
+        cfg = self.cfg
+        command = [sys.executable, str(ROOT / "recipes" / "evaluate.py"), "--from", str(folder),
+                   "--tasks", ",".join(cfg.tasks), "--batch-size", str(cfg.batch_size),
+                   "--output", str(self.root / f"step-{step}.json"), "--overwrite"]
+        for option, value in (("--include-path", cfg.include_path), ("--num-fewshot", cfg.num_fewshot),
+                              ("--limit", cfg.limit)):
+            if value is not None:
+                command += [option, str(value)]
+        env = {**alone_environment(), TRAINER_PID: str(os.getpid())}  # one process, not a rank; dies with this one
+        with writing("harness scoring", say=self.say), open(self.root / LOG, "a") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            self.running = (step, phase, process, folder, keep)
+        if self.running is None and not keep:  # the log could not be opened: said, and the step is not scored
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def poll(self) -> None:
+        """Main process: the scores of a scoring that has ended, logged."""
+        if self.running is not None and self.running[2].poll() is not None:
+            self._collect()
+
+    def wait(self) -> None:
+        if self.running is not None:
+            self.running[2].wait()
+            self._collect()
+
+    def _collect(self) -> None:
+        step, phase, process, folder, keep = self.running
+        self.running = None
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)
+        results = self.root / f"step-{step}.json"
+        try:
+            scores = json.loads(results.read_text())["llm_toolkit_evaluation"]["scores"] if process.returncode == 0 \
+                else None
+        except (OSError, ValueError, KeyError):
+            scores = None
+        if scores is None:
+            self.say(f"warning: the harness could not score step {step} (exit code {process.returncode}); its output "
+                     f"is in {self.root / LOG}; training goes on")
+            return
+        self.log("harness", {"step": step, "phase": phase, **scores})
+        self.say(f"step {step} ({phase}): harness {said(scores)}")
+
+
+def said(scores: dict[str, float]) -> str:
+    return ", ".join(f"{key.removeprefix('harness/')} {value:.4f}" for key, value in scores.items())
+
