@@ -28,6 +28,7 @@ from pathlib import Path
 from toolkit import quiet_weight_bars
 from toolkit.config import UserError
 from toolkit.export.consolidate import Source, load_model, resolve_source
+from toolkit.export.destination import check_base, check_creatable
 from toolkit.export.hf_folder import write_model_folder
 from toolkit.launch import environment
 from toolkit.launch.cli import OneLineParser
@@ -83,9 +84,7 @@ def output_path(args, source: Source) -> Path:
     this recipe wrote."""
     name = (source.run_dir or source.path).name + (f"-step-{source.step}" if source.step is not None else "")
     output = Path(args.output) if args.output else Path(f"harness-{name}.json")
-    existing = next(p for p in output.absolute().parents if p.exists())
-    if not existing.is_dir():
-        raise UserError(f"--output {output} cannot be created: {existing} is a file, not a folder")
+    check_creatable(output)
     if output.is_dir():
         raise UserError(f"--output {output} is a folder; give a file name ending in .json")
     if output.exists():
@@ -128,12 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             environment.run_alone()
             world = 1
         harness()  # installed, and quiet
-        if args.base and not Path(args.base).is_dir():
-            raise UserError(f"--base {args.base} is not a folder; give the base model folder of the LoRA adapter")
+        check_base(args.base)
         source = as_evaluation(resolve_source, args.source, args.checkpoint)
-        if args.base and source.kind != "adapter":
-            raise UserError(f"--base {args.base} applies to a LoRA adapter; {source.describe()} is not one, leave "
-                            "--base out")
+        check_base(args.base, source)
         output = output_path(args, source)
         manager = task_manager(cfg)
         check_tasks(cfg, manager)

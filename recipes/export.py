@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -117,21 +116,12 @@ def check_args(args: argparse.Namespace) -> Path:
         raise UserError(f"--max-shard-size {args.max_shard_size!r} is not a size; write it like 500MB or 2GB")
     if not float(re.match(r"[\d.]+", args.max_shard_size).group()):
         raise UserError(f"--max-shard-size {args.max_shard_size} would put no weight in a shard; write it like 500MB or 2GB")
-    if args.base and not Path(args.base).is_dir():
-        raise UserError(f"--base {args.base} is not a folder; give the base model folder of the LoRA adapter")
+    destination.check_base(args.base)
     if args.eval_text and Path(args.eval_text).is_dir():
         raise UserError(f"--eval-text {args.eval_text} is a folder; give a UTF-8 text file")
     if args.eval_text and not Path(args.eval_text).is_file():
         raise UserError(f"--eval-text {args.eval_text} does not exist")
-    # the nearest folder that exists must take new entries: the OS answers (root passes permission bits)
-    probe = next((p for p in output.absolute().parents if p.exists()), Path("."))
-    if not probe.is_dir():
-        raise UserError(f"--output {output} cannot be created: {probe} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as exc:
-        raise UserError(f"--output {output} cannot be created: {probe} does not accept new entries ({exc.strerror})") from None
+    destination.check_creatable(output)
     return output
 
 
@@ -142,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         output = check_args(args)
         source = resolve_source(args.source, args.checkpoint)
-        if args.base and source.kind != "adapter":
-            raise UserError(f"--base applies to a LoRA adapter folder; {source.describe()} is not one, leave --base out")
+        destination.check_base(args.base, source)
         # everything the export reads stays apart from what it writes
         reads = {"--from": Path(args.source), "the source": source.path, "its run": source.run_dir,
                  "the LoRA's base": adapter_base(source, args.base),

@@ -42,10 +42,11 @@ def domain(tasks, tmp_path_factory, data_cache) -> tuple[Path, Path]:
     text = work / "domain.txt"
     text.write_text("\n\n".join(tasks[1]) + "\n")
     run = work / "run"
-    # eval.harness_tasks: step 75's model scored beside training, and final/ at the end
-    run_recipe("pretrain", [*TINY, f"output_dir={run}", f"data.path={text}", "train.max_steps=150", "eval.every=75",
-                            f"eval.harness_tasks=[{TASKS}]", f"eval.harness_include_path={tasks[0]}"], nproc=1,
-               cache=data_cache)
+    # eval.harness_tasks: step 75's model scored beside training, and final/ at the end; the same run without it
+    common = [*TINY, f"data.path={text}", "train.max_steps=150", "eval.every=75", "logging.every=5"]
+    run_recipe("pretrain", [*common, f"output_dir={run}", f"eval.harness_tasks=[{TASKS}]",
+                            f"eval.harness_include_path={tasks[0]}"], nproc=1, cache=data_cache)
+    run_recipe("pretrain", [*common, f"output_dir={work / 'plain'}"], nproc=1, cache=data_cache)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -94,6 +95,11 @@ def test_the_recipe_scores_as_the_harness_cli_and_training_on_the_domain_beats_t
     assert [(r["step"], r["phase"]) for r in logged] == [(75, "train"), (150, "after")]
     assert {k: v for k, v in logged[1].items() if k.startswith("harness/")} == mine
     assert sorted(p.name for p in (run / "harness").iterdir()) == ["harness.log", "step-150.json", "step-75.json"]
+    # and evaluation changed nothing the run computed: every logged loss and gradient norm, and final/'s weights
+    plain = run.parent / "plain"
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] \
+        == [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(plain / "metrics.jsonl") if r["kind"] == "train"]
+    assert (run / "final" / "model.safetensors").read_bytes() == (plain / "final" / "model.safetensors").read_bytes()
     # measured: acc 0.75 against the base's 0.3 (chance: 0.25), exact match 0.6 against 0.0
     assert mine["harness/pydoc_continuation/acc"] >= theirs["harness/pydoc_continuation/acc"] + 0.25, (mine, theirs)
     assert mine["harness/pydoc_last_word/exact_match[first_word]"] >= 0.3 > theirs[

@@ -45,6 +45,27 @@ EXPORT_FLAGS: dict[str, str | None] = {
 }
 
 
+def check_creatable(output: Path) -> None:
+    """--output can be made: the nearest folder above it that exists is a folder and takes new entries (the OS
+    answers: root passes permission bits). recipes/export.py's and recipes/evaluate.py's."""
+    probe = next((p for p in output.absolute().parents if p.exists()), Path("."))
+    if not probe.is_dir():
+        raise UserError(f"--output {output} cannot be created: {probe} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise UserError(f"--output {output} cannot be created: {probe} does not accept new entries ({exc.strerror})") from None
+
+
+def check_base(base: str | None, source=None) -> None:
+    """--base names a folder, and only for a LoRA adapter (`source`, once resolved, a consolidate.Source)."""
+    if base and not Path(base).is_dir():
+        raise UserError(f"--base {base} is not a folder; give the base model folder of the LoRA adapter")
+    if base and source is not None and source.kind != "adapter":
+        raise UserError(f"--base applies to a LoRA adapter folder; {source.describe()} is not one, leave --base out")
+
+
 def outputs(output: Path, fmt: str) -> list[Path]:
     """Every path an export of `fmt` to `output` writes: a folder, or a GGUF with its Modelfile and report."""
     if fmt != "gguf":

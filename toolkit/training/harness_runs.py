@@ -88,7 +88,9 @@ class HarnessRuns:
                 command += [option, str(value)]
         env = {**alone_environment(), TRAINER_PID: str(os.getpid())}  # one process, not a rank; dies with this one
         with writing("harness scoring", say=self.say), open(self.root / LOG, "a") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            # its own session: a Ctrl-C meant for training stops training, whose end then ends the scoring too
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                       start_new_session=True)
             self.running = (step, phase, process, folder, keep)
         if self.running is None and not keep:  # the log could not be opened: said, and the step is not scored
             shutil.rmtree(folder, ignore_errors=True)

@@ -4,17 +4,16 @@ recipes/evaluate.py in a process of its own while training goes on, and the run'
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-import torch
 from accelerate.state import AcceleratorState
 from harness_tasks import write_tasks
 from one_process_trainer import packed_blocks, start_trainer
 
 from toolkit.config import UserError
-from toolkit.training.metrics import read_metrics
-
-SCORED = ["train.max_steps=4", "eval.every=2", "checkpoint.every=0"]
+from toolkit.training.harness_runs import LOG, HarnessRuns
 
 
 @pytest.fixture(autouse=True)
@@ -29,39 +28,34 @@ def blocks(tiny_texts, tiny_tokenizer, tmp_path_factory):
     return packed_blocks(tiny_texts, tiny_tokenizer, tmp_path_factory.mktemp("packed"), held_out=True)
 
 
-def weights(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
+def finished(code: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", code])
+    process.wait()
+    return process
 
 
-@pytest.mark.distributed  # the scoring is a process of its own
-def test_a_step_is_scored_beside_training_which_trains_bit_equal_to_a_run_without(tmp_path, blocks, tiny_tokenizer,
-                                                                                   tiny_model):
-    tasks = tmp_path / "tasks"
-    write_tasks(tasks)
-    plain = start_trainer(tmp_path / "plain", blocks, tiny_tokenizer, tiny_model, *SCORED)
-    plain.fit()
-    plain.close()
-    expected = weights(plain)
+def test_a_scoring_that_ends_is_logged_at_its_step_and_one_that_fails_is_a_warning(tmp_path):
+    """What the main process does with a scoring once it ends (the scoring itself, recipes/evaluate.py in a process
+    beside a real run: test_evaluate.py's domain run, which also shows that run bit-equal to one without)."""
+    said, logged = [], []
+    runs = object.__new__(HarnessRuns)  # its tasks unchecked: the harness's index is not the point
+    runs.root, runs.main, runs.say, runs.log = tmp_path, True, said.append, lambda kind, row: logged.append((kind, row))
+    results = {"results": {}, "llm_toolkit_evaluation": {"scores": {"harness/t/acc": 0.5}}}
+    (tmp_path / "step-4.json").write_text(json.dumps(results))
+    (tmp_path / "step-4").mkdir()
+    runs.running = (4, "train", finished("pass"), tmp_path / "step-4", False)
+    runs.poll()
+    assert logged == [("harness", {"step": 4, "phase": "train", "harness/t/acc": 0.5})]
+    assert said == ["step 4 (train): harness t/acc 0.5000"] and not (tmp_path / "step-4").exists()
+    assert runs.running is None
 
-    AcceleratorState._reset_state(True)
-    scored = start_trainer(tmp_path / "scored", blocks, tiny_tokenizer, tiny_model, *SCORED,
-                           "eval.harness_tasks=[pydoc_continuation]", f"eval.harness_include_path={tasks}",
-                           "eval.harness_limit=4")
-    scored.fit()
-    scored.harness.wait()  # recipes/pretrain.py scores final/ here; the unit has none
-    scored.close()
-    rows = read_metrics(scored.run.metrics)
-    train = [(r["step"], r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"]
-    assert train == [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(plain.run.metrics)
-                     if r["kind"] == "train"]
-    assert all(torch.equal(v, expected[k]) for k, v in weights(scored).items())
-    harness = [r for r in rows if r["kind"] == "harness"]
-    assert [(r["step"], r["phase"]) for r in harness] == [(2, "train")]  # step 4, the last: final/'s, by the recipe
-    results = json.loads((scored.run.harness / "step-2.json").read_text())
-    assert harness[0]["harness/pydoc_continuation/acc"] == results["results"]["pydoc_continuation"]["acc,none"]
-    assert results["results"]["pydoc_continuation"]["sample_len"] == 4  # eval.harness_limit
-    assert not (scored.run.harness / "step-2").exists()  # the model is removed once scored
-    assert "[evaluate] Hugging Face model folder" in (scored.run.harness / "harness.log").read_text()
+    said.clear()
+    (tmp_path / "final").mkdir()
+    runs.running = (6, "after", finished("raise SystemExit(3)"), tmp_path / "final", True)
+    runs.wait()
+    assert said == [f"warning: the harness could not score step 6 (exit code 3); its output is in {tmp_path / LOG}; "
+                    "training goes on"]
+    assert len(logged) == 1 and (tmp_path / "final").is_dir()  # final/ is kept
 
 
 def test_tasks_are_checked_before_any_data_or_model(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch):
