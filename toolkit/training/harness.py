@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import io
 import logging
 import math
 import random
@@ -17,6 +18,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from toolkit.config import UserError
 
@@ -102,6 +105,11 @@ def task_manager(cfg: HarnessConfig):
         entries = [own.task_index.get(name) for name in cfg.tasks]
         if all(entry is not None and entry.kind.name == "TASK" for entry in entries):
             return own
+        missing = next((name for name, entry in zip(cfg.tasks, entries, strict=True) if entry is None), None)
+        broken = _unreadable_yamls(Path(include))
+        if missing is not None and broken:  # the user's own task, more likely than the harness's: said before its index
+            raise UserError(f"{cfg.named['tasks']}{missing}: unknown task; {broken[0]} in {cfg.named['include_path']}"
+                            f"{cfg.include_path} {broken[1]}")
     return _indexed(include, True)
 
 
@@ -114,8 +122,8 @@ def _indexed(include_path: str | None, harness_tasks: bool):
 
 
 def check_tasks(cfg: HarnessConfig, manager) -> None:
-    """Every name is a task or group the harness knows (its own, or a YAML under --include-path), and its data can be
-    read here: one line for the first that is not, before any model loads."""
+    """Every name is a task or group the harness knows (its own, or a YAML under --include-path), and it can be built
+    here (its YAML, its documents, its metrics): one line for the first that is not, before any model loads."""
     known = manager.all_tasks
     for name in cfg.tasks:
         if name in known:
@@ -125,39 +133,73 @@ def check_tasks(cfg: HarnessConfig, manager) -> None:
         where = f" or in {cfg.named['include_path']}{cfg.include_path}" if cfg.include_path else ""
         raise UserError(f"{cfg.named['tasks']}{name}: unknown task, not among the harness's {len(known):,} tasks{where}{hint} "
                         "(list them with: lm-eval ls tasks)")
+    include = cfg.named["include_path"].strip(" =")
     for name in cfg.tasks:
         try:
-            built = manager.load([name])  # builds the task: reads (or downloads) its documents
-        except Exception as exc:  # the datasets and hub errors of a task whose data is not here
-            raise UserError(_unreadable(name, manager, exc, cfg.named["include_path"].strip(" ="))) from None
-        if cfg.num_fewshot:  # the harness draws the shots from a task's examples, the document asked about aside
-            for task, examples in _shot_pools(built.get("tasks", {})):
-                if cfg.num_fewshot > examples:
-                    raise UserError(f"{cfg.named['num_fewshot']}{cfg.num_fewshot}: task {task} has {examples} "
-                                    f"examples to draw shots from; give at most {examples}")
+            with contextlib.redirect_stdout(io.StringIO()):  # "... not found in the evaluate library!", printed
+                built = manager.load([name])  # builds the task: reads (or downloads) its documents
+        except Exception as exc:  # the datasets and hub errors of a task whose data is not here, its template's
+            raise UserError(_unbuilt(name, manager, exc, include)) from None
+        for task, examples, metrics in _built(built.get("tasks", {}), shots=bool(cfg.num_fewshot)):
+            unknown = [metric for metric, function in metrics.items() if function is None]
+            if unknown:  # the harness would leave the metric out of its results, silently
+                raise UserError(f"task {task}'s metric {unknown[0]} is not one the harness knows (acc, acc_norm, "
+                                "exact_match, bleu, f1, perplexity, ...: lm_eval.api.registry); fix its metric_list")
+            if cfg.num_fewshot and cfg.num_fewshot > examples:  # shots come from the task's examples, the asked aside
+                raise UserError(f"{cfg.named['num_fewshot']}{cfg.num_fewshot}: task {task} has {examples} "
+                                f"examples to draw shots from; give at most {examples}")
 
 
-def _shot_pools(tasks: dict) -> list[tuple[str, int]]:
-    pools = []
+def _built(tasks: dict, shots: bool) -> list[tuple[str, int, dict]]:
+    """(name, examples to draw shots from where `shots` are asked, metric -> function or None) of each task of a
+    group, or the task."""
+    found = []
     for task_name, task in tasks.items():
         if isinstance(task, dict):  # a group's tasks
-            pools += _shot_pools(task)
+            found += _built(task, shots)
         elif hasattr(task, "fewshot_docs"):
-            docs = task.fewshot_docs()
-            pools.append((task_name, max(0, len(docs) - 1) if docs is not None else 0))
-    return pools
+            docs = task.fewshot_docs() if shots else None
+            found.append((task_name, max(0, len(docs) - 1) if docs is not None else 0,
+                          dict(getattr(task, "_metric_fn_list", {}))))
+    return found
 
 
-def _unreadable(name: str, manager, exc: Exception, include: str) -> str:
+class _AnyTag(yaml.SafeLoader):
+    """A task YAML as the harness writes them (`!function utils.process_docs`), read only to say what is wrong."""
+
+
+_AnyTag.add_multi_constructor("!", lambda loader, tag, node: None)
+
+
+def _unreadable_yamls(folder: Path) -> tuple[str, str] | tuple[()]:
+    """The first YAML file under `folder` that the harness cannot have read as a task or group (its name there), and
+    why; () where there is none."""
+    for path in sorted([*folder.rglob("*.yaml"), *folder.rglob("*.yml")]):
+        try:
+            content = yaml.load(path.read_text(encoding="utf-8"), Loader=_AnyTag)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            first = str(exc).strip().splitlines()[0][:80] if str(exc).strip() else ""
+            return str(path.relative_to(folder)), f"is not a task YAML it can read ({type(exc).__name__}: {first})"
+        if not isinstance(content, dict) or not {"task", "group", "tag", "include"} & set(content):
+            return str(path.relative_to(folder)), "names no task (it has no `task:` key)"
+    return ()
+
+
+def _unbuilt(name: str, manager, exc: Exception, include: str) -> str:
     config = _task_config(name, manager)
     dataset = config.get("dataset_path", "?")
+    while exc.__cause__ is not None or (exc.__context__ is not None and not str(exc).strip()):
+        exc = exc.__cause__ or exc.__context__  # datasets' "An error occurred while generating the dataset"'s cause
     kind = type(exc).__name__
     offline = any(word in f"{kind} {exc}" for word in ("Offline", "offline", "Connection", "resolve", "LocalEntryNotFound",
                                                         "DatasetNotFound", "couldn't be found", "Couldn't reach"))
     if offline:
         return (f"task {name} reads its documents from the Hugging Face Hub ({dataset}), which cannot be reached from "
                 f"here ({kind}); run it where the Hub is reachable, or give a task of your own files with {include}")
-    return f"task {name}'s documents ({dataset}) could not be read: {kind}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if isinstance(exc, StopIteration):
+        return f"task {name} has no documents ({dataset}): give it at least one"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"task {name} could not be built from its YAML and documents ({dataset}): {kind}: {first}"
 
 
 def _task_config(name: str, manager) -> dict[str, Any]:

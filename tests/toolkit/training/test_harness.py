@@ -3,9 +3,13 @@ harness scoring real tasks, through recipes/evaluate.py: tests/recipes/test_eval
 
 from __future__ import annotations
 
+import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
+from harness_tasks import write_tasks
 
 from toolkit.config import UserError
 from toolkit.training.harness import INSTALL, HarnessConfig, check_tasks, harness, scores, task_manager
@@ -55,3 +59,60 @@ def test_scores_name_each_task_and_metric_and_leave_out_the_errors():
     results = {"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1},
                            "g": {"exact_match,first_word": 0.25, "exact_match_stderr,first_word": "N/A"}}}
     assert scores(results) == {"harness/t/acc": 0.5, "harness/g/exact_match[first_word]": 0.25}
+
+
+def _rows(folder: Path, change) -> None:
+    data = folder / "continuation.jsonl"
+    data.write_text("".join(json.dumps(change(json.loads(line))) + "\n" for line in data.read_text().splitlines()))
+
+
+def _yaml(folder: Path, old: str, new: str) -> None:
+    path = folder / "continuation.yaml"
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
+
+
+# every way a user's task folder (--include-path, eval.harness_include_path) can be malformed x the one line it gets,
+# before any model loads; a new way found fails a probe until it has its row
+MALFORMED = {
+    "YAML that does not parse": (lambda d: (d / "continuation.yaml").write_text("task: [unclosed\n"),
+                                 "unknown task; continuation.yaml in --include-path .* is not a task YAML it can read \\(ParserError"),
+    "YAML not UTF-8": (lambda d: (d / "continuation.yaml").write_bytes(b"task: pydoc_continuation\n\xff\n"),
+                       "unknown task; continuation.yaml in --include-path .* is not a task YAML it can read \\(UnicodeDecodeError"),
+    "YAML without task:": (lambda d: _yaml(d, "task: pydoc_continuation\n", ""),
+                           "unknown task; continuation.yaml in --include-path .* names no task \\(it has no `task:` key\\)"),
+    "documents missing": (lambda d: (d / "continuation.jsonl").unlink(),
+                          "could not be built from its YAML and documents \\(json\\): FileNotFoundError"),
+    "documents not JSON": (lambda d: (d / "continuation.jsonl").write_text("not json\n"),
+                           "could not be built .*: ArrowInvalid: JSON parse error"),
+    "no documents": (lambda d: (d / "continuation.jsonl").write_text(""),
+                     "task pydoc_continuation has no documents \\(json\\): give it at least one"),
+    "a field the template reads missing": (lambda d: _rows(d, lambda r: {k: v for k, v in r.items() if k != "context"}),
+                                           "could not be built .*: UndefinedError: 'context' is undefined"),
+    "a label past the choices": (lambda d: _rows(d, lambda r: {**r, "label": 9}),
+                                 "could not be built .*: IndexError"),
+    "a template that does not parse": (lambda d: _yaml(d, '"{{context}}"', '"{{context"'),
+                                       "could not be built .*: TemplateSyntaxError"),
+    "an unknown output_type": (lambda d: _yaml(d, "output_type: multiple_choice", "output_type: bogus"),
+                               "could not be built .*: ValueError: Got invalid output_type 'bogus'"),
+    "an unknown metric": (lambda d: _yaml(d, "metric: acc", "metric: nosuchmetric"),
+                          "task pydoc_continuation's metric nosuchmetric is not one the harness knows .*fix its metric_list"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_each_malformed_task_folder_is_one_line_before_any_model(case, tmp_path, capsys, monkeypatch):
+    harness()
+    import evaluate.config
+
+    monkeypatch.setattr(evaluate.config, "HF_EVALUATE_OFFLINE", True)  # as HF_HUB_OFFLINE=1 says it: no hub lookups
+    folder = tmp_path / "tasks"
+    write_tasks(folder)
+    damage, said = MALFORMED[case]
+    damage(folder)
+    cfg = HarnessConfig(["pydoc_continuation"], str(folder))
+    with pytest.raises(UserError) as info:
+        check_tasks(cfg, task_manager(cfg))
+    line = str(info.value)
+    assert "\n" not in line and len(line) < 400 and re.search(said, line), line
+    assert capsys.readouterr().out == ""  # the harness's own prints kept off the terminal
