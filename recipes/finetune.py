@@ -271,8 +271,15 @@ class FinetuneRecipe:
                 model, tokenizer = trained, self.tokenizer
             if isinstance(model, torch.nn.Module) and device.type == "cuda":
                 model.to(device)
-            trainer.print(f"harness: scoring the {'base' if phase == 'before' else 'result'} on {', '.join(runs.cfg.tasks)}")
-            found[phase] = named_scores(score(model, runs.cfg, runs.manager, tokenizer))
+            what = "base" if phase == "before" else "result"
+            trainer.print(f"harness: scoring the {what} on {', '.join(runs.cfg.tasks)}")
+            try:
+                found[phase] = named_scores(score(model, runs.cfg, runs.manager, tokenizer))
+            except Exception as exc:  # the run's files are written: a warning, not a traceback after them
+                trainer.print(f"warning: the harness could not score the {what} ({type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); the run's files are "
+                              "written, score them with recipes/evaluate.py")
+                return {}, {}
             trainer.log("harness", {"step": 0 if phase == "before" else trainer.step, "phase": phase, **found[phase]})
             del model  # the base, before the result is scored
         return found["before"], found["after"]

@@ -94,6 +94,20 @@ def test_the_harness_scores_the_base_and_the_result_into_the_before_after_table(
                                 f"{rows[1]['harness/pydoc_continuation/acc']:.4f}"]
 
 
+def test_a_scoring_that_fails_after_training_is_a_warning(smol_run, monkeypatch, capsys):
+    """The run's files are written by then: a harness that fails (out of memory, say) is one warning, no table rows."""
+    out, recipe, _, _ = smol_run
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    monkeypatch.setitem(type(recipe).harness_scores.__globals__, "score", out_of_memory)  # the recipe's module
+    assert recipe.harness_scores(out / "final") == ({}, {})
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "[finetune] warning: the harness could not score the base (RuntimeError: CUDA out of memory. Tried to allocate "
+        "2.00 GiB); the run's files are written, score them with recipes/evaluate.py")
+
+
 def test_adapter_reloads_onto_the_base_with_the_same_logits(smol_run):
     out, recipe, inputs, live_logits = smol_run
     base, _, _ = load_base_model(recipe.cfg.model)
