@@ -11,6 +11,7 @@ A fine-tune scores its base and its result in its own process at the end (recipe
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -37,6 +38,8 @@ class HarnessRuns:
         self.manager = task_manager(cfg)
         check_tasks(cfg, self.manager)
         self.running: tuple[int, str, subprocess.Popen, Path, bool] | None = None
+        self.skipped = 0  # due steps not scored: the last scoring still ran
+        atexit.register(self.abandon)  # a run stopped or failed: its scoring ends with it, its model folder goes
         if main and root.is_dir():  # a model folder a killed run left unscored
             for stale in root.glob("step-*"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -52,13 +55,23 @@ class HarnessRuns:
     # ---------------------------------------------------------------- pretraining
     def at_step(self, trainer, due: bool) -> None:
         """A step's part: the scores that arrived, logged; at a `due` step (collective), the model written and a
-        scoring of it started."""
+        scoring of it started, unless the last one still runs: training never waits for a scoring."""
         if self.main:
             self.poll()
-        if due:
-            folder = self.write(trainer.strategy, trainer.model, trainer.tokenizer, trainer.step)
-            if folder is not None:
-                self.start(trainer.step, "train", folder)
+        if not due:
+            return
+        from accelerate.utils import broadcast_object_list
+
+        scoring = broadcast_object_list([self.running[0] if self.running is not None else None])[0]
+        if scoring is not None:
+            if self.main and not self.skipped:
+                self.say(f"step {trainer.step} is not scored: step {scoring}'s scoring still runs, and training does "
+                         "not wait for it (raise eval.every or lower eval.harness_limit to score every one; said once)")
+            self.skipped += 1
+            return
+        folder = self.write(trainer.strategy, trainer.model, trainer.tokenizer, trainer.step)
+        if folder is not None:
+            self.start(trainer.step, "train", folder)
 
     def write(self, strategy, model, tokenizer, step: int) -> Path | None:
         """Collective: the model gathered and written by the main process for a scoring (None where its write
@@ -104,6 +117,15 @@ class HarnessRuns:
         if self.running is not None:
             self.running[2].wait()
             self._collect()
+
+    def abandon(self) -> None:
+        if self.running is not None:
+            step, _, process, folder, keep = self.running
+            self.running = None
+            process.kill()
+            process.wait()
+            if not keep:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _collect(self) -> None:
         step, phase, process, folder, keep = self.running

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 from accelerate.state import AcceleratorState
@@ -56,6 +57,24 @@ def test_a_scoring_that_ends_is_logged_at_its_step_and_one_that_fails_is_a_warni
     assert said == [f"warning: the harness could not score step 6 (exit code 3); its output is in {tmp_path / LOG}; "
                     "training goes on"]
     assert len(logged) == 1 and (tmp_path / "final").is_dir()  # final/ is kept
+
+
+def test_training_does_not_wait_for_a_scoring_and_a_run_that_ends_ends_it(tmp_path):
+    """A step due while the last scoring still runs is not scored, said once; a run that stops or fails kills its
+    scoring and removes the model it was given (atexit: abandon)."""
+    said = []
+    runs = object.__new__(HarnessRuns)
+    runs.root, runs.main, runs.say, runs.skipped = tmp_path, True, said.append, 0
+    (tmp_path / "step-2").mkdir()
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    runs.running = (2, "train", slow, tmp_path / "step-2", False)
+    for step in (4, 6):
+        runs.at_step(types.SimpleNamespace(step=step), due=True)  # no model is written: nothing of it is read
+    assert runs.skipped == 2 and runs.running[0] == 2 and slow.poll() is None
+    assert said == ["step 4 is not scored: step 2's scoring still runs, and training does not wait for it (raise "
+                    "eval.every or lower eval.harness_limit to score every one; said once)"]
+    runs.abandon()
+    assert slow.poll() is not None and not (tmp_path / "step-2").exists() and runs.running is None
 
 
 def test_tasks_are_checked_before_any_data_or_model(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch):
