@@ -149,5 +149,8 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
         print(f"error: {line}", file=sys.stderr, flush=True)
         return 4
     finally:
+        harness = getattr(getattr(recipe, "trainer", None), "harness", None)
+        if harness is not None:  # a scoring still running when the run stopped or failed
+            harness.abandon()
         release_all()  # the run is over: its folder is free (a refused one is left as found)
     return 0

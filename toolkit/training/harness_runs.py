@@ -11,7 +11,6 @@ A fine-tune scores its base and its result in its own process at the end (recipe
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
@@ -39,7 +38,6 @@ class HarnessRuns:
         check_tasks(cfg, self.manager)
         self.running: tuple[int, str, subprocess.Popen, Path, bool] | None = None
         self.skipped = 0  # due steps not scored: the last scoring still ran
-        atexit.register(self.abandon)  # a run stopped or failed: its scoring ends with it, its model folder goes
         if main and root.is_dir():  # a model folder a killed run left unscored
             for stale in root.glob("step-*"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -119,6 +117,7 @@ class HarnessRuns:
             self._collect()
 
     def abandon(self) -> None:
+        """A run stopped or failed (toolkit.training.entry): its scoring ends with it, and the model it was given goes."""
         if self.running is not None:
             step, _, process, folder, keep = self.running
             self.running = None

@@ -61,7 +61,7 @@ def test_a_scoring_that_ends_is_logged_at_its_step_and_one_that_fails_is_a_warni
 
 def test_training_does_not_wait_for_a_scoring_and_a_run_that_ends_ends_it(tmp_path):
     """A step due while the last scoring still runs is not scored, said once; a run that stops or fails kills its
-    scoring and removes the model it was given (atexit: abandon)."""
+    scoring and removes the model it was given (abandon, from toolkit.training.entry)."""
     said = []
     runs = object.__new__(HarnessRuns)
     runs.root, runs.main, runs.say, runs.skipped = tmp_path, True, said.append, 0
