@@ -235,9 +235,12 @@ class FinetuneRecipe:
                     merged, self.tokenizer, run_dir.final, facts, to_dict(cfg), dtype=cfg.checkpoint.final_dtype
                 )
             trained = _reload(final, adapter_dir, cfg)
-            # eval.harness_tasks: the base and the result scored here, with no collective left, so that training
-            # was never touched; before metrics.jsonl closes, which takes their rows
-            before, after = self.harness_scores(final or trained) if trainer.harness is not None else ({}, {})
+            before, after = {}, {}
+            if trainer.harness is not None and not trainer.metrics.has(state.step, "phase", kind="harness"):
+                # the base and the result scored here, with no collective left, so that training was never touched;
+                # before metrics.jsonl closes, which takes their rows; a signal from here skips them
+                trainer.stop.all_saved()
+                before, after = self.harness_scores(trained)
         plot = trainer.close()
         print()
         if (state.eval_before and state.last_eval) or before:
@@ -259,29 +262,36 @@ class FinetuneRecipe:
 
 
     def harness_scores(self, trained) -> tuple[dict[str, float], dict[str, float]]:
-        """eval.harness_tasks' scores (harness/<task>/<metric>) of the base, as this run loaded it, and of `trained`:
-        final/ (scored as recipes/evaluate.py scores it), or the base with the adapter in memory."""
+        """eval.harness_tasks' scores (harness/<task>/<metric>) of the base, as this run loaded it, and of `trained`,
+        as the samples come from it; each a model in memory, which the harness scores in this process alone (a folder
+        would have it split the documents over a launch's processes, which have ended)."""
         trainer = self.trainer
         runs, device = trainer.harness, trainer.strategy.device
         found = {}
-        for phase in ("before", "after"):
-            if phase == "before":
-                model, tokenizer, _ = load_base_model(self.cfg.model)  # full precision, also after QLoRA
-            else:
-                model, tokenizer = trained, self.tokenizer
-            if isinstance(model, torch.nn.Module) and device.type == "cuda":
-                model.to(device)
-            what = "base" if phase == "before" else "result"
+        for phase, what in (("before", "base"), ("after", "result")):
             trainer.print(f"harness: scoring the {what} on {', '.join(runs.cfg.tasks)}")
             try:
+                if phase == "before":
+                    model, tokenizer, _ = load_base_model(self.cfg.model)  # full precision, also after QLoRA
+                else:
+                    model, tokenizer = trained, self.tokenizer
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    model.to(device)
                 found[phase] = named_scores(score(model, runs.cfg, runs.manager, tokenizer))
-            except Exception as exc:  # the run's files are written: a warning, not a traceback after them
+            except Exception as exc:  # out of memory, say: the run's files are written; a warning, not a traceback
                 trainer.print(f"warning: the harness could not score the {what} ({type(exc).__name__}: "
                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); the run's files are "
                               "written, score them with recipes/evaluate.py")
                 return {}, {}
-            trainer.log("harness", {"step": 0 if phase == "before" else trainer.step, "phase": phase, **found[phase]})
-            del model  # the base, before the result is scored
+            finally:
+                model = None  # the base, before the result is scored
+        # metrics.jsonl: the base's row at step 0 and the result's; the trackers: both at the last step, the base's as
+        # harness_before/* (a tracker drops a step that goes back, and one step holds each name once)
+        trainer.log("harness", {"step": 0, "phase": "before", **found["before"]}, tracked={})
+        trainer.log("harness", {"step": trainer.step, "phase": "after", **found["after"]},
+                    tracked={**found["after"], **{k.replace("harness/", "harness_before/", 1): v
+                                                  for k, v in found["before"].items()}})
         return found["before"], found["after"]
 
 

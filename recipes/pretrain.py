@@ -214,7 +214,9 @@ class PretrainRecipe:
             trainer.strategy, trainer.model, self.tokenizer, trainer.run.final, facts, to_dict(cfg),
             cfg.checkpoint.final_dtype,
         )
-        if trainer.harness is not None and trainer.strategy.is_main and final is not None:
+        scored = trainer.metrics is not None and trainer.metrics.has(trainer.step, "phase", kind="harness")
+        if trainer.harness is not None and trainer.strategy.is_main and final is not None and not scored:
+            trainer.stop.all_saved()  # a signal from here skips the scoring, and ends it
             trainer.harness.start(trainer.step, "after", final, keep=True)  # final/ itself, before metrics.jsonl closes
             trainer.harness.wait()
         plot = trainer.close()

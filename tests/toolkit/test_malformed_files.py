@@ -323,6 +323,8 @@ READERS: dict[str, str] = {
     "toolkit/training/metrics.py:read_metrics": OWN + " (metrics.jsonl, appended by the run)",
     "toolkit/training/reference.py:base_identity": "the base's config.json as transformers wrote it: a fingerprint",
     "toolkit/training/reference.py:_write": OWN,
+    "toolkit/training/harness.py:_unreadable_yamls": "a user's harness task folder: test_harness.py's MALFORMED walks "
+                                                     "its YAML's and documents' damage",
     "toolkit/training/harness_runs.py:_collect": OWN + " (harness/step-N.json, staged and renamed by recipes/evaluate.py; "
                                                    "one it cannot read is a warning: the step is not scored)",
     "toolkit/training/harness_runs.py:start": "harness.log, opened to append the scoring's output, never read",

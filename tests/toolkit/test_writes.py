@@ -331,6 +331,7 @@ def case_harness_scoring(request):
     said = []
     runs = object.__new__(harness_runs.HarnessRuns)  # its tasks unchecked: the harness's index is not the point
     runs.cfg, runs.root, runs.main, runs.say, runs.running = HarnessConfig(["t"]), tmp / "harness", True, said.append, None
+    runs.dtype = "float32"
     strategy = types.SimpleNamespace(master_weights=lambda m: None, is_main=True, model_to_save=lambda m, sd: m,
                                      accelerator=types.SimpleNamespace(wait_for_everyone=lambda: None))
     for exc in full_disk_errors(str(tmp / "harness" / "step-2" / "model.safetensors")):
@@ -341,8 +342,10 @@ def case_harness_scoring(request):
         assert len(said) == 1 and said[0].startswith("warning: harness scoring could not be written: ")
         assert _cause(exc) in said[0] and said[0].endswith("that step is not scored, and training goes on")
         assert not (tmp / "harness" / "step-2").exists()
+    model.config.use_cache = False  # as training runs it
     folder = runs.write(strategy, model, tok, 4)
     assert folder == tmp / "harness" / "step-4" and (folder / "config.json").exists()
+    assert model.config.use_cache is False  # the folder generates with the cache; the model training on is as it was
     for exc in full_disk_errors(str(tmp / "harness" / harness_runs.LOG)):
         said.clear()
         monkeypatch.setattr(harness_runs, "open", failing(exc, partial_arg=None), raising=False)

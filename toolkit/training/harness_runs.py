@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -31,11 +32,14 @@ LOG = "harness.log"  # every scoring's output, appended, in harness/
 
 class HarnessRuns:
     def __init__(self, cfg: HarnessConfig, root: Path, main: bool, say: Callable[[str], None],
-                 log: Callable[[str, dict], None]):
-        harness()  # installed: else one line, before any work
-        self.cfg, self.root, self.main, self.say, self.log = cfg, root, main, say, log
-        self.manager = task_manager(cfg)
-        check_tasks(cfg, self.manager)
+                 log: Callable[..., None], dtype: str = "float32", now: Callable[[], int] = lambda: 0):
+        self.cfg, self.root, self.main, self.say, self.log, self.dtype = cfg, root, main, say, log, dtype
+        self.now = now  # the step training is at: the trackers take a late row there
+        self.manager = None
+        if main:  # only the main process scores; its refusal is the launch's one line (toolkit.training.entry)
+            harness()  # installed: else one line, before any work
+            self.manager = task_manager(cfg)
+            check_tasks(cfg, self.manager)
         self.running: tuple[int, str, subprocess.Popen, Path, bool] | None = None
         self.skipped = 0  # due steps not scored: the last scoring still ran
         if main and root.is_dir():  # a model folder a killed run left unscored
@@ -48,7 +52,7 @@ class HarnessRuns:
         if not cfg.eval.harness_tasks:
             return None
         return cls(HarnessConfig.of_training(cfg.eval), trainer.run.harness, trainer.strategy.is_main, trainer.print,
-                   trainer.log)
+                   trainer.log, cfg.checkpoint.final_dtype, lambda: trainer.step)
 
     # ---------------------------------------------------------------- pretraining
     def at_step(self, trainer, due: bool) -> None:
@@ -77,12 +81,17 @@ class HarnessRuns:
         state_dict = strategy.master_weights(model)
         folder = None
         if strategy.is_main:
+            live = strategy.model_to_save(model, state_dict)
+            # the folder generates with the KV cache; the model training on keeps its config as a run without this
+            cached = [(c, c.use_cache) for c in (live.config, getattr(live, "generation_config", None)) if c is not None]
             try:
-                folder = write_model_folder(strategy.model_to_save(model, state_dict), tokenizer,
-                                            self.root / f"step-{step}", {}, {}, state_dict, card="",
-                                            writer="harness scoring")
+                folder = write_model_folder(live, tokenizer, self.root / f"step-{step}", {}, {}, state_dict, card="",
+                                            dtype=self.dtype, writer="harness scoring")  # as final/ will be scored
             except WriteFailed as exc:  # a warning: the writer lets the run go on
                 self.say(f"warning: {exc}")
+            finally:
+                for config, value in cached:
+                    config.use_cache = value
         strategy.accelerator.wait_for_everyone()
         return folder
 
@@ -98,13 +107,19 @@ class HarnessRuns:
             if value is not None:
                 command += [option, str(value)]
         env = {**alone_environment(), TRAINER_PID: str(os.getpid())}  # one process, not a rank; dies with this one
-        with writing("harness scoring", say=self.say), open(self.root / LOG, "a") as out:
+        out = None
+        with writing("harness scoring", say=self.say):
+            self.root.mkdir(parents=True, exist_ok=True)  # the first scoring may be final/'s (eval.every=0)
+            out = open(self.root / LOG, "a")  # noqa: SIM115 - the child's output; closed once it is started
+        if out is None:  # said; the step is not scored
+            if not keep:
+                shutil.rmtree(folder, ignore_errors=True)
+            return
+        with out:
             # its own session: a Ctrl-C meant for training stops training, whose end then ends the scoring too
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                        start_new_session=True)
-            self.running = (step, phase, process, folder, keep)
-        if self.running is None and not keep:  # the log could not be opened: said, and the step is not scored
-            shutil.rmtree(folder, ignore_errors=True)
+        self.running = (step, phase, process, folder, keep)
 
     def poll(self) -> None:
         """Main process: the scores of a scoring that has ended, logged."""
@@ -121,7 +136,10 @@ class HarnessRuns:
         if self.running is not None:
             step, _, process, folder, keep = self.running
             self.running = None
-            process.kill()
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # its session (start): whatever it started too
+            except ProcessLookupError:  # ended already
+                process.kill()
             process.wait()
             if not keep:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -141,7 +159,7 @@ class HarnessRuns:
             self.say(f"warning: the harness could not score step {step} (exit code {process.returncode}); its output "
                      f"is in {self.root / LOG}; training goes on")
             return
-        self.log("harness", {"step": step, "phase": phase, **scores})
+        self.log("harness", {"step": step, "phase": phase, **scores}, at=max(step, self.now()))
         self.say(f"step {step} ({phase}): harness {said(scores)}")
 
 

@@ -198,9 +198,9 @@ class MetricsWriter:
             path.write_text("".join(line + "\n" for line in kept))
         self._file = path.open("a")
 
-    def has(self, step: int, key: str) -> bool:
-        """Whether a kept record of `step` holds `key` (what a resumed run must not write twice)."""
-        return any(r.get("step") == step and key in r for r in self._kept)
+    def has(self, step: int, key: str, kind: str | None = None) -> bool:
+        """Whether a kept record of `step` (of `kind`) holds `key` (what a resumed run must not write twice)."""
+        return any(r.get("step") == step and key in r and kind in (None, r.get("kind")) for r in self._kept)
 
     def write(self, record: dict) -> None:
         if self._file is None:  # a write failed: said once, the rows after it are not written

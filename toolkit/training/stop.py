@@ -89,7 +89,7 @@ class StopRequest:
 
     def _after_saving(self, signum: int) -> str:
         return (f"stopped by {signal.Signals(signum).name} after training: final/ and the run are saved; the samples "
-                "are skipped")
+                "(and eval.harness_tasks' scores) are skipped")
 
     def _now_or_later(self, signum: int) -> None:
         name = signal.Signals(signum).name

@@ -397,8 +397,6 @@ class Trainer:
             # model then fails ("Trying to resize storage that is not resizable").
             if eval_now:
                 state.last_eval = self.evaluate("after" if last else "train")
-            if self.harness is not None and self.name != "finetune":  # a fine-tune scores before and after, at its end
-                self.harness.at_step(self, not last and cfg.eval.every and state.step % cfg.eval.every == 0)
             # A signal, and the end of a checkpoint's writes, are seen in this step's values where they were
             # read, else in the previous step's, which arrived while this step ran: every rank agrees at one step.
             flags = values if values is not None else previous.get() if previous is not None else None
@@ -416,6 +414,8 @@ class Trainer:
                 folder = self.save_checkpoint() if self.checkpoint_step != state.step else self.run.checkpoint(state.step)
                 saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
                 raise Stopped(f"stopped by a signal at step {state.step}; {saved}; continue with resume=auto")
+            if self.harness is not None and self.name != "finetune":  # a fine-tune scores before and after, at its end
+                self.harness.at_step(self, not last and cfg.eval.every and state.step % cfg.eval.every == 0)
         bar.close()
         self.complete_save()  # training ends with its checkpoints complete
 
@@ -577,10 +577,13 @@ class Trainer:
         self.metrics = None
         return plot_loss(self.run.metrics, self.run.loss_plot, self.print)
 
-    def log(self, kind: str, record: dict) -> None:
+    def log(self, kind: str, record: dict, at: int | None = None, tracked: dict | None = None) -> None:
         """A row of metrics.jsonl of `kind` (toolkit.training.metrics.KINDS: the columns each kind has), and its
-        numbers to the trackers."""
+        numbers (or `tracked`'s) to the trackers at its step, or `at` (a row that arrives after later steps' rows:
+        wandb drops a step that goes back)."""
         if self.metrics is not None:
             self.metrics.write({"kind": check_kind(kind, record), **record})
-        self.trackers.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, record["step"])
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if tracked is not None or numbers:
+            self.trackers.log(numbers if tracked is None else tracked, record["step"] if at is None else at)
 

@@ -40,13 +40,14 @@ def test_a_scoring_that_ends_is_logged_at_its_step_and_one_that_fails_is_a_warni
     beside a real run: test_evaluate.py's domain run, which also shows that run bit-equal to one without)."""
     said, logged = [], []
     runs = object.__new__(HarnessRuns)  # its tasks unchecked: the harness's index is not the point
-    runs.root, runs.main, runs.say, runs.log = tmp_path, True, said.append, lambda kind, row: logged.append((kind, row))
+    runs.root, runs.main, runs.say, runs.now = tmp_path, True, said.append, lambda: 9  # training is at step 9
+    runs.log = lambda kind, row, at: logged.append((kind, row, at))
     results = {"results": {}, "llm_toolkit_evaluation": {"scores": {"harness/t/acc": 0.5}}}
     (tmp_path / "step-4.json").write_text(json.dumps(results))
     (tmp_path / "step-4").mkdir()
     runs.running = (4, "train", finished("pass"), tmp_path / "step-4", False)
     runs.poll()
-    assert logged == [("harness", {"step": 4, "phase": "train", "harness/t/acc": 0.5})]
+    assert logged == [("harness", {"step": 4, "phase": "train", "harness/t/acc": 0.5}, 9)]  # trackers: at step 9
     assert said == ["step 4 (train): harness t/acc 0.5000"] and not (tmp_path / "step-4").exists()
     assert runs.running is None
 
@@ -66,7 +67,8 @@ def test_training_does_not_wait_for_a_scoring_and_a_run_that_ends_ends_it(tmp_pa
     runs = object.__new__(HarnessRuns)
     runs.root, runs.main, runs.say, runs.skipped = tmp_path, True, said.append, 0
     (tmp_path / "step-2").mkdir()
-    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    slow = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                             "'-c', 'import time; time.sleep(60)']); time.sleep(60)"], start_new_session=True)
     runs.running = (2, "train", slow, tmp_path / "step-2", False)
     for step in (4, 6):
         runs.at_step(types.SimpleNamespace(step=step), due=True)  # no model is written: nothing of it is read
@@ -75,6 +77,37 @@ def test_training_does_not_wait_for_a_scoring_and_a_run_that_ends_ends_it(tmp_pa
                     "eval.every or lower eval.harness_limit to score every one; said once)"]
     runs.abandon()
     assert slow.poll() is not None and not (tmp_path / "step-2").exists() and runs.running is None
+    import os
+    import signal
+
+    with pytest.raises(ProcessLookupError):  # what the scoring started went with it
+        os.killpg(slow.pid, signal.SIGKILL)
+
+
+def test_the_first_scoring_may_be_final_s_with_no_harness_folder_yet(tmp_path, monkeypatch):
+    """eval.every=0: the run's one scoring is final/'s, at the end, and harness/ is made for its log and JSON (the
+    scoring program replaced by one that ends at once: the command is recipes/evaluate.py's, shown above)."""
+    from toolkit.training import harness_runs
+    from toolkit.training.harness import HarnessConfig
+
+    popen, started = subprocess.Popen, []
+
+    def quick(command, **kwargs):
+        started.append(command)
+        return popen([sys.executable, "-c", "pass"], **kwargs)
+
+    monkeypatch.setattr(harness_runs.subprocess, "Popen", quick)
+    said = []
+    runs = object.__new__(HarnessRuns)
+    runs.cfg, runs.root, runs.say, runs.running = HarnessConfig(["t"], limit=4), tmp_path / "run" / "harness", \
+        said.append, None
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    runs.start(7, "after", tmp_path / "run" / "final", keep=True)
+    runs.running[2].wait()
+    assert (runs.root / LOG).is_file() and said == []
+    assert started[0][1:] == [str(harness_runs.ROOT / "recipes" / "evaluate.py"), "--from", str(tmp_path / "run" / "final"),
+                              "--tasks", "t", "--batch-size", "8", "--output", str(runs.root / "step-7.json"),
+                              "--overwrite", "--limit", "4"]
 
 
 def test_tasks_are_checked_before_any_data_or_model(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch):

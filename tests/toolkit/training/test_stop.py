@@ -122,8 +122,8 @@ def test_ctrl_c_after_training_ends_once_all_is_saved_skipping_the_samples(when)
     assert time.monotonic() - start < 10
     assert child.returncode == 128 + signal.SIGINT
     assert out.split() == (["saved"] if when == "saving" else [])  # the save finished; no sample began after
-    assert err.strip() == ("[unit] stopped by SIGINT after training: final/ and the run are saved; the samples are "
-                           "skipped"), err
+    assert err.strip() == ("[unit] stopped by SIGINT after training: final/ and the run are saved; the samples "
+                           "(and eval.harness_tasks' scores) are skipped"), err
 
 
 WORKERS = """
