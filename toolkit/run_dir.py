@@ -252,19 +252,15 @@ class RunDir:
         OS itself, which also answers for root, read-only mounts and /proc, where permission bits
         say nothing."""
         out = self.root
-        probe = next((p for p in (out, *out.parents) if p.exists()), Path("."))
-        if not probe.is_dir():
+        probe, refused = nearest_folder(out, itself=True)
+        if refused is None:
+            return
+        if isinstance(refused, NotADirectoryError):
             raise UserError(f"output_dir={out} cannot be created: {probe} is a file, not a folder; choose another output_dir")
-        try:
-            with tempfile.TemporaryFile(dir=probe):
-                pass
-        except OSError as exc:
-            if probe == out:
-                raise UserError(f"output_dir={out} is not writable ({exc.strerror}); choose a writable output_dir") from None
-            raise UserError(
-                f"output_dir={out} cannot be created: {probe} does not accept new entries ({exc.strerror}); "
-                "choose a writable output_dir"
-            ) from None
+        if probe == out:
+            raise UserError(f"output_dir={out} is not writable ({refused.strerror}); choose a writable output_dir")
+        raise UserError(f"output_dir={out} cannot be created: {probe} does not accept new entries ({refused.strerror}); "
+                        "choose a writable output_dir")
 
     def remove_own(self) -> None:
         """overwrite=true, main process only, after check(): delete the run's own entries.
@@ -310,6 +306,21 @@ class RunDir:
                 f"resume from an earlier one or use resume=auto"
             )
         return path
+
+
+def nearest_folder(path: Path, itself: bool = False) -> tuple[Path, OSError | None]:
+    """The nearest path at or above `path` (`itself` or its parents) that exists, and why it cannot take new entries:
+    NotADirectoryError for a file, the OS's own error (asked with an unnamed temporary file: it also answers for root,
+    read-only mounts and /proc, where permission bits say nothing), or None where it can."""
+    probe = next((p for p in ((path, *path.parents) if itself else path.parents) if p.exists()), Path("."))
+    if not probe.is_dir():
+        return probe, NotADirectoryError(probe)
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        return probe, exc
+    return probe, None
 
 
 def replace_folder(new: Path, target: Path) -> Path:

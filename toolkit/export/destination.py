@@ -26,7 +26,7 @@ from pathlib import Path
 
 from toolkit.config import UserError
 from toolkit.manifest import MANIFEST, write_manifest, written_by
-from toolkit.run_dir import RunDir
+from toolkit.run_dir import RunDir, nearest_folder
 from toolkit.run_paths import run_around
 from toolkit.writes import writing
 
@@ -46,16 +46,12 @@ EXPORT_FLAGS: dict[str, str | None] = {
 
 
 def check_creatable(output: Path) -> None:
-    """--output can be made: the nearest folder above it that exists is a folder and takes new entries (the OS
-    answers: root passes permission bits). recipes/export.py's and recipes/evaluate.py's."""
-    probe = next((p for p in output.absolute().parents if p.exists()), Path("."))
-    if not probe.is_dir():
+    """--output can be made (recipes/export.py's and recipes/evaluate.py's)."""
+    probe, refused = nearest_folder(output.absolute())
+    if isinstance(refused, NotADirectoryError):
         raise UserError(f"--output {output} cannot be created: {probe} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as exc:
-        raise UserError(f"--output {output} cannot be created: {probe} does not accept new entries ({exc.strerror})") from None
+    if refused is not None:
+        raise UserError(f"--output {output} cannot be created: {probe} does not accept new entries ({refused.strerror})")
 
 
 def check_base(base: str | None, source=None) -> None:
