@@ -9,7 +9,8 @@ Rows, each a real command on the tests' two local tasks (tests/harness_tasks.py,
 - pretrain: pretrain_tiny with eval.every: each step's model scored by recipes/evaluate.py beside training, on the
   GPU training uses;
 - evaluate: `accelerate launch --num_processes 1 recipes/evaluate.py` on the pretraining run's final/, whose scores
-  must equal the run's own last `harness` row.
+  must equal the run's own last `harness` row; on a machine of 2 or more GPUs, again over all of them (up to 8): the
+  harness splits the documents, and the scores must be the one process's.
 Each row: its exit code, seconds, the harness rows it logged, and what a check found wrong (empty: nothing).
 """
 
@@ -94,13 +95,19 @@ def main() -> int:
     rows.append(("evaluate (accelerate launch, 1 process) on its final/", code, seconds,
                  ", ".join(f"{k.split('/', 2)[1]} {v:.3f}" for k, v in mine.items()), wrong))
 
-    device = "cpu"
-    try:
-        import torch
+    import torch
 
-        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        pass
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    gpus = torch.cuda.device_count()
+    if gpus > 1:  # the harness's own data parallelism: each process a share of the documents, the same scores
+        split = work / "evaluate-split.json"
+        launch[4] = str(min(gpus, 8))
+        code, seconds = run([*launch, "--from", str(pt), "--tasks", TASKS, "--include-path", str(tasks), "--output",
+                             str(split)], work / "evaluate-split.log", 600)
+        theirs = json.loads(split.read_text())["llm_toolkit_evaluation"]["scores"] if split.exists() else {}
+        wrong = [] if theirs and theirs == mine else [f"{theirs} against one process's {mine}"]
+        rows.append((f"evaluate (accelerate launch, {launch[4]} processes) on its final/", code, seconds,
+                     ", ".join(f"{k.split('/', 2)[1]} {v:.3f}" for k, v in theirs.items()), wrong))
     lines = [f"# eval.harness_tasks and recipes/evaluate.py on {device}{' (smoke)' if args.smoke else ''}", "",
              "| what | exit | s | harness rows | wrong |", "|---|---:|---:|---|---|"]
     for what, code, seconds, rows_said, wrong in rows:
