@@ -1,6 +1,7 @@
-"""Benchmarks from EleutherAI's lm-evaluation-harness on a Hugging Face model folder: tasks checked by name before any
-work, scored by the harness itself (`simple_evaluate` with its `hf` model, as its CLI `lm_eval --model hf` does, so the
-numbers are the CLI's to the last digit), and its table.
+"""Benchmarks from EleutherAI's lm-evaluation-harness on a Hugging Face model folder or a model in memory: tasks checked
+before any work (by name, then built: their YAML, documents and metrics), scored by the harness itself
+(`simple_evaluate` with its `hf` model, as its CLI `lm_eval --model hf` does, so a folder's numbers are the CLI's to
+the last digit), and its table.
 
 The harness is an extra (`pip install -e '.[eval]'`): the core install does not carry it.
 """

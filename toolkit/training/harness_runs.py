@@ -4,9 +4,10 @@ model as it trains.
 In pretraining, each `eval.every` step the model is gathered (collective) and written to `harness/step-N/`, and
 recipes/evaluate.py scores it in a process of its own while training goes on: the training processes' generators and
 data position are never touched, so a run with the harness on trains bit-equal to one without. The scores are
-logged at step N when they arrive (metrics.jsonl's `harness` rows, the trackers) and the folder is removed. One
-scoring runs at a time: the next waits for it. The last step's scoring reads final/, and the run ends once it is in.
-A fine-tune scores its base and its result in its own process at the end (recipes/finetune.py, `score`).
+logged at step N when they arrive (metrics.jsonl's `harness` rows; the trackers at the step training has reached)
+and the folder is removed. One scoring runs at a time, and training never waits for one: a step due while the last
+still runs is not scored. The last step's scoring reads final/, and the run ends once it is in. A fine-tune scores
+its base and its result in its own process at the end, as models in memory (recipes/finetune.py, `score`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class HarnessRuns:
         self.running: tuple[int, str, subprocess.Popen, Path, bool] | None = None
         self.skipped = 0  # due steps not scored: the last scoring still ran
         if main and root.is_dir():  # a model folder a killed run left unscored
-            for stale in root.glob("step-*"):
+            for stale in root.glob("step-*/"):  # the folders; their JSON stays
                 shutil.rmtree(stale, ignore_errors=True)
 
     @classmethod
