@@ -333,7 +333,8 @@ def case_harness_scoring(request):
     runs.cfg, runs.root, runs.main, runs.say, runs.running = HarnessConfig(["t"]), tmp / "harness", True, said.append, None
     runs.dtype = "float32"
     strategy = types.SimpleNamespace(master_weights=lambda m: None, is_main=True, model_to_save=lambda m, sd: m,
-                                     accelerator=types.SimpleNamespace(wait_for_everyone=lambda: None))
+                                     accelerator=types.SimpleNamespace(wait_for_everyone=lambda: None,
+                                                                       unwrap_model=lambda m: m))
     for exc in full_disk_errors(str(tmp / "harness" / "step-2" / "model.safetensors")):
         said.clear()
         monkeypatch.setattr(modeling_utils, "safe_save_file", failing(exc))

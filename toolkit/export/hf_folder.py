@@ -110,16 +110,19 @@ def tied_copies(model) -> list[str]:
 
 def save_final_model(
     strategy: Strategy, model, tokenizer, out_dir: Path, card_facts: dict, train_config: dict,
-    dtype: str = "float32",
+    dtype: str = "float32", **written,
 ) -> Path | None:
-    """Collective (gathers sharded weights); only the main process writes, in `dtype`."""
+    """Collective (gathers sharded weights); only the main process writes, in `dtype` (`written`: write_model_folder's
+    card and writer). The other processes go on once it is done, whether or not its write failed."""
     state_dict = strategy.master_weights(model)
     if not strategy.is_main:
         strategy.accelerator.wait_for_everyone()
         return None
-    write_model_folder(strategy.model_to_save(model, state_dict), tokenizer, out_dir, card_facts, train_config,
-                       state_dict, dtype=dtype)
-    strategy.accelerator.wait_for_everyone()
+    try:
+        write_model_folder(strategy.model_to_save(model, state_dict), tokenizer, out_dir, card_facts, train_config,
+                           state_dict, dtype=dtype, **written)
+    finally:
+        strategy.accelerator.wait_for_everyone()
     return out_dir
 
 

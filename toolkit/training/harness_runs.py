@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.export.hf_folder import write_model_folder
+from toolkit.export.hf_folder import save_final_model
 from toolkit.launch.cli import ROOT
 from toolkit.launch.environment import alone_environment
 from toolkit.launch.rank_process import TRAINER_PID
@@ -79,21 +79,18 @@ class HarnessRuns:
     def write(self, strategy, model, tokenizer, step: int) -> Path | None:
         """Collective: the model gathered and written by the main process for a scoring (None where its write
         failed: said, and training goes on)."""
-        state_dict = strategy.master_weights(model)
+        live = strategy.accelerator.unwrap_model(model)
+        # the folder generates with the KV cache; the model training on keeps its config as a run without this
+        cached = [(c, c.use_cache) for c in (live.config, getattr(live, "generation_config", None)) if c is not None]
         folder = None
-        if strategy.is_main:
-            live = strategy.model_to_save(model, state_dict)
-            # the folder generates with the KV cache; the model training on keeps its config as a run without this
-            cached = [(c, c.use_cache) for c in (live.config, getattr(live, "generation_config", None)) if c is not None]
-            try:
-                folder = write_model_folder(live, tokenizer, self.root / f"step-{step}", {}, {}, state_dict, card="",
-                                            dtype=self.dtype, writer="harness scoring")  # as final/ will be scored
-            except WriteFailed as exc:  # a warning: the writer lets the run go on
-                self.say(f"warning: {exc}")
-            finally:
-                for config, value in cached:
-                    config.use_cache = value
-        strategy.accelerator.wait_for_everyone()
+        try:  # in final_dtype: as final/ will be scored
+            folder = save_final_model(strategy, model, tokenizer, self.root / f"step-{step}", {}, {}, self.dtype,
+                                      card="", writer="harness scoring")
+        except WriteFailed as exc:  # the main process's, said; the writer lets the run go on
+            self.say(f"warning: {exc}")
+        finally:
+            for config, value in cached:
+                config.use_cache = value
         return folder
 
     def start(self, step: int, phase: str, folder: Path, keep: bool = False) -> None:

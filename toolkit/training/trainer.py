@@ -583,7 +583,8 @@ class Trainer:
         wandb drops a step that goes back)."""
         if self.metrics is not None:
             self.metrics.write({"kind": check_kind(kind, record), **record})
-        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        if tracked is not None or numbers:
-            self.trackers.log(numbers if tracked is None else tracked, record["step"] if at is None else at)
+        if tracked is None:
+            tracked = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if tracked:
+            self.trackers.log(tracked, record["step"] if at is None else at)
 
