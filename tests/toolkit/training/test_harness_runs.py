@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 from accelerate.state import AcceleratorState
@@ -67,8 +69,15 @@ def test_training_does_not_wait_for_a_scoring_and_a_run_that_ends_ends_it(tmp_pa
     runs = object.__new__(HarnessRuns)
     runs.root, runs.main, runs.say, runs.skipped = tmp_path, True, said.append, 0
     (tmp_path / "step-2").mkdir()
-    slow = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
-                             "'-c', 'import time; time.sleep(60)']); time.sleep(60)"], start_new_session=True)
+    started = tmp_path / "started"  # the pid of a process the scoring started, once it has
+    slow = subprocess.Popen([sys.executable, "-c", "import pathlib, subprocess, sys, time; child = subprocess.Popen("
+                             "[sys.executable, '-c', 'import time; time.sleep(60)']); "
+                             f"pathlib.Path({str(started)!r}).write_text(str(child.pid)); time.sleep(60)"],
+                            start_new_session=True)
+    for _ in range(300):
+        if started.exists() and started.read_text():
+            break
+        time.sleep(0.05)
     runs.running = (2, "train", slow, tmp_path / "step-2", False)
     for step in (4, 6):
         runs.at_step(types.SimpleNamespace(step=step), due=True)  # no model is written: nothing of it is read
@@ -77,11 +86,12 @@ def test_training_does_not_wait_for_a_scoring_and_a_run_that_ends_ends_it(tmp_pa
                     "eval.every or lower eval.harness_limit to score every one; said once)"]
     runs.abandon()
     assert slow.poll() is not None and not (tmp_path / "step-2").exists() and runs.running is None
-    import os
-    import signal
-
-    with pytest.raises(ProcessLookupError):  # what the scoring started went with it
-        os.killpg(slow.pid, signal.SIGKILL)
+    status = Path(f"/proc/{started.read_text()}/status")  # what the scoring started went with it: gone, or a zombie
+    for _ in range(40):
+        if not status.exists() or "\nState:\tZ" in status.read_text():
+            break
+        time.sleep(0.05)
+    assert not status.exists() or "\nState:\tZ" in status.read_text()
 
 
 def test_the_first_scoring_may_be_final_s_with_no_harness_folder_yet(tmp_path, monkeypatch):
