@@ -37,7 +37,7 @@ MODES = ("blocking", "async")
 
 def worker(mode: str, out: str, cache: str, overrides: list[str]) -> dict:
     sys.path.insert(0, str(ROOT))
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.training.recipe_config import PretrainConfig
     from toolkit.training.trainer import Trainer
 

@@ -97,7 +97,7 @@ def trainer_worker(spec: dict) -> dict:
         default_data_collator,
     )
 
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.training.recipe_config import FinetuneConfig
 
     cuda = torch.cuda.is_available()

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.config import load_config  # noqa: E402
+from toolkit.config.load import load_config  # noqa: E402
 from toolkit.models import float8  # noqa: E402
 from toolkit.training.recipe_config import PretrainConfig  # noqa: E402
 

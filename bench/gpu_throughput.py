@@ -547,7 +547,7 @@ def main() -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.training.metrics import model_size
     from toolkit.training.recipe_config import PretrainConfig
 

@@ -3,7 +3,7 @@
     python bench/harness_check.py --out harness.md          # a lent GPU: about 4 minutes
     python bench/harness_check.py --smoke --out harness.md  # the same commands on CPU, shorter: about 3 minutes
 
-Rows, each a real command on the tests' two local tasks (tests/harness_tasks.py, from the CPython docs):
+Rows, each a real command on the tests' two local tasks (tests/support/harness_tasks.py, from the CPython docs):
 - finetune: SmolLM2-135M LoRA with eval.harness_tasks: the base and the result scored in memory on the GPU after
   training, rows in its before/after table;
 - pretrain: pretrain_tiny with eval.every: each step's model scored by recipes/evaluate.py beside training, on the
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from harness_tasks import write_tasks  # noqa: E402
 

@@ -6,7 +6,7 @@
 
 For each strategy (DDP, FSDP2, ZeRO-2, ZeRO-3; 2 CPU processes, a tiny LLaMA, fp32, accumulation
 2, checkpoints every 2 steps with keep_last=1, evaluation every 3), it trains once without a fault,
-then, for each kill point drawn at random (toolkit.faults: the point, the step and the rank that
+then, for each kill point drawn at random (toolkit.run.faults: the point, the step and the rank that
 sends itself SIGKILL):
   1. launches the run with the kill planned, and checks the folder the kill left: every complete
      checkpoint passes its manifest, the newest one saved before the kill is there (keep_last
@@ -39,10 +39,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.faults import ENV as KILL_ENV  # noqa: E402
-from toolkit.faults import LOG_ENV  # noqa: E402
-from toolkit.manifest import check_manifest  # noqa: E402
-from toolkit.run_dir import RunDir  # noqa: E402
+from toolkit.run.faults import ENV as KILL_ENV  # noqa: E402
+from toolkit.run.faults import LOG_ENV  # noqa: E402
+from toolkit.run.folder import RunDir  # noqa: E402
+from toolkit.run.manifest import check_manifest  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3"]
 ASYNC = "checkpoint.async_save=true"

@@ -63,7 +63,7 @@ def worker(side: str, config: str, out: str, cache: str, steps: int) -> dict:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.data.batching import BatchSchedule
     from toolkit.data.packing import collate, column
     from toolkit.training.recipe_config import PretrainConfig

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit import quiet_weight_bars
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.export.consolidate import Source, load_model, resolve_source
 from toolkit.export.destination import check_base, check_creatable
 from toolkit.export.hf_folder import write_model_folder
@@ -34,8 +34,8 @@ from toolkit.launch import environment
 from toolkit.launch.cli import OneLineParser
 from toolkit.launch.rank_process import die_with_trainer
 from toolkit.models.adapter import leave_out_bitsandbytes
+from toolkit.run.writes import WriteFailed, writing
 from toolkit.training.harness import HarnessConfig, check_tasks, harness, scores, table, task_manager
-from toolkit.writes import WriteFailed, writing
 
 MARK = "llm_toolkit_evaluation"  # in the JSON this recipe writes: what --overwrite may replace
 

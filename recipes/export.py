@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from toolkit import quiet_weight_bars
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.text_files import read_utf8
 from toolkit.export import destination
 from toolkit.export.consolidate import adapter_base, load_model, resolve_source
@@ -46,7 +46,7 @@ from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
-from toolkit.writes import WriteFailed
+from toolkit.run.writes import WriteFailed
 
 FORMATS = ("hf", "gguf", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,7 +87,7 @@ def parser() -> OneLineParser:
     return parser
 
 
-# the options that name a path: `~` and environment variables expanded as in a config's paths (toolkit.config.expand_path)
+# the options that name a path: `~` and environment variables expanded as in a config's paths (toolkit.config.user_paths.expand_path)
 PATH_OPTIONS = ("--from", "--base", "--output", "--eval-text")
 
 

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.config import UserError, to_dict
+from toolkit.config.errors import UserError
+from toolkit.config.load import to_dict
 from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
 from toolkit.data.corpus import load_corpus, load_held_out, split_documents
 from toolkit.data.mixture import naming, stages_said, weight_plan

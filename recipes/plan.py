@@ -55,8 +55,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.combinations import refusals  # noqa: E402
-from toolkit.config import UserError, load_config, read_config_file, read_yaml, to_dict  # noqa: E402
+from toolkit.config.combinations import refusals  # noqa: E402
+from toolkit.config.errors import UserError  # noqa: E402
+from toolkit.config.files import read_config_file, read_yaml  # noqa: E402
+from toolkit.config.load import load_config, to_dict  # noqa: E402
 from toolkit.launch.cli import OneLineParser  # noqa: E402
 from toolkit.models.adapter import apply_adapter, leave_out_bitsandbytes  # noqa: E402
 from toolkit.models.router import expert_count  # noqa: E402

@@ -33,7 +33,8 @@ import hashlib
 
 import datasets
 
-from toolkit.config import UserError, to_dict
+from toolkit.config.errors import UserError
+from toolkit.config.load import to_dict
 from toolkit.data.corpus import EMBEDDED, load_corpus, split_documents, stream_corpus
 from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import collate, column, packed_dataset, packed_splits, target_counts

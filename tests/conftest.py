@@ -9,16 +9,20 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import cost
-import datasets
-import installed
-import probe_ranks
-import pytest
-import torch
-from recipe_runner import CHATML, MATRIX_RUN, TINY, run_recipe
+# the tests' helpers (tests/support/), imported by name from every test file and from the probes' ranks
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+import cost  # noqa: E402
+import datasets  # noqa: E402
+import installed  # noqa: E402
+import probe_ranks  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from recipe_runner import CHATML, MATRIX_RUN, TINY, run_recipe  # noqa: E402
 
 TINY_VOCAB = 300
 
@@ -255,7 +259,7 @@ def strategy_runs(tmp_path_factory, data_cache):
 # (tests/toolkit/strategy/test_sharding.py and tests/toolkit/planner/test_state.py read the same runs)
 
 
-SHARDING_PROBE = Path(__file__).parent / "toolkit" / "strategy" / "sharding_probe.py"
+SHARDING_PROBE = probe_ranks.SUPPORT / "sharding_probe.py"
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""tests/cost.py: what a test costs is measured where it is spent, each test lands in its area, and a run over
+"""tests/support/cost.py: what a test costs is measured where it is spent, each test lands in its area, and a run over
 the launch budget fails naming the tests that launched."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tests/probe_ranks.py, the harness the strategy probes run on: a rank's exit code and output (stdout and
+"""tests/support/probe_ranks.py, the harness the strategy probes run on: a rank's exit code and output (stdout and
 stderr interleaved as written) come back, a rank that hangs is killed and fails the test, and each rank sees the launcher's variables
 and the caller's own."""
 

@@ -98,7 +98,7 @@ def test_the_readmes_table_of_options_lists_every_speed_switch_with_its_choices_
     import dataclasses
     import typing
 
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.training.recipe_config import PretrainConfig
 
     readme = (ROOT / "README.md").read_text()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from recipe_runner import ROOT, recipe_module
 
-from toolkit.config import load_config
+from toolkit.config.load import load_config
 from toolkit.models.base_model import SHIPPED_BASES, meta_base, shipped_base
 from toolkit.training.recipe_config import FinetuneConfig
 

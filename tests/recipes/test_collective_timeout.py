@@ -1,6 +1,6 @@
 """A run whose ranks fall out of step stops within train.collective_timeout_s, saying so.
 
-The fault is test-only (tests/recipes/desync_launch.py): rank 1 skips the per-step loss
+The fault is test-only (tests/support/desync_launch.py): rank 1 skips the per-step loss
 all-reduce of step 2 and trains on. Before the timeout existed, both ranks slept for torch's
 default 30 minutes; now each rank exits with one line naming itself, the collective and where.
 """
@@ -23,7 +23,7 @@ def desync_run(tmp_path, data_cache):
     proc = run_recipe(
         "pretrain", [*TINY, "train.max_steps=6", f"train.collective_timeout_s={TIMEOUT_S}", f"output_dir={tmp_path}"],
         nproc=2, cache=data_cache, check=False, timeout=240, launcher=True,
-        script=["tests/recipes/desync_launch.py", "pretrain"],
+        script=["tests/support/desync_launch.py", "pretrain"],
     )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0

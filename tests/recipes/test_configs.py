@@ -9,7 +9,7 @@ import pytest
 import yaml
 from recipe_runner import ROOT
 
-from toolkit.config import load_config
+from toolkit.config.load import load_config
 from toolkit.models.scratch import check_seq_len, hf_config
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 

@@ -1,4 +1,4 @@
-"""recipes/evaluate.py: lm-evaluation-harness tasks of a user's own (tests/harness_tasks.py: a multiple-choice
+"""recipes/evaluate.py: lm-evaluation-harness tasks of a user's own (tests/support/harness_tasks.py: a multiple-choice
 and a generation task from the CPython docs) scored on what runs made, as the harness's own CLI scores them; a model
 trained on the tasks' sentences beats its base; every strategy's checkpoint scores as its final/; bad input is one
 line."""
@@ -191,7 +191,7 @@ def test_bad_input_is_one_line(evaluate, tasks, model_folder, tmp_path, monkeypa
     assert "pip install -e '.[eval]'" in capsys.readouterr().err
 
 
-# every option of evaluate.py by kind (tests/wrong_arguments.py lists each kind's wrong values)
+# every option of evaluate.py by kind (tests/support/wrong_arguments.py lists each kind's wrong values)
 KINDS = {"--from": "folder", "--checkpoint": "name", "--tasks": "names", "--include-path": "folder",
          "--num-fewshot": "count or zero", "--limit": "amount", "--batch-size": "count", "--base": "folder",
          "--output": "output", "--overwrite": "switch", "-h": "help"}

@@ -233,7 +233,7 @@ def test_every_wrong_flag_is_one_line(export, capsys, tmp_path, model_folder, ca
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.gguf").exists()
 
 
-# every option of export.py by kind (tests/wrong_arguments.py lists each kind's wrong values), and the other options
+# every option of export.py by kind (tests/support/wrong_arguments.py lists each kind's wrong values), and the other options
 # its wrong values are refused with (--quant names a tensor type under --format gguf)
 KINDS = {"--from": "folder", "--checkpoint": "name", "--format": "choice", "--quant": "name", "--dtype": "choice",
          "--merge-lora": "switch", "--base": "folder", "--max-shard-size": "size", "--output": "output",
@@ -296,7 +296,7 @@ def test_a_failed_export_leaves_nothing_under_the_output_name(export, capsys, ti
 def test_overwrite_replaces_an_earlier_export_and_nothing_else(export, capsys, tmp_path, model_folder):
     """Issue 26: --overwrite onto a folder of the user's own deleted it (thesis.tex, figs/)."""
     from toolkit.export.destination import EXPORTED_BY
-    from toolkit.manifest import written_by
+    from toolkit.run.manifest import written_by
 
     thesis = tmp_path / "thesis"
     (thesis / "figs").mkdir(parents=True)
@@ -338,8 +338,8 @@ def test_overwrite_replaces_an_earlier_export_and_nothing_else(export, capsys, t
 def a_checkpoint(model_folder: Path, folder: Path) -> Path:
     """A one-process checkpoint as training saves it: weights, model_files/, manifest, state last."""
     from toolkit.checkpoint.trainer_state import TrainerState
-    from toolkit.manifest import crc32, write_manifest
-    from toolkit.run_dir import checkpoint_step
+    from toolkit.run.folder import checkpoint_step
+    from toolkit.run.manifest import crc32, write_manifest
 
     (folder / "model_files").mkdir(parents=True)
     for f in model_folder.iterdir():

@@ -17,7 +17,7 @@ from harness_tasks import write_tasks
 from recipe_runner import ROOT, assert_generates_with_the_cache, recipe_module
 from transformers import AutoModelForCausalLM
 
-from toolkit.config import load_config
+from toolkit.config.load import load_config
 from toolkit.models.adapter import load_with_adapter
 from toolkit.models.base_model import load_base_model
 from toolkit.training.metrics import read_metrics

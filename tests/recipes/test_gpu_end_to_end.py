@@ -18,7 +18,7 @@ from recipe_runner import ROOT, TINY, run_recipe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.run_dir import RunDir
+from toolkit.run.folder import RunDir
 from toolkit.training.metrics import read_metrics
 
 pytestmark = [

@@ -17,7 +17,7 @@ import wrong_arguments
 from recipe_runner import recipe_module
 from transformers import AutoModelForCausalLM
 
-from toolkit.config import load_config
+from toolkit.config.load import load_config
 from toolkit.models.scratch import hf_config
 from toolkit.strategy.pipeline_parallel import layer_ranges
 from toolkit.training.recipe_config import PretrainConfig
@@ -350,7 +350,7 @@ def test_bad_input_is_one_line(args, message):
     assert len(errors) == 1 and message in errors[0], proc.stderr
 
 
-# every option of plan.py by kind: tests/wrong_arguments.py lists each kind's wrong values
+# every option of plan.py by kind: tests/support/wrong_arguments.py lists each kind's wrong values
 KINDS = {"--config": "file", "--gpus": "count", "--gpu-memory": "size", "--headroom": "fraction", "--micro-batch": "sizes",
          "--cpu": "switch", "--json": "switch", "--all": "switch", "overrides": "overrides", "-h": "help"}
 

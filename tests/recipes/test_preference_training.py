@@ -171,8 +171,8 @@ def test_a_dpo_resume_of_zeroed_weights_stops_as_a_dead_model(single, tiny_base,
     from safetensors.torch import load_file, save_file
 
     from toolkit.checkpoint.trainer_state import TrainerState
-    from toolkit.manifest import crc32, write_manifest
-    from toolkit.run_dir import STATE_FILE
+    from toolkit.run.folder import STATE_FILE
+    from toolkit.run.manifest import crc32, write_manifest
 
     straight, _ = single["full"]
     copy = tmp_path / "copy"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from same_training import assert_same_weights, lr_sum
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.run_dir import RunDir
+from toolkit.run.folder import RunDir
 from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from recipe_runner import ROOT, TINY, run_recipe
 
-from toolkit.run_dir import RunDir
+from toolkit.run.folder import RunDir
 from toolkit.training.metrics import read_metrics
 
 
@@ -300,7 +300,7 @@ def test_output_dir_of_another_run_is_not_overwritten(pretrain, capsys, monkeypa
 
 
 def test_a_run_placed_where_another_run_deletes_is_refused(pretrain, capsys, monkeypatch, tmp_path):
-    """Inside another run's checkpoints/, which its rotation and overwrite=true delete (toolkit.run_paths)."""
+    """Inside another run's checkpoints/, which its rotation and overwrite=true delete (toolkit.run.paths)."""
     other = tmp_path / "a"
     (other / "checkpoints" / "step-2").mkdir(parents=True)
     (other / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')

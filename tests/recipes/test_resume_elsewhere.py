@@ -5,8 +5,8 @@ run continues the uninterrupted run's loss curve within the parity tolerance (re
 with Adam's moments and step carried over parameter by parameter and the LR schedule going on.
 
 The source checkpoints were saved by an earlier commit (tests/fixtures/checkpoints, made by
-tests/saved_checkpoints.py): every case is also a checkpoint written before the code that resumes it.
-Every run goes through tests/recipes/resume_probe.py, the recipe unchanged plus a dump of its
+tests/support/saved_checkpoints.py): every case is also a checkpoint written before the code that resumes it.
+Every run goes through tests/support/resume_probe.py, the recipe unchanged plus a dump of its
 optimizer: a source run dumped what it held when it saved step 3 (the fixture's saved.pt), a resumed
 run what it loaded. The source run's own steps 4-6 (the fixture's metrics.jsonl) are the reference.
 Where Accelerate loads the files as they are (DDP at any world size, FSDP2 at any world size:
@@ -28,7 +28,7 @@ from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 
-PROBE = ["tests/recipes/resume_probe.py"]
+PROBE = ["tests/support/resume_probe.py"]
 NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2",
          "zero3": "DeepSpeed ZeRO-3", "pipeline": "pipeline of 2 stages"}
 CONVERTED = [  # (source, target) as (accelerate config, processes); "pipeline": 2 stages under ddp.yaml

@@ -21,7 +21,7 @@ import probe_ranks
 import pytest
 from recipe_runner import foreign_lines, run_recipe
 
-from toolkit.run_dir import RunDir
+from toolkit.run.folder import RunDir
 from toolkit.training.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
@@ -50,7 +50,7 @@ def as_a_new_user(tmp_path) -> dict[str, str | None]:
 
 
 # Launched for real: the two layouts every change is tried under, and the SmolLM2 fine-tunes. The other layouts'
-# ranks are forked (tests/probe_ranks.py) with the environment their launcher gives, and what that launcher prints
+# ranks are forked (tests/support/probe_ranks.py) with the environment their launcher gives, and what that launcher prints
 # is read from the launch that recorded it (DeepSpeed's layouts go through recipes/launch.sh, shown by zero3's).
 LAUNCHED = {"zero3", "fsdp"}
 

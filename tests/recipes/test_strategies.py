@@ -24,10 +24,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.formats import Checkpoint
-from toolkit.config import load_config
+from toolkit.config.load import load_config
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.packing import packed_dataset
-from toolkit.run_dir import RunDir, converted_state
+from toolkit.run.folder import RunDir, converted_state
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import read_metrics
 from toolkit.training.recipe_config import PretrainConfig
@@ -129,7 +129,7 @@ def test_a_fresh_checkpoint_has_the_files_of_the_saved_fixtures_and_converts(str
     """test_resume_elsewhere.py resumes checkpoints an earlier commit saved (tests/fixtures/checkpoints). This
     run's step-3 must still have their files, and convert by parameter name in one process (what every resume
     under another strategy starts with), every parameter with its Adam state: a change of format fails here,
-    and the fixtures are then made again (tests/saved_checkpoints.py) beside the old ones'."""
+    and the fixtures are then made again (tests/support/saved_checkpoints.py) beside the old ones'."""
     out, _ = strategy_runs(strategy)
     fresh = shutil.copytree(out / "checkpoints" / "step-3", tmp_path / "step-3")
     assert _files(fresh) == _files(FIXTURES / {"ddp": "ddp@3", "fsdp": "fsdp@2", "zero2": "zero2@2",
@@ -144,7 +144,7 @@ def test_a_fresh_checkpoint_has_the_files_of_the_saved_fixtures_and_converts(str
     assert state.weight(names[:1]).shape == model.get_parameter(names[0]).shape
 
 
-# Hard kills at 9 points (toolkit.faults): a kill inside a step before the update (forward) and after it
+# Hard kills at 9 points (toolkit.run.faults): a kill inside a step before the update (forward) and after it
 # (after_optimizer), in an evaluation, at each stage of a save, in a prune and in final/. The other kinds (backward,
 # between_micro_batches, save.rank_files, save.manifest) are the same moments as far as a resume can tell, and
 # bench/kill_soak.py draws every kind under every strategy. The steps: checkpoints at 2, 4 and 6 with keep_last=1

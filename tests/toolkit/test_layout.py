@@ -1,14 +1,9 @@
 """The architecture, checked: imports point down the layers, and strategy facts live in one package.
 
-    config, run_dir      contracts: validated config, the run folder
-    combinations         which settings train under which layouts, one table
-    config_keys          the keys of a config tree (dotted names, types, values, help lines)
-    user_paths           paths as users write them, expanded one way
+    config               the validated config: loading, strict files, keys, values, paths as users write them,
+                         and which settings train under which layouts (combinations, one table)
+    run                  the run folder, its lock, what writes where (and a full disk), checksums, fault points
     parallel_layout      the strategy kind and parallel degrees of a run, as a checkpoint records them
-    run_lock             the run folder's one owner
-    run_paths            every folder a run or an export writes or deletes, against what it may overlap
-    manifest, faults     a checkpoint's checksums; the kill and write-failure points tests plant
-    writes               every writer and what a failed write does (the full-disk table)
     data                 corpus, tokenizer, packing, chat, batch schedule
     models               build from scratch, load a base, adapters, loss, gradient checkpointing
     launch               the launcher, what a rank knows from it, one error line and exit code per launch
@@ -29,7 +24,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [{"combinations", "config", "config_keys", "config_values", "user_paths", "run_dir", "run_paths", "parallel_layout", "run_lock", "manifest", "faults", "writes"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
+LAYERS = [{"config", "run", "parallel_layout"}, {"data"}, {"models"}, {"launch"}, {"strategy"},
           {"planner"}, {"checkpoint"}, {"export"}, {"training"}]
 # the packages that may read the launcher's variables and import deepspeed (the planner reads an accelerate config)
 KNOW_THE_LAUNCH = ("launch", "strategy", "planner", "checkpoint")
@@ -61,6 +56,23 @@ def modules() -> dict[str, Path]:
         if len(parts) > 1 and parts[-1] != "__init__":
             out[".".join(parts)] = path
     return out
+
+
+def test_the_toolkit_root_holds_packages_and_at_most_four_modules():
+    """A module at the root has no package to say what it belongs to: the run's go to toolkit/run/, the config's to
+    toolkit/config/."""
+    loose = sorted(p.name for p in (ROOT / "toolkit").glob("*.py"))
+    assert len(loose) <= 4, loose
+
+
+def test_the_tests_hold_tests_and_their_helpers_live_in_support():
+    """Every Python file under tests/ is a test file, a conftest or a package marker, except in tests/support/
+    (the helpers and the probes that run on ranks) and tests/fixtures/ (what an earlier commit saved)."""
+    tests = ROOT / "tests"
+    strays = [str(p.relative_to(ROOT)) for p in sorted(tests.rglob("*.py"))
+              if not p.is_relative_to(tests / "support") and not p.is_relative_to(tests / "fixtures")
+              and not p.name.startswith("test_") and p.name not in ("conftest.py", "__init__.py")]
+    assert not strays, strays
 
 
 def test_every_module_sits_in_a_layer():
@@ -174,7 +186,7 @@ def test_strategy_branches_are_counted():
     found = {}
     for path in sorted((ROOT / "toolkit").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(FAMILY_MODULES) or rel in ("toolkit/parallel_layout.py", "toolkit/combinations.py"):
+        if rel.startswith(FAMILY_MODULES) or rel in ("toolkit/parallel_layout.py", "toolkit/config/combinations.py"):
             continue
         lines = [line for line in path.read_text().splitlines()
                  if STRATEGY_BRANCH.search(line) and not line.lstrip().startswith("#") and "reference_logps" not in line]

@@ -23,14 +23,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from toolkit.checkpoint.integrity import check_state_file
-from toolkit.config import UserError, read_config_file
+from toolkit.config.errors import UserError
+from toolkit.config.files import read_config_file
 from toolkit.data.chat import chat_template_for
 from toolkit.data.corpus import DataConfig, load_corpus
 from toolkit.data.records import read_records
 from toolkit.data.tokenizer import check_tokenizer_files
 from toolkit.launch.launcher import read_accelerate_config
-from toolkit.manifest import check_manifest
 from toolkit.planner.facts import read_strategy
+from toolkit.run.manifest import check_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 MALFORMATIONS = ("empty", "binary", "utf16", "latin1", "truncated", "top-level type", "field type", "key twice")
@@ -284,10 +285,10 @@ READS = re.compile(r"json\.loads?\(|yaml\.safe_load|read_yaml\(|read_json\(|\.re
                    r"load_dataset\(|load_from_disk\(|from_pretrained\(|safe_open\(|load_file\(|os\.pread\(")
 OWN = "the toolkit's own file, written atomically beside a manifest or a lock: damage is a damaged checkpoint/run"
 READERS: dict[str, str] = {
-    "toolkit/config.py:read_config_file": "recipe YAML",
-    "toolkit/config.py:_text": "recipe YAML",
-    "toolkit/config.py:read_yaml": "recipe YAML",
-    "toolkit/config.py:read_json": "DeepSpeed JSON",
+    "toolkit/config/files.py:read_config_file": "recipe YAML",
+    "toolkit/config/files.py:_text": "recipe YAML",
+    "toolkit/config/files.py:read_yaml": "recipe YAML",
+    "toolkit/config/files.py:read_json": "DeepSpeed JSON",
     "toolkit/launch/launcher.py:read_accelerate_config": "accelerate config",
     "toolkit/planner/facts.py:_read_strategy": "DeepSpeed JSON",
     "toolkit/strategy/accelerator.py:check_deepspeed_config": "DeepSpeed JSON",
@@ -307,18 +308,18 @@ READERS: dict[str, str] = {
     "toolkit/data/tokenizer.py:load_tokenizer": "tokenizer folder",
     "toolkit/data/tokenizer.py:get_tokenizer": "its own cache, written by save_pretrained then renamed into place",
     "toolkit/checkpoint/trainer_state.py:_state_record": "trainer_state.json",
-    "toolkit/manifest.py:crc32": "manifest.json",
-    "toolkit/manifest.py:_entries": "manifest.json",
-    "toolkit/manifest.py:written_by": "manifest.json",
-    "toolkit/run_lock.py:take": OWN,
-    "toolkit/run_lock.py:holder": OWN,
-    "toolkit/run_lock.py:_record": OWN,
-    "toolkit/run_lock.py:one_writer": "a lock file it opens, never reads (the lock is the kernel's)",
+    "toolkit/run/manifest.py:crc32": "manifest.json",
+    "toolkit/run/manifest.py:_entries": "manifest.json",
+    "toolkit/run/manifest.py:written_by": "manifest.json",
+    "toolkit/run/lock.py:take": OWN,
+    "toolkit/run/lock.py:holder": OWN,
+    "toolkit/run/lock.py:_record": OWN,
+    "toolkit/run/lock.py:one_writer": "a lock file it opens, never reads (the lock is the kernel's)",
     "toolkit/data/text_files.py:_json_hint": "corpus .jsonl",
     "toolkit/data/text_files.py:_one_array": "corpus .jsonl",
     "toolkit/data/tokenizer.py:check_tokenizer_files": "tokenizer folder",
-    "toolkit/faults.py:_armed": "the test suite's fault-injection log, not a user's",
-    "toolkit/faults.py:_fire": "the test suite's fault-injection log, not a user's",
+    "toolkit/run/faults.py:_armed": "the test suite's fault-injection log, not a user's",
+    "toolkit/run/faults.py:_fire": "the test suite's fault-injection log, not a user's",
     "toolkit/training/metrics.py:_open": OWN + " (metrics.jsonl, appended by the run; a line that is not JSON is dropped)",
     "toolkit/training/metrics.py:read_metrics": OWN + " (metrics.jsonl, appended by the run)",
     "toolkit/training/reference.py:base_identity": "the base's config.json as transformers wrote it: a fingerprint",

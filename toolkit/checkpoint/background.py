@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.faults import fail_point, kill_point
+from toolkit.run.faults import fail_point, kill_point
 
 _groups: dict[int, object] = {}  # the default group's id -> the gloo group DCP's background collectives use
 

@@ -3,7 +3,7 @@ tools and consume with its own setters (the resharding tools that exist each cov
 torch.distributed.checkpoint reshards FSDP2/DTensor state and reads neither DeepSpeed's partitions nor
 DDP's id-keyed optimizer.bin; DeepSpeed's universal checkpoint loads only into DeepSpeed). Made once
 beside a checkpoint that resumes under another strategy or world size (toolkit.checkpoint.conversion,
-`step-N.converted/`, toolkit.run_dir.converted_state):
+`step-N.converted/`, toolkit.run.folder.converted_state):
 
     weights/                 the full fp32 weights (each format's full_weights)
     exp_avg.safetensors      Adam's first and second moments of every trained parameter, by name
@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from toolkit.checkpoint.unpickling import load
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.parameters import plain_name
 from toolkit.parallel_layout import ParallelLayout
 

@@ -28,11 +28,11 @@ from toolkit.checkpoint import deepspeed
 from toolkit.checkpoint.by_name import MOMENTS, OPTIMIZER, VERSION, WEIGHTS
 from toolkit.checkpoint.formats import FORMATS, Checkpoint, gather_full_weights, saved_by
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers_only_torch_load
-from toolkit.config import UserError
-from toolkit.manifest import crc32
+from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import STATE_FILE, converted_state
-from toolkit.writes import failed_write
+from toolkit.run.folder import STATE_FILE, converted_state
+from toolkit.run.manifest import crc32
+from toolkit.run.writes import failed_write
 
 
 def convert(checkpoint: Checkpoint, into: Path) -> None:
@@ -107,7 +107,7 @@ def cached_conversion(checkpoint: Checkpoint) -> tuple[Path, bool]:
         convert(checkpoint, partial)
     except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)
-        cause = failed_write(exc)  # whatever the writer raised (toolkit.writes): an OSError, a SafetensorError...
+        cause = failed_write(exc)  # whatever the writer raised (toolkit.run.writes): an OSError, a SafetensorError...
         if cause is None:
             raise
         if isinstance(exc, OSError) and exc.strerror and exc.filename:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, load_whole, step_value
 from toolkit.checkpoint.unpickling import load
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.parameters import parameter_names
 
 if TYPE_CHECKING:

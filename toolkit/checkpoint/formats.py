@@ -18,7 +18,7 @@ from toolkit.checkpoint import ddp, deepspeed, fsdp, pipeline
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import numbers_only_torch_load
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import is_complete
+from toolkit.run.folder import is_complete
 
 Format = Literal["ddp", "fsdp", "deepspeed", "pipeline"]
 # asked in this order: a DeepSpeed or FSDP2 save may hold a model*.safetensors too

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from toolkit.checkpoint import deepspeed
 from toolkit.checkpoint.formats import Checkpoint
-from toolkit.config import UserError
-from toolkit.manifest import MANIFEST, check_manifest, crc32
+from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import STATE_FILE, RunDir, checkpoint_step
+from toolkit.run.folder import STATE_FILE, RunDir, checkpoint_step
+from toolkit.run.manifest import MANIFEST, check_manifest, crc32
 from toolkit.strategy.distributed import Strategy
 
 

@@ -2,8 +2,8 @@
 
 A checkpoint is complete only once its TrainerState (`trainer_state.json`) is written, after
 every rank has finished its part of `save_state`; a folder without it (a crash mid-save) is
-never resumed from and never counts towards `keep_last` (see toolkit.run_dir). Just before it,
-the manifest records every file's size and CRC-32 (toolkit.manifest), checked before a resume.
+never resumed from and never counts towards `keep_last` (see toolkit.run.folder). Just before it,
+the manifest records every file's size and CRC-32 (toolkit.run.manifest), checked before a resume.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from toolkit.checkpoint.formats import FORMATS, Checkpoint
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
-from toolkit.config import UserError, field
-from toolkit.faults import fail_point, kill_point
-from toolkit.manifest import MANIFEST, crc32, write_manifest
+from toolkit.config.errors import UserError
+from toolkit.config.load import field
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import MODEL_FILES, PRUNED, RunDir, converted_state
+from toolkit.run.faults import fail_point, kill_point
+from toolkit.run.folder import MODEL_FILES, PRUNED, RunDir, converted_state
+from toolkit.run.manifest import MANIFEST, crc32, write_manifest
+from toolkit.run.writes import failed_write
 from toolkit.strategy.distributed import Strategy
-from toolkit.writes import failed_write
 
 
 @dataclass
@@ -106,7 +107,7 @@ def begin_save(
     # training goes on from here while the writes run: the state as it is now is the checkpoint's
     saving = Saving(strategy, run, folder, copy.deepcopy(state), keep_last, model_files,
                     optimizer_parameter_names(strategy), previous)
-    # A write that fails (disk full, I/O error, permission; whatever its writer raises: toolkit.writes)
+    # A write that fails (disk full, I/O error, permission; whatever its writer raises: toolkit.run.writes)
     # on any rank fails the save on every rank: the partial folder goes, the previous checkpoint was
     # never touched, and the trainer stops or goes on as checkpoint.on_save_error says. Any other error
     # is raised as it is, its partial folder removed too.
@@ -262,7 +263,7 @@ class SaveFailed(Exception):
 
 
 def _write_failure(exc: BaseException, rank: int, folder: Path, main: bool) -> str:
-    """One line for a failed write (toolkit.writes.failed_write: an OSError, safetensors' SafetensorError,
+    """One line for a failed write (toolkit.run.writes.failed_write: an OSError, safetensors' SafetensorError,
     torch.save's RuntimeError from its zip writer, a PicklingError); anything else is re-raised, the
     partial folder removed first by the main process."""
     cause = failed_write(exc)

@@ -12,7 +12,7 @@ import torch
 
 from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState, check_moments, load_whole, step_value
 from toolkit.checkpoint.unpickling import load
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 if TYPE_CHECKING:
     from toolkit.strategy.distributed import Strategy

@@ -25,7 +25,7 @@ from toolkit.checkpoint.settings import (
     take_changed_settings,
 )
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.run_dir import RunDir
+from toolkit.run.folder import RunDir
 from toolkit.strategy.distributed import Strategy
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from toolkit.config import UserError
-from toolkit.run_dir import MODEL_FILES
+from toolkit.config.errors import UserError
+from toolkit.run.folder import MODEL_FILES
 
 
 def check_same_model(folder: Path, model: torch.nn.Module) -> None:

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.checkpoint.formats import Checkpoint
-from toolkit.config import UserError
-from toolkit.config_keys import value_at
+from toolkit.config.errors import UserError
+from toolkit.config.keys import value_at
 from toolkit.data.mixture import stages_said, trained_part
-from toolkit.run_paths import PATH_SETTINGS, READ
+from toolkit.run.paths import PATH_SETTINGS, READ
 
 
 def check_same_data_order(checkpoint: Checkpoint, seed: int, global_batch_size: int, streaming: bool = False) -> None:

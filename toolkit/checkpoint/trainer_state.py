@@ -1,5 +1,5 @@
 """What a checkpoint holds besides the strategy's tensors (`trainer_state.json`, written last: its presence marks a
-checkpoint complete, toolkit.run_dir.is_complete), with its one writer and its one reader."""
+checkpoint complete, toolkit.run.folder.is_complete), with its one writer and its one reader."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.config import KeyTwice, once
+from toolkit.config.files import KeyTwice, once
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import STATE_FILE
+from toolkit.run.folder import STATE_FILE
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 # DeepSpeed's own classes inside its checkpoint files: an enum, the loss scaler's attributes and a
 # dataclass of offsets. Allowed by name, they are rebuilt as data; nothing they name runs code.

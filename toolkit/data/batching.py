@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 
 class BatchSchedule:

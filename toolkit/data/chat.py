@@ -30,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from toolkit.config import UserError, field
+from toolkit.config.errors import UserError
+from toolkit.config.load import field
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
 from toolkit.data.records import ColumnsConfig, read_records, shapes_said, to_messages
 from toolkit.data.text_files import read_utf8

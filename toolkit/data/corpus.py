@@ -20,8 +20,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from toolkit.config import UserError, cache_dir, field
-from toolkit.config_values import name_problems, path_problems
+from toolkit.config.errors import UserError
+from toolkit.config.load import field
+from toolkit.config.user_paths import cache_dir
+from toolkit.config.values import name_problems, path_problems
 from toolkit.data.mixture import SourceConfig, StageConfig, mixture_problems
 from toolkit.data.packing import column_windows
 from toolkit.data.text_files import (

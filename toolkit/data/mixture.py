@@ -21,7 +21,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from toolkit.config import UserError, field
+from toolkit.config.errors import UserError
+from toolkit.config.load import field
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source's name is part of metric keys (eval_loss/<name>, tokens/<name>)
 

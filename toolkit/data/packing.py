@@ -44,9 +44,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from toolkit.config import UserError
-from toolkit.run_lock import one_writer
-from toolkit.writes import writing
+from toolkit.config.errors import UserError
+from toolkit.run.lock import one_writer
+from toolkit.run.writes import writing
 
 IGNORE_INDEX = -100
 PACKING_VERSION = "3"  # 3: documents over PIECE_CHARS tokenized in pieces; 2: one memory-mapped arrow file of blocks
@@ -397,7 +397,7 @@ def _packed(docs: datasets.Dataset, tokenizer, seq_len: int, cache_root: Path, k
         shutil.rmtree(tmp, ignore_errors=True)
     ranks.gather(None)  # cleared before anyone writes into it
     # a write that fails (a full disk, in this process or a tokenizing one) is one line, and the scratch and
-    # block files go with the .tmp folder (toolkit.writes.WRITERS['data cache'])
+    # block files go with the .tmp folder (toolkit.run.writes.WRITERS['data cache'])
     with writing("data cache", tmp):
         tmp.mkdir(parents=True, exist_ok=True)
         # the contiguous share datasets' shard(contiguous=True) takes, which may be empty: fewer documents than ranks

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.chat import ChatDataConfig, best_fit_decreasing, chat_template_for, render_conversation
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
 from toolkit.data.records import pair_shapes_said, read_records, to_pair

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import datasets
 
-from toolkit.config import KeyTwice, UserError, field, first_line, once
+from toolkit.config.errors import UserError, first_line
+from toolkit.config.files import KeyTwice, once
+from toolkit.config.load import field
 from toolkit.data.corpus import hub_dataset
 from toolkit.data.text_files import (
     datasets_quiet,

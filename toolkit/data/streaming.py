@@ -27,7 +27,7 @@ import datasets
 import numpy as np
 from datasets.distributed import split_dataset_by_node
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.corpus import not_text
 from toolkit.data.mixture import Shares, step_order
 from toolkit.data.packing import Layout, document_chunks, encoder

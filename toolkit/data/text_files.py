@@ -11,7 +11,8 @@ import json
 import logging
 from pathlib import Path
 
-from toolkit.config import KeyTwice, UserError, once, reencode_hint, utf16_sign
+from toolkit.config.errors import UserError
+from toolkit.config.files import KeyTwice, once, reencode_hint, utf16_sign
 
 
 @contextlib.contextmanager

@@ -16,11 +16,13 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from toolkit.config import ConfigError, UserError, field, first_line, read_json
-from toolkit.config_values import path_problems
+from toolkit.config.errors import ConfigError, UserError, first_line
+from toolkit.config.files import read_json
+from toolkit.config.load import field
+from toolkit.config.values import path_problems
 from toolkit.data.packing import document_pieces
-from toolkit.run_lock import one_writer
-from toolkit.writes import writing
+from toolkit.run.lock import one_writer
+from toolkit.run.writes import writing
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

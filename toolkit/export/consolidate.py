@@ -33,10 +33,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from toolkit.checkpoint.formats import gather_full_weights, saved_by
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import not_only_numbers
-from toolkit.config import UserError, first_line
-from toolkit.manifest import MANIFEST, check_manifest, crc32
+from toolkit.config.errors import UserError, first_line
 from toolkit.models.adapter import BASE_MODEL_FILE, load_with_adapter, merged, no_tied_warnings
-from toolkit.run_dir import MODEL_FILES, STATE_FILE, RunDir, checkpoint_step, is_complete
+from toolkit.run.folder import MODEL_FILES, STATE_FILE, RunDir, checkpoint_step, is_complete
+from toolkit.run.manifest import MANIFEST, check_manifest, crc32
 
 # The files of a checkpoint that export reads, by the strategy that saved it (beside model_files/):
 # a damaged optimizer or RNG state does not stop an export of intact weights. DeepSpeed's fp32

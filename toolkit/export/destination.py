@@ -3,7 +3,7 @@
 Training promises that nothing it did not write is deleted (`RunDir.check`: a folder holding
 foreign files is refused; overwrite=true deletes the run's own entries only). Export keeps the
 same promise. Everything it writes says so: a folder's manifest.json names recipes/export.py as
-its writer (toolkit.manifest), a GGUF carries it in `general.quantized_by`, and the Modelfile and
+its writer (toolkit.run.manifest), a GGUF carries it in `general.quantized_by`, and the Modelfile and
 report beside a GGUF begin with the lines only the export writes. --overwrite replaces such an
 export, whole, and refuses anything else: a user's folder (thesis.tex, figs/), a run or a part of
 one, a folder that is an export plus files added to it, a file that is not an export, a symbolic
@@ -24,11 +24,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from toolkit.config import UserError
-from toolkit.manifest import MANIFEST, write_manifest, written_by
-from toolkit.run_dir import RunDir, nearest_folder
-from toolkit.run_paths import run_around
-from toolkit.writes import writing
+from toolkit.config.errors import UserError
+from toolkit.run.folder import RunDir, nearest_folder
+from toolkit.run.manifest import MANIFEST, write_manifest, written_by
+from toolkit.run.paths import run_around
+from toolkit.run.writes import writing
 
 EXPORTED_BY = "llm-toolkit recipes/export.py"
 MODELFILE_FIRST_LINE = "# Ollama: ollama create "  # the first line of every Modelfile write_modelfile writes
@@ -37,7 +37,7 @@ REPORT = "export_report.md"
 
 # Every flag of recipes/export.py (argparse's dest): "output" is written, "read" is read and never
 # written into (check_output's `reads`), None is not a path. tests/toolkit/export/test_destination.py
-# fails on a flag that is not here; toolkit.run_paths.OVERLAPS lists --output against each overlap.
+# fails on a flag that is not here; toolkit.run.paths.OVERLAPS lists --output against each overlap.
 EXPORT_FLAGS: dict[str, str | None] = {
     "output": "output", "source": "read", "base": "read", "eval_text": "read",
     "checkpoint": None,  # a step-N name inside --from's run, checked there
@@ -158,7 +158,7 @@ def staging(output: Path) -> Iterator[tuple[Path, Path]]:
     renames), deleted on the way out with whatever is left in it."""
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.export-", dir=output.parent) as tmp:
-        with writing("export"):  # a write that fails inside: WriteFailed, one line (toolkit.writes.WRITERS)
+        with writing("export"):  # a write that fails inside: WriteFailed, one line (toolkit.run.writes.WRITERS)
             (Path(tmp) / "out").mkdir()
             (Path(tmp) / "work").mkdir()
             yield Path(tmp) / "out" / output.name, Path(tmp) / "work"

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from toolkit.config import UserError, first_line
+from toolkit.config.errors import UserError, first_line
 from toolkit.export.destination import EXPORTED_BY, MODELFILE_FIRST_LINE, modelfile_path
 
 try:

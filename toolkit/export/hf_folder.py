@@ -2,7 +2,7 @@
 
 Written to a temporary sibling and renamed into place (`run_dir.replace_folder`), so `final/` is
 always either the whole previous folder, the whole new one, or absent. Its manifest.json
-(toolkit.manifest: every file's size and CRC-32) lets export tell a damaged final/ or adapter/
+(toolkit.run.manifest: every file's size and CRC-32) lets export tell a damaged final/ or adapter/
 (a deleted or truncated file, a flipped bit) from an intact one, as resume does for checkpoints.
 Its weights are the fp32 master weights cast to one dtype (`checkpoint.final_dtype`, float32
 by default) under every strategy, so that swapping DDP for ZeRO-3 never changes the artifact.
@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from toolkit.faults import kill_point
-from toolkit.manifest import write_manifest
 from toolkit.models.adapter import BASE_MODEL_FILE
-from toolkit.run_dir import replace_folder
+from toolkit.run.faults import kill_point
+from toolkit.run.folder import replace_folder
+from toolkit.run.manifest import write_manifest
+from toolkit.run.writes import writing
 from toolkit.strategy.distributed import Strategy
-from toolkit.writes import writing
 
 # what a card of a model or an adapter says of the run that made it (its .format fields)
 RUN_ROWS = """| steps | {step} |
@@ -150,11 +150,11 @@ def write_model_folder(
 
     `card` replaces the training card (README.md); weights above `max_shard_size` are split
     into shards with an index, as transformers does. `writer` names it in the line a failed write
-    says (toolkit.writes.WRITERS). `dtype` casts the floating-point weights
+    says (toolkit.run.writes.WRITERS). `dtype` casts the floating-point weights
     (and says so in config.json); None keeps them as they are."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    with writing(writer, tmp):  # a failed write: one line (toolkit.writes.WRITERS), the .tmp removed
+    with writing(writer, tmp):  # a failed write: one line (toolkit.run.writes.WRITERS), the .tmp removed
         if dtype is not None:  # a torch dtype's name (checkpoint.final_dtype)
             state_dict = {
                 k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from packaging.version import Version
 
-from toolkit.config import UserError, first_line
-from toolkit.run_dir import replace_folder
+from toolkit.config.errors import UserError, first_line
+from toolkit.run.folder import replace_folder
 
 TORCHAO_MIN = "0.16"  # Int8Tensor (int8 weight-only) is safetensors-serialisable from 0.16
 INSTALL = "pip install 'llm-toolkit[quant]' (or pip install 'torchao>=0.16')"

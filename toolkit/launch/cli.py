@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the toolkit is installed from (pip install -e .)
 RECIPES = ("pretrain", "finetune", "export", "evaluate", "plan")
@@ -97,7 +97,7 @@ class OneLineParser(argparse.ArgumentParser):
     def parse_paths(self, args: argparse.Namespace, options: tuple[str, ...]) -> argparse.Namespace:
         """`options` (those naming a path) of the parsed `args` expanded as a config's paths are (~, $VAR): an
         empty one, or one that names an unset variable, is a UserError naming the option."""
-        from toolkit.user_paths import UnusablePath, expand_path
+        from toolkit.config.user_paths import UnusablePath, expand_path
 
         for action in self._actions:
             value = getattr(args, action.dest, None)

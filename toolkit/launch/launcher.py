@@ -50,11 +50,12 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.config import ConfigError, UserError, read_yaml
+from toolkit.config.errors import ConfigError, UserError
+from toolkit.config.files import read_yaml
+from toolkit.config.user_paths import from_here
 from toolkit.launch.environment import gpus_short
 from toolkit.launch.rank_process import LAUNCHER_PID
-from toolkit.user_paths import from_here
-from toolkit.writes import WriteFailed, writing
+from toolkit.run.writes import WriteFailed, writing
 
 # entry.run's codes, first the one that names the cause when ranks differ: a user error makes its
 # peers' collectives fail (4), and a rank stops (3) only when every rank does
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="llm-toolkit-launch-") as copies:
         try:
             args.config_file = paths_from_its_folder(args.config_file, Path(copies))
-        except WriteFailed as exc:  # a full temporary folder: one line (toolkit.writes.WRITERS)
+        except WriteFailed as exc:  # a full temporary folder: one line (toolkit.run.writes.WRITERS)
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return exc.exit
         return _launch(args)

@@ -22,7 +22,8 @@ from typing import Literal
 
 import torch
 
-from toolkit.config import UserError, field
+from toolkit.config.errors import UserError
+from toolkit.config.load import field
 
 # The attention and MLP projections of LLaMA/Mistral/Qwen2 (GPT-2 names them c_attn, c_proj, c_fc).
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

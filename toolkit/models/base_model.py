@@ -14,8 +14,10 @@ import torch
 import transformers
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.config import UserError, cache_dir, field, first_line
-from toolkit.config_values import path_problems
+from toolkit.config.errors import UserError, first_line
+from toolkit.config.load import field
+from toolkit.config.user_paths import cache_dir
+from toolkit.config.values import path_problems
 from toolkit.data.tokenizer import local_files_only, offline_hint
 from toolkit.models.compute import ComputeConfig
 from toolkit.models.gguf_base import HUB_ID, cache_folder, dequantise, gguf_config, resolve_gguf

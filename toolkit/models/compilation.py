@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.loss import put_loss_in_forward, unwrapped
 
 
@@ -33,7 +33,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def compile_model(model: torch.nn.Module, how: str) -> None:
     """`how`: "none", "layers" or "model" (model.compile; where "model" does not run, the launch refused it:
-    toolkit.combinations)."""
+    toolkit.config.combinations)."""
     if how == "layers":
         compile_layers(model)
     elif how == "model":

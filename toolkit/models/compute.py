@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from toolkit.config import field
-from toolkit.config_values import name_problems
+from toolkit.config.load import field
+from toolkit.config.values import name_problems
 from toolkit.data.packing import MASKED_ATTENTION, POSITION_ATTENTION, VARLEN_ATTENTION
 
 

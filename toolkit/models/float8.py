@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 EMULATE = "LLM_TOOLKIT_FP8_EMULATE"
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores (torch._scaled_mm)

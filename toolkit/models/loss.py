@@ -16,7 +16,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.packing import IGNORE_INDEX
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 
 def expert_count(config) -> int:

@@ -14,8 +14,9 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCa
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from toolkit.config import UserError, field
-from toolkit.config_values import name_problems
+from toolkit.config.errors import UserError
+from toolkit.config.load import field
+from toolkit.config.values import name_problems
 from toolkit.data.packing import MASKED_ATTENTION
 from toolkit.models.compute import ComputeConfig
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from toolkit.combinations import cast_refused
+from toolkit.config.combinations import cast_refused
 from toolkit.parallel_layout import ParallelLayout
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a mixed precision's compute dtype (Accelerate's names)
@@ -85,7 +85,7 @@ def weight_cast(setting: str, model: torch.nn.Module, layout: ParallelLayout, au
                 compile_mode: str = "none") -> WeightCast | None:
     """model.cast_weights (auto, per_forward or per_step) for this run: a WeightCast, or None for autocast's
     casts at every forward. auto = per_step where it applies; per_step elsewhere the launch refused
-    (toolkit.combinations)."""
+    (toolkit.config.combinations)."""
     if not auto_applies(setting, layout, autocast_dtype, compile_mode):
         return None
     return WeightCast(model, autocast_dtype)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.router import expert_count
 from toolkit.planner.facts import Run
 from toolkit.strategy.distributed import backend_of
@@ -244,7 +244,7 @@ def moe_bytes_per_token(shapes: Shapes, run: Run) -> float:
     token ids). Qwen3-MoE's and Mixtral's blocks (the same grouped_mm experts) measured alike.
 
     Expert parallel (fsdp_tp.yaml: ep = tp, transformers' AllToAllEP; measured on 2 gloo processes,
-    tests/toolkit/planner/model_parallel_memory_probe.py): the router runs on every token of the batch the tp ranks share and
+    tests/support/model_parallel_memory_probe.py): the router runs on every token of the batch the tp ranks share and
     keeps the same as above for all of them. Each rank then sends the k routed copies of its 1/tp of the
     tokens to the ranks of their experts and keeps, per copy sent: the gather's int64 index (8), the
     int64 order the results come back in (8), the returned expert output (x·h) and its routing weight.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.launch.environment import local_world_size
 from toolkit.planner.activations import Shapes, activation_bytes, dtypes, loss_bytes, sequence_mask_bytes
 from toolkit.planner.facts import Run, StrategyFacts, live_facts

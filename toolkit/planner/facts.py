@@ -9,7 +9,8 @@ from typing import Literal
 
 import torch
 
-from toolkit.config import UserError, first_line, read_json, read_yaml
+from toolkit.config.errors import UserError, first_line
+from toolkit.config.files import read_json, read_yaml
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.parallelism import AXES, parallel_layout
 

@@ -33,7 +33,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from toolkit.config import UserError, read_json
+from toolkit.config.errors import UserError
+from toolkit.config.files import read_json
 from toolkit.launch.environment import (
     LAUNCHED_PRECISION,
     has_gpu,

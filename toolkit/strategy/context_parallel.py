@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.packing import document_ids
 from toolkit.models.loss import targets_of
 from toolkit.models.router import expert_count

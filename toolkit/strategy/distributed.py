@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.launch.environment import (
     LAUNCHED_PRECISION,
     gpu_short,

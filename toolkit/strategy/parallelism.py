@@ -8,8 +8,8 @@ import math
 import os
 from collections.abc import Mapping
 
-from toolkit.combinations import FP16_IN_A_PIPELINE
-from toolkit.config import UserError
+from toolkit.config.combinations import FP16_IN_A_PIPELINE
+from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.packing import block_causal_mask
 from toolkit.models.loss import targets_of
 from toolkit.parallel_layout import ParallelLayout

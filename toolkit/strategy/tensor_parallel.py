@@ -47,7 +47,7 @@ import warnings
 import torch
 from transformers import PretrainedConfig
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.router import expert_count
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.parallelism import device_mesh

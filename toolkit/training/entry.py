@@ -6,7 +6,7 @@ fell out of step and one waited past train.collective_timeout_s, or a peer died 
 line per rank, naming the rank, the collective, where and at which step), 5 the run could not
 go on and says why in one line: the loss or gradients stayed non-finite (train.on_nonfinite,
 train.max_nonfinite_skips), a checkpoint could not be written (checkpoint.on_save_error=stop) or another
-file the run needs could not (toolkit.writes.WRITERS: the data cache, final/, ...);
+file the run needs could not (toolkit.run.writes.WRITERS: the data cache, final/, ...);
 the previous checkpoint is intact and resume=auto continues once the cause is fixed.
 
 A user error met by one rank only (rank 0 reads the data while the others wait in a barrier)
@@ -28,17 +28,19 @@ import sys
 import yaml
 
 from toolkit import quiet_weight_bars
-from toolkit.config import SHIPPED_CONFIGS, UserError, load_config, to_dict
-from toolkit.config_keys import key_lines
+from toolkit.config.errors import UserError
+from toolkit.config.files import SHIPPED_CONFIGS
+from toolkit.config.keys import key_lines
+from toolkit.config.load import load_config, to_dict
+from toolkit.config.user_paths import from_here
 from toolkit.launch.cli import CALLED_AS
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
 from toolkit.launch.verdict import report_once, reported_verdict
-from toolkit.run_dir import release_all
+from toolkit.run.folder import release_all
+from toolkit.run.writes import WriteFailed
 from toolkit.strategy.collectives import collective_failure
 from toolkit.training.trainer import Diverged, SaveStopped, Stopped
-from toolkit.user_paths import from_here
-from toolkit.writes import WriteFailed
 
 
 def shipped_config() -> str:
@@ -125,7 +127,7 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
     except UserError as exc:
         report_once(f"error: {exc}", 2)
         return 2
-    except WriteFailed as exc:  # a file the run needs could not be written (toolkit.writes.WRITERS): one line
+    except WriteFailed as exc:  # a file the run needs could not be written (toolkit.run.writes.WRITERS): one line
         report_once(f"error: {exc}", exc.exit)
         return exc.exit
     except (Diverged, SaveStopped) as exc:  # raised on every rank at the same step: one line says it

@@ -10,8 +10,8 @@ import datasets
 import torch
 from accelerate import Accelerator
 
-from toolkit.config import field
-from toolkit.config_values import path_problems
+from toolkit.config.load import field
+from toolkit.config.values import path_problems
 from toolkit.data.packing import IGNORE_INDEX, collate
 from toolkit.models.loss import forward_loss_sum, targets_of
 from toolkit.models.preference_loss import STATS, PreferenceLoss

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 INSTALL = "pip install -e '.[eval]' (or pip install lm-eval)"
 

@@ -25,8 +25,8 @@ from toolkit.export.hf_folder import save_final_model
 from toolkit.launch.cli import ROOT
 from toolkit.launch.environment import alone_environment
 from toolkit.launch.rank_process import TRAINER_PID
+from toolkit.run.writes import WriteFailed, writing
 from toolkit.training.harness import HarnessConfig, check_tasks, harness, task_manager
-from toolkit.writes import WriteFailed, writing
 
 LOG = "harness.log"  # every scoring's output, appended, in harness/
 

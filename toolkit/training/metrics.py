@@ -15,10 +15,10 @@ import torch
 from accelerate.utils import LoggerType
 from tqdm.auto import tqdm
 
-from toolkit.config import field
+from toolkit.config.load import field
 from toolkit.models.scratch import count_parameters
+from toolkit.run.writes import writing
 from toolkit.training.profiling import check_steps
-from toolkit.writes import writing
 
 # Dense bf16 peak (no sparsity) per GPU, FLOP/s, from the vendors' datasheets.
 PEAK_BF16_FLOPS = {
@@ -80,7 +80,7 @@ def check_trackers(trackers: list[str]) -> None:
     log nowhere. Its own availability checks decide (accelerate.tracking)."""
     import accelerate.tracking
 
-    from toolkit.config import UserError
+    from toolkit.config.errors import UserError
 
     available = {str(t) for t in accelerate.tracking.get_available_trackers()}
     for name in trackers:
@@ -175,7 +175,7 @@ class MetricsWriter:
     """Appends one JSON object per line; on resume, drops lines past the resumed step, and a
     last line torn by a hard kill (it would otherwise make every later read fail). A write that
     fails (a full disk) is said once through `say`, and the run goes on without metrics.jsonl's
-    later rows (toolkit.writes.WRITERS['metrics'])."""
+    later rows (toolkit.run.writes.WRITERS['metrics'])."""
 
     def __init__(self, path: Path, resume_step: int | None, say: Callable[[str], None] = print):
         self.path, self.say = path, say
@@ -225,7 +225,7 @@ class MetricsWriter:
 
 class TrackerLog:
     """The numbers of each row to the trackers Accelerate drives (logging.trackers), until a write fails (a full
-    disk): said once through `say`, then left alone for the rest of the run (toolkit.writes.WRITERS['trackers'])."""
+    disk): said once through `say`, then left alone for the rest of the run (toolkit.run.writes.WRITERS['trackers'])."""
 
     def __init__(self, accelerator, trackers: list[str], say: Callable[[str], None]):
         self.accelerator, self.trackers, self.say, self.written = accelerator, trackers, say, True

@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from toolkit.config import field
+from toolkit.config.load import field
 
 
 @dataclass

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.run_dir import RunDir
-from toolkit.writes import writing
+from toolkit.run.folder import RunDir
+from toolkit.run.writes import writing
 
 TOP = 12  # kernels and gaps in the table
 # Each kernel's (or CPU operator's) kind, by the first pattern its lowered name holds: what a step's device time

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from toolkit.checkpoint.manager import CheckpointConfig
-from toolkit.config import field
-from toolkit.config_keys import dotted_keys
-from toolkit.config_values import name_problems, path_problems
+from toolkit.config.keys import dotted_keys
+from toolkit.config.load import field
+from toolkit.config.values import name_problems, path_problems
 from toolkit.data.chat import ChatDataConfig
 from toolkit.data.corpus import DataConfig
 from toolkit.data.records import ColumnsConfig
@@ -19,7 +19,7 @@ from toolkit.models.adapter import AdapterConfig
 from toolkit.models.base_model import BaseModelConfig
 from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.scratch import ModelConfig
-from toolkit.run_paths import PATH_SETTINGS
+from toolkit.run.paths import PATH_SETTINGS
 from toolkit.training.evaluation import EvalConfig
 from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
@@ -30,8 +30,8 @@ from toolkit.training.unused import repeated_entries, unused_settings
 SEED_MAX = 2**32 - 1  # numpy's legacy seed range, the common one; the data order's generator takes seed x 1,000,003
 
 # Every key whose value is a path, and what it names: load_config expands `~` and environment variables in them
-# (toolkit.config.expand_path), the same way wherever they are read; relative ones are relative to where the recipe
-# runs. A string key missing here is not a path: tests/toolkit/test_config.py fails for one that is neither.
+# (toolkit.config.user_paths.expand_path), the same way wherever they are read; relative ones are relative to where the recipe
+# runs. A string key missing here is not a path: tests/toolkit/training/test_recipe_config.py fails for one that is neither.
 # Keys renamed in 0.2 (one name per concept across the recipes); the old ones work for one release.
 EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval.blocks"}
 
@@ -348,7 +348,7 @@ class FinetuneConfig(RunConfig):
 
 
 def path_keys(cls: type) -> tuple[str, ...]:
-    """The keys of a recipe's config that hold paths (toolkit.run_paths.PATH_SETTINGS): load_config expands `~` and
+    """The keys of a recipe's config that hold paths (toolkit.run.paths.PATH_SETTINGS): load_config expands `~` and
     variables in them."""
     keys = dotted_keys(cls)
     return tuple(k for k, role in PATH_SETTINGS.items() if role is not None and k.split("[]")[0] in keys)

@@ -20,14 +20,14 @@ import datasets
 import numpy as np
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.preference import collate_pairs
 from toolkit.models.base_model import BaseModelConfig
 from toolkit.models.gguf_base import resolve_gguf
 from toolkit.models.preference_loss import token_logps
-from toolkit.run_dir import RunDir
+from toolkit.run.folder import RunDir
+from toolkit.run.writes import writing
 from toolkit.training.step import on_device
-from toolkit.writes import writing
 
 
 @torch.no_grad()

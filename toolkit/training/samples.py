@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from toolkit.config import UserError, field
+from toolkit.config.errors import UserError
+from toolkit.config.load import field
+from toolkit.run.writes import writing
 from toolkit.strategy.distributed import check_whole
-from toolkit.writes import writing
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from accelerate import Accelerator
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.loss import forward_loss_sum
 from toolkit.models.preference_loss import STATS, PreferenceLoss
 from toolkit.models.router import RouterLoss

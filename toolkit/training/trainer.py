@@ -32,22 +32,23 @@ from toolkit.checkpoint.manager import SaveFailed, Saving, begin_save
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.settings import trained_settings
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.combinations import check as check_combinations
-from toolkit.config import UserError, to_dict
+from toolkit.config.combinations import check as check_combinations
+from toolkit.config.errors import UserError
+from toolkit.config.load import to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
 from toolkit.data.packing import check_attention
 from toolkit.data.streaming import MixedStreams, StreamingBlocks
 from toolkit.export.hf_folder import write_model_files
-from toolkit.faults import kill_point, killing_batches, model_kill_points
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import launch_id
 from toolkit.models.loss import output_head
 from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.models.weight_cast import AUTOCAST, weight_cast
-from toolkit.run_dir import RunDir
-from toolkit.run_paths import check_run_paths
+from toolkit.run.faults import kill_point, killing_batches, model_kill_points
+from toolkit.run.folder import RunDir
+from toolkit.run.paths import check_run_paths
 from toolkit.strategy.accelerator import release_freed_memory
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from toolkit.config_keys import value_at as get
+from toolkit.config.keys import value_at as get
 
 _LORA = ("adapter.method", ("lora", "qlora"), "LoRA's")
 _CHAT = ("data.format", ("chat",), "chat records'")
@@ -55,7 +55,7 @@ USED_WHEN: dict[str, Need | Callable[[Any], str | None]] = {
     **{f"data.{name}": (lambda cfg, name=name: "data.sources name their own" if cfg.data.sources else None)
        for name in ("name", "split")},
     # the end's save waits for its files either way (the run ends with its checkpoint complete); refused where it
-    # cannot write in the background at all: toolkit.combinations
+    # cannot write in the background at all: toolkit.config.combinations
     "checkpoint.async_save": lambda cfg: (
         "checkpoint.every=0 saves only at the end, which waits for its files either way" if not cfg.checkpoint.every
         else None),

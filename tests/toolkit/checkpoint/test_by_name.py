@@ -13,7 +13,7 @@ from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.ddp import load_into as load_into_ddp
 from toolkit.checkpoint.formats import Checkpoint
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.parameters import parameter_names
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")

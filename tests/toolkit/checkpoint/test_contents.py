@@ -15,7 +15,7 @@ from toolkit.checkpoint.formats import FORMATS, saved_by
 from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.export.hf_folder import write_model_files
-from toolkit.run_dir import RunDir
+from toolkit.run.folder import RunDir
 
 FIXTURES = sorted((Path(__file__).parents[2] / "fixtures" / "checkpoints").glob("*/step-*"))
 

@@ -22,10 +22,10 @@ from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
 from toolkit.checkpoint.formats import Checkpoint, saved_layout
 from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.run_dir import RunDir, converted_state
+from toolkit.run.folder import RunDir, converted_state
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 

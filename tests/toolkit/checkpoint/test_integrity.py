@@ -7,8 +7,8 @@ import pytest
 
 from toolkit.checkpoint.integrity import check_state_file
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.manifest import MANIFEST, crc32, write_manifest
 from toolkit.parallel_layout import ParallelLayout
+from toolkit.run.manifest import MANIFEST, crc32, write_manifest
 
 
 def a_zero3_checkpoint(folder, missing: str | None = None):

@@ -9,8 +9,8 @@ import torch
 from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.config import UserError
-from toolkit.run_dir import RunDir
+from toolkit.config.errors import UserError
+from toolkit.run.folder import RunDir
 
 
 def test_a_resume_reads_the_checkpoint_once_and_continues_from_it(tmp_path, strategy, monkeypatch):

@@ -10,8 +10,8 @@ from one_process_checkpoints import launch
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import load_checkpoint, save_checkpoint
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.config import UserError
-from toolkit.run_dir import RunDir
+from toolkit.config.errors import UserError
+from toolkit.run.folder import RunDir
 
 
 def test_resuming_with_another_model_shape_is_one_line_before_loading(tmp_path, strategy, tiny_model):

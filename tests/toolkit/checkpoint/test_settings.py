@@ -9,7 +9,7 @@ import pytest
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.settings import check_same_data_order
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 
 def test_a_resume_with_another_seed_or_global_batch_is_refused_and_anything_else_is_not(tmp_path):
@@ -63,7 +63,7 @@ def test_a_resume_takes_a_changed_preference_setting_from_the_next_step_and_says
     """The objective and its beta, gamma and lambda are read at every step: a checkpoint records them and a resume
     that changes one names it in the resume line (a pretraining config has none of them)."""
     from toolkit.checkpoint.settings import check_same_settings, take_changed_settings, trained_settings
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
     dpo = ["train.objective=dpo", "data.format=preference"]
@@ -87,7 +87,7 @@ def test_every_key_of_the_recipe_configs_says_what_a_resume_does_with_its_change
     """Refused, taken from the next step (said), kept by AdamW's state (refused), checked on its own, or free with
     the reason: a new key fails here until classified."""
     from toolkit.checkpoint import settings as s
-    from toolkit.config_keys import dotted_keys
+    from toolkit.config.keys import dotted_keys
     from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
     classified = [*s.REFUSED, *s.OWN_CHECK, *s.SCHEDULE, *s.FROM_NEXT_STEP, *s.KEPT_BY_THE_OPTIMIZER, *s.FREE]
@@ -100,7 +100,7 @@ def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_sha
     """Walks every recorded key of a recipe's config: a checkpoint records each refused and taken one, a resume with
     another value of a refused one is one line naming it and what it decides, of a taken one is taken and said."""
     from toolkit.checkpoint import settings as s
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
     cls = PretrainConfig if recipe == "pretrain" else FinetuneConfig
@@ -130,7 +130,7 @@ def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_sha
 
 def test_a_path_is_recorded_as_the_file_it_names_wherever_the_run_is_launched_from(tmp_path, monkeypatch):
     from toolkit.checkpoint.settings import trained_settings
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.training.recipe_config import PretrainConfig
 
     (tmp_path / "corpus.txt").write_text("text\n")

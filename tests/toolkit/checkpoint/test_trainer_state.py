@@ -1,7 +1,7 @@
 """The state a checkpoint carries: its one writer and its one reader (toolkit.checkpoint.trainer_state)."""
 
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.run_dir import STATE_FILE
+from toolkit.run.folder import STATE_FILE
 
 
 def test_one_reader_and_one_writer_for_the_trainer_state(tmp_path):

@@ -12,8 +12,8 @@ from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import load_checkpoint, save_checkpoint
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.checkpoint.unpickling import numbers_only_resume
-from toolkit.config import UserError
-from toolkit.run_dir import RunDir
+from toolkit.config.errors import UserError
+from toolkit.run.folder import RunDir
 
 
 class _Payload:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.batching import BatchSchedule
 from toolkit.strategy.parallelism import accumulation_steps
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from toolkit.config import ConfigError, UserError, load_config
+from toolkit.config.errors import ConfigError, UserError
+from toolkit.config.load import load_config
 from toolkit.data.chat import (
     ChatDataConfig,
     chat_target_counts,

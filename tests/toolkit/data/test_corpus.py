@@ -14,7 +14,7 @@ import datasets
 import pytest
 from unprivileged import error_as_nobody
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.corpus import EMBEDDED, DataConfig, load_corpus, split_documents, utf8_problem
 
 TEXT = "first para line1\nline2\n\nsecond para\n\n\n\nthird\n"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from toolkit.config import UserError, load_config
+from toolkit.config.errors import UserError
+from toolkit.config.load import load_config
 from toolkit.data.corpus import DataConfig
 from toolkit.data.mixture import (
     MixtureSchedule,
@@ -143,7 +144,7 @@ def data_section(tmp_path, sources: list, stages: list | None = None, **keys) ->
 
 def test_a_source_without_a_name_or_with_a_misspelled_key_is_refused_by_the_loader(tmp_path):
     """The refusals of a mixture itself, one line each, are the recipe's (tests/recipes/test_pretrain_errors.py)."""
-    from toolkit.config import ConfigError
+    from toolkit.config.errors import ConfigError
 
     for sources, says in (([{"path": "data/web"}], "missing required key data.sources[0].name"),
                           ([{"name": "web", "wieght": 2}], "unknown key data.sources[0].wieght; did you mean "

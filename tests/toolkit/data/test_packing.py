@@ -6,7 +6,6 @@ import dataclasses
 import json
 import sys
 import threading
-from pathlib import Path
 
 import datasets
 import numpy as np
@@ -14,7 +13,7 @@ import probe_ranks
 import pytest
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data import packing
 from toolkit.data.packing import (
     IGNORE_INDEX,
@@ -511,7 +510,7 @@ def test_two_processes_prepare_their_shares_through_the_process_group(docs, tiny
     """The same as one process, through torch.distributed's gather on 2 gloo processes."""
     tiny_tokenizer.save_pretrained(tmp_path / "tokenizer")
     (tmp_path / "corpus.json").write_text(json.dumps(list(docs["text"])))
-    probe = Path(__file__).with_name("packing_ranks_probe.py")
+    probe = probe_ranks.SUPPORT / "packing_ranks_probe.py"
     proc = probe_ranks.run(probe, [tmp_path / "tokenizer", tmp_path / "corpus.json", tmp_path / "cache", SEQ_LEN], nproc=2)
     assert proc.returncode == 0, proc.stdout[-4000:]
     folder = next((tmp_path / "cache").iterdir())

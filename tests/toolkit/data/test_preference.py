@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.chat import ChatDataConfig
 from toolkit.data.packing import IGNORE_INDEX
 from toolkit.data.preference import (

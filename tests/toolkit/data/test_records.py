@@ -8,7 +8,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.chat import ChatDataConfig, chat_blocks, tokenize_conversations
 from toolkit.data.packing import IGNORE_INDEX
 from toolkit.data.records import FORMATS, read_records, shape_of, shapes_said, to_messages
@@ -369,7 +369,7 @@ def test_each_source_of_a_chat_mixture_reads_its_records_by_its_own_shape_or_map
     """data.sources for chat as for text (where each source names its text_column): a source names its own
     record_format or columns (a support-desk export mixed with ShareGPT and Alpaca sets); one naming neither reads by
     data.record_format and data.columns. Each is checked before the model and packed by its own."""
-    from toolkit.config import load_config
+    from toolkit.config.load import load_config
     from toolkit.data.records import check_first_records
     from toolkit.training.recipe_config import FinetuneConfig
 

@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 import pytest
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data import streaming
 from toolkit.data.packing import pack_documents, tokenize_documents
 from toolkit.data.streaming import StreamingBlocks, held_out_documents

@@ -34,7 +34,7 @@ def test_parquet_problem_tells_what_the_file_is_instead(tmp_path):
 ])
 def test_a_file_that_is_not_text_is_not_told_to_be_re_encoded_from_latin1(tmp_path, head, says):
     """A compressed or binary file (--eval-text, data.path, a template) got 'iconv -f latin1': a text of its bytes."""
-    from toolkit.config import UserError
+    from toolkit.config.errors import UserError
     from toolkit.data.text_files import read_utf8
 
     path = tmp_path / "held_out.txt"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datasets
 import pytest
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.tokenizer import TokenizerConfig, get_tokenizer, load_tokenizer, train_bpe
 
 TEXT = "def main():\n    print('héllo, wörld')  # ünïcode and emoji 🙂\n"

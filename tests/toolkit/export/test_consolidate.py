@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.export.consolidate import load_model, resolve_source
 
 
@@ -284,7 +284,7 @@ def test_an_adapter_finds_its_base_by_name_or_asks_for_it(model, tiny_tokenizer,
 
 def with_manifest(folder: Path) -> Path:
     """As training writes a checkpoint: the manifest, then the state file naming its checksum."""
-    from toolkit.manifest import crc32, write_manifest
+    from toolkit.run.manifest import crc32, write_manifest
 
     state = json.loads((folder / "trainer_state.json").read_text())
     (folder / "trainer_state.json").unlink()

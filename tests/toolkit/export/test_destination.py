@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.export import destination
-from toolkit.manifest import write_manifest
-from toolkit.writes import WriteFailed
+from toolkit.run.manifest import write_manifest
+from toolkit.run.writes import WriteFailed
 
 
 def tree(root: Path) -> dict[str, bytes | None]:

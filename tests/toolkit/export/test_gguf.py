@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.export.gguf import GGUF_TYPES, SUPPORTED_ARCHITECTURES, write_gguf, write_modelfile
 
 gguf = installed.module("gguf", "smollm2")

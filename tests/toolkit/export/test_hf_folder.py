@@ -38,7 +38,7 @@ def test_without_a_dtype_the_weights_stay_as_they_are(tiny_model, tiny_tokenizer
 
 def test_the_folder_carries_a_manifest_that_finds_a_flipped_bit(tiny_model, tiny_tokenizer, tmp_path):
     """So that export tells a damaged final/ from an intact one, as resume does for a checkpoint."""
-    from toolkit.manifest import check_manifest
+    from toolkit.run.manifest import check_manifest
 
     out = write_model_folder(tiny_model(tokenizer=tiny_tokenizer), tiny_tokenizer, tmp_path / "final", {"params": 1,
                              "step": 2, "tokens": 3, "recipe": "pretrain", "model_type": "llama", "strategy": "DDP"}, {})

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.export import quantize
 from toolkit.export.quantize import DEVICES, HF_QUANTS, check_device, devices, quantize_folder
 

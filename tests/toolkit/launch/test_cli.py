@@ -58,7 +58,7 @@ def test_the_command_runs_the_recipe_with_the_shipped_files_found_by_name(case, 
     assert said == [w if w != "PY" else sys.executable for w in expected]
 
 
-# llm-toolkit's own argument by kind (tests/wrong_arguments.py lists each kind's wrong values); the options it looks
+# llm-toolkit's own argument by kind (tests/support/wrong_arguments.py lists each kind's wrong values); the options it looks
 # shipped files up for go on to the recipe or the launcher as written, which refuse them in their words:
 # tests/toolkit/training/test_entry.py (--config), test_launcher.py (--config_file)
 KINDS = {"recipe": "choice"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.adapter import (
     ADAPTABLE,
     CUDA_ONLY,

@@ -15,7 +15,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 from transformers.trainer_utils import validate_quantization_for_training
 
-from toolkit.config import ConfigError, UserError, load_config
+from toolkit.config.errors import ConfigError, UserError
+from toolkit.config.load import load_config
 from toolkit.models import base_model, gguf_base
 from toolkit.models.base_model import BaseModelConfig, load_base_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.packing import block_causal_mask, labels_for
 from toolkit.models.compilation import compile_layers, compile_model, decoder_layers
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing

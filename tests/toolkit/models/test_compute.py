@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from toolkit.config import ConfigError, load_config
+from toolkit.config.errors import ConfigError
+from toolkit.config.load import load_config
 from toolkit.models.base_model import BaseModelConfig
 from toolkit.models.compute import ComputeConfig
 from toolkit.models.scratch import ModelConfig

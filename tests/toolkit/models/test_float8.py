@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.config import ConfigError, UserError, load_config
+from toolkit.config.errors import ConfigError, UserError
+from toolkit.config.load import load_config
 from toolkit.data.packing import collate, pack_documents, tokenize_documents
 from toolkit.models import float8
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig

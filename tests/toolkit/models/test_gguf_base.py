@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import validate_quantization_for_training
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.export.gguf import write_gguf
 from toolkit.models import gguf_base
 from toolkit.models.base_model import BaseModelConfig, load_base_model

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.planner.activations import Shapes, selective_bytes_per_token

@@ -20,7 +20,7 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.packing import IGNORE_INDEX, collate, pack_documents, target_counts, tokenize_documents
 from toolkit.models.loss import backward_scale, forward_loss_sum, linear_cross_entropy_sum, token_loss_sum
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.data.packing import attention_inputs
 from toolkit.models.router import RouterLoss
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models.scratch import (
     ModelConfig,
     build_model,

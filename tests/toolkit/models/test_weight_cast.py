@@ -93,7 +93,7 @@ LAYOUTS = {  # where the copy cannot be made once per step, and why
 
 @pytest.mark.parametrize("case", LAYOUTS)
 def test_auto_falls_back_where_per_step_cannot_apply(tiny_model, case):
-    """(per_step there is refused at launch: tests/toolkit/test_combinations.py)"""
+    """(per_step there is refused at launch: tests/toolkit/config/test_combinations.py)"""
     layout, dtype, why = LAYOUTS[case]
     model = tiny_model("llama")
     assert why in applies(layout, dtype)

@@ -27,7 +27,7 @@ import torch
 from planner_models import PROBE_SIZES, ROOT, llama_1b, probe_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.planner.activations import (
     Shapes,
@@ -65,7 +65,7 @@ def test_tensor_context_and_sequence_parallel_ranks_hold_what_the_estimate_says(
     rank sends (its half of the tokens) and what its experts receive (half of all the copies), under
     autocast and in fp32, and for Mixtral (fp32 routing weights)."""
     out = tmp_path / "ranks.json"
-    proc = probe_ranks.run(Path(__file__).with_name("model_parallel_memory_probe.py"), [out], nproc=2, timeout=600)
+    proc = probe_ranks.run(probe_ranks.SUPPORT / "model_parallel_memory_probe.py", [out], nproc=2, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = json.loads(out.read_text())
     world, batch, seq = ranks[0]["world"], ranks[0]["batch"], ranks[0]["seq"]
@@ -144,7 +144,7 @@ def test_pipeline_stages_hold_what_the_estimate_says(tmp_path):
     the final norm and the head (the tied embedding's copy); each its weights, gradients and AdamW state
     whole, and a receive buffer per micro-batch of the step. The estimate is the larger stage's."""
     out = tmp_path / "stages.json"
-    proc = probe_ranks.run(Path(__file__).with_name("pipeline_memory_probe.py"), [out], nproc=2)
+    proc = probe_ranks.run(probe_ranks.SUPPORT / "pipeline_memory_probe.py", [out], nproc=2)
     assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = sorted(json.loads(out.read_text()), key=lambda r: r["stage"])
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,

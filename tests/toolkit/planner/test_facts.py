@@ -6,7 +6,7 @@ import pytest
 import yaml
 from planner_models import ROOT
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.planner.facts import read_strategy
 from toolkit.strategy.parallelism import launched_sizes
 

@@ -101,7 +101,7 @@ def test_fsdp2_reduces_gradients_in_fp32_under_mixed_precision(precision, param_
 def test_a_deepspeed_json_that_cannot_work_is_one_line(monkeypatch, tmp_path, text, says):
     """What a launch under such an accelerate config reads first (tests/recipes/test_strategy_errors.py
     launches one, whose micro-batch contradicts the recipe's)."""
-    from toolkit.config import UserError
+    from toolkit.config.errors import UserError
     from toolkit.strategy.accelerator import check_deepspeed_config
 
     (tmp_path / "ds.json").write_text(text)

@@ -8,7 +8,6 @@ CUDA tensors in torch 2.11, both seen on an H100)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import probe_ranks
@@ -70,7 +69,7 @@ def test_what_cannot_be_split_is_named():
 
 def run_probe(tmp_path, device: str, dtype: str) -> dict:
     out = tmp_path / "result.json"
-    proc = probe_ranks.run(Path(__file__).with_name("context_parallel_probe.py"), [out, device, dtype], nproc=2)
+    proc = probe_ranks.run(probe_ranks.SUPPORT / "context_parallel_probe.py", [out, device, dtype], nproc=2)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads(out.read_text())
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 
 
 @pytest.mark.parametrize(("world", "sizes", "says"), [

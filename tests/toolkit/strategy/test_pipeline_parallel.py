@@ -6,7 +6,6 @@ weight's gradient, the clipped norm and the next loss (CPU gloo)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import probe_ranks
 import pytest
@@ -55,7 +54,7 @@ def test_what_cannot_be_cut_is_named():
 
 def run_probe(tmp_path, processes: int, stages: int, tied: bool) -> dict:
     out = tmp_path / "result.json"
-    proc = probe_ranks.run(Path(__file__).with_name("pipeline_parallel_probe.py"), [out, stages, int(tied), "1.0"],
+    proc = probe_ranks.run(probe_ranks.SUPPORT / "pipeline_parallel_probe.py", [out, stages, int(tied), "1.0"],
                            nproc=processes)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads(out.read_text())

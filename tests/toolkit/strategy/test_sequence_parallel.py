@@ -7,7 +7,6 @@ block-causal mask (DeepSpeed's own registration drops it under sdpa) the loss is
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import probe_ranks
@@ -63,7 +62,7 @@ def test_what_cannot_be_split_is_named():
 
 def run_probe(tmp_path, kv_heads: int, mask: str) -> dict:
     out = tmp_path / "result.json"
-    proc = probe_ranks.run(Path(__file__).with_name("sequence_parallel_probe.py"), [out, kv_heads, mask], nproc=2)
+    proc = probe_ranks.run(probe_ranks.SUPPORT / "sequence_parallel_probe.py", [out, kv_heads, mask], nproc=2)
     assert proc.returncode == 0, proc.stdout[-4000:]
     # on CPU, SequenceParallel keeps DeepSpeed's comm from building its shared-memory kernel (~30 s on a new machine)
     assert "shm_comm" not in proc.stdout

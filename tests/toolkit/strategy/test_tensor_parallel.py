@@ -6,13 +6,12 @@ after an AdamW step, its tied embedding and head still one weight."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import probe_ranks
 import pytest
 from transformers import AutoConfig
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.strategy.tensor_parallel import expert_parallel, problems, split
 
 
@@ -68,7 +67,7 @@ def test_split_refuses_before_touching_the_model(tiny_model):
 
 def probe(tmp_path, model_type: str, attention: str) -> dict:
     out = tmp_path / f"{model_type}-{attention}.json"
-    proc = probe_ranks.run(Path(__file__).with_name("tensor_parallel_probe.py"), [out, model_type, attention], nproc=2)
+    proc = probe_ranks.run(probe_ranks.SUPPORT / "tensor_parallel_probe.py", [out, model_type, attention], nproc=2)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads(out.read_text())
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import wrong_arguments
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.training.entry import run
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.trainer import Stopped
@@ -148,7 +148,7 @@ def test_print_config_shows_the_resolved_config_without_running_and_reads_back(t
     assert "did you mean train.max_steps?" in capsys.readouterr().err
 
 
-# every option of a recipe by kind (tests/wrong_arguments.py lists each kind's wrong values); the rest are overrides
+# every option of a recipe by kind (tests/support/wrong_arguments.py lists each kind's wrong values); the rest are overrides
 KINDS = {"--config": "file", "--print-config": "switch", "--help": "help", "overrides": "overrides"}
 
 

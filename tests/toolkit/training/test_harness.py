@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from harness_tasks import write_tasks
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.training.harness import INSTALL, HarnessConfig, check_tasks, harness, scores, task_manager
 
 WRONG = [

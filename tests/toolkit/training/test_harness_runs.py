@@ -15,7 +15,7 @@ from accelerate.state import AcceleratorState
 from harness_tasks import write_tasks
 from one_process_trainer import packed_blocks, start_trainer
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.training.harness_runs import LOG, HarnessRuns
 
 

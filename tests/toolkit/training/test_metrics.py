@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.training.metrics import (
     LoggingConfig,
     MetricsWriter,

@@ -13,11 +13,12 @@ from one_process_trainer import packed_blocks, start_trainer
 from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.config import ConfigError, UserError, load_config
+from toolkit.config.errors import ConfigError, UserError
+from toolkit.config.load import load_config
 from toolkit.data.packing import collate
-from toolkit.manifest import crc32, write_manifest
 from toolkit.models.loss import forward_loss_sum
-from toolkit.run_dir import STATE_FILE
+from toolkit.run.folder import STATE_FILE
+from toolkit.run.manifest import crc32, write_manifest
 from toolkit.training.metrics import read_metrics
 from toolkit.training.nonfinite import ENV, dead_model
 from toolkit.training.recipe_config import PretrainConfig

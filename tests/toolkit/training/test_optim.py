@@ -14,7 +14,8 @@ from accelerate.state import AcceleratorState, GradientState
 
 import toolkit.strategy.collectives as collectives
 import toolkit.strategy.distributed as distributed
-from toolkit.config import ConfigError, load_config
+from toolkit.config.errors import ConfigError
+from toolkit.config.load import load_config
 from toolkit.training.optim import OptimConfig, build_optimizer, build_scheduler, prepare_optimization
 
 LR = 1e-3

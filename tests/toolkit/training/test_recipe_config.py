@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.config import ConfigError, load_config
+from toolkit.config.errors import ConfigError
+from toolkit.config.load import load_config
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
@@ -141,8 +142,8 @@ def test_a_pretraining_source_naming_a_chat_shape_is_refused():
 
 @pytest.mark.parametrize("cls", [PretrainConfig, FinetuneConfig], ids=lambda c: c.__name__)
 def test_the_path_keys_load_config_expands_are_the_classified_paths_this_recipe_has(cls):
-    """Every text key is classified in toolkit.run_paths.PATH_SETTINGS (test_run_paths); these are its paths."""
-    from toolkit.run_paths import PATH_SETTINGS
+    """Every text key is classified in toolkit.run.paths.PATH_SETTINGS (test_run_paths); these are its paths."""
+    from toolkit.run.paths import PATH_SETTINGS
 
     expected = {"output_dir", "resume", "data.path", "data.sources[].path", "data.cache_dir", "eval.harness_include_path"} | (
         {"tokenizer.path"} if cls is PretrainConfig else

@@ -26,7 +26,8 @@ def test_a_sharded_model_is_refused_instead_of_hanging(tiny_model, tiny_tokenize
 @pytest.mark.parametrize("prompt", ["", "   "])
 def test_an_empty_prompt_is_refused_before_the_run_not_after_its_training(prompt, tiny_model, tiny_tokenizer):
     """It is no tokens to continue from: generate failed with an IndexError after training and final/ were done."""
-    from toolkit.config import ConfigError, load_config
+    from toolkit.config.errors import ConfigError
+    from toolkit.config.load import load_config
     from toolkit.training.recipe_config import PretrainConfig
 
     with pytest.raises(ConfigError, match=r"^samples.prompts\[1\] is empty; give text to continue from, or drop it$"):
@@ -44,7 +45,7 @@ def test_a_prompt_and_its_new_tokens_past_the_positions_are_refused_before_train
     with what fits; at exactly the positions it generates."""
     from recipe_runner import CHATML
 
-    from toolkit.config import UserError
+    from toolkit.config.errors import UserError
     from toolkit.training.samples import SamplesConfig, check_prompt_lengths, prompt_ids
 
     template = CHATML if chat else None

@@ -195,7 +195,7 @@ print(worker.exitcode, stop.signal, flush=True)
 def test_a_process_forked_from_the_run_ends_on_sigterm_as_any_process():
     """The run's handler only sets a flag, and its watcher reads the wakeup fd: a forked worker inherited both, so a
     tokenizing pool's terminate() (after a worker's error: a full disk) could not end a worker waiting on the pool's
-    lock, and the map hung for ever (seen in tests/toolkit/test_writes.py). Forked, it takes the default signals back,
+    lock, and the map hung for ever (seen in tests/toolkit/run/test_writes.py). Forked, it takes the default signals back,
     and the run does not take its signal for its own."""
     import subprocess
     import sys

@@ -15,9 +15,10 @@ from one_process_trainer import SETTINGS, packed_blocks, start_trainer
 
 from toolkit.checkpoint import background
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.config import UserError, load_config
-from toolkit.manifest import check_manifest
-from toolkit.run_dir import RunDir
+from toolkit.config.errors import UserError
+from toolkit.config.load import load_config
+from toolkit.run.folder import RunDir
+from toolkit.run.manifest import check_manifest
 from toolkit.training.metrics import model_size, read_metrics
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.trainer import SaveStopped, Stopped, Trainer
@@ -240,7 +241,7 @@ def test_resume_auto_starts_over_a_run_killed_before_its_first_checkpoint(tmp_pa
 @pytest.mark.parametrize("policy", ["stop", "continue"])
 def test_a_save_that_hits_a_full_disk_keeps_the_previous_checkpoint(tmp_path, blocks, tiny_tokenizer, tiny_model,
                                                                    monkeypatch, policy, point, background):
-    """ENOSPC injected while step-4's files are written (toolkit.faults): the partial step-4 is
+    """ENOSPC injected while step-4's files are written (toolkit.run.faults): the partial step-4 is
     removed, step-2 is untouched, the error names the file, the need and the free space; the run
     stops (resume=auto continues from step-2) or trains on and saves step-6, as configured. In the
     background (checkpoint.async_save) the write fails in the writing thread, said when the save completes, or before

@@ -7,8 +7,9 @@ import typing
 
 import pytest
 
-from toolkit.config import ConfigError, load_config
-from toolkit.config_keys import dotted_keys
+from toolkit.config.errors import ConfigError
+from toolkit.config.keys import dotted_keys
+from toolkit.config.load import load_config
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 from toolkit.training.unused import ALWAYS, CHECKED_BY, REPEATS_MEAN_SOMETHING, UNIQUE, USED_WHEN
 

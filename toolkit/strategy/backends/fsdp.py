@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.models import float8
 from toolkit.models.parameters import parameter_names, plain_name
 from toolkit.parallel_layout import ParallelLayout

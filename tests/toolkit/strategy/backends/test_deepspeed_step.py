@@ -1,5 +1,5 @@
 """A dropped DeepSpeed update: a real engine (ZeRO-1/2/3, one process with the variables accelerate launch gives it)
-stepped through toolkit.strategy.backends.deepspeed_step by tests/toolkit/strategy/backends/deepspeed_step_probe.py.
+stepped through toolkit.strategy.backends.deepspeed_step by tests/support/deepspeed_step_probe.py.
 
 A step whose loss the caller reports non-finite, and one with NaN gradients, leave the fp32 master
 weights and Adam's moments exactly as they were, while DeepSpeed counts the step (global_steps,
@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-PROBE = Path(__file__).with_name("deepspeed_step_probe.py")
+PROBE = probe_ranks.SUPPORT / "deepspeed_step_probe.py"
 
 
 def launch(strategy: str, out: Path) -> dict:

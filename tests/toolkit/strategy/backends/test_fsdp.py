@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from toolkit.config import UserError
+from toolkit.config.errors import UserError
 from toolkit.strategy.backends.fsdp import BACKEND as fsdp
 
 

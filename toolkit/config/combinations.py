@@ -1,0 +1,166 @@
+"""Which settings train under which layouts, answered in one place.
+
+Each rule is a setting a recipe config can hold, the layouts (and compute precisions) it does not train under with
+the reason, and the override that trains instead; where none does, only another layout can. The launch raises the
+first rule a run breaks as its one `error:` line, before the model loads (`check`); recipes/plan.py adds each
+broken rule's override to a layout's launch line, or leaves the layout out with the rule's line (`refusals`).
+
+What depends on the model itself (a head count that tp must divide, a layer count the stages must split, an
+attention kind that cp cannot gather) is asked of the model by its applier: toolkit.strategy's tensor_parallel,
+context_parallel, sequence_parallel and pipeline_parallel `problems`, which the planner asks too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.config.errors import UserError
+from toolkit.parallel_layout import ParallelLayout
+
+Why = Callable[[Any, ParallelLayout, str], str | None]  # (recipe config, layout, precision) -> the line, or None
+
+
+@dataclass(frozen=True)
+class Rule:
+    setting: str  # the setting as a user writes it: what the rule is about
+    refused: Why
+    instead: dict[str, str] | None  # the override that trains under the layout; None: only another layout does
+
+
+def _objective(cfg) -> str:
+    return getattr(cfg.train, "objective", "sft")  # pretraining has none
+
+
+def _method(cfg) -> str | None:
+    adapter = getattr(cfg, "adapter", None)  # pretraining has none
+    return adapter.method if adapter is not None else None
+
+
+def _degrees(layout: ParallelLayout) -> str:
+    return ", ".join(f"{axis} {getattr(layout, axis)}" for axis in ("tp", "cp", "sp", "pp") if getattr(layout, axis) > 1)
+
+
+def whole_model_refused(layout: ParallelLayout) -> str | None:
+    """Why model.compile=model does not run under `layout` ("with pipeline stages ..."), or None where it runs."""
+    if layout.pp > 1:  # the stages run their parts of the model, never its whole forward: it would compile nothing
+        return "with pipeline stages (each stage runs its own part of the model)"
+    if layout.tp > 1 or layout.sp > 1:  # dynamo fails on their hooks' tensors (torch 2.13: "Mixing fake modes", KeyError)
+        return "with tensor or sequence parallelism"
+    return None
+
+
+def cast_refused(layout: ParallelLayout, precision: str) -> str | None:
+    """Why the bf16 copy of the weights cannot be made once per step (model.cast_weights=per_step) under `layout`
+    at `precision` ("no", "bf16" or "fp16"), or None where it can (toolkit.models.weight_cast)."""
+    if precision not in ("bf16", "fp16"):
+        return "the run computes in fp32 (train.mixed_precision), with no low-precision copy to make"
+    if layout.kind not in ("single", "ddp"):
+        return (f"{'FSDP2' if layout.kind == 'fsdp' else 'DeepSpeed'} casts the weights its own way "
+                "(FSDP2 at each all-gather, DeepSpeed in its bf16 mode)")
+    if layout.model_parallel > 1:
+        return "tensor, sequence, context parallel and pipelines compute under autocast"
+    return None
+
+
+def _qlora(cfg, layout: ParallelLayout, precision: str) -> str | None:
+    # Its 4-bit base is bitsandbytes' packed NF4 weights, which every process holds whole: FSDP and ZeRO-3 would
+    # shard them, DeepSpeed's bf16 mode casts the module, and model parallel splits the layers.
+    if _method(cfg) != "qlora" or (layout.kind in ("single", "ddp") and layout.model_parallel == 1):
+        return None
+    if layout.model_parallel > 1:
+        return ("adapter.method=qlora trains under DDP only (model parallel would split its 4-bit base, which "
+                "bitsandbytes keeps whole on each GPU); launch with accelerate_configs/ddp.yaml and no "
+                "train.pipeline_stages")
+    how = "FSDP would shard" if layout.kind == "fsdp" else "DeepSpeed would cast or shard"
+    return (f"adapter.method=qlora trains under DDP only ({how} its 4-bit base, which bitsandbytes keeps whole on "
+            "each GPU); launch with accelerate_configs/ddp.yaml, or use adapter.method=lora to shard a full-precision "
+            "base")
+
+
+# fp16 in a pipeline is refused before any process group exists (toolkit.strategy.parallelism), by this rule
+FP16_IN_A_PIPELINE = Rule("train.mixed_precision=fp16", lambda cfg, layout, precision: (
+    f"train.pipeline_stages={layout.pp} with train.mixed_precision=fp16 is not supported (the schedule runs the "
+    "backward itself, without fp16's loss scaling); use bf16"
+) if precision == "fp16" and layout.pp > 1 else None, None)
+
+def _fp8(cfg, layout: ParallelLayout, precision: str) -> str | None:
+    # torchao converts tensor-parallel layers with float8 styles of its own, not ours; the rest are untried
+    if cfg.train.mixed_precision == "fp8" and layout.model_parallel > 1:
+        return (f"train.mixed_precision=fp8 trains under DDP, FSDP and ZeRO (data parallel), not with model parallel "
+                f"({_degrees(layout)}) yet; use bf16 there")
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    FP16_IN_A_PIPELINE,
+    Rule("train.mixed_precision=fp8", _fp8, None),
+    Rule("adapter.method=qlora", _qlora, None),
+    # DeepSpeed's engine writes its checkpoint through calls of its own, not Accelerate's or DCP's save that
+    # toolkit.checkpoint.background stages; a pipeline's stage files are written beside them, untried in the background
+    Rule("checkpoint.async_save=true", lambda cfg, layout, precision: (
+        "checkpoint.async_save=true writes DDP's and FSDP2's checkpoints in the background, not "
+        + ("DeepSpeed's (its engine writes its own files) yet; use checkpoint.async_save=false, or fsdp.yaml"
+           if layout.kind == "deepspeed" else
+           "a pipeline's stage files yet; use checkpoint.async_save=false, or train.pipeline_stages=1")
+    ) if cfg.checkpoint.async_save and (layout.kind == "deepspeed" or layout.pp > 1) else None,
+        {"checkpoint.async_save": "false"}),
+    Rule("adapter.method=lora", lambda cfg, layout, precision: (
+        f"{'tensor' if layout.tp > 1 else 'pipeline'} parallel trains a whole model, not a LoRA adapter, yet; use "
+        "fsdp.yaml or the zero configs"
+    ) if _method(cfg) in ("lora", "qlora") and (layout.tp > 1 or layout.pp > 1) else None, None),
+    Rule("train.objective (a preference objective)", lambda cfg, layout, precision: (
+        f"train.objective={_objective(cfg)} trains under DDP, FSDP and ZeRO (data parallel), not with model parallel "
+        f"({_degrees(layout)}) yet; use accelerate_configs/ddp.yaml, fsdp.yaml or a zero*.yaml, and "
+        "train.pipeline_stages=1"
+    ) if _objective(cfg) != "sft" and layout.model_parallel > 1 else None, None),
+    Rule("model.loss=chunked", lambda cfg, layout, precision: (
+        "model.loss=chunked is not supported with train.pipeline_stages > 1 yet (the last stage computes the loss "
+        "from its logits); use model.loss=full"
+    ) if cfg.model.chunk_tokens and layout.pp > 1 else (
+        # the head's weight is split by vocabulary over the tp ranks: its loss needs the vocab-parallel
+        # cross-entropy, which the chunked head does not compute (it failed on mixed Tensor/DTensor)
+        "model.loss=chunked is not supported with tensor parallel (parallelism_config_tp_size) yet; use "
+        "model.loss=full"
+    ) if cfg.model.chunk_tokens and layout.tp > 1 else (
+        f"train.objective={_objective(cfg)} scores each answer from the full logits: model.loss=chunked is not "
+        "supported with it yet; use model.loss=full"
+    ) if cfg.model.chunk_tokens and _objective(cfg) != "sft" else None, {"model.loss": "full"}),
+    Rule("model.compile=model", lambda cfg, layout, precision: (
+        f"model.compile=model does not run {why}; use model.compile=layers"
+    ) if cfg.model.compile == "model" and (why := whole_model_refused(layout)) else None, {"model.compile": "layers"}),
+    # ZeRO-3 gathers a weight in its module's hook, inside the layer, and again in the recompute whenever it was
+    # released in between: torch's selective checkpointing refuses an operator the forward did not run
+    # ("c10d._allgather_base_ encountered during backward but not found in storage")
+    Rule("model.gradient_checkpointing=selective", lambda cfg, layout, precision: (
+        "model.gradient_checkpointing=selective does not run under ZeRO-3 (its weight gathers inside each layer "
+        "differ between the forward and the recompute); use full, or fsdp.yaml"
+    ) if cfg.model.gradient_checkpointing == "selective" and layout.kind == "deepspeed" and layout.zero_stage == 3
+        else None, {"model.gradient_checkpointing": "full"}),
+    Rule("model.cast_weights=per_step", lambda cfg, layout, precision: (
+        f"model.cast_weights=per_step cannot cast the weights once per step here: {why}; use model.cast_weights=auto "
+        "or per_forward"
+    ) if cfg.model.cast_weights == "per_step" and (why := cast_refused(layout, precision)) else None,
+        {"model.cast_weights": "auto"}),
+)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    setting: str  # the rule's (Rule.setting)
+    line: str  # the one error line
+    instead: dict[str, str] | None  # the override that trains under the layout; None: another layout
+
+
+def refusals(cfg: Any, layout: ParallelLayout, precision: str) -> list[Refusal]:
+    """Every rule recipe config `cfg` breaks under `layout` at compute `precision` ("no", "bf16" or "fp16")."""
+    found = [(rule, rule.refused(cfg, layout, precision)) for rule in RULES]
+    return [Refusal(rule.setting, line, rule.instead) for rule, line in found if line is not None]
+
+
+def check(cfg: Any, layout: ParallelLayout, precision: str) -> None:
+    """The launch's question: the first rule the run breaks, as its one error line."""
+    found = refusals(cfg, layout, precision)
+    if found:
+        raise UserError(found[0].line)

@@ -1,0 +1,191 @@
+"""Every folder a run or an export writes or deletes, against everything it could overlap.
+
+What deletes, and only what it wrote:
+- output_dir: overwrite=true deletes the run's own entries (RunDir.ENTRIES); rotation deletes
+  checkpoints/step-N (checkpoint.keep_last); final/ and adapter/ are replaced (run_dir.replace_folder);
+  the lock file goes with the run (run_lock).
+- data.cache_dir, model.cache_dir: each deletes only the names it makes (packed-KEY, .packed-KEY.tmp,
+  .gguf-…tmp, .fetch-…): hashes no user or run names a folder.
+- recipes/export.py --output: replaces only an earlier export (toolkit.export.destination).
+
+`PATH_SETTINGS` classifies every text setting of the recipe configs (a test derives the fields from
+the dataclasses: a new one fails it until it is classified here); `OVERLAPS` is each writing folder
+against each kind of overlap with what it could lose, and the outcome: refused (one line, before
+anything is written or deleted) or safe, and why. tests/toolkit/run/test_paths.py builds every row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from toolkit.config.errors import UserError
+from toolkit.config.user_paths import cache_dir
+from toolkit.run.folder import RunDir
+
+# Every text-valued setting of the recipe configs: what the run does with it, when it is a path.
+OUTPUT, CACHE, READ, RESUME = "output", "cache", "read", "resume"  # writes and deletes / its own names only / reads
+PATH_SETTINGS: dict[str, str | None] = {
+    "output_dir": OUTPUT,
+    "data.cache_dir": CACHE,
+    "model.cache_dir": CACHE,
+    "resume": RESUME,  # a checkpoint, in this run's checkpoints/ or another's: read once, at the start
+    "model.path": READ,
+    "model.gguf_file": READ,
+    "tokenizer.path": READ,
+    "data.path": READ,
+    "data.val_path": READ,
+    "data.sources[].path": READ,
+    "data.chat_template": READ,  # a .jinja file, or the template itself
+    "eval.harness_include_path": READ,  # the user's task YAMLs
+    # not paths
+    "logging.trackers": None, "model.attn_implementation": None, "model.model_type": None, "model.config": None,
+    "data.text_column": None, "data.name": None, "data.split": None, "data.sources[].name": None,
+    "data.sources[].text_column": None, "data.sources[].subset": None, "data.sources[].split": None,
+    "samples.prompts": None, "adapter.target_modules": None, "adapter.modules_to_save": None,
+    "data.columns.conversation": None, "data.columns.role": None, "data.columns.content": None,
+    "data.columns.user": None, "data.columns.assistant": None, "data.columns.system": None,
+    "eval.harness_tasks": None,
+}
+
+# The kinds of overlap: the folder is the other, lies inside it, holds it, or is a symbolic link to it.
+RELATIONS = ("same", "inside", "contains", "symlink")
+REFUSED = "refused"
+EXPORT_OUTPUT = "--output"  # recipes/export.py's (toolkit.export.destination.EXPORT_FLAGS)
+
+# (folder, what it could overlap, relation) -> REFUSED, or "safe: why". "another run" is a run folder
+# on disk (inside: in its checkpoints/); "user files" a folder of the user's (thesis.tex); a setting
+# names that setting's folder (contains: output_dir holds it in its final/). Every cache and every
+# read setting gets its rows from its role, so a new one is in the table the moment it is classified.
+_CACHE_SAFE = "safe: a cache deletes only the names it makes (packed-KEY, its .tmp, .gguf-…tmp)"
+_OWN_ONLY = "safe: the run deletes only its own entries inside output_dir"
+_AGAINST_OUTPUT_DIR = {  # output_dir against a cache, and against a folder the run reads
+    CACHE: {"same": REFUSED, "inside": _CACHE_SAFE, "contains": REFUSED, "symlink": REFUSED},
+    READ: {"same": REFUSED, "inside": _OWN_ONLY, "contains": REFUSED, "symlink": REFUSED},
+}
+OVERLAPS: dict[tuple[str, str, str], str] = {
+    ("output_dir", "another run", "same"): REFUSED,  # RunDir.check: holds a run (its lock while it trains)
+    ("output_dir", "another run", "inside"): REFUSED,  # its rotation or overwrite deletes it
+    ("output_dir", "another run", "contains"): REFUSED,  # RunDir.check: files that are not a run
+    ("output_dir", "another run", "symlink"): REFUSED,  # the link's folder holds a run
+    ("output_dir", "user files", "same"): REFUSED,  # RunDir.check: files that are not a run
+    ("output_dir", "user files", "inside"): _OWN_ONLY,
+    ("output_dir", "user files", "contains"): REFUSED,
+    ("output_dir", "user files", "symlink"): REFUSED,
+    **{("output_dir", key, relation): outcome
+       for key, role in PATH_SETTINGS.items() if role in _AGAINST_OUTPUT_DIR
+       for relation, outcome in _AGAINST_OUTPUT_DIR[role].items()},
+    **{(key, other, relation): outcome
+       for key, role in PATH_SETTINGS.items() if role == CACHE
+       for other, relation, outcome in (
+           ("another run", "same", REFUSED), ("another run", "inside", REFUSED),
+           ("another run", "contains", _CACHE_SAFE), ("another run", "symlink", REFUSED),
+           *(("user files", relation, _CACHE_SAFE) for relation in RELATIONS))},
+    ("--output", "another run", "same"): REFUSED,  # destination.check_output: a run, never replaced
+    ("--output", "another run", "inside"): REFUSED,  # inside a run's own entry
+    ("--output", "another run", "contains"): REFUSED,  # exists and holds a run
+    ("--output", "another run", "symlink"): REFUSED,
+    ("--output", "user files", "same"): REFUSED,  # files no export wrote
+    ("--output", "user files", "inside"): "safe: the export writes its output and a staging folder it deletes",
+    ("--output", "user files", "contains"): REFUSED,
+    ("--output", "user files", "symlink"): REFUSED,
+    ("--output", "--from", "same"): REFUSED,  # never writes into what it reads
+    ("--output", "--from", "inside"): REFUSED,
+    ("--output", "--from", "contains"): REFUSED,
+    ("--output", "--from", "symlink"): REFUSED,
+}
+
+
+def setting(cfg: Any, key: str) -> list[str]:
+    """The values of a dotted setting (`data.sources[].path`: one per source) that are set."""
+    values = [cfg]
+    for part in key.split("."):
+        listed = part.endswith("[]")
+        values = [getattr(v, part.removesuffix("[]"), None) for v in values]
+        if listed:
+            values = [item for v in values for item in (v or [])]
+    return [v for v in values if isinstance(v, str) and v]
+
+
+def run_around(path: Path) -> tuple[Path, str] | None:
+    """(the run folder, its entry) when `path` is or lies in a toolkit run's own entry (final/,
+    checkpoints/, ...) -- where that run's rotation, overwrite or replace deletes -- as written and
+    with its symbolic links followed."""
+    for where in dict.fromkeys((path.absolute(), path.resolve())):
+        for entry in (where, *where.parents):
+            if entry.name in RunDir.ENTRIES and entry != entry.parent and is_run(entry.parent):
+                return entry.parent, entry.name
+    return None
+
+
+def is_run(folder: Path) -> bool:
+    """A toolkit run's folder: it has the files only a run writes."""
+    run = RunDir(folder)
+    return run.metrics.is_file() or run.checkpoints.is_dir()
+
+
+def _relation(a: Path, b: Path) -> str | None:
+    """How folder `a` lies to `b` (links followed): the same, inside it, holding it, or apart (None)."""
+    a, b = a.resolve(), b.resolve()
+    return "is" if a == b else "is inside" if a.is_relative_to(b) else "holds" if b.is_relative_to(a) else None
+
+
+def check_run_paths(cfg: Any) -> None:
+    """Refuse a run whose folders overlap what it or another run deletes; every rank, before any work.
+
+    (RunDir.check refuses an output_dir holding another run or files that are not a run.)"""
+    run = RunDir(cfg.output_dir)
+    around = run_around(run.root)
+    if around is not None:
+        raise UserError(
+            f"output_dir={cfg.output_dir} is inside the toolkit run {around[0]} (its {around[1]}/), which that run "
+            "deletes or replaces (rotation, overwrite=true); choose an output_dir outside it"
+        )
+    for name in RunDir.ENTRIES:
+        entry = run.root / name
+        if entry.is_symlink():
+            raise UserError(
+                f"output_dir={cfg.output_dir}: its {name} is a symbolic link (to {entry.readlink()}); the run writes, "
+                "deletes and replaces its own entries and does none of it through a link; remove the link (to keep "
+                "the run on another disk, point output_dir there)"
+            )
+    owned = [run.root / name for name in RunDir.ENTRIES]
+    for key, role in PATH_SETTINGS.items():
+        section, _, name = key.rpartition(".")
+        if role == CACHE and hasattr(getattr(cfg, section, None), name):  # a recipe without it has no such cache
+            folder = cache_dir(setting(cfg, key)[0] if setting(cfg, key) else None)
+            _check_cache(key, folder, run)
+        elif role == READ:
+            for value in setting(cfg, key):
+                path = Path(value).expanduser()
+                if not _exists(path):
+                    continue  # a hub id or a template's text
+                for entry in owned:
+                    if entry.exists() and _relation(path, entry) in ("is", "is inside"):
+                        raise UserError(
+                            f"{key}={value} is in output_dir={cfg.output_dir}'s {entry.name}, which this run deletes "
+                            "or replaces (overwrite=true, rotation, the new final/); copy it out of the run folder "
+                            "or choose another output_dir"
+                        )
+
+
+def _check_cache(key: str, folder: Path, run: RunDir) -> None:
+    relation = _relation(folder, run.root)
+    if relation in ("is", "is inside"):
+        raise UserError(
+            f"{key}={folder} {relation} output_dir={run.root}; a cache there would be deleted with the run's entries or "
+            f"make the folder hold files that are not the run's; choose a {key} outside output_dir"
+        )
+    if is_run(folder) or run_around(folder) is not None:
+        owner = folder if is_run(folder) else run_around(folder)[0]
+        raise UserError(
+            f"{key}={folder} is in the toolkit run {owner}, which deletes and replaces its own entries; choose a "
+            f"{key} outside any run folder"
+        )
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long: not a folder
+        return False
