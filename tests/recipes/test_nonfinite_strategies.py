@@ -17,8 +17,8 @@ from recipe_runner import LAUNCH_TIMEOUT_S, ROOT, TINY, run_recipe
 from safetensors.torch import load_file
 
 from toolkit.checkpoint.trainer_state import TrainerState
+from toolkit.run.faults import NONFINITE_ENV as ENV
 from toolkit.training.metrics import read_metrics
-from toolkit.training.nonfinite import ENV
 
 pytestmark = pytest.mark.distributed
 

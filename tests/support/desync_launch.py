@@ -24,7 +24,7 @@ _calls = 0
 
 def _reduce(self, tensor, *args, **kwargs):
     global _calls
-    if sys._getframe(1).f_code.co_name != "train_steps":  # the loss's, not the step's non-finite check
+    if sys._getframe(1).f_code.co_name != "reduce_step":  # the step's all-reduce, not the non-finite check's
         return _real_reduce(self, tensor, *args, **kwargs)
     _calls += 1
     if self.process_index == SKIPPING_RANK and _calls == SKIPPED_CALL:

@@ -9,7 +9,12 @@ appended to the log (and fsynced) before the signal, and a kill already in the l
 again, so a relaunch (or an elastic restart under `--max_restarts`) runs on past it.
 
 The points, where the step is the optimizer step being trained (1-based) or the checkpoint's
-(no step: the first time the point is reached; no rank: rank 0):
+(no step: the first time the point is reached; no rank: rank 0), and the non-finite values a step takes instead:
+
+    LLM_TOOLKIT_NONFINITE="batch@3/1,grad@5"    kind@step[/rank]: batch (the embedding's output is NaN), loss
+                                                (the loss alone), grad (the gradients alone)
+
+A training step enters them all through one context, `planted`; unset, it costs a few environment lookups.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 ENV, LOG_ENV = "LLM_TOOLKIT_KILL", "LLM_TOOLKIT_KILL_LOG"
 # The same points (those that write: save.*, final) fail a write instead: LLM_TOOLKIT_FAIL="save.rank_files@4/1=ENOSPC"
 FAIL_ENV = "LLM_TOOLKIT_FAIL"
+NONFINITE_ENV, NONFINITE_KINDS = "LLM_TOOLKIT_NONFINITE", ("batch", "loss", "grad")
 
 POINTS = {
     "forward": "after the first micro-batch's forward, before its backward",
@@ -132,3 +138,74 @@ def model_kill_points(model, step: int, point_forward: str = "forward"):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _nonfinite_planned(step: int) -> set[str]:
+    """The kinds to inject on this rank at `step`."""
+    spec = os.environ.get(NONFINITE_ENV, "").strip()
+    if not spec:
+        return set()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    kinds = set()
+    for item in spec.split(","):
+        head, _, at_rank = item.strip().partition("/")
+        kind, _, at_step = head.partition("@")
+        if kind not in NONFINITE_KINDS or not at_step:
+            raise RuntimeError(f"{NONFINITE_ENV}: {item.strip()!r} is not kind@step[/rank] with a kind among "
+                               f"{', '.join(NONFINITE_KINDS)}")
+        if int(at_step) == step and int(at_rank or 0) == rank:
+            kinds.add(kind)
+    return kinds
+
+
+class _PoisonedLoss(torch.autograd.Function):
+    """A NaN in every position's first logit (a loss already computed in the head, under
+    model.loss=chunked: the loss itself), so that no ignored target can mask it; the backward
+    passes on finite gradients."""
+
+    @staticmethod
+    def forward(ctx, output):
+        output = output.clone()
+        if output.dim() == 0:
+            output.fill_(float("nan"))
+        else:
+            output[..., 0] = float("nan")
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.nan_to_num(grad, nan=0.0)
+
+
+@contextlib.contextmanager
+def injected(model, step: int):
+    """Hooks putting the planned non-finite values into `model` (unwrapped) during `step` (1-based)."""
+    kinds = _nonfinite_planned(step) if NONFINITE_ENV in os.environ else ()
+    handles = []
+    embedding = model.get_input_embeddings() if kinds else None
+    if "batch" in kinds:
+        handles.append(embedding.register_forward_hook(lambda module, inputs, output: output * float("nan")))
+    if "grad" in kinds:
+        def on_output(module, inputs, output):
+            if output.requires_grad:
+                output.register_hook(lambda grad: grad * float("nan"))
+
+        handles.append(embedding.register_forward_hook(on_output))
+    if "loss" in kinds:
+        head = model.get_output_embeddings()
+        handles.append(head.register_forward_hook(lambda module, inputs, output: _PoisonedLoss.apply(output)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def planted(model, step: int):
+    """Every fault planted in training step `step` (1-based) of `model` (unwrapped): the kills inside its forward and
+    backward and between its micro-batches (the batches are passed through what this yields), its non-finite values,
+    and the kill after its optimizer step, on leaving without an error."""
+    with model_kill_points(model, step), injected(model, step):
+        yield lambda batches: killing_batches(batches, step)
+    kill_point("after_optimizer", step)

@@ -105,6 +105,8 @@ class RunConfig:
     """The sections every recipe has, named alike: where the run goes and how the shared loop runs."""
 
     PATHS: ClassVar[tuple[str, ...]] = ()  # the keys that hold paths: path_keys, set below each recipe's config
+    # eval.harness_tasks scored at every eval.every step, beside training (toolkit.training.harness_runs)
+    HARNESS_STEPS: ClassVar[bool] = True
 
     output_dir: str = field("runs/run", help="where checkpoints, metrics, plots and the deliverables go")
     seed: int = field(1234, help="seed for init, data order and dropout")
@@ -334,6 +336,7 @@ class FinetuneConfig(RunConfig):
     samples: SamplesConfig = field(default_factory=SamplesConfig, help="generations before and after, into samples.md")
 
     RENAMED: ClassVar[dict] = {"base_model": "model", **EVAL_RENAMED}
+    HARNESS_STEPS: ClassVar[bool] = False  # a fine-tune scores its base and its result, at its end (recipes/finetune.py)
 
     def validate(self) -> list[str]:
         problems = super().validate()

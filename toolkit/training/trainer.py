@@ -46,12 +46,13 @@ from toolkit.models.loss import output_head
 from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.models.weight_cast import AUTOCAST, weight_cast
-from toolkit.run.faults import kill_point, killing_batches, model_kill_points
+from toolkit.run.faults import model_kill_points, planted
 from toolkit.run.folder import RunDir
 from toolkit.run.paths import check_run_paths
 from toolkit.strategy.accelerator import release_freed_memory
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
+from toolkit.training.cadence import Due, Stepped, Window
 from toolkit.training.evaluation import evaluate
 from toolkit.training.feed import Feed
 from toolkit.training.harness_runs import HarnessRuns
@@ -69,7 +70,7 @@ from toolkit.training.metrics import (
     plot_loss,
     tracker_log_with,
 )
-from toolkit.training.nonfinite import dead_model, injected, nonfinite_weight
+from toolkit.training.nonfinite import dead_after_resume, nonfinite_weight
 from toolkit.training.optim import prepare_optimization, wind_back
 from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
@@ -152,6 +153,7 @@ class Trainer:
         self.nonfinite_in_a_row = 0  # skipped steps since the last one that trained
         self.dead_check_pending = False  # set by a resume: the first step that trains is checked
         self.harness = HarnessRuns.of(self)  # eval.harness_tasks: checked now, before the data and the model
+        self.harness_steps = self.harness is not None and type(cfg).HARNESS_STEPS
 
     @property
     def step(self) -> int:
@@ -293,132 +295,157 @@ class Trainer:
             self.bar = None
 
     def train_steps(self, bar) -> None:
-        cfg, acc, state = self.cfg, self.accelerator, self.state
-        attn = cfg.model.attn_implementation
-        window_tokens, window_time = 0, 0.0
-        previous: HostCopy | None = None
-        unread = None  # (step, tokens) of a step whose verdict was still on the device (train.step_sync=none)
+        """A step, then what is due after it, in this order; each (but the verdict) due at a step, then run."""
+        cfg, state = self.cfg, self.state
+        window = Window()
+        self.previous: HostCopy | None = None  # the step before's all-reduce
+        self.unread: tuple[int, int] | None = None  # (step, tokens) of a step whose verdict stayed on the device
         while state.step < cfg.train.max_steps:
-            self.profiler.begin(state.step + 1)
-            t0 = time.perf_counter()
-            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
-            blocks, global_targets, step_tokens = self.step_data(state.step)
-            scale = self.strategy.backward_scale(global_targets)
-            micro_batches = acc.num_processes * self.strategy.accumulation
-            split = self.strategy.split_sequences
-            batches = (split(self.feed.collate(columns, attn)) for columns in blocks)
-            # Once per run, measure the bytes each rank really holds (sharding made visible).
-            meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
-            with (
-                meter or contextlib.nullcontext(),
-                model_kill_points(acc.unwrap_model(self.model), state.step + 1),
-                injected(acc.unwrap_model(self.model), state.step + 1),
-                self.weight_cast.step() if self.weight_cast is not None else contextlib.nullcontext(),
-            ):
-                if self.strategy.pipeline is not None:
-                    loss_sum, grad_norm, nonfinite, extras = pipeline_step(
-                        acc, self.strategy.pipeline, self.optimizer, killing_batches(batches, state.step + 1), scale,
-                        cfg.optim.max_grad_norm, meter,
-                    )
-                else:
-                    loss_sum, grad_norm, nonfinite, extras = optimizer_step(
-                        acc, self.model, self.optimizer, killing_batches(batches, state.step + 1), scale,
-                        cfg.optim.max_grad_norm, cfg.model.chunk_tokens, self.router, self.objective,
-                        self.skip_on_device, self.weight_cast, self.strategy.backend,
-                    )
-            kill_point("after_optimizer", state.step + 1)
-            on_device = nonfinite if isinstance(nonfinite, torch.Tensor) else None  # the verdict's flags, unread
-            # A skipped step leaves the schedule where it was; one read later steps it now and back if skipped.
-            if self.step_scheduler and (nonfinite is None or on_device is not None):
-                self.scheduler.step()
-            state.step += 1
-            # One all-reduce for the global loss and for "did any rank get a stop signal", read on
-            # the host only where a value is needed: waiting for it each step would leave the GPU
-            # idle while the host prepares the next step.
-            stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
-            skipped = on_device if on_device is not None else torch.zeros(2, dtype=torch.float64, device=acc.device)
-            # the ranks whose checkpoint files are still being written in the background
-            writing = torch.tensor([float(self.saving is not None and self.saving.writing())], dtype=torch.float64,
-                                   device=acc.device)
-            # [loss, stop, the non-finite flags (loss, grad), router loss, the objective's STATS, writing]
-            totals = HostCopy(acc.reduce(torch.cat([torch.stack([loss_sum, stop_flag]), skipped, extras, writing]),
-                                         reduction="sum"))
-            last = state.step == cfg.train.max_steps
-            log_now = state.step % cfg.logging.every == 0 or last
-            eval_now = self.feed.val is not None and (last or cfg.eval.every and state.step % cfg.eval.every == 0)
-            save_now = bool(cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
-            # Inside the timed window, so that tokens/s counts the device's work, not its queueing.
-            needed = log_now or eval_now or save_now or self.dead_check_pending
-            # (a verdict left on the device is read when needed on the CPU too: the same steps as on a GPU)
-            values = totals.get() if needed or (totals.immediate and on_device is None) else None
-            window_tokens += step_tokens
-            window_time += time.perf_counter() - t0
-            self.profiler.end(state.step)
-            if meter is not None:
-                self.measured = True
-                held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
-                self.log("memory", {"step": state.step, "held_bytes": held})
-
-            if unread is not None:  # the previous step's verdict, which arrived while this step ran
-                self.settle(*unread, verdict(previous.get()[2:4]), bar, unread=True)
-                unread = None
-            if on_device is not None and values is None:
-                unread = (state.step, step_tokens)
-            else:
-                if on_device is not None:
-                    nonfinite = verdict(values[2:4])
-                self.settle(state.step, step_tokens, nonfinite, bar, unread=on_device is not None)
-            if nonfinite is None and log_now:
-                loss = values[0] / self.strategy.loss_copies / max(1, global_targets)
-                tps = window_tokens / max(window_time, 1e-9)
-                self.log("train", {
-                    "step": state.step,
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "tokens": state.tokens_seen,
-                    "tokens_per_s": tps,
-                    "mfu": estimate_mfu(tps, self.flops_token, acc.num_processes, self.peak),
-                    "epoch": self.feed.epoch(state.step),
-                    **{f"tokens/{name}": n for name, n in state.source_tokens.items()},
-                    # a mixture of experts: the routers' load-balancing loss, mean over every micro-batch
-                    **({} if self.router is None else {"router_aux_loss": values[4] / micro_batches}),
-                    **({} if self.objective is None else PreferenceLoss.means(values[5:-1], "rewards")),
-                })
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-                window_tokens, window_time = 0, 0.0
+            done = self.train_step(window)
+            trained = self.judge(done, bar)
+            if trained and done.due.log:
+                self.log_step(done, window, bar)
             bar.update(1)
-            if self.dead_check_pending and nonfinite is None:
+            if trained and self.dead_check_pending:
                 self.dead_check_pending = False
-                self.check_alive(values[0] / self.strategy.loss_copies / max(1, global_targets), grad_norm, bar)
-
+                self.check_alive(done.loss, done.grad_norm, bar)
             # The final evaluation runs here, before the last checkpoint: under FSDP2 an evaluation
             # forward after save_state, with no training step between, leaves the root's
             # parameters unsharded in storage that cannot be freed, and gathering the final
             # model then fails ("Trying to resize storage that is not resizable").
-            if eval_now:
-                state.last_eval = self.evaluate("after" if last else "train")
+            if done.due.eval:
+                state.last_eval = self.evaluate("after" if done.due.last else "train")
             # A signal, and the end of a checkpoint's writes, are seen in this step's values where they were
             # read, else in the previous step's, which arrived while this step ran: every rank agrees at one step.
-            flags = values if values is not None else previous.get() if previous is not None else None
-            seen_at = state.step if values is not None else state.step - 1
-            if self.saving is not None and flags is not None and seen_at > self.saving.since and flags[-1] == 0:
-                self.complete_save(wait=False)
-            if save_now:
-                self.save_checkpoint(background=cfg.checkpoint.async_save)
-            previous = totals
+            flags = done.values if done.values is not None else self.previous.get() if self.previous else None
+            self.save_on_cadence(done, flags)
+            self.previous = done.totals
             if flags is not None and flags[1] > 0:
-                if unread is not None:  # the checkpoint counts this step's tokens only if it trained
-                    self.settle(*unread, verdict(totals.get()[2:4]), bar, unread=True)
-                bar.close()
-                self.complete_save()
-                folder = self.save_checkpoint() if self.checkpoint_step != state.step else self.run.checkpoint(state.step)
-                saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
-                raise Stopped(f"stopped by a signal at step {state.step}; {saved}; continue with resume=auto")
-            if self.harness is not None and self.name != "finetune":  # a fine-tune scores before and after, at its end
-                self.harness.at_step(self, not last and cfg.eval.every and state.step % cfg.eval.every == 0)
+                self.stop_at(done, bar)
+            if self.harness is not None:
+                self.harness.at_step(self, done.due.harness)
         bar.close()
         self.complete_save()  # training ends with its checkpoints complete
+
+    def train_step(self, window: Window) -> Stepped:
+        """One optimizer step: this rank's micro-batches forward and backward, the update, and the step's one
+        all-reduce, read on the host where something due after the step needs its values."""
+        cfg, acc, state = self.cfg, self.accelerator, self.state
+        self.profiler.begin(state.step + 1)
+        t0 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
+        blocks, targets, tokens = self.step_data(state.step)
+        scale = self.strategy.backward_scale(targets)
+        split, attn = self.strategy.split_sequences, cfg.model.attn_implementation
+        batches = (split(self.feed.collate(columns, attn)) for columns in blocks)
+        # Once per run, measure the bytes each rank really holds (sharding made visible).
+        meter = GradientMeter(acc, self.model, self.optimizer) if not self.measured else None
+        with (
+            planted(acc.unwrap_model(self.model), state.step + 1) as faulty,
+            meter or contextlib.nullcontext(),
+            self.weight_cast.step() if self.weight_cast is not None else contextlib.nullcontext(),
+        ):
+            loss_sum, grad_norm, nonfinite, extras = self.update(faulty(batches), scale, meter)
+        on_device = nonfinite if isinstance(nonfinite, torch.Tensor) else None  # the verdict's flags, unread
+        # A skipped step leaves the schedule where it was; one read later steps it now and back if skipped.
+        if self.step_scheduler and (nonfinite is None or on_device is not None):
+            self.scheduler.step()
+        state.step += 1
+        totals = self.reduce_step(loss_sum, on_device, extras)
+        due = Due.at(state.step, cfg, self.feed.val is not None, self.harness_steps)
+        # Inside the timed window, so that tokens/s counts the device's work, not its queueing.
+        needed = due.log or due.eval or due.save or self.dead_check_pending
+        # (a verdict left on the device is read when needed on the CPU too: the same steps as on a GPU)
+        values = totals.get() if needed or (totals.immediate and on_device is None) else None
+        window.add(tokens, time.perf_counter() - t0)
+        self.profiler.end(state.step)
+        if meter is not None:
+            self.measured = True
+            held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
+            self.log("memory", {"step": state.step, "held_bytes": held})
+        loss = None if values is None else values[0] / self.strategy.loss_copies / max(1, targets)
+        return Stepped(state.step, lr, tokens, grad_norm, nonfinite, on_device, totals, values, loss, due)
+
+    def update(self, batches: Iterator[dict], scale, meter: GradientMeter | None) -> tuple:
+        """Forward and backward over the micro-batches, clipped, stepped: (loss sum, grad norm, what was not
+        finite, the extras the all-reduce carries)."""
+        cfg, acc = self.cfg, self.accelerator
+        if self.strategy.pipeline is not None:
+            return pipeline_step(acc, self.strategy.pipeline, self.optimizer, batches, scale, cfg.optim.max_grad_norm,
+                                 meter)
+        return optimizer_step(acc, self.model, self.optimizer, batches, scale, cfg.optim.max_grad_norm,
+                              cfg.model.chunk_tokens, self.router, self.objective, self.skip_on_device,
+                              self.weight_cast, self.strategy.backend)
+
+    def reduce_step(self, loss_sum: torch.Tensor, on_device: torch.Tensor | None, extras: torch.Tensor) -> HostCopy:
+        """One all-reduce for the global loss and for "did any rank get a stop signal", read on the host only where
+        a value is needed: waiting for it each step would leave the GPU idle while the host prepares the next step.
+        Its values: [loss, stop, the non-finite flags (loss, grad), router loss, the objective's STATS, writing]."""
+        acc = self.accelerator
+        stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
+        skipped = on_device if on_device is not None else torch.zeros(2, dtype=torch.float64, device=acc.device)
+        # the ranks whose checkpoint files are still being written in the background
+        writing = torch.tensor([float(self.saving is not None and self.saving.writing())], dtype=torch.float64,
+                               device=acc.device)
+        return HostCopy(acc.reduce(torch.cat([torch.stack([loss_sum, stop_flag]), skipped, extras, writing]),
+                                   reduction="sum"))
+
+    def judge(self, done: Stepped, bar) -> bool:
+        """Whether step `done` trained. Its verdict is settled now, or, left on the device (train.step_sync=none),
+        at the next step, with this one's values, which arrived while that step ran."""
+        if self.unread is not None:
+            self.settle(*self.unread, verdict(self.previous.get()[2:4]), bar, unread=True)
+            self.unread = None
+        nonfinite = done.nonfinite
+        if done.on_device is not None and done.values is None:
+            self.unread = (done.step, done.tokens)
+        else:
+            if done.on_device is not None:
+                nonfinite = verdict(done.values[2:4])
+            self.settle(done.step, done.tokens, nonfinite, bar, unread=done.on_device is not None)
+        return nonfinite is None
+
+    def log_step(self, done: Stepped, window: Window, bar) -> None:
+        """The step's train row, and the bar's numbers; the window starts again."""
+        state, values, acc = self.state, done.values, self.accelerator
+        tps = window.rate()
+        self.log("train", {
+            "step": done.step,
+            "loss": done.loss,
+            "lr": done.lr,
+            "grad_norm": None if done.grad_norm is None else float(done.grad_norm),
+            "tokens": state.tokens_seen,
+            "tokens_per_s": tps,
+            "mfu": estimate_mfu(tps, self.flops_token, acc.num_processes, self.peak),
+            "epoch": self.feed.epoch(done.step),
+            **{f"tokens/{name}": n for name, n in state.source_tokens.items()},
+            # a mixture of experts: the routers' load-balancing loss, mean over every micro-batch
+            **({} if self.router is None else
+               {"router_aux_loss": values[4] / (acc.num_processes * self.strategy.accumulation)}),
+            **({} if self.objective is None else PreferenceLoss.means(values[5:-1], "rewards")),
+        })
+        bar.set_postfix(loss=f"{done.loss:.3f}", lr=f"{done.lr:.2e}", tok_s=f"{tps:,.0f}")
+        window.reset()
+
+    def save_on_cadence(self, done: Stepped, flags: list[float] | None) -> None:
+        """A background save taken to its next step once no rank writes any more (`flags`: this step's values, or
+        the previous step's); then this step's checkpoint, where one is due."""
+        seen_at = done.step if done.values is not None else done.step - 1
+        if self.saving is not None and flags is not None and seen_at > self.saving.since and flags[-1] == 0:
+            self.complete_save(wait=False)
+        if done.due.save:
+            self.save_checkpoint(background=self.cfg.checkpoint.async_save)
+
+    def stop_at(self, done: Stepped, bar) -> None:
+        """A stop signal some rank got, seen by every rank at this step: its checkpoint, then Stopped."""
+        if self.unread is not None:  # the checkpoint counts this step's tokens only if it trained
+            self.settle(*self.unread, verdict(done.totals.get()[2:4]), bar, unread=True)
+        bar.close()
+        self.complete_save()
+        step = self.state.step
+        folder = self.save_checkpoint() if self.checkpoint_step != step else self.run.checkpoint(step)
+        saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
+        raise Stopped(f"stopped by a signal at step {step}; {saved}; continue with resume=auto")
 
     def settle(self, step: int, step_tokens: int, nonfinite: str | None, bar, unread: bool = False) -> None:
         """What a step's verdict decides: the tokens it trained on count, or its skip is logged and the run stops
@@ -462,25 +489,12 @@ class Trainer:
         )
 
     def check_alive(self, loss: float, grad_norm, bar) -> None:
-        """The first step after a resume: a model that guesses uniformly and gets no gradient at all
-        is garbage loaded from the checkpoint (finite weights pass every other check). A preference loss
-        is not a token loss: there, no gradient at all is the sign (a pair's loss has one wherever
-        the model is alive, its first step included)."""
-        if self.objective is not None and grad_norm is not None and float(grad_norm) == 0.0:
+        """The first step after a resume: garbage loaded from the checkpoint (finite weights pass every other check)."""
+        why = dead_after_resume(loss, grad_norm, self.vocab_size, preference=self.objective is not None)
+        if why is not None:
             bar.close()
-            raise UserError(
-                f"checkpoint {self.resume_from} holds a dead model: the first step after resuming got a gradient "
-                "norm of exactly 0 (its weights are garbage, e.g. zeroed); resume from an earlier checkpoint with "
-                "resume=PATH, or start a new output_dir"
-            )
-        if self.objective is None and self.vocab_size and dead_model(loss, grad_norm, self.vocab_size):
-            bar.close()
-            raise UserError(
-                f"checkpoint {self.resume_from} holds a dead model: the first step after resuming gave a loss of "
-                f"{loss:.4f}, ln(vocabulary {self.vocab_size}) = uniform guessing, and a gradient norm of exactly 0 "
-                "(its weights are garbage, e.g. a flipped exponent bit); resume from an earlier checkpoint with "
-                "resume=PATH, or start a new output_dir"
-            )
+            raise UserError(f"checkpoint {self.resume_from} holds a dead model: the first step after resuming {why}; "
+                            "resume from an earlier checkpoint with resume=PATH, or start a new output_dir")
 
     def evaluate(self, phase: str) -> dict[str, float]:
         """Held-out loss and perplexity (collective); `phase` is before, train or after training."""

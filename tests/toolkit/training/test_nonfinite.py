@@ -17,10 +17,11 @@ from toolkit.config.errors import ConfigError, UserError
 from toolkit.config.load import load_config
 from toolkit.data.packing import collate
 from toolkit.models.loss import forward_loss_sum
+from toolkit.run.faults import NONFINITE_ENV as ENV
 from toolkit.run.folder import STATE_FILE
 from toolkit.run.manifest import crc32, write_manifest
 from toolkit.training.metrics import read_metrics
-from toolkit.training.nonfinite import ENV, dead_model
+from toolkit.training.nonfinite import dead_model
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.trainer import Diverged, Trainer
 

@@ -194,7 +194,8 @@ def test_a_nonfinite_loss_or_gradient_is_not_stepped(make_model, data, monkeypat
     """One good AdamW step, then one whose loss and/or gradients are NaN (the test-only injection):
     it is reported, and weights, Adam's moments and step count are exactly as before it, with the
     gradients cleared; the step after it trains again."""
-    from toolkit.training.nonfinite import ENV, injected
+    from toolkit.run.faults import NONFINITE_ENV as ENV
+    from toolkit.run.faults import injected
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
     model = make_model()
