@@ -75,6 +75,19 @@ def test_the_tests_hold_tests_and_their_helpers_live_in_support():
     assert not strays, strays
 
 
+def test_the_loop_reads_in_one_screen_and_asks_no_recipe_its_name():
+    """Each function of the trainer holds one part of the loop (at most 60 lines: nanoGPT's whole loop is 80), and
+    what a recipe does differently is declared by its config, not found by a branch on its name."""
+    path = ROOT / "toolkit" / "training" / "trainer.py"
+    tree = ast.parse(path.read_text())
+    long = {f.name: f.end_lineno - f.lineno + 1 for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef) and f.end_lineno - f.lineno + 1 > 60}
+    assert not long, long
+    named = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Compare)
+             and any(isinstance(side, ast.Attribute) and side.attr == "name" for side in (n.left, *n.comparators))]
+    assert not named, named
+
+
 def test_every_module_sits_in_a_layer():
     for name in modules():
         layer(name)  # StopIteration names a module outside LAYERS

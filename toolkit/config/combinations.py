@@ -159,8 +159,19 @@ def refusals(cfg: Any, layout: ParallelLayout, precision: str) -> list[Refusal]:
     return [Refusal(rule.setting, line, rule.instead) for rule, line in found if line is not None]
 
 
-def check(cfg: Any, layout: ParallelLayout, precision: str) -> None:
-    """The launch's question: the first rule the run breaks, as its one error line."""
+# What trains on GPUs only: (the setting's key, its value, the line on a machine without one)
+GPU_ONLY = (
+    ("model.attn_implementation", "flex_attention", "model.attn_implementation=flex_attention trains only on GPUs "
+     "(torch has no CPU backward for it); use sdpa on CPU"),
+)
+
+
+def check(cfg: Any, layout: ParallelLayout, precision: str, device: str = "cuda") -> None:
+    """The launch's question: the first rule the run breaks on a `device` ("cuda", "cpu"), as its one error line."""
     found = refusals(cfg, layout, precision)
     if found:
         raise UserError(found[0].line)
+    for key, value, line in GPU_ONLY:
+        section, name = key.split(".")
+        if device == "cpu" and getattr(getattr(cfg, section), name) == value:
+            raise UserError(line)

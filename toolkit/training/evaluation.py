@@ -61,6 +61,14 @@ def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[st
             **{f"eval_tokens/{name}": int(t) for name, (_, t) in sums.items()}}
 
 
+def said(result: dict[str, float]) -> str:
+    """An evaluation's result as its log line says it: "held-out loss 2.1234 (a 2.0000, b 2.3000), perplexity 8.37"."""
+    sources = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in result.items() if k.startswith("eval_loss/"))
+    return (f"held-out loss {result['eval_loss']:.4f}" + (f" ({sources})" if sources else "")
+            + (f", perplexity {result['eval_ppl']:.2f}" if "eval_ppl" in result else
+               f", reward margin {result['eval_rewards/margin']:.4f}, accuracy {result['eval_rewards/accuracy']:.2f}"))
+
+
 def _loss_and_ppl(loss_sum: float, targets: float) -> dict[str, float]:
     loss = loss_sum / max(1.0, targets)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}

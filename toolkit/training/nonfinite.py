@@ -25,6 +25,12 @@ from toolkit.strategy.backends.base import held_values
 DEAD_LOSS_RTOL = 1e-3  # how close to ln(vocab size) a loss is uniform guessing
 
 
+class Diverged(Exception):
+    """A NaN/inf loss or gradient with train.on_nonfinite=abort, or train.max_nonfinite_skips
+    skipped steps in a row; raised on every rank at the same step, before that step's update.
+    The message is the run's one `error:` line."""
+
+
 def nonfinite_weight(accelerator, model: torch.nn.Module) -> str | None:
     """Collective: the name of a weight holding NaN or inf on some rank (each checks its own part), or None."""
     params = [(name, held_values(p).detach()) for name, p in model.named_parameters()]

@@ -53,7 +53,7 @@ from toolkit.strategy.accelerator import release_freed_memory
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.cadence import Due, Stepped, Window
-from toolkit.training.evaluation import evaluate
+from toolkit.training.evaluation import evaluate, said
 from toolkit.training.feed import Feed
 from toolkit.training.harness_runs import HarnessRuns
 from toolkit.training.metrics import (
@@ -70,7 +70,7 @@ from toolkit.training.metrics import (
     plot_loss,
     tracker_log_with,
 )
-from toolkit.training.nonfinite import dead_after_resume, nonfinite_weight
+from toolkit.training.nonfinite import Diverged, dead_after_resume, nonfinite_weight
 from toolkit.training.optim import prepare_optimization, wind_back
 from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
@@ -84,12 +84,6 @@ class SaveStopped(Exception):
 
 class Stopped(Exception):
     """Raised after the stop checkpoint is saved; the recipe exits with a non-zero code."""
-
-
-class Diverged(Exception):
-    """A NaN/inf loss or gradient with train.on_nonfinite=abort, or train.max_nonfinite_skips
-    skipped steps in a row; raised on every rank at the same step, before that step's update.
-    The message is the run's one `error:` line."""
 
 
 class Trainer:
@@ -121,13 +115,9 @@ class Trainer:
             timeout_s=t.collective_timeout_s, pipeline_stages=t.pipeline_stages,
         )
         self.accelerator = strategy.accelerator
-        check_combinations(cfg, strategy.layout, self.accelerator.mixed_precision)  # before the model loads
+        check_combinations(cfg, strategy.layout, self.accelerator.mixed_precision,  # before the model loads
+                           self.accelerator.device.type)
         strategy.check_sequence_length(cfg.data.seq_len)
-        if cfg.model.attn_implementation == "flex_attention" and self.accelerator.device.type == "cpu":
-            raise UserError(
-                "model.attn_implementation=flex_attention trains only on GPUs (torch has no CPU backward for "
-                "it); use sdpa on CPU"
-            )
         restart = cfg.resume == "auto" and self.resume_from is None and self.run.died_before_first_checkpoint()
         if restart:
             self.print(f"resume=auto: {self.run.root} has no complete checkpoint yet (the run stopped before "
@@ -253,23 +243,7 @@ class Trainer:
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
                                        cfg.model.compile)
         if self.resume_from is not None:
-            stream = self.feed.stream
-            self.resume_from, self.state = resume(
-                self.strategy, self.run, self.resume_from, self.state, auto=cfg.resume == "auto",
-                streaming=stream is not None, max_steps=cfg.train.max_steps,
-                peak_lr=cfg.optim.peak_lr(cfg.train.global_batch_size),
-                scheduler=self.scheduler if self.step_scheduler else None,
-                rank_files=stream.load if stream is not None else None, say=self.print,
-            )
-            bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
-            if bad is not None:
-                raise UserError(
-                    f"checkpoint {self.resume_from} holds non-finite weights ({bad} has NaN or inf); resume from "
-                    "an earlier checkpoint with resume=PATH, or start a new output_dir"
-                )
-            self.checkpoint_step, self.eval_step = self.step, self.state.eval_step
-            self.print(f"resumed from {self.resume_from} at step {self.step}")
-            self.dead_check_pending = True
+            self.resume_checkpoint()
         if self.strategy.is_main:
             self.metrics = MetricsWriter(self.run.metrics, self.step, self.print)
         if cfg.logging.trackers:
@@ -278,7 +252,29 @@ class Trainer:
             project = self.run.root.resolve().name
             self.accelerator.init_trackers(project, config=flat_hparams(to_dict(cfg)))
         self.peak = peak_flops(self.strategy.device)
-        self.profiler = StepProfiler(cfg.logging.profile, self.run.root, self.accelerator.is_main_process, self.strategy.device, self.print)
+        self.profiler = StepProfiler(cfg.logging.profile, self.run.root, self.accelerator.is_main_process,
+                                     self.strategy.device, self.print)
+
+    def resume_checkpoint(self) -> None:
+        """The checkpoint resume= names, loaded into the prepared run; its weights checked now, its model's life at
+        the first step that trains."""
+        cfg, stream = self.cfg, self.feed.stream
+        self.resume_from, self.state = resume(
+            self.strategy, self.run, self.resume_from, self.state, auto=cfg.resume == "auto",
+            streaming=stream is not None, max_steps=cfg.train.max_steps,
+            peak_lr=cfg.optim.peak_lr(cfg.train.global_batch_size),
+            scheduler=self.scheduler if self.step_scheduler else None,
+            rank_files=stream.load if stream is not None else None, say=self.print,
+        )
+        bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
+        if bad is not None:
+            raise UserError(
+                f"checkpoint {self.resume_from} holds non-finite weights ({bad} has NaN or inf); resume from "
+                "an earlier checkpoint with resume=PATH, or start a new output_dir"
+            )
+        self.checkpoint_step, self.eval_step = self.step, self.state.eval_step
+        self.print(f"resumed from {self.resume_from} at step {self.step}")
+        self.dead_check_pending = True
 
     # ------------------------------------------------------------------ train
     def fit(self) -> None:
@@ -509,11 +505,7 @@ class Trainer:
             )
         self.eval_step = self.state.eval_step = self.step
         self.log("eval", {"step": self.step, "phase": phase, **result})
-        sources = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in result.items() if k.startswith("eval_loss/"))
-        self.print(f"step {self.step} ({phase}): held-out loss {result['eval_loss']:.4f}"
-                   + (f" ({sources})" if sources else "")
-                   + (f", perplexity {result['eval_ppl']:.2f}" if "eval_ppl" in result else
-                      f", reward margin {result['eval_rewards/margin']:.4f}, accuracy {result['eval_rewards/accuracy']:.2f}"))
+        self.print(f"step {self.step} ({phase}): {said(result)}")
         return result
 
     def save_checkpoint(self, background: bool = False) -> Path | None:

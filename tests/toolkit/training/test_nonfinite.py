@@ -21,9 +21,9 @@ from toolkit.run.faults import NONFINITE_ENV as ENV
 from toolkit.run.folder import STATE_FILE
 from toolkit.run.manifest import crc32, write_manifest
 from toolkit.training.metrics import read_metrics
-from toolkit.training.nonfinite import dead_model
+from toolkit.training.nonfinite import Diverged, dead_model
 from toolkit.training.recipe_config import PretrainConfig
-from toolkit.training.trainer import Diverged, Trainer
+from toolkit.training.trainer import Trainer
 
 OFF = ["eval.every=0", "checkpoint.every=0"]  # what these tests leave out unless they say
 
