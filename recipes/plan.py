@@ -42,7 +42,6 @@ that is not sizes of 1 or more), argparse's own refusals, a model the planner do
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -50,29 +49,17 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.config.combinations import refusals  # noqa: E402
 from toolkit.config.errors import UserError  # noqa: E402
-from toolkit.config.files import read_config_file, read_yaml  # noqa: E402
-from toolkit.config.load import load_config, to_dict  # noqa: E402
+from toolkit.config.files import read_config_file  # noqa: E402
+from toolkit.config.load import load_config  # noqa: E402
 from toolkit.launch.cli import OneLineParser  # noqa: E402
-from toolkit.models.adapter import apply_adapter, leave_out_bitsandbytes  # noqa: E402
-from toolkit.models.router import expert_count  # noqa: E402
-from toolkit.models.weight_cast import AUTOCAST, auto_applies  # noqa: E402
-from toolkit.planner.estimate import cpu_reserve, estimate  # noqa: E402
-from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy  # noqa: E402
-from toolkit.planner.state import model_tensors  # noqa: E402
-from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel  # noqa: E402
-from toolkit.strategy.parallelism import parallel_layout  # noqa: E402
+from toolkit.models.adapter import leave_out_bitsandbytes  # noqa: E402
+from toolkit.planner import search  # noqa: E402
+from toolkit.planner.search import MICRO_BATCHES  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
-
-MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-CHECKPOINTING = ("none", "every_k", "selective", "full")
-PIPELINE_STAGES = (2, 4)  # listed where they divide --gpus; more rows would bury the table
 
 
 def parse_size(text: str) -> int:
@@ -95,197 +82,10 @@ def load_recipe_config(path: str, overrides: list[str]):
     return ("finetune" if finetune else "pretrain"), load_config(cls, path, overrides)
 
 
-BUILT: dict[str, tuple] = {}  # a config's meta model, built once a process: plan() runs it for one GPU count at a time
-
-
-def meta_model(recipe: str, cfg, notes: list[str] | None = None) -> tuple[torch.nn.Module, torch.dtype, bool]:
-    """(the model on the meta device, with its adapter as the recipe puts it on; its weights' dtype; whether its base
-    is 4-bit); where the architecture came from, if not the usual place, in `notes`. Not to be changed: it is kept
-    for the next plan of the same config."""
-    part = cfg.adapter if recipe == "finetune" else cfg.tokenizer
-    key = json.dumps([recipe, to_dict(cfg.model), to_dict(part)], sort_keys=True, default=str)
-    if key not in BUILT:
-        said: list[str] = []
-        BUILT[key] = (*_build(recipe, cfg, said), said)
-    *built, said = BUILT[key]
-    if notes is not None:
-        notes.extend(said)
-    return tuple(built)
-
-
-def _build(recipe: str, cfg, notes: list[str]) -> tuple[torch.nn.Module, torch.dtype, bool]:
-    from transformers import AutoModelForCausalLM
-
-    if recipe == "pretrain":
-        from toolkit.models.scratch import hf_config
-
-        vocab = cfg.model.config.get("vocab_size", cfg.tokenizer.vocab_size)
-        config = hf_config(cfg.model, vocab, 0, None)
-        dtype, quantized = torch.float32, False
-    else:
-        from toolkit.models.base_model import base_config
-
-        config = base_config(cfg.model, notes)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
-        quantized = cfg.adapter.method == "qlora"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if recipe == "finetune" and cfg.adapter.is_lora:
-        model, _ = apply_adapter(model, cfg.adapter)  # the recipe's: its targets, layers, DoRA, modules_to_save
-    return model, dtype, quantized
-
-
-def strategies(folder: Path, hidden: int) -> list[StrategyFacts]:
-    """Every single-node accelerate config (multi-node ones lay memory out as their single-node twin)."""
-    found = []
-    for path in sorted(folder.glob("*.yaml")):
-        raw = read_yaml(path) or {}
-        if int(raw.get("num_machines", 1)) > 1:
-            continue
-        found.append(read_strategy(path, hidden))
-    return found
-
-
-def model_parallel_needs(facts: StrategyFacts, model: torch.nn.Module, cfg, gpus: int) -> tuple[dict[str, str], str | None]:
-    """(overrides a launch of `facts` needs beyond the recipe's, why it cannot run at all) for context,
-    tensor and sequence parallel, by the checks the launch itself makes (toolkit.strategy.*.problems)."""
-    group = facts.layout.cp * facts.layout.tp * facts.layout.sp
-    if group == 1:
-        return {}, None
-    if gpus % group:
-        return {}, f"{group} ranks per {axis_name(facts)} group do not divide --gpus {gpus}"
-    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-    m, needs = cfg.model, {}
-    if facts.layout.cp > 1 or facts.layout.sp > 1:
-        module = context_parallel if facts.layout.cp > 1 else sequence_parallel
-        if m.attn_implementation not in module.SUPPORTED_ATTENTION:
-            needs["model.attn_implementation"] = "sdpa"
-        found = module.problems(config, max(facts.layout.cp, facts.layout.sp), cfg.data.seq_len, "sdpa")
-    else:
-        found = tensor_parallel.problems(config, facts.layout.tp)
-        if problem := tensor_parallel.sequence_problem(facts.layout.tp, cfg.data.seq_len):  # as the launch refuses it
-            found.append(problem)
-    return needs, (found[0] if found else None)
-
-
-def tp_layout(facts: StrategyFacts, attention: str, experts: int) -> str:
-    """How tensor parallel lays the activations out under `attention` (the launch's
-    toolkit.strategy.tensor_parallel.sequence_layout), and a mixture of `experts` its experts."""
-    if facts.layout.tp == 1:
-        return ""
-    if experts:
-        return (f", experts spread over the tp ranks (ep {facts.layout.tp}: {experts // facts.layout.tp} of {experts} on each), "
-                "activations whole between the layers (a mixture of experts: transformers' plan); estimated with "
-                "balanced routing: a rank whose experts get more of the tokens holds more")
-    if attention in tensor_parallel.SEQUENCE_ATTENTION:
-        return ", sequence parallel between the layers"
-    return f", activations whole between the layers ({attention}: transformers' plan)"
-
-
-def axis_name(facts: StrategyFacts) -> str:
-    """The model-parallel axis a config splits over: cp, tp or sp."""
-    return "cp" if facts.layout.cp > 1 else "sp" if facts.layout.sp > 1 else "tp"
-
-
-def pipelines(model: torch.nn.Module, gpus: int) -> tuple[list[StrategyFacts], list[str]]:
-    """(a StrategyFacts per stage count to list, lines on those not listed), by
-    toolkit.strategy.pipeline_parallel.problems, the check the launch makes of the model."""
-    facts, notes = [], []
-    for p in PIPELINE_STAGES:
-        if gpus % p:
-            continue
-        found = pipeline_parallel.problems(model, p)
-        if found:
-            notes.append(f"pipeline, train.pipeline_stages={p}: not listed: {found[0]}")
-            continue
-        facts.append(StrategyFacts("pipeline", parallel_layout("MULTI_GPU", {}, stages=p)))
-    return facts, notes
-
-
 def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
-    """(the rows, the fastest that fits, the recipe, lines on the model-parallel configs)."""
+    """(the rows, the fastest that fits, the recipe, lines under the table) for the command line's config."""
     recipe, cfg = load_recipe_config(args.config, args.overrides)
-    notes: list[str] = []
-    model, dtype, quantized = meta_model(recipe, cfg, notes)
-    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-    hidden, experts = config.hidden_size, expert_count(config)
-    t, m = cfg.train, cfg.model
-    precision = {"auto": "fp32" if args.cpu else "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
-    if precision == "fp8":  # its memory is not modelled yet; bf16's is its upper bound
-        notes.append("train.mixed_precision=fp8 is planned as bf16, its upper bound: what the float8 layers save is not "
-                     "modelled yet (the 1B YAML on an H200 held 48.4 GB under fp8, 59.1 under bf16: docs/fp8.md)")
-        precision = "bf16"
-    budget = args.gpu_memory * (1 - args.headroom)
-    micro = list(args.micro_batch or MICRO_BATCHES)  # checked by check_args; a caller of plan() may leave it empty
-    rows = []
-    tensors = model_tensors(model, quantized)
-    staged, pipeline_notes = pipelines(model, args.gpus)
-    # the rows of selective recomputation, where the launch's own rules let it run
-    selective = dataclasses.replace(cfg, model=dataclasses.replace(m, gradient_checkpointing="selective"))
-    for facts in [*strategies(ROOT / "accelerate_configs", hidden), *staged]:
-        # the launch's own refusals: the first that no override lifts leaves the layout out, in its words
-        found = refusals(cfg, facts.layout, precision)
-        needs, refused = model_parallel_needs(facts, model, cfg, args.gpus)
-        refused = next((r.line.split(";")[0] for r in found if r.instead is None), refused)
-        if refused:
-            name = f"pipeline, train.pipeline_stages={facts.layout.pp}" if facts.layout.pp > 1 else facts.name
-            notes.append(f"{name}: not listed: {refused}")
-            continue
-        for refusal in found:
-            needs = {**needs, **refusal.instead}
-        group = facts.layout.cp * facts.layout.tp * facts.layout.sp
-        data_ranks = args.gpus // (group * facts.layout.pp)  # a cp, tp or sp group, or a pipeline, reads one micro-batch
-        required = " ".join(f"{k}={v}" for k, v in needs.items())
-        attention = needs.get("model.attn_implementation", m.attn_implementation)
-        if group > 1:
-            notes.append(f"{facts.name}: {axis_name(facts)} {group} x dp_shard {data_ranks}" + tp_layout(facts, attention, experts)
-                         + (f", as launched with {required}" if needs else ""))
-        if facts.layout.pp > 1:
-            notes.append(f"pp{facts.layout.pp}: ddp.yaml + train.pipeline_stages={facts.layout.pp} ({facts.layout.pp} stages x "
-                         f"{data_ranks} replicas), each row is the rank of its largest stage"
-                         + (f", as launched with {required}" if needs else ""))
-        for ckpt in CHECKPOINTING:
-            # selective: not modelled for a mixture or a model-parallel group (selective_bytes_per_token), refused
-            # under ZeRO-3 at launch (gradient_checkpointing.py)
-            if ckpt == "selective" and (experts or group > 1 or any(
-                    r.setting == "model.gradient_checkpointing=selective" for r in refusals(selective, facts.layout, precision))):
-                continue
-            for mb in micro:
-                if t.global_batch_size % (mb * data_ranks):
-                    continue
-                run = Run(
-                    facts, args.gpus, mb, cfg.data.seq_len, accumulation=t.global_batch_size // (mb * data_ranks),
-                    checkpointing=ckpt, every_k=m.gradient_checkpointing_k, precision=precision, param_dtype=dtype,
-                    attention=attention,
-                    loss_chunk_tokens=0 if "model.loss" in needs else m.chunk_tokens, quantized_base=quantized,
-                    fused_adam=cfg.optim.fused != "false", compiled=m.compile != "none",
-                    # (a 4-bit base's matrices are not copied: QLoRA's copies are its adapters')
-                    cast_per_step=not quantized and auto_applies(m.cast_weights, facts.layout, AUTOCAST.get(precision),
-                                                                 needs.get("model.compile", m.compile)),
-                )
-                est = estimate(model, run, tensors)
-                if args.cpu:
-                    est.reserve_bytes = cpu_reserve(est.peak_bytes)
-                offload = facts.offload_optimizer or facts.offload_params
-                rows.append({
-                    "strategy": facts.name, "gradient_checkpointing": ckpt, "micro_batch_size": mb,
-                    "accumulation": run.accumulation, "cp": facts.layout.cp, "tp": facts.layout.tp, "sp": facts.layout.sp,
-                    "dp_shard": data_ranks, "pipeline_stages": facts.layout.pp, "stage": est.stage,
-                    "requires": [f"{k}={v}" for k, v in needs.items()], **{f"{k}_bytes": v for k, v in est.parts.items()},
-                    "peak_bytes": est.peak_bytes, "reserve_bytes": est.reserve_bytes, "peak_at": est.moment,
-                    "fits": est.peak_bytes + est.reserve_bytes <= budget,
-                    "relative_step_time": round(rank_key(facts.name, ckpt, m.gradient_checkpointing_k, mb, offload,
-                                                         facts.layout.pp, run.accumulation), 3),
-                })
-    notes += pipeline_notes
-    if not rows:
-        raise UserError(
-            f"no micro-batch in {micro} divides train.global_batch_size={t.global_batch_size} over {args.gpus} GPUs; "
-            f"plan for a --gpus that divides {t.global_batch_size}, or set train.global_batch_size to a multiple of "
-            f"{args.gpus}"
-        )
-    fitting = [r for r in rows if r["fits"]]
-    best = min(fitting, key=lambda r: (r["relative_step_time"], r["peak_bytes"])) if fitting else None
+    rows, best, notes = search.plan(recipe, cfg, args.gpus, args.gpu_memory, args.headroom, args.micro_batch, args.cpu)
     return rows, best, recipe, notes
 
 

@@ -16,6 +16,7 @@ from recipe_runner import ROOT, recipe_module
 
 from toolkit.config.load import load_config
 from toolkit.models.base_model import SHIPPED_BASES, meta_base, shipped_base
+from toolkit.planner.search import meta_model
 from toolkit.training.recipe_config import FinetuneConfig
 
 CONFIGS = ROOT / "recipes" / "configs"
@@ -61,7 +62,7 @@ def planned(config: str, gpus: int) -> tuple[dict, str]:
 
 def model_of(cfg, with_adapter: bool = False) -> torch.nn.Module:
     """The meta model plan.py planned (built once for both GPU counts); the base under the adapter, or with it."""
-    model = PLAN.meta_model("finetune", cfg)[0]
+    model = meta_model("finetune", cfg)[0]
     return model if with_adapter or not hasattr(model, "get_base_model") else model.get_base_model()
 
 

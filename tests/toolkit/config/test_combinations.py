@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.config.combinations import RULES, check, refusals
+from toolkit.config.combinations import GPU_ONLY, RULES, check, refusals
 from toolkit.config.errors import UserError
 from toolkit.config.load import load_config
 from toolkit.parallel_layout import ParallelLayout
@@ -128,3 +128,13 @@ def test_each_refusal_says_why(overrides, precision, layout, said):
     found = refusals(config("finetune", ["adapter.method=full", *overrides]), layout, precision)
     assert said in found[0].line, found
     assert not refusals(config("finetune", ["adapter.method=full"]), layout, precision)  # the setting is why
+
+
+@pytest.mark.parametrize("key, value, line", [row for row in GPU_ONLY], ids=lambda v: str(v)[:30])
+def test_what_trains_on_gpus_only_is_refused_on_a_cpu_alone(key, value, line):
+    cfg = config("pretrain", [f"{key}={value}"])
+    with pytest.raises(UserError) as info:
+        check(cfg, LAYOUTS["ddp"], "no", device="cpu")
+    assert str(info.value) == line and "; use " in line
+    check(cfg, LAYOUTS["ddp"], "bf16", device="cuda")
+    check(config("pretrain", []), LAYOUTS["ddp"], "no", device="cpu")

@@ -1,0 +1,31 @@
+"""The planner's search: every shipped layout x recomputation x micro-batch estimated for a recipe's config, the
+layouts the launch would refuse left out in the launch's words, and the fastest row that fits picked."""
+
+from __future__ import annotations
+
+from recipe_runner import ROOT
+
+from toolkit.config.load import load_config
+from toolkit.planner.search import plan
+from toolkit.training.recipe_config import PretrainConfig
+
+TINY = ROOT / "recipes" / "configs" / "pretrain_tiny.yaml"
+
+
+def test_the_fastest_row_that_fits_is_picked_from_every_layout_and_recomputation():
+    rows, best, notes = plan("pretrain", load_config(PretrainConfig, TINY, []), gpus=2, gpu_memory=80 * 10**9)
+    strategies = {r["strategy"] for r in rows}
+    assert {"ddp", "fsdp", "zero1", "zero2", "zero3"} <= strategies and "pipeline" in strategies
+    assert {r["gradient_checkpointing"] for r in rows} == {"none", "every_k", "selective", "full"}
+    assert best["fits"] and best == min((r for r in rows if r["fits"]),
+                                        key=lambda r: (r["relative_step_time"], r["peak_bytes"]))
+    nothing = plan("pretrain", load_config(PretrainConfig, TINY, []), gpus=2, gpu_memory=10**6)[1]
+    assert nothing is None  # a megabyte holds no row
+
+
+def test_a_layout_the_launch_refuses_is_left_out_in_the_launchs_words():
+    cfg = load_config(PretrainConfig, TINY, ["train.mixed_precision=fp8", "model.compile=layers"])
+    rows, _, notes = plan("pretrain", cfg, gpus=2, gpu_memory=80 * 10**9)
+    assert not any(r["strategy"] == "fsdp_tp" for r in rows) and any(r["strategy"] == "fsdp" for r in rows)
+    assert "fsdp_tp: not listed: train.mixed_precision=fp8 trains under DDP, FSDP and ZeRO" in "\n".join(notes)
+    assert any(n.startswith("train.mixed_precision=fp8 is planned as bf16") for n in notes)
