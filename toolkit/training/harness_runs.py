@@ -17,12 +17,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.export.hf_folder import save_final_model
-from toolkit.launch.cli import ROOT
+from toolkit.launch.cli import command as cli_command
 from toolkit.launch.environment import alone_environment
 from toolkit.launch.rank_process import TRAINER_PID
 from toolkit.run.writes import WriteFailed, writing
@@ -97,9 +96,10 @@ class HarnessRuns:
         """Main process: recipes/evaluate.py on `folder` in a process of its own (after the one still running)."""
         self.wait()
         cfg = self.cfg
-        command = [sys.executable, str(ROOT / "recipes" / "evaluate.py"), "--from", str(folder),
-                   "--tasks", ",".join(cfg.tasks), "--batch-size", str(cfg.batch_size),
-                   "--output", str(self.root / f"step-{step}.json"), "--overwrite"]
+        # what `llm-toolkit evaluate` runs, as a user would start it
+        command = cli_command(["evaluate", "--from", str(folder), "--tasks", ",".join(cfg.tasks),
+                               "--batch-size", str(cfg.batch_size), "--output", str(self.root / f"step-{step}.json"),
+                               "--overwrite"])
         for option, value in (("--include-path", cfg.include_path), ("--num-fewshot", cfg.num_fewshot),
                               ("--limit", cfg.limit)):
             if value is not None:

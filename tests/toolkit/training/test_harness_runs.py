@@ -14,6 +14,7 @@ import pytest
 from accelerate.state import AcceleratorState
 from harness_tasks import write_tasks
 from one_process_trainer import packed_blocks, start_trainer
+from recipe_runner import ROOT
 
 from toolkit.config.errors import UserError
 from toolkit.training.harness_runs import LOG, HarnessRuns
@@ -96,7 +97,7 @@ def test_training_does_not_wait_for_a_scoring_and_a_run_that_ends_ends_it(tmp_pa
 
 def test_the_first_scoring_may_be_final_s_with_no_harness_folder_yet(tmp_path, monkeypatch):
     """eval.every=0: the run's one scoring is final/'s, at the end, and harness/ is made for its log and JSON (the
-    scoring program replaced by one that ends at once: the command is recipes/evaluate.py's, shown above)."""
+    scoring program replaced by one that ends at once: the command is `llm-toolkit evaluate`'s, recipes/evaluate.py)."""
     from toolkit.training import harness_runs
     from toolkit.training.harness import HarnessConfig
 
@@ -115,7 +116,7 @@ def test_the_first_scoring_may_be_final_s_with_no_harness_folder_yet(tmp_path, m
     runs.start(7, "after", tmp_path / "run" / "final", keep=True)
     runs.running[2].wait()
     assert (runs.root / LOG).is_file() and said == []
-    assert started[0][1:] == [str(harness_runs.ROOT / "recipes" / "evaluate.py"), "--from", str(tmp_path / "run" / "final"),
+    assert started[0][1:] == [str(ROOT / "recipes" / "evaluate.py"), "--from", str(tmp_path / "run" / "final"),
                               "--tasks", "t", "--batch-size", "8", "--output", str(runs.root / "step-7.json"),
                               "--overwrite", "--limit", "4"]
 
