@@ -1,26 +1,11 @@
 """llm-toolkit: the library the recipes call (config, data, model, distributed, checkpoints, export).
 
-Importing it names DeepSpeed's accelerator on a machine without a GPU (DS_ACCELERATOR=cpu, unless set):
-Accelerate and transformers import DeepSpeed whenever it is installed, under every strategy and in
-export too (`extract_model_from_parallel`), and DeepSpeed would otherwise guess and log "Setting
-accelerator to CPU" in each process.
-
-It also drops a few exact records of other libraries, so that every line of a run is the
-toolkit's, a progress bar or something the user can act on (docs/training.md, "What a run prints"). Each
-has no cause the toolkit or the user could fix; other records of the same loggers still show:
-
-- torchao (which transformers imports whenever it is installed) warns once per CUDA extension of
-  its own it cannot load, on any machine without the GPU it was built for;
-- torch's pytree logs a deprecation for each Enum that torchao registers;
-- Accelerate's checkpoint of a model whose output head is its input embedding (tie_word_embeddings)
-  saves the one tensor once and says "Removed shared tensor {'lm_head.weight'} while saving ... check
-  by verifying that you don't receive any warning while reloading": the load ties it again, and a
-  resume is checked to give the same losses bit for bit;
-- peft 0.21 reads `is_gradient_checkpointing` from the model it wraps, deprecated by transformers 5
-  (in favour of `is_activation_checkpointing`): a FutureWarning on each LoRA built or loaded;
-- transformers' bars while it loads or writes a model's weights ("Loading weights", "Writing model
-  shards"; up to 4 a run, each a fraction of a second), once `quiet_weight_bars()` is called (the
-  recipes' entry and export do; the hub's download bars stay).
+Importing it sets DS_ACCELERATOR=cpu on a machine without a GPU (unless set), and drops a few exact records of
+other libraries that neither the toolkit nor the user could act on: torchao's CUDA extensions it cannot load,
+torch's pytree deprecations for torchao's Enums, Accelerate's "Removed shared tensor" for a tied head, peft's
+`is_gradient_checkpointing` FutureWarning; `quiet_weight_bars()` hides transformers' bars while weights load or
+are written. Other records of the same loggers still show.
+Why each: docs/internals.md, toolkit/__init__.py.
 """
 
 import logging

@@ -1,16 +1,10 @@
 """A checkpoint's files written in the background (checkpoint.async_save): its tensors copied to host memory while
 the step waits, written by one thread per process while training goes on.
 
-Accelerate's save_state writes through two calls: its `save` (model.safetensors, optimizer.bin, the schedule; the main
-process only) and, under FSDP2, torch DCP's `save` (each rank's shards; collective). While save_state runs both are
-replaced by a stager: what they were given is copied at once and its write queued. A rank's queue then runs in one
-thread, in the order save_state made it, so DCP's collectives (over a gloo group of their own) meet in the same order
-on every rank. DCP's own async_save would start a thread per call, letting the model's and the optimizer's
-collectives cross.
-
-The copy keeps which tensors share storage (tied embeddings): safetensors drops the same duplicates and torch.save
-writes the same bytes as a blocking save (test_background.py compares them). What is small and written by the
-strategy's other calls (random states, a stream's position) is written before training goes on.
+While save_state runs, Accelerate's `save` and torch DCP's `save` are replaced by a stager that copies what
+they are given and queues its write; one thread per rank writes the queue in order, so DCP's collectives meet
+in the same order on every rank. The files are those of a blocking save (test_background.py compares them).
+Why not DCP's own async_save, and what is shared: docs/internals.md, toolkit/checkpoint/background.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""A checkpoint's state by parameter name: the one form every strategy can both produce with its own
-tools and consume with its own setters (the resharding tools that exist each cover one family:
-torch.distributed.checkpoint reshards FSDP2/DTensor state and reads neither DeepSpeed's partitions nor
-DDP's id-keyed optimizer.bin; DeepSpeed's universal checkpoint loads only into DeepSpeed). Made once
-beside a checkpoint that resumes under another strategy or world size (toolkit.checkpoint.conversion,
-`step-N.converted/`, toolkit.run.folder.converted_state):
+"""A checkpoint's state by parameter name: the one form every strategy can both produce with its own tools and
+consume with its own setters. Made once beside a checkpoint that resumes under another strategy or world size
+(toolkit.checkpoint.conversion, `step-N.converted/`):
 
-    weights/                 the full fp32 weights (each format's full_weights)
-    exp_avg.safetensors      Adam's first and second moments of every trained parameter, by name
-    exp_avg_sq.safetensors
-    optimizer.json           Adam's step by name, and the checkpoint it was made from
+    weights/  exp_avg.safetensors  exp_avg_sq.safetensors  optimizer.json
 
-Read here a tensor at a time, and checked against the run that loads it (each format's load_into).
-The LR schedule (custom_checkpoint_0.pkl) and trainer_state.json hold no strategy and are read as
-they are.
+Why no existing tool does, and each file: docs/internals.md, toolkit/checkpoint/by_name.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Resuming under another strategy or world size: a checkpoint converted once into its state by
-parameter name (toolkit.checkpoint.by_name), by the main process alone (no launcher), while the others
-wait; the checkpoint is left untouched, and the conversion reused by a later resume of it. Every file
-is read by the weights-only unpickler (toolkit.checkpoint.unpickling), even where DeepSpeed's tools
-ask for weights_only=False. Every rank then loads it with its strategy's own setters (each format's
-`load_into`).
-
-Not convertible, in one line (UserError): a DeepSpeed JSON with its own optimizer or scheduler on
-either side (that state is DeepSpeed's, not the recipe's AdamW and schedule), DeepSpeed without
-ZeRO (stage 0: ds_to_universal reads ZeRO partitions only), a DDP checkpoint older than the names.
+"""Resuming under another strategy or world size: a checkpoint converted once into its state by parameter name
+(toolkit.checkpoint.by_name), by the main process alone (no launcher), while the others wait; the checkpoint is
+left untouched, and the conversion reused by a later resume of it. Every file is read by the weights-only
+unpickler (toolkit.checkpoint.unpickling), even where DeepSpeed's tools ask for weights_only=False. Every rank
+then loads it with its strategy's own setters (each format's `load_into`). Not convertible, in one line
+(UserError): a DeepSpeed JSON with its own optimizer or scheduler on either side (that state is DeepSpeed's,
+not the recipe's AdamW and schedule), DeepSpeed without ZeRO (stage 0: ds_to_universal reads ZeRO partitions
+only), a DDP checkpoint older than the names.
 """
 
 from __future__ import annotations

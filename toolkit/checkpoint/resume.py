@@ -1,13 +1,11 @@
-"""A resume in one call: the checkpoint read once, checked against this run, converted if another layout wrote
-it, loaded, and this run's state to continue from.
+"""A resume in one call: the checkpoint read once, checked, converted if another layout wrote it, and loaded.
 
-    checkpoint = intact_checkpoint(...)   the manifest and state file checked, read once on the main process
-                                          (resume=auto falls back past damaged ones); every rank gets the value
+    checkpoint = intact_checkpoint(...)   the manifest and state file checked, read once; every rank gets the value
     check_same_data_order / _mixture      the data position carries over, or one line says why not
     check_same_settings                   the changes a resume can take, or one line naming those it cannot
-    load_checkpoint                       the model's shape checked, then the strategy's own files (or their
-                                          conversion by parameter name), the schedule and the random states
+    load_checkpoint                       the model's shape, then the strategy's files (or their conversion)
     take_changed_settings                 the taken changes from the next step on, said in one line
+Each step in full: docs/internals.md, toolkit/checkpoint/resume.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Which settings train under which layouts, answered in one place.
-
-Each rule is a setting a recipe config can hold, the layouts (and compute precisions) it does not train under with
-the reason, and the override that trains instead; where none does, only another layout can. The launch raises the
-first rule a run breaks as its one `error:` line, before the model loads (`check`); recipes/plan.py adds each
-broken rule's override to a layout's launch line, or leaves the layout out with the rule's line (`refusals`).
-
-What depends on the model itself (a head count that tp must divide, a layer count the stages must split, an
-attention kind that cp cannot gather) is asked of the model by its applier: toolkit.strategy's tensor_parallel,
-context_parallel, sequence_parallel and pipeline_parallel `problems`, which the planner asks too.
+"""Which settings train under which layouts, in one table: each rule's setting, the layouts (and precisions) it does
+not train under with the reason, and the override that trains instead (None: only another layout does). The launch
+raises the first rule a run breaks before the model loads (`check`); recipes/plan.py lifts or lists them (`refusals`).
+What depends on the model itself (heads tp must divide, layers the stages must split) its applier asks of the model.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Chat SFT data: records -> messages -> (input_ids, labels) -> packed blocks.
 
-A conversation is rendered with the tokenizer's chat template (or one from the config) and
-only the assistant's own output is a target: each assistant message's content and the token
-that ends its turn (`<|im_end|>` in ChatML, `<|eot_id|>` in Llama 3, `</s>` in Zephyr). System
-and user turns, role headers and template boilerplate get label -100. The assistant spans are
-found by rendering the conversation up to each assistant message (with the generation prompt)
-and mapping character offsets to tokens, so any template works, with or without a
-`{% generation %}` block.
-
-Packed blocks use the layout of `toolkit.data.packing` (input_ids, position_ids restarting at 0 at
-each conversation, num_tokens) plus `labels`, so attention keeps conversations apart the same way
-(`toolkit.data.packing.attention_inputs`).
-A conversation is never split across blocks: they are placed longest first into the block
-they fill most tightly (best-fit decreasing); the tail of each block is padding (its own
-segment, no targets).
+Only the assistant's own output is a target (each assistant message's content and the token that ends its
+turn); everything else gets label -100, found by rendering with any chat template. Blocks use
+`toolkit.data.packing`'s layout plus `labels`; a conversation is never split across blocks.
+How the spans are found and the blocks filled: docs/internals.md, toolkit/data/chat.py.
 """
 
 from __future__ import annotations

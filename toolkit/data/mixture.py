@@ -1,12 +1,11 @@
 """Several corpora mixed by weight (data.sources), in stages (data.stages): which blocks of which source
 every global batch holds.
 
-Every step's global batch takes from each source its weight's share of the blocks, rounded down or up
-(Shares), so that each source is within one block of its weight at every step and of its share over the
-run. Each source is read in its own shuffled order, a fresh one per pass over it (a source smaller than its
-share is repeated), and the blocks of a step are shuffled together before the ranks take their parts. All
-of it is a function of (seed, step, the weights of the steps before): a resume needs no data position, and
-a 2-process run sees the global batches of a 1-process run.
+Every step's global batch takes from each source its weight's share of the blocks, rounded down or up (Shares), so
+that each source is within one block of its weight at every step and of its share over the run. Each source is read
+in its own shuffled order, a fresh one per pass over it (a source smaller than its share is repeated), and the blocks
+of a step are shuffled together before the ranks take their parts. All of it is a function of (seed, step, the
+weights of the steps before): a resume needs no data position, and a 2-process run sees a 1-process run's batches.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Tokenize documents and pack them into fixed-length blocks that keep documents apart.
 
-Each document becomes `tokens + [EOS]`; documents are laid end to end and cut every `seq_len`
-tokens. Every block carries `position_ids` that restart at 0 where a document starts (and at
-the start of each block), which is all a model needs to keep attention inside documents, told
-in the way each attention implementation reads it (`attention_inputs`):
-
-- sdpa: `block_causal_mask` turns position ids into a 4-D boolean block-diagonal causal mask.
-  Position ids alone are NOT enough under sdpa/eager when the model keeps a KV cache
-  (measured: logit error 0.41).
-- eager: the same mask, additive (0 where a token may attend, bf16's lowest elsewhere): transformers hands a 4-D
-  mask to eager attention as it is and adds it to the scores, so a boolean one would add 0 or 1 (measured: logit
-  error 0.48). Gemma 2 has no sdpa in transformers: eager is how it trains on CPU.
-- flex_attention: transformers reads the boundaries from `position_ids` and builds a document
-  BlockMask (sparse: blocks across documents are skipped, not computed and masked). Only when
-  the forward runs without a KV cache, which is why `toolkit.models.loss` passes `use_cache=False`.
-- flash_attention_2/3: transformers' varlen path reads the boundaries from `position_ids`, but
-  only for a batch of one row; with more rows it silently runs plain causal attention over each
-  row. The micro-batch is therefore flattened into one row of B x seq_len tokens (each block
-  starts a document, so the rows stay apart too).
-
-Nothing is dropped: the last block is padded, and padding is a separate segment that no real
-token attends to and no loss is computed on (`num_tokens` says where real tokens end).
-
-At corpus scale (docs/data.md) the stream is packed a chunk of documents at a time into a
-memory-mapped arrow file, and every rank of a job packs its contiguous share of the documents;
-either way the blocks are exactly those of laying the whole stream out at once.
+Each document becomes `tokens + [EOS]`, laid end to end and cut every `seq_len` tokens; nothing is dropped (the
+last block is padded, a segment no token attends to). `position_ids` restart at 0 where a document starts, and
+`attention_inputs` tells that to each attention implementation the way it reads it (sdpa and eager: a
+block-causal mask; flex_attention: the position ids; flash: the micro-batch flattened into one row).
+How each attention kind keeps documents apart, and what was measured: docs/internals.md, toolkit/data/packing.py.
 """
 
 from __future__ import annotations

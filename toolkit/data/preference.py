@@ -1,17 +1,9 @@
 """Preference pairs: records -> (prompt, chosen, rejected) -> two token sequences -> packed blocks.
 
-A record has a `prompt` (a string, or chat messages ending with a user turn) and two answers,
-`chosen` and `rejected` (a string, an assistant message, or a list holding one). Each answer is
-rendered after its prompt with the chat template, as an SFT conversation is
-(`toolkit.data.chat.render_conversation`), and only the answer's tokens (content and turn end) are
-targets; a sequence ends at its answer's turn end.
-
-Blocks hold whole pairs, several to a block: the chosen sequence, then the rejected one, each a
-document of its own (position ids restart at 0), so each answer attends only to its own copy of the
-prompt, under every attention kind that keeps packed documents apart. The `sequence` column
-numbers the sequences of a block (2k: pair k's chosen, 2k + 1: its rejected; -1: padding) and
-`pairs` counts a block's pairs, the unit the preference loss is averaged over. Pairs are placed
-longest first into the block they fill most tightly, as chat conversations are.
+Each answer is rendered after its prompt with the chat template, and only its tokens are targets. Blocks hold
+whole pairs, the chosen then the rejected sequence, each a document of its own; `sequence` numbers them (2k:
+pair k's chosen, 2k + 1: its rejected; -1: padding) and `pairs` counts a block's pairs, the loss's unit.
+The records it takes, and how blocks are filled: docs/internals.md, toolkit/data/preference.py.
 """
 
 from __future__ import annotations

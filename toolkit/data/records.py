@@ -1,15 +1,11 @@
-"""Chat and preference records as users keep them: read from their files, each chat record's shape turned into
-the role/content messages that toolkit.data.chat renders, and each preference record into its prompt and two answers.
-
-The shapes (`data.record_format`; `auto`: each record's own, counted in the log):
+"""Chat and preference records as users keep them, read from their files and turned into messages, in these shapes:
 
     messages            {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}   (OpenAI, HF)
     sharegpt            {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}
     alpaca              {"instruction": ..., "input": ..., "output": ..., "system": ...}   (input, system optional)
     prompt_completion   {"prompt": ..., "completion": ...}   (TRL's: strings, or message lists)
 
-Under `auto` each record is read by its own shape; a shape named is every record's, and a record of another is
-refused in one line. Any other shape is read by the columns `data.columns` names (ColumnsConfig).
+`data.record_format` picks one (`auto`: each record's own); the rest: docs/internals.md, toolkit/data/records.py.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Blocks packed while training reads them (`data.streaming=true`).
 
-Each data rank reads its part of the stream (`datasets.distributed.split_dataset_by_node`: whole
-files where their number divides by the ranks, else every world-th document), tokenizes a batch
-of documents at a time and lays them into blocks with the prepared path's `Layout`. Nothing is
-prepared ahead, so the first step starts at once, and memory is one batch of documents plus the
-blocks not yet trained on.
-
-Exact resume: `save` writes this rank's position in the stream after the last document read
-(datasets' IterableDataset state), the unfinished block (< seq_len tokens, positions final) and
-the blocks packed but not yet handed out; `load` puts them back, and the blocks taken next are
-the ones the uninterrupted run took.
-
-What differs from prepared data (docs/data.md): blocks come in stream order (no shuffle over the
-corpus), and each rank packs only its documents, so a step's global batch depends on the number
-of data ranks. A rank's epoch ends when its part of the stream does: its last block is padded,
-and it reads its part again.
+Each data rank reads its part of the stream, tokenizes a batch of documents at a time and lays them into
+blocks with the prepared path's `Layout`: nothing is prepared ahead. `save` and `load` resume exactly. Unlike
+prepared data (docs/data.md), blocks come in stream order and a step's global batch depends on the number of
+data ranks.
+How it splits the stream, resumes and ends an epoch: docs/internals.md, toolkit/data/streaming.py.
 """
 
 from __future__ import annotations

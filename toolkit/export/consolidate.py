@@ -1,16 +1,9 @@
 """Whatever training wrote -> one ordinary model in this process, with no launcher and no GPU.
 
-Sources: a Hugging Face model folder (a run's final/, or any other); a run folder (its final/,
-or a checkpoint chosen by name); a training checkpoint of any strategy; a LoRA adapter folder
-with its base. A checkpoint's weights are gathered by the tools its strategy ships, never by
-hand (toolkit.checkpoint.formats knows each strategy's files): DeepSpeed's `zero_to_fp32` for
-ZeRO-1/2/3, torch's `dcp_to_torch_save` for FSDP (what Accelerate's `merge_fsdp_weights` wraps), plain safetensors for DDP. The architecture and tokenizer come from the
-checkpoint's `model_files/` (written beside every checkpoint), or from the run's final/.
-
-A source is checked before anything loads, as resume checks a checkpoint: its manifest (every
-file's size and CRC-32; checkpoints, and final/ and adapter/ once they carry one), then, for
-folders without one, the files a model needs. A damaged source is one line that names the file
-and what to export instead, never a model that loads and is wrong, nor a traceback.
+Sources: an HF model folder, a run folder (its final/ or a checkpoint by name), a training checkpoint of any
+strategy, a LoRA adapter with its base. Weights are gathered by the tools each strategy ships, never by hand,
+and a source is checked before anything loads: a damaged one is one line naming the file, never a wrong model.
+Which tool for which strategy, and the checks: docs/internals.md, toolkit/export/consolidate.py.
 """
 
 from __future__ import annotations

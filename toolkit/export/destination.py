@@ -1,18 +1,9 @@
 """Where an export goes, and the one thing --overwrite may replace there: an earlier export.
 
-Training promises that nothing it did not write is deleted (`RunDir.check`: a folder holding
-foreign files is refused; overwrite=true deletes the run's own entries only). Export keeps the
-same promise. Everything it writes says so: a folder's manifest.json names recipes/export.py as
-its writer (toolkit.run.manifest), a GGUF carries it in `general.quantized_by`, and the Modelfile and
-report beside a GGUF begin with the lines only the export writes. --overwrite replaces such an
-export, whole, and refuses anything else: a user's folder (thesis.tex, figs/), a run or a part of
-one, a folder that is an export plus files added to it, a file that is not an export, a symbolic
-link. An export never writes into, over or around what it reads (--from, its run, the base of a
-LoRA, --eval-text).
-
-The export is made in a hidden folder beside the output (`staging`), and moved into place with
-renames only once it is complete and measured (`put_in_place`): a failure leaves the previous
-output as it was, and nothing under the output's name.
+Export keeps training's promise that nothing it did not write is deleted: everything it writes says so, and
+--overwrite replaces such an export, whole, and refuses anything else. The export is made in a hidden folder
+beside the output (`staging`) and moved into place by renames once complete (`put_in_place`).
+What counts as an export, and what is refused: docs/internals.md, toolkit/export/destination.py.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""A Hugging Face model folder as one GGUF file, for llama.cpp and Ollama (issue 5, export).
+"""A Hugging Face model folder as one GGUF file, for llama.cpp and Ollama.
 
-Everything about the format comes from the `gguf` package: the architecture and tensor names
-(`MODEL_ARCH`, `get_tensor_name_map`), the metadata keys (`GGUFWriter.add_*`, i.e. `Keys`), the
-block quantisers (`gguf.quants.quantize`) and the writer itself. What this module decides:
-
-- LLaMA's q_proj/k_proj rows are reordered. transformers applies rotary embeddings to the two
-  halves of each head (`rotate_half`); llama.cpp's llama graph rotates adjacent pairs, so each
-  head's rows are interleaved on the way out (transformers' GGUF loader undoes it on the way in).
-  Qwen2 uses llama.cpp's NEOX rope, which is the half layout, so it is written as is.
-- Types: 1-D tensors (norms, biases) stay f32, as llama.cpp keeps them. Matrices get the asked
-  type, except where a row is not a whole number of the type's blocks (32 values for q8_0/q4_0):
-  those fall back to f16 and a note says so. With a 4- or 5-bit type the output matrix (the
-  embeddings when tied) is kept at q8_0, since the logits are the most sensitive product; llama.cpp's
-  llama-quantize keeps it higher too.
-- Tied embeddings: no `output.weight`; llama.cpp (and transformers) then reuse `token_embd.weight`.
-- Tokenizer: byte-level BPE only (GPT-2 style: SmolLM2, Qwen2, the toolkit's own `train_bpe`).
-  The pre-tokenizer is recognised from tokenizer.json and named as llama.cpp knows it; an unknown
-  one is refused, because llama.cpp would otherwise split text differently from training. Whether
-  BOS is added is measured on the tokenizer, not guessed from its config.
-- The file is written beside the target under a temporary name and renamed at the end, so a
-  failure never leaves a half-written file under the final name (an older export stays intact).
-  Tensors are converted one at a time, but the writer keeps the converted ones until it writes
-  them: memory peaks near the output file's size plus one float32 tensor.
+Everything about the format comes from the `gguf` package (names, metadata keys, block quantisers, the writer).
+What this module decides: LLaMA's q/k rows interleaved for llama.cpp's rotary, which tensors stay f32 or fall
+back to f16 or q8_0, tied embeddings, the byte-level BPE tokenizer (an unknown pre-tokenizer refused), and a
+write under a temporary name, renamed at the end.
+Each decision and why: docs/internals.md, toolkit/export/gguf.py.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Int8 and int4 weight-only copies of an HF model folder that `from_pretrained` loads back on CPU.
 
-Quantisation goes through transformers' `TorchAoConfig`, so the saved folder carries its
-`quantization_config` and loads with plain `AutoModelForCausalLM.from_pretrained(folder)` wherever
-torchao is installed. Perplexity on 300 / 512 tokens of CPython docs, SmolLM2-135M fp32 = 1.00
-(torch 2.13 CPU, transformers 5.23, torchao 0.18, bitsandbytes 0.50):
-
-- int8: `Int8WeightOnlyConfig`, symmetric, one scale per output row: 1.00 / 1.00.
-  bitsandbytes' 8-bit also loads on CPU, but it is LLM.int8 (activations cast to fp16 and
-  quantised too, not weight-only): 1.02 / 1.05.
-- int4: of torchao's int4 layouts only `IntxWeightOnlyConfig`'s (one int4 value per int8 byte)
-  both saves to safetensors and runs on CPU. Packed int4 (`Int4WeightOnlyConfig`) needs CUDA
-  kernels (tinygemm, mslk) to quantise and to run; the CPU-packed prototype (`Int4OpaqueTensor`)
-  cannot be saved (torchao has no safetensors form for it, and transformers 5 writes nothing
-  else). So int4 here is int4 precision at int8 size, on disk and in memory.
-  All-int4 (asymmetric, groups of 32) gives 1.14 / 1.19: SmolLM2 is dequantised from a Q4_1
-  GGUF, so its weights already sit on one 4-bit grid and a second grid adds its own error
-  (symmetric int4 1.33 / 1.33; bitsandbytes NF4, packed and CPU-capable, 1.26 / 1.32). Keeping
-  v_proj and down_proj at int8, as llama.cpp's Q4_K_M keeps them at higher precision: 1.07 / 1.09.
-
-Embeddings and the output head stay in the source dtype (transformers' torchao default): the
-embedding is a row lookup, the head is where weight error shows most in the logits, and a head
-tied to the embeddings would have to be untied (stored twice) to be quantised.
-
-Quantisation runs on CPU (one pass over the weights: seconds for a 135M model). The folder runs
-on the devices in `DEVICES`; only CPU is tested here, CUDA is torchao's own main target.
+Quantisation goes through transformers' `TorchAoConfig`, so the saved folder carries its `quantization_config`
+and loads with plain `AutoModelForCausalLM.from_pretrained(folder)` wherever torchao is installed. int4 is int4
+precision at int8 size (torchao's one int4 layout that saves and runs on CPU); embeddings and the output head
+stay in the source dtype. Quantisation runs on CPU; the folder runs on the devices in `DEVICES`.
+Why these configs, and the perplexities measured: docs/internals.md, toolkit/export/quantize.py.
 """
 
 from __future__ import annotations

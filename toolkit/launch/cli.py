@@ -2,15 +2,10 @@
 
     llm-toolkit pretrain --config pretrain_tiny train.max_steps=200
     llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora output_dir=runs/ft
-    llm-toolkit export --from runs/ft --format gguf --output runs/ft.gguf
-    llm-toolkit evaluate --from runs/ft --tasks arc_easy --limit 200
-    llm-toolkit plan --config pretrain_llama_1b --gpus 8 --gpu-memory 80GB
+    llm-toolkit export --from runs/ft --format gguf --output runs/ft.gguf            (also: evaluate, plan)
 
-A shipped recipe config or accelerate config may be named without its folder or suffix; any other path is taken
-as written, relative to where the command runs. Options before `--config` are `accelerate launch`'s: with any of
-them the recipe runs through recipes/launch.sh's launcher (its exit codes, its one line for a user error),
-without them as `python recipes/NAME.py` does. The process is replaced by the recipe's (signals reach it as they
-would the script).
+Options before `--config` are `accelerate launch`'s: with any, the recipe runs through recipes/launch.sh's launcher.
+How names, options and signals are taken: docs/internals.md, toolkit/launch/cli.py.
 """
 
 from __future__ import annotations

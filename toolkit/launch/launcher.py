@@ -3,36 +3,9 @@
     bash recipes/launch.sh --config_file accelerate_configs/zero3.yaml --num_processes 2 \\
         recipes/pretrain.py --config recipes/configs/pretrain_tiny.yaml
 
-Same arguments as `accelerate launch`, run in this process (accelerate's own `launch_command`),
-with four differences:
-
-- The exit code is the recipe's (toolkit.training.entry: 2 bad input, 3 stopped by a signal
-  with a checkpoint saved, 4 a collective failed, 5 the loss diverged). torchrun reports any
-  failed rank by raising ChildFailedError, which `accelerate launch` turns into a traceback, a
-  25-40 line report and exit code 1. Here the ranks' codes are read from that error: when every
-  rank that failed exited with one of these codes, or was ended by the launcher after that
-  (SIGTERM), the launch exits with that code and shows only the recipe's one line. Anything else
-  (a traceback, a rank killed by the OOM killer) is a crash: torchrun's report is shown as usual.
-- A missing --config_file or script is refused in one line (exit 2) before anything starts.
-- SIGTERM, SIGUSR1 (preemption, `scancel`, a time limit) and SIGINT (Ctrl-C) are forwarded to
-  the ranks, which save a checkpoint at the end of the step and exit with 3; the launcher waits
-  for them as for any exit. A second Ctrl-C reaches them too, and they end at once. The ranks
-  die with the launcher (toolkit.launch.rank_process.die_with_launcher). torchrun would instead forward SIGTERM itself and SIGKILL the ranks 30 s later
-  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), whether or not the step and checkpoint were done, then end
-  with a SignalException traceback and exit code 1; SIGUSR1 it does not handle at all: the
-  launcher dies and the ranks train on, orphaned. Leaving both signals to us needs torch >= 2.9
-  (torchrun's signals_to_handle, set through PET_SIGNALS_TO_HANDLE); with an older torch,
-  torchrun takes SIGTERM as before and the code is 143.
-- torchrun's warnings about the ranks' exits ("Sending process ... closing signal SIGTERM",
-  "failed (exitcode: 2)") are held back, and shown only for a crash.
-
-What flags could not do: `accelerate launch --quiet` only affects one-process and DeepSpeed
-multi-node (pdsh) launches, where it replaces the traceback by exit code 1; `--debug` only adds
-a rich traceback (ACCELERATE_ENABLE_RICH=1), and then the failed launch exits 0 (measured). torchrun's
-`--tee`, `--log_dir` (both passed on by accelerate) and `--redirects` (PET_REDIRECTS) copy or move
-the ranks' output into files; the launcher's own report and exit code stay as they are, and
-`--local-ranks-filter` would hide rank 1's crash tracebacks with its duplicate lines. Nothing
-passes a rank's exit code through.
+Same arguments as `accelerate launch`, run in this process; the recipe's exit code and one line, a missing
+--config_file or script refused in one line, SIGTERM/SIGUSR1/SIGINT passed on to the ranks (they save, exit 3).
+What torchrun does instead, and why no flag could: docs/internals.md, toolkit/launch/launcher.py.
 """
 
 from __future__ import annotations

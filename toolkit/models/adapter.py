@@ -1,12 +1,10 @@
 """Which weights a fine-tune trains: all of them, a LoRA adapter, or a LoRA on a 4-bit base (QLoRA).
 
-LoRA comes from peft. The adapter is added before `accelerator.prepare`, on the whole model,
-so DDP, FSDP2 and ZeRO-3 see an ordinary module with some parameters frozen: FSDP2 shards
-frozen and trainable parameters alike, ZeRO-3 partitions the frozen base and builds its
-optimizer over the adapter only, and nothing peft-specific happens inside the strategy.
-
-QLoRA loads the base through bitsandbytes' 4-bit NF4 kernels, which need a CUDA GPU. Where
-there is none the recipe stops with a message; it never trains in full precision instead.
+LoRA comes from peft. The adapter is added before `accelerator.prepare`, on the whole model, so DDP, FSDP2 and
+ZeRO-3 see an ordinary module with some parameters frozen: FSDP2 shards frozen and trainable parameters alike,
+ZeRO-3 partitions the frozen base and builds its optimizer over the adapter only, and nothing peft-specific
+happens inside the strategy. QLoRA loads the base through bitsandbytes' 4-bit NF4 kernels, which need a CUDA
+GPU. Where there is none the recipe stops with a message; it never trains in full precision instead.
 """
 
 from __future__ import annotations

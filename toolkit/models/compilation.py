@@ -1,19 +1,10 @@
 """`torch.compile` in place (`model.compile`): each decoder layer (`layers`) or the whole forward with its loss
 (`model`).
 
-`layers` compiles the repeated layer rather than the whole model, as Accelerate's `compile_regions`
-and torchtitan do: one graph that every layer reuses (compile time of one layer, not of the
-model). The embedding, the mask construction and the output head stay eager, so that the chunked
-loss (which swaps the head's forward per call) never recompiles.
-
-`model` compiles the causal LM's whole forward, and the loss goes into that forward
-(`toolkit.models.loss.forward_loss_sum` hands it the targets): embedding, layers, head and the
-unchunked cross-entropy in one graph, as a plain `torch.compile(model)` loop has them.
-
-In place (`module.compile()`), not `torch.compile(module)`: the module keeps its class and its
-parameter names, so checkpoints, FSDP's layer wrapping and DeepSpeed's hooks see the same model
-with and without compilation. It runs before the strategy wraps the model; compilation itself
-happens at the first forward, when every wrapper's hooks are in place.
+In place (`module.compile()`), not `torch.compile(module)`: the module keeps its class and its parameter names
+for checkpoints, FSDP and DeepSpeed. It runs before the strategy wraps the model; compilation itself happens at
+the first forward, when every wrapper's hooks are in place.
+What each mode compiles, and why: docs/internals.md, toolkit/models/compilation.py.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """fp8 training (`train.mixed_precision=fp8`): the model's large `nn.Linear` layers compute in float8 through
 torchao's float8 training, the rest of the model in bf16 autocast as `bf16` does.
 
-`convert_to_float8_training` swaps each chosen layer for torchao's `Float8Linear`, an `nn.Linear` with the same
-parameters (names, shapes, fp32 masters): checkpoints, `final/`, a resume under another strategy or precision and
-every export read the same files as a bf16 run's. Its forward casts the input and the weight to float8 e4m3, and its
-backward the output's gradient to e5m2, with dynamic scales (one per tensor for `tensorwise`, one per row for
-`rowwise`), and multiplies them with `torch._scaled_mm`.
-
-Which layers: `RULES`, the first that holds for a layer leaves it in bf16, with its reason. The size rule is
-torchao's own (`_auto_filter_for_recipe`), from its H100 table: a float8 matmul of a small layer spends more on its
-casts than it saves (torchao measured 0.8x at 1024x2048x1024). For Llama-3.2-1B's shapes it keeps q, o and the MLP,
-about 80 % of the layers' FLOPs, and leaves k and v (2048 -> 512) in bf16.
-
-Under FSDP2 with `tensorwise` scaling the layers gather their weights in float8 (torchao's
-`enable_fsdp_float8_all_gather`): each rank casts its shard with the whole weight's scale, which
-`precompute_scales` computes in one all-reduce after each optimizer step, and the gather moves half bf16's bytes.
-
-`LLM_TOOLKIT_FP8_EMULATE=1` (tests only) runs torchao's same casts and scales with an emulated matmul
-(`Float8LinearConfig(emulate=True)`): on CPU, without the size rule (a test model has no layer that large), and
-without the compile that a GPU run needs for speed.
+Each chosen layer becomes torchao's `Float8Linear`, an `nn.Linear` with the same parameters, so checkpoints,
+final/ and every export read the same files as a bf16 run's. `RULES` chooses the layers (the first rule that
+holds leaves a layer in bf16, with its reason). `LLM_TOOLKIT_FP8_EMULATE=1` (tests only) emulates the matmul.
+The casts, scales, size rule and FSDP2's float8 gather: docs/internals.md, toolkit/models/float8.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """A base model given as a GGUF: found (SmolLM2 from its wheel, a path, a hub id), parsed once, and
 dequantised into an ordinary float model, whose float copy the cache keeps.
 
-transformers keeps GGUF loading inside its quantizer machinery: by default (5.x) the model comes back
-flagged as quantized (`model.hf_quantizer`, `model.is_quantized`, `config.quantization_config`,
-`config._is_quantized`) even where every weight is a plain float tensor, and then the Trainer refuses to
-train it and `save_pretrained` raises. Here the file is loaded with `GgufConfig(dequantize=True)`, which
-makes transformers unpack every weight and drop the quantizer, and whatever flag is still left is cleared
-by `make_ordinary`, which also refuses a model that still holds packed GGUF blocks.
-
-Parsing a GGUF is slow: transformers reads the file's metadata (49k-token vocabulary and merges for
-SmolLM2) once for the config, once for the weights and once for the tokenizer, through gguf's reader,
-which slices a numpy memmap a few times per vocabulary entry. `_parse_gguf_once` reads it once, over a
-plain array (4.1 -> 1.1 CPU-s a parse on SmolLM2), and the dequantised model is kept as a float32
-safetensors folder in the toolkit cache, so later loads (and the other ranks of a launch, once the main
-process has written it) take under a second.
+Loaded with `GgufConfig(dequantize=True)`; `make_ordinary` clears whatever quantizer flag transformers left
+(the Trainer would refuse to train the model, `save_pretrained` would raise) and refuses packed GGUF blocks.
+Why, and what was measured: docs/internals.md, toolkit/models/gguf_base.py.
 """
 
 from __future__ import annotations

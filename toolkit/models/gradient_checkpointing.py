@@ -1,19 +1,9 @@
 """Activation (gradient) checkpointing: recompute layer activations in the backward pass.
 
-Always non-reentrant: the reentrant variant breaks with ZeRO-3 and FSDP, which gather
-parameters in hooks that the reentrant autograd function bypasses.
-
-"selective" checkpoints every decoder layer per operator (torch's selective activation
-checkpointing, as torchtitan's op-level policy): the outputs of the matmuls, the attention kernels
-and the collectives are kept, and only what lies between them (norms, rotary, activations,
-products, residual adds, reshapes) is recomputed in the backward, a few percent of a layer's
-time instead of full's whole forward again.
-
-Selective wraps each layer's own `forward`, inside the module call, where a compiled layer
-(`model.compile`) traces it: the compiler then saves what the policy keeps. Older transformers
-checkpoint around the whole module call instead, outside the compiled region, where the
-policy sees the compiled kernels and not the operators (transformers 5.17 on an H200: every matmul
-recomputed, as slow as full; docs/benchmarks.md).
+Always non-reentrant: the reentrant variant breaks with ZeRO-3 and FSDP, which gather parameters in hooks that
+it bypasses. "selective" keeps the outputs of matmuls, attention kernels and collectives and recomputes only
+what lies between them; it wraps each layer's own `forward`, so that a compiled layer saves what it keeps.
+Why, and what was measured: docs/internals.md, toolkit/models/gradient_checkpointing.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Causal-LM loss normalised by target tokens over the whole global batch.
 
-Averaging per micro-batch and then over micro-batches/ranks (what transformers did before
-#34191 was fixed) weights a token in a short micro-batch more than one in a long micro-batch.
-Here every micro-batch contributes its *sum* of token losses, divided by the number of target
-tokens in the entire global batch, so accumulation and data parallelism change nothing.
-
-model.loss=chunked (`forward_loss_sum(..., chunk_tokens)`) computes the same sum and gradients
-inside the output head's forward, a chunk of tokens at a time, without the full logits.
+Averaging per micro-batch and then over micro-batches/ranks (what transformers did before #34191 was fixed)
+weights a token in a short micro-batch more than one in a long micro-batch. Here every micro-batch contributes
+its *sum* of token losses, divided by the number of target tokens in the entire global batch, so accumulation
+and data parallelism change nothing. model.loss=chunked (`forward_loss_sum(..., chunk_tokens)`) computes the
+same sum and gradients inside the output head's forward, a chunk of tokens at a time, without the full logits.
 """
 
 from __future__ import annotations

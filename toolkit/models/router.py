@@ -1,16 +1,9 @@
 """A mixture-of-experts model's router load-balancing loss, for the objective and the metrics.
 
-transformers computes it inside the model's forward (`output_router_logits=True`) from a 2-D
-padding mask only; the toolkit's packed blocks come with a 4-D block-causal mask under sdpa and
-eager attention, and that computation then fails on the shapes. So the router logits are recorded
-with forward hooks on the model's own router modules (the ones transformers names for
-`router_logits` in its output recorder) and passed to the model's own `load_balancing_loss_func`
-without a mask: every position of a block counts (packed blocks hold no padding but the last
-block's tail).
-
-The objective is then the global per-token cross-entropy plus `router_aux_loss_coef` x the mean of
-the micro-batches' router losses. Every strategy cuts a global batch into the same micro-batches
-(toolkit.data.batching), so it is the same under any world size and accumulation.
+The router logits are recorded with forward hooks on the model's own router modules and passed to its own
+`load_balancing_loss_func` without a mask (transformers' computation fails on packing's 4-D mask). The
+objective is the global per-token cross-entropy plus `router_aux_loss_coef` x the micro-batches' mean router loss.
+Why, and why it is the same under any layout: docs/internals.md, toolkit/models/router.py.
 """
 
 from __future__ import annotations

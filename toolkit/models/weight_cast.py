@@ -1,16 +1,9 @@
 """The low-precision copy of the weights that mixed precision computes with, made once per optimizer step.
 
-Under autocast over fp32 weights every matmul casts its weight to bf16 (or fp16) at every forward, and
-again when a checkpointed layer is recomputed: with 4 micro-batches and full recomputation, 8 casts of
-every weight per step where the weights change once. With model.cast_weights=per_step each nn.Linear
-computes with one copy made when the step starts (`WeightCast.step`), through the same differentiable
-cast: the forward is autocast's arithmetic (autocast leaves a bf16 weight as it is) and each micro-batch's
-gradient reaches the fp32 weight through the cast's backward, accumulated in fp32 as before. The
-optimizer keeps stepping the fp32 weights, which stay the model's parameters (and its state dict).
-
-One process and DDP only: FSDP2 and DeepSpeed cast the weights their own way (FSDP2's param_dtype at
-each all-gather, DeepSpeed's bf16 mode), and tensor, sequence, context parallel and pipelines are left
-to autocast.
+With model.cast_weights=per_step each nn.Linear computes with one copy made when the step starts
+(`WeightCast.step`), through the same differentiable cast as autocast's; the optimizer keeps stepping the fp32
+weights. One process and DDP only (FSDP2 and DeepSpeed cast their own way; the other layouts keep autocast).
+Why, and what it saves: docs/internals.md, toolkit/models/weight_cast.py.
 """
 
 from __future__ import annotations

@@ -4,12 +4,8 @@
     est = estimate(model, Run(facts, world=8, micro_batch=8, seq_len=2048, checkpointing="full", ...))
     est.peak_bytes, est.parts          # what the largest rank allocates at its peak, and why
 
-The peak is the largest of three moments of a step (the end of a forward, the backward of the last
-layer, the optimizer step) over model state (toolkit.planner.state), activations
-(toolkit.planner.activations), logits and loss, and communication buffers; docs/memory.md gives every
-formula and what each was checked against. `peak_bytes` is comparable with
-`torch.cuda.max_memory_allocated`; `reserve_bytes` (CUDA context, allocator slack) is kept apart. A
-pipeline's estimate is its largest stage's (`Estimate.stage`).
+`peak_bytes` is comparable with `torch.cuda.max_memory_allocated` (docs/memory.md gives every formula).
+What the peak is made of: docs/internals.md, toolkit/planner/estimate.py.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""The run folder: where a run's outputs live.
+"""The run folder: where a run's outputs live (one contract for the trainer, the recipes, checkpoints, the
+HF-folder writer and export; nothing else in the toolkit spells these names or parses `step-N`).
 
-One contract, used by the trainer, the recipes, checkpoints, the HF-folder writer and export:
+    runs/NAME/ (RunDir): checkpoints/step-N/ (its trainer_state.json written last: complete),
+    checkpoints/step-N.converted/, final/, adapter/, metrics.jsonl, samples.md, reference_logps.npz, .run.lock, ...
 
-    runs/NAME/                    RunDir(root)
-      checkpoints/step-N/         .checkpoint(N): the strategy's save_state files, plus
-        model_files/              MODEL_FILES: config + tokenizer (+ adapter config), so a
-                                  checkpoint exports without its run
-        trainer_state.json        STATE_FILE: a TrainerState (toolkit.checkpoint.trainer_state); written last, so its presence
-                                  means "complete" (a crash mid-save leaves none)
-      checkpoints/step-N.converted/  converted_state(step-N): that checkpoint's state by parameter
-                                  name, made when a run resumed it under another strategy or world
-                                  size; never a checkpoint itself, deleted with step-N
-      final/  adapter/            .final, .adapter: the deliverables
-      metrics.jsonl  loss.png  samples.md  tensorboard/  profile/  harness/
-      reference_logps.npz         .reference: DPO's reference log-probabilities of the pairs
-      .run.lock                   LOCK_FILE: held by the run that owns the folder (RunDir.claim)
-
-Nothing else in the toolkit spells these names or parses `step-N`.
+The tree, with what each entry holds: docs/internals.md, toolkit/run/folder.py.
 """
 
 from __future__ import annotations

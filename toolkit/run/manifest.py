@@ -1,16 +1,9 @@
 """A checkpoint's manifest: every file's size and CRC-32, written with it, checked before a resume.
 
-A checkpoint can be damaged after it was written: a truncated copy, a flipped bit on a disk, a
-rank file deleted by hand. Loading such a folder either fails deep inside torch with a message
-that names no file, or, worse, succeeds: one flipped exponent bit in model.safetensors trained on
-with a dead model (loss ln(vocab), gradient norm 0) while rotation deleted the good checkpoints.
-
-CRC-32 (zlib, C speed, several GB/s per core; the files are hashed in parallel threads) finds any
-truncation, any burst error and every flipped bit; it is not meant to resist forgery. The sizes
-alone are checked first, so a truncated file is named without reading anything.
-
-The same manifest is written into a run's final/ and adapter/, and into every folder an export
-writes, where it also names its writer (`written_by`): what may replace the folder later.
+The sizes are checked first (a truncated file named without reading anything), then CRC-32, which finds any
+truncation, burst error and flipped bit (it is not meant to resist forgery). The same manifest is written into
+final/, adapter/ and every folder an export writes, where `written_by` names its writer.
+Why, and what a damaged checkpoint did without it: docs/internals.md, toolkit/run/manifest.py.
 """
 
 from __future__ import annotations

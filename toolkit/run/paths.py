@@ -1,17 +1,9 @@
 """Every folder a run or an export writes or deletes, against everything it could overlap.
 
-What deletes, and only what it wrote:
-- output_dir: overwrite=true deletes the run's own entries (RunDir.ENTRIES); rotation deletes
-  checkpoints/step-N (checkpoint.keep_last); final/ and adapter/ are replaced (run_dir.replace_folder);
-  the lock file goes with the run (run_lock).
-- data.cache_dir, model.cache_dir: each deletes only the names it makes (packed-KEY, .packed-KEY.tmp,
-  .gguf-…tmp, .fetch-…): hashes no user or run names a folder.
-- recipes/export.py --output: replaces only an earlier export (toolkit.export.destination).
-
-`PATH_SETTINGS` classifies every text setting of the recipe configs (a test derives the fields from
-the dataclasses: a new one fails it until it is classified here); `OVERLAPS` is each writing folder
-against each kind of overlap with what it could lose, and the outcome: refused (one line, before
+Each deletes only what it wrote. `PATH_SETTINGS` classifies every text setting of the recipe configs;
+`OVERLAPS` is each writing folder against each kind of overlap, and the outcome: refused (one line, before
 anything is written or deleted) or safe, and why. tests/toolkit/run/test_paths.py builds every row.
+What each writer deletes: docs/internals.md, toolkit/run/paths.py.
 """
 
 from __future__ import annotations

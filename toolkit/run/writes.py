@@ -1,13 +1,11 @@
 """Every file the toolkit writes, and what a write that fails (a full disk, an I/O error) does: one table.
 
-WRITERS names each writer by the functions that call a library's write (save_file, torch.save,
-save_pretrained, open(..., "w"), write_text, ...): what it writes, what the user sees when one of its
-writes fails, and what is then left on disk. A writer either stops the run with one `error:` line and
-exit code `exit` (WriteFailed), or says one warning and lets the run go on (`exit` None): nothing it
-leaves half-written is ever taken for complete.
-
-tests/toolkit/run/test_writes.py finds every write call in the toolkit's source and fails for a function
-that no writer lists, then walks the table, failing each writer with each exception in FULL_DISK.
+WRITERS names each writer by the functions that call a library's write (save_file, torch.save, save_pretrained,
+open(..., "w"), write_text, ...): what it writes, what the user sees when one of its writes fails, and what is
+then left on disk. A writer either stops the run with one `error:` line and exit code `exit` (WriteFailed), or
+says one warning and lets the run go on (`exit` None): nothing it leaves half-written is ever taken for complete.
+tests/toolkit/run/test_writes.py finds every write call in the toolkit's source and fails for a function that
+no writer lists, then walks the table, failing each writer with each exception in FULL_DISK.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The Accelerator for the launched strategy, configured alike on CPU (gloo) and GPU (NCCL).
 
-Accelerate's quirks on CPU-only machines are handled here, each with the reason, so that the same
-accelerate config trains the same way on CPU (gloo) and GPU (NCCL), and never silently trains
-unsharded or unsynchronised:
-
-- DDP: without `cpu=True`, Accelerate on a CPU machine treats a multi-process launch as a
-  single process: the model is not wrapped in DDP and ranks silently train apart (measured:
-  losses diverge). So with no GPU we force `cpu=True`, and name gloo (`cpu=True` alone picks
-  MPI when torch was built with it).
-- DeepSpeed: `cpu=True` makes Accelerate drop DeepSpeed altogether, and without a backend it
-  reports a single process. So on CPU we leave `cpu` off, pass gloo, and DeepSpeed runs on its
-  CPU accelerator (DS_ACCELERATOR=cpu, set when the toolkit is imported, before DeepSpeed is).
-- FSDP: Accelerate applies FSDP only on GPU-like devices; on CPU the config would do nothing.
-  torch's FSDP2 `fully_shard` does shard and train on CPU over gloo, so after creating the
-  Accelerator on CPU we set its distributed type to FSDP and give it the plugin from the
-  launch environment; `prepare` then takes Accelerate's own FSDP2 path. A launch of one process
-  gets it too (over a gloo group of one), as it does on a GPU.
+On a CPU-only machine Accelerate would silently train unsharded or unsynchronised: DDP's ranks would train
+apart, DeepSpeed would be dropped, FSDP would do nothing. Each is handled here, so that the same accelerate
+config trains the same way on CPU and GPU.
+Each quirk, its fix and what was measured: docs/internals.md, toolkit/strategy/accelerator.py.
 """
 
 from __future__ import annotations

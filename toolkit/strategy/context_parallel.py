@@ -1,25 +1,10 @@
 """Context parallelism: every sequence split over `cp` ranks, packed documents kept apart.
 
-Each of a group's cp ranks holds 1/cp of every sequence of the group's micro-batch, so activations
-(and their memory) per rank fall by cp: the way to train sequences one GPU cannot hold. Attention
-is the only layer that mixes positions: there each rank gathers the keys and values of the whole
-sequence from its group and attends its own queries to them, under its rows of the block-causal
-mask that packing builds (a document sees only itself). This is the all-gather form of context
-parallelism that Llama 3 was trained with for document masks; its cost is the keys and values of
-the whole sequence per layer (2 x tokens x kv_heads x head_dim), small with grouped-query attention,
-and one reduce-scatter of their gradients in the backward.
-
-The engines are torch's: the head-tail load balancer of its context-parallel package (rank i holds
-chunks i and 2cp-1-i, so that causal work is even), the autograd all-gather of functional
-collectives (its backward is the reduce-scatter), and scaled_dot_product_attention.
-Why not torch's ring attention (`context_parallel()`, what Accelerate's cp_size applies): it
-registers sharding rules only for the CUDA sdpa kernels and supports a causal mask only, so
-Accelerate drops the attention mask and packed documents would attend to each other. Its
-flex_attention form keeps documents apart but has no CPU backward and needs sequences of
-cp x 128 tokens. docs/parallelism.md has the measurements.
-
-Gradients need nothing more: every rank's loss is its tokens' sum over the global target count, and
-the data-parallel wrapper (FSDP2, DDP) reduces over all ranks, cp included.
+Each of a group's cp ranks holds 1/cp of every sequence (head-tail balanced), so activations per rank fall by
+cp. In attention each rank all-gathers the whole sequence's keys and values and attends its own queries to
+them under its rows of packing's block-causal mask (the form Llama 3 was trained with for document masks);
+the backward reduce-scatters their gradients, and the data-parallel wrapper reduces over cp as over the rest.
+Its costs, and why not torch's ring attention: docs/internals.md, toolkit/strategy/context_parallel.py.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Pipeline parallelism: a causal LM's decoder layers cut into consecutive stages, one rank each.
 
-Each of a pipeline's `stages` ranks holds the layers of its stage (the first also the embedding, the
-last also the final norm and the head), so weights, gradients and optimizer state per rank fall by
-the number of stages, and what crosses ranks is one micro-batch's hidden states (tokens x hidden)
-forward and their gradient backward. The engine is torch.distributed.pipelining: `PipelineStage` and
-its 1F1B schedule (each stage alternates one forward and one backward once the pipeline is full, so
-at most `stages` micro-batches' activations are alive on a rank; the idle "bubble" is (stages - 1) /
-(micro-batches + stages - 1) of a step). The micro-batches are the recipe's accumulation: the same
-global batch, cut the same way, as every other strategy.
-
-A stage runs the model's own forward on its slice (transformers' mask and rotary code, the model's
-own layers): the decoder is kept with only its stage's layers, and the embedding, the final norm and
-the head only where they belong. Position ids travel from stage to stage with the hidden states, so
-that every stage builds packing's block-causal mask and rotary angles from them: packed documents
-stay apart on every stage.
-
-Tied input/output embeddings (one weight on one rank otherwise) are a copy on the first and on the
-last stage; their gradients are summed between the two before every update, so the copies stay one
-weight. Pipelines side by side (processes = data-parallel replicas x stages) average gradients over
-the replicas of each stage.
-
-Only a decoder whose forward does nothing to its input embeddings but the layers can be cut this way
-(LLaMA, Mistral, Qwen2/3); GPT-2 adds position embeddings and Gemma scales them, so each stage would
-apply them again: refused in one line (`problems`), as is a model with fewer layers than stages.
-torch's tracer (`pipeline()`) is not used: it loses an intermediate across the split of a LLaMA
-(docs/parallelism.md, "Pipeline parallelism").
+Each rank holds its stage's layers (the first also the embedding, the last the final norm and the head); the
+engine is torch.distributed.pipelining's `PipelineStage` under its 1F1B schedule, over the recipe's own
+micro-batches. Position ids travel with the hidden states, so packed documents stay apart on every stage;
+tied embeddings are a copy on the first and the last stage, their gradients summed. A model whose forward
+changes its input embeddings (GPT-2, Gemma), or with fewer layers than stages, is refused (`problems`).
+What it costs, and why not torch's tracer: docs/internals.md, toolkit/strategy/pipeline_parallel.py.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Sequence parallelism (DeepSpeed Ulysses): every sequence split over `sp` ranks, attention by heads.
 
-Each of a group's sp ranks holds a contiguous 1/sp of every sequence of the group's micro-batch, so
-everything outside attention (embeddings, norms, MLPs, the loss) runs on 1/sp of the tokens. Attention
-needs every position: there an all-to-all trades the sequence split for a head split (each rank gets
-the whole sequence for heads/sp of the heads), attention runs as in one process, and a second
-all-to-all trades back. Its cost is four all-to-alls per layer of the rank's q, k, v and output
-(about 4 x tokens/sp x hidden per rank), independent of sp: what lets Ulysses scale to long
-sequences where context parallel's gathered keys and values grow with the sequence.
-
-The engine is DeepSpeed's `UlyssesSPAttentionHF` (the ALST integration Accelerate drives with
-parallelism_config_sp_size under DeepSpeed): its all-to-alls, head bookkeeping and key/value head
-replication when sp exceeds the key/value heads. What the toolkit adds is the attention it wraps:
-DeepSpeed's own registration drops transformers' mask and relies on flash-attention's varlen path to
-keep packed documents apart, which does not exist for sdpa (on CPU, or without flash-attn), so packed
-documents would attend to each other. Here the core attention builds packing's block-causal mask from
-the gathered position ids (a document sees only itself) and runs sdpa under it.
-
-Gradients need nothing more: every rank's loss is its tokens' sum over the global target count, and
-the data-parallel wrapper (DDP, FSDP2 or ZeRO) reduces over all ranks, sp included.
+Each of a group's sp ranks holds 1/sp of every sequence; in attention an all-to-all trades the sequence split
+for a head split, and a second trades back. The engine is DeepSpeed's `UlyssesSPAttentionHF`; what the toolkit
+adds is the core attention it wraps, which builds packing's block-causal mask from the gathered position ids
+and runs sdpa, so packed documents stay apart without flash-attention's varlen path.
+Its costs against context parallel, and why: docs/internals.md, toolkit/strategy/sequence_parallel.py.
 """
 
 from __future__ import annotations

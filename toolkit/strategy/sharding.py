@@ -1,43 +1,11 @@
 """How many bytes of model state this rank really holds, measured from the live tensors.
 
     meter = GradientMeter(accelerator, model, optimizer)
-    with meter:                      # around one whole optimizer step (all its micro-batches)
-        for micro in micro_batches:
-            with accelerator.accumulate(model):
-                ...; accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
-    held = held_bytes(accelerator, model, optimizer, meter)   # after that step
+    with meter: ...                  # around one whole optimizer step (all its micro-batches)
+    held = held_bytes(accelerator, model, optimizer, meter)  # after it: params, master, optimizer, grads, grads_peak
 
-`held_bytes` returns this rank's bytes of:
-
-- params: the parameter storage this rank holds. DDP, ZeRO-1/2: the whole module parameters;
-  FSDP2: the local shard of each DTensor; ZeRO-3: each parameter's partition (`ds_tensor`) plus
-  any parameter kept whole (ZeRO-3 persists ones under stage3_param_persistence_threshold).
-- master: fp32 master weights that the optimizer updates *instead of* the module parameters
-  (ZeRO-1/2 `single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`), i.e. what
-  the optimizer steps that is not parameter storage. 0 for DDP and FSDP2, whose optimizer
-  updates the parameters themselves. Kept apart from `optimizer` so that strategies compare like
-  for like: under DDP the master copy *is* the parameters (counted in `params`).
-- optimizer: the base torch optimizer's `state` tensors (AdamW: exp_avg, exp_avg_sq, step),
-  FSDP2's DTensor states by their local shards. Measured after the step, when they exist.
-- grads: gradient storage held at the accumulation boundary, just before the optimizer steps:
-  DDP/FSDP2 `p.grad` (FSDP2: local shards) after the last backward; DeepSpeed from inside
-  `engine.step()` before it runs (Accelerate's `backward` steps the engine at the boundary,
-  so afterwards the gradients are gone): module `p.grad`/`grad_accum`, ZeRO-1/2
-  `averaged_gradients`/`all_grad_tensors`, ZeRO-3 `grad_partitions_flat_buffer`, and any
-  `.grad` on master weights.
-- grads_peak: the most gradient storage held after any backward of the step (every
-  micro-batch, and the boundary point above). With accumulation this shows what stays
-  unsharded between micro-batches: ZeRO-1 keeps full `p.grad` until the boundary, and FSDP2
-  under `accelerator.accumulate` (`set_requires_gradient_sync(False)`) keeps full unsharded
-  gradients in its FSDPParams (read through FSDP2's private `_get_fsdp_state()`). With one
-  micro-batch per step there is no such point and grads_peak == grads.
-
-Tensors are counted once however often they are referenced: bytes are the union of the address
-ranges the tensors cover, so views into one flat buffer, tied weights and a master copy that
-aliases the parameters add nothing twice. Communication staging buffers are not gradients and
-are not counted: DDP's reducer buckets (not reachable from Python), FSDP2's reduce-scatter
-buffers, DeepSpeed's `ipg_buckets` (ZeRO-1/2 allocate `reduce_bucket_size` elements of them in
-every backward).
+Tensors are counted once (the union of the address ranges they cover); communication buffers not at all.
+What each part holds under each strategy, and why: docs/internals.md, toolkit/strategy/sharding.py.
 """
 
 from __future__ import annotations

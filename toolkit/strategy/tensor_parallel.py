@@ -1,41 +1,11 @@
 """Tensor parallelism: a causal LM's layers split over `tp` ranks by transformers' own plan.
 
-The engine is transformers' distributed API (DistributedConfig, the model's `base_model_tp_plan`,
-`prepare_distribute_model` + `maybe_distribute_model`): weights become DTensors, attention split by
-heads, the MLP's first matrices by columns and its last by rows, the embedding by rows. Accelerate's
-ParallelismConfig is not used: it refuses CPU processes, and its FSDP2 + TP branch imports a class
-transformers 5.23 no longer has (docs/parallelism.md, "Which engine each will use").
-
-The split slices each rank's own copy of the weights (no broadcast), so every rank must build the
-model from the same seed, as the recipes do.
-
-A mixture of experts is split the same way, but its experts are not cut: each of the tp ranks holds
-num_experts / tp whole experts (expert parallel, transformers' `base_model_ep_plan` with ep_size = tp),
-and every MoE layer sends each token to the ranks of its chosen experts and back with two all_to_all
-(transformers' AllToAllEP while training; at evaluation, without gradients, each rank runs its own
-experts on the whole batch and one all-reduce sums them). The expert weights, most of an MoE's, are
-then 1/tp per rank, as the split attention is.
-
-What cannot be split is refused in one line before anything is built (`problems`): a model without a
-plan (or, for a mixture of experts, without an expert-parallel plan), head counts or MLP widths that
-the tp degree does not divide (transformers would cut a head in two and compute garbage, not fail),
-and expert counts it does not divide.
-
-A dense model under sdpa or eager attention is split with Megatron's sequence parallelism besides
-(`sequence_layout`, built with torch's own `parallelize_module` styles, torchtitan's layout): between
-the layers, each tp rank holds 1/tp of every sequence's hidden states, so the norms, residual adds and
-their saved activations are 1/tp per rank too; each attention and MLP gathers the sequence on the way
-in (all-gather) and its row-split output matrix sums the partial results straight into the rank's
-part of the sequence (reduce-scatter) where plain TP would all-reduce the whole: the same bytes on the
-wire. The embedding's output is scattered the same way and the head gathers the sequence before it.
-transformers' own `sequence_parallel` style is not used: it leaves the activations whole and gives tp x
-the norm gradients (docs/parallelism.md). A mixture of experts, another attention (flex_attention
-builds its mask from the local sequence length; flash from position ids the hook does not see), or a
-plan with other styles keeps transformers' plan, the activations between layers whole.
-
-The strategy that trains with it is toolkit.strategy.distributed's (accelerate_configs/fsdp_tp.yaml):
-Accelerate takes the split model as the FSDP2 module it is, so checkpoints (torch.distributed.checkpoint
-of the 2-D DTensors) and final/ (gathered whole) follow the FSDP2 contract.
+The split slices each rank's own copy of the weights (no broadcast), so every rank must build the model from
+the same seed, as the recipes do. What cannot be split is refused in one line before anything is built
+(`problems`); a mixture of experts is split by whole experts, and a dense model under sdpa or eager attention
+also gets Megatron's sequence parallelism (`sequence_layout`). It trains under toolkit.strategy.distributed's
+strategy (accelerate_configs/fsdp_tp.yaml), so checkpoints and final/ follow the FSDP2 contract.
+Why this engine, and how each part is split: docs/internals.md, toolkit/strategy/tensor_parallel.py.
 """
 
 from __future__ import annotations

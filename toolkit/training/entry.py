@@ -1,23 +1,11 @@
 """A recipe's command line: `--config FILE key=value ...` -> setup, train, cleanup, exit code.
 
-Exit codes: 0 done, 2 bad input (one `error:` line on stderr for the whole launch), 3 stopped by
-a signal after saving a checkpoint (resume=auto continues), 4 a collective failed: the ranks
-fell out of step and one waited past train.collective_timeout_s, or a peer died (one `error:`
-line per rank, naming the rank, the collective, where and at which step), 5 the run could not
-go on and says why in one line: the loss or gradients stayed non-finite (train.on_nonfinite,
-train.max_nonfinite_skips), a checkpoint could not be written (checkpoint.on_save_error=stop) or another
-file the run needs could not (toolkit.run.writes.WRITERS: the data cache, final/, ...);
-the previous checkpoint is intact and resume=auto continues once the cause is fixed.
-
-A user error met by one rank only (rank 0 reads the data while the others wait in a barrier)
-is still one line: the rank records it in torchrun's store before exiting, and the ranks whose
-collectives then fail exit with its code, silently (toolkit.launch.verdict.report_once).
-
-These are each rank's codes. `accelerate launch` (torchrun) turns any of them into exit code 1
-and a 25-40 line ChildFailedError report, and it SIGKILLs ranks still saving their stop
-checkpoint 30 s after a SIGTERM. Launch with `bash recipes/launch.sh` instead (the same
-arguments) for the recipe's code, the one line alone, SIGTERM/SIGUSR1 passed on to the ranks
-with no time limit, and a missing --config_file refused in one line (toolkit.launch.launcher).
+Exit codes: 0 done, 2 bad input (one `error:` line), 3 stopped by a signal after saving a checkpoint
+(resume=auto continues), 4 a collective failed (one `error:` line per rank), 5 the run could not go on
+(non-finite loss or gradients, a checkpoint or another file it could not write; resume=auto continues once
+the cause is fixed). These are each rank's: `accelerate launch` turns any into 1, `bash recipes/launch.sh`
+(toolkit.launch.launcher) passes them through.
+Each code's causes, and one rank's error as one line: docs/internals.md, toolkit/training/entry.py.
 """
 
 from __future__ import annotations

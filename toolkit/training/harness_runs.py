@@ -1,13 +1,11 @@
 """eval.harness_tasks in a training run (docs/evaluation.md): the tasks checked before any work, then scored on the
 model as it trains.
 
-In pretraining, each `eval.every` step the model is gathered (collective) and written to `harness/step-N/`, and
-recipes/evaluate.py scores it in a process of its own while training goes on: the training processes' generators and
-data position are never touched, so a run with the harness on trains bit-equal to one without. The scores are
-logged at step N when they arrive (metrics.jsonl's `harness` rows; the trackers at the step training has reached)
-and the folder is removed. One scoring runs at a time, and training never waits for one: a step due while the last
-still runs is not scored. The last step's scoring reads final/, and the run ends once it is in. A fine-tune scores
-its base and its result in its own process at the end, as models in memory (recipes/finetune.py, `score`).
+In pretraining, each `eval.every` step the model is gathered and written to `harness/step-N/`, and
+recipes/evaluate.py scores it in a process of its own while training goes on, so a run with the harness on
+trains bit-equal to one without; one scoring runs at a time, and training never waits for one. A fine-tune
+scores its base and its result in its own process at the end (recipes/finetune.py, `score`).
+When scores are logged, and the last step's: docs/internals.md, toolkit/training/harness_runs.py.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Weights and steps that are not numbers: what the trainer checks.
-
-The step itself (toolkit.training.step) finds a NaN/inf loss or gradient before the optimizer
-step and every rank agrees; the trainer skips or aborts (train.on_nonfinite). This module holds
-what else guards a run:
-
-- `nonfinite_weight`: the first weight that is NaN or inf on any rank (after a resume, and for
-  each checkpoint saved, so that rotation never prunes the last checkpoint that passed).
-- `dead_model`: the first step after a resume predicted uniformly (loss = ln(vocab size)) and
-  got a gradient norm of exactly 0: weights that are finite but garbage (a flipped exponent bit
-  can zero a norm's gain), on which training would go on learning nothing.
-
-(The tests plant non-finite values through toolkit.run.faults.)
+"""Weights and steps that are not numbers, beyond the step's own check (toolkit.training.step): a weight that is NaN
+or inf on any rank (after a resume, and at each save, so that rotation keeps the last checkpoint that passed), and a
+dead model (the first step after a resume guessing uniformly with a gradient norm of exactly 0: finite garbage).
 """
 
 from __future__ import annotations

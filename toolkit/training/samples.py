@@ -1,12 +1,11 @@
 """Generations for the prompts of a run's YAML, before and after training, into samples.md.
 
-Greedy decoding, so that a difference between before and after is the training's doing and
-not the sampler's. In chat mode each prompt is one user turn rendered with the chat template.
-
-Generation here is always one process's own business: a whole model, `synced_gpus=False`.
-transformers would otherwise turn on its cross-rank sync (an all-reduce per decoding step)
-whenever ZeRO-3 is configured or the module is FSDP-managed, and a rank generating alone then
-waits forever for ranks that are elsewhere. A sharded model is refused instead of hanging.
+Greedy decoding, so that a difference between before and after is the training's doing and not the sampler's;
+in chat mode each prompt is one user turn rendered with the chat template. Generation here is always one
+process's own business: a whole model, `synced_gpus=False`. transformers would otherwise turn on its
+cross-rank sync (an all-reduce per decoding step) whenever ZeRO-3 is configured or the module is FSDP-managed,
+and a rank generating alone then waits forever for ranks that are elsewhere. A sharded model is refused
+instead of hanging.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """One optimizer step over a rank's micro-batches, with gradient accumulation.
 
-Shared by the recipes so that every one of them normalises the loss the same way: each
-micro-batch's summed token loss is scaled by `toolkit.models.loss.backward_scale` (target tokens of
-the whole global batch), Accelerate decides when gradients are synchronised and the optimizer
-really steps, and clipping happens once, on the accumulated gradient.
-
-Before the optimizer steps, every rank learns whether any rank's loss or the gradients hold a
-NaN or inf, and if so none steps (the trainer then skips the batch or stops the run). This is
-one all-reduce of two flags. With train.step_sync=host the decision is read on the host, which
-waits for the device to finish the step first; with `none` torch's fused AdamW takes it on the
-device (its `found_inf`, the flag GradScaler hands it), and the trainer reads the flags a step
-later with the step's other values. DeepSpeed's optimizers, a pipeline's schedule and fp16's
-loss scaler decide on the host.
+Each micro-batch's summed token loss is scaled by `toolkit.models.loss.backward_scale` (target tokens of the
+whole global batch), and clipping happens once, on the accumulated gradient. No rank steps if any rank's loss
+or gradients hold a NaN or inf (one all-reduce of two flags, decided on the host or, under
+train.step_sync=none, on the device).
+Where the decision is taken under each setting: docs/internals.md, toolkit/training/step.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The training loop every recipe runs: explicit, top to bottom, no callbacks.
 
-    trainer = Trainer("pretrain", cfg)              # checks output_dir, launches the strategy
-    ... the recipe loads or builds its tokenizer, data and model ...
-    trainer.use_data(train, val, collate, counts)   # the batch schedule (or use_stream: blocks as they stream)
-    trainer.prepare(model, tokenizer, ...)          # optimizer and schedule, resume, metrics
-    trainer.fit()                                   # steps, evaluation, checkpoints, stop signals
-    trainer.finish()                                # last evaluation and checkpoint, replica check
-    ... the recipe writes its deliverable (final/, adapter/) ...
-    trainer.close()                                 # trackers flushed, metrics closed, loss plot
-
-The trainer owns what is the same for every recipe: the step (toolkit.training.step), the loss
-normaliser, accumulation, the evaluation / checkpoint / stop cadence, resume, metrics and
-signal handling. A recipe supplies what differs: the model and tokenizer, the packed blocks
-with their collate, and what it delivers at the end.
+    trainer = Trainer("pretrain", cfg)             # checks output_dir, launches the strategy
+    trainer.use_data(train, val, collate, counts)  # after the recipe's data; then its model:
+    trainer.prepare(model, tokenizer, ...)         # optimizer and schedule, resume, metrics
+    trainer.fit(); trainer.finish()                # steps and what is due after each; the last save
+    trainer.close()                                # after the recipe's deliverable: trackers, metrics, loss plot
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The settings that the rest of a config leaves without effect, said in one line each before anything runs.
 
-A key set away from its default where the combination does not read it is a run that silently differs
-from what its YAML says (LoRA's rank on a full fine-tune, a chunk size with the full loss). Said, not refused:
-a YAML written for one mode is run in another by an override (adapter.method=full, model.loss=full,
-train.epochs=1), and the keys it keeps are then the user's own, not a mistake to stop for. Every key of
-the recipe configs is classified here: USED_WHEN names what it needs to have an effect, CHECKED_BY where the
-check of a key sits with its component, ALWAYS the keys every combination the recipes accept reads.
-tests/toolkit/training/test_unused.py walks both over every field, so a new key fails until classified."""
+A key set away from its default where the combination does not read it makes a run silently differ from its
+YAML; it is said, not refused, since an override may run a YAML written for one mode in another. Every key of
+the recipe configs is classified here (USED_WHEN, CHECKED_BY, ALWAYS); tests/toolkit/training/test_unused.py
+walks them over every field, so a new key fails until classified.
+Why said and not refused, and what each table holds: docs/internals.md, toolkit/training/unused.py.
+"""
 
 from __future__ import annotations
 

@@ -1,26 +1,10 @@
 """DeepSpeed's optimizer step, with the update dropped when a loss or gradient is not finite.
 
-Accelerate's `accelerator.backward` calls `engine.step()` itself on the last micro-batch of a
-step (DeepSpeedEngineWrapper.backward), so nothing can be checked between the backward and the
-update. Here the step runs the engine's backward itself (what that wrapper does, minus the step)
-and then `engine.step()` with the update made conditional, rather than skipping `engine.step()`:
-it is what clears ZeRO's gradient partitions and buckets, and what moves DeepSpeed's step
-counters, in every stage and offload mode and in every DeepSpeed version alike.
-
-The update is the ZeRO optimizer's call of the torch optimizer it wraps (AdamW on this rank's
-fp32 partition). It comes after DeepSpeed has reduced, unscaled and measured the gradients, so
-the global gradient norm it just computed (the same on every rank) says whether they are finite.
-A dropped update leaves the fp32 masters and Adam's moments and step count as they were (the
-16-bit copies are re-cast from the same masters), DeepSpeed's scheduler is not stepped, and the
-engine counts a skipped step exactly as its own fp16 overflow path does: `global_steps` still
-moves on (it stays equal to the trainer's step, which a resume relies on) and `skipped_steps` + 1.
-
-DeepSpeed drops some non-finite steps itself before the update is reached (its overflow path:
-always under fp16, and for a non-finite norm in fp32 and, for ZeRO-3, bf16); those are reported
-the same way. Under fp16 a gradient overflow is the loss scaler's routine business (it lowers
-the scale and skips), not a divergence, so only the loss counts there. Where DeepSpeed keeps no
-gradient norm (zero_optimization.compute_grad_norm=false, or fp32 without ZeRO), the gradients
-are left to DeepSpeed's own checks; the loss is still checked.
+The step runs the engine's backward itself (Accelerate's would call `engine.step()` at once), then
+`engine.step()` with the ZeRO optimizer's update made conditional on the global gradient norm: a dropped
+update leaves the masters, Adam's state and the scheduler as they were, and is counted as DeepSpeed's own
+overflow skips are (`global_steps` moves on, `skipped_steps` + 1).
+Why, and what DeepSpeed drops itself: docs/internals.md, toolkit/strategy/backends/deepspeed_step.py.
 """
 
 from __future__ import annotations
