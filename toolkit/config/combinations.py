@@ -73,6 +73,17 @@ def _qlora(cfg, layout: ParallelLayout, precision: str) -> str | None:
             "base")
 
 
+# A pipeline's stages under a layout that cannot hold them, refused by the launch as it is made (toolkit.strategy's
+# parallelism, before any process group, and distributed, once the accelerate config is read) by this rule: the
+# pipelines side by side average their gradients as DDP's replicas do, and a stage is not split further yet.
+PIPELINE_LAYOUT = Rule("train.pipeline_stages", lambda cfg, layout, precision: (
+    f"train.pipeline_stages={layout.pp} runs under accelerate_configs/ddp.yaml (the pipelines side by side average "
+    f"their gradients themselves), not under {layout.accelerate_name}; launch with it, or set train.pipeline_stages=1"
+) if layout.pp > 1 and layout.kind not in ("single", "ddp") else (
+    f"train.pipeline_stages={layout.pp} with an accelerate parallelism_config (cp, tp or sp) is not supported yet; "
+    "use accelerate_configs/ddp.yaml"
+) if layout.pp > 1 and layout.tp * layout.cp * layout.sp > 1 else None, None)
+
 # fp16 in a pipeline is refused before any process group exists (toolkit.strategy.parallelism), by this rule
 FP16_IN_A_PIPELINE = Rule("train.mixed_precision=fp16", lambda cfg, layout, precision: (
     f"train.pipeline_stages={layout.pp} with train.mixed_precision=fp16 is not supported (the schedule runs the "
@@ -88,6 +99,7 @@ def _fp8(cfg, layout: ParallelLayout, precision: str) -> str | None:
 
 
 RULES: tuple[Rule, ...] = (
+    PIPELINE_LAYOUT,
     FP16_IN_A_PIPELINE,
     Rule("train.mixed_precision=fp8", _fp8, None),
     Rule("adapter.method=qlora", _qlora, None),

@@ -12,6 +12,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from toolkit.config.combinations import PIPELINE_LAYOUT
 from toolkit.config.errors import UserError
 from toolkit.launch.environment import (
     LAUNCHED_PRECISION,
@@ -119,11 +120,8 @@ class Strategy:
         accumulation = accumulation_steps(global_batch, micro_batch, world // (cp * tp * sp * pipeline_stages))
         accelerator = build_accelerator(mixed_precision, accumulation, project_dir, trackers, timeout_s)
         layout = launched_layout(accelerator, sizes, world, pipeline_stages)
-        if pipeline_stages > 1 and layout.kind not in ("single", "ddp"):
-            raise UserError(
-                f"train.pipeline_stages={pipeline_stages} runs under accelerate_configs/ddp.yaml (the pipelines side "
-                f"by side average their gradients themselves), not under {layout.accelerate_name}"
-            )
+        if line := PIPELINE_LAYOUT.refused(None, layout, mixed_precision):
+            raise UserError(line)
         if accelerator.device.type == "cpu":
             keep_freed_memory()
         owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)

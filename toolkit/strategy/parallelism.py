@@ -8,7 +8,7 @@ import math
 import os
 from collections.abc import Mapping
 
-from toolkit.config.combinations import FP16_IN_A_PIPELINE
+from toolkit.config.combinations import FP16_IN_A_PIPELINE, PIPELINE_LAYOUT
 from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
 
@@ -110,11 +110,10 @@ def check_pipeline_launch(stages: int, world: int, model_parallel: int, mixed_pr
     """Refuses, before any process group exists, a pipeline the launch cannot hold."""
     if stages == 1:
         return
-    if line := FP16_IN_A_PIPELINE.refused(None, ParallelLayout("ddp", world, pp=stages), mixed_precision):
-        raise UserError(line)
-    if model_parallel > 1:
-        raise UserError(f"train.pipeline_stages={stages} with an accelerate parallelism_config (cp, tp or sp) is not "
-                        "supported yet; use accelerate_configs/ddp.yaml")
+    layout = ParallelLayout("ddp", world, pp=stages, tp=model_parallel)  # (which of cp, tp or sp: all refused alike)
+    for rule in (FP16_IN_A_PIPELINE, PIPELINE_LAYOUT):
+        if line := rule.refused(None, layout, mixed_precision):
+            raise UserError(line)
     if world % stages:
         raise UserError(f"train.pipeline_stages={stages} does not divide the {world} processes launched; launch a "
                         f"multiple of {stages} processes (replicas x stages)")

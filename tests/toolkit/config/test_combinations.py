@@ -22,28 +22,33 @@ ROOT = Path(__file__).resolve().parents[3]
 LAYOUTS = {path.stem: read_strategy(path, 2048).layout for path in sorted((ROOT / "accelerate_configs").glob("*.yaml"))
            if not path.stem.startswith("multinode")}
 LAYOUTS["pipeline"] = ParallelLayout("ddp", 8, pp=2)
+LAYOUTS["pipeline_fsdp"] = ParallelLayout("fsdp", 8, pp=2)  # what the launch refuses to make
+LAYOUTS["pipeline_tp"] = ParallelLayout("ddp", 8, tp=2, pp=2)
+PIPELINES = {"pipeline", "pipeline_fsdp", "pipeline_tp"}
 
 # rule -> (recipe, overrides that set it, precision, the layouts it refuses, what its line starts with)
 CASES = {
-    "train.mixed_precision=fp16": ("pretrain", [], "fp16", {"pipeline"},
+    "train.pipeline_stages": ("pretrain", [], "no", {"pipeline_fsdp", "pipeline_tp"},
+                              "train.pipeline_stages=2 "),
+    "train.mixed_precision=fp16": ("pretrain", [], "fp16", PIPELINES,
                                    "train.pipeline_stages=2 with train.mixed_precision=fp16 is not supported"),
     "train.mixed_precision=fp8": ("pretrain", ["train.mixed_precision=fp8", "model.compile=layers"], "bf16",
-                                  {"fsdp_cp", "fsdp_sp", "fsdp_tp", "zero3_sp", "pipeline"},
+                                  {"fsdp_cp", "fsdp_sp", "fsdp_tp", "zero3_sp"} | PIPELINES,
                                   "train.mixed_precision=fp8 trains under DDP, FSDP and ZeRO (data parallel), not with"),
     "checkpoint.async_save=true": ("pretrain", ["checkpoint.async_save=true"], "bf16",
-                                   {name for name in LAYOUTS if name.startswith("zero")} | {"pipeline"},
+                                   {name for name in LAYOUTS if name.startswith("zero")} | PIPELINES,
                                    "checkpoint.async_save=true writes DDP's and FSDP2's checkpoints in the background"),
     "adapter.method=qlora": ("finetune", ["adapter.method=qlora"], "bf16",
                              set(LAYOUTS) - {"ddp"}, "adapter.method=qlora trains under DDP only ("),
-    "adapter.method=lora": ("finetune", ["adapter.method=lora"], "bf16", {"fsdp_tp", "pipeline"},
+    "adapter.method=lora": ("finetune", ["adapter.method=lora"], "bf16", {"fsdp_tp"} | PIPELINES,
                             "parallel trains a whole model, not a LoRA adapter, yet"),
     "train.objective (a preference objective)": (
         "finetune", ["train.objective=dpo", "data.format=preference", "adapter.method=full"], "bf16",
-        {"fsdp_cp", "fsdp_sp", "fsdp_tp", "zero3_sp", "pipeline"},
+        {"fsdp_cp", "fsdp_sp", "fsdp_tp", "zero3_sp"} | PIPELINES,
         "train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel), not with model parallel"),
-    "model.loss=chunked": ("pretrain", ["model.loss=chunked"], "bf16", {"fsdp_tp", "pipeline"},
+    "model.loss=chunked": ("pretrain", ["model.loss=chunked"], "bf16", {"fsdp_tp"} | PIPELINES,
                            "model.loss=chunked is not supported with"),
-    "model.compile=model": ("pretrain", ["model.compile=model"], "bf16", {"fsdp_tp", "fsdp_sp", "zero3_sp", "pipeline"},
+    "model.compile=model": ("pretrain", ["model.compile=model"], "bf16", {"fsdp_tp", "fsdp_sp", "zero3_sp"} | PIPELINES,
                             "model.compile=model does not run with"),
     "model.gradient_checkpointing=selective": (
         "pretrain", ["model.gradient_checkpointing=selective"], "bf16", {"zero3", "zero3_offload", "zero3_sp"},
@@ -77,7 +82,7 @@ def test_each_rule_refuses_its_layouts_and_only_those(setting):
     # without the setting the rule holds nowhere (the pretrain and fine-tune defaults: fp32, full loss, LoRA)
     plain = config(recipe, [])
     assert all(rule.refused(plain, layout, "no") is None for name, layout in LAYOUTS.items()
-               if not (setting == "adapter.method=lora" and name in refused))
+               if not (setting in ("adapter.method=lora", "train.pipeline_stages") and name in refused))
 
 
 def test_the_launch_raises_the_first_rule_it_breaks_and_the_override_lifts_it():
