@@ -139,6 +139,7 @@ WRITERS: dict[str, Writer] = {
 NOT_WRITERS = {
     "toolkit.run.faults:_fire": "LLM_TOOLKIT_KILL_LOG, the log of the faults that tests plant (never set by a user)",
     "toolkit.training.profiling:_quiet_stderr": "opens os.devnull",
+    "toolkit.training.trainer:Trainer.save_checkpoint": "asks Checkpointer.save, whose files are the checkpoint writer's",
 }
 
 # What the writers raise on a full disk, one of each type (measured with RLIMIT_FSIZE, which fails a write the

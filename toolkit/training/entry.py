@@ -16,6 +16,7 @@ import sys
 import yaml
 
 from toolkit import quiet_weight_bars
+from toolkit.checkpoint.checkpointer import SaveStopped
 from toolkit.config.errors import UserError
 from toolkit.config.files import SHIPPED_CONFIGS
 from toolkit.config.keys import key_lines
@@ -29,7 +30,7 @@ from toolkit.run.folder import release_all
 from toolkit.run.writes import WriteFailed
 from toolkit.strategy.collectives import collective_failure
 from toolkit.training.nonfinite import Diverged
-from toolkit.training.trainer import SaveStopped, Stopped
+from toolkit.training.trainer import Stopped
 
 
 def shipped_config() -> str:

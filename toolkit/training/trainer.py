@@ -20,7 +20,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from toolkit.checkpoint.manager import SaveFailed, Saving, begin_save
+from toolkit.checkpoint.checkpointer import Checkpointer, SaveStopped
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.settings import trained_settings
 from toolkit.checkpoint.trainer_state import TrainerState
@@ -67,11 +67,6 @@ from toolkit.training.optim import prepare_optimization, wind_back
 from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
 from toolkit.training.stop import StopRequest
-
-
-class SaveStopped(Exception):
-    """A checkpoint could not be written and checkpoint.on_save_error=stop: raised on every rank;
-    the previous checkpoint is intact. The message is the run's one `error:` line."""
 
 
 class Stopped(Exception):
@@ -127,8 +122,8 @@ class Trainer:
         self.state = TrainerState(seed=cfg.seed, global_batch_size=cfg.train.global_batch_size)
         self.feed: Feed | None = None  # set by use_data, use_mixture or use_stream
         self.objective: PreferenceLoss | None = None  # set by use_data: the loss of preference pairs
-        self.eval_step = self.checkpoint_step = -1
-        self.saving: Saving | None = None  # a checkpoint whose files are written in the background
+        self.eval_step = -1
+        self.checkpoints = Checkpointer(strategy, self.run, cfg.checkpoint, self.print, self.log)
         self.measured = False
         self.metrics: MetricsWriter | None = None
         self.trackers = TrackerLog(self.accelerator, cfg.logging.trackers, self.print)  # until a write fails
@@ -264,7 +259,7 @@ class Trainer:
                 f"checkpoint {self.resume_from} holds non-finite weights ({bad} has NaN or inf); resume from "
                 "an earlier checkpoint with resume=PATH, or start a new output_dir"
             )
-        self.checkpoint_step, self.eval_step = self.step, self.state.eval_step
+        self.checkpoints.step, self.eval_step = self.step, self.state.eval_step
         self.print(f"resumed from {self.resume_from} at step {self.step}")
         self.dead_check_pending = True
 
@@ -313,7 +308,7 @@ class Trainer:
             if self.harness is not None:
                 self.harness.at_step(self, done.due.harness)
         bar.close()
-        self.complete_save()  # training ends with its checkpoints complete
+        self.checkpoints.wait(state.step)  # training ends with its checkpoints complete
 
     def train_step(self, window: Window) -> Stepped:
         """One optimizer step: this rank's micro-batches forward and backward, the update, and the step's one
@@ -373,8 +368,7 @@ class Trainer:
         stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=acc.device)
         skipped = on_device if on_device is not None else torch.zeros(2, dtype=torch.float64, device=acc.device)
         # the ranks whose checkpoint files are still being written in the background
-        writing = torch.tensor([float(self.saving is not None and self.saving.writing())], dtype=torch.float64,
-                               device=acc.device)
+        writing = torch.tensor([float(self.checkpoints.writing())], dtype=torch.float64, device=acc.device)
         return HostCopy(acc.reduce(torch.cat([torch.stack([loss_sum, stop_flag]), skipped, extras, writing]),
                                    reduction="sum"))
 
@@ -419,8 +413,7 @@ class Trainer:
         """A background save taken to its next step once no rank writes any more (`flags`: this step's values, or
         the previous step's); then this step's checkpoint, where one is due."""
         seen_at = done.step if done.values is not None else done.step - 1
-        if self.saving is not None and flags is not None and seen_at > self.saving.since and flags[-1] == 0:
-            self.complete_save(wait=False)
+        self.checkpoints.poll(done.step, seen_at, flags)
         if done.due.save:
             self.save_checkpoint(background=self.cfg.checkpoint.async_save)
 
@@ -429,9 +422,9 @@ class Trainer:
         if self.unread is not None:  # the checkpoint counts this step's tokens only if it trained
             self.settle(*self.unread, verdict(done.totals.get()[2:4]), bar, unread=True)
         bar.close()
-        self.complete_save()
         step = self.state.step
-        folder = self.save_checkpoint() if self.checkpoint_step != step else self.run.checkpoint(step)
+        self.checkpoints.wait(step)
+        folder = self.save_checkpoint() if self.checkpoints.step != step else self.run.checkpoint(step)
         saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
         raise Stopped(f"stopped by a signal at step {step}; {saved}; continue with resume=auto")
 
@@ -465,7 +458,7 @@ class Trainer:
             return
         bar.close()
         with contextlib.suppress(SaveStopped):  # (every rank aborts here) a save of good weights still written ends
-            self.complete_save()                # first; one that fails is logged, and the divergence is the line
+            self.checkpoints.wait(step)         # first; one that fails is logged, and the divergence is the line
         why = "train.on_nonfinite=abort" if t.on_nonfinite == "abort" else (
             f"{k} steps in a row, train.max_nonfinite_skips={t.max_nonfinite_skips}"
         )
@@ -501,50 +494,20 @@ class Trainer:
         return result
 
     def save_checkpoint(self, background: bool = False) -> Path | None:
-        """Collective; None when the save failed and checkpoint.on_save_error=continue, or goes on in the
-        `background` (complete_save ends it). A save still being written is completed first."""
-        self.complete_save()
-        self.checkpoint_step = self.step
+        """Collective: this step's checkpoint (Checkpointer.save). A checkpoint that may hold a diverged model is
+        marked, so that rotation keeps an older one."""
+        self.checkpoints.wait(self.step)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        # a checkpoint that may hold a diverged model is marked, so that rotation keeps an older one
         bad = nonfinite_weight(self.accelerator, unwrapped)
         self.state.suspect = (
             f"non-finite weights ({bad})" if bad is not None
             else f"saved right after {self.nonfinite_in_a_row} skipped non-finite step(s)" if self.nonfinite_in_a_row
             else ""
         )
-        self.saving = begin_save(
-            self.strategy, self.run, self.state, self.cfg.checkpoint.keep_last,
-            lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files), self.print,
+        return self.checkpoints.save(
+            self.state, lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files),
             rank_files=self.feed.stream.save if self.feed.stream is not None else None, background=background,
         )
-        self.saving.since = self.step
-        return None if background else self.complete_save()
-
-    def complete_save(self, wait: bool = True) -> Path | None:
-        """Collective: the checkpoint being written (if any) made complete, waiting for what is still written; the
-        folder, or None when there was none or it failed and checkpoint.on_save_error=continue. Without `wait`
-        (no rank is writing), only its next step: the main process's manifest and state file, in the background."""
-        saving = self.saving
-        if saving is None:
-            return None
-        try:
-            folder = saving.complete() if wait else saving.advance(background=True)
-        except SaveFailed as exc:
-            self.saving = None
-            if self.checkpoint_step == saving.state.step:
-                self.checkpoint_step = -1  # the step has no checkpoint: finish() and a stop try again
-            self.log("checkpoint_error", {"step": saving.state.step, "checkpoint_error": str(exc)})
-            if self.cfg.checkpoint.on_save_error == "stop":
-                raise SaveStopped(f"{exc}; free space, then continue with resume=auto") from None
-            self.print(f"warning: {exc}; training goes on (checkpoint.on_save_error=continue)")
-            return None
-        if folder is None:  # the manifest and state file being written
-            saving.since = self.step
-            return None
-        self.saving = None
-        self.print(f"checkpoint saved: {folder}")
-        return folder
 
     # ---------------------------------------------------------------- the end
     def finish(self) -> None:
@@ -552,7 +515,7 @@ class Trainer:
         the run), then the replica check and every rank's peak memory."""
         if self.feed.val is not None and self.eval_step != self.step:
             self.state.last_eval = self.evaluate("after")
-        if self.checkpoint_step != self.step:
+        if self.checkpoints.step != self.step:
             self.save_checkpoint()
         digests = self.strategy.check_replicas_in_sync(self.model)
         memory = gather_object([peak_memory_mb(self.strategy.device)])

@@ -156,7 +156,7 @@ def full_disk_run(blocks, tiny_tokenizer, tiny_model, tmp_path_factory):
         mp.setattr(other, "safe_save_file", failing(errors[2]))
         again = start_trainer(out, blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=1",
                               "eval.every=0", "resume=auto")
-        from toolkit.training.trainer import SaveStopped
+        from toolkit.checkpoint.checkpointer import SaveStopped
 
         with pytest.raises(SaveStopped) as stopped:
             again.fit()

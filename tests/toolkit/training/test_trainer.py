@@ -14,6 +14,7 @@ from accelerate.state import AcceleratorState
 from one_process_trainer import SETTINGS, packed_blocks, start_trainer
 
 from toolkit.checkpoint import background
+from toolkit.checkpoint.checkpointer import Checkpointer, SaveStopped
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config.errors import UserError
 from toolkit.config.load import load_config
@@ -21,7 +22,7 @@ from toolkit.run.folder import RunDir
 from toolkit.run.manifest import check_manifest
 from toolkit.training.metrics import model_size, read_metrics
 from toolkit.training.recipe_config import PretrainConfig
-from toolkit.training.trainer import SaveStopped, Stopped, Trainer
+from toolkit.training.trainer import Stopped, Trainer
 
 
 @pytest.fixture(scope="module")
@@ -285,14 +286,14 @@ def test_a_checkpoint_written_in_the_background_is_the_blocking_ones_file_for_fi
     the same bytes as a blocking run's (the weights, Adam state, schedule and torch's random state)."""
     settings = ["train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=2", "eval.every=0"]
     completed = []  # (the checkpoint's step, the step training had reached), at each completion
-    complete = Trainer.complete_save
+    complete = Checkpointer._complete
 
-    def recording(self, wait=True):
+    def recording(self, step, wait):
         if self.saving is not None:
-            completed.append((self.saving.state.step, self.step))
-        return complete(self, wait)
+            completed.append((self.saving.state.step, step))
+        return complete(self, step, wait)
 
-    monkeypatch.setattr(Trainer, "complete_save", recording)
+    monkeypatch.setattr(Checkpointer, "_complete", recording)
     runs = {}
     for name in ("blocking", "background"):
         if name == "background":

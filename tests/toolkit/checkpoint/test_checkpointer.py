@@ -1,0 +1,56 @@
+"""The run's checkpoints through one object, on a real single-process strategy: a save blocks or goes on in the
+background until polled or waited for, one at a time, and a failed one stops the run or is said, as configured.
+(The trainer's runs of it, under every strategy and on a full disk: tests/toolkit/training/test_trainer.py.)"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from toolkit.checkpoint.checkpointer import Checkpointer, SaveStopped
+from toolkit.checkpoint.manager import CheckpointConfig
+from toolkit.checkpoint.trainer_state import TrainerState
+from toolkit.run.folder import STATE_FILE, RunDir
+
+
+def checkpointer(strategy, tmp_path, **settings):
+    said, logged = [], []
+    keeper = Checkpointer(strategy, RunDir(tmp_path / "run"), CheckpointConfig(**settings), said.append,
+                          lambda kind, row: logged.append((kind, row)))
+    model = torch.nn.Linear(4, 3)
+    strategy.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    return keeper, said, logged
+
+
+def test_a_background_save_is_complete_once_polled_past_its_writes_or_waited_for(tmp_path, strategy):
+    keeper, said, _ = checkpointer(strategy, tmp_path, keep_last=2)
+    assert keeper.save(TrainerState(step=1), lambda d: d.mkdir(parents=True, exist_ok=True), background=True) is None
+    folder = keeper.run.checkpoint(1)
+    assert keeper.step == 1 and not (folder / STATE_FILE).exists()  # not complete: a resume never takes it
+    while keeper.writing():  # the files, written by this rank's thread
+        time.sleep(0.01)
+    keeper.poll(1, 1, [0.0] * 3)  # seen at the step the save began: not yet
+    keeper.poll(2, 2, [0.0] * 3)  # no rank writes any more: the manifest and state file, in the background
+    assert keeper.wait(2) == folder and (folder / STATE_FILE).is_file() and keeper.saving is None
+    assert said[-1] == f"checkpoint saved: {folder}" and keeper.wait(3) is None  # nothing left to wait for
+    assert keeper.save(TrainerState(step=3), lambda d: d.mkdir(parents=True, exist_ok=True)) == keeper.run.checkpoint(3)
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_failed_save_stops_the_run_or_is_said_and_leaves_no_checkpoint_of_its_step(tmp_path, strategy, monkeypatch,
+                                                                                    policy):
+    monkeypatch.setenv("LLM_TOOLKIT_FAIL", "save.rank_files@2/0=ENOSPC")
+    monkeypatch.setenv("LLM_TOOLKIT_KILL_LOG", str(tmp_path / "faults.log"))
+    keeper, said, logged = checkpointer(strategy, tmp_path, on_save_error=policy)
+    keeper.save(TrainerState(step=1), lambda d: d.mkdir(parents=True, exist_ok=True))
+    if policy == "stop":
+        with pytest.raises(SaveStopped, match=r"checkpoint step-2 could not be written: .*; free space, then continue "
+                                              r"with resume=auto$"):
+            keeper.save(TrainerState(step=2), lambda d: d.mkdir(parents=True, exist_ok=True))
+    else:
+        assert keeper.save(TrainerState(step=2), lambda d: d.mkdir(parents=True, exist_ok=True)) is None
+        assert said[-1].startswith("warning: checkpoint step-2 could not be written")
+    assert keeper.step == -1 and [kind for kind, _ in logged] == ["checkpoint_error"] and logged[0][1]["step"] == 2
+    assert [p.name for p in keeper.run.complete_checkpoints()] == ["step-1"]
