@@ -18,7 +18,7 @@ from toolkit.run.folder import check_path_length
 def path_problems(cfg: Any, names: tuple[str, ...]) -> list[str]:
     """Path settings of `cfg` that no run can use, one line each, caught at load rather than when the path is first
     opened (after data work, or after training): blank (output_dir="" is the folder the run was launched from), a
-    line break, or a path longer than the file system takes (run_dir.check_path_length). None (`key=`, the
+    line break, or a path longer than the file system takes (toolkit.run.folder.check_path_length). None (`key=`, the
     default) is not checked."""
     problems = []
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}

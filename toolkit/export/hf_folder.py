@@ -1,6 +1,6 @@
 """The final model as one Hugging Face folder: safetensors, config, tokenizer, model card.
 
-Written to a temporary sibling and renamed into place (`run_dir.replace_folder`), so `final/` is
+Written to a temporary sibling and renamed into place (`toolkit.run.folder.replace_folder`), so `final/` is
 always either the whole previous folder, the whole new one, or absent. Its manifest.json
 (toolkit.run.manifest: every file's size and CRC-32) lets export tell a damaged final/ or adapter/
 (a deleted or truncated file, a flipped bit) from an intact one, as resume does for checkpoints.
