@@ -291,6 +291,7 @@ READERS: dict[str, str] = {
     "toolkit/config/files.py:read_json": "DeepSpeed JSON",
     "toolkit/launch/launcher.py:read_accelerate_config": "accelerate config",
     "toolkit/planner/facts.py:_read_strategy": "DeepSpeed JSON",
+    "toolkit/planner/search.py:strategies": "accelerate config",
     "toolkit/strategy/accelerator.py:check_deepspeed_config": "DeepSpeed JSON",
     "toolkit/data/corpus.py:load_corpus": "corpus .parquet",
     "toolkit/data/corpus.py:stream_corpus": "corpus .jsonl",
