@@ -39,7 +39,7 @@ then a device run with carry [".whl", ".gpu"] and the command
     source .gpu/setup.sh && python3 bench/gpu_throughput.py --configs quick --workdir /tmp/runs \
         --save $OUT/quick.json --out $OUT/quick.md
 
-Measured on one H100 (docs/benchmarks.md, "The GPU table"): with --steps 10 --warmup 3 a 1B recipe row
+Measured on one H100 (docs/benchmarks.md, "Pretraining the 1B YAML on one GPU"): with --steps 10 --warmup 3 a 1B recipe row
 took 95-114 s and a plain-loop row 36-91 s, so `quick` (5 rows) took 7.6 minutes, inside one 10-minute
 device command; `full` (23 rows) takes about an hour.
 """

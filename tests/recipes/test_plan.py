@@ -285,7 +285,7 @@ def test_lora_needs_a_small_optimizer_and_no_base_gradients():
 
 def test_the_readmes_fine_tune_plans_what_it_measured_on_cpu():
     """The README's LoRA of SmolLM2, one process in fp32 (what `auto` is on CPU): weights and live tensors measured
-    2.36 GB at the step's peak (docs/benchmarks.md, issue 42 point 12); as shipped before (LoRA dropout's kept
+    2.36 GB at the step's peak (docs/benchmarks.md, "CPU: resident memory of the README's LoRA fine-tune by allocator"); as shipped before (LoRA dropout's kept
     copies, the full logits) 3.44 GB, which this plan put at 3.6."""
     config = "recipes/configs/finetune_smollm2_lora.yaml"
     rows = json.loads(plan("--config", config, "--gpus", "1", "--gpu-memory", "24GB", "--json", "--micro-batch", "4",
@@ -309,7 +309,7 @@ def test_the_cpu_plan_of_the_readmes_fine_tune_is_its_measured_resident_memory()
     assert "per CPU process" in text and "CUDA" not in text, text[:400]
 
 
-MEASURED_ONE_PROCESS = 3_097_384 * 1024  # peak RSS in bytes, one process under mimalloc (issue 42 point 12)
+MEASURED_ONE_PROCESS = 3_097_384 * 1024  # peak RSS in bytes, one process under mimalloc (docs/benchmarks.md, "CPU: resident memory ... by allocator")
 
 
 # the shipped configs tests/recipes/test_base_configs.py does not plan (it plans the bases people fine-tune)

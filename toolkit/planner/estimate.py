@@ -25,7 +25,7 @@ from toolkit.strategy.distributed import backend_of
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
 ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
 # a CPU process (plan.py --cpu): its resident memory beside the tensors' peak, measured on the README's SmolLM2 LoRA
-# (docs/benchmarks.md, issue 42 point 12): the interpreter, torch, transformers, the data and tokenizer before the model
+# (docs/benchmarks.md, "CPU: resident memory of the README's LoRA fine-tune by allocator"): the interpreter, torch, transformers, the data and tokenizer before the model
 CPU_RUNTIME = 340 * 10**6
 CPU_ALLOCATOR_SLACK = 0.15  # mimalloc's free memory beside the live tensors (the launcher preloads it; glibc's: ~0.9x)
 

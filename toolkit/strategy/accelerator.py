@@ -323,7 +323,7 @@ def release_freed_memory(device: torch.device) -> bool:
 
     What keep_freed_memory keeps for the next step is kept after the last one too: the held-out evaluation
     after training, the merge and the saves then grew the README's SmolLM2 LoRA to 5.50 GB against its steps'
-    5.29 (docs/benchmarks.md, issue 42 point 12). Called before each evaluation: the next training step
+    5.29 (docs/benchmarks.md, "CPU: resident memory of the README's LoRA fine-tune by allocator"). Called before each evaluation: the next training step
     faults its pages back in once (~1 s a GB), against 1.6-1.8x every step's CPU time when trimmed between
     micro-batches (the peak of a step falls from 5.3 to 4.1 GB that way).
     """

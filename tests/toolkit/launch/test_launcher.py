@@ -179,7 +179,7 @@ def test_cpu_ranks_get_the_bundled_mimalloc_and_it_is_what_their_processes_run_o
     ({}, 0, {}, None),  # a system without it: glibc, as before
 ])
 def test_cpu_ranks_get_tcmalloc_where_the_system_has_it(monkeypatch, libraries, gpus, environ, expected):
-    """What the launcher adds to its ranks' environment (docs/benchmarks.md: 5.4 GB of resident memory
+    """What the launcher adds to its ranks' environment (docs/benchmarks.md: 5.3 GB of resident memory
     under glibc, 3.6 under tcmalloc, for the shipped LoRA of SmolLM2)."""
     import ctypes.util
 
