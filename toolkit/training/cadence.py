@@ -38,11 +38,15 @@ class Stepped:
     tokens: int  # the global batch's tokens
     grad_norm: Any
     nonfinite: str | torch.Tensor | None  # what was not finite; the flags themselves while still on the device
-    on_device: torch.Tensor | None  # the non-finite flags not read yet (train.step_sync=none)
     totals: HostCopy  # the step's one all-reduce
     values: list[float] | None  # its values on the host, where something due needed them
     loss: float | None  # the global mean loss, where the values were read
     due: Due
+
+    @property
+    def on_device(self) -> torch.Tensor | None:
+        """The non-finite flags not read yet (train.step_sync=none)."""
+        return self.nonfinite if isinstance(self.nonfinite, torch.Tensor) else None
 
 
 @dataclass

@@ -347,7 +347,7 @@ class Trainer:
             held = gather_object([held_bytes(acc, self.model, self.optimizer, meter)])
             self.log("memory", {"step": state.step, "held_bytes": held})
         loss = None if values is None else values[0] / self.strategy.loss_copies / max(1, targets)
-        return Stepped(state.step, lr, tokens, grad_norm, nonfinite, on_device, totals, values, loss, due)
+        return Stepped(state.step, lr, tokens, grad_norm, nonfinite, totals, values, loss, due)
 
     def update(self, batches: Iterator[dict], scale, meter: GradientMeter | None) -> tuple:
         """Forward and backward over the micro-batches, clipped, stepped: (loss sum, grad norm, what was not
