@@ -26,6 +26,12 @@ class ParallelLayout:
     offload: tuple[str, ...] = ()  # what DeepSpeed offloads: "optimizer", "param"
 
     @property
+    def family(self) -> str:
+        """The strategy family that trains it (toolkit.strategy.families): pipeline stages run under DDP's launch,
+        as a family of their own: their step, files and memory are not DDP's."""
+        return "pipeline" if self.pp > 1 else self.kind
+
+    @property
     def model_parallel(self) -> int:
         """Ranks that hold one copy of the model between them and read the same data."""
         return self.tp * self.cp * self.sp * self.pp
@@ -61,7 +67,7 @@ class ParallelLayout:
     @property
     def files(self) -> str:
         """The file layout its save_state writes: ddp (one process alike), fsdp1, fsdp2, zero0..zero3 (offload
-        changes nothing in the files), or pipeline (each stage's own, toolkit.checkpoint.pipeline)."""
+        changes nothing in the files), or pipeline (each stage's own, toolkit.strategy.pipeline.files)."""
         if self.pp > 1:
             return "pipeline"
         if self.kind == "deepspeed":

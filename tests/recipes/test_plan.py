@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from toolkit.config.load import load_config
 from toolkit.models.scratch import hf_config
-from toolkit.strategy.pipeline_parallel import layer_ranges
+from toolkit.strategy.pipeline.stages import layer_ranges
 from toolkit.training.recipe_config import PretrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,13 +21,13 @@ from same_training import assert_same_weights, lr_sum
 from saved_checkpoints import FIXTURES
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.config.load import load_config
 from toolkit.data.corpus import load_corpus, split_documents
 from toolkit.data.packing import packed_dataset
 from toolkit.run.folder import RunDir, converted_state
+from toolkit.strategy.by_name import ConsolidatedState
 from toolkit.training.evaluation import evaluate
 from toolkit.training.metrics import read_metrics
 from toolkit.training.recipe_config import PretrainConfig

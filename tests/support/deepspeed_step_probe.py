@@ -1,4 +1,4 @@
-"""Worker for test_deepspeed_step.py: a real DeepSpeed engine, stepped through toolkit.strategy.backends.deepspeed_step.
+"""Worker for test_deepspeed_step.py: a real DeepSpeed engine, stepped through toolkit.strategy.deepspeed.engine.
 
     accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 1 \\
         tests/support/deepspeed_step_probe.py OUT.json
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.strategy.accelerator import build_accelerator, configure_deepspeed, outside_training, prepare  # noqa: E402
-from toolkit.strategy.backends.deepspeed_step import engine_backward, engine_of, engine_step_unless_nonfinite  # noqa: E402
+from toolkit.strategy.deepspeed.engine import engine_backward, engine_of, engine_step_unless_nonfinite  # noqa: E402
 from toolkit.strategy.distributed import launched_layout  # noqa: E402
 
 VOCAB, SEQ = 64, 16

@@ -1,4 +1,4 @@
-"""Real one-process checkpoints for the tests of toolkit.checkpoint.by_name and loading:
+"""Real one-process checkpoints for the tests of toolkit.strategy.by_name and loading:
 a tiny LLaMA (tied embeddings) under AdamW with the recipe's two parameter groups and a schedule,
 trained a few steps by a real single-process Strategy and saved by save_checkpoint."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
@@ -48,3 +49,26 @@ def saved_checkpoint(tmp_path: Path, tiny_model, step: int = 2):
     model, optimizer = trained(strategy, tiny_model, steps=step)
     folder = save_checkpoint(strategy, RunDir(tmp_path / "run"), TrainerState(step=step), keep_last=1)
     return folder, model, optimizer
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's process-wide state dropped after the test, so the next one launches anew."""
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def one_process_checkpoint(tmp_path, tiny_model, fresh_accelerate):
+    """(checkpoint folder, the model and optimizer that wrote it) after 2 steps, one process."""
+    return saved_checkpoint(tmp_path, tiny_model)
+
+
+@pytest.fixture
+def strategy(tmp_path):
+    """A real one-process Strategy in this process, for the test alone."""
+    AcceleratorState._reset_state(True)
+    yield Strategy.launch(mixed_precision="no", global_batch=2, micro_batch=2, max_grad_norm=1.0,
+                          project_dir=str(tmp_path), trackers=[], timeout_s=60)
+    AcceleratorState._reset_state(True)

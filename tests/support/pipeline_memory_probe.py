@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from toolkit.strategy.pipeline_parallel import Pipeline  # noqa: E402
+from toolkit.strategy.pipeline.stages import Pipeline  # noqa: E402
 
 BATCH, SEQ, MICRO_BATCHES = 2, 32, 3
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,

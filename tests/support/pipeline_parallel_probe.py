@@ -1,7 +1,7 @@
 """Run by test_pipeline_parallel.py on 2, 3 or 4 ranks with torchrun's variables (gloo, tests/support/probe_ranks.py): a tiny LLaMA on a
 global batch of packed rows (several documents each, 4-D block-causal mask) trained one step whole in
 every process (the reference: micro-batches accumulated, clipped, AdamW) and cut into pipeline
-stages by toolkit.strategy.pipeline_parallel (processes = replicas x stages). Compared: the summed
+stages by toolkit.strategy.pipeline.stages (processes = replicas x stages). Compared: the summed
 token loss, every weight's gradient (by its name in the whole model), the gradient norm, and the
 loss after the step. argv: result JSON path, stages, tied (0/1), max_grad_norm."""
 
@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from toolkit.data.packing import collate
 from toolkit.models.loss import forward_loss_sum
-from toolkit.strategy.pipeline_parallel import Pipeline
+from toolkit.strategy.pipeline.stages import Pipeline
 
 out, stages, tied, max_norm = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", float(sys.argv[4])
 torch.set_num_threads(1)

@@ -10,22 +10,23 @@ import torch
 from safetensors.torch import load_file
 from saved_checkpoints import FIXTURES
 
-from toolkit.checkpoint.by_name import MOMENTS
-from toolkit.checkpoint.formats import FORMATS, saved_by
-from toolkit.checkpoint.unpickling import numbers_only_torch_load
+from toolkit.checkpoint.formats import saved_by
 from toolkit.models.parameters import plain_name
+from toolkit.strategy.by_name import MOMENTS
+from toolkit.strategy.families import FILES
+from toolkit.strategy.unpickling import numbers_only_torch_load
 
 
 def read_back(kind: str, fixture: str, tmp_path: Path) -> tuple[dict, dict, dict]:
     """(full weights, Adam moments, steps) by parameter name, as format `kind` reads fixture `fixture`'s step-3."""
     folder = shutil.copytree(FIXTURES / fixture / "step-3", tmp_path / "step-3")
-    assert saved_by(folder) == kind and [k for k, f in FORMATS.items() if f.is_mine(folder)][0] == kind
+    assert saved_by(folder) == kind and [k for k, f in FILES.items() if f.is_mine(folder)][0] == kind
     into, scratch = tmp_path / "weights", tmp_path / "scratch"
     into.mkdir()
     scratch.mkdir()
     with numbers_only_torch_load():  # as the conversion reads them: DeepSpeed's tools pass weights_only=False
-        FORMATS[kind].full_weights(folder, into)
-        moments, steps = FORMATS[kind].moments(folder, scratch)
+        FILES[kind].full_weights(folder, into)
+        moments, steps = FILES[kind].moments(folder, scratch)
     weights = {}
     for f in sorted(into.iterdir()):
         if f.suffix == ".safetensors":

@@ -183,15 +183,13 @@ def test_tests_mirror_the_toolkit_layout():
 # a new condition fails test_family_conditions_are_counted until a family's module takes it or it is counted here.
 # Issue 62 brings the total to 12: FAMILY_BUDGET only goes down.
 FAMILY_CONDITIONS = {
-    "toolkit/checkpoint/conversion.py": (2, "DeepSpeed's files convert by name only where a GPU is"),
-    "toolkit/checkpoint/formats.py": (3, "the table of formats, keyed by the layout's files"),
-    "toolkit/export/consolidate.py": (1, "export's Source: which strategy's checkpoint a folder holds"),
     "toolkit/models/weight_cast.py": (1, "auto leaves a whole model compiled under multi-rank DDP to autocast"),
     "toolkit/planner/estimate.py": (1, "a pipeline stage's own memory"),
     "toolkit/planner/facts.py": (4, "an accelerate config's distributed_type read; a pipeline run's facts"),
     "toolkit/planner/search.py": (2, "the pipeline rows and their lines"),
     "toolkit/strategy/accelerator.py": (5, "the Accelerator of each family: FSDP on CPU, DeepSpeed's config"),
-    "toolkit/strategy/distributed.py": (6, "the family of a launch; DeepSpeed's JSON blocks; a pipeline's stages"),
+    "toolkit/strategy/distributed.py": (5, "the family of a launch; DeepSpeed's JSON blocks; a pipeline's stages"),
+    "toolkit/strategy/family.py": (1, "a parameter's values this rank holds: FSDP2's DTensor, ZeRO-3's partition"),
     "toolkit/strategy/parallelism.py": (2, "DeepSpeed's sequence-parallel degree"),
     "toolkit/strategy/sharding.py": (5, "bytes held per rank: each family holds its partitions its own way"),
     "toolkit/training/evaluation.py": (4, "the Pipeline object's schedule"),
@@ -199,11 +197,10 @@ FAMILY_CONDITIONS = {
     "recipes/finetune.py": (1, "fp8's weights gathered in float8 by FSDP2"),
     "recipes/pretrain.py": (1, "fp8's weights gathered in float8 by FSDP2"),
 }
-FAMILY_BUDGET = 39
-# each family's own modules: its backend (and DeepSpeed's step), its checkpoint format, the pipeline's runtime
-FAMILY_MODULES = ("toolkit/strategy/backends/", "toolkit/checkpoint/ddp.py", "toolkit/checkpoint/fsdp.py",
-                  "toolkit/checkpoint/deepspeed.py", "toolkit/checkpoint/pipeline.py",
-                  "toolkit/strategy/pipeline_parallel.py", "toolkit/config/combinations.py", "toolkit/parallel_layout.py")
+FAMILY_BUDGET = 33
+# each family's folder (its runtime, files, launch and memory), and the two rule tables
+FAMILY_MODULES = (*(f"toolkit/strategy/{family}/" for family in ("single", "ddp", "fsdp", "deepspeed", "pipeline")),
+                  "toolkit/config/combinations.py", "toolkit/parallel_layout.py")
 FAMILY_ATTRIBUTES = {"zero_stage", "pp", "pipeline", "pipeline_stages", "distributed_type", "ds_id", "ds_owned",
                      "deepspeed_engine_wrapped", "ds_tensor", "ds_numel"}
 FAMILY_NAMES = {"DistributedType", "pipeline", "pipeline_stages", "zero_stage"}

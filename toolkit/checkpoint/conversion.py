@@ -1,7 +1,7 @@
 """Resuming under another strategy or world size: a checkpoint converted once into its state by parameter name
-(toolkit.checkpoint.by_name), by the main process alone (no launcher), while the others wait; the checkpoint is
+(toolkit.strategy.by_name), by the main process alone (no launcher), while the others wait; the checkpoint is
 left untouched, and the conversion reused by a later resume of it. Every file is read by the weights-only
-unpickler (toolkit.checkpoint.unpickling), even where DeepSpeed's tools ask for weights_only=False. Every rank
+unpickler (toolkit.strategy.unpickling), even where DeepSpeed's tools ask for weights_only=False. Every rank
 then loads it with its strategy's own setters (each format's `load_into`). Not convertible, in one line
 (UserError): a DeepSpeed JSON with its own optimizer or scheduler on either side (that state is DeepSpeed's,
 not the recipe's AdamW and schedule), DeepSpeed without ZeRO (stage 0: ds_to_universal reads ZeRO partitions
@@ -13,24 +13,22 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import pickle
 import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
-from toolkit.checkpoint import deepspeed
-from toolkit.checkpoint.by_name import MOMENTS, OPTIMIZER, VERSION, WEIGHTS
-from toolkit.checkpoint.formats import FORMATS, Checkpoint, gather_full_weights, saved_by
-from toolkit.checkpoint.unpickling import not_only_numbers, numbers_only_torch_load
+from toolkit.checkpoint.formats import Checkpoint, gather_full_weights, saved_by
 from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.run.folder import STATE_FILE, converted_state
 from toolkit.run.manifest import crc32
 from toolkit.run.writes import failed_write
+from toolkit.strategy.by_name import MOMENTS, OPTIMIZER, VERSION, WEIGHTS
+from toolkit.strategy.families import FILES
+from toolkit.strategy.unpickling import not_only_numbers, numbers_only_torch_load
 
 
 def convert(checkpoint: Checkpoint, into: Path) -> None:
@@ -41,15 +39,13 @@ def convert(checkpoint: Checkpoint, into: Path) -> None:
         raise UserError(f"checkpoint {folder} holds no strategy's files; it cannot be converted")
     _check_convertible(folder, format, saved)
     into.mkdir(parents=True)
-    if format == "deepspeed" and not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's tools, not its engine: no device needed
     log = io.StringIO()  # what DeepSpeed's converters print, shown only if they fail
     try:
         with (
             numbers_only_torch_load(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log),
             tempfile.TemporaryDirectory(dir=into) as scratch,
         ):
-            moments, steps = FORMATS[format].moments(folder, Path(scratch))
+            moments, steps = FILES[format].moments(folder, Path(scratch))
             (into / WEIGHTS).mkdir()
             gather_full_weights(format, folder, into / WEIGHTS)
     except (UserError, OSError):
@@ -72,17 +68,9 @@ def _check_convertible(folder: Path, format: str, saved: ParallelLayout) -> None
     if not (folder / "custom_checkpoint_0.pkl").is_file():
         raise UserError(f"{where} holds no LR schedule of the recipe's (custom_checkpoint_0.pkl), so it cannot be "
                         f"converted for another strategy or world size; resume it under {saved.describe()}")
-    if format != "deepspeed":
-        return
-    owned = [block for block in ("optimizer", "scheduler") if block in deepspeed.config(folder)]
-    if owned:
-        raise UserError(
-            f"{where} was trained with the {' and '.join(owned)} its DeepSpeed JSON defines, whose state is "
-            "DeepSpeed's own: it cannot be converted for another strategy or world size; resume it under "
-            f"{saved.describe()} with the same DeepSpeed JSON"
-        )
-    if why := deepspeed.unconvertible(saved):
-        raise UserError(f"{where}: {why}; resume it under {saved.describe()}")
+    refuses = getattr(FILES[format], "refuses_conversion", None)
+    if refuses is not None and (why := refuses(folder, saved)):
+        raise UserError(f"{where}: {why}")
 
 
 def cached_conversion(checkpoint: Checkpoint) -> tuple[Path, bool]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.checkpoint import deepspeed
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.run.folder import STATE_FILE, RunDir, checkpoint_step
 from toolkit.run.manifest import MANIFEST, check_manifest, crc32
 from toolkit.strategy.distributed import Strategy
+from toolkit.strategy.families import family_of
 
 
 def intact_checkpoint(
@@ -85,4 +85,5 @@ def missing_rank_file(folder: Path, saved: ParallelLayout | None) -> str | None:
     for rank in range(saved.world):
         if not (folder / f"random_states_{rank}.pkl").is_file():
             return f"{folder / f'random_states_{rank}.pkl'} is missing (rank {rank} of {saved.world} writes it)"
-    return deepspeed.missing_partition(folder, saved)
+    missing = getattr(family_of(saved).files, "missing_partition", None)
+    return None if missing is None else missing(folder, saved)

@@ -21,14 +21,11 @@ from typing import Literal
 
 import torch
 
-from toolkit.checkpoint import ddp
 from toolkit.checkpoint.background import Writes, staged
-from toolkit.checkpoint.by_name import ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion
-from toolkit.checkpoint.formats import FORMATS, Checkpoint
+from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.checkpoint.unpickling import not_only_numbers, numbers, numbers_only_resume
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.parallel_layout import ParallelLayout
@@ -36,7 +33,10 @@ from toolkit.run.faults import fail_point, kill_point
 from toolkit.run.folder import MODEL_FILES, PRUNED, RunDir, converted_state
 from toolkit.run.manifest import MANIFEST, crc32, write_manifest
 from toolkit.run.writes import failed_write
+from toolkit.strategy.by_name import ConsolidatedState
+from toolkit.strategy.ddp import files as ddp
 from toolkit.strategy.distributed import Strategy
+from toolkit.strategy.unpickling import not_only_numbers, numbers, numbers_only_resume
 
 
 @dataclass
@@ -115,7 +115,7 @@ def begin_save(
     try:
         with staged(writes) if writes is not None else contextlib.nullcontext():
             strategy.accelerator.save_state(str(folder))
-        beside = getattr(FORMATS[strategy.backend.format], "save_beside", None)  # files Accelerate does not hold
+        beside = getattr(strategy.family.files, "save_beside", None)  # files Accelerate does not hold
         if beside is not None:
             beside(strategy, folder)
         if rank_files is not None:
@@ -333,7 +333,7 @@ def load_checkpoint(strategy: Strategy, checkpoint: Checkpoint, say: Callable[[s
         _load_converted(strategy, checkpoint, say)
     else:
         _load_native(strategy, folder)
-        beside = getattr(FORMATS[strategy.backend.format], "load_beside", None)
+        beside = getattr(strategy.family.files, "load_beside", None)
         if beside is not None:
             beside(strategy, folder)
     # Accelerate counts micro-batches to know which one closes an optimizer step, and load_state
@@ -360,7 +360,7 @@ def _load_converted(strategy: Strategy, checkpoint: Checkpoint, say: Callable[[s
     """Weights and Adam state from the checkpoint's state by parameter name; the LR schedule and the
     random states (of the ranks that exist in both) from the checkpoint itself."""
     folder, saved, here = checkpoint.folder, checkpoint.layout, strategy.layout.describe()
-    if why := strategy.backend.conversion_refused(strategy):
+    if why := strategy.family.conversion_refused(strategy):
         raise UserError(f"checkpoint {folder} was saved under {saved.describe()}; resuming it under {here} needs a "
                         f"conversion, and {why}: remove them from the JSON, or resume under {saved.describe()}")
     # made by the main process alone (or found made before) while the others wait
@@ -427,17 +427,17 @@ def resumes_natively(strategy: Strategy, saved: ParallelLayout) -> bool:
     any number on load, ZeRO's partitions fit only the stage and world size that wrote them, a pipeline's stage
     files only the same cut). Anything else goes through the state by parameter name
     (toolkit.checkpoint.conversion)."""
-    return strategy.backend.resumes_natively(strategy.layout, saved)
+    return strategy.family.resumes_natively(strategy.layout, saved)
 
 
 def optimizer_parameter_names(strategy: Strategy) -> list[list[str]] | None:
     """DDP / one process: the parameter names of the optimizer's groups, in the order that optimizer.bin numbers
     them (saved beside it: ddp.OPTIMIZER_NAMES). None elsewhere: FSDP2 and DeepSpeed checkpoints name their
     parameters themselves."""
-    return strategy.backend.optimizer_names(strategy)
+    return strategy.family.optimizer_names(strategy)
 
 
 def _load_by_name(strategy: Strategy, state: ConsolidatedState) -> None:
     """Collective: a converted checkpoint into the prepared model and optimizer, with this strategy's
     own setters (each format's load_into)."""
-    FORMATS[strategy.backend.format].load_into(strategy, state)
+    strategy.family.files.load_into(strategy, state)

@@ -23,23 +23,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.checkpoint.contents import weight_files
 from toolkit.checkpoint.formats import gather_full_weights, saved_by
 from toolkit.checkpoint.trainer_state import TrainerState
-from toolkit.checkpoint.unpickling import not_only_numbers
 from toolkit.config.errors import UserError, first_line
 from toolkit.models.adapter import BASE_MODEL_FILE, load_with_adapter, merged, no_tied_warnings
 from toolkit.run.folder import MODEL_FILES, STATE_FILE, RunDir, checkpoint_step, is_complete
 from toolkit.run.manifest import MANIFEST, check_manifest, crc32
-
-# The files of a checkpoint that export reads, by the strategy that saved it (beside model_files/):
-# a damaged optimizer or RNG state does not stop an export of intact weights. DeepSpeed's fp32
-# weights are gathered from the optimizer partitions, so all of its files count.
-READS = {
-    "ddp": ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin"),
-    "fsdp": ("pytorch_model_fsdp_*/*",),
-    "pipeline": ("pipeline_stage_*.safetensors",),
-    "deepspeed": ("*",),
-}
+from toolkit.strategy.unpickling import not_only_numbers
 
 
 @dataclass
@@ -160,7 +151,7 @@ def _changed(source: Source) -> str:
 
 def gather_weights(source: Source, into: Path) -> Path:
     """Write a checkpoint's full float32 weights into `into`, gathered by its strategy's own tools."""
-    if source.kind not in ("ddp", "fsdp", "deepspeed", "pipeline"):
+    if not source.is_checkpoint:
         raise ValueError(f"not a checkpoint: {source.kind}")
     try:
         return gather_full_weights(source.kind, source.path, into)
@@ -359,7 +350,7 @@ def _damage(source: Source) -> str | None:
     """What is wrong with the source's files, or None: the files it reads against its manifest; a
     checkpoint's state file of another step or naming another (or a lost) manifest; a folder
     without the files a model or an adapter needs."""
-    reads = READS.get(source.kind, ("*",)) + (f"{MODEL_FILES}/*",)
+    reads = weight_files(source.kind) if source.is_checkpoint else ("*",)
     problem = check_manifest(source.path, only=lambda name: any(fnmatch(name, pattern) for pattern in reads))
     if problem is None and source.is_checkpoint:  # the state file is this checkpoint's own
         state, step = TrainerState.read(source.path), checkpoint_step(source.path)

@@ -11,7 +11,7 @@ import torch
 from toolkit.config.errors import UserError
 from toolkit.models.router import expert_count
 from toolkit.planner.facts import Run
-from toolkit.strategy.distributed import backend_of
+from toolkit.strategy.families import family_of
 from toolkit.strategy.tensor_parallel import SEQUENCE_ATTENTION
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
@@ -112,7 +112,7 @@ def dtypes(run: Run) -> tuple[int, int, bool]:
 def cast_by_strategy(run: Run) -> bool:
     """Whether the strategy casts the weights to the compute dtype (FSDP2's param_dtype without tensor parallel,
     DeepSpeed's bf16 mode), rather than autocast each matmul's input."""
-    return backend_of(run.strategy.layout).casts_weights(run.strategy.layout)
+    return family_of(run.strategy.layout).casts_weights(run.strategy.layout)
 
 
 def compiled_bytes_per_token(shapes: Shapes, run: Run, selective: bool) -> float | None:

@@ -20,7 +20,7 @@ from toolkit.launch.environment import local_world_size
 from toolkit.planner.activations import Shapes, activation_bytes, dtypes, loss_bytes, sequence_mask_bytes
 from toolkit.planner.facts import Run, StrategyFacts, live_facts
 from toolkit.planner.state import Held, Stage, model_tensors, pipeline_stages, stage_tensors, state_bytes
-from toolkit.strategy.distributed import backend_of
+from toolkit.strategy.families import family_of
 
 CUDA_CONTEXT = 600 * 2**20  # what a CUDA context and its kernels take outside the allocator (H100: ~500-700 MiB)
 ALLOCATOR_SLACK = 0.05  # cached-but-free blocks the caching allocator keeps beside the allocated peak
@@ -75,7 +75,7 @@ def _estimate_stage(tensors: list[Held], shapes: Shapes, run: Run, stage: Stage)
     # between micro-batches ZeRO-1 keeps whole gradients, reduced into its partition only at the boundary;
     # a pipeline stage holds gradients beside its most activations only when a forward follows its first backward
     grads_held = held.get("grads_peak", held["grads"]) if run.accumulation > stage.in_flight else 0
-    backend = backend_of(s.layout)
+    backend = family_of(s.layout)
     buffers = backend.planned_buffers(run, shapes, tensors, head, stage, grads_held, (rb, cb))
     moments = {
         "forward": {"grads": grads_held, "activations": acts["saved"], "logits_loss": loss["forward"],
@@ -143,7 +143,7 @@ def check_fits(model: torch.nn.Module, strategy, what: str) -> None:
     per_process = training_state_bytes(model, facts, strategy.layout.world, precision)
     device = strategy.device
     if device.type == "cuda":
-        if backend_of(facts.layout).state_on_host(facts):
+        if family_of(facts.layout).state_on_host(facts):
             return
         free, machine = torch.cuda.mem_get_info(device)[0], "this GPU has"
         need = per_process

@@ -127,7 +127,7 @@ class Run:
             raise UserError(f"train.pipeline_stages={self.strategy.layout.pp} does not divide world={self.world}; use a "
                             f"multiple of {self.strategy.layout.pp} processes (replicas x stages)")
         if self.strategy.layout.pp > 1 and self.loss_chunk_tokens > 0:
-            # the last stage's loss is the schedule's loss_fn of its logits (toolkit.strategy.pipeline_parallel)
+            # the last stage's loss is the schedule's loss_fn of its logits (toolkit.strategy.pipeline.stages)
             raise UserError(f"train.pipeline_stages={self.strategy.layout.pp}: model.loss=chunked does not run in a "
                             "pipeline; use model.loss=full")
         if self.strategy.layout.tp > 1 and self.loss_chunk_tokens > 0:
@@ -174,4 +174,4 @@ def live_facts(strategy) -> StrategyFacts:
     from its config file), for the sizes of model state."""
     layout = strategy.layout
     return StrategyFacts(layout.name, layout, offload_optimizer=strategy.offloads_optimizer,
-                         offload_params=strategy.backend.offloads_parameters(strategy))
+                         offload_params=strategy.family.offloads_parameters(strategy))

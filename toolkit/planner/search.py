@@ -21,8 +21,9 @@ from toolkit.models.weight_cast import AUTOCAST, auto_applies
 from toolkit.planner.estimate import cpu_reserve, estimate
 from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy
 from toolkit.planner.state import model_tensors
-from toolkit.strategy import context_parallel, pipeline_parallel, sequence_parallel, tensor_parallel
+from toolkit.strategy import context_parallel, sequence_parallel, tensor_parallel
 from toolkit.strategy.parallelism import parallel_layout
+from toolkit.strategy.pipeline import stages
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CHECKPOINTING = ("none", "every_k", "selective", "full")
@@ -123,12 +124,12 @@ def axis_name(facts: StrategyFacts) -> str:
 
 def pipelines(model: torch.nn.Module, gpus: int) -> tuple[list[StrategyFacts], list[str]]:
     """(a StrategyFacts per stage count to list, lines on those not listed), by
-    toolkit.strategy.pipeline_parallel.problems, the check the launch makes of the model."""
+    toolkit.strategy.pipeline.stages.problems, the check the launch makes of the model."""
     facts, notes = [], []
     for p in PIPELINE_STAGES:
         if gpus % p:
             continue
-        found = pipeline_parallel.problems(model, p)
+        found = stages.problems(model, p)
         if found:
             notes.append(f"pipeline, train.pipeline_stages={p}: not listed: {found[0]}")
             continue

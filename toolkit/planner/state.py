@@ -11,7 +11,7 @@ import torch
 
 from toolkit.models.router import expert_count
 from toolkit.planner.facts import Run
-from toolkit.strategy.distributed import backend_of
+from toolkit.strategy.families import family_of
 
 
 @dataclass
@@ -97,10 +97,10 @@ class Stage:
 
 
 def pipeline_stages(layers: int, stages: int, micro_batches: int) -> list[Stage]:
-    """toolkit.strategy.pipeline_parallel's cut (layer_ranges), each stage with the micro-batches torch's
+    """toolkit.strategy.pipeline.stages's cut (layer_ranges), each stage with the micro-batches torch's
     Schedule1F1B keeps alive on it: stage s runs p - s forwards before its first backward, then one
     forward per backward, so min(p - s, m) micro-batches' activations at most (the first stage the most)."""
-    from toolkit.strategy.pipeline_parallel import layer_ranges
+    from toolkit.strategy.pipeline.stages import layer_ranges
 
     return [Stage(i, stages, r, min(stages - i, micro_batches)) for i, r in enumerate(layer_ranges(layers, stages))]
 
@@ -134,7 +134,7 @@ def stage_tensors(model: torch.nn.Module, tensors: list[Held], stage: Stage) -> 
 def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
     """The largest rank's params, grads (at the accumulation boundary), optimizer state and fp32
     master weights, in the terms of toolkit.strategy.sharding.held_bytes, as its strategy family holds them."""
-    backend = backend_of(run.strategy.layout)
+    backend = family_of(run.strategy.layout)
     pb = backend.planned_parameter_bytes(run, torch.finfo(run.param_dtype).bits // 8)
     gb = pb  # gradients come in the weights' dtype
     step = 4  # torch AdamW's step: one fp32 scalar per state-holding tensor

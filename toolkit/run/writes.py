@@ -44,7 +44,7 @@ WRITERS: dict[str, Writer] = {
         "checkpoints/step-N/: the strategy's save_state, each rank's stream position, model_files/, the manifest, "
         "trainer_state.json (last: a folder without it is never complete)",
         ("toolkit.checkpoint.manager:begin_save", "toolkit.checkpoint.manager:Saving._name",
-         "toolkit.checkpoint.pipeline:save_stage",
+         "toolkit.strategy.pipeline.files:save_stage",
          "toolkit.data.streaming:StreamingBlocks.save", "toolkit.data.streaming:MixedStreams.save",
          "toolkit.export.hf_folder:write_model_files",
          "toolkit.run.manifest:write_manifest", "toolkit.checkpoint.trainer_state:TrainerState.write"),
@@ -53,8 +53,8 @@ WRITERS: dict[str, Writer] = {
     ),
     "converted checkpoint": Writer(
         "checkpoints/step-N.converted/: a checkpoint's state by parameter name, for a resume under another strategy",
-        ("toolkit.checkpoint.conversion:convert", "toolkit.checkpoint.fsdp:full_weights",
-         "toolkit.checkpoint.fsdp:moments", "toolkit.checkpoint.pipeline:full_weights"),
+        ("toolkit.checkpoint.conversion:convert", "toolkit.strategy.fsdp.files:full_weights",
+         "toolkit.strategy.fsdp.files:moments", "toolkit.strategy.pipeline.files:full_weights"),
         "copy the checkpoint into a writable folder with room for its weights and Adam state",
         "no step-N.converted (its .tmp removed); step-N untouched",
         exit=2,  # where a checkpoint lies is the user's choice: a UserError (toolkit.checkpoint.conversion)

@@ -27,10 +27,10 @@ from toolkit.strategy.accelerator import (
     keep_freed_memory,
     outside_training,
 )
-from toolkit.strategy.backends import ddp, deepspeed, fsdp, pipeline, single
-from toolkit.strategy.backends.base import Backend
 from toolkit.strategy.context_parallel import ContextParallel, sequence_problem
 from toolkit.strategy.context_parallel import problems as context_parallel_problems
+from toolkit.strategy.families import family_of
+from toolkit.strategy.family import Family
 from toolkit.strategy.parallelism import (
     accumulation_steps,
     check_pipeline_launch,
@@ -39,7 +39,7 @@ from toolkit.strategy.parallelism import (
     model_parallel_sizes,
     parallel_layout,
 )
-from toolkit.strategy.pipeline_parallel import Pipeline
+from toolkit.strategy.pipeline.stages import Pipeline
 from toolkit.strategy.sequence_parallel import SequenceParallel
 from toolkit.strategy.sequence_parallel import problems as sequence_parallel_problems
 from toolkit.strategy.sequence_parallel import sequence_problem as sequence_parallel_problem
@@ -47,20 +47,6 @@ from toolkit.strategy.tensor_parallel import expert_ranks, split
 from toolkit.strategy.tensor_parallel import sequence_problem as tensor_parallel_sequence_problem
 
 T = TypeVar("T")
-
-# Each strategy family's backend: adding a strategy is one module of toolkit/strategy/backends/ and one entry here.
-BACKENDS: dict[str, Backend] = {b.name: b for b in (single.BACKEND, ddp.BACKEND, fsdp.BACKEND, deepspeed.BACKEND,
-                                                   pipeline.BACKEND)}
-
-
-def family(layout: ParallelLayout) -> str:
-    """The strategy family that trains `layout`: pipeline stages run under DDP's launch, as a family of their own."""
-    return "pipeline" if layout.pp > 1 else layout.kind
-
-
-def backend_of(layout: ParallelLayout) -> Backend:
-    """What `layout`'s strategy family does its own way (toolkit.strategy.backends), launched or not."""
-    return BACKENDS[family(layout)]
 
 def launched_layout(accelerator: Accelerator, sizes: dict[str, int], world: int, stages: int = 1) -> ParallelLayout:
     """This launch's ParallelLayout: the strategy kind, ZeRO stage, offload and FSDP version as the
@@ -133,19 +119,19 @@ class Strategy:
 
     # ----------------------------------------------------------------- facts
     @property
-    def backend(self) -> Backend:
-        """What this launch's strategy family does its own way (toolkit.strategy.backends)."""
-        return backend_of(self.layout)
+    def family(self) -> Family:
+        """What this launch's strategy family does its own way (toolkit.strategy.families)."""
+        return family_of(self.layout)
 
     @property
     def is_replicated(self) -> bool:
         """Whether every rank holds the full parameters (DDP, ZeRO-1/2) rather than shards or stages."""
-        return self.backend.replicated(self.layout)
+        return self.family.replicated(self.layout)
 
     @property
     def offloads_optimizer(self) -> bool:
         """DeepSpeed optimizer offload on a GPU machine (on a CPU machine there is nothing to offload)."""
-        return self.backend.offloads_optimizer(self)
+        return self.family.offloads_optimizer(self)
 
     @property
     def data_ranks(self) -> tuple[int, int]:
@@ -169,7 +155,7 @@ class Strategy:
         """Factor turning a micro-batch's token loss sum into its share of the global per-token mean
         (toolkit.models.loss.backward_scale); a pipeline sums its micro-batches' and replicas' gradients
         as they are."""
-        return self.backend.backward_scale(self, global_targets)
+        return self.family.backward_scale(self, global_targets)
 
     def split_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch -> this rank's share of its sequences (the batch itself without context or
@@ -214,7 +200,7 @@ class Strategy:
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
             self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
         if self.layout.pp > 1:
-            from toolkit.strategy.pipeline_parallel import problems as pipeline_problems
+            from toolkit.strategy.pipeline.stages import problems as pipeline_problems
 
             found = pipeline_problems(model, self.layout.pp)
             if found:
@@ -266,14 +252,14 @@ class Strategy:
         `model` may be a function building it (the pretraining recipe builds a memory-free meta copy, and only
         under FSDP: under ZeRO-3 a model constructed while DeepSpeed's config is registered would go through
         zero.Init)."""
-        self.backend.check_layers(self, model)
+        self.family.check_layers(self, model)
 
     def outside_training(self):
         return outside_training(self.accelerator)
 
     def adamw(self) -> type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer]:
         """The AdamW class to build (DeepSpeed's own where it offloads the optimizer)."""
-        return self.backend.adamw(self)
+        return self.family.adamw(self)
 
     def placeholder_optimizer(self, params: list, lr: float, weight_decay: float):
         """Stands in for the optimizer a user's DeepSpeed JSON defines (DeepSpeed builds the real one)."""
@@ -287,21 +273,21 @@ class Strategy:
         return DummyScheduler(optimizer, total_num_steps=max_steps, warmup_num_steps=warmup_steps)
 
     def prepare(self, *objects):
-        return self.backend.prepare(self, *objects)
+        return self.family.prepare(self, *objects)
 
     def master_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The trained weights in float32, the same under every strategy: on the main process, None elsewhere.
         Collective. Mixed precision keeps fp32 master weights, but where depends on the strategy (its backend)."""
-        return self.backend.master_weights(self, model)
+        return self.family.master_weights(self, model)
 
     def model_to_save(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
         """Main process: the model whose save_pretrained writes `state_dict` (master_weights) as one folder."""
-        return self.backend.model_to_save(self, model, state_dict)
+        return self.family.model_to_save(self, model, state_dict)
 
     def check_replicas_in_sync(self, model: torch.nn.Module) -> list[str]:
         """Collective: every rank's parameter digest; data-parallel replicas (of each pipeline stage) must be
         bit-identical."""
-        return self.backend.check_replicas(self, model)
+        return self.family.check_replicas(self, model)
 
     def device_map(self) -> dict[str, int]:
         """Where a quantised (QLoRA) base loads: this rank's own GPU."""

@@ -98,7 +98,7 @@ def held_out_sums(
     `data_ranks` (ranks that read different blocks, this rank's index among them; default every
     process) and `split` (a collated batch -> this rank's share of its sequences) are context
     parallel's (toolkit.strategy.context_parallel): the ranks of a group read the same blocks.
-    `pipeline` (toolkit.strategy.pipeline_parallel): the micro-batches go through its stages, each of
+    `pipeline` (toolkit.strategy.pipeline.stages): the micro-batches go through its stages, each of
     `micro_batch` rows and as many per run as it was built for (the schedule's shapes are fixed), the
     rows and runs that fill them with no targets.
 

@@ -10,7 +10,7 @@ import math
 import torch
 from accelerate.utils import gather_object
 
-from toolkit.strategy.backends.base import held_values
+from toolkit.strategy.family import held_values
 
 DEAD_LOSS_RTOL = 1e-3  # how close to ln(vocab size) a loss is uniform guessing
 

@@ -119,7 +119,7 @@ def prepare_optimization(strategy, model: torch.nn.Module, cfg: OptimConfig, max
     once per optimizer step by the trainer (`step_scheduler`; Accelerate would step it once per
     process) and saved through register_for_checkpointing.
     """
-    lr, owned = cfg.peak_lr(global_batch), strategy.backend.optimization_owned(strategy)
+    lr, owned = cfg.peak_lr(global_batch), strategy.family.optimization_owned(strategy)
     if "optimizer" in owned:
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = strategy.placeholder_optimizer(trainable, lr, cfg.weight_decay)

@@ -18,7 +18,7 @@ from toolkit.config.errors import UserError
 from toolkit.models.loss import forward_loss_sum
 from toolkit.models.preference_loss import STATS, PreferenceLoss
 from toolkit.models.router import RouterLoss
-from toolkit.strategy.backends.base import DATA_PARALLEL, Backend, nonfinite_flags, verdict
+from toolkit.strategy.family import DATA_PARALLEL, Family, nonfinite_flags, verdict
 
 
 def optimizer_step(
@@ -33,7 +33,7 @@ def optimizer_step(
     objective: PreferenceLoss | None = None,
     skip_on_device: bool = False,
     weight_cast=None,
-    backend: Backend = DATA_PARALLEL,
+    family: Family = DATA_PARALLEL,
 ) -> tuple[torch.Tensor, torch.Tensor | None, str | torch.Tensor | None, torch.Tensor]:
     """(this rank's summed loss as float64, the pre-clipping gradient norm or None, what was not
     finite, this rank's sums of what else it counts: the router loss, then the objective's STATS).
@@ -72,9 +72,9 @@ def optimizer_step(
                 router_sum += router_loss.detach().double()
                 micro_loss = micro_loss + router.coef * router_loss
             loss_sum += token_sum.detach().double()
-            backend.backward(accelerator, micro_loss)
+            family.backward(accelerator, micro_loss)
             if accelerator.sync_gradients:
-                grad_norm, nonfinite = backend.update(accelerator, model, optimizer, loss_sum + router_sum,
+                grad_norm, nonfinite = family.update(accelerator, model, optimizer, loss_sum + router_sum,
                                                       max_grad_norm, skip_on_device, weight_cast)
     return loss_sum, grad_norm, nonfinite, torch.cat([router_sum[None], stats])
 
@@ -86,12 +86,12 @@ def on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def skips_on_device(setting: str, accelerator: Accelerator, optimizer, backend: Backend = DATA_PARALLEL) -> bool:
+def skips_on_device(setting: str, accelerator: Accelerator, optimizer, family: Family = DATA_PARALLEL) -> bool:
     """Whether train.step_sync (`setting`: auto, host or none) leaves the skip decision on the device:
     only torch's fused AdamW takes it there. auto: wherever that optimizer steps; none: refused elsewhere."""
     inner = getattr(optimizer, "optimizer", optimizer)
     why = (
-        backend.host_decides if backend.host_decides is not None
+        family.host_decides if family.host_decides is not None
         else "fp16's loss scaler decides on the host" if accelerator.scaler is not None
         else "it needs torch's fused AdamW (optim.fused=true; auto fuses on CUDA only)"
         if not (type(inner) is torch.optim.AdamW and inner.defaults.get("fused")) else None
@@ -111,7 +111,7 @@ def pipeline_step(
     max_grad_norm: float,
     meter=None,
 ) -> tuple[torch.Tensor, torch.Tensor, str | None, torch.Tensor]:
-    """optimizer_step's contract for a model cut into pipeline stages (toolkit.strategy.pipeline_parallel):
+    """optimizer_step's contract for a model cut into pipeline stages (toolkit.strategy.pipeline.stages):
     the schedule runs every micro-batch's forward and backward, the gradients are clipped by the whole
     model's norm, and the optimizer steps unless a loss or gradient is not finite on some rank. The
     loss is the last stage's (0 on the others: a sum over ranks counts every token once). `meter`

@@ -205,7 +205,7 @@ class Trainer:
         if cfg.model.chunk_tokens:
             output_head(model)  # a head the chunked loss cannot replace is refused before any step
         # The recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON defines its own.
-        owned = self.strategy.backend.optimization_owned(self.strategy)
+        owned = self.strategy.family.optimization_owned(self.strategy)
         if owned:
             self.print(f"the DeepSpeed config defines {' and '.join(owned)}: using them instead of the recipe's optim "
                        "section")
@@ -224,7 +224,7 @@ class Trainer:
             self.strategy, model, cfg.optim, cfg.train.max_steps, cfg.train.global_batch_size
         )
         self.skip_on_device = skips_on_device(cfg.train.step_sync, self.accelerator, self.optimizer,
-                                              self.strategy.backend)
+                                              self.strategy.family)
         self.state.settings = trained_settings(cfg, bool(owned))  # train.epochs has set max_steps
         self.weight_cast = weight_cast(cfg.model.cast_weights, self.accelerator.unwrap_model(self.model),
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
@@ -358,7 +358,7 @@ class Trainer:
                                  meter)
         return optimizer_step(acc, self.model, self.optimizer, batches, scale, cfg.optim.max_grad_norm,
                               cfg.model.chunk_tokens, self.router, self.objective, self.skip_on_device,
-                              self.weight_cast, self.strategy.backend)
+                              self.weight_cast, self.strategy.family)
 
     def reduce_step(self, loss_sum: torch.Tensor, on_device: torch.Tensor | None, extras: torch.Tensor) -> HostCopy:
         """One all-reduce for the global loss and for "did any rank get a stop signal", read on the host only where

@@ -1,6 +1,7 @@
-"""What a checkpoint holds is stated once (toolkit.checkpoint.contents.PARTS): a checkpoint of every format, saved by
-this commit (one process) or by an earlier one (tests/fixtures/checkpoints: DDP on 3 processes, FSDP2, ZeRO-2 and
-ZeRO-3 on 2, a pipeline of 2 stages), holds exactly the parts the table names for its format."""
+"""What a checkpoint holds is stated once (each family's PARTS and toolkit.checkpoint.contents.COMMON): a checkpoint of
+every family, saved by this commit (one process) or by an earlier one (tests/fixtures/checkpoints: DDP on 3
+processes, FSDP2, ZeRO-2 and ZeRO-3 on 2, a pipeline of 2 stages), holds exactly the parts named for its family, and
+export reads the parts that hold the weights."""
 
 from __future__ import annotations
 
@@ -10,18 +11,23 @@ from pathlib import Path
 import pytest
 from one_process_checkpoints import launch, trained
 
-from toolkit.checkpoint.contents import PARTS, against_parts
-from toolkit.checkpoint.formats import FORMATS, saved_by
+from toolkit.checkpoint.contents import PARTS, against_parts, weight_files
+from toolkit.checkpoint.formats import saved_by
 from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.export.hf_folder import write_model_files
 from toolkit.run.folder import RunDir
+from toolkit.strategy.families import FILES
 
 FIXTURES = sorted((Path(__file__).parents[2] / "fixtures" / "checkpoints").glob("*/step-*"))
 
 
-def test_every_format_has_its_parts_and_every_part_a_format():
-    assert {f for part in PARTS for f in part.formats} == set(FORMATS)
+def test_every_family_that_writes_files_declares_its_own_parts_and_one_that_holds_the_weights():
+    assert set(PARTS) == set(FILES) == {"ddp", "fsdp", "deepspeed", "pipeline"}  # one process writes DDP's files
+    for name, module in FILES.items():
+        assert module.PARTS and set(module.PARTS) < set(PARTS[name]), name
+        assert any(part.weights for part in module.PARTS), name
+        assert "model_files/*" in weight_files(name) and "optimizer.bin" not in weight_files(name)
     assert {folder.parent.name.split("@")[0] for folder in FIXTURES} >= {"ddp", "fsdp", "zero2", "zero3", "pipeline"}
 
 

@@ -16,9 +16,7 @@ import torch
 from one_process_checkpoints import launch, trained
 from unprivileged import error_as_nobody
 
-from toolkit.checkpoint.by_name import MOMENTS, ConsolidatedState
 from toolkit.checkpoint.conversion import cached_conversion, convert
-from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
 from toolkit.checkpoint.formats import Checkpoint, saved_layout
 from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.checkpoint.trainer_state import TrainerState
@@ -26,6 +24,8 @@ from toolkit.config.errors import UserError
 from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.run.folder import RunDir, converted_state
+from toolkit.strategy.by_name import MOMENTS, ConsolidatedState
+from toolkit.strategy.ddp.files import OPTIMIZER_NAMES
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
@@ -146,7 +146,7 @@ def test_deepspeed_checkpoints_the_converter_cannot_read_are_refused(tmp_path):
     with pytest.raises(UserError) as info:
         convert(_unfinished(owned), tmp_path / "out")
     assert str(info.value) == (
-        f"checkpoint {owned} (DeepSpeed ZeRO-2 on 1 process) was trained with the optimizer its DeepSpeed JSON defines, "
+        f"checkpoint {owned} (DeepSpeed ZeRO-2 on 1 process): it was trained with the optimizer its DeepSpeed JSON defines, "
         "whose state is DeepSpeed's own: it cannot be converted for another strategy or world size; resume it under "
         "DeepSpeed ZeRO-2 on 1 process with the same DeepSpeed JSON"
     )

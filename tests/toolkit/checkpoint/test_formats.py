@@ -11,10 +11,10 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file, save_file
 
-from toolkit.checkpoint.ddp import OPTIMIZER_NAMES, read_optimizer_names
 from toolkit.checkpoint.formats import gather_full_weights, saved_by, saved_layout
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.ddp.files import OPTIMIZER_NAMES, read_optimizer_names
 
 # what Accelerate's save_state writes besides the model, whatever the strategy
 ACCELERATE_EXTRAS = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")
@@ -148,7 +148,7 @@ def test_a_real_single_process_save_state_is_recognised_and_gathered(tmp_path):
 
 
 def test_an_unknown_format_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="not a checkpoint format: zero3"):
+    with pytest.raises(ValueError, match="not a family's checkpoint files: zero3"):
         gather_full_weights("zero3", tmp_path, tmp_path / "full")
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from toolkit.checkpoint.ddp import OPTIMIZER_NAMES
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.manager import CheckpointConfig, _load_schedule, load_checkpoint, save_checkpoint
 from toolkit.checkpoint.trainer_state import TrainerState
@@ -18,6 +17,7 @@ from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.run.folder import MODEL_FILES, STATE_FILE, RunDir, converted_state
 from toolkit.run.manifest import MANIFEST, crc32
+from toolkit.strategy.ddp.files import OPTIMIZER_NAMES
 from toolkit.strategy.distributed import Strategy
 
 

@@ -41,7 +41,7 @@ from toolkit.planner.activations import (
 from toolkit.planner.estimate import estimate
 from toolkit.planner.facts import Run, StrategyFacts, live_facts, read_strategy
 from toolkit.planner.state import model_tensors, pipeline_stages, stage_tensors, state_bytes
-from toolkit.strategy.distributed import backend_of
+from toolkit.strategy.families import family_of
 
 POINTS = json.loads(Path(__file__).with_name("gpu_memory_points.json").read_text())
 
@@ -161,7 +161,7 @@ def test_pipeline_stages_hold_what_the_estimate_says(tmp_path):
         held = state_bytes(stage_tensors(model, tensors, stage), run)
         for key in ("params", "grads", "optimizer"):
             assert held[key] == rank[key], f"stage {stage.index} {key}"
-        buffers = backend_of(run.strategy.layout).planned_buffers(run, Shapes.of(model), [], None, stage, 0,
+        buffers = family_of(run.strategy.layout).planned_buffers(run, Shapes.of(model), [], None, stage, 0,
                                                                   dtypes(run)[:2])
         assert buffers.static == rank["buffers"], f"stage {stage.index}"  # the stage's receive buffers
     embedding = 512 * 128 * 4
@@ -217,7 +217,7 @@ def launched(kind: str = "single", world: int = 1, device: str = "cpu", precisio
     fsdp = SimpleNamespace(cpu_offload=SimpleNamespace(offload_params=offload_params))
     accelerator = SimpleNamespace(mixed_precision=precision, state=SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp))
     layout = ParallelLayout(kind, world, zero_stage=zero_stage)
-    return SimpleNamespace(accelerator=accelerator, layout=layout, backend=backend_of(layout),
+    return SimpleNamespace(accelerator=accelerator, layout=layout, family=family_of(layout),
                            offloads_optimizer=offload_optimizer, device=torch.device(device))
 
 

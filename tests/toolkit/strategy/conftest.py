@@ -1,8 +1,9 @@
-"""The one-process Strategy the tests of toolkit.strategy and its backends share."""
+"""The one-process Strategy the tests of toolkit.strategy and its families share, and real one-process checkpoints."""
 
 from __future__ import annotations
 
 import pytest
+from one_process_checkpoints import fresh_accelerate, one_process_checkpoint, strategy  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -241,7 +241,7 @@ def test_zero3_padding_is_not_a_weight(tiny_model):
     """DeepSpeed pads the last partition of a parameter the world does not divide with torch.empty memory: a
     ZeRO-3 resume on 3 ranks was refused when that memory read as NaN. Rank 1 of 2 holds the last 3 of 5 values
     of a parameter here, padded to 3 of 6 with NaN, as DeepSpeed lays it out."""
-    from toolkit.strategy.backends.base import held_values
+    from toolkit.strategy.family import held_values
     from toolkit.training.nonfinite import nonfinite_weight
 
     model = tiny_model("llama")
