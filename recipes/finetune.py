@@ -160,7 +160,7 @@ class FinetuneRecipe:
 
         if cfg.train.mixed_precision == "fp8":  # before the adapter and the compile: they see Float8Linear layers
             trainer.print(float8.convert(model, cfg.train.fp8_recipe, cfg.train.fp8_layers,
-                                        fsdp2=strategy.layout.files == "fsdp2").said())
+                                        fsdp2=strategy.family.gathers_float8(strategy.layout)).said())
         # Weights to train: all, or a LoRA adapter (seeded, so every rank starts from the same one).
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         model.config.use_cache = False

@@ -101,7 +101,7 @@ class PretrainRecipe:
             model = build_model(cfg.model, config, cfg.seed)
         if cfg.train.mixed_precision == "fp8":  # before the compile, which compiles the Float8Linear layers
             trainer.print(float8.convert(model, cfg.train.fp8_recipe, cfg.train.fp8_layers,
-                                        fsdp2=strategy.layout.files == "fsdp2").said())
+                                        fsdp2=strategy.family.gathers_float8(strategy.layout)).said())
         apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         compile_model(model, cfg.model.compile)
         n_params, flops_token = model_size(model, cfg.data.seq_len)

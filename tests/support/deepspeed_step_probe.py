@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 1 \\
         tests/support/deepspeed_step_probe.py OUT.json
 
-A tiny LLaMA prepared as the recipes prepare one (build_accelerator, configure_deepspeed, AdamW,
+A tiny LLaMA prepared as the recipes prepare one (build_accelerator, the family's configure, AdamW,
 prepare), then four optimizer steps of one micro-batch each: a good one, one whose loss the
 caller reports as non-finite (its gradients are finite), one with NaN gradients, a good one.
 Writes what each returned, the fp32 master weights and Adam moments after each (DeepSpeed's own
@@ -21,9 +21,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.strategy.accelerator import build_accelerator, configure_deepspeed, outside_training, prepare  # noqa: E402
+from toolkit.strategy.accelerator import build_accelerator, launched_family, outside_training  # noqa: E402
 from toolkit.strategy.deepspeed.engine import engine_backward, engine_of, engine_step_unless_nonfinite  # noqa: E402
 from toolkit.strategy.distributed import launched_layout  # noqa: E402
+from toolkit.strategy.family import prepare  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -38,7 +39,7 @@ def main(out: str) -> None:
     with outside_training(acc):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    configure_deepspeed(acc, 2, 1.0)
+    launched_family().configure(acc, 2, 1.0)
     model, _ = prepare(acc, model, torch.optim.AdamW(model.parameters(), lr=0.1))
     engine = engine_of(acc)
     inner = engine.optimizer.optimizer

@@ -1,4 +1,4 @@
-"""Run by test_pipeline_parallel.py on 2, 3 or 4 ranks with torchrun's variables (gloo, tests/support/probe_ranks.py): a tiny LLaMA on a
+"""Run by tests/toolkit/strategy/pipeline/test_stages.py on 2, 3 or 4 ranks with torchrun's variables (gloo, tests/support/probe_ranks.py): a tiny LLaMA on a
 global batch of packed rows (several documents each, 4-D block-causal mask) trained one step whole in
 every process (the reference: micro-batches accumulated, clipped, AdamW) and cut into pipeline
 stages by toolkit.strategy.pipeline.stages (processes = replicas x stages). Compared: the summed

@@ -6,7 +6,7 @@
 (qwen3_moe: a Qwen3-MoE of the same sizes, 4 experts, 2 per token, in place of the LLaMA.)
 
 Builds and prepares the model as recipes/pretrain.py does (build_accelerator, outside_training,
-configure_deepspeed, AdamW, prepare), runs one step of 2 micro-batches under
+the family's configure, AdamW, prepare), runs one step of 2 micro-batches under
 `accelerator.accumulate` inside a GradientMeter, and rank 0 writes every rank's
 toolkit.strategy.sharding.held_bytes to OUT.json. Under a config with parallelism_config_sp_size
 (zero3_sp.yaml) the attention runs through toolkit.strategy.sequence_parallel and every rank feeds
@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.launch.environment import world_size  # noqa: E402
-from toolkit.strategy.accelerator import build_accelerator, configure_deepspeed, outside_training, prepare  # noqa: E402
+from toolkit.strategy.accelerator import build_accelerator, launched_family, outside_training  # noqa: E402
 from toolkit.strategy.distributed import launched_layout  # noqa: E402
+from toolkit.strategy.family import prepare  # noqa: E402
 from toolkit.strategy.parallelism import launched_sizes  # noqa: E402
 from toolkit.strategy.sharding import GradientMeter, held_bytes  # noqa: E402
 
@@ -55,7 +56,7 @@ def main(out: str, model_type: str = "llama") -> None:
 
         sequence = SequenceParallel(sp, acc.device)
         sequence.apply(model)
-    configure_deepspeed(acc, MICRO_BATCH, 1.0)
+    launched_family().configure(acc, MICRO_BATCH, 1.0)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)

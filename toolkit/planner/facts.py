@@ -10,8 +10,9 @@ from typing import Literal
 import torch
 
 from toolkit.config.errors import UserError, first_line
-from toolkit.config.files import read_json, read_yaml
+from toolkit.config.files import read_yaml
 from toolkit.parallel_layout import ParallelLayout
+from toolkit.strategy.families import family_of
 from toolkit.strategy.parallelism import AXES, parallel_layout
 
 STRATEGY_SPEED = {"ddp": 1.0, "zero1": 1.02, "zero2": 1.03, "fsdp": 1.05, "zero3": 1.1, "fsdp_cp": 1.1, "fsdp_tp": 1.15,
@@ -57,44 +58,8 @@ def _read_strategy(path: Path, hidden_size: int) -> StrategyFacts:
         layout = parallel_layout(kind, sizes)
     except UserError as exc:
         raise UserError(f"{path}: {exc}") from None
-    if kind == "FSDP":
-        fsdp = cfg.get("fsdp_config") or {}
-        if str(fsdp.get("fsdp_version", 1)) != "2":
-            raise UserError(f"{path}: the planner models FSDP2 (fsdp_version: 2)")
-        return StrategyFacts(
-            path.stem, layout, offload_params=bool(fsdp.get("fsdp_offload_params", False)),
-            reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
-        )
-    if kind == "DEEPSPEED":
-        ds = cfg.get("deepspeed_config") or {}
-        file = ds.get("deepspeed_config_file")
-        if not file:
-            raise UserError(f"{path}: the planner needs a deepspeed_config_file")
-        json_path = Path(file) if Path(file).is_absolute() else path.parent.parent / file
-        zero = read_json(json_path, "a DeepSpeed config").get("zero_optimization", {})
-        if not isinstance(zero, dict):
-            raise UserError(f"{json_path}: zero_optimization must be an object ({{\"stage\": 2, ...}}), found {zero!r:.60}")
-        h2 = hidden_size * hidden_size
-
-        def size(key: str, auto: float, default: float) -> int:
-            """A DeepSpeed size: Accelerate's fill for "auto", DeepSpeed's default when absent."""
-            value = zero.get(key, default)
-            return int(auto if value == "auto" else value)
-
-        def offloaded(key: str) -> bool:
-            return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
-
-        # recorded in the layout as a launch records it (toolkit.strategy.distributed.launched_layout)
-        offload = tuple(key.split("_")[1] for key in ("offload_optimizer", "offload_param") if offloaded(key))
-        return StrategyFacts(
-            path.stem, replace(layout, zero_stage=int(zero.get("stage", 0)), offload=offload),
-            offload_optimizer="optimizer" in offload, offload_params="param" in offload,
-            reduce_bucket=size("reduce_bucket_size", h2, 5e8),
-            prefetch_bucket=size("stage3_prefetch_bucket_size", 0.9 * h2, 5e7),
-            persistence_threshold=size("stage3_param_persistence_threshold", 10 * hidden_size, 1e5),
-            overlap_comm=bool(zero.get("overlap_comm", False)),
-        )
-    return StrategyFacts(path.stem, layout)
+    details, facts = family_of(layout).config_facts(path, cfg, hidden_size)
+    return StrategyFacts(path.stem, replace(layout, **details), **facts)
 
 
 @dataclass

@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import os
-import re
-import warnings
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from toolkit.config.errors import UserError
-from toolkit.config.files import read_json
 from toolkit.launch.environment import (
     LAUNCHED_PRECISION,
     has_gpu,
@@ -31,7 +25,9 @@ from toolkit.launch.environment import (
 )
 from toolkit.models.float8 import hardware_refused
 from toolkit.strategy.collectives import creating_groups, set_collective_timeout
-from toolkit.strategy.sequence_parallel import skip_shared_memory_kernel
+from toolkit.strategy.deepspeed.launch import ignored_beside_deepspeed_json
+from toolkit.strategy.families import FAMILIES
+from toolkit.strategy.family import Family
 
 
 def resolve_mixed_precision(choice: str) -> str:
@@ -68,59 +64,9 @@ def resolve_mixed_precision(choice: str) -> str:
     return "no"
 
 
-def check_deepspeed_config() -> dict | None:
-    """Read the launched DeepSpeed JSON ourselves first, so that mistakes are one clear line."""
-    if launched_kind() != "deepspeed":
-        return None
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError as exc:
-        raise UserError(
-            f"the accelerate config asks for DeepSpeed, but it cannot be imported ({exc}); "
-            "install it with pip install 'llm-toolkit[deepspeed]' or launch with accelerate_configs/ddp.yaml"
-        ) from None
-    if not has_gpu():
-        skip_shared_memory_kernel()
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not path or path == "none":
-        return None  # stage etc. given inline in the accelerate config
-    if not Path(path).is_file():
-        raise UserError(f"deepspeed_config_file {path} does not exist (paths are relative to where you launch)")
-    ds = read_json(path, "a DeepSpeed config")  # a key written twice is refused, not the last one taken
-    zero = ds.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise UserError(f"{path}: zero_optimization must be an object ({{\"stage\": 2, ...}}), found {zero!r:.60}")
-    stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise UserError(f"{path}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2 or 3")
-    return ds
-
-
-def count_cpu_devices_once() -> None:
-    """DeepSpeed's CPU accelerator counts its devices by running `numactl --hardware` each time it is asked,
-    unless LOCAL_SIZE (which its own launcher sets) says: ~36 times a step, each a fork of the whole rank
-    (216 forks in 6 tiny ZeRO-3 steps, ~2 CPU-s a rank; the fork happens even where numactl is missing).
-    Asked once here and kept in LOCAL_SIZE, which only that count reads: the same number, one fork."""
-    if "LOCAL_SIZE" not in os.environ:
-        from deepspeed.accelerator import get_accelerator
-
-        os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
-
-
-_LIVE_UNTIL_EXIT: list = []
-
-
-def prepare(accelerator: Accelerator, *objects):
-    """`accelerator.prepare`, with what it returns kept alive until the process exits.
-
-    Freeing a DDP model drops its Reducer and with it the gloo process group, while the main
-    thread holds the GIL: that can deadlock (see exit_process). Accelerate keeps only the
-    unwrapped module of a DDP model, so without this the wrapper dies when the function holding
-    it returns, before exit_process can skip destructors.
-    """
-    prepared = accelerator.prepare(*objects)
-    _LIVE_UNTIL_EXIT.append(prepared)
-    return prepared
+def launched_family() -> Family:
+    """The family whose launch the accelerate config asks for (a pipeline's stages launch as DDP's)."""
+    return FAMILIES[launched_kind()]
 
 
 def build_accelerator(
@@ -128,24 +74,10 @@ def build_accelerator(
     timeout_s: int = 1800,
 ) -> Accelerator:
     """The Accelerator for the launched strategy; `timeout_s` bounds every collective (see set_collective_timeout)."""
-    kind = launched_kind()
-    check_deepspeed_config()
+    family = launched_family()
+    family.check_launch()
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    # FSDP2 under a launcher (torchrun's MASTER_ADDR), even of one process: on a GPU Accelerate
-    # applies FSDP to one process too, and a checkpoint must move between FSDP2 at any world size
-    fsdp_on_cpu = kind == "fsdp" and not has_gpu() and (multi or "MASTER_ADDR" in os.environ)
     timeout = set_collective_timeout(timeout_s)
-    kwargs: dict = {}
-    if not has_gpu():
-        if kind == "deepspeed":
-            count_cpu_devices_once()
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
-        else:
-            kwargs["cpu"] = True
-            if multi or fsdp_on_cpu:  # one plain process: no process group at all
-                kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
-    elif multi:
-        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timeout)]
     with creating_groups("creating the launch's process group") if multi else contextlib.nullcontext():
         if multi:
             join_restarted_group("nccl" if has_gpu() else "gloo", timeout)
@@ -155,36 +87,12 @@ def build_accelerator(
                 gradient_accumulation_steps=accumulation_steps,
                 log_with=trackers or None,
                 project_dir=project_dir,
-                **kwargs,
+                **family.accelerator_kwargs(multi, timeout),
             )
         except ValueError as exc:
             raise UserError(ignored_beside_deepspeed_json(exc)) from None
-    if accelerator.distributed_type == DistributedType.FSDP:
-        reduce_gradients_in_fp32(accelerator.state.fsdp_plugin)
-    if fsdp_on_cpu:
-        from accelerate.state import PartialState
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
-        accelerator.state.distributed_type = DistributedType.FSDP
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    family.configure_accelerator(accelerator, multi)
     return accelerator
-
-
-def ignored_beside_deepspeed_json(exc: ValueError) -> str:
-    """Accelerate's 5-line refusal of accelerate-config keys that a deepspeed_config_file overrides
-    (mixed_precision among them), as one line naming those the launch set; anything else is re-raised."""
-    found = re.search(r"deepspeed_config_file`, the following accelerate config variables will be ignored: \[([^\]]*)\]",
-                      str(exc))
-    if found is None:
-        raise exc
-    ignored = {name.strip(" '") for name in found.group(1).split(",")}
-    given = [name for name in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if name in ignored]
-    return (
-        f"the accelerate config sets {', '.join(given or sorted(ignored))} beside deepspeed_config_file, which "
-        "decides them: remove them from the accelerate config (precision: train.mixed_precision; the DeepSpeed "
-        "JSON's \"auto\" values follow the recipe)"
-    )
 
 
 def join_restarted_group(backend: str, timeout: timedelta) -> None:
@@ -210,54 +118,6 @@ def join_restarted_group(backend: str, timeout: timedelta) -> None:
     )
 
 
-def reduce_gradients_in_fp32(fsdp_plugin) -> None:
-    """FSDP2 under bf16/fp16: parameters gathered in the low precision, gradients reduced in fp32.
-
-    Accelerate's policy reduces in the low precision too; DDP and ZeRO reduce the fp32 gradients
-    that autocast leaves on fp32 weights, so an 8-rank FSDP2 average would be the one rounded to
-    bf16 (8 significant bits) at every step. fp32 reduction is torchtitan's default as well; it
-    doubles the reduce-scatter's bytes, small next to a step's compute.
-    """
-    policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
-    if dataclasses.is_dataclass(policy) and getattr(policy, "reduce_dtype", None) in (torch.bfloat16, torch.float16):
-        fsdp_plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
-
-
-# torch 2.13 deprecates the collectives DeepSpeed 0.19 calls in every ZeRO step, and transformers'
-# catch_warnings blocks reset Python's once-per-place memory, so the same two lines came back ~80 times
-# a step (486 lines in 6 steps of pretrain_tiny under zero3.yaml): nothing a user can act on.
-DEEPSPEED_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
-
-
-def configure_deepspeed(accelerator: Accelerator, micro_batch: int, max_grad_norm: float) -> list[str]:
-    """Fill DeepSpeed's "auto" values from the recipe; refuse values that contradict it.
-
-    Returns what the DeepSpeed JSON itself takes over (its own optimizer/scheduler), for the log.
-    """
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return []
-    warnings.filterwarnings("ignore", message=DEEPSPEED_DEPRECATIONS, category=FutureWarning)
-    plugin = accelerator.state.deepspeed_plugin
-    ds = plugin.deepspeed_config
-    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "the DeepSpeed config")
-    wanted = {
-        "train_micro_batch_size_per_gpu": (micro_batch, "train.micro_batch_size"),
-        "gradient_accumulation_steps": (accelerator.gradient_accumulation_steps, "the accumulation derived from train.global_batch_size"),
-        "train_batch_size": (micro_batch * accelerator.gradient_accumulation_steps * accelerator.num_processes, "train.global_batch_size"),
-        "gradient_clipping": (max_grad_norm, "optim.max_grad_norm"),
-    }
-    problems = []
-    for key, (value, origin) in wanted.items():
-        current = ds.get(key, "auto")
-        if current == "auto":
-            ds[key] = value
-        elif float(current) != float(value):
-            problems.append(f"{source} sets {key}={current} but the recipe has {value} ({origin}); set it to \"auto\"")
-    if problems:
-        raise UserError("; ".join(problems))
-    return [block for block in ("optimizer", "scheduler") if block in ds]
-
-
 # Launch variables with which transformers' from_pretrained loads weights on rank 0 only (the
 # other ranks' stay on the meta device, to be filled by FSDP's sync_module_states at prepare).
 FSDP_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
@@ -281,17 +141,11 @@ def outside_training(accelerator: Accelerator):
     Building a model whole costs host RAM for the full model once; `prepare` shards it right after.
     """
     saved_env = {k: os.environ.pop(k) for k in FSDP_LOADING_ENV if k in os.environ}
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    if deepspeed:
-        from transformers.integrations import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
     try:
-        yield
+        with launched_family().set_aside(accelerator):
+            yield
     finally:
         os.environ.update(saved_env)
-        if deepspeed:
-            accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
 def keep_freed_memory() -> bool:

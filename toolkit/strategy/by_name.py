@@ -4,7 +4,7 @@ consume with its own setters. Made once beside a checkpoint that resumes under a
 
     weights/  exp_avg.safetensors  exp_avg_sq.safetensors  optimizer.json
 
-Why no existing tool does, and each file: docs/internals.md, toolkit/checkpoint/by_name.py.
+Why no existing tool does, and each file: docs/internals.md, toolkit/strategy/by_name.py.
 """
 
 from __future__ import annotations

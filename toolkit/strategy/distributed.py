@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from toolkit.config.combinations import PIPELINE_LAYOUT
 from toolkit.config.errors import UserError
@@ -23,7 +22,6 @@ from toolkit.launch.environment import (
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.accelerator import (
     build_accelerator,
-    configure_deepspeed,
     keep_freed_memory,
     outside_training,
 )
@@ -39,7 +37,6 @@ from toolkit.strategy.parallelism import (
     model_parallel_sizes,
     parallel_layout,
 )
-from toolkit.strategy.pipeline.stages import Pipeline
 from toolkit.strategy.sequence_parallel import SequenceParallel
 from toolkit.strategy.sequence_parallel import problems as sequence_parallel_problems
 from toolkit.strategy.sequence_parallel import sequence_problem as sequence_parallel_problem
@@ -51,16 +48,8 @@ T = TypeVar("T")
 def launched_layout(accelerator: Accelerator, sizes: dict[str, int], world: int, stages: int = 1) -> ParallelLayout:
     """This launch's ParallelLayout: the strategy kind, ZeRO stage, offload and FSDP version as the
     Accelerator took them from the accelerate config (and its DeepSpeed JSON)."""
-    zero_stage, offload, fsdp_version = 0, (), 2
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        plugin = accelerator.state.deepspeed_plugin
-        ds = plugin.deepspeed_config.get("zero_optimization", {})
-        zero_stage = int(plugin.zero_stage)
-        offload = tuple(k.split("_")[1] for k in ("offload_optimizer", "offload_param")
-                        if ds.get(k, {}).get("device", "none") != "none")
-    elif accelerator.distributed_type == DistributedType.FSDP:
-        fsdp_version = int(accelerator.state.fsdp_plugin.fsdp_version)
-    return parallel_layout(accelerator.distributed_type, sizes, world, stages, zero_stage, fsdp_version, offload)
+    layout = parallel_layout(accelerator.distributed_type, sizes, world, stages)
+    return replace(layout, **family_of(layout).launched_details(accelerator))
 
 
 def check_whole(model: torch.nn.Module) -> None:
@@ -86,7 +75,7 @@ class Strategy:
     ds_owned: tuple[str, ...]  # "optimizer"/"scheduler" blocks a user's DeepSpeed JSON defines
     context: ContextParallel | None = None  # sequences split over groups of ranks (parallelism_config_cp_size)
     sequence: SequenceParallel | None = None  # sequences split over groups of ranks (parallelism_config_sp_size)
-    pipeline: Pipeline | None = None  # this rank's stage, once apply_model_parallel has cut the model
+    pipeline: Any = None  # this rank's stage (toolkit.strategy.pipeline.stages.Pipeline), once its family cut the model
     mesh: Any = None  # the launch's one device mesh (parallelism.device_mesh); None without model parallel
     notes: list[str] = field(default_factory=list)  # for the recipe's log, once the model is split
     float8: bool = False  # train.mixed_precision=fp8: bf16 autocast, its large linear layers in float8
@@ -110,7 +99,7 @@ class Strategy:
             raise UserError(line)
         if accelerator.device.type == "cpu":
             keep_freed_memory()
-        owned = configure_deepspeed(accelerator, micro_batch, max_grad_norm)
+        owned = family_of(layout).configure(accelerator, micro_batch, max_grad_norm)
         mesh = device_mesh(layout, accelerator.device.type)
         context = ContextParallel(cp, accelerator.device, mesh) if cp > 1 else None
         sequence = SequenceParallel(sp, accelerator.device, mesh) if sp > 1 else None
@@ -199,16 +188,7 @@ class Strategy:
             # it arrives sharded: Accelerate's FSDP2 takes it as it is, and must not look for decoder
             # layers to wrap (sharded layers are FSDP subclasses that its lookup by class name misses)
             self.accelerator.state.fsdp_plugin.auto_wrap_policy = None
-        if self.layout.pp > 1:
-            from toolkit.strategy.pipeline.stages import problems as pipeline_problems
-
-            found = pipeline_problems(model, self.layout.pp)
-            if found:
-                raise UserError(found[0])
-            self.pipeline = Pipeline(model, self.layout.pp, self.accumulation, attn_implementation, self.device,
-                                     self.accelerator.autocast, self.mesh)
-            model = self.pipeline.module
-        return model
+        return self.family.cut(self, model, attn_implementation)
 
     @property
     def is_main(self) -> bool:
@@ -239,9 +219,7 @@ class Strategy:
         if self.layout.tp > 1:
             experts = f" expert_parallel={self.layout.ep}" if self.layout.ep > 1 else ""
             line += f" tensor_parallel={self.layout.tp}{experts} (data_parallel={self.data_ranks[0]})"
-        if self.layout.pp > 1:
-            line += f" pipeline_stages={self.layout.pp} (data_parallel={self.data_ranks[0]})"
-        return line
+        return line + self.family.described(self)
 
     def print(self, *args) -> None:
         self.accelerator.print(*args)

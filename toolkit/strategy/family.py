@@ -6,20 +6,24 @@ defaults of the families that train one whole model per data-parallel rank."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+from torch.distributed.tensor import DTensor
 
+from toolkit.launch.environment import has_gpu
 from toolkit.models import float8
 from toolkit.models.loss import backward_scale
 from toolkit.models.parameters import parameter_names
 from toolkit.parallel_layout import ParallelLayout
-from toolkit.strategy.accelerator import prepare
 
 # toolkit.strategy.distributed.Strategy, which imports the families: they are handed it, and import nothing of it
 Strategy = Any
@@ -30,6 +34,12 @@ class Runtime(Protocol):
 
     host_decides: str | None  # why a non-finite step's skip is decided on the host (train.step_sync), or None
 
+    def check_launch(self) -> None: ...
+    def accelerator_kwargs(self, multi: bool, timeout) -> dict: ...
+    def configure_accelerator(self, accelerator: Accelerator, multi: bool) -> None: ...
+    def launched_details(self, accelerator: Accelerator) -> dict: ...
+    def configure(self, accelerator: Accelerator, micro_batch: int, max_grad_norm: float) -> list[str]: ...
+    def set_aside(self, accelerator: Accelerator) -> contextlib.AbstractContextManager: ...
     def replicated(self, layout: ParallelLayout) -> bool: ...
     def offloads_optimizer(self, strategy: Strategy) -> bool: ...
     def adamw(self, strategy: Strategy) -> Callable[..., torch.optim.Optimizer]: ...
@@ -77,6 +87,7 @@ class Plan(Protocol):
 
     foreach_temporaries: bool
 
+    def config_facts(self, path: Path, cfg: dict, hidden_size: int) -> tuple[dict, dict]: ...
     def casts_weights(self, layout: ParallelLayout) -> bool: ...
     def offloads_parameters(self, strategy: Strategy) -> bool: ...
     def state_on_host(self, facts) -> bool: ...
@@ -90,6 +101,22 @@ class Plan(Protocol):
 
 class Family(Runtime, Files, Plan, Protocol):
     name: str  # the layout's family (ParallelLayout.family): single, ddp, fsdp, deepspeed or pipeline
+
+
+_LIVE_UNTIL_EXIT: list = []
+
+
+def prepare(accelerator: Accelerator, *objects):
+    """`accelerator.prepare`, with what it returns kept alive until the process exits.
+
+    Freeing a DDP model drops its Reducer and with it the gloo process group, while the main
+    thread holds the GIL: that can deadlock (see exit_process). Accelerate keeps only the
+    unwrapped module of a DDP model, so without this the wrapper dies when the function holding
+    it returns, before exit_process can skip destructors.
+    """
+    prepared = accelerator.prepare(*objects)
+    _LIVE_UNTIL_EXIT.append(prepared)
+    return prepared
 
 
 class PlannedBuffers(NamedTuple):
@@ -106,6 +133,36 @@ class DataParallel:
 
     name = "ddp"
     host_decides = None
+
+    # ------------------------------------------------------------------ the launch's (toolkit.strategy.accelerator)
+    def check_launch(self) -> None:
+        """Refuses, before any process group, a launch configuration that cannot work."""
+
+    def accelerator_kwargs(self, multi: bool, timeout) -> dict:
+        """What the Accelerator is built with: on a CPU machine Accelerate's CPU mode over gloo, with a process group
+        only across processes; `timeout` bounds every collective."""
+        if has_gpu():
+            return {"kwargs_handlers": [InitProcessGroupKwargs(timeout=timeout)]} if multi else {}
+        gloo = {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]} if multi else {}
+        return {"cpu": True, **gloo}
+
+    def configure_accelerator(self, accelerator: Accelerator, multi: bool) -> None:
+        """What Accelerate leaves to set once the Accelerator is built."""
+
+    def launched_details(self, accelerator: Accelerator) -> dict:
+        """The ParallelLayout fields only the launched Accelerator knows (ZeRO stage, offload, FSDP version)."""
+        return {}
+
+    def configure(self, accelerator: Accelerator, micro_batch: int, max_grad_norm: float) -> list[str]:
+        """The launch's own config filled from the recipe; what of the optimizer and schedule it defines itself."""
+        return []
+
+    def set_aside(self, accelerator: Accelerator) -> contextlib.AbstractContextManager:
+        """What the family registers process-wide that a model built or generated from in one process must not see
+        (toolkit.strategy.accelerator.outside_training)."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ the step's
 
     def replicated(self, layout: ParallelLayout) -> bool:
         """Whether every rank holds the full parameters rather than shards or stages."""
@@ -196,8 +253,39 @@ class DataParallel:
         the recipe's optim section."""
         return ()
 
+    def cut(self, strategy: Strategy, model: torch.nn.Module, attn_implementation: str) -> torch.nn.Module:
+        """The part of `model` this rank trains, once the other model-parallel layouts have split it."""
+        return model
+
+    def gathers_float8(self, layout: ParallelLayout) -> bool:
+        """Whether fp8's weights are all-gathered in float8 (toolkit.models.float8.convert's fsdp2)."""
+        return False
+
+    def described(self, strategy: Strategy) -> str:
+        """What the run's first log line adds for this family."""
+        return ""
+
+    # ------------------------------------------------------------------ what the memory meter counts
+    def steps_in_backward(self, accelerator: Accelerator):
+        """The engine whose `step` runs inside the last backward of a step (its gradients measured there), or None."""
+        return None
+
+    def partitions(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a parameter holds beside its own (local) tensor."""
+        return ()
+
+    def held_gradients(self, model: torch.nn.Module, wrappers: list, masters: list[torch.Tensor]) -> list:
+        """Gradients held beside the parameters' own `.grad` (nested lists and dicts of them): `wrappers` are the
+        optimizers between Accelerate's and torch's, `masters` what the optimizer updates."""
+        return []
+
     # ------------------------------------- what the planner takes of the family (toolkit.planner), without a launch
     foreach_temporaries = True  # torch's foreach AdamW holds sqrt(v) temporaries at its step
+
+    def config_facts(self, path: Path, cfg: dict, hidden_size: int) -> tuple[dict, dict]:
+        """(the ParallelLayout's fields, the planner's StrategyFacts fields) that accelerate config file `path`, read
+        into `cfg`, sets for this family, as a launch would take them (toolkit.planner.facts.read_strategy)."""
+        return {}, {}
 
     def casts_weights(self, layout: ParallelLayout) -> bool:
         """Whether the strategy casts the weights to the compute dtype, rather than autocast each matmul's input."""
@@ -245,7 +333,7 @@ def held_values(param: torch.Tensor) -> torch.Tensor:
     """The values of a parameter that this rank holds: FSDP2's local shard of a DTensor, or ZeRO-3's
     partition (`ds_tensor`) without its padding. DeepSpeed pads the last partitions of a parameter whose
     size the world does not divide with uninitialised memory, which may read as NaN."""
-    if hasattr(param, "to_local"):
+    if isinstance(param, DTensor):
         return float8.unwrapped(param.to_local())
     part = getattr(param, "ds_tensor", None)
     if part is None:

@@ -75,15 +75,13 @@ def launched_sizes(world: int) -> dict[str, int]:
     return size
 
 
-def parallel_layout(distributed_type: str, sizes: Mapping[str, int], world: int = 0, stages: int = 1,
-                    zero_stage: int = 0, fsdp_version: int = 2, offload: tuple[str, ...] = ()) -> ParallelLayout:
+def parallel_layout(distributed_type: str, sizes: Mapping[str, int], world: int = 0, stages: int = 1) -> ParallelLayout:
     """The one way a ParallelLayout is made: from an accelerate config's distributed_type (a launch's
     Accelerator has the same) and parallelism_config sizes, for a launch (whose world is known) and for
     the planner (an accelerate config file alone) alike."""
     cp, tp, sp = model_parallel_sizes(sizes)
     kind = {"NO": "single", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(getattr(distributed_type, "value", distributed_type), "ddp")
-    return ParallelLayout(kind, world, tp=tp, cp=cp, sp=sp, pp=stages, zero_stage=zero_stage if kind == "deepspeed" else 0,
-                          fsdp_version=fsdp_version, offload=offload if kind == "deepspeed" else ())
+    return ParallelLayout(kind, world, tp=tp, cp=cp, sp=sp, pp=stages)
 
 
 def model_parallel_sizes(size: dict[str, int]) -> tuple[int, int, int]:

@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
+
+from toolkit.strategy.families import family_of
+from toolkit.strategy.family import Family
+from toolkit.strategy.parallelism import parallel_layout
 
 
 def held_bytes(
@@ -29,7 +33,7 @@ def held_bytes(
     have been around that step; without one they are measured now (right only between the
     last backward and the step of DDP/FSDP2).
     """
-    params = _param_tensors(model)
+    params = _param_tensors(model, _family(accelerator))
     base = _optimizer_chain(optimizer)[-1]
     masters = _master_tensors(optimizer)
     state = [v for s in base.state.values() for v in _tensors(s)]
@@ -72,18 +76,17 @@ class GradientMeter:
 
     def __enter__(self) -> GradientMeter:
         acc = self.accelerator
-        deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+        engine = _family(acc).steps_in_backward(acc)
         backward = acc.backward
 
         def measured_backward(loss, **kwargs):
             sync = acc.sync_gradients
             backward(loss, **kwargs)
-            if not (deepspeed and sync):  # DeepSpeed has stepped already: measured in engine.step
+            if not (engine is not None and sync):  # the engine has stepped already: measured in its step
                 self.measure(at_boundary=sync)
 
         self._patch(acc, "backward", measured_backward)
-        if deepspeed:
-            engine = acc.deepspeed_engine_wrapped.engine
+        if engine is not None:
             step = engine.step
 
             def measured_step(*args, **kwargs):
@@ -108,8 +111,13 @@ class GradientMeter:
 
 
 # ----------------------------------------------------------------------------- internals
+def _family(accelerator: Accelerator) -> Family:
+    """The family whose tensors are counted (a pipeline's stages hold DDP's)."""
+    return family_of(parallel_layout(accelerator.distributed_type, {}))
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
+    return t.to_local() if isinstance(t, DTensor) else t  # this rank's shard (FSDP2, tensor parallel)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -144,13 +152,8 @@ def _nbytes(*groups: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _param_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    out = []
-    for p in model.parameters():
-        out.append(_local(p))
-        if getattr(p, "ds_tensor", None) is not None:  # ZeRO-3 partition; p itself is empty unless persisted
-            out.append(p.ds_tensor)
-    return out
+def _param_tensors(model: torch.nn.Module, family: Family) -> list[torch.Tensor]:
+    return [t for p in model.parameters() for t in (_local(p), *family.partitions(p))]
 
 
 def _optimizer_chain(optimizer: Any) -> list[Any]:
@@ -176,45 +179,11 @@ def _master_tensors(optimizer: Any) -> list[torch.Tensor]:
     return out
 
 
-# Attributes of DeepSpeed's ZeRO optimizers that hold gradients (stage_1_and_2.py, stage3.py).
-ZERO_GRAD_ATTRS = (
-    "averaged_gradients",
-    "all_grad_tensors",
-    "grad_partitions_flat_buffer",
-    "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
-    "accumulated_grads_in_cpu",
-)
-
-
 def _grad_bytes(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any) -> int:
-    params = _param_tensors(model)
+    family = _family(accelerator)
+    params = _param_tensors(model, family)
     grads = []
     for p in model.parameters():
         grads += [g for g in (p.grad, getattr(p, "grad_accum", None)) if g is not None]
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        for opt in _optimizer_chain(optimizer)[1:-1]:  # the ZeRO optimizer
-            for name in ZERO_GRAD_ATTRS:
-                grads += list(_tensors(getattr(opt, name, None)))
-        grads += [m.grad for m in _master_tensors(optimizer) if m.grad is not None]
-    if accelerator.distributed_type == DistributedType.FSDP:
-        grads += _fsdp2_unsharded_grads(model)
+    grads += list(_tensors(family.held_gradients(model, _optimizer_chain(optimizer)[1:-1], _master_tensors(optimizer))))
     return _nbytes(params, grads) - _nbytes(params)
-
-
-def _fsdp2_unsharded_grads(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Unsharded gradients FSDP2 keeps while gradient sync is off (accumulation micro-batches)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return []
-    out = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", None) or []:
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            for g in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)):
-                if g is not None:
-                    out.append(_local(g))
-    return out

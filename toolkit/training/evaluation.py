@@ -39,6 +39,23 @@ class EvalConfig:
         return problems
 
 
+class WholeModel:
+    """The held-out loss of a model that runs whole on this rank: each micro-batch as it comes, of any rows."""
+
+    fixed_rows = False
+
+    def __init__(self, model, loss_chunk_tokens: int):
+        self.model, self.loss_chunk_tokens = model, loss_chunk_tokens
+
+    def add(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(its token loss sum, its targets)."""
+        loss = forward_loss_sum(self.model, batch, self.loss_chunk_tokens).double()
+        return loss, (targets_of(batch) != IGNORE_INDEX).sum()
+
+    def flush(self) -> float:
+        return 0.0
+
+
 def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[str, datasets.Dataset], *args,
              **kwargs) -> dict[str, float]:
     """eval_loss and eval_ppl over the held-out `blocks` (held_out_sums' arguments); for a mixture's held-out
@@ -114,11 +131,11 @@ def held_out_sums(
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     targets = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     stats = torch.zeros(len(STATS) if objective is not None else 0, dtype=torch.float64, device=accelerator.device)
-    queued: list[dict[str, torch.Tensor]] = []
+    losses = pipeline.held_out() if pipeline is not None else WholeModel(model, loss_chunk_tokens)
     for start in range(0, per_rank, micro_batch):
         idx = mine[start : start + micro_batch]
         real = len(idx)
-        rows = micro_batch if pipeline is not None else min(micro_batch, per_rank - start)
+        rows = micro_batch if losses.fixed_rows else min(micro_batch, per_rank - start)
         idx = idx + [0] * (rows - real)
         if not idx:
             continue
@@ -133,19 +150,10 @@ def held_out_sums(
             loss_sum += pair_loss.double()
             stats += micro_stats.double()
             continue
-        if pipeline is None or pipeline.is_last:  # a pipeline's loss is its last stage's alone
-            targets += (targets_of(batch) != IGNORE_INDEX).sum()
-        if pipeline is None:
-            loss_sum += forward_loss_sum(model, batch, loss_chunk_tokens).double()
-            continue
-        queued.append(batch)
-        if len(queued) == pipeline.micro_batches:
-            loss_sum += pipeline.loss_sum(queued)
-            queued = []
-    if queued:
-        empty = {k: v.clone() for k, v in queued[0].items()}
-        empty["labels"][:] = IGNORE_INDEX
-        loss_sum += pipeline.loss_sum(queued + [empty] * (pipeline.micro_batches - len(queued)))
+        loss, counted = losses.add(batch)
+        loss_sum += loss
+        targets += counted
+    loss_sum += losses.flush()
     model.train()
     if objective is not None:  # (loss, pairs, *STATS): the pairs are STATS' last
         return tuple(accelerator.reduce(torch.cat([loss_sum[None], stats[-1:], stats]), reduction="sum").tolist())

@@ -46,7 +46,7 @@ def test_the_strategy_files_the_toolkit_reads_are_read_strictly(tmp_path, monkey
     """The launched DeepSpeed JSON (json.loads kept the last of two keys) and an accelerate config the
     planner reads (yaml.safe_load did the same)."""
     from toolkit.planner.facts import read_strategy
-    from toolkit.strategy.accelerator import check_deepspeed_config
+    from toolkit.strategy.deepspeed.launch import check_deepspeed_config
 
     ds = tmp_path / "ds_configs" / "ds.json"
     ds.parent.mkdir()

@@ -47,8 +47,8 @@ def test_a_parallelism_config_that_fills_the_launch_gives_its_layout(monkeypatch
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
-    layout = parallel_layout("DEEPSPEED", launched_sizes(4), 4, zero_stage=3)
-    assert layout == ParallelLayout("deepspeed", 4, sp=2, zero_stage=3) and layout.dp_shard == 2
+    layout = parallel_layout("DEEPSPEED", launched_sizes(4), 4)  # its ZeRO stage: the launched family's details
+    assert layout == ParallelLayout("deepspeed", 4, sp=2) and layout.dp_shard == 2
     assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ  # kept from Accelerate, which refuses CPU
 
 

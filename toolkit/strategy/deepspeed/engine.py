@@ -4,7 +4,7 @@ The step runs the engine's backward itself (Accelerate's would call `engine.step
 `engine.step()` with the ZeRO optimizer's update made conditional on the global gradient norm: a dropped
 update leaves the masters, Adam's state and the scheduler as they were, and is counted as DeepSpeed's own
 overflow skips are (`global_steps` moves on, `skipped_steps` + 1).
-Why, and what DeepSpeed drops itself: docs/internals.md, toolkit/strategy/backends/deepspeed_step.py.
+Why, and what DeepSpeed drops itself: docs/internals.md, toolkit/strategy/deepspeed/engine.py.
 """
 
 from __future__ import annotations

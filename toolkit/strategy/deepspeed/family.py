@@ -3,22 +3,73 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from accelerate.utils import InitProcessGroupKwargs
 
+from toolkit.config.errors import UserError
+from toolkit.config.files import read_json
 from toolkit.launch.environment import has_gpu
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.deepspeed import files
 from toolkit.strategy.deepspeed.engine import engine_backward, engine_of, engine_step_unless_nonfinite
+from toolkit.strategy.deepspeed.launch import (
+    check_deepspeed_config,
+    configure_deepspeed,
+    count_cpu_devices_once,
+)
 from toolkit.strategy.family import DataParallel, PlannedBuffers, Strategy, any_nonfinite
+
+# Attributes of DeepSpeed's ZeRO optimizers that hold gradients (stage_1_and_2.py, stage3.py).
+ZERO_GRAD_ATTRS = (
+    "averaged_gradients",
+    "all_grad_tensors",
+    "grad_partitions_flat_buffer",
+    "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+    "accumulated_grads_in_cpu",
+)
 
 
 class DeepSpeed(DataParallel):
     name = "deepspeed"
     files = files
     host_decides = "DeepSpeed's optimizer steps on the host's decision"
+
+    def check_launch(self) -> None:
+        check_deepspeed_config()
+
+    def accelerator_kwargs(self, multi: bool, timeout) -> dict:
+        """On a CPU machine DeepSpeed's own CPU accelerator over gloo (Accelerate's CPU mode would drop DeepSpeed)."""
+        if has_gpu():
+            return super().accelerator_kwargs(multi, timeout)
+        count_cpu_devices_once()
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]}
+
+    def launched_details(self, accelerator) -> dict:
+        plugin = accelerator.state.deepspeed_plugin
+        ds = plugin.deepspeed_config.get("zero_optimization", {})
+        return {"zero_stage": int(plugin.zero_stage),
+                "offload": tuple(k.split("_")[1] for k in ("offload_optimizer", "offload_param")
+                                 if ds.get(k, {}).get("device", "none") != "none")}
+
+    def configure(self, accelerator, micro_batch: int, max_grad_norm: float) -> list[str]:
+        return configure_deepspeed(accelerator, micro_batch, max_grad_norm)
+
+    @contextlib.contextmanager
+    def set_aside(self, accelerator):
+        """Accelerate registers its DeepSpeed config with transformers even with zero3_init_flag off: under ZeRO-3 a
+        model built while it is set is partitioned, and its generate syncs with the other ranks."""
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
     def backward(self, accelerator, loss: torch.Tensor) -> None:
         """accelerator.backward would run engine.step() too, before anything could be checked."""
@@ -90,8 +141,49 @@ class DeepSpeed(DataParallel):
             return f"this launch's DeepSpeed JSON defines its own {' and '.join(owned)}, whose state the conversion cannot fill"
         return None
 
+    # ------------------------------------------------------------------ what the memory meter counts
+    def steps_in_backward(self, accelerator):
+        return accelerator.deepspeed_engine_wrapped.engine
+
+    def partitions(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """ZeRO-3's partition; the parameter itself is empty unless persisted."""
+        part = getattr(param, "ds_tensor", None)
+        return () if part is None else (part,)
+
+    def held_gradients(self, model, wrappers, masters) -> list:
+        """What the ZeRO optimizer holds gradients in, and the fp32 gradient partitions of its masters."""
+        return [getattr(zero, name, None) for zero in wrappers for name in ZERO_GRAD_ATTRS] + [
+            m.grad for m in masters if m.grad is not None]
+
     # ------------------------------------------------------------------ the planner's
     foreach_temporaries = False  # the engine steps its own flat partitions
+
+    def config_facts(self, path: Path, cfg: dict, hidden_size: int) -> tuple[dict, dict]:
+        """Its DeepSpeed JSON's stage, offload and bucket sizes; "auto" sizes as Accelerate fills them."""
+        file = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        if not file:
+            raise UserError(f"{path}: the planner needs a deepspeed_config_file")
+        json_path = Path(file) if Path(file).is_absolute() else path.parent.parent / file
+        zero = read_json(json_path, "a DeepSpeed config").get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise UserError(f"{json_path}: zero_optimization must be an object ({{\"stage\": 2, ...}}), found {zero!r:.60}")
+        h2 = hidden_size * hidden_size
+
+        def size(key: str, auto: float, default: float) -> int:
+            """A DeepSpeed size: Accelerate's fill for "auto", DeepSpeed's default when absent."""
+            value = zero.get(key, default)
+            return int(auto if value == "auto" else value)
+
+        # recorded in the layout as a launch records it (launched_details)
+        offload = tuple(key.split("_")[1] for key in ("offload_optimizer", "offload_param")
+                        if (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme"))
+        return {"zero_stage": int(zero.get("stage", 0)), "offload": offload}, {
+            "offload_optimizer": "optimizer" in offload, "offload_params": "param" in offload,
+            "reduce_bucket": size("reduce_bucket_size", h2, 5e8),
+            "prefetch_bucket": size("stage3_prefetch_bucket_size", 0.9 * h2, 5e7),
+            "persistence_threshold": size("stage3_param_persistence_threshold", 10 * hidden_size, 1e5),
+            "overlap_comm": bool(zero.get("overlap_comm", False)),
+        }
 
     def casts_weights(self, layout: ParallelLayout) -> bool:
         """Its bf16/fp16 mode turns the module's weights to 16 bits."""

@@ -3,20 +3,43 @@
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 
 from toolkit.config.errors import UserError
+from toolkit.launch.environment import has_gpu
 from toolkit.models import float8
 from toolkit.models.parameters import parameter_names, plain_name
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.family import DataParallel, PlannedBuffers, Strategy
 from toolkit.strategy.fsdp import files
+from toolkit.strategy.fsdp.launch import reduce_gradients_in_fp32, shard_on_cpu
 
 
 class Fsdp(DataParallel):
     name = "fsdp"
     files = files
+
+    def accelerator_kwargs(self, multi: bool, timeout) -> dict:
+        """FSDP2 under a launcher (torchrun's MASTER_ADDR), even of one process: on a GPU Accelerate applies FSDP to
+        one process too, and a checkpoint must move between FSDP2 at any world size."""
+        return super().accelerator_kwargs(multi or self._on_cpu(multi), timeout)
+
+    def configure_accelerator(self, accelerator, multi: bool) -> None:
+        if accelerator.distributed_type == DistributedType.FSDP:
+            reduce_gradients_in_fp32(accelerator.state.fsdp_plugin)
+        if self._on_cpu(multi):
+            shard_on_cpu(accelerator)
+
+    @staticmethod
+    def _on_cpu(multi: bool) -> bool:
+        return not has_gpu() and (multi or "MASTER_ADDR" in os.environ)
+
+    def launched_details(self, accelerator) -> dict:
+        return {"fsdp_version": int(accelerator.state.fsdp_plugin.fsdp_version)}
 
     def replicated(self, layout: ParallelLayout) -> bool:
         return False
@@ -52,6 +75,10 @@ class Fsdp(DataParallel):
                     group["params"] = [sharded[n] for n in group_names]
         return prepared
 
+    def gathers_float8(self, layout: ParallelLayout) -> bool:
+        """FSDP2 gathers torchao's float8 weights in float8 (half the bytes of bf16); FSDP1 cannot."""
+        return layout.fsdp_version == 2
+
     def resumes_natively(self, layout: ParallelLayout, saved: ParallelLayout) -> bool:
         """torch.distributed.checkpoint reshards FSDP2's DCP files to any number of processes on load (FSDP1's
         only to the world that wrote them)."""
@@ -64,7 +91,29 @@ class Fsdp(DataParallel):
         return grad_norm, nonfinite
 
 
+    def held_gradients(self, model, wrappers, masters) -> list:
+        """The unsharded gradients FSDP2 keeps while gradient sync is off (accumulation micro-batches)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        out = []
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", None) or []:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                out += [g for g in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad",
+                                                                              None)) if g is not None]
+        return out
+
     # ------------------------------------------------------------------ the planner's
+    def config_facts(self, path: Path, cfg: dict, hidden_size: int) -> tuple[dict, dict]:
+        fsdp = cfg.get("fsdp_config") or {}
+        if str(fsdp.get("fsdp_version", 1)) != "2":
+            raise UserError(f"{path}: the planner models FSDP2 (fsdp_version: 2)")
+        return {}, {"offload_params": bool(fsdp.get("fsdp_offload_params", False)),
+                    "reshard_after_forward": bool(fsdp.get("fsdp_reshard_after_forward", True))}
+
     def casts_weights(self, layout: ParallelLayout) -> bool:
         """FSDP2's param_dtype (transformers' FSDP2 under tensor parallel keeps the weights' own)."""
         return layout.tp == 1

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.config.errors import UserError
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.family import DataParallel, PlannedBuffers, Strategy, parameter_digest
 from toolkit.strategy.pipeline import files
+from toolkit.strategy.pipeline.stages import Pipeline, problems
 
 
 class Stages(DataParallel):
@@ -17,6 +19,18 @@ class Stages(DataParallel):
 
     def replicated(self, layout: ParallelLayout) -> bool:
         return False
+
+    def cut(self, strategy: Strategy, model: torch.nn.Module, attn_implementation: str) -> torch.nn.Module:
+        """This rank's stage of `model`; what cannot be cut refused in one line."""
+        found = problems(model, strategy.layout.pp)
+        if found:
+            raise UserError(found[0])
+        strategy.pipeline = Pipeline(model, strategy.layout.pp, strategy.accumulation, attn_implementation,
+                                     strategy.device, strategy.accelerator.autocast, strategy.mesh)
+        return strategy.pipeline.module
+
+    def described(self, strategy: Strategy) -> str:
+        return f" pipeline_stages={strategy.layout.pp} (data_parallel={strategy.data_ranks[0]})"
 
     def prepare(self, strategy: Strategy, *objects):
         """A stage is not wrapped (DDP would average it with the other stages); its optimizer is kept to save with

@@ -5,7 +5,7 @@ engine is torch.distributed.pipelining's `PipelineStage` under its 1F1B schedule
 micro-batches. Position ids travel with the hidden states, so packed documents stay apart on every stage;
 tied embeddings are a copy on the first and the last stage, their gradients summed. A model whose forward
 changes its input embeddings (GPT-2, Gemma), or with fewer layers than stages, is refused (`problems`).
-What it costs, and why not torch's tracer: docs/internals.md, toolkit/strategy/pipeline_parallel.py.
+What it costs, and why not torch's tracer: docs/internals.md, toolkit/strategy/pipeline/stages.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.data.packing import MASKED_ATTENTION, packed_mask
+from toolkit.data.packing import IGNORE_INDEX, MASKED_ATTENTION, packed_mask
 from toolkit.models.loss import target_loss_sum, targets_of
 from toolkit.models.parameters import parameter_names
 from toolkit.models.router import expert_count
@@ -220,6 +220,10 @@ class Pipeline:
         with torch.no_grad():
             return self._run(self.schedule.eval, micro_batches, device)
 
+    def held_out(self) -> HeldOut:
+        """The held-out loss through this pipeline's schedule (toolkit.training.evaluation.evaluate)."""
+        return HeldOut(self)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The norm of the whole model's gradient (the tied weight counted once), the same on every
         rank; the gradients scaled down to `max_norm` when it is larger (torch's clipping rule)."""
@@ -262,3 +266,32 @@ class Pipeline:
         if self.tied is not None:
             whole.tie_weights()
         return whole
+
+
+class HeldOut:
+    """The held-out loss through a pipeline: micro-batches of `micro_batch` rows queued until a run of the schedule is
+    full (its shapes are fixed), the rows and runs that fill them with no targets; the loss is the last stage's."""
+
+    fixed_rows = True
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline, self.queued = pipeline, []
+
+    def add(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | float, torch.Tensor | int]:
+        """(the loss sum of the run it completes, or 0; its targets, on the last stage)."""
+        counted = (targets_of(batch) != IGNORE_INDEX).sum() if self.pipeline.is_last else 0
+        self.queued.append(batch)
+        if len(self.queued) < self.pipeline.micro_batches:
+            return 0.0, counted
+        loss, self.queued = self.pipeline.loss_sum(self.queued), []
+        return loss, counted
+
+    def flush(self) -> torch.Tensor | float:
+        """The last run, filled with micro-batches of no targets."""
+        if not self.queued:
+            return 0.0
+        empty = {k: v.clone() for k, v in self.queued[0].items()}
+        empty["labels"][:] = IGNORE_INDEX
+        loss = self.pipeline.loss_sum(self.queued + [empty] * (self.pipeline.micro_batches - len(self.queued)))
+        self.queued = []
+        return loss
