@@ -192,4 +192,4 @@ def test_every_test_the_coverage_ledger_says_now_checks_a_behaviour_exists():
     renamed = text.replace("test_a_deepspeed_json_that_cannot_work_is_one_line`", "test_no_such_test`").replace(
         "`test_eager_keeps_packed_documents_apart_as_sdpa_does`", "`test_no_such_bare_test`")
     assert ledger_problems(renamed, cost.README.parent) == [
-        "tests/toolkit/strategy/test_accelerator.py::test_no_such_test", "test_no_such_bare_test"]
+        "tests/toolkit/strategy/deepspeed/test_launch.py::test_no_such_test", "test_no_such_bare_test"]

@@ -1,15 +1,20 @@
-"""A run's checkpoints, one object the trainer builds once: each save taken to complete, one at a time (blocking, or
-written in the background and moved on at the steps where no rank writes any more), and a failed save stopped or
-said as checkpoint.on_save_error says. What a save writes: toolkit.checkpoint.manager.
-"""
+"""A run's checkpoints, one object the trainer builds once: `load` (a resume, its weights checked, its first step
+after checked for a dead model), `save` (a save marked suspect where its weights may be diverged; blocking, or
+written in the background and moved on by `poll` at the steps where no rank writes any more), and `wait`; a failed
+save stopped or said as checkpoint.on_save_error says. What a save writes: toolkit.checkpoint.manager."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from toolkit.checkpoint.alive import dead_after_resume, nonfinite_weight
 from toolkit.checkpoint.manager import CheckpointConfig, SaveFailed, Saving, begin_save
+from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.trainer_state import TrainerState
+from toolkit.config.errors import UserError
 from toolkit.run.folder import RunDir
 from toolkit.strategy.distributed import Strategy
 
@@ -25,19 +30,64 @@ class Checkpointer:
         self.strategy, self.run, self.cfg, self.say, self.log = strategy, run, cfg, say, log
         self.saving: Saving | None = None  # a checkpoint still being made complete
         self.step = -1  # the step of the newest checkpoint begun (-1: none yet, or its save failed)
+        self.model: torch.nn.Module | None = None  # the unwrapped model whose weights are saved (attach)
+        self.model_files: Callable[[Path], None] | None = None
+        self.rank_files: Callable[[Path], None] | None = None
+        self.loaded: Path | None = None  # the checkpoint a load resumed
+        self.unproven = False  # a loaded model whose first training step is still to be checked
+
+    def attach(self, model: torch.nn.Module, model_files: Callable[[Path], None],
+               rank_files: tuple[Callable[[Path], None], Callable[[Path], None]] | None = None) -> None:
+        """What a save holds besides the strategy's files: the prepared (unwrapped) `model`, whose weights are checked,
+        `model_files(folder)` writing the files that turn its weights back into a model, and `rank_files` (save,
+        load) of what each rank keeps of its own (a stream's position)."""
+        self.model, self.model_files, self.rank_files = model, model_files, rank_files
+
+    def load(self, folder: Path, fresh: TrainerState, *, auto: bool, streaming: bool, max_steps: int, peak_lr: float,
+             scheduler=None) -> TrainerState:
+        """Collective: the state to go on from, with checkpoint `folder` (or, with `auto`, the newest intact one)
+        loaded into the prepared run (toolkit.checkpoint.resume.resume); non-finite weights refused now, a dead model
+        at its first step (check_loaded)."""
+        self.loaded, state = resume(
+            self.strategy, self.run, folder, fresh, auto=auto, streaming=streaming, max_steps=max_steps,
+            peak_lr=peak_lr, scheduler=scheduler, rank_files=self.rank_files[1] if self.rank_files else None,
+            say=self.say,
+        )
+        bad = nonfinite_weight(self.strategy.accelerator, self.model)
+        if bad is not None:
+            raise UserError(f"checkpoint {self.loaded} holds non-finite weights ({bad} has NaN or inf); resume from an "
+                            "earlier checkpoint with resume=PATH, or start a new output_dir")
+        self.step, self.unproven = state.step, True
+        self.say(f"resumed from {self.loaded} at step {state.step}")
+        return state
+
+    def check_loaded(self, loss: float, grad_norm, vocab_size: int | None, preference: bool) -> None:
+        """The first step that trained after a load: garbage loaded from the checkpoint (finite weights pass every
+        other check) refused in one line."""
+        if not self.unproven:
+            return
+        self.unproven = False
+        why = dead_after_resume(loss, grad_norm, vocab_size, preference)
+        if why is not None:
+            raise UserError(f"checkpoint {self.loaded} holds a dead model: the first step after resuming {why}; resume "
+                            "from an earlier checkpoint with resume=PATH, or start a new output_dir")
 
     def writing(self) -> bool:
         """Whether this rank still writes files of a save in the background (the step's all-reduce carries it)."""
         return self.saving is not None and self.saving.writing()
 
-    def save(self, state: TrainerState, model_files: Callable[[Path], None],
-             rank_files: Callable[[Path], None] | None = None, background: bool = False) -> Path | None:
+    def save(self, state: TrainerState, background: bool = False, skipped: int = 0) -> Path | None:
         """Collective: a checkpoint of `state`, once a save still being made is complete; its folder, or None when
-        it failed and checkpoint.on_save_error=continue, or goes on in the `background` (poll and wait end it)."""
+        it failed and checkpoint.on_save_error=continue, or goes on in the `background` (poll and wait end it). One
+        that may hold a diverged model (non-finite weights, or right after `skipped` non-finite steps in a row) is
+        marked suspect, so that rotation keeps an older one."""
         self.wait(state.step)
+        bad = nonfinite_weight(self.strategy.accelerator, self.model)
+        state.suspect = (f"non-finite weights ({bad})" if bad is not None
+                         else f"saved right after {skipped} skipped non-finite step(s)" if skipped else "")
         self.step = state.step
-        self.saving = begin_save(self.strategy, self.run, state, self.cfg.keep_last, model_files, self.say,
-                                 rank_files=rank_files, background=background)
+        self.saving = begin_save(self.strategy, self.run, state, self.cfg.keep_last, self.model_files, self.say,
+                                 rank_files=self.rank_files[0] if self.rank_files else None, background=background)
         self.saving.since = state.step
         return None if background else self.wait(state.step)
 

@@ -24,8 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.checkpoint.contents import weight_files
-from toolkit.checkpoint.formats import gather_full_weights, saved_by
-from toolkit.checkpoint.trainer_state import TrainerState
+from toolkit.checkpoint.formats import Checkpoint, gather_full_weights, saved_by
 from toolkit.config.errors import UserError, first_line
 from toolkit.models.adapter import BASE_MODEL_FILE, load_with_adapter, merged, no_tied_warnings
 from toolkit.run.folder import MODEL_FILES, STATE_FILE, RunDir, checkpoint_step, is_complete
@@ -40,10 +39,11 @@ class Source:
     run_dir: Path | None = None
     step: int | None = None
     facts: dict = field(default_factory=dict)  # step, eval loss, ... for the model card and report
+    checkpoint: Checkpoint | None = None  # a training checkpoint, read once as a resume reads it
 
     @property
     def is_checkpoint(self) -> bool:
-        return self.kind not in ("hf", "adapter")
+        return self.checkpoint is not None
 
     def describe(self) -> str:
         what = {"hf": "Hugging Face model folder", "adapter": "LoRA adapter", "ddp": "DDP/single-process checkpoint",
@@ -299,11 +299,12 @@ def _checkpoint_source(folder: Path, run_dir: Path | None) -> Source:
             f"{folder} is an incomplete checkpoint (no {STATE_FILE}: its save was interrupted); export an earlier one"
         )
     try:
-        state = TrainerState.read(folder)
+        checkpoint = Checkpoint.read(folder)
     except (ValueError, TypeError) as exc:
         raise UserError(
             f"{folder / STATE_FILE} is not a readable trainer state ({first_line(exc)}); export an earlier checkpoint"
         ) from None
+    state = checkpoint.state
     facts = {"step": state.step, **state.last_eval}
     kind = saved_by(folder)
     if kind is None:
@@ -312,7 +313,7 @@ def _checkpoint_source(folder: Path, run_dir: Path | None) -> Source:
             f"{folder} is a checkpoint from an unknown save (it holds {present}); expected model.safetensors (DDP), "
             "pytorch_model_fsdp_0/ (FSDP), a DeepSpeed `latest` + zero_pp_rank_* files or pipeline_stage_*.safetensors"
         )
-    return Source(kind, folder, run_dir=run_dir, step=state.step, facts=facts)
+    return Source(kind, folder, run_dir=run_dir, step=state.step, facts=facts, checkpoint=checkpoint)
 
 
 def _run_checkpoint(path: Path, name: str) -> Path:
@@ -353,7 +354,7 @@ def _damage(source: Source) -> str | None:
     reads = weight_files(source.kind) if source.is_checkpoint else ("*",)
     problem = check_manifest(source.path, only=lambda name: any(fnmatch(name, pattern) for pattern in reads))
     if problem is None and source.is_checkpoint:  # the state file is this checkpoint's own
-        state, step = TrainerState.read(source.path), checkpoint_step(source.path)
+        state, step = source.checkpoint.state, checkpoint_step(source.path)
         manifest = source.path / MANIFEST
         if step is not None and state.step != step:
             problem = f"{source.path / STATE_FILE} is of step {state.step}, not {step}: a state file from another checkpoint"

@@ -29,7 +29,7 @@ from toolkit.launch.verdict import report_once, reported_verdict
 from toolkit.run.folder import release_all
 from toolkit.run.writes import WriteFailed
 from toolkit.strategy.collectives import collective_failure
-from toolkit.training.nonfinite import Diverged
+from toolkit.training.step import Diverged
 from toolkit.training.trainer import Stopped
 
 

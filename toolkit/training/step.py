@@ -21,6 +21,12 @@ from toolkit.models.router import RouterLoss
 from toolkit.strategy.family import DATA_PARALLEL, Family, nonfinite_flags, verdict
 
 
+class Diverged(Exception):
+    """A NaN/inf loss or gradient with train.on_nonfinite=abort, or train.max_nonfinite_skips
+    skipped steps in a row; raised on every rank at the same step, before that step's update.
+    The message is the run's one `error:` line."""
+
+
 def optimizer_step(
     accelerator: Accelerator,
     model,

@@ -21,11 +21,9 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from toolkit.checkpoint.checkpointer import Checkpointer, SaveStopped
-from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.settings import trained_settings
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config.combinations import check as check_combinations
-from toolkit.config.errors import UserError
 from toolkit.config.load import to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
@@ -62,10 +60,9 @@ from toolkit.training.metrics import (
     plot_loss,
     tracker_log_with,
 )
-from toolkit.training.nonfinite import Diverged, dead_after_resume, nonfinite_weight
 from toolkit.training.optim import prepare_optimization, wind_back
 from toolkit.training.profiling import StepProfiler
-from toolkit.training.step import optimizer_step, pipeline_step, skips_on_device, verdict
+from toolkit.training.step import Diverged, optimizer_step, pipeline_step, skips_on_device, verdict
 from toolkit.training.stop import StopRequest
 
 
@@ -128,7 +125,6 @@ class Trainer:
         self.metrics: MetricsWriter | None = None
         self.trackers = TrackerLog(self.accelerator, cfg.logging.trackers, self.print)  # until a write fails
         self.nonfinite_in_a_row = 0  # skipped steps since the last one that trained
-        self.dead_check_pending = False  # set by a resume: the first step that trains is checked
         self.harness = HarnessRuns.of(self)  # eval.harness_tasks: checked now, before the data and the model
         self.harness_steps = self.harness is not None and type(cfg).HARNESS_STEPS
 
@@ -229,8 +225,16 @@ class Trainer:
         self.weight_cast = weight_cast(cfg.model.cast_weights, self.accelerator.unwrap_model(self.model),
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
                                        cfg.model.compile)
+        unwrapped, stream = self.accelerator.unwrap_model(self.model), self.feed.stream
+        self.checkpoints.attach(unwrapped, lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files),
+                                (stream.save, stream.load) if stream is not None else None)
         if self.resume_from is not None:
-            self.resume_checkpoint()
+            self.state = self.checkpoints.load(
+                self.resume_from, self.state, auto=cfg.resume == "auto", streaming=stream is not None,
+                max_steps=cfg.train.max_steps, peak_lr=cfg.optim.peak_lr(cfg.train.global_batch_size),
+                scheduler=self.scheduler if self.step_scheduler else None,
+            )
+            self.resume_from, self.eval_step = self.checkpoints.loaded, self.state.eval_step
         if self.strategy.is_main:
             self.metrics = MetricsWriter(self.run.metrics, self.step, self.print)
         if cfg.logging.trackers:
@@ -241,27 +245,6 @@ class Trainer:
         self.peak = peak_flops(self.strategy.device)
         self.profiler = StepProfiler(cfg.logging.profile, self.run.root, self.accelerator.is_main_process,
                                      self.strategy.device, self.print)
-
-    def resume_checkpoint(self) -> None:
-        """The checkpoint resume= names, loaded into the prepared run; its weights checked now, its model's life at
-        the first step that trains."""
-        cfg, stream = self.cfg, self.feed.stream
-        self.resume_from, self.state = resume(
-            self.strategy, self.run, self.resume_from, self.state, auto=cfg.resume == "auto",
-            streaming=stream is not None, max_steps=cfg.train.max_steps,
-            peak_lr=cfg.optim.peak_lr(cfg.train.global_batch_size),
-            scheduler=self.scheduler if self.step_scheduler else None,
-            rank_files=stream.load if stream is not None else None, say=self.print,
-        )
-        bad = nonfinite_weight(self.accelerator, self.accelerator.unwrap_model(self.model))
-        if bad is not None:
-            raise UserError(
-                f"checkpoint {self.resume_from} holds non-finite weights ({bad} has NaN or inf); resume from "
-                "an earlier checkpoint with resume=PATH, or start a new output_dir"
-            )
-        self.checkpoints.step, self.eval_step = self.step, self.state.eval_step
-        self.print(f"resumed from {self.resume_from} at step {self.step}")
-        self.dead_check_pending = True
 
     # ------------------------------------------------------------------ train
     def fit(self) -> None:
@@ -289,9 +272,6 @@ class Trainer:
             if trained and done.due.log:
                 self.log_step(done, window, bar)
             bar.update(1)
-            if trained and self.dead_check_pending:
-                self.dead_check_pending = False
-                self.check_alive(done.loss, done.grad_norm, bar)
             # The final evaluation runs here, before the last checkpoint: under FSDP2 an evaluation
             # forward after save_state, with no training step between, leaves the root's
             # parameters unsharded in storage that cannot be freed, and gathering the final
@@ -337,7 +317,7 @@ class Trainer:
         totals = self.reduce_step(loss_sum, on_device, extras)
         due = Due.at(state.step, cfg, self.feed.val is not None, self.harness_steps)
         # Inside the timed window, so that tokens/s counts the device's work, not its queueing.
-        needed = due.log or due.eval or due.save or self.dead_check_pending
+        needed = due.log or due.eval or due.save or self.checkpoints.unproven
         # (a verdict left on the device is read when needed on the CPU too: the same steps as on a GPU)
         values = totals.get() if needed or (totals.immediate and on_device is None) else None
         window.add(tokens, time.perf_counter() - t0)
@@ -374,7 +354,8 @@ class Trainer:
 
     def judge(self, done: Stepped, bar) -> bool:
         """Whether step `done` trained. Its verdict is settled now, or, left on the device (train.step_sync=none),
-        at the next step, with this one's values, which arrived while that step ran."""
+        at the next step, with this one's values, which arrived while that step ran; the first step that trained
+        after a resume is checked for a dead model."""
         if self.unread is not None:
             self.settle(*self.unread, verdict(self.previous.get()[2:4]), bar, unread=True)
             self.unread = None
@@ -385,6 +366,8 @@ class Trainer:
             if done.on_device is not None:
                 nonfinite = verdict(done.values[2:4])
             self.settle(done.step, done.tokens, nonfinite, bar, unread=done.on_device is not None)
+        if nonfinite is None:
+            self.checkpoints.check_loaded(done.loss, done.grad_norm, self.vocab_size, self.objective is not None)
         return nonfinite is None
 
     def log_step(self, done: Stepped, window: Window, bar) -> None:
@@ -469,14 +452,6 @@ class Trainer:
             f"applied: lower optim.lr or check the data of step {step}, then {then}"
         )
 
-    def check_alive(self, loss: float, grad_norm, bar) -> None:
-        """The first step after a resume: garbage loaded from the checkpoint (finite weights pass every other check)."""
-        why = dead_after_resume(loss, grad_norm, self.vocab_size, preference=self.objective is not None)
-        if why is not None:
-            bar.close()
-            raise UserError(f"checkpoint {self.resume_from} holds a dead model: the first step after resuming {why}; "
-                            "resume from an earlier checkpoint with resume=PATH, or start a new output_dir")
-
     def evaluate(self, phase: str) -> dict[str, float]:
         """Held-out loss and perplexity (collective); `phase` is before, train or after training."""
         cfg = self.cfg
@@ -494,20 +469,8 @@ class Trainer:
         return result
 
     def save_checkpoint(self, background: bool = False) -> Path | None:
-        """Collective: this step's checkpoint (Checkpointer.save). A checkpoint that may hold a diverged model is
-        marked, so that rotation keeps an older one."""
-        self.checkpoints.wait(self.step)
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        bad = nonfinite_weight(self.accelerator, unwrapped)
-        self.state.suspect = (
-            f"non-finite weights ({bad})" if bad is not None
-            else f"saved right after {self.nonfinite_in_a_row} skipped non-finite step(s)" if self.nonfinite_in_a_row
-            else ""
-        )
-        return self.checkpoints.save(
-            self.state, lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files),
-            rank_files=self.feed.stream.save if self.feed.stream is not None else None, background=background,
-        )
+        """Collective: this step's checkpoint (Checkpointer.save)."""
+        return self.checkpoints.save(self.state, background=background, skipped=self.nonfinite_in_a_row)
 
     # ---------------------------------------------------------------- the end
     def finish(self) -> None:

@@ -21,8 +21,8 @@ from toolkit.run.faults import NONFINITE_ENV as ENV
 from toolkit.run.folder import STATE_FILE
 from toolkit.run.manifest import crc32, write_manifest
 from toolkit.training.metrics import read_metrics
-from toolkit.training.nonfinite import Diverged, dead_model
 from toolkit.training.recipe_config import PretrainConfig
+from toolkit.training.step import Diverged
 from toolkit.training.trainer import Trainer
 
 OFF = ["eval.every=0", "checkpoint.every=0"]  # what these tests leave out unless they say
@@ -237,26 +237,6 @@ def test_a_resume_refuses_non_finite_weights(tmp_path, blocks, tiny_tokenizer, t
     )
 
 
-def test_zero3_padding_is_not_a_weight(tiny_model):
-    """DeepSpeed pads the last partition of a parameter the world does not divide with torch.empty memory: a
-    ZeRO-3 resume on 3 ranks was refused when that memory read as NaN. Rank 1 of 2 holds the last 3 of 5 values
-    of a parameter here, padded to 3 of 6 with NaN, as DeepSpeed lays it out."""
-    from toolkit.strategy.family import held_values
-    from toolkit.training.nonfinite import nonfinite_weight
-
-    model = tiny_model("llama")
-    weight = model.model.norm.weight
-    values = torch.arange(5.0)
-    weight.ds_numel, weight.ds_zero_partition_rank = 5, 1
-    weight.ds_tensor = torch.tensor([3.0, 4.0, math.nan])
-    assert torch.equal(held_values(weight), values[3:])
-    assert nonfinite_weight(None, model) is None
-    weight.ds_tensor[1] = math.inf  # a real value that is not finite still is
-    assert nonfinite_weight(None, model) == "model.norm.weight"
-    weight.ds_zero_partition_rank = 2  # a rank past the end holds padding only
-    assert held_values(weight).numel() == 0 and nonfinite_weight(None, model) is None
-
-
 def test_a_resume_stops_on_a_dead_model_after_its_first_step(tmp_path, blocks, tiny_tokenizer, tiny_model):
     """All-zero weights are finite, but predict uniformly (loss ln 300) and get no gradient at all."""
     first = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=2")
@@ -274,14 +254,6 @@ def test_a_resume_stops_on_a_dead_model_after_its_first_step(tmp_path, blocks, t
         "flipped exponent bit); resume from an earlier checkpoint with resume=PATH, or start a new output_dir"
     )
     assert resumed.step == 3 and [p.name for p in resumed.run.complete_checkpoints()] == ["step-2"]
-
-
-def test_dead_model_needs_both_uniform_loss_and_no_gradient():
-    uniform = math.log(300)
-    assert dead_model(uniform * (1 + 5e-4), 0.0, 300)
-    assert not dead_model(uniform * (1 + 5e-3), 0.0, 300)  # learning something
-    assert not dead_model(uniform, 1e-12, 300)  # a gradient: it can still train
-    assert not dead_model(uniform, None, 300)
 
 
 def test_rotation_keeps_the_last_checkpoint_that_passed(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch):

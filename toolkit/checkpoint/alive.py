@@ -1,7 +1,6 @@
-"""Weights and steps that are not numbers, beyond the step's own check (toolkit.training.step): a weight that is NaN
-or inf on any rank (after a resume, and at each save, so that rotation keeps the last checkpoint that passed), and a
-dead model (the first step after a resume guessing uniformly with a gradient norm of exactly 0: finite garbage).
-"""
+"""Whether the weights a checkpoint holds are a live model: no weight NaN or inf on any rank (checked after a load,
+and at each save, so that rotation keeps the last checkpoint that passed), and not a dead model (the first step after
+a load guessing uniformly with a gradient norm of exactly 0: finite garbage)."""
 
 from __future__ import annotations
 
@@ -13,12 +12,6 @@ from accelerate.utils import gather_object
 from toolkit.strategy.family import held_values
 
 DEAD_LOSS_RTOL = 1e-3  # how close to ln(vocab size) a loss is uniform guessing
-
-
-class Diverged(Exception):
-    """A NaN/inf loss or gradient with train.on_nonfinite=abort, or train.max_nonfinite_skips
-    skipped steps in a row; raised on every rank at the same step, before that step's update.
-    The message is the run's one `error:` line."""
 
 
 def nonfinite_weight(accelerator, model: torch.nn.Module) -> str | None:
