@@ -48,9 +48,7 @@ from toolkit.data.preference import collate_pairs, pair_counts, preference_block
 from toolkit.data.records import check_first_records
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
-from toolkit.models import float8
 from toolkit.models.adapter import (
-    apply_adapter,
     check_qlora_device,
     leave_out_bitsandbytes,
     load_with_adapter,
@@ -58,15 +56,13 @@ from toolkit.models.adapter import (
     quantization_config,
 )
 from toolkit.models.base_model import load_base_model, loadable_base, meta_base
-from toolkit.models.compilation import compile_model
 from toolkit.models.gguf_base import resolve_gguf
-from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import check_window, max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
+from toolkit.training.assembly import assemble
 from toolkit.training.entry import run
 from toolkit.training.harness import score
 from toolkit.training.harness import scores as named_scores
-from toolkit.training.metrics import model_size
 from toolkit.training.recipe_config import FinetuneConfig
 from toolkit.training.reference import base_identity, use_reference
 from toolkit.training.samples import check_prompt_lengths, generate, write_samples
@@ -158,25 +154,14 @@ class FinetuneRecipe:
         if strategy.is_main and cfg.samples.max_new_tokens:
             before = generate(model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
 
-        if cfg.train.mixed_precision == "fp8":  # before the adapter and the compile: they see Float8Linear layers
-            trainer.print(float8.convert(model, cfg.train.fp8_recipe, cfg.train.fp8_layers,
-                                        fsdp2=strategy.family.gathers_float8(strategy.layout)).said())
-        # Weights to train: all, or a LoRA adapter (seeded, so every rank starts from the same one).
-        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
         model.config.use_cache = False
-        n_params, flops_token = model_size(model, cfg.data.seq_len)
-        torch.manual_seed(cfg.seed)
-        model, weights_note = apply_adapter(model, cfg.adapter)
-        trainer.print(weights_note)
-        # after the adapter, so that what is compiled holds its modules
-        compile_model(model, cfg.model.compile)
-        trainer.prepare(model, self.tokenizer, n_params, flops_token, {"base_model.json": to_dict(cfg.model)})
+        assembled = assemble(trainer, model, self.tokenizer, cfg.adapter, {"base_model.json": to_dict(cfg.model)})
         trainer.state.samples_before = before
         if trainer.objective is not None and trainer.objective.needs_reference:  # DPO: the model before training
             use_reference(trainer, base_identity(cfg.model), cfg.adapter.is_lora)
 
         # Held-out loss of the base model, the "before" of the comparison at the end.
-        if trainer.feed.val is not None and not trainer.resumed:
+        if trainer.feed.val is not None and not assembled.resumed:
             trainer.state.eval_before = trainer.evaluate("before")
 
     def blocks_of(self, data) -> tuple:

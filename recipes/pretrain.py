@@ -42,14 +42,11 @@ from toolkit.data.streaming import MixedStreams, StreamingBlocks, held_out_docum
 from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
 from toolkit.launch.verdict import exit_process
-from toolkit.models import float8
 from toolkit.models.adapter import leave_out_bitsandbytes
-from toolkit.models.compilation import compile_model
-from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
 from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, hf_config, meta_model
 from toolkit.planner.estimate import check_fits
+from toolkit.training.assembly import assemble
 from toolkit.training.entry import run
-from toolkit.training.metrics import model_size
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.samples import check_prompt_lengths, sample_folder
 from toolkit.training.trainer import Trainer
@@ -99,17 +96,7 @@ class PretrainRecipe:
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         with strategy.outside_training():
             model = build_model(cfg.model, config, cfg.seed)
-        if cfg.train.mixed_precision == "fp8":  # before the compile, which compiles the Float8Linear layers
-            trainer.print(float8.convert(model, cfg.train.fp8_recipe, cfg.train.fp8_layers,
-                                        fsdp2=strategy.family.gathers_float8(strategy.layout)).said())
-        apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
-        compile_model(model, cfg.model.compile)
-        n_params, flops_token = model_size(model, cfg.data.seq_len)
-        trainer.print(
-            f"model: {cfg.model.model_type}, {n_params:,} parameters, "
-            f"gradient checkpointing {cfg.model.gradient_checkpointing}"
-        )
-        trainer.prepare(model, self.tokenizer, n_params, flops_token)
+        assemble(trainer, model, self.tokenizer)
 
     def tokenizer_of(self, train_docs, source: str):
         """tokenizer.path, or a BPE trained on `train_docs` once into the cache."""

@@ -10,9 +10,7 @@ from accelerate.state import AcceleratorState
 
 from toolkit.config.load import load_config
 from toolkit.data.packing import collate, packed_dataset, target_counts
-from toolkit.models.compilation import compile_model
-from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
-from toolkit.training.metrics import model_size
+from toolkit.training.assembly import assemble
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.trainer import Trainer
 
@@ -37,9 +35,5 @@ def start_trainer(out, blocks, tokenizer, tiny_model, *overrides) -> Trainer:
     cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={out}", *overrides])
     trainer = Trainer("unit", cfg)
     trainer.use_data(*blocks, collate, target_counts)
-    model = tiny_model("llama", seed=0, tokenizer=tokenizer)
-    # as recipes/pretrain.py does: recomputation, then compilation, before the strategy wraps the model
-    apply_gradient_checkpointing(model, cfg.model.gradient_checkpointing, cfg.model.gradient_checkpointing_k)
-    compile_model(model, cfg.model.compile)
-    trainer.prepare(model, tokenizer, *model_size(model, SEQ_LEN))
+    assemble(trainer, tiny_model("llama", seed=0, tokenizer=tokenizer), tokenizer)  # as recipes/pretrain.py does
     return trainer

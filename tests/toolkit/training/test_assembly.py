@@ -1,0 +1,44 @@
+"""One assembly (toolkit.training.assembly): a model made the run's in one order, on a real one-process trainer."""
+
+from __future__ import annotations
+
+import pytest
+from accelerate.state import AcceleratorState
+from one_process_trainer import SETTINGS, packed_blocks
+
+from toolkit.config.load import load_config
+from toolkit.data.packing import collate, target_counts
+from toolkit.models.adapter import AdapterConfig
+from toolkit.training.assembly import assemble
+from toolkit.training.metrics import model_size
+from toolkit.training.recipe_config import PretrainConfig
+from toolkit.training.trainer import Trainer
+
+
+@pytest.fixture
+def trainer(tmp_path, tiny_texts, tiny_tokenizer):
+    AcceleratorState._reset_state(True)
+    cfg = load_config(PretrainConfig, None, [*SETTINGS, f"output_dir={tmp_path / 'run'}",
+                                             "model.gradient_checkpointing=full"])
+    trainer = Trainer("unit", cfg)
+    trainer.use_data(*packed_blocks(tiny_texts, tiny_tokenizer, tmp_path / "cache", False), collate, target_counts)
+    said = []
+    trainer.print = said.append
+    yield trainer, said
+    trainer.close()
+    AcceleratorState._reset_state(True)
+
+
+def test_the_whole_model_is_counted_recomputed_then_adapted_and_prepared(trainer, tiny_model, tiny_tokenizer):
+    trainer, said = trainer
+    model = tiny_model("llama", seed=0, tokenizer=tiny_tokenizer)
+    whole = model_size(model, 64)
+    assembled = assemble(trainer, model, tiny_tokenizer, AdapterConfig(method="lora", r=2))
+    assert (assembled.n_params, assembled.flops_token) == whole and not assembled.resumed  # the base, adapter aside
+    prepared = trainer.accelerator.unwrap_model(trainer.model)
+    trainable = [n for n, p in prepared.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)  # the adapter, applied before the wrap
+    assert prepared.base_model.model.is_gradient_checkpointing  # recomputation, under the adapter
+    model_line = next(i for i, line in enumerate(said) if line.startswith("model: llama, "))
+    assert said[model_line] == f"model: llama, {whole[0]:,} parameters, gradient checkpointing full"
+    assert any("lora" in line.lower() for line in said[model_line + 1:])  # the adapter's note follows the count
