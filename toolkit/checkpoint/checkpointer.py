@@ -14,6 +14,7 @@ from toolkit.checkpoint.alive import dead_after_resume, nonfinite_weight
 from toolkit.checkpoint.manager import CheckpointConfig, SaveFailed, Saving, begin_save
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.trainer_state import TrainerState
+from toolkit.config.declarations import Resume
 from toolkit.config.errors import UserError
 from toolkit.run.folder import RunDir
 from toolkit.strategy.distributed import Strategy
@@ -44,13 +45,14 @@ class Checkpointer:
         self.model, self.model_files, self.rank_files = model, model_files, rank_files
 
     def load(self, folder: Path, fresh: TrainerState, *, auto: bool, streaming: bool, max_steps: int, peak_lr: float,
-             scheduler=None) -> TrainerState:
+             on_resume: dict[str, Resume], scheduler=None) -> TrainerState:
         """Collective: the state to go on from, with checkpoint `folder` (or, with `auto`, the newest intact one)
         loaded into the prepared run (toolkit.checkpoint.resume.resume); non-finite weights refused now, a dead model
-        at its first step (check_loaded)."""
+        at its first step (check_loaded). `on_resume`: what the recipe's config declares a resume does with each
+        key's change."""
         self.loaded, state = resume(
             self.strategy, self.run, folder, fresh, auto=auto, streaming=streaming, max_steps=max_steps,
-            peak_lr=peak_lr, scheduler=scheduler, rank_files=self.rank_files[1] if self.rank_files else None,
+            peak_lr=peak_lr, on_resume=on_resume, scheduler=scheduler, rank_files=self.rank_files[1] if self.rank_files else None,
             say=self.say,
         )
         bad = nonfinite_weight(self.strategy.accelerator, self.model)

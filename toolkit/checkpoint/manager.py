@@ -26,6 +26,7 @@ from toolkit.checkpoint.conversion import cached_conversion
 from toolkit.checkpoint.formats import Checkpoint
 from toolkit.checkpoint.same_model import check_same_model, different_model, first_mismatch_in
 from toolkit.checkpoint.trainer_state import TrainerState
+from toolkit.config.declarations import ALWAYS, free
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.parallel_layout import ParallelLayout
@@ -38,21 +39,34 @@ from toolkit.strategy.ddp import files as ddp
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.unpickling import not_only_numbers, numbers, numbers_only_resume
 
+SAVING = free("what is saved and when, not what trains")
+
+
+def _saves_only_at_the_end(cfg) -> str | None:
+    """Why checkpoint.async_save has no effect: the end's save waits for its files either way (the run ends with its
+    checkpoint complete). Where it cannot write in the background at all it is refused: toolkit.config.combinations."""
+    return None if cfg.checkpoint.every else "checkpoint.every=0 saves only at the end, which waits for its files either way"
+
 
 @dataclass
 class CheckpointConfig:
-    every: int = field(100, help="save a checkpoint every N optimizer steps (0 = only at the end)")
-    keep_last: int = field(2, help="complete checkpoints to keep; older ones are deleted")
+    every: int = field(100, help="save a checkpoint every N optimizer steps (0 = only at the end)", resume=SAVING,
+                       used_when=ALWAYS, accepts={"0": "only at the end", "2**31": "only at the end"})
+    keep_last: int = field(2, help="complete checkpoints to keep; older ones are deleted", resume=SAVING,
+                           used_when=ALWAYS, accepts={"2**31": "keep every checkpoint"})
     final_dtype: Literal["float32", "bfloat16", "float16"] = field(
-        "float32", help="dtype of the weights in final/ and adapter/: the fp32 master weights cast to it, under every strategy"
+        "float32", help="dtype of the weights in final/ and adapter/: the fp32 master weights cast to it, under every "
+        "strategy", resume=SAVING, used_when=ALWAYS,
     )
     on_save_error: Literal["stop", "continue"] = field(
         "stop", help="when a checkpoint cannot be written (disk full, I/O error): stop the run (exit 5; resume=auto "
-        "continues from the previous checkpoint once there is room) or train on and try again at the next save"
+        "continues from the previous checkpoint once there is room) or train on and try again at the next save",
+        resume=SAVING, used_when=ALWAYS,
     )
     async_save: bool = field(
         False, help="write each checkpoint's files in the background while training goes on (its tensors are copied "
-        "to host memory first, so the host needs room for one more copy of what the rank saves); DDP and FSDP2"
+        "to host memory first, so the host needs room for one more copy of what the rank saves); DDP and FSDP2",
+        resume=SAVING, used_when=_saves_only_at_the_end,
     )
 
     def validate(self) -> list[str]:

@@ -23,6 +23,7 @@ from toolkit.checkpoint.settings import (
     take_changed_settings,
 )
 from toolkit.checkpoint.trainer_state import TrainerState
+from toolkit.config.declarations import Resume
 from toolkit.run.folder import RunDir
 from toolkit.strategy.distributed import Strategy
 
@@ -37,6 +38,7 @@ def resume(
     streaming: bool,
     max_steps: int,
     peak_lr: float,
+    on_resume: dict[str, Resume],
     scheduler=None,
     rank_files: Callable[[Path], None] | None = None,
     say: Callable[[str], None] = print,
@@ -46,13 +48,14 @@ def resume(
     `fresh` is this run's new state: its seed, global batch, mixture and trained settings are what the
     checkpoint is checked against, and what the next checkpoint records. `scheduler` is the recipe's schedule
     (None where a user's DeepSpeed JSON owns it); `rank_files(folder)` reads what each rank kept of its own
-    (a stream's position), as save_checkpoint's `rank_files` wrote it."""
+    (a stream's position), as save_checkpoint's `rank_files` wrote it. `on_resume` is what the recipe's config declares a
+    resume does with each key's change (declared(type(cfg), "resume"))."""
     checkpoint = intact_checkpoint(strategy, run, chosen, auto, say)
     check_same_data_order(checkpoint, fresh.seed, fresh.global_batch_size, streaming)
     check_same_mixture(checkpoint, fresh.mixture, say)
-    changed = check_same_settings(checkpoint, fresh.settings, max_steps)
+    changed = check_same_settings(checkpoint, fresh.settings, max_steps, on_resume)
     load_checkpoint(strategy, checkpoint, say)
-    take_changed_settings(changed, scheduler, checkpoint.state.step, peak_lr, say)
+    take_changed_settings(changed, scheduler, checkpoint.state.step, peak_lr, say, on_resume)
     if rank_files is not None:
         rank_files(checkpoint.folder)
     # this run's data description and settings, for the next checkpoint (a global batch too: older

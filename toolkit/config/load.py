@@ -29,11 +29,17 @@ from toolkit.config.user_paths import expand_path, expand_paths, only_beside_the
 T = TypeVar("T")
 
 
-def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
-    """A dataclass field with its one-line documentation."""
+def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
+          resume: Any = dataclasses.MISSING, used_when: Any = dataclasses.MISSING, path: Any = dataclasses.MISSING,
+          unique: Any = dataclasses.MISSING, accepts: Any = dataclasses.MISSING):
+    """A dataclass field with its one-line documentation and what the key declares, each once, here: what a resume
+    does with its change, when it has an effect, whether it is a path (None: text, not a path), whether a list may
+    repeat an entry, the edge values a run takes and why (toolkit.config.declarations, which walks them)."""
+    said = {"resume": resume, "used_when": used_when, "path": path, "unique": unique, "accepts": accepts}
+    metadata = {"help": help, **{k: v for k, v in said.items() if v is not dataclasses.MISSING}}
     if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from toolkit.config.declarations import ALWAYS, OWN_CHECK, TOKENS, Need, free, refused
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.config.user_paths import cache_dir
@@ -38,40 +39,86 @@ from toolkit.data.text_files import (
     utf8_problem,
 )
 from toolkit.data.tokenizer import hub_unreachable
+from toolkit.run.paths import CACHE, READ
 
 EMBEDDED = "embedded:python-docs"
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+# used_when= of data.name and data.split, and of data.val_fraction: why the key has no effect (None where it has)
+def _sources_name_their_own(cfg) -> str | None:
+    return "data.sources name their own" if cfg.data.sources else None
+
+
+def _held_out_of_its_own(cfg) -> str | None:
+    return f"data.val_path={cfg.data.val_path} is the held-out data" if getattr(cfg.data, "val_path", None) else None
+
+
+TEXT_DATA = Need("data.format", ("text",), "text data's")  # a recipe without data.format reads text
 
 
 @dataclass
 class DataConfig:
     path: str | None = field(
         None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs. A folder "
-        "with none of those reads its files without an extension (LICENSE-style) as text, skipping binary ones"
+        "with none of those reads its files without an extension (LICENSE-style) as text, skipping binary ones",
+        resume=refused(TOKENS), used_when=ALWAYS, path=READ,
+        accepts={"unset": "the embedded corpus, as documented (data.path=)"},
     )
-    text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data")
+    text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data", resume=refused(TOKENS),
+                             used_when=TEXT_DATA, path=None, accepts={
+                                 "long": "a column is looked up by name: a missing one is refused when the data is read"})
     sample_by: Literal["document", "paragraph", "line"] = field(
-        "paragraph", help="how plain-text files split into documents"
+        "paragraph", help="how plain-text files split into documents", resume=refused(TOKENS), used_when=TEXT_DATA
     )
-    name: str | None = field(None, help="hub dataset config name, e.g. wikitext-103-raw-v1")
-    split: str = field("train", help="split to read from a hub dataset")
-    val_fraction: float = field(0.05, help="fraction of documents held out for evaluation (0 = no eval)")
-    seq_len: int = field(256, help="tokens per packed block")
-    num_proc: int = field(2, help="processes for tokenization on each node, shared by its ranks")
-    cache_dir: str | None = field(None, help="where tokenized blocks are cached; default ~/.cache/llm-toolkit")
+    name: str | None = field(
+        None, help="hub dataset config name, e.g. wikitext-103-raw-v1", resume=refused(TOKENS),
+        used_when=_sources_name_their_own, path=None, accepts={
+            "unset": "no hub config: the default",
+            "long": "a hub config is looked up by name: a missing one is refused when the data is read"},
+    )
+    split: str = field(
+        "train", help="split to read from a hub dataset", resume=refused(TOKENS), used_when=_sources_name_their_own,
+        path=None, accepts={"long": "a split is looked up by name: a missing one is refused when the data is read"},
+    )
+    val_fraction: float = field(
+        0.05, help="fraction of documents held out for evaluation (0 = no eval)", resume=refused(TOKENS),
+        used_when=_held_out_of_its_own, accepts={"0": "no held-out data, as documented"},
+    )
+    seq_len: int = field(256, help="tokens per packed block", resume=refused(TOKENS), used_when=ALWAYS, accepts={
+        "2**31": "finetune: refused once the base model is loaded, before any data work (more than its positions)"})
+    num_proc: int = field(
+        2, help="processes for tokenization on each node, shared by its ranks", resume=free("tokenization processes"),
+        used_when=ALWAYS,
+        accepts={"2**31": "datasets forks only where the corpus has 2 x num_proc documents: here, none"},
+    )
+    cache_dir: str | None = field(
+        None, help="where tokenized blocks are cached; default ~/.cache/llm-toolkit",
+        resume=free("where the same blocks are cached"), used_when=ALWAYS, path=CACHE,
+        accepts={"unset": "~/.cache/llm-toolkit"},
+    )
     streaming: bool = field(
         False, help="read, tokenize and pack the documents while training (pretraining; needs train.max_steps): "
-        "training starts at once, nothing is prepared ahead; the blocks then depend on the number of data ranks"
+        "training starts at once, nothing is prepared ahead; the blocks then depend on the number of data ranks",
+        resume=OWN_CHECK, used_when=ALWAYS,
     )
     stream_val_documents: int = field(
-        100, help="with streaming: the stream's first N documents are held out for evaluation (when val_fraction > 0)"
+        100, help="with streaming: the stream's first N documents are held out for evaluation (when val_fraction > 0)",
+        resume=refused(TOKENS), used_when=Need("data.streaming", (True,), "streaming's"), accepts={
+            "2**31": "a stream of fewer documents is refused once read, before training (recipes/pretrain.py: it "
+                     "leaves none to train on); fine-tuning does not stream, and the note says the key is ignored",
+            "0": "finetune: it does not stream, and the note says the key is ignored",
+            "-1": "finetune: it does not stream, and the note says the key is ignored"},
     )
     sources: list[SourceConfig] = field(
         default_factory=list, help="corpora mixed by weight, each {name, path, weight, text_column, sample_by, "
-        "subset, split; chat: record_format, columns}, instead of data.path (docs/data.md)"
+        "subset, split; chat: record_format, columns}, instead of data.path (docs/data.md)",
+        resume=OWN_CHECK, used_when=ALWAYS, unique=False, accepts={"[]": "one corpus, data.path: the default"},
     )
     stages: list[StageConfig] = field(
-        default_factory=list, help="from a step on, other weights for data.sources: [{start_step, weights: {name: w}}]"
+        default_factory=list, help="from a step on, other weights for data.sources: [{start_step, weights: {name: w}}]",
+        resume=OWN_CHECK, used_when=ALWAYS, unique=False,
+        accepts={"[]": "the sources' weights all along: the default"},
     )
 
     def validate(self) -> list[str]:

@@ -22,23 +22,24 @@ import torch
 
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
+from toolkit.run.paths import READ
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source's name is part of metric keys (eval_loss/<name>, tokens/<name>)
 
 
 @dataclass
 class SourceConfig:
-    name: str = field(help="what the logs and metrics call it: eval_loss/<name>, tokens/<name>")
+    name: str = field(help="what the logs and metrics call it: eval_loss/<name>, tokens/<name>", path=None)
     path: str | None = field(
-        None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs"
+        None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs", path=READ
     )
     weight: float = field(1.0, help="its share of every global batch's blocks (the weights are normalised)")
-    text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data")
+    text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data", path=None)
     sample_by: Literal["document", "paragraph", "line"] = field(
         "paragraph", help="how plain-text files split into documents"
     )
-    subset: str | None = field(None, help="hub dataset config name (data.name of a single source)")
-    split: str = field("train", help="split to read from a hub dataset")
+    subset: str | None = field(None, help="hub dataset config name (data.name of a single source)", path=None)
+    split: str = field("train", help="split to read from a hub dataset", path=None)
     record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] | None = field(
         None, help="chat: this source's record shape (docs/data.md); empty = data.record_format")
     columns: dict = field(default_factory=dict, help="chat: this source's records of another shape, mapped as "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import datasets
 
+from toolkit.config.declarations import TOKENS, CheckedBy, Need, refused
 from toolkit.config.errors import UserError, first_line
 from toolkit.config.files import KeyTwice, once
 from toolkit.config.load import field
@@ -44,18 +45,27 @@ SAID = {"messages": "messages (role/content)", "sharegpt": "ShareGPT (conversati
 FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
+# what each speaker or key of a turn declares: read by chat records only, and looked up by name
+_A_NAME = dict(resume=refused(TOKENS), used_when=Need("data.format", ("chat",), "chat records'"), path=None, accepts={
+    "long": "a speaker or key is looked up by name: records without it are refused when read"})
+
+
 @dataclass
 class ColumnsConfig:
     """Records of another shape, mapped: which column holds the turns, which key of a turn names its speaker and which
     holds its text, and the speakers' own names for the user and the assistant (and the system)."""
 
-    conversation: str | None = field(None, help="the column holding each record's list of turns (set: records are read "
-                                                "by this mapping)")
-    role: str = field("role", help="the key of a turn naming its speaker")
-    content: str = field("content", help="the key of a turn holding its text")
-    user: str = field("user", help="the speaker's name for the user's turns")
-    assistant: str = field("assistant", help="the speaker's name for the assistant's turns")
-    system: str = field("system", help="the speaker's name for the system prompt")
+    conversation: str | None = field(
+        None, help="the column holding each record's list of turns (set: records are read by this mapping)",
+        resume=refused(TOKENS), used_when=CheckedBy("FinetuneDataConfig.validate"), path=None, accepts={
+            "unset": "records of a known shape: the default",
+            "long": "a column is looked up by name: a missing one is refused when the data is read"},
+    )
+    role: str = field("role", help="the key of a turn naming its speaker", **_A_NAME)
+    content: str = field("content", help="the key of a turn holding its text", **_A_NAME)
+    user: str = field("user", help="the speaker's name for the user's turns", **_A_NAME)
+    assistant: str = field("assistant", help="the speaker's name for the assistant's turns", **_A_NAME)
+    system: str = field("system", help="the speaker's name for the system prompt", **_A_NAME)
 
     def roles(self) -> dict[str, str]:
         return {self.system: "system", self.user: "user", self.assistant: "assistant"}

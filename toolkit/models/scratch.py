@@ -14,6 +14,7 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCa
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from toolkit.config.declarations import ALWAYS, SHAPE, free, refused
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.config.values import name_problems
@@ -23,9 +24,15 @@ from toolkit.models.compute import ComputeConfig
 
 @dataclass
 class ModelConfig(ComputeConfig):
-    model_type: str = field("llama", help="any transformers model_type with a causal LM head: llama, gpt2, qwen2, mistral, ...")
-    config: dict[str, Any] = field(default_factory=dict, help="architecture sizes passed to the transformers config")
-    init_seed: int | None = field(None, help="seed for the random init; default: the run's seed")
+    model_type: str = field("llama", help="any transformers model_type with a causal LM head: llama, gpt2, qwen2, "
+                            "mistral, ...", resume=refused(SHAPE), used_when=ALWAYS, path=None)
+    config: dict[str, Any] = field(default_factory=dict, help="architecture sizes passed to the transformers config",
+                                   resume=refused(SHAPE), used_when=ALWAYS, path=None)
+    init_seed: int | None = field(
+        None, help="seed for the random init; default: the run's seed", resume=free("the weights come from the checkpoint"),
+        used_when=ALWAYS, accepts={"unset": "the run's seed", **dict.fromkeys(("0", "-1", "2**31"),
+                                                                            "torch takes any 64-bit seed")},
+    )
 
     def __post_init__(self):
         if self.model_type in CONFIG_MAPPING:

@@ -1,8 +1,9 @@
 """Every folder a run or an export writes or deletes, against everything it could overlap.
 
-Each deletes only what it wrote. `PATH_SETTINGS` classifies every text setting of the recipe configs;
-`OVERLAPS` is each writing folder against each kind of overlap, and the outcome: refused (one line, before
-anything is written or deleted) or safe, and why. tests/toolkit/run/test_paths.py builds every row.
+Each deletes only what it wrote. Every text setting of the recipe configs says on its field which of
+OUTPUT, CACHE, READ, RESUME it is, or None; `overlaps` is each writing folder against each kind of overlap,
+and the outcome: refused (one line, before anything is written or deleted) or safe, and why.
+tests/toolkit/run/test_paths.py builds every row.
 What each writer deletes: docs/internals.md, toolkit/run/paths.py.
 """
 
@@ -11,34 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from toolkit.config.declarations import declared
 from toolkit.config.errors import UserError
 from toolkit.config.user_paths import cache_dir
 from toolkit.run.folder import RunDir
 
-# Every text-valued setting of the recipe configs: what the run does with it, when it is a path.
+# What a text setting of the recipe configs is, declared on its field (path=; None: text, not a path).
 OUTPUT, CACHE, READ, RESUME = "output", "cache", "read", "resume"  # writes and deletes / its own names only / reads
-PATH_SETTINGS: dict[str, str | None] = {
-    "output_dir": OUTPUT,
-    "data.cache_dir": CACHE,
-    "model.cache_dir": CACHE,
-    "resume": RESUME,  # a checkpoint, in this run's checkpoints/ or another's: read once, at the start
-    "model.path": READ,
-    "model.gguf_file": READ,
-    "tokenizer.path": READ,
-    "data.path": READ,
-    "data.val_path": READ,
-    "data.sources[].path": READ,
-    "data.chat_template": READ,  # a .jinja file, or the template itself
-    "eval.harness_include_path": READ,  # the user's task YAMLs
-    # not paths
-    "logging.trackers": None, "model.attn_implementation": None, "model.model_type": None, "model.config": None,
-    "data.text_column": None, "data.name": None, "data.split": None, "data.sources[].name": None,
-    "data.sources[].text_column": None, "data.sources[].subset": None, "data.sources[].split": None,
-    "samples.prompts": None, "adapter.target_modules": None, "adapter.modules_to_save": None,
-    "data.columns.conversation": None, "data.columns.role": None, "data.columns.content": None,
-    "data.columns.user": None, "data.columns.assistant": None, "data.columns.system": None,
-    "eval.harness_tasks": None,
-}
+# RESUME: a checkpoint, in this run's checkpoints/ or another's: read once, at the start
 
 # The kinds of overlap: the folder is the other, lies inside it, holds it, or is a symbolic link to it.
 RELATIONS = ("same", "inside", "contains", "symlink")
@@ -48,14 +29,14 @@ EXPORT_OUTPUT = "--output"  # recipes/export.py's (toolkit.export.destination.EX
 # (folder, what it could overlap, relation) -> REFUSED, or "safe: why". "another run" is a run folder
 # on disk (inside: in its checkpoints/); "user files" a folder of the user's (thesis.tex); a setting
 # names that setting's folder (contains: output_dir holds it in its final/). Every cache and every
-# read setting gets its rows from its role, so a new one is in the table the moment it is classified.
+# read setting gets its rows from its role, so a new one is in the table the moment its field says it.
 _CACHE_SAFE = "safe: a cache deletes only the names it makes (packed-KEY, its .tmp, .gguf-…tmp)"
 _OWN_ONLY = "safe: the run deletes only its own entries inside output_dir"
 _AGAINST_OUTPUT_DIR = {  # output_dir against a cache, and against a folder the run reads
     CACHE: {"same": REFUSED, "inside": _CACHE_SAFE, "contains": REFUSED, "symlink": REFUSED},
     READ: {"same": REFUSED, "inside": _OWN_ONLY, "contains": REFUSED, "symlink": REFUSED},
 }
-OVERLAPS: dict[tuple[str, str, str], str] = {
+_FIXED: dict[tuple[str, str, str], str] = {
     ("output_dir", "another run", "same"): REFUSED,  # RunDir.check: holds a run (its lock while it trains)
     ("output_dir", "another run", "inside"): REFUSED,  # its rotation or overwrite deletes it
     ("output_dir", "another run", "contains"): REFUSED,  # RunDir.check: files that are not a run
@@ -64,15 +45,6 @@ OVERLAPS: dict[tuple[str, str, str], str] = {
     ("output_dir", "user files", "inside"): _OWN_ONLY,
     ("output_dir", "user files", "contains"): REFUSED,
     ("output_dir", "user files", "symlink"): REFUSED,
-    **{("output_dir", key, relation): outcome
-       for key, role in PATH_SETTINGS.items() if role in _AGAINST_OUTPUT_DIR
-       for relation, outcome in _AGAINST_OUTPUT_DIR[role].items()},
-    **{(key, other, relation): outcome
-       for key, role in PATH_SETTINGS.items() if role == CACHE
-       for other, relation, outcome in (
-           ("another run", "same", REFUSED), ("another run", "inside", REFUSED),
-           ("another run", "contains", _CACHE_SAFE), ("another run", "symlink", REFUSED),
-           *(("user files", relation, _CACHE_SAFE) for relation in RELATIONS))},
     ("--output", "another run", "same"): REFUSED,  # destination.check_output: a run, never replaced
     ("--output", "another run", "inside"): REFUSED,  # inside a run's own entry
     ("--output", "another run", "contains"): REFUSED,  # exists and holds a run
@@ -86,6 +58,23 @@ OVERLAPS: dict[tuple[str, str, str], str] = {
     ("--output", "--from", "contains"): REFUSED,
     ("--output", "--from", "symlink"): REFUSED,
 }
+
+
+def overlaps(path_settings: dict[str, str | None]) -> dict[tuple[str, str, str], str]:
+    """Every row: the fixed ones, and those each cache and read setting of `path_settings` ({key: role}) gets from
+    its role."""
+    return {
+        **_FIXED,
+        **{("output_dir", key, relation): outcome
+           for key, role in path_settings.items() if role in _AGAINST_OUTPUT_DIR
+           for relation, outcome in _AGAINST_OUTPUT_DIR[role].items()},
+        **{(key, other, relation): outcome
+           for key, role in path_settings.items() if role == CACHE
+           for other, relation, outcome in (
+               ("another run", "same", REFUSED), ("another run", "inside", REFUSED),
+               ("another run", "contains", _CACHE_SAFE), ("another run", "symlink", REFUSED),
+               *(("user files", relation, _CACHE_SAFE) for relation in RELATIONS))},
+    }
 
 
 def setting(cfg: Any, key: str) -> list[str]:
@@ -142,7 +131,7 @@ def check_run_paths(cfg: Any) -> None:
                 "the run on another disk, point output_dir there)"
             )
     owned = [run.root / name for name in RunDir.ENTRIES]
-    for key, role in PATH_SETTINGS.items():
+    for key, role in declared(type(cfg), "path").items():
         section, _, name = key.rpartition(".")
         if role == CACHE and hasattr(getattr(cfg, section, None), name):  # a recipe without it has no such cache
             folder = cache_dir(setting(cfg, key)[0] if setting(cfg, key) else None)

@@ -10,26 +10,47 @@ import datasets
 import torch
 from accelerate import Accelerator
 
+from toolkit.config.declarations import ALWAYS, FROM_NEXT_STEP, free
 from toolkit.config.load import field
 from toolkit.config.values import path_problems
 from toolkit.data.packing import IGNORE_INDEX, collate
 from toolkit.models.loss import forward_loss_sum, targets_of
 from toolkit.models.preference_loss import STATS, PreferenceLoss
+from toolkit.run.paths import READ
 from toolkit.training.harness import HarnessConfig
 from toolkit.training.step import on_device
+
+HARNESS = free("what is scored, in a process of its own (toolkit.training.harness_runs)")
+
+
+def _nothing_scored(cfg) -> str | None:
+    return None if cfg.eval.harness_tasks else "eval.harness_tasks is empty: nothing is scored"
 
 
 @dataclass
 class EvalConfig:
-    every: int = field(50, help="held-out loss and perplexity every N optimizer steps (0 = only at the end)")
+    every: int = field(50, help="held-out loss and perplexity every N optimizer steps (0 = only at the end)",
+                       resume=free("when the held-out loss is measured"), used_when=ALWAYS,
+                       accepts={"0": "only at the end", "2**31": "only at the end"})
     blocks: int = field(64, help="held-out blocks per evaluation (of each source of a mixture), the same on any "
-                        "number of processes (0 = all)")
+                        "number of processes (0 = all)", resume=FROM_NEXT_STEP,
+                        used_when=ALWAYS,  # without held-out data (val_fraction=0) the data line says 0 held-out
+                        accepts={"0": "every held-out block", "2**31": "every held-out block"})
     harness_tasks: list[str] = field(
         default_factory=list, help="lm-evaluation-harness tasks: a fine-tune scores its base and its result, "
-        "pretraining every eval.every steps in a process beside training (pip install -e '.[eval]'; docs/evaluation.md)")
-    harness_include_path: str | None = field(None, help="a folder of your own harness task YAML files")
-    harness_num_fewshot: int | None = field(None, help="examples in each harness prompt (empty: each task's own)")
-    harness_limit: float | None = field(None, help="documents per harness task, below 1 a fraction (empty: all)")
+        "pretraining every eval.every steps in a process beside training (pip install -e '.[eval]'; docs/evaluation.md)",
+        resume=HARNESS, used_when=ALWAYS, path=None, unique=True, accepts={"[]": "nothing scored: the default"})
+    harness_include_path: str | None = field(
+        None, help="a folder of your own harness task YAML files", resume=HARNESS, used_when=_nothing_scored,
+        path=READ, accepts={"unset": "the harness's own tasks only: the default"})
+    harness_num_fewshot: int | None = field(
+        None, help="examples in each harness prompt (empty: each task's own)", resume=HARNESS,
+        used_when=_nothing_scored, accepts={
+            "unset": "each task's own number of shots", "0": "no shots", "2**31": "more than a task has is refused at "
+            "the start, once its examples are read (harness.check_tasks)"})
+    harness_limit: float | None = field(
+        None, help="documents per harness task, below 1 a fraction (empty: all)", resume=HARNESS,
+        used_when=_nothing_scored, accepts={"unset": "every document"})
 
     def validate(self) -> list[str]:
         problems = [f"{name}={getattr(self, name)} must be >= 0" for name in ("every", "blocks") if getattr(self, name) < 0]

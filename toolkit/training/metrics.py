@@ -15,6 +15,7 @@ import torch
 from accelerate.utils import LoggerType
 from tqdm.auto import tqdm
 
+from toolkit.config.declarations import ALWAYS, free
 from toolkit.config.load import field
 from toolkit.models.scratch import count_parameters
 from toolkit.run.writes import writing
@@ -47,17 +48,24 @@ def accelerate_trackers() -> list[str]:
     return [str(t) for t in LoggerType if t != LoggerType.ALL]
 
 
+REPORTED = free("what is reported")
+
+
 @dataclass
 class LoggingConfig:
-    every: int = field(1, help="write a metrics line every N optimizer steps")
+    every: int = field(1, help="write a metrics line every N optimizer steps", resume=REPORTED, used_when=ALWAYS,
+                       accepts={"2**31": "metrics at the last step only"})
     trackers: list[str] = field(
         default_factory=lambda: ["tensorboard"],
         help=f"Accelerate's trackers to log to, any of: {', '.join(accelerate_trackers())} ([] = metrics.jsonl only)",
+        resume=REPORTED, used_when=ALWAYS, path=None, unique=True, accepts={"[]": "metrics.jsonl only, as documented"},
     )
     profile: list[int] = field(
         default_factory=list,
         help="[FIRST, LAST]: trace these optimizer steps with torch.profiler into profile/ (trace.json, and "
              "summary.md: device busy time, idle gaps, top kernels); [] = off",
+        resume=REPORTED, used_when=ALWAYS, unique=False,  # [first, last]: a pair, in order
+        accepts={"[]": "no profiling: the default"},
     )
 
     def validate(self) -> list[str]:

@@ -10,27 +10,52 @@ from typing import Literal
 
 import torch
 
+from toolkit.config.declarations import (
+    ALWAYS,
+    FROM_NEXT_STEP,
+    KEPT_BY_THE_OPTIMIZER,
+    SCHEDULE,
+    Need,
+    free,
+)
 from toolkit.config.load import field
 
 
 @dataclass
 class OptimConfig:
-    lr: float = field(1e-3, help="peak learning rate")
-    min_lr_ratio: float = field(0.1, help="cosine: final learning rate as a fraction of the peak")
-    warmup_steps: int = field(0, help="linear warmup steps from 0 to the peak")
-    schedule: Literal["cosine", "linear", "constant"] = field("cosine", help="decay after warmup: cosine (to min_lr_ratio), linear (to 0), constant")
-    weight_decay: float = field(0.1, help="AdamW weight decay (not applied to norms and biases)")
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], help="AdamW betas")
-    eps: float = field(1e-8, help="AdamW epsilon")
-    max_grad_norm: float = field(1.0, help="clip the global gradient norm to this (0 = no clipping)")
+    lr: float = field(1e-3, help="peak learning rate", resume=SCHEDULE, used_when=ALWAYS)
+    min_lr_ratio: float = field(0.1, help="cosine: final learning rate as a fraction of the peak", resume=SCHEDULE,
+                                used_when=Need("optim.schedule", ("cosine",), "the cosine schedule's"),
+                                accepts={"0": "cosine down to 0"})
+    warmup_steps: int = field(0, help="linear warmup steps from 0 to the peak", resume=SCHEDULE, used_when=ALWAYS,
+                              accepts={"0": "no warmup: the default", "2**31": "a warmup longer than the run: the lr "
+                                       "it reaches is logged each step, and a resume that raises max_steps goes on to "
+                                       "the peak"})
+    schedule: Literal["cosine", "linear", "constant"] = field(
+        "cosine", help="decay after warmup: cosine (to min_lr_ratio), linear (to 0), constant", resume=SCHEDULE,
+        used_when=ALWAYS)
+    weight_decay: float = field(0.1, help="AdamW weight decay (not applied to norms and biases)",
+                                resume=KEPT_BY_THE_OPTIMIZER, used_when=ALWAYS, accepts={"0": "no decay"})
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], help="AdamW betas", resume=KEPT_BY_THE_OPTIMIZER,
+                               used_when=ALWAYS, unique=False)  # two betas may be equal
+    eps: float = field(1e-8, help="AdamW epsilon", resume=KEPT_BY_THE_OPTIMIZER, used_when=ALWAYS)
+    max_grad_norm: float = field(1.0, help="clip the global gradient norm to this (0 = no clipping)",
+                                 resume=FROM_NEXT_STEP, used_when=ALWAYS, accepts={"0": "no clipping, as documented"})
     fused: Literal["auto", "true", "false"] = field(
-        "auto", help="torch's fused AdamW kernel: auto = on CUDA, where it is fastest; true/false to force"
+        "auto", help="torch's fused AdamW kernel: auto = on CUDA, where it is fastest; true/false to force",
+        resume=free("an implementation of the same AdamW step"), used_when=ALWAYS,
     )
     lr_scaling: Literal["none", "linear", "sqrt"] = field(
         "none", help="scale lr with train.global_batch_size from lr_reference_batch: linear (lr x B/B_ref, "
-        "as for SGD) or sqrt (lr x sqrt(B/B_ref), the usual rule for Adam); none = lr as written"
+        "as for SGD) or sqrt (lr x sqrt(B/B_ref), the usual rule for Adam); none = lr as written",
+        resume=SCHEDULE, used_when=ALWAYS,
     )
-    lr_reference_batch: int = field(0, help="the global batch size lr was tuned at (needed by lr_scaling)")
+    lr_reference_batch: int = field(
+        0, help="the global batch size lr was tuned at (needed by lr_scaling)", resume=SCHEDULE,
+        used_when=Need("optim.lr_scaling", ("linear", "sqrt"), "lr_scaling's"),
+        accepts={"0": "the default; lr_scaling=none does not read it",
+                 "2**31": "the batch lr was tuned at: the scaled rate is what the run logs"},
+    )
 
     def validate(self) -> list[str]:
         problems = []

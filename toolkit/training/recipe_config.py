@@ -7,7 +7,18 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from toolkit.checkpoint.manager import CheckpointConfig
-from toolkit.config.keys import dotted_keys
+from toolkit.config.declarations import (
+    ALWAYS,
+    FROM_NEXT_STEP,
+    OWN_CHECK,
+    SCHEDULE,
+    TOKENS,
+    CheckedBy,
+    Need,
+    declared,
+    free,
+    refused,
+)
 from toolkit.config.load import field
 from toolkit.config.values import name_problems, path_problems
 from toolkit.data.chat import ChatDataConfig
@@ -19,7 +30,7 @@ from toolkit.models.adapter import AdapterConfig
 from toolkit.models.base_model import BaseModelConfig
 from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.scratch import ModelConfig
-from toolkit.run.paths import PATH_SETTINGS
+from toolkit.run.paths import OUTPUT, READ, RESUME
 from toolkit.training.evaluation import EvalConfig
 from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
@@ -29,59 +40,79 @@ from toolkit.training.unused import repeated_entries, unused_settings
 
 SEED_MAX = 2**32 - 1  # numpy's legacy seed range, the common one; the data order's generator takes seed x 1,000,003
 
-# Every key whose value is a path, and what it names: load_config expands `~` and environment variables in them
-# (toolkit.config.user_paths.expand_path), the same way wherever they are read; relative ones are relative to where the recipe
-# runs. A string key missing here is not a path: tests/toolkit/training/test_recipe_config.py fails for one that is neither.
 # Keys renamed in 0.2 (one name per concept across the recipes); the old ones work for one release.
 EVAL_RENAMED = {"logging.eval_every": "eval.every", "logging.eval_blocks": "eval.blocks"}
+FP8 = Need("train.mixed_precision", ("fp8",), "fp8's")
+
+
+def _epochs_count_the_run(cfg) -> str | None:
+    return f"train.epochs={cfg.train.epochs:g} sets it from the data" if cfg.train.epochs is not None else None
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = field(200, help="optimizer steps to train")
+    max_steps: int = field(200, help="optimizer steps to train", resume=SCHEDULE, used_when=_epochs_count_the_run,
+                           accepts={"2**31": "a long run: stopped any time by Ctrl-C or SIGTERM, it checkpoints and "
+                                    "resumes"})
     epochs: float | None = field(
         None, help="passes over the packed training blocks, in place of max_steps: max_steps = ceil(epochs x steps per "
-        "epoch), said when the data is ready"
+        "epoch), said when the data is ready", resume=FROM_NEXT_STEP, used_when=ALWAYS,
+        accepts={"unset": "train.max_steps counts the run: the default"},
     )
-    global_batch_size: int = field(16, help="sequences per optimizer step, over all processes and micro-batches")
-    micro_batch_size: int = field(4, help="sequences per forward/backward on one process")
+    global_batch_size: int = field(
+        16, help="sequences per optimizer step, over all processes and micro-batches", resume=OWN_CHECK, used_when=ALWAYS,
+        accepts={"2**31": "refused once the data is packed, before training: fewer blocks than one step "
+                 "(toolkit.data.batching)"},
+    )
+    micro_batch_size: int = field(
+        4, help="sequences per forward/backward on one process",
+        resume=free("the accumulation splits the same global batch (test_strategies' parity runs)"), used_when=ALWAYS,
+        accepts={"2**31": "refused at launch by the layout: it does not divide global_batch_size"},
+    )
     mixed_precision: Literal["auto", "no", "bf16", "fp16", "fp8"] = field(
         "auto", help="auto = bf16 where the GPU supports it, fp32 on CPU; bf16 also trains on CPU (slowly); fp8 = "
         "the large linear layers in float8 through torchao, the rest in bf16 (GPUs of compute capability 8.9+, with "
-        "model.compile; docs/fp8.md)"
+        "model.compile; docs/fp8.md)",
+        resume=refused("the strategy's saved weights and optimizer state are in its precision"), used_when=ALWAYS,
     )
     fp8_recipe: Literal["tensorwise", "rowwise"] = field(
         "tensorwise", help="with mixed_precision=fp8: torchao's scaling, one scale per tensor (faster) or per row "
-        "(closer to bf16)"
+        "(closer to bf16)", resume=FROM_NEXT_STEP, used_when=FP8,
     )
     fp8_layers: Literal["auto", "mlp"] = field(
         "auto", help="with mixed_precision=fp8: which linear layers compute in float8; auto = those torchao's size "
         "rule keeps, mlp = only the MLP's among them (on an H200 the 1B's 2048 x 2048 attention projections were "
-        "slower in float8 alone: docs/fp8.md)"
+        "slower in float8 alone: docs/fp8.md)", resume=FROM_NEXT_STEP, used_when=FP8,
     )
     collective_timeout_s: int = field(
         1800,
         help="seconds a rank waits in a collective (all-reduce, barrier) before the run fails with an error "
         "naming the rank and the wait; raise it if rank 0 alone prepares a very large corpus",
+        resume=free("a wait limit"), used_when=ALWAYS,
     )
     on_nonfinite: Literal["skip", "abort"] = field(
         "skip",
         help="a NaN or inf loss or gradient on any rank, found before the optimizer step: skip = drop that "
         "batch (weights, optimizer state and schedule untouched), abort = stop the run (exit code 5); under "
-        "train.step_sync=none both are said a step later",
+        "train.step_sync=none both are said a step later", resume=FROM_NEXT_STEP, used_when=ALWAYS,
     )
     pipeline_stages: int = field(
         1, help="cut the model's layers into this many pipeline stages, one process each (torch's 1F1B schedule over "
-        "the accumulation's micro-batches); processes = replicas x stages, under accelerate_configs/ddp.yaml"
+        "the accumulation's micro-batches); processes = replicas x stages, under accelerate_configs/ddp.yaml",
+        resume=free("a checkpoint converts to another layout (test_resume_elsewhere)"), used_when=ALWAYS,
+        accepts={"2**31": "refused at launch: it does not divide the processes launched (toolkit.strategy.parallelism)"},
     )
     step_sync: Literal["auto", "host", "none"] = field(
         "auto", help="host = the step waits for the device to say whether a NaN/inf step is skipped; none = torch's "
         "fused AdamW skips it on the device and the skip's log, counters and schedule follow a step later (the "
         "GPU never waits for the host); auto = none where fused AdamW steps (CUDA, not DeepSpeed or a pipeline)",
+        resume=free("when the host reads the step's verdict"), used_when=ALWAYS,
     )
     max_nonfinite_skips: int = field(
         3, help="with on_nonfinite=skip, stop the run (exit code 5) after this many skipped steps in a row: "
-        "then it is the model that diverged, not one bad batch",
+        "then it is the model that diverged, not one bad batch", resume=FROM_NEXT_STEP,
+        used_when=Need("train.on_nonfinite", ("skip",), "on_nonfinite=skip's"),
+        accepts={"2**31": "never stop for skipped steps: each is still said"},
     )
 
     def validate(self) -> list[str]:
@@ -108,10 +139,19 @@ class RunConfig:
     # eval.harness_tasks scored at every eval.every step, beside training (toolkit.training.harness_runs)
     HARNESS_STEPS: ClassVar[bool] = True
 
-    output_dir: str = field("runs/run", help="where checkpoints, metrics, plots and the deliverables go")
-    seed: int = field(1234, help="seed for init, data order and dropout")
-    resume: str | None = field(None, help="auto (newest complete checkpoint in output_dir) or a checkpoint folder")
-    overwrite: bool = field(False, help="delete an existing run in output_dir and start over")
+    output_dir: str = field("runs/run", help="where checkpoints, metrics, plots and the deliverables go",
+                            resume=free("where the run is (resume=PATH names a checkpoint of another)"),
+                            used_when=ALWAYS, path=OUTPUT)
+    seed: int = field(1234, help="seed for init, data order and dropout", resume=OWN_CHECK, used_when=ALWAYS,
+                      accepts={"0": "a seed like any other", "2**31": "within numpy's seed range (up to 2**32 - 1)"})
+    resume: str | None = field(
+        None, help="auto (newest complete checkpoint in output_dir) or a checkpoint folder",
+        resume=free("which checkpoint"), used_when=CheckedBy("RunConfig.validate (with overwrite=true)"),
+        path=RESUME,  # a checkpoint, in this run's checkpoints/ or another's: read once, at the start
+        accepts={"unset": "no resume: the default"},
+    )
+    overwrite: bool = field(False, help="delete an existing run in output_dir and start over",
+                            resume=free("refused beside resume (RunConfig.validate)"), used_when=ALWAYS)
     train: TrainConfig = field(default_factory=TrainConfig, help="steps, batch sizes, precision")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, help="checkpoint cadence")
@@ -175,17 +215,24 @@ class FinetuneDataConfig(DataConfig):
 
     format: Literal["text", "chat", "preference"] = field(
         "text", help="text = continued pretraining on raw text; chat = SFT on chat records (loss on assistant tokens); "
-        "preference = prompt/chosen/rejected records for train.objective dpo, simpo or orpo"
+        "preference = prompt/chosen/rejected records for train.objective dpo, simpo or orpo",
+        resume=refused(TOKENS), used_when=ALWAYS,
     )
     overlong: Literal["truncate", "drop"] = field(
-        "truncate", help="chat: a conversation longer than seq_len is truncated (keeps its start) or dropped"
+        "truncate", help="chat: a conversation longer than seq_len is truncated (keeps its start) or dropped",
+        resume=refused(TOKENS), used_when=Need("data.format", ("chat", "preference"), "chat and preference records'"),
     )
     chat_template: str | None = field(
-        None, help="chat: Jinja chat template (text or .jinja file) used instead of the tokenizer's"
+        None, help="chat: Jinja chat template (text or .jinja file) used instead of the tokenizer's",
+        resume=refused(TOKENS), used_when=CheckedBy("FinetuneDataConfig.validate"),
+        path=READ,  # a .jinja file, or the template itself
+        accepts={"unset": "the tokenizer's own template"},
     )
     val_path: str | None = field(
         None, help="held-out data of its own, read as data.path is (records for chat and preference, text "
-        "otherwise), in place of val_fraction"
+        "otherwise), in place of val_fraction", resume=refused(TOKENS),
+        used_when=ALWAYS,  # beside data.sources: FinetuneDataConfig.validate
+        path=READ, accepts={"unset": "data.val_fraction of data.path is held out"},
     )
     columns: ColumnsConfig = field(
         default_factory=ColumnsConfig, help="chat: records of another shape, mapped: conversation, role, content, user, "
@@ -193,7 +240,7 @@ class FinetuneDataConfig(DataConfig):
     )
     record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = field(
         "auto", help="chat: the records' shape: messages, sharegpt, alpaca or prompt_completion (docs/data.md); auto = "
-        "each record's own"
+        "each record's own", resume=refused(TOKENS), used_when=CheckedBy("FinetuneDataConfig.validate"),
     )
 
     def validate(self) -> list[str]:
@@ -282,14 +329,25 @@ class FinetuneTrainConfig(TrainConfig):
 
     objective: Literal["sft", "dpo", "simpo", "orpo"] = field(
         "sft", help="sft = next-token loss on the targets; dpo, simpo, orpo = preference tuning on "
-        "data.format=preference pairs (docs/preference.md)"
+        "data.format=preference pairs (docs/preference.md)", resume=FROM_NEXT_STEP,
+        used_when=ALWAYS,  # beside data.format: FinetuneConfig.validate
     )
-    beta: float | None = field(None, help="dpo: how strongly the model is held to its reference (empty: 0.1); "
-                               "simpo: the scale of its length-normalised rewards (empty: 2.0); orpo: of its "
-                               "rewards (empty: 0.1)")
-    gamma: float | None = field(None, help="simpo: the margin the chosen answer's reward must clear (empty: 0.5)")
-    orpo_lambda: float | None = field(None, help="orpo: weight of the odds-ratio term beside the chosen answer's "
-                                      "loss (empty: 0.1)")
+    beta: float | None = field(
+        None, help="dpo: how strongly the model is held to its reference (empty: 0.1); simpo: the scale of its "
+        "length-normalised rewards (empty: 2.0); orpo: of its rewards (empty: 0.1)", resume=FROM_NEXT_STEP,
+        used_when=CheckedBy("FinetuneTrainConfig.validate"),
+        accepts={"unset": "the objective's usual beta (0.1, or 2.0 for simpo)"},
+    )
+    gamma: float | None = field(
+        None, help="simpo: the margin the chosen answer's reward must clear (empty: 0.5)", resume=FROM_NEXT_STEP,
+        used_when=CheckedBy("FinetuneTrainConfig.validate"),
+        accepts={"unset": "simpo's usual margin, 0.5", "0": "simpo with no margin"},
+    )
+    orpo_lambda: float | None = field(
+        None, help="orpo: weight of the odds-ratio term beside the chosen answer's loss (empty: 0.1)",
+        resume=FROM_NEXT_STEP, used_when=CheckedBy("FinetuneTrainConfig.validate"),
+        accepts={"unset": "orpo's usual weight, 0.1", "0": "orpo without its odds-ratio term"},
+    )
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -351,10 +409,9 @@ class FinetuneConfig(RunConfig):
 
 
 def path_keys(cls: type) -> tuple[str, ...]:
-    """The keys of a recipe's config that hold paths (toolkit.run.paths.PATH_SETTINGS): load_config expands `~` and
-    variables in them."""
-    keys = dotted_keys(cls)
-    return tuple(k for k, role in PATH_SETTINGS.items() if role is not None and k.split("[]")[0] in keys)
+    """The keys of a recipe's config that hold paths (their fields' path=): load_config expands `~` and variables in
+    them, the same way wherever they are read; relative ones are relative to where the recipe runs."""
+    return tuple(k for k, role in declared(cls, "path").items() if role is not None)
 
 
 PretrainConfig.PATHS = path_keys(PretrainConfig)

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import torch
 
+from toolkit.config.declarations import ALWAYS, free
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.run.writes import writing
 from toolkit.strategy.distributed import check_whole
+
+AGAIN = free("generated from the base again on a resume (recipes/finetune.py)")
 
 
 @dataclass
@@ -27,8 +30,15 @@ class SamplesConfig:
     prompts: list[str] = field(
         default_factory=lambda: ["The"],
         help="prompts to generate from: pretraining samples from final/, fine-tuning compares before and after in samples.md",
+        resume=AGAIN, used_when=ALWAYS, path=None, unique=False,  # a prompt asked twice is sampled twice
+        accepts={"[]": "no samples"},
     )
-    max_new_tokens: int = field(48, help="tokens generated per prompt; 0 = no samples")
+    max_new_tokens: int = field(
+        48, help="tokens generated per prompt; 0 = no samples", resume=AGAIN,
+        used_when=ALWAYS,  # 0 is the samples' off switch
+        accepts={"0": "no samples", "2**31": "finetune: refused once the base model is loaded, before any sample or "
+                 "training (recipes/finetune.py: more than its positions)"},
+    )
 
     def validate(self) -> list[str]:
         problems = [] if self.max_new_tokens >= 0 else [f"max_new_tokens={self.max_new_tokens} must be >= 0"]

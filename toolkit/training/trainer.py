@@ -24,6 +24,7 @@ from toolkit.checkpoint.checkpointer import Checkpointer, SaveStopped
 from toolkit.checkpoint.settings import trained_settings
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config.combinations import check as check_combinations
+from toolkit.config.declarations import declared
 from toolkit.config.load import to_dict
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
@@ -232,7 +233,7 @@ class Trainer:
             self.state = self.checkpoints.load(
                 self.resume_from, self.state, auto=cfg.resume == "auto", streaming=stream is not None,
                 max_steps=cfg.train.max_steps, peak_lr=cfg.optim.peak_lr(cfg.train.global_batch_size),
-                scheduler=self.scheduler if self.step_scheduler else None,
+                scheduler=self.scheduler if self.step_scheduler else None, on_resume=declared(type(cfg), "resume"),
             )
             self.resume_from, self.eval_step = self.checkpoints.loaded, self.state.eval_step
         if self.strategy.is_main:

@@ -77,7 +77,7 @@ def test_a_load_goes_on_from_the_checkpoint_and_its_first_step_is_checked_once(t
     loaded = Checkpointer(strategy, keeper.run, CheckpointConfig(), said.append, lambda kind, row: None)
     loaded.attach(keeper.model, keeper.model_files)
     state = loaded.load(keeper.run.checkpoint(1), TrainerState(seed=3), auto=False, streaming=False, max_steps=5,
-                        peak_lr=0.1)
+                        peak_lr=0.1, on_resume={})
     assert state.step == loaded.step == 1 and loaded.loaded == keeper.run.checkpoint(1) and loaded.unproven
     assert said[-1] == f"resumed from {keeper.run.checkpoint(1)} at step 1"
     with pytest.raises(UserError, match="holds a dead model: the first step after resuming gave a loss of 1.0986"):

@@ -9,8 +9,12 @@ import torch
 from toolkit.checkpoint.manager import save_checkpoint
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.trainer_state import TrainerState
+from toolkit.config.declarations import declared
 from toolkit.config.errors import UserError
 from toolkit.run.folder import RunDir
+from toolkit.training.recipe_config import PretrainConfig
+
+ON_RESUME = declared(PretrainConfig, "resume")
 
 
 def test_a_resume_reads_the_checkpoint_once_and_continues_from_it(tmp_path, strategy, monkeypatch):
@@ -33,7 +37,7 @@ def test_a_resume_reads_the_checkpoint_once_and_continues_from_it(tmp_path, stra
     ranks, said = [], []
     fresh = TrainerState(seed=3, global_batch_size=2, settings={**trained, "train.max_steps": 9})
     folder, state = resume(strategy, run, run.checkpoint(2), fresh, auto=True, streaming=False, max_steps=9,
-                           peak_lr=0.1, rank_files=ranks.append, say=said.append)
+                           peak_lr=0.1, on_resume=ON_RESUME, rank_files=ranks.append, say=said.append)
 
     assert reads == [run.checkpoint(2)]  # the state file read once, for every check and the load
     assert folder == run.checkpoint(2) and ranks == [folder]
@@ -48,5 +52,5 @@ def test_a_resume_reads_the_checkpoint_once_and_continues_from_it(tmp_path, stra
         model.weight.zero_()
     with pytest.raises(UserError, match="was trained with seed=3 and this run has seed=4"):
         resume(strategy, run, run.checkpoint(2), TrainerState(seed=4, global_batch_size=2), auto=False,
-               streaming=False, max_steps=9, peak_lr=0.1)
+               streaming=False, max_steps=9, peak_lr=0.1, on_resume=ON_RESUME)
     assert not model.weight.any()

@@ -63,6 +63,7 @@ def test_a_resume_takes_a_changed_preference_setting_from_the_next_step_and_says
     """The objective and its beta, gamma and lambda are read at every step: a checkpoint records them and a resume
     that changes one names it in the resume line (a pretraining config has none of them)."""
     from toolkit.checkpoint.settings import check_same_settings, take_changed_settings, trained_settings
+    from toolkit.config.declarations import declared
     from toolkit.config.load import load_config
     from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
@@ -75,19 +76,20 @@ def test_a_resume_takes_a_changed_preference_setting_from_the_next_step_and_says
     assert simpo["train.gamma"] == 0.5 and "train.orpo_lambda" not in simpo
     assert "train.objective" not in trained_settings(load_config(PretrainConfig, None, []))
     TrainerState(step=3, seed=1, settings=saved).write(tmp_path)
+    on_resume = declared(FinetuneConfig, "resume")
     changed = check_same_settings(Checkpoint.read(tmp_path), trained_settings(load_config(FinetuneConfig, None, [*dpo, "train.beta=0.2"])),
-                                  10)
+                                  10, on_resume)
     assert changed == {"train.beta": (0.1, 0.2)}
     said: list[str] = []
-    take_changed_settings(changed, None, 3, 1e-3, said.append)
+    take_changed_settings(changed, None, 3, 1e-3, said.append, on_resume)
     assert said == ["resumed with changed settings, taken from step 4 on: train.beta 0.1 -> 0.2"]
 
 
 def test_every_key_of_the_recipe_configs_says_what_a_resume_does_with_its_change():
     """Refused, taken from the next step (said), kept by AdamW's state (refused), checked on its own, or free with
-    the reason: a new key fails here until classified."""
-    from toolkit.checkpoint import settings as s
+    the reason: a new key fails here until its field says which (resume=)."""
     from toolkit.config.keys import dotted_keys
+    from toolkit.training import recipe_keys as s
     from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
     classified = [*s.REFUSED, *s.OWN_CHECK, *s.SCHEDULE, *s.FROM_NEXT_STEP, *s.KEPT_BY_THE_OPTIMIZER, *s.FREE]
@@ -99,12 +101,13 @@ def test_every_key_of_the_recipe_configs_says_what_a_resume_does_with_its_change
 def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_shape_and_takes_the_rest(recipe, tmp_path):
     """Walks every recorded key of a recipe's config: a checkpoint records each refused and taken one, a resume with
     another value of a refused one is one line naming it and what it decides, of a taken one is taken and said."""
-    from toolkit.checkpoint import settings as s
+    from toolkit.checkpoint.settings import check_same_settings, trained_settings
     from toolkit.config.load import load_config
+    from toolkit.training import recipe_keys as s
     from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 
     cls = PretrainConfig if recipe == "pretrain" else FinetuneConfig
-    saved = s.trained_settings(load_config(cls, None, []))
+    saved = trained_settings(load_config(cls, None, []))
     present = {k for k in [*s.REFUSED, *s.SCHEDULE, *s.FROM_NEXT_STEP, *s.KEPT_BY_THE_OPTIMIZER]
                if k not in ("train.gamma", "train.orpo_lambda") and (k.split(".")[0] != "adapter" or recipe == "finetune")}
     present -= {k for k in present if k.startswith("tokenizer.")} if recipe == "finetune" else set()
@@ -119,13 +122,13 @@ def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_sha
         if key in s.REFUSED:
             with pytest.raises(UserError, match=rf"was trained with {re.escape(key)}=.* \(this run has .*-other: "
                                                 rf"{re.escape(s.REFUSED[key])}\); a resume cannot take the change"):
-                s.check_same_settings(Checkpoint.read(tmp_path), other, 10)
+                check_same_settings(Checkpoint.read(tmp_path), other, 10, s.ON_RESUME)
         elif key in s.KEPT_BY_THE_OPTIMIZER:
             with pytest.raises(UserError, match=rf"{re.escape(key)}=.*AdamW's saved state carries them"):
-                s.check_same_settings(Checkpoint.read(tmp_path), other, 10)
+                check_same_settings(Checkpoint.read(tmp_path), other, 10, s.ON_RESUME)
         else:
-            assert s.check_same_settings(Checkpoint.read(tmp_path), other, 10) == {key: (value, f"{value}-other")}
-    assert s.check_same_settings(Checkpoint.read(tmp_path), {**saved, "data.cache_dir": "elsewhere"}, 10) == {}  # free, not recorded
+            assert check_same_settings(Checkpoint.read(tmp_path), other, 10, s.ON_RESUME) == {key: (value, f"{value}-other")}
+    assert check_same_settings(Checkpoint.read(tmp_path), {**saved, "data.cache_dir": "elsewhere"}, 10, s.ON_RESUME) == {}  # free, not recorded
 
 
 def test_a_path_is_recorded_as_the_file_it_names_wherever_the_run_is_launched_from(tmp_path, monkeypatch):

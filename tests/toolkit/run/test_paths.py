@@ -1,4 +1,4 @@
-"""Every folder a run or an export writes or deletes, against every overlap (toolkit.run.paths.OVERLAPS).
+"""Every folder a run or an export writes or deletes, against every overlap (toolkit.run.paths.overlaps).
 
 Each row is built on disk: a refused one is one line naming the setting, with nothing written or
 deleted; a safe one is checked and then made to delete what it deletes (overwrite's removal, the
@@ -20,18 +20,9 @@ from toolkit.config.errors import UserError
 from toolkit.config.load import load_config
 from toolkit.export import destination
 from toolkit.run.folder import RunDir
-from toolkit.run.paths import (
-    CACHE,
-    EXPORT_OUTPUT,
-    OUTPUT,
-    OVERLAPS,
-    PATH_SETTINGS,
-    READ,
-    REFUSED,
-    RELATIONS,
-    check_run_paths,
-)
+from toolkit.run.paths import CACHE, EXPORT_OUTPUT, OUTPUT, READ, REFUSED, RELATIONS, RESUME, check_run_paths
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
+from toolkit.training.recipe_keys import OVERLAPS, PATH_SETTINGS
 
 CONFIGS = (FinetuneConfig, PretrainConfig)
 
@@ -52,8 +43,9 @@ def _text_fields(cls, prefix: str = "") -> set[str]:
 
 def test_every_text_setting_is_classified():
     fields = set().union(*(_text_fields(cls) for cls in CONFIGS))
-    assert fields - set(PATH_SETTINGS) == set(), "classify these in toolkit.run.paths.PATH_SETTINGS"
+    assert fields - set(PATH_SETTINGS) == set(), "say on each field whether it is a path: path=READ, ... or None"
     assert set(PATH_SETTINGS) - fields == set(), "no such setting any more"
+    assert set(PATH_SETTINGS.values()) <= {OUTPUT, CACHE, READ, RESUME, None}
 
 
 def test_every_export_flag_is_classified():

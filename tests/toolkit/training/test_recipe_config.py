@@ -142,8 +142,8 @@ def test_a_pretraining_source_naming_a_chat_shape_is_refused():
 
 @pytest.mark.parametrize("cls", [PretrainConfig, FinetuneConfig], ids=lambda c: c.__name__)
 def test_the_path_keys_load_config_expands_are_the_classified_paths_this_recipe_has(cls):
-    """Every text key is classified in toolkit.run.paths.PATH_SETTINGS (test_run_paths); these are its paths."""
-    from toolkit.run.paths import PATH_SETTINGS
+    """Every text key says on its field whether it is a path (test_run_paths); these are the paths."""
+    from toolkit.training.recipe_keys import PATH_SETTINGS
 
     expected = {"output_dir", "resume", "data.path", "data.sources[].path", "data.cache_dir", "eval.harness_include_path"} | (
         {"tokenizer.path"} if cls is PretrainConfig else

@@ -446,8 +446,8 @@ def test_a_resume_takes_a_new_rate_and_schedule_from_its_step_on_and_says_so(tmp
     got, want = rates(resumed.run), rates(fresh.run)
     assert [got[s] for s in (3, 4, 5, 6)] == pytest.approx([want[s] for s in (3, 4, 5, 6)], rel=1e-12)
     said = [line for line in capsys.readouterr().out.splitlines() if "changed settings" in line]
-    assert said == [f"[unit] resumed with changed settings, taken from step 3 on: optim.lr 0.001 -> 0.01, "
-                    f"train.max_steps 4 -> 6; the learning rate of step 3 is {want[3]:.4g} (was {old[3]:.4g})"]
+    assert said == [f"[unit] resumed with changed settings, taken from step 3 on: train.max_steps 4 -> 6, "
+                    f"optim.lr 0.001 -> 0.01; the learning rate of step 3 is {want[3]:.4g} (was {old[3]:.4g})"]
     assert TrainerState.read(resumed.run.checkpoint(6)).settings["optim.lr"] == 0.01  # the next resume compares with it
 
 

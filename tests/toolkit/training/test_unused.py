@@ -11,7 +11,7 @@ from toolkit.config.errors import ConfigError
 from toolkit.config.keys import dotted_keys
 from toolkit.config.load import load_config
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
-from toolkit.training.unused import ALWAYS, CHECKED_BY, REPEATS_MEAN_SOMETHING, UNIQUE, USED_WHEN
+from toolkit.training.recipe_keys import ALWAYS, CHECKED_BY, REPEATS_MEAN_SOMETHING, UNIQUE, USED_WHEN
 
 ALL = dotted_keys(PretrainConfig) | dotted_keys(FinetuneConfig)
 
@@ -60,7 +60,7 @@ CASES = {
 
 
 def test_every_key_of_the_recipe_configs_is_classified_once():
-    """A new key fails here until unused.py says where it has an effect."""
+    """A new key fails here until its field says where it has an effect (used_when=)."""
     classified = [*USED_WHEN, *CHECKED_BY, *ALWAYS]
     assert sorted(set(ALL) - set(classified)) == []
     assert sorted(set(classified) - set(ALL)) == []  # nothing stale
