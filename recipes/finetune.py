@@ -157,11 +157,11 @@ class FinetuneRecipe:
         model.config.use_cache = False
         assembled = assemble(trainer, model, self.tokenizer, cfg.adapter, {"base_model.json": to_dict(cfg.model)})
         trainer.state.samples_before = before
-        if trainer.objective is not None and trainer.objective.needs_reference:  # DPO: the model before training
+        if assembled.needs_reference:  # DPO: the model before training
             use_reference(trainer, base_identity(cfg.model), cfg.adapter.is_lora)
 
         # Held-out loss of the base model, the "before" of the comparison at the end.
-        if trainer.feed.val is not None and not assembled.resumed:
+        if assembled.held_out and not assembled.resumed:
             trainer.state.eval_before = trainer.evaluate("before")
 
     def blocks_of(self, data) -> tuple:

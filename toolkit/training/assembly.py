@@ -17,11 +17,14 @@ from toolkit.training.metrics import model_size
 
 @dataclass(frozen=True)
 class Assembled:
-    """What a recipe goes on with: the counts its log and model card say, and what the run resumed."""
+    """What a recipe goes on with: the counts its log and model card say, whether the run resumed, whether it has
+    held-out data, and whether its objective compares with the model before training (DPO's reference)."""
 
     n_params: int  # of the whole model, before an adapter (its frozen base counted)
     flops_token: float
     resumed: bool
+    held_out: bool
+    needs_reference: bool
 
 
 def assemble(trainer, model: torch.nn.Module, tokenizer, adapter: AdapterConfig | None = None,
@@ -42,4 +45,6 @@ def assemble(trainer, model: torch.nn.Module, tokenizer, adapter: AdapterConfig 
         trainer.print(note)
     compile_model(model, cfg.model.compile)  # after the adapter, so that what is compiled holds its modules
     trainer.prepare(model, tokenizer, n_params, flops_token, model_files)
-    return Assembled(n_params, flops_token, trainer.resumed)
+    objective = trainer.objective
+    return Assembled(n_params, flops_token, trainer.resumed, trainer.feed.val is not None,
+                     objective is not None and objective.needs_reference)

@@ -1,9 +1,12 @@
 """The table of strategy families (toolkit.strategy.families): a family for every layout a launch can be, each
-answering as its files and ranks are."""
+answering as its files and ranks are; and the specs every family meets alike, one parametrized test each: its
+checkpoint, saved by an earlier commit, read back by parameter name (toolkit.strategy.ddp.files,
+toolkit.strategy.fsdp.files, toolkit.strategy.deepspeed.files; a pipeline's, with its stages: pipeline/test_files.py)."""
 
 from __future__ import annotations
 
 import pytest
+from saved_formats import assert_as_saved
 
 from toolkit.parallel_layout import ParallelLayout
 from toolkit.strategy.families import FAMILIES
@@ -35,3 +38,15 @@ def test_a_checkpoint_resumes_natively_only_where_its_files_fit():
     }
     for (name, saved), expected in fits.items():
         assert FAMILIES[name].resumes_natively(LAYOUTS[name], saved) == expected, (name, saved)
+
+
+# a checkpoint an earlier commit saved (tests/fixtures/checkpoints) -> the family whose files it holds
+SAVED = {"ddp@3": "ddp", "fsdp@2": "fsdp", "zero2@2": "deepspeed", "zero3@2": "deepspeed"}
+
+
+@pytest.mark.parametrize("fixture", SAVED)
+def test_each_familys_checkpoint_is_read_back_as_its_optimizer_held_it(fixture, tmp_path):
+    """Every trained parameter's fp32 master, Adam moments and step as the saving run's optimizer held them (DDP's
+    optimizer.bin by the names beside it, FSDP2's DCP shards, ZeRO's partitions through zero_to_fp32 and
+    ds_to_universal). Loading into a run: test_by_name.py and test_resume_elsewhere.py."""
+    assert_as_saved(SAVED[fixture], fixture, tmp_path)

@@ -34,7 +34,8 @@ def test_the_whole_model_is_counted_recomputed_then_adapted_and_prepared(trainer
     model = tiny_model("llama", seed=0, tokenizer=tiny_tokenizer)
     whole = model_size(model, 64)
     assembled = assemble(trainer, model, tiny_tokenizer, AdapterConfig(method="lora", r=2))
-    assert (assembled.n_params, assembled.flops_token) == whole and not assembled.resumed  # the base, adapter aside
+    assert (assembled.n_params, assembled.flops_token) == whole  # the base's, the adapter aside
+    assert not assembled.resumed and not assembled.held_out and not assembled.needs_reference
     prepared = trainer.accelerator.unwrap_model(trainer.model)
     trainable = [n for n, p in prepared.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)  # the adapter, applied before the wrap

@@ -297,11 +297,9 @@ def test_a_checkpoint_written_in_the_background_is_the_blocking_ones_file_for_fi
     runs = {}
     for name in ("blocking", "background"):
         if name == "background":
-            slow = background.Writes._run
-
-            def slowly(self):
+            def slowly(self, run=background.Writes._run):
                 self.jobs = [job for write in self.jobs for job in (lambda: time.sleep(0.2), write)]
-                slow(self)
+                run(self)
 
             monkeypatch.setattr(background.Writes, "_run", slowly)
             completed.clear()
