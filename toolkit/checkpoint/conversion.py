@@ -70,7 +70,7 @@ def _check_convertible(folder: Path, format: str, saved: ParallelLayout) -> None
                         f"converted for another strategy or world size; resume it under {saved.describe()}")
     refuses = getattr(FILES[format], "refuses_conversion", None)
     if refuses is not None and (why := refuses(folder, saved)):
-        raise UserError(f"{where}: {why}")
+        raise UserError(f"{where}{why}")
 
 
 def cached_conversion(checkpoint: Checkpoint) -> tuple[Path, bool]:

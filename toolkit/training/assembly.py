@@ -1,6 +1,6 @@
 """A model assembled for training, in one order a reader sees at once (`assemble`): fp8's layers, recomputation, the
-adapter, compilation, then the strategy's model parallelism and its wrap (Trainer.prepare). Why the model-parallel
-split comes after the compile here, where torchtitan splits first: docs/architecture.md, "One assembly"."""
+adapter, compilation, then the strategy's model parallelism and its wrap (Trainer.prepare). Why the split comes after
+the compile (the tensor-parallel split shards too): docs/architecture.md, "One assembly"."""
 
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def test_deepspeed_checkpoints_the_converter_cannot_read_are_refused(tmp_path):
     with pytest.raises(UserError) as info:
         convert(_unfinished(owned), tmp_path / "out")
     assert str(info.value) == (
-        f"checkpoint {owned} (DeepSpeed ZeRO-2 on 1 process): it was trained with the optimizer its DeepSpeed JSON defines, "
+        f"checkpoint {owned} (DeepSpeed ZeRO-2 on 1 process) was trained with the optimizer its DeepSpeed JSON defines, "
         "whose state is DeepSpeed's own: it cannot be converted for another strategy or world size; resume it under "
         "DeepSpeed ZeRO-2 on 1 process with the same DeepSpeed JSON"
     )

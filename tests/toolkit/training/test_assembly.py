@@ -43,3 +43,36 @@ def test_the_whole_model_is_counted_recomputed_then_adapted_and_prepared(trainer
     model_line = next(i for i, line in enumerate(said) if line.startswith("model: llama, "))
     assert said[model_line] == f"model: llama, {whole[0]:,} parameters, gradient checkpointing full"
     assert any("lora" in line.lower() for line in said[model_line + 1:])  # the adapter's note follows the count
+
+
+def test_the_order_is_fp8_recomputation_adapter_compile_then_the_split_and_the_wrap(trainer, tiny_model, tiny_tokenizer,
+                                                                                   monkeypatch):
+    """The split shards too (tensor parallel's FSDP2 over dp), so recomputation and the compile come before it, as
+    torchtitan's come before fully_shard (docs/architecture.md, "One assembly")."""
+    import toolkit.training.assembly as assembly
+    import toolkit.training.trainer as trainer_module
+
+    trainer, _ = trainer
+    trainer.cfg.train.mixed_precision = "fp8"  # its conversion recorded, not run: float8 needs a GPU here
+    calls = []
+
+    def recorded(name, real=None):
+        def step(model, *args, **kwargs):
+            calls.append(name)
+            return real(model, *args, **kwargs) if real is not None else _Said()
+        return step
+
+    class _Said:
+        def said(self):
+            return "fp8: recorded"
+
+    monkeypatch.setattr(assembly.float8, "convert", recorded("fp8"))
+    for name in ("apply_gradient_checkpointing", "apply_adapter", "compile_model"):
+        monkeypatch.setattr(assembly, name, recorded(name, getattr(assembly, name)))
+    split = trainer.strategy.apply_model_parallel
+    monkeypatch.setattr(trainer.strategy, "apply_model_parallel", lambda *a: calls.append("split") or split(*a))
+    monkeypatch.setattr(trainer_module, "prepare_optimization",
+                        recorded("wrap", trainer_module.prepare_optimization))
+    assemble(trainer, tiny_model("llama", seed=0, tokenizer=tiny_tokenizer), tiny_tokenizer,
+             AdapterConfig(method="lora", r=2))
+    assert calls == ["fp8", "apply_gradient_checkpointing", "apply_adapter", "compile_model", "split", "wrap"]

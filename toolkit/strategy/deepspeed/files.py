@@ -204,14 +204,15 @@ def missing_partition(folder: Path, saved: ParallelLayout) -> str | None:
 
 
 def refuses_conversion(folder: Path, saved: ParallelLayout) -> str | None:
-    """Why checkpoint `folder`, written under `saved`, cannot be converted for another layout, or None."""
+    """Why checkpoint `folder`, written under `saved`, cannot be converted for another layout (the rest of the
+    sentence that names the checkpoint), or None."""
     owned = [block for block in ("optimizer", "scheduler") if block in config(folder)]
     if owned:
-        return (f"it was trained with the {' and '.join(owned)} its DeepSpeed JSON defines, whose state is "
+        return (f" was trained with the {' and '.join(owned)} its DeepSpeed JSON defines, whose state is "
                 "DeepSpeed's own: it cannot be converted for another strategy or world size; resume it under "
                 f"{saved.describe()} with the same DeepSpeed JSON")
     if saved.files == "zero0":
-        return ("DeepSpeed without ZeRO (stage 0) keeps no per-parameter state that DeepSpeed's converter reads; "
+        return (": DeepSpeed without ZeRO (stage 0) keeps no per-parameter state that DeepSpeed's converter reads; "
                 f"resume it under {saved.describe()}")
     return None
 
