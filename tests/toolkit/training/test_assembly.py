@@ -29,30 +29,14 @@ def trainer(tmp_path, tiny_texts, tiny_tokenizer):
     AcceleratorState._reset_state(True)
 
 
-def test_the_whole_model_is_counted_recomputed_then_adapted_and_prepared(trainer, tiny_model, tiny_tokenizer):
-    trainer, said = trainer
-    model = tiny_model("llama", seed=0, tokenizer=tiny_tokenizer)
-    whole = model_size(model, 64)
-    assembled = assemble(trainer, model, tiny_tokenizer, AdapterConfig(method="lora", r=2))
-    assert (assembled.n_params, assembled.flops_token) == whole  # the base's, the adapter aside
-    assert not assembled.resumed and not assembled.held_out and not assembled.needs_reference
-    prepared = trainer.accelerator.unwrap_model(trainer.model)
-    trainable = [n for n, p in prepared.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)  # the adapter, applied before the wrap
-    assert prepared.base_model.model.is_gradient_checkpointing  # recomputation, under the adapter
-    model_line = next(i for i, line in enumerate(said) if line.startswith("model: llama, "))
-    assert said[model_line] == f"model: llama, {whole[0]:,} parameters, gradient checkpointing full"
-    assert any("lora" in line.lower() for line in said[model_line + 1:])  # the adapter's note follows the count
-
-
-def test_the_order_is_fp8_recomputation_adapter_compile_then_the_split_and_the_wrap(trainer, tiny_model, tiny_tokenizer,
-                                                                                   monkeypatch):
+def test_fp8_recomputation_the_count_the_adapter_and_the_compile_come_before_the_split_and_the_wrap(
+        trainer, tiny_model, tiny_tokenizer, monkeypatch):
     """The split shards too (tensor parallel's FSDP2 over dp), so recomputation and the compile come before it, as
     torchtitan's come before fully_shard (docs/architecture.md, "One assembly")."""
     import toolkit.training.assembly as assembly
     import toolkit.training.trainer as trainer_module
 
-    trainer, _ = trainer
+    trainer, said = trainer
     trainer.cfg.train.mixed_precision = "fp8"  # its conversion recorded, not run: float8 needs a GPU here
     calls = []
 
@@ -73,6 +57,17 @@ def test_the_order_is_fp8_recomputation_adapter_compile_then_the_split_and_the_w
     monkeypatch.setattr(trainer.strategy, "apply_model_parallel", lambda *a: calls.append("split") or split(*a))
     monkeypatch.setattr(trainer_module, "prepare_optimization",
                         recorded("wrap", trainer_module.prepare_optimization))
-    assemble(trainer, tiny_model("llama", seed=0, tokenizer=tiny_tokenizer), tiny_tokenizer,
-             AdapterConfig(method="lora", r=2))
+    model = tiny_model("llama", seed=0, tokenizer=tiny_tokenizer)
+    whole = model_size(model, 64)
+    assembled = assemble(trainer, model, tiny_tokenizer, AdapterConfig(method="lora", r=2))
     assert calls == ["fp8", "apply_gradient_checkpointing", "apply_adapter", "compile_model", "split", "wrap"]
+    assert (assembled.n_params, assembled.flops_token) == whole  # the base's, the adapter aside
+    assert not assembled.resumed and not assembled.held_out and not assembled.needs_reference
+    prepared = trainer.accelerator.unwrap_model(trainer.model)
+    trainable = [n for n, p in prepared.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)  # the adapter, applied before the wrap
+    assert prepared.base_model.model.is_gradient_checkpointing  # recomputation, under the adapter
+    model_line = next(i for i, line in enumerate(said) if line.startswith("model: llama, "))
+    assert said[model_line] == f"model: llama, {whole[0]:,} parameters, gradient checkpointing full"
+    assert said.index("fp8: recorded") < model_line  # said in the order each step runs
+    assert any("lora" in line.lower() for line in said[model_line + 1:])
