@@ -33,16 +33,15 @@ class Checkpointer:
         self.step = -1  # the step of the newest checkpoint begun (-1: none yet, or its save failed)
         self.model: torch.nn.Module | None = None  # the unwrapped model whose weights are saved (attach)
         self.model_files: Callable[[Path], None] | None = None
-        self.rank_files: Callable[[Path], None] | None = None
+        self.stream = None  # what each rank keeps of its own: a stream's position (toolkit.data.streaming)
         self.loaded: Path | None = None  # the checkpoint a load resumed
         self.unproven = False  # a loaded model whose first training step is still to be checked
 
-    def attach(self, model: torch.nn.Module, model_files: Callable[[Path], None],
-               rank_files: tuple[Callable[[Path], None], Callable[[Path], None]] | None = None) -> None:
+    def attach(self, model: torch.nn.Module, model_files: Callable[[Path], None], stream=None) -> None:
         """What a save holds besides the strategy's files: the prepared (unwrapped) `model`, whose weights are checked,
-        `model_files(folder)` writing the files that turn its weights back into a model, and `rank_files` (save,
-        load) of what each rank keeps of its own (a stream's position)."""
-        self.model, self.model_files, self.rank_files = model, model_files, rank_files
+        `model_files(folder)` writing the files that turn its weights back into a model, and a streamed run's
+        `stream`, whose save(folder) and load(folder) keep each rank's position."""
+        self.model, self.model_files, self.stream = model, model_files, stream
 
     def load(self, folder: Path, fresh: TrainerState, *, auto: bool, streaming: bool, max_steps: int, peak_lr: float,
              on_resume: dict[str, Resume], scheduler=None) -> TrainerState:
@@ -52,7 +51,8 @@ class Checkpointer:
         key's change."""
         self.loaded, state = resume(
             self.strategy, self.run, folder, fresh, auto=auto, streaming=streaming, max_steps=max_steps,
-            peak_lr=peak_lr, on_resume=on_resume, scheduler=scheduler, rank_files=self.rank_files[1] if self.rank_files else None,
+            peak_lr=peak_lr, on_resume=on_resume, scheduler=scheduler,
+            rank_files=self.stream.load if self.stream is not None else None,
             say=self.say,
         )
         bad = nonfinite_weight(self.strategy.accelerator, self.model)
@@ -89,7 +89,8 @@ class Checkpointer:
                          else f"saved right after {skipped} skipped non-finite step(s)" if skipped else "")
         self.step = state.step
         self.saving = begin_save(self.strategy, self.run, state, self.cfg.keep_last, self.model_files, self.say,
-                                 rank_files=self.rank_files[0] if self.rank_files else None, background=background)
+                                 rank_files=self.stream.save if self.stream is not None else None,
+                                 background=background)
         self.saving.since = state.step
         return None if background else self.wait(state.step)
 

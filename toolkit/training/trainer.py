@@ -228,7 +228,7 @@ class Trainer:
                                        cfg.model.compile)
         unwrapped, stream = self.accelerator.unwrap_model(self.model), self.feed.stream
         self.checkpoints.attach(unwrapped, lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files),
-                                (stream.save, stream.load) if stream is not None else None)
+                                stream)
         if self.resume_from is not None:
             self.state = self.checkpoints.load(
                 self.resume_from, self.state, auto=cfg.resume == "auto", streaming=stream is not None,

@@ -34,6 +34,12 @@ ZERO_GRAD_ATTRS = (
 )
 
 
+def offloaded(zero: dict) -> tuple[str, ...]:
+    """What a zero_optimization section offloads ("optimizer", "param") to DeepSpeed's offload devices."""
+    return tuple(key.split("_")[1] for key in ("offload_optimizer", "offload_param")
+                 if (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme"))
+
+
 class DeepSpeed(DataParallel):
     name = "deepspeed"
     files = files
@@ -51,10 +57,8 @@ class DeepSpeed(DataParallel):
 
     def launched_details(self, accelerator) -> dict:
         plugin = accelerator.state.deepspeed_plugin
-        ds = plugin.deepspeed_config.get("zero_optimization", {})
         return {"zero_stage": int(plugin.zero_stage),
-                "offload": tuple(k.split("_")[1] for k in ("offload_optimizer", "offload_param")
-                                 if ds.get(k, {}).get("device", "none") != "none")}
+                "offload": offloaded(plugin.deepspeed_config.get("zero_optimization", {}))}
 
     def configure(self, accelerator, micro_batch: int, max_grad_norm: float) -> list[str]:
         return configure_deepspeed(accelerator, micro_batch, max_grad_norm)
@@ -174,9 +178,7 @@ class DeepSpeed(DataParallel):
             value = zero.get(key, default)
             return int(auto if value == "auto" else value)
 
-        # recorded in the layout as a launch records it (launched_details)
-        offload = tuple(key.split("_")[1] for key in ("offload_optimizer", "offload_param")
-                        if (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme"))
+        offload = offloaded(zero)  # recorded in the layout as a launch records it (launched_details)
         return {"zero_stage": int(zero.get("stage", 0)), "offload": offload}, {
             "offload_optimizer": "optimizer" in offload, "offload_params": "param" in offload,
             "reduce_bucket": size("reduce_bucket_size", h2, 5e8),
