@@ -6,14 +6,17 @@
 #   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 3 minutes
 #   bash bench/gpu_check.sh --only finetune [OUT]   # one part: throughput (5.5 min), finetune (3.5), fp8 (9: run
 #       already, 2026-11-28), fp8-variants (7.5: not yet run), harness (~4, estimated: not yet run); throughput and
-#       finetune fit one call together; a session's 15 minutes hold fp8-variants and harness, a call each
+#       finetune fit one call together; a session's 15 minutes hold fp8-variants and harness, a call each; canary
+#       (~4, estimated: not yet run) fits beside harness
 #
 # OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB and the planner's
 # per row, then one profile table per row: device busy %, longest idle gaps, top kernels), finetune.md (the recipe
 # against transformers.Trainer, LoRA and full), fp8.md / fp8-variants.md (issue 46: the 1B YAML as shipped in bf16,
 # then in fp8, 100 steps each with their loss curves side by side, and each layer shape timed; fp8-variants.md: 30
 # steps each of bf16, fp8, fp8 with only the MLP's layers, and rowwise), harness.md (issue 47: eval.harness_tasks in a
-# fine-tune and in pretraining, and recipes/evaluate.py under accelerate launch, on the GPU) and the log of each part. On a lent
+# fine-tune and in pretraining, and recipes/evaluate.py under accelerate launch, on the GPU), canary.md (issue 63: the
+# numerics canary's check against a step of the 1B YAML, its share at the default cadence, the largest drift a healthy
+# check saw, and the same losses without it) and the log of each part. On a lent
 # machine (../shared/gpu/README.md): `source .gpu/setup.sh && bash bench/gpu_check.sh "$OUT"`. The GPU suite
 # stays the second command: `python3 -m pytest -m gpu -n 7 tests/recipes/test_gpu_end_to_end.py` (3.5 minutes).
 set -uo pipefail
@@ -22,13 +25,13 @@ SMOKE=0 ONLY=
 while [[ "${1:-}" == --* ]]; do
   case $1 in
     --smoke) SMOKE=1; shift ;;
-    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput, finetune, fp8, fp8-variants or harness" >&2; exit 2; }
+    --only) [[ ${2:-} ]] || { echo "error: --only needs a part: throughput, finetune, fp8, fp8-variants, harness or canary" >&2; exit 2; }
             ONLY=$2; shift 2 ;;
-    *) echo "error: $1: use --smoke and/or --only throughput|finetune|fp8|fp8-variants|harness, then OUT" >&2; exit 2 ;;
+    *) echo "error: $1: use --smoke and/or --only throughput|finetune|fp8|fp8-variants|harness|canary, then OUT" >&2; exit 2 ;;
   esac
 done
-case $ONLY in ""|throughput|finetune|fp8|fp8-variants|harness) ;;
-  *) echo "error: --only '$ONLY': use throughput, finetune, fp8, fp8-variants or harness" >&2; exit 2 ;; esac
+case $ONLY in ""|throughput|finetune|fp8|fp8-variants|harness|canary) ;;
+  *) echo "error: --only '$ONLY': use throughput, finetune, fp8, fp8-variants, harness or canary" >&2; exit 2 ;; esac
 DEST=${1:-${OUT:-gpu-check}}
 mkdir -p "$DEST"
 PY=${PYTHON:-python3}
@@ -72,7 +75,7 @@ else
   # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s, fine-tuning 118 s
   # before its two rows with the whole model compiled (~35 s each, compiling); the throughput rows were 3 then as now
   # fp8 on an H200 (2026-11-28): its two 100-step rows 441 s, the layer table 86 s, the rowwise row ~110 s
-  echo "== estimate (an H200): throughput 321 s, fine-tuning ~190 s, fp8 527 s, fp8-variants ~440 s, harness ~240 s: a call per part but throughput + finetune (the header's)" >&2
+  echo "== estimate (an H200): throughput 321 s, fine-tuning ~190 s, fp8 527 s, fp8-variants ~440 s, harness ~240 s, canary ~240 s: a call per part but throughput + finetune (the header's)" >&2
 fi
 
 status=0
@@ -106,5 +109,9 @@ fi
 if [[ -z $ONLY || $ONLY == harness ]]; then
   part harness "$PY" bench/harness_check.py $( (( SMOKE )) && echo --smoke ) --out "$DEST/harness.md"
   [[ -f "$DEST/harness.md" ]] && cat "$DEST/harness.md"
+fi
+if [[ -z $ONLY || $ONLY == canary ]]; then
+  part canary "$PY" bench/canary_cost.py --compare $( (( SMOKE )) && echo --smoke ) --out "$DEST/canary.md"
+  [[ -f "$DEST/canary.md" ]] && cat "$DEST/canary.md"
 fi
 exit $status

@@ -58,6 +58,18 @@ def cast_refused(layout: ParallelLayout, precision: str) -> str | None:
     return None
 
 
+def _canary(cfg, layout: ParallelLayout, precision: str) -> str | None:
+    # the canary's row goes through a rank's model alone, outside the strategy's hooks: that model must be whole
+    if getattr(cfg.train, "canary", "none") == "none":
+        return None
+    why = ("FSDP, whose ranks each hold a shard of it" if layout.kind == "fsdp"
+           else "ZeRO-3, whose ranks each hold a shard of it" if layout.zero_stage == 3
+           else f"model parallel ({_degrees(layout)}), which splits it over ranks" if layout.model_parallel > 1
+           else None)
+    return None if why is None else (f"train.canary checks a rank's whole model: it does not run yet under {why}; "
+                                     "use train.canary=none, or ddp.yaml, zero1.yaml or zero2.yaml")
+
+
 def _qlora(cfg, layout: ParallelLayout, precision: str) -> str | None:
     # Its 4-bit base is bitsandbytes' packed NF4 weights, which every process holds whole: FSDP and ZeRO-3 would
     # shard them, DeepSpeed's bf16 mode casts the module, and model parallel splits the layers.
@@ -144,6 +156,7 @@ RULES: tuple[Rule, ...] = (
         "differ between the forward and the recompute); use full, or fsdp.yaml"
     ) if cfg.model.gradient_checkpointing == "selective" and layout.kind == "deepspeed" and layout.zero_stage == 3
         else None, {"model.gradient_checkpointing": "full"}),
+    Rule("train.canary", _canary, {"train.canary": "none"}),
     Rule("model.cast_weights=per_step", lambda cfg, layout, precision: (
         f"model.cast_weights=per_step cannot cast the weights once per step here: {why}; use model.cast_weights=auto "
         "or per_forward"

@@ -167,6 +167,7 @@ KINDS = {
     "nonfinite": ("step", "nonfinite", "action", "in_a_row"),  # a NaN/inf step skipped, or the run stopped
     "checkpoint_error": ("step", "checkpoint_error"),  # a save that failed under checkpoint.on_save_error=continue
     "harness": ("step", "phase"),  # eval.harness_tasks' scores, harness/<task>/<metric>; logged when they arrive
+    "canary": ("step", "loss", "reference_loss", "loss_drift", "grad_drift", "tolerance", "drifted"),  # train.canary
     "summary": ("step", "parameter_digests", "peak_memory"),  # the run's last row
 }
 

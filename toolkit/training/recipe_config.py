@@ -108,6 +108,19 @@ class TrainConfig:
         "GPU never waits for the host); auto = none where fused AdamW steps (CUDA, not DeepSpeed or a pipeline)",
         resume=free("when the host reads the step's verdict"), used_when=ALWAYS,
     )
+    canary: Literal["none", "stop", "warn"] = field(
+        "none", help="check the fast paths in use (model.compile, flex or flash attention, fp8, model.loss=chunked, "
+        "the per-step bf16 copy) against their references while training: at the launch's first step and every "
+        "canary_every steps, a row of the step's batch goes through both on the same weights; a loss or sampled "
+        "gradient past the precision's tolerance stops the run (exit code 5) or, with warn, is said",
+        resume=free("a check beside training: it changes no number training computes (test_canary)"),
+        used_when=ALWAYS,
+    )
+    canary_every: int = field(
+        100, help="with canary on: steps between two checks (each costs about two forwards and backwards of one "
+        "row)", resume=free("(test_canary)"), used_when=Need("train.canary", ("stop", "warn"), "the canary's"),
+        accepts={"2**31": "one check, at the launch's first step"},
+    )
     max_nonfinite_skips: int = field(
         3, help="with on_nonfinite=skip, stop the run (exit code 5) after this many skipped steps in a row: "
         "then it is the model that diverged, not one bad batch", resume=FROM_NEXT_STEP,
@@ -118,7 +131,7 @@ class TrainConfig:
     def validate(self) -> list[str]:
         problems = []
         for name in ("max_steps", "global_batch_size", "micro_batch_size", "collective_timeout_s", "max_nonfinite_skips",
-                     "pipeline_stages"):
+                     "pipeline_stages", "canary_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.epochs is not None and not 0 < self.epochs < 1e6:  # NaN fails both

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +45,7 @@ from toolkit.strategy.accelerator import release_freed_memory
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.cadence import Due, Stepped, Window
+from toolkit.training.canary import Canary
 from toolkit.training.evaluation import evaluate, said
 from toolkit.training.feed import Feed
 from toolkit.training.harness_runs import HarnessRuns
@@ -227,6 +229,7 @@ class Trainer:
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
                                        cfg.model.compile)
         unwrapped, stream = self.accelerator.unwrap_model(self.model), self.feed.stream
+        self.canary = Canary.of(cfg, unwrapped, self.weight_cast, self.accelerator.mixed_precision, self.print, self.log)
         self.checkpoints.attach(unwrapped, lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files),
                                 stream)
         if self.resume_from is not None:
@@ -309,6 +312,10 @@ class Trainer:
             meter or contextlib.nullcontext(),
             self.weight_cast.step() if self.weight_cast is not None else contextlib.nullcontext(),
         ):
+            if self.canary is not None and self.canary.due(state.step):
+                first = next(batches)  # a row of the step's first micro-batch, checked before the step trains on it
+                self.canary.check(state.step, first, cfg.model.chunk_tokens)
+                batches = itertools.chain([first], batches)
             loss_sum, grad_norm, nonfinite, extras = self.update(faulty(batches), scale, meter)
         on_device = nonfinite if isinstance(nonfinite, torch.Tensor) else None  # the verdict's flags, unread
         # A skipped step leaves the schedule where it was; one read later steps it now and back if skipped.

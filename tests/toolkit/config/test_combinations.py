@@ -53,6 +53,8 @@ CASES = {
     "model.gradient_checkpointing=selective": (
         "pretrain", ["model.gradient_checkpointing=selective"], "bf16", {"zero3", "zero3_offload", "zero3_sp"},
         "model.gradient_checkpointing=selective does not run under ZeRO-3"),
+    "train.canary": ("pretrain", ["train.canary=stop"], "bf16", set(LAYOUTS) - {"ddp", "zero1", "zero2"},
+                     "train.canary checks a rank's whole model: it does not run yet under "),
     "model.cast_weights=per_step": ("pretrain", ["model.cast_weights=per_step"], "bf16", set(LAYOUTS) - {"ddp"},
                                     "model.cast_weights=per_step cannot cast the weights once per step here: "),
 }

@@ -1,0 +1,286 @@
+"""The numerics canary (`train.canary`): every fast path the run takes, checked against the reference it was proven
+against on CPU, while the run goes on.
+
+At the first step of a launch and every `train.canary_every` steps, before that step trains, one row of its first
+micro-batch (the one holding the most documents) goes through the model twice on the same weights: as the run computes it, and with every lever in use
+switched to its reference (`LEVERS`). The summed loss and the gradients of a sample of the trainable tensors are
+compared within the tolerance of the precision the run computes in (`TOLERANCE`). A drift past it stops the run
+(`Drifted`, exit 5, before the step's update: every checkpoint saved so far is of weights trained before it) or, with
+`train.canary=warn`, is said; the lever is named by running the reference with one lever at a time in its fast form.
+
+Neither pass touches what training reads: the gradients come from `torch.autograd.grad` (no `.grad` written, no
+hook of DDP or DeepSpeed that waits on one), the RNG is forked, and each lever is switched back on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import gather_object
+
+from toolkit.data.packing import POSITION_ATTENTION, VARLEN_ATTENTION, attention_inputs
+from toolkit.models.loss import LOSS_IN_FORWARD, forward_loss_sum, unwrapped
+from toolkit.training.step import Diverged, on_device
+
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "labels")  # what a row of any collated batch holds
+# The relative difference two paths may show at each compute precision: ~100x what the healthy levers measure on CPU
+# (fp32: 1e-7 to 1e-6, the order of the sums), a few units in the last place of bf16 (2**-8) and fp16 (2**-11), and
+# e4m3's one (2**-4) for fp8's matmul inputs. Drifts are logged at every check (metrics.jsonl, kind "canary").
+TOLERANCE = {"no": 1e-4, "fp16": 5e-3, "bf16": 2e-2, "fp8": 1e-1}
+SAMPLE_ELEMENTS = 1 << 20  # a trainable tensor this small is in the gradients compared (norms, biases, LoRA matrices)
+
+
+class Drifted(Diverged):
+    """A fast path computed past its reference's tolerance (train.canary=stop); raised on every rank at the same step,
+    before that step's update. The message is the run's one `error:` line."""
+
+
+@dataclass
+class Pass:
+    """What one pass through the model is made of; a lever's reference changes it for the length of the pass."""
+
+    model: torch.nn.Module  # the transformers model, unwrapped of DDP's and DeepSpeed's wrappers
+    batch: dict[str, torch.Tensor]
+    chunk_tokens: int
+    weight_cast: object | None
+
+
+@dataclass(frozen=True)
+class Lever:
+    setting: str  # as a user writes it; its reference is said as the override that takes it
+    reference: str
+    in_use: Callable[[object, bool], bool]  # (recipe config, casts once per step) -> whether the run takes it
+    switch: Callable[[Pass], contextlib.AbstractContextManager]  # the pass made the reference's for a while
+
+
+@contextlib.contextmanager
+def _eager(p: Pass) -> Iterator[None]:
+    inner = unwrapped(p.model)
+    marked = getattr(inner, LOSS_IN_FORWARD, False)
+    if marked:  # compile=model's loss, computed by transformers in the compiled forward: the logits' loss instead
+        setattr(inner, LOSS_IN_FORWARD, False)
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        if marked:
+            setattr(inner, LOSS_IN_FORWARD, marked)
+
+
+@contextlib.contextmanager
+def _masked_attention(p: Pass) -> Iterator[None]:
+    inner = unwrapped(p.model)
+    kind, batch = inner.config._attn_implementation, p.batch
+    # sdpa reads the documents from a block-causal mask, made from the same position ids (toolkit.data.packing)
+    p.batch = attention_inputs({k: batch[k] for k in ("input_ids", "position_ids", "labels")}, "sdpa")
+    inner.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        inner.set_attn_implementation(kind)
+        p.batch = batch
+
+
+@contextlib.contextmanager
+def _bf16_linears(p: Pass) -> Iterator[None]:
+    layers = [m for m in p.model.modules() if type(m).__name__ == "Float8Linear"]
+    for layer in layers:  # the same weights through nn.Linear's matmul, in autocast's bf16
+        layer.forward = types.MethodType(torch.nn.Linear.forward, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+@contextlib.contextmanager
+def _full_loss(p: Pass) -> Iterator[None]:
+    chunk, p.chunk_tokens = p.chunk_tokens, 0
+    try:
+        yield
+    finally:
+        p.chunk_tokens = chunk
+
+
+@contextlib.contextmanager
+def _autocast_casts(p: Pass) -> Iterator[None]:
+    linears = getattr(p.weight_cast, "linears", [])
+    copies = [m.step_weight for m in linears]
+    for m in linears:  # autocast casts the fp32 weight at each forward
+        m.step_weight = None
+    try:
+        yield
+    finally:
+        for m, copy in zip(linears, copies, strict=True):
+            m.step_weight = copy
+
+
+# Every fast path a run can take: a setting's value that computes what its reference computes, faster. A value of
+# model.compile, model.attn_implementation, model.loss, model.cast_weights or train.mixed_precision that is neither
+# a lever nor a reference fails tests/toolkit/training/test_canary.py until it is classified here or in REFERENCES.
+LEVERS: tuple[Lever, ...] = (
+    Lever("model.compile", "model.compile=none", lambda cfg, cast: cfg.model.compile != "none", _eager),
+    Lever("model.attn_implementation", "model.attn_implementation=sdpa",
+          lambda cfg, cast: cfg.model.attn_implementation in POSITION_ATTENTION | VARLEN_ATTENTION, _masked_attention),
+    Lever("train.mixed_precision=fp8", "train.mixed_precision=bf16",
+          lambda cfg, cast: cfg.train.mixed_precision == "fp8", _bf16_linears),
+    Lever("model.loss=chunked", "model.loss=full", lambda cfg, cast: cfg.model.loss == "chunked", _full_loss),
+    # where the run really casts once per step (model.cast_weights=auto takes it where it applies)
+    Lever("model.cast_weights=per_step", "model.cast_weights=per_forward", lambda cfg, cast: cast, _autocast_casts),
+)
+# The values that are the references (or change nothing the canary could compare), with why.
+REFERENCES = {
+    "model.compile": {"none": "eager: the reference"},
+    "model.attn_implementation": {"sdpa": "the document mask: the reference", "eager": "the scores materialised: "
+                                  "a reference as sdpa is (test_attention)"},
+    "model.loss": {"full": "the reference"},
+    "model.cast_weights": {"per_forward": "autocast's casts: the reference",
+                           "auto": "per_step where it applies: the canary asks the run (`casts_per_step`)",
+                           "per_step": "a lever where the run casts once per step (`casts_per_step`)"},
+    "train.mixed_precision": {"no": "fp32", "bf16": "the reference of fp8", "fp16": "autocast's, as bf16",
+                              "auto": "bf16 or fp32, as the device computes: a reference either way"},
+}
+
+
+def levers_in_use(cfg, casts_per_step: bool) -> list[Lever]:
+    """The levers this run takes."""
+    return [lever for lever in LEVERS if lever.in_use(cfg, casts_per_step)]
+
+
+@dataclass(frozen=True)
+class Reading:
+    loss: float
+    grads: torch.Tensor | None  # the sample's gradients, flat, fp32 on the host; None where no backward ran
+
+    def drift(self, other: Reading) -> tuple[float, float]:
+        """(the loss's relative difference, the gradients'), against `other`, the reference."""
+        loss = abs(self.loss - other.loss) / max(abs(other.loss), 1e-12)
+        if self.grads is None or other.grads is None:
+            return loss, 0.0
+        grads = float((self.grads - other.grads).norm() / other.grads.norm().clamp_min(1e-30))
+        return loss, grads
+
+    def grad_norm(self) -> float | None:
+        return None if self.grads is None else float(self.grads.norm())
+
+
+def sample_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The trainable tensors whose gradients are compared: every one of at most SAMPLE_ELEMENTS (each one's gradient
+    is a sum over every token of the row), else the smallest."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    small = [p for p in trainable if p.numel() <= SAMPLE_ELEMENTS]
+    return small or sorted(trainable, key=torch.Tensor.numel)[:1]
+
+
+def measure(p: Pass, sample: list[torch.Tensor], backward: bool) -> Reading:
+    """The row's summed loss through the pass as it is now, and its sample's gradients (`backward`)."""
+    device = p.batch["input_ids"].device
+    # a compiled layer (or flex_attention's kernel) meets the row's shape here: compiled for it alone, static, so
+    # that training's own shape keeps its graph rather than a dynamic one made for both (other kernels, other bits)
+    with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+          torch._dynamo.config.patch(automatic_dynamic_shapes=False)):
+        torch.manual_seed(0)  # dropout draws the same masks in both passes
+        with torch.set_grad_enabled(backward):
+            loss = forward_loss_sum(p.model, p.batch, p.chunk_tokens)
+            grads = torch.autograd.grad(loss, sample, allow_unused=True) if backward else None
+    if grads is not None:
+        grads = torch.cat([(torch.zeros_like(t) if g is None else g).float().reshape(-1).cpu()
+                           for g, t in zip(grads, sample, strict=True)])
+    return Reading(float(loss.detach()), grads)
+
+
+class Canary:
+    """The run's canary: `due(step)` says whether a check runs before that step, `check` runs it."""
+
+    def __init__(self, cfg, model: torch.nn.Module, weight_cast, precision: str, say: Callable[[str], None],
+                 log: Callable[[dict], None], backward: bool = True):
+        self.action, self.every = cfg.train.canary, cfg.train.canary_every
+        self.model, self.weight_cast, self.say, self.log = model, weight_cast, say, log
+        self.levers = levers_in_use(cfg, weight_cast is not None)
+        self.tolerance = TOLERANCE[precision]
+        self.precision, self.backward = precision, backward
+        self.sample = sample_of(model)
+        self.device = self.sample[0].device
+        self.checked = False
+        if not self.levers:
+            say(f"train.canary={self.action}: this run takes no fast path to check (" + ", ".join(
+                lever.reference for lever in LEVERS if lever.setting != "train.mixed_precision=fp8")
+                + ", and no fp8, are the references); it checks nothing")
+
+    @classmethod
+    def of(cls, cfg, model: torch.nn.Module, weight_cast, mixed_precision: str, say: Callable[[str], None],
+           log: Callable[..., None]) -> Canary | None:
+        """The run's canary, or None with train.canary=none. `mixed_precision`: the Accelerator's (auto resolved);
+        `log`: the trainer's, a row of metrics.jsonl of a kind."""
+        if cfg.train.canary == "none":
+            return None
+        precision = "fp8" if cfg.train.mixed_precision == "fp8" else mixed_precision
+        return cls(cfg, model, weight_cast, precision, say, lambda record: log("canary", record))
+
+    def due(self, step: int) -> bool:
+        """Whether a check runs before the step after `step` (steps done): the launch's first, then every N."""
+        return bool(self.levers) and (not self.checked or step % self.every == 0)
+
+    def check(self, step: int, batch: dict[str, torch.Tensor], chunk_tokens: int) -> None:
+        """Collective (one gather): every rank checks a row of its micro-batch `batch`; a drift on any rank is said
+        (or raised as Drifted) on every rank alike."""
+        self.checked, t0 = True, time.perf_counter()
+        # the row that holds the most documents: the one whose document mask has the most to keep apart
+        i = int((batch["position_ids"] == 0).sum(dim=-1).argmax())
+        row = on_device({k: v[i : i + 1] for k, v in batch.items() if k in MODEL_INPUTS}, self.device)
+        p = Pass(self.model, row, chunk_tokens, self.weight_cast)
+        fast = measure(p, self.sample, self.backward)
+        with self.switched(p, self.levers):
+            reference = measure(p, self.sample, self.backward)
+        loss_drift, grad_drift = fast.drift(reference)
+        lever = self.culprit(p, reference) if self.drifted(fast, reference) else None
+        record = {"step": step, "levers": [lv.setting for lv in self.levers], "loss": fast.loss,
+                  "reference_loss": reference.loss, "loss_drift": loss_drift, "grad_norm": fast.grad_norm(),
+                  "reference_grad_norm": reference.grad_norm(), "grad_drift": grad_drift,
+                  "tolerance": self.tolerance, "drifted": lever, "seconds": time.perf_counter() - t0}
+        found = [r for r in gather_object([record]) if r["drifted"] is not None]
+        self.log(record)
+        if found:
+            self.drift(found[0])
+
+    @contextlib.contextmanager
+    def switched(self, p: Pass, levers: list[Lever]) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for lever in levers:
+                stack.enter_context(lever.switch(p))
+            yield
+
+    def drifted(self, fast: Reading, reference: Reading) -> bool:
+        if not math.isfinite(fast.loss) and not math.isfinite(reference.loss):
+            return False  # a non-finite loss on both paths is the run's to judge (train.on_nonfinite), not a drift
+        return not all(d <= self.tolerance for d in fast.drift(reference))  # NaN: a drift
+
+    def culprit(self, p: Pass, reference: Reading) -> str:
+        """The lever that, alone in its fast form, drifts most from the reference (one pass per lever, on a drift)."""
+        if len(self.levers) == 1:
+            return self.levers[0].setting
+        drifts = {}
+        for lever in self.levers:
+            with self.switched(p, [other for other in self.levers if other is not lever]):
+                drifts[lever.setting] = max(measure(p, self.sample, self.backward).drift(reference))
+        return max(drifts, key=drifts.get)
+
+    def drift(self, r: dict) -> None:
+        lever = next(lv for lv in self.levers if lv.setting == r["drifted"])
+        grads = "" if r["grad_norm"] is None else (
+            f", the sampled gradients' norm {r['grad_norm']:.6g} against {r['reference_grad_norm']:.6g} (a relative "
+            f"difference of {r['grad_drift']:.2g})")
+        said = (f"numerics canary at step {r['step']}: {lever.setting} computed a loss of {r['loss']:.6g} against its "
+                f"reference's ({lever.reference}) {r['reference_loss']:.6g} (a relative difference of "
+                f"{r['loss_drift']:.2g}){grads}, past the tolerance of {self.precision} ({r['tolerance']:g})")
+        if self.action == "warn":
+            self.say(f"warning: {said}; training goes on (train.canary=warn)")
+            return
+        raise Drifted(f"{said}; the step was not applied and the checkpoints saved so far are intact: train with "
+                      f"{lever.reference} and resume=auto, and report the drift (train.canary=warn only says it)")
