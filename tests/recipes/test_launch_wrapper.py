@@ -21,10 +21,11 @@ from recipe_runner import ROOT, TINY, run_recipe
 from toolkit.training.metrics import read_metrics
 
 
-def wrapper(accelerate_config: str, overrides: list[str], cache) -> list[str]:
+def wrapper(accelerate_config: str | None, overrides: list[str], cache) -> list[str]:
+    """recipes/launch.sh on 2 processes; without an accelerate config, by --num_processes alone."""
+    config = ["--config_file", f"accelerate_configs/{accelerate_config}"] if accelerate_config else []
     return [
-        "bash", "recipes/launch.sh", "--config_file", f"accelerate_configs/{accelerate_config}", "--num_processes", "2",
-        "--main_process_port", str(launching.free_port()),
+        "bash", "recipes/launch.sh", *config, "--num_processes", "2", "--main_process_port", str(launching.free_port()),
         "recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml", *TINY, *overrides,
     ]
 
@@ -100,9 +101,9 @@ def losses(out) -> list[int]:
     return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
-def start_training(out, data_cache) -> subprocess.Popen:
+def start_training(out, data_cache, accelerate_config: str | None = "ddp.yaml") -> subprocess.Popen:
     """A 2-process launch through the wrapper, once it has trained 3 steps."""
-    cmd = wrapper("ddp.yaml", ["train.max_steps=100000", "checkpoint.every=0", "eval.every=0", f"output_dir={out}"],
+    cmd = wrapper(accelerate_config, ["train.max_steps=100000", "checkpoint.every=0", "eval.every=0", f"output_dir={out}"],
                   data_cache)
     proc = launching.start(cmd, cwd=ROOT, env=environment(data_cache))
     deadline = time.time() + 300
@@ -163,11 +164,12 @@ def test_plain_accelerate_launch_shows_a_rank_0_data_error_as_one_error_line(tmp
 def test_killing_the_launchers_process_group_ends_its_ranks(tmp_path, data_cache):
     """`kill -9 -- -PGID` of the launch (a shell, a job runner): torchrun's ranks sit in sessions of
     their own, and trained on as orphans, writing checkpoints into the folder; now they die with it,
-    and the folder is free for a relaunch at once."""
+    and the folder is free for a relaunch at once. Launched with --num_processes 2 and no accelerate config, which
+    trained on one process (Accelerate's one-process launcher): two ranks, one world of 2 (toolkit.launch.options)."""
     import psutil
 
     out = tmp_path / "killed"
-    proc = start_training(out, data_cache)
+    proc = start_training(out, data_cache, accelerate_config=None)
     launcher = psutil.Process(proc.pid)
     ranks = launcher.children()
     assert len(ranks) == 2 and all(os.getsid(r.pid) != os.getsid(proc.pid) for r in ranks)  # out of the group's reach
@@ -176,8 +178,9 @@ def test_killing_the_launchers_process_group_ends_its_ranks(tmp_path, data_cache
     gone, alive = psutil.wait_procs(ranks, timeout=5)
     for orphan in alive:
         orphan.kill()
-    proc.communicate()  # the ranks held its pipes
+    said = "".join(proc.communicate())  # the ranks held its pipes
     assert not alive, f"{len(alive)} rank(s) outlived the launcher"
+    assert "strategy=DDP world_size=2 backend=gloo" in said and "were not passed" not in said, said[-3000:]
     steps = losses(out)
     time.sleep(3)
     assert losses(out) == steps  # nothing more written

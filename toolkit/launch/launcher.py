@@ -3,8 +3,9 @@
     bash recipes/launch.sh --config_file accelerate_configs/zero3.yaml --num_processes 2 \\
         recipes/pretrain.py --config recipes/configs/pretrain_tiny.yaml
 
-Same arguments as `accelerate launch`, run in this process; the recipe's exit code and one line, a missing
---config_file or script refused in one line, SIGTERM/SIGUSR1/SIGINT passed on to the ranks (they save, exit 3).
+Same arguments as `accelerate launch`, run in this process, each honoured or refused (toolkit/launch/options.py:
+`--num_processes 2` alone is 2 ranks); the recipe's exit code and one line, a missing --config_file or script refused
+in one line, SIGTERM/SIGUSR1/SIGINT passed on to the ranks (they save, exit 3).
 What torchrun does instead, and why no flag could: docs/internals.md, toolkit/launch/launcher.py.
 """
 
@@ -27,6 +28,7 @@ from toolkit.config.errors import ConfigError, UserError
 from toolkit.config.files import read_yaml
 from toolkit.config.user_paths import from_here
 from toolkit.launch.environment import gpus_short
+from toolkit.launch.options import given, honour, refusal
 from toolkit.launch.rank_process import LAUNCHER_PID
 from toolkit.run.writes import WriteFailed, writing
 
@@ -40,6 +42,7 @@ ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # its warnings
 def main(argv: list[str] | None = None) -> int:
     from accelerate.commands import launch as accelerate_launch
 
+    argv = sys.argv[1:] if argv is None else argv
     try:
         args = one_line_parser(accelerate_launch.launch_command_parser()).parse_args(argv)
     except UserError as exc:
@@ -49,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     crowded = None if problem else ranks_per_machine(args, gpus(), len(os.sched_getaffinity(0)))
     if crowded is not None and crowded.startswith("error: "):
         problem = crowded.removeprefix("error: ")
+    if not problem:  # every option honoured or refused (toolkit.launch.options), once the counts are checked
+        launch = honour(args, config_in_force(args), gpus())
+        problem = refusal(given(accelerate_launch.launch_command_parser(), argv), launch)
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         return 2
@@ -247,6 +253,18 @@ def read_accelerate_config(config_file: str | None) -> dict:
             raise ConfigError([f"--config_file {config_file}: {key}={value!r:.60} must be "
                                f"{ {int: 'an integer', bool: 'true or false', dict: 'a mapping'}[kind]}"])
     return config
+
+
+def config_in_force(args) -> dict:
+    """The accelerate config the launch takes: --config_file's, else the one `accelerate config` saved (Accelerate
+    reads it unless --cpu), else {}."""
+    from accelerate.commands.config import default_config_file
+
+    path = args.config_file or (default_config_file if Path(default_config_file).is_file() and not args.cpu else None)
+    try:
+        return read_accelerate_config(path)
+    except ConfigError:
+        return {}  # --config_file's problem is said first; Accelerate's own reads its saved one
 
 
 def unreadable_config(config_file: str | None) -> str | None:
