@@ -4,7 +4,7 @@
     llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora output_dir=runs/ft
     llm-toolkit export --from runs/ft --format gguf --output runs/ft.gguf            (also: evaluate, plan)
 
-Options before `--config` are `accelerate launch`'s: with any, the recipe runs through recipes/launch.sh's launcher.
+`accelerate launch`'s options, anywhere: with any, the recipe runs through recipes/launch.sh's launcher.
 How names, options and signals are taken: docs/internals.md, toolkit/launch/cli.py.
 """
 
@@ -28,11 +28,13 @@ USAGE = (f"usage: llm-toolkit {{{','.join(RECIPES)}}} [accelerate launch options
 
 def shipped(name: str, folder: str) -> str:
     """`name` as written where it exists; else the shipped file of that name in ROOT/folder (with or without its
-    .yaml); else as written, for the recipe to refuse in its own words."""
+    .yaml, or a path into that folder as the docs write it from the checkout); else as written, for the recipe or the
+    launcher to refuse in its own words. Nothing else of the checkout is a shipped file (README.md is not a config)."""
     if Path(name).exists():
         return name
+    inside = (ROOT / folder).resolve()
     for candidate in (ROOT / folder / name, ROOT / folder / f"{name}.yaml", ROOT / name):
-        if candidate.is_file():
+        if candidate.is_file() and candidate.resolve().is_relative_to(inside):
             return str(candidate)
     return name
 
@@ -47,6 +49,36 @@ def apart(args: list[str]) -> list[str]:
     return said
 
 
+RECIPE_OPTIONS = ("--config", "--print-config", "--help", "-h")  # a training recipe's own (toolkit.training.entry)
+
+
+def launch_options() -> dict[str, bool]:
+    """`accelerate launch`'s options, each with whether it takes a value (from Accelerate's own parser)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return {flag: action.nargs != 0 for action in launch_command_parser()._actions for flag in action.option_strings
+            if flag.startswith("--") and flag not in RECIPE_OPTIONS}
+
+
+def split(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the launcher's arguments, the recipe's) of a training recipe's: `accelerate launch`'s options wherever they
+    are, with their values (before --config, after it, or with no --config at all: none is an option of the recipe,
+    whose arguments are --config FILE, --print-config, --help and key=value overrides); everything else the
+    recipe's."""
+    takes_value = launch_options()
+    launch, recipe, i = [], [], 0
+    while i < len(args):
+        flag = args[i].partition("=")[0]
+        if flag not in takes_value:
+            recipe.append(args[i])
+            i += 1
+            continue
+        width = 2 if takes_value[flag] and "=" not in args[i] and i + 1 < len(args) else 1
+        launch += args[i:i + width]
+        i += width
+    return launch, recipe
+
+
 def command(argv: list[str]) -> list[str]:
     """The command line `llm-toolkit ARGV` runs (argv[0] a recipe's name)."""
     name, args = argv[0], apart(argv[1:])
@@ -57,9 +89,8 @@ def command(argv: list[str]) -> list[str]:
             args[at] = shipped(args[at], folder)
     if name in ("export", "evaluate", "plan"):  # one process (a launch of evaluate: accelerate launch recipes/...)
         return [sys.executable, script, *args]
-    config_at = args.index("--config") if "--config" in args else len(args)
-    launch, recipe = (args[:config_at], args[config_at:]) if "--config" in args else ([], args)  # --help, a usage
-    if not launch:
+    launch, recipe = split(args)
+    if not launch or "--config" not in recipe:  # --help, or no config: the recipe's usage or refusal, one process
         return [sys.executable, script, *recipe]
     return [sys.executable, "-m", "toolkit.launch.launcher", *launch, script, *recipe]
 
@@ -86,7 +117,8 @@ class OneLineParser(argparse.ArgumentParser):
     -5GB`, which argparse takes for an unknown option) is given to the option, for its own check to name."""
 
     def __init__(self, command: str, **kwargs):
-        super().__init__(**kwargs)
+        # its usage names the command the user typed: `llm-toolkit export`, not argparse's `export.py`
+        super().__init__(**({"prog": os.environ[CALLED_AS]} if os.environ.get(CALLED_AS) else {}), **kwargs)
         self.command = command
 
     def parse_paths(self, args: argparse.Namespace, options: tuple[str, ...]) -> argparse.Namespace:

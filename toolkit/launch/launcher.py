@@ -200,12 +200,15 @@ def missing_file(args) -> str | None:
         given = Path(args.config_file)
         shipped = sorted(p.name for p in given.parent.glob("*.yaml")) if given.parent.is_dir() else []
         close = difflib.get_close_matches(given.name, shipped, n=1)
-        # from elsewhere (llm-toolkit takes a shipped config by its name): the nearest of the shipped ones
+        # from elsewhere (llm-toolkit takes a shipped config by its name): the nearest of the shipped ones, first
+        # for a name alone (`zero9`), whose folder is where the command runs and holds the user's own YAMLs
         names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
         near = difflib.get_close_matches(given.stem, names, n=1)
+        alone = given.parent == Path(".")
         hint = (
-            f"did you mean {given.parent / close[0]}?" if close
-            else f"{given.parent}/ has {', '.join(shipped)}" if shipped
+            f"did you mean {near[0]} (accelerate_configs/{near[0]}.yaml)?" if alone and near
+            else f"did you mean {given.parent / close[0]}?" if close
+            else f"{given.parent}/ has {', '.join(shipped)}" if shipped and not alone
             else f"did you mean {near[0]} (accelerate_configs/{near[0]}.yaml)?" if near
             else f"the shipped ones are in {from_here(SHIPPED)}/"
         )

@@ -22,7 +22,7 @@ from toolkit.config.files import SHIPPED_CONFIGS
 from toolkit.config.keys import key_lines
 from toolkit.config.load import load_config, to_dict
 from toolkit.config.user_paths import from_here
-from toolkit.launch.cli import CALLED_AS
+from toolkit.launch.cli import CALLED_AS, launch_options
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
 from toolkit.launch.verdict import report_once, reported_verdict
@@ -74,6 +74,10 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool]:
             show = True
         elif option in OPTIONS:
             raise UserError(f"{arg}: {option} takes no value; write {option} alone")
+        elif option in launch_options():  # a launcher's, given to the recipe (python recipes/NAME.py --num_processes 2)
+            raise UserError(f"{option} is an option of the launcher (accelerate launch's), not of this recipe: give it "
+                            "before the recipe's script (bash recipes/launch.sh OPTIONS recipes/NAME.py --config ...), "
+                            "or anywhere to llm-toolkit")
         elif arg.startswith("-"):
             raise UserError(f"{arg} is not an option of this recipe; its options are --config FILE, --print-config and "
                             "--help, and every other argument is a key=value override")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import wrong_arguments
 
-from toolkit.launch.cli import SHIPPED_BY_OPTION, command, main
+from toolkit.launch.cli import RECIPES, SHIPPED_BY_OPTION, command, launch_options, main
 from toolkit.launch.launcher import paths_from_its_folder
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -43,6 +43,20 @@ COMMANDS = {
                ["PY", "-m", "toolkit.launch.launcher", "--config_file", "ROOT/accelerate_configs/zero3.yaml",
                 "--num_processes", "2", "ROOT/recipes/finetune.py", "--config",
                 "ROOT/recipes/configs/finetune_smollm2_lora.yaml", "output_dir=runs/ft"]),
+    # accelerate launch's options anywhere: after --config too (they were "not an option of this recipe")
+    "launch options after --config": (["pretrain", "--config", "pretrain_tiny", "--num_processes", "2", "train.max_steps=2",
+                                       "--main_process_port=0"],
+                                      ["PY", "-m", "toolkit.launch.launcher", "--num_processes", "2", "--main_process_port=0",
+                                       "ROOT/recipes/pretrain.py", "--config", "ROOT/recipes/configs/pretrain_tiny.yaml",
+                                       "train.max_steps=2"]),
+    # without --config: the recipe's refusal (no --config), from one process, the launch not started for it
+    "launch options without --config": (["pretrain", "--num_processes", "2", "train.max_steps=2"],
+                                        ["PY", "ROOT/recipes/pretrain.py", "train.max_steps=2"]),
+    # a file of the checkout that is not a shipped config goes on as written (README.md was the checkout's README)
+    "not a shipped config": (["pretrain", "--config", "README.md"], ["PY", "ROOT/recipes/pretrain.py", "--config", "README.md"]),
+    "a shipped config by its path in the checkout": (["pretrain", "--config", "recipes/configs/pretrain_tiny.yaml"],
+                                                     ["PY", "ROOT/recipes/pretrain.py", "--config",
+                                                      "ROOT/recipes/configs/pretrain_tiny.yaml"]),
     "plan with =": (["plan", "--config=pretrain_llama_1b", "--gpus=8"],
                     ["PY", "ROOT/recipes/plan.py", "--config", "ROOT/recipes/configs/pretrain_llama_1b.yaml",
                      "--gpus=8"]),
@@ -122,3 +136,26 @@ def test_a_recipes_usage_names_the_command_the_user_typed(monkeypatch):
     monkeypatch.setattr("os.execv", lambda path, args: None)  # main's exec of the recipe, not run
     main(["finetune", "--help"])
     assert usage("finetune").startswith("usage: llm-toolkit finetune --config NAME [key.sub=value ...]")
+
+
+def test_every_launch_option_goes_to_the_launcher_wherever_it_is_given():
+    """Each option of Accelerate's launch parser, after --config (with its value where it takes one), is the
+    launcher's: none is the recipe's, whose own are --config, --print-config and --help."""
+    for flag, takes_value in launch_options().items():
+        said = command(["pretrain", "--config", "pretrain_tiny", flag, *(["V"] if takes_value else []), "a.b=1"])
+        assert said[3:5 if takes_value else 4] == [flag, "V"][:1 + takes_value], flag
+        assert said[-3:] == ["--config", str(ROOT / "recipes" / "configs" / "pretrain_tiny.yaml"), "a.b=1"], flag
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipes_help_names_the_command_the_user_typed(name, monkeypatch, capsys):
+    """`llm-toolkit export --help` said `usage: export.py` (argparse's name of the script), plan's `usage: plan.py`."""
+    from recipe_runner import recipe_module
+
+    from toolkit.launch.cli import CALLED_AS
+
+    monkeypatch.setenv(CALLED_AS, f"llm-toolkit {name}")  # what main() sets before it runs the recipe
+    with pytest.raises(SystemExit) as exited:
+        sys.exit(recipe_module(name).main(["--help"]))
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: llm-toolkit {name} "), name

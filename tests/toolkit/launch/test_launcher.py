@@ -74,7 +74,7 @@ def launch_args(*argv: str):
     return launch_command_parser().parse_args(list(argv))
 
 
-def test_missing_files_are_named_with_the_nearest_shipped_config(monkeypatch):
+def test_missing_files_are_named_with_the_nearest_shipped_config(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     assert missing_file(launch_args("--config_file", "accelerate_configs/zero3.yaml", "recipes/pretrain.py")) is None
     assert missing_file(launch_args("--config_file", "accelerate_configs/zero4.yaml", "recipes/pretrain.py")) == (
@@ -91,6 +91,14 @@ def test_missing_files_are_named_with_the_nearest_shipped_config(monkeypatch):
     assert missing_file(launch_args("--config_file", "elsewhere/qqq.yaml", "recipes/pretrain.py")).endswith(
         "the shipped ones are in accelerate_configs/"  # from the checkout: relative
     )
+    # a name alone (llm-toolkit's way to name a shipped one) where the user's own YAMLs are: the nearest shipped one,
+    # not the folder's list (it offered a recipe's YAML as the accelerate config)
+    (tmp_path / "my_recipe.yaml").write_text("train: {max_steps: 1}\n")
+    monkeypatch.chdir(tmp_path)
+    assert missing_file(launch_args("--config_file", "zero9", str(ROOT / "recipes" / "pretrain.py"))).endswith(
+        "did you mean zero3 (accelerate_configs/zero3.yaml)?"
+    )
+    monkeypatch.chdir(ROOT)
     assert missing_file(launch_args("recipes/pretrian.py")) == (
         "recipes/pretrian.py does not exist (paths are relative to where you launch)"
     )

@@ -204,3 +204,17 @@ def test_a_launch_config_given_as_the_recipes_is_one_line(launch_config, kind, r
     err = capsys.readouterr().err
     assert err.startswith(f"error: --config {path} is {kind} (") and err.count("\n") == 1, err
     assert "not a recipe's; give it as " in err
+
+
+def test_a_launchers_option_given_to_the_recipe_says_where_it_goes(recipe, capsys, monkeypatch):
+    """`python recipes/pretrain.py --config X --num_processes 2` was "not an option of this recipe", without a hint;
+    every option of Accelerate's launch parser (the recipe's own --config and --help aside) says where it goes."""
+    from toolkit.launch.cli import launch_options
+
+    monkeypatch.delenv("RANK", raising=False)
+    for flag in launch_options():
+        assert run("pretrain", PretrainConfig, recipe, ["--config", TINY, flag]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {flag} is an option of the launcher (accelerate launch's), not of this recipe: give it before the "
+            "recipe's script (bash recipes/launch.sh OPTIONS recipes/NAME.py --config ...), or anywhere to llm-toolkit\n")
+    assert recipe.calls == []
