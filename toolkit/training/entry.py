@@ -74,7 +74,7 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool]:
             show = True
         elif option in OPTIONS:
             raise UserError(f"{arg}: {option} takes no value; write {option} alone")
-        elif option in launch_options():  # a launcher's, given to the recipe (python recipes/NAME.py --num_processes 2)
+        elif arg.startswith("--") and option in launch_options():  # a launcher's (python recipes/NAME.py --num_processes 2)
             raise UserError(f"{option} is an option of the launcher (accelerate launch's), not of this recipe: give it "
                             "before the recipe's script (bash recipes/launch.sh OPTIONS recipes/NAME.py --config ...), "
                             "or anywhere to llm-toolkit")
