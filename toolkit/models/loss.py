@@ -237,16 +237,20 @@ def static_flex_on_cpu(model: torch.nn.Module, device: torch.device):
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
-    """The output projection of a (possibly DDP/DeepSpeed-wrapped, compiled or peft) causal LM."""
+    """The output projection of a (possibly DDP/DeepSpeed-wrapped, compiled or peft) causal LM: with
+    adapter.modules_to_save=[lm_head], the trained copy peft's wrapper calls (itself a plain Linear)."""
     inner = unwrapped(model)
     name = type(inner).__name__
     head = inner.get_output_embeddings()
+    copies = getattr(head, "modules_to_save", None)  # peft's ModulesToSaveWrapper calls its active adapter's copy
+    if isinstance(copies, torch.nn.ModuleDict) and getattr(head, "active_adapters", None):
+        head = copies[head.active_adapters[0]]
     # isinstance, not type(): FSDP2 turns the class into a subclass when it shards the head
     if not isinstance(head, torch.nn.Linear):
         raise UserError(
-            f"model.loss=chunked computes the loss inside the output head, which must be a plain Linear; "
-            f"{name}'s is {type(head).__name__} (an adapter on lm_head?); use model.loss=full or leave the "
-            "output head out of adapter.target_modules"
+            f"model.loss=chunked computes the loss inside the output head, which must be a torch Linear layer; "
+            f"{name}'s is {type(head).__name__} (a LoRA on it: adapter.target_modules names it?); use model.loss=full "
+            "or leave the output head out of adapter.target_modules"
         )
     return head
 

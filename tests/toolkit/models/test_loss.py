@@ -422,8 +422,24 @@ def test_chunked_refuses_an_adapter_on_the_output_head(setup, make_model):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(make_model(), LoraConfig(r=4, target_modules=["lm_head"]))
-    with pytest.raises(UserError, match="must be a plain Linear.*model.loss=full"):
+    with pytest.raises(UserError, match="must be a torch Linear layer.*model.loss=full"):
         forward_loss_sum(model, setup["full"], 7)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])  # an untied head, and one tied to the embeddings
+def test_chunked_trains_a_head_in_modules_to_save_with_the_same_gradients(model_type, setup, chunk_models):
+    """adapter.modules_to_save=[lm_head] (the README's advice after adding tokens): peft's wrapper calls a trained
+    copy of the head, a plain Linear, whose loss the chunks compute as the full path does."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"] if model_type == "gpt2" else ["q_proj"],
+                      modules_to_save=["lm_head"], init_lora_weights=False)
+    model = get_peft_model(chunk_models(model_type), lora).train()
+    loss_ref, grads_ref = loss_and_grads(model, setup["full"], 0, setup["global_targets"])
+    assert any("modules_to_save" in n and "lm_head" in n for n in grads_ref)  # the head's copy trains
+    loss, grads = loss_and_grads(model, setup["full"], 7, setup["global_targets"])
+    assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
+    assert_same_grads(grads, grads_ref)
 
 
 def test_flex_attention_compiles_again_at_other_shapes(setup, make_model):
