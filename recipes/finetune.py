@@ -91,6 +91,7 @@ class FinetuneRecipe:
         # what the kernel's OOM killer would stop.
         sized = meta_base(cfg.model) if cfg.adapter.method != "qlora" else None  # QLoRA loads 4-bit on the GPU
         if sized is not None:
+            self.check_base_config(sized[0].config)  # what its config.json decides, before the load too
             check_base_fits(*sized, strategy, f"model.path={cfg.model.path}")
             if cfg.adapter.method == "full":  # every weight trains: gradients and AdamW state too
                 check_fits(sized[0], strategy, f"model.path={cfg.model.path}")
@@ -102,15 +103,7 @@ class FinetuneRecipe:
         for line in notes:
             trainer.print(line)
         strategy.check_fsdp_layers(model)
-        limit = max_positions(model.config)
-        if limit is not None and cfg.data.seq_len > limit:
-            raise UserError(
-                f"data.seq_len={cfg.data.seq_len} is larger than the base model's max positions ({limit}); lower data.seq_len"
-            )
-        if limit is not None and cfg.samples.max_new_tokens > limit:  # before and after training: hours, or a failure
-            raise UserError(f"samples.max_new_tokens={cfg.samples.max_new_tokens} is more than the base model's {limit} "
-                            f"positions; use at most {limit}, or 0 for no samples")
-        check_window(model.config, cfg.data.seq_len, cfg.model.attn_implementation, "the base model's sliding_window")
+        limit = self.check_base_config(model.config)  # a GGUF's or QLoRA's: known once loaded
 
         # Data: packed raw text (continued pretraining) or packed chat turns (SFT), of one corpus or of
         # several mixed by weight (data.sources).
@@ -163,6 +156,20 @@ class FinetuneRecipe:
         # Held-out loss of the base model, the "before" of the comparison at the end.
         if assembled.held_out and not assembled.resumed:
             trainer.state.eval_before = trainer.evaluate("before")
+
+    def check_base_config(self, config) -> int | None:
+        """The base's positions (None: unbounded), its config refusing what this run asks past them."""
+        cfg = self.cfg
+        limit = max_positions(config)
+        if limit is not None and cfg.data.seq_len > limit:
+            raise UserError(
+                f"data.seq_len={cfg.data.seq_len} is larger than the base model's max positions ({limit}); lower data.seq_len"
+            )
+        if limit is not None and cfg.samples.max_new_tokens > limit:  # before and after training: hours, or a failure
+            raise UserError(f"samples.max_new_tokens={cfg.samples.max_new_tokens} is more than the base model's {limit} "
+                            f"positions; use at most {limit}, or 0 for no samples")
+        check_window(config, cfg.data.seq_len, cfg.model.attn_implementation, "the base model's sliding_window")
+        return limit
 
     def blocks_of(self, data) -> tuple:
         """(train blocks, held-out blocks or None, lines for the log) of one corpus: chat records packed by turns,

@@ -126,6 +126,25 @@ def check_same_settings(checkpoint: Checkpoint, settings: dict, max_steps: int,
     return changed
 
 
+def check_before_preparing(folder: Path, cfg, optimizer_in_ds_json: bool = False) -> None:
+    """A resume's refusals that the config and checkpoint `folder`'s record (trainer_state.json) decide, said before
+    any data is prepared or model loaded (a tokenizer trained and a corpus packed, a 7B base loaded: minutes): the data
+    order and the settings a resume cannot take, as the resume would say them. A record that cannot be read is left
+    to the resume's own check (resume=auto sets that checkpoint aside and tries the one before)."""
+    try:
+        checkpoint = Checkpoint.read(folder)
+    except (OSError, ValueError):
+        return
+    check_same_data_order(checkpoint, cfg.seed, cfg.train.global_batch_size, getattr(cfg.data, "streaming", False))
+    settings = trained_settings(cfg, optimizer_in_ds_json)
+    if cfg.train.epochs is not None:  # its steps follow from the packed blocks: the resume checks them
+        settings.pop("train.max_steps", None)
+        max_steps = checkpoint.state.step
+    else:
+        max_steps = cfg.train.max_steps
+    check_same_settings(checkpoint, settings, max_steps, declared(type(cfg), "resume"))
+
+
 def _same_state(key: str, was, now) -> bool:
     return key == "train.mixed_precision" and {was, now} <= SAME_STATE_PRECISIONS
 

@@ -144,7 +144,14 @@ RULES: tuple[Rule, ...] = (
     ) if cfg.model.chunk_tokens and layout.tp > 1 else (
         f"train.objective={_objective(cfg)} scores each answer from the full logits: model.loss=chunked is not "
         "supported with it yet; use model.loss=full"
-    ) if cfg.model.chunk_tokens and _objective(cfg) != "sft" else None, {"model.loss": "full"}),
+    ) if cfg.model.chunk_tokens and _objective(cfg) != "sft" else (
+        # a LoRA layer holds the head's weight and its own matrices: the chunks read one plain weight (a head trained
+        # whole, adapter.modules_to_save, is one: a copy peft calls)
+        "model.loss=chunked computes the loss inside the output head, and adapter.target_modules puts a LoRA on it "
+        "(lm_head); use model.loss=full, or train the head whole with adapter.modules_to_save=[lm_head] in place of "
+        "its LoRA"
+    ) if cfg.model.chunk_tokens and _method(cfg) in ("lora", "qlora") and "lm_head" in cfg.adapter.target_modules
+        else None, {"model.loss": "full"}),
     Rule("model.compile=model", lambda cfg, layout, precision: (
         f"model.compile=model does not run {why}; use model.compile=layers"
     ) if cfg.model.compile == "model" and (why := whole_model_refused(layout)) else None, {"model.compile": "layers"}),

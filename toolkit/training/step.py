@@ -96,16 +96,26 @@ def skips_on_device(setting: str, accelerator: Accelerator, optimizer, family: F
     """Whether train.step_sync (`setting`: auto, host or none) leaves the skip decision on the device:
     only torch's fused AdamW takes it there. auto: wherever that optimizer steps; none: refused elsewhere."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    why = (
-        family.host_decides if family.host_decides is not None
-        else "fp16's loss scaler decides on the host" if accelerator.scaler is not None
-        else "it needs torch's fused AdamW (optim.fused=true; auto fuses on CUDA only)"
-        if not (type(inner) is torch.optim.AdamW and inner.defaults.get("fused")) else None
-    )
+    why = host_decides(family, accelerator.scaler is not None,
+                       type(inner) is torch.optim.AdamW and bool(inner.defaults.get("fused")))
+    check_step_sync(setting, why)
+    return setting != "host" and why is None
+
+
+def host_decides(family: Family, fp16: bool, fused: bool) -> str | None:
+    """Why a non-finite step's skip is decided on the host under `family` (fp16's loss scaler, torch's `fused` AdamW),
+    or None where the optimizer can skip it on the device."""
+    return (family.host_decides if family.host_decides is not None
+            else "fp16's loss scaler decides on the host" if fp16
+            else "it needs torch's fused AdamW (optim.fused=true; auto fuses on CUDA only)" if not fused else None)
+
+
+def check_step_sync(setting: str, why: str | None) -> None:
+    """train.step_sync=none where the host decides (`why`, host_decides), refused in one line. The launch asks it
+    from the config (the family, the precision, optim.fused on this device) before any data or model."""
     if setting == "none" and why is not None:
         raise UserError(f"train.step_sync=none cannot skip a non-finite step on the device here: {why}; "
                         "use train.step_sync=auto or host")
-    return setting != "host" and why is None
 
 
 def pipeline_step(

@@ -22,7 +22,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from toolkit.checkpoint.checkpointer import Checkpointer, SaveStopped
-from toolkit.checkpoint.settings import trained_settings
+from toolkit.checkpoint.settings import check_before_preparing, trained_settings
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config.combinations import check as check_combinations
 from toolkit.config.declarations import declared
@@ -63,9 +63,17 @@ from toolkit.training.metrics import (
     plot_loss,
     tracker_log_with,
 )
-from toolkit.training.optim import prepare_optimization, wind_back
+from toolkit.training.optim import prepare_optimization, use_fused, wind_back
 from toolkit.training.profiling import StepProfiler
-from toolkit.training.step import Diverged, optimizer_step, pipeline_step, skips_on_device, verdict
+from toolkit.training.step import (
+    Diverged,
+    check_step_sync,
+    host_decides,
+    optimizer_step,
+    pipeline_step,
+    skips_on_device,
+    verdict,
+)
 from toolkit.training.stop import StopRequest
 
 
@@ -105,6 +113,10 @@ class Trainer:
         check_combinations(cfg, strategy.layout, self.accelerator.mixed_precision,  # before the model loads
                            self.accelerator.device.type)
         strategy.check_sequence_length(cfg.data.seq_len)
+        fused = use_fused(cfg.optim.fused, self.accelerator.device) and not strategy.family.optimization_owned(strategy)
+        check_step_sync(t.step_sync, host_decides(strategy.family, self.accelerator.mixed_precision == "fp16", fused))
+        if self.resume_from is not None:  # what its record decides: minutes before the resume loads it
+            check_before_preparing(self.resume_from, cfg, bool(strategy.family.optimization_owned(strategy)))
         restart = cfg.resume == "auto" and self.resume_from is None and self.run.died_before_first_checkpoint()
         if restart:
             self.print(f"resume=auto: {self.run.root} has no complete checkpoint yet (the run stopped before "
