@@ -27,14 +27,26 @@ def _nothing_scored(cfg) -> str | None:
     return None if cfg.eval.harness_tasks else "eval.harness_tasks is empty: nothing is scored"
 
 
+def _no_held_out_data(cfg) -> str | None:
+    # said in the key's name: the data line's "0 held-out documents" is no word on what was asked
+    if cfg.data.val_fraction > 0 or getattr(cfg.data, "val_path", None):
+        return None
+    return ("data.val_fraction=0 holds out no documents, and no data.val_path gives any: there is nothing to evaluate; "
+            "set data.val_fraction above 0 (e.g. 0.05) for a held-out loss")
+
+
+def _nothing_evaluated(cfg) -> str | None:
+    return None if cfg.eval.every == 0 else _no_held_out_data(cfg)  # 0: only at the end, nothing asked of the steps
+
+
 @dataclass
 class EvalConfig:
     every: int = field(50, help="held-out loss and perplexity every N optimizer steps (0 = only at the end)",
-                       resume=free("when the held-out loss is measured"), used_when=ALWAYS,
+                       resume=free("when the held-out loss is measured"), used_when=_nothing_evaluated,
                        accepts={"0": "only at the end", "2**31": "only at the end"})
     blocks: int = field(64, help="held-out blocks per evaluation (of each source of a mixture), the same on any "
                         "number of processes (0 = all)", resume=FROM_NEXT_STEP,
-                        used_when=ALWAYS,  # without held-out data (val_fraction=0) the data line says 0 held-out
+                        used_when=_no_held_out_data,
                         accepts={"0": "every held-out block", "2**31": "every held-out block"})
     harness_tasks: list[str] = field(
         default_factory=list, help="lm-evaluation-harness tasks: a fine-tune scores its base and its result, "

@@ -69,7 +69,7 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
         "train.gamma": "FinetuneTrainConfig.validate", "train.orpo_lambda": "FinetuneTrainConfig.validate",
         "data.chat_template": "FinetuneDataConfig.validate", "data.record_format": "FinetuneDataConfig.validate",
         "data.columns.conversation": "FinetuneDataConfig.validate"}
-    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (38, 57)  # + train.canary_every (when), train.canary (always)
+    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (40, 55)  # eval.every and eval.blocks: held-out data; train.canary(_every)
     assert keys.USED_WHEN["adapter.r"] == ("adapter.method", ("lora", "qlora"), "LoRA's")
     assert keys.USED_WHEN["tokenizer.vocab_size"] == ("tokenizer.path", (None,), "for a tokenizer the run trains")
     assert keys.ACCEPTS["optim.max_grad_norm"] == {"0": "no clipping, as documented"}

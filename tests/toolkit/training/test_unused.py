@@ -43,6 +43,10 @@ CASES = {
                           ["data.path=a.jsonl"]),
     **{f"data.{k}": (PretrainConfig, f"data.{k}={v}", ["data.sources=[{name: a}]"], []) for k, v in (("name", "x"),
                                                                                                      ("split", "test"))},
+    # asked for with no held-out data (issue 63: said only as "0 held-out documents" on the data line)
+    "eval.every": (PretrainConfig, "eval.every=1", ["data.val_fraction=0"], []),
+    "eval.blocks": (FinetuneConfig, "eval.blocks=8", ["data.val_fraction=0"], ["data.val_fraction=0",
+                                                                              "data.val_path=b.jsonl"]),
     "checkpoint.async_save": (PretrainConfig, "checkpoint.async_save=true", ["checkpoint.every=0"], []),
     **{f"eval.harness_{k}": (PretrainConfig, f"eval.harness_{k}={v}", [], ["eval.harness_tasks=[my_task]"])
        for k, v in (("include_path", "."), ("num_fewshot", 2), ("limit", 5))},
