@@ -58,6 +58,7 @@ from toolkit.config.load import load_config  # noqa: E402
 from toolkit.launch.cli import OneLineParser  # noqa: E402
 from toolkit.models.adapter import leave_out_bitsandbytes  # noqa: E402
 from toolkit.planner import search  # noqa: E402
+from toolkit.planner.estimate import gigabytes  # noqa: E402
 from toolkit.planner.search import MICRO_BATCHES  # noqa: E402
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig  # noqa: E402
 
@@ -82,11 +83,11 @@ def load_recipe_config(path: str, overrides: list[str]):
     return ("finetune" if finetune else "pretrain"), load_config(cls, path, overrides)
 
 
-def plan(args) -> tuple[list[dict], dict | None, str, list[str]]:
-    """(the rows, the fastest that fits, the recipe, lines under the table) for the command line's config."""
+def plan(args) -> tuple[list[dict], dict | None, str, list[str], object]:
+    """(the rows, the fastest that fits, the recipe, lines under the table, its config) for the command line's."""
     recipe, cfg = load_recipe_config(args.config, args.overrides)
     rows, best, notes = search.plan(recipe, cfg, args.gpus, args.gpu_memory, args.headroom, args.micro_batch, args.cpu)
-    return rows, best, recipe, notes
+    return rows, best, recipe, notes, cfg
 
 
 def launch_line(best: dict, recipe: str, args) -> str:
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
         check_args(args)
-        rows, best, recipe, notes = plan(args)
+        rows, best, recipe, notes, cfg = plan(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -211,18 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     unit, units = ("CPU process", "CPU process(es)") if args.cpu else ("GPU", "GPU(s)")
     if best is None:
         smallest = min(rows, key=lambda r: r["peak_bytes"])
-        print(f"nothing fits {args.gpus} {units} of {args.gpu_memory / 1e9:.0f} GB: the smallest is {label(smallest)} / "
+        print(f"nothing fits {args.gpus} {units} of {gigabytes(args.gpu_memory)}: the smallest is {label(smallest)} / "
               f"{smallest['gradient_checkpointing']} / micro-batch {smallest['micro_batch_size']} at "
-              f"{smallest['peak_bytes'] / 1e9:.1f} GB per {unit}; add GPUs, shorten data.seq_len or train a LoRA")
+              f"{gigabytes(smallest['peak_bytes'])} per {unit}; {search.nothing_fits(recipe, cfg, rows)}")
     else:
         print(f"fastest that fits: {label(best)}, gradient checkpointing {best['gradient_checkpointing']}, "
               f"micro-batch {best['micro_batch_size']} ({best['peak_bytes'] / 1e9:.1f} GB peak per {unit}, "
               f"{(best['peak_bytes'] + best['reserve_bytes']) / 1e9:.1f} with +rsv, of {budget:.1f} usable: "
-              f"{args.gpu_memory / 1e9:.0f} GB less {args.headroom:.0%} headroom)")
+              f"{gigabytes(args.gpu_memory)} less {args.headroom:.0%} headroom)")
         print(launch_line(best, recipe, args))
     shown = rows if args.all else shortlist(rows)
     print(f"\n{'every row' if args.all else 'each strategy at its fastest that fits'} ({len(shown)} of {len(rows)}"
-          f"{'' if args.all else '; --all lists every one'}), {args.gpus} {units} of {args.gpu_memory / 1e9:.0f} GB:")
+          f"{'' if args.all else '; --all lists every one'}), {args.gpus} {units} of {gigabytes(args.gpu_memory)}:")
     print(table(shown, args))
     print(LEGEND.replace("per GPU", "per CPU process").replace("the CUDA context and the allocator's slack", CPU_RSV)
           if args.cpu else LEGEND)

@@ -56,7 +56,7 @@ def planned(config: str, gpus: int) -> tuple[dict, str]:
     args = PLAN.parser().parse_args(["--config", config, "--gpus", str(gpus), "--gpu-memory", "80GB"])
     PLAN.check_args(args)
     with contextlib.redirect_stderr(io.StringIO()):
-        _, best, recipe, notes = PLAN.plan(args)
+        _, best, recipe, notes, _ = PLAN.plan(args)
     return best, PLAN.launch_line(best, recipe, args), notes
 
 

@@ -270,6 +270,21 @@ def test_a_small_gpu_makes_it_shard_and_recompute():
     assert ("zero3", "full") in fitting and ("fsdp", "full") in fitting
 
 
+@pytest.mark.parametrize(("config", "said", "not_said"), [
+    # a QLoRA trains under DDP only: its limit is each GPU's memory, not their number
+    ("finetune_llama3.1_8b_qlora.yaml", "adapter.method=qlora trains under DDP only, and DDP holds the whole model on "
+     "every GPU: more GPUs do not lower it; try GPUs with more memory, a shorter data.seq_len or adapter.method=lora",
+     ("more GPUs,", "a LoRA (")),
+    ("finetune_llama3.1_8b_full.yaml", "try more GPUs, a shorter data.seq_len or a LoRA (adapter.method=lora)",
+     ("DDP only", "GPUs with more memory")),
+])
+def test_nothing_fits_says_what_limits_it_and_only_what_lowers_it(config, said, not_said):
+    out = plan("--config", f"recipes/configs/{config}", "--gpus", "2", "--gpu-memory", "0.5GB").stdout
+    first = out.splitlines()[0]
+    assert first.startswith("nothing fits 2 GPU(s) of 0.5 GB: ") and said in first, first  # was "of 0 GB"
+    assert not any(words in first for words in not_said), first
+
+
 def test_lora_needs_a_small_optimizer_and_no_base_gradients():
     config = "recipes/configs/finetune_smollm2_lora.yaml"
     lora = json.loads(plan("--config", config, "--gpus", "1", "--gpu-memory", "24GB", "--json").stdout)

@@ -156,8 +156,8 @@ def check_fits(model: torch.nn.Module, strategy, what: str) -> None:
         return
     n = sum(p.numel() for p in model.parameters())
     raise UserError(
-        f"{what} has {_count(n)} parameters; training it needs ~{per_process / 1e9:.0f} GB per process under "
-        f"{facts.name} (weights, gradients and AdamW state, before activations) and {machine} {free / 1e9:.0f} GB "
+        f"{what} has {_count(n)} parameters; training it needs ~{gigabytes(per_process)} per process under "
+        f"{facts.name} (weights, gradients and AdamW state, before activations) and {machine} {gigabytes(free)} "
         "available; pick a smaller model, shard it over more GPUs or machines under zero3 or fsdp, or see "
         "python recipes/plan.py"
     )
@@ -174,12 +174,20 @@ def check_base_fits(model: torch.nn.Module, bytes_per_param: int, strategy, what
     free = psutil.virtual_memory().available
     if n * bytes_per_param * local <= free:
         return
+    # only what would lower it: a weight that loads in 2 bytes already (model.dtype=bfloat16, or the base's own) has
+    # no smaller dtype to suggest
+    changes = ["a smaller base model", *(["model.dtype=bfloat16"] if bytes_per_param > 2 else []),
+               "fewer processes per machine" if local > 1 else "a machine with more memory"]
     raise UserError(
         f"{what} has {_count(n)} parameters: each of the {local} process(es) on this machine loads it whole "
-        f"({n * bytes_per_param / 1e9:.0f} GB) before {strategy.layout.name} shards it, and this machine has "
-        f"{free / 1e9:.0f} GB available; pick a smaller base model, model.dtype=bfloat16, or fewer processes "
-        "per machine (see python recipes/plan.py)"
+        f"({gigabytes(n * bytes_per_param)}) before {strategy.layout.name} shards it, and this machine has "
+        f"{gigabytes(free)} available; pick {', '.join(changes[:-1])} or {changes[-1]} (see python recipes/plan.py)"
     )
+
+
+def gigabytes(n_bytes: float) -> str:
+    """A size in GB (1e9 bytes) with enough digits to tell it from its neighbours: 0.5 GB, 12.3 GB, 148 GB."""
+    return f"{n_bytes / 1e9:.3g} GB" if n_bytes < 1e11 else f"{n_bytes / 1e9:.0f} GB"
 
 
 def _count(n: int) -> str:

@@ -252,6 +252,23 @@ def test_a_model_whose_training_state_exceeds_the_machine_is_refused(monkeypatch
         check_fits(meta_llama(hidden_size=1024, intermediate_size=2048, num_hidden_layers=6), launched("ddp", 2), "m")
 
 
+@pytest.mark.parametrize(("bytes_per_param", "dtype_said"), [(4, True), (2, False)])
+def test_a_base_the_machine_cannot_hold_is_refused_with_only_the_changes_that_lower_it(bytes_per_param, dtype_said,
+                                                                                        monkeypatch):
+    """An 8B LoRA's base in bf16 (issue 63) was told to set model.dtype=bfloat16, which it had: a suggestion is never
+    a setting already in effect. Sizes below 10 GB keep their digits (0.5 GB was said as 0 GB)."""
+    import psutil
+
+    from toolkit.planner.estimate import check_base_fits
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 0.5e9})())
+    model = meta_llama(hidden_size=2048, intermediate_size=4096, num_hidden_layers=8)  # 0.6B: over 0.5 GB in bf16
+    with pytest.raises(UserError) as err:
+        check_base_fits(model, bytes_per_param, launched(), "model.path=big")
+    assert ("model.dtype=bfloat16" in str(err.value)) == dtype_said
+    assert "this machine has 0.5 GB available; pick a smaller base model" in str(err.value)
+
+
 def test_on_a_gpu_the_free_device_memory_decides_as_the_strategy_shards(monkeypatch):
     """The shipped 1B config fits an 80 GB GPU under DDP (~20 GB of state); an 8B fits 8 GPUs under ZeRO-3
     but not DDP; optimizer state offloaded to the CPU is not counted against the GPU."""
