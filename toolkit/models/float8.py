@@ -43,10 +43,13 @@ def hardware_refused(device: torch.device) -> str | None:
 
 
 def config_problems(cfg) -> list[str]:
-    """What a recipe config with train.mixed_precision=fp8 asks that fp8 cannot do, whatever the layout."""
+    """What a recipe config with train.mixed_precision=fp8 asks that fp8 cannot do, whatever the layout, on a machine
+    that trains fp8 (on another, the launch refuses the machine first)."""
     problems = []
-    # float8's casts and scales are separate kernels eagerly: nanochat measured 0.23x bf16's speed without compile
-    if cfg.model.compile == "none" and not emulated():
+    # float8's casts and scales are separate kernels eagerly: nanochat measured 0.23x bf16's speed without compile.
+    # A machine that cannot train fp8 at all hears that first, at launch (hardware_refused): its speed is no question
+    here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.model.compile == "none" and not emulated() and hardware_refused(here) is None:
         problems.append("train.mixed_precision=fp8 is slower than bf16 without torch.compile (its casts and scales "
                         "run as separate kernels); set model.compile=layers (or model)")
     adapter = getattr(cfg, "adapter", None)

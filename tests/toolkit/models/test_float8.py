@@ -104,9 +104,19 @@ def test_the_hardware_check(monkeypatch):
 ])
 def test_what_fp8_cannot_do_is_refused_with_the_config(recipe, overrides, said, monkeypatch):
     monkeypatch.delenv(float8.EMULATE, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine that trains fp8: an H100
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ConfigError, match=said):
         load_config(recipe, None, ["train.mixed_precision=fp8", *overrides])
     load_config(recipe, None, ["train.mixed_precision=bf16", *overrides])  # fp8 is why
+
+
+def test_a_machine_without_fp8_is_said_before_what_fp8_would_want_of_the_config(monkeypatch):
+    """On a CPU, fp8 without model.compile was refused for the compile first, and for the CPU once that was set: the
+    most fundamental is said first, the machine (at launch: test_bad_config_gives_one_line[fp8 on a CPU])."""
+    monkeypatch.delenv(float8.EMULATE, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert float8.config_problems(load_config(PretrainConfig, None, ["train.mixed_precision=fp8"])) == []
 
 
 # ---------------------------------------------------------------- 30 steps against bf16
