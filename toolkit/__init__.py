@@ -30,8 +30,10 @@ def _torchao_enum(record: logging.LogRecord) -> bool:
 
 
 def _tied_head_saved_once(record: logging.LogRecord) -> bool:
-    return re.fullmatch(r"(\[RANK \d+\] )?Removed shared tensor \{'([\w.]+\.)?lm_head\.weight'\} while saving\..*",
-                        str(record.msg)) is not None
+    # the head's weight itself, or the one peft keeps of it under a LoRA (base_layer) or a trained copy
+    # (original_module): the same tensor as the embedding's, which the load ties again
+    return re.fullmatch(r"(\[RANK \d+\] )?Removed shared tensor \{'([\w.]+\.)?lm_head\.(base_layer\.|original_module\.)?"
+                        r"weight'\} while saving\..*", str(record.msg)) is not None
 
 
 logging.getLogger("accelerate.utils.other").addFilter(lambda record: not _tied_head_saved_once(record))

@@ -30,3 +30,30 @@ def test_model_weight_bars_are_off_and_other_bars_stay(tmp_path, capfd):
         assert "another bar" in err
     finally:
         hf_logging.set_tqdm_hook(previous)
+
+
+def test_accelerates_removed_shared_tensor_is_dropped_for_a_tied_head_alone(caplog):
+    """A tied head saved once is what the load ties again, with or without a LoRA on it (issue 63: a LoRA on lm_head
+    with model.loss=full printed "Removed shared tensor {'base_model.model.lm_head.base_layer.weight'}" at each save);
+    any other shared tensor is still said."""
+    import logging
+
+    import torch
+    from accelerate.state import PartialState
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+    from peft import LoraConfig, get_peft_model
+
+    PartialState()  # Accelerate's logger needs its state, as in a run
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    plain = LlamaForCausalLM(config)
+    lora = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+    copied = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj"],
+                                                                 modules_to_save=["lm_head"]))
+    with caplog.at_level(logging.WARNING):
+        for model in (plain, lora, copied):
+            assert len(clean_state_dict_for_safetensors(model.state_dict())) < len(model.state_dict())
+        assert "Removed shared tensor" not in caplog.text
+        other = torch.zeros(3)
+        clean_state_dict_for_safetensors({"a.weight": other, "b.weight": other})
+        assert "Removed shared tensor {'b.weight'}" in caplog.text
