@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import pickle
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -145,16 +146,23 @@ NOT_WRITERS = {
 # What the writers raise on a full disk, one of each type (measured with RLIMIT_FSIZE, which fails a write the
 # way ENOSPC does): Python's files and arrow OSError, safetensors its own SafetensorError (not an OSError),
 # torch.save (and DeepSpeed's save, and Accelerate's for the optimizer and random states) a RuntimeError from
-# its zip writer. A state that cannot be pickled fails the same save with a PicklingError.
+# its zip writer, the tokenizers library (a tokenizer's save_pretrained) a bare Exception: a Rust io error
+# becomes one with the OS error at the end of its text. A state that cannot be pickled fails the same save
+# with a PicklingError.
 RUST_ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
+TOKENIZERS_ENOSPC = "No space left on device (os error 28)"
 ZIP_ENOSPC = "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: file write failed"
+# A Rust io error's text ends with its errno; these say a write failed (a missing file, a bad argument do not)
+RUST_IO_ERROR = re.compile(r"\(os error (\d+)\)$")
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def full_disk_errors(path: str) -> list[BaseException]:
     from safetensors import SafetensorError
 
     return [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path), OSError(errno.EIO, os.strerror(errno.EIO), path),
-            SafetensorError(RUST_ENOSPC), RuntimeError(ZIP_ENOSPC), pickle.PicklingError("Can't pickle <lambda>")]
+            SafetensorError(RUST_ENOSPC), RuntimeError(ZIP_ENOSPC), Exception(TOKENIZERS_ENOSPC),
+            pickle.PicklingError("Can't pickle <lambda>")]
 
 
 def failed_write(exc: BaseException) -> str | None:
@@ -173,6 +181,9 @@ def failed_write(exc: BaseException) -> str | None:
     if isinstance(exc, TypeError) and text.startswith("cannot pickle"):
         return text
     if isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text):
+        return text
+    rust = RUST_IO_ERROR.search(text) if type(exc) is Exception else None  # exactly Exception: no subclass's bug
+    if rust is not None and int(rust.group(1)) in WRITE_ERRNOS:
         return text
     return None
 
