@@ -33,7 +33,7 @@ from toolkit.parallel_layout import ParallelLayout
 from toolkit.run.faults import fail_point, kill_point
 from toolkit.run.folder import MODEL_FILES, PRUNED, RunDir, converted_state
 from toolkit.run.manifest import MANIFEST, crc32, write_manifest
-from toolkit.run.writes import failed_write
+from toolkit.run.writes import failed_write, release
 from toolkit.strategy.by_name import ConsolidatedState
 from toolkit.strategy.ddp import files as ddp
 from toolkit.strategy.distributed import Strategy
@@ -285,6 +285,7 @@ def _write_failure(exc: BaseException, rank: int, folder: Path, main: bool) -> s
         if main:
             shutil.rmtree(folder, ignore_errors=True)
         raise exc
+    release(exc)  # its files closed: the folder's removal frees their room (a background save's error is kept)
     if isinstance(exc, OSError) and exc.filename:
         return f"rank {rank} writing {exc.filename}: {exc.strerror or exc}"
     full = " (the disk is full)" if _free(folder) == 0 else ""

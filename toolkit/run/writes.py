@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import shutil
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +189,17 @@ def failed_write(exc: BaseException) -> str | None:
     return None
 
 
+def release(exc: BaseException) -> None:
+    """The frames a failed write raised through let go of what they held. A library's writer keeps its file open
+    in them (torch.save's zip writer, whose close failed too): a removed file's room comes back only once that is
+    closed, and an error kept (a background save's, until it is said) holds them as long as it lives."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # the error it was raised while handling, too
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__context__
+
+
 def line(writer: str, cause: str, where: Path | str | None = None) -> str:
     """The one line a failed write of WRITERS[writer] says: what, why, what to do."""
     w = WRITERS[writer]
@@ -217,6 +229,7 @@ def writing(writer: str, *temporaries: Path, say: Callable[[str], None] | None =
         cause = failed_write(exc)
         if cause is None:
             raise
+        release(exc)
         message = line(writer, cause, temporaries[0] if temporaries else None)
         if WRITERS[writer].exit is None and say is not None:
             say(f"warning: {message}")

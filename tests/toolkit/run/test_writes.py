@@ -7,7 +7,9 @@ half-written that a later resume, export or run could take for complete. In one 
 from __future__ import annotations
 
 import ast
+import contextlib
 import errno
+import inspect
 import json
 import os
 import pickle
@@ -87,12 +89,21 @@ def test_every_function_the_table_names_exists():
     assert not stale, stale
 
 
+# The writers whose case reads a training run on a full disk (the_run): walked under blocking saves and again under
+# background ones (checkpoint.async_save), whose writes fail in a thread of their own and are said steps later
+IN_A_RUN = {"checkpoint", "converted checkpoint", "trackers", "profile", "loss plot"}
+WALK = [*(pytest.param(w, False, id=w) for w in sorted(WRITERS)),
+        *(pytest.param(w, True, id=f"{w}-background") for w in sorted(IN_A_RUN))]
+
+
 def test_every_writer_has_a_case_here():
     assert set(CASES) == set(WRITERS), set(WRITERS) ^ set(CASES)
+    in_a_run = {w for w, case in CASES.items() if "the_run(" in inspect.getsource(case)}
+    assert in_a_run == IN_A_RUN, in_a_run ^ IN_A_RUN
 
 
-@pytest.mark.parametrize("writer", sorted(WRITERS))
-def test_each_writer_on_a_full_disk(writer, request):
+@pytest.mark.parametrize(("writer", "background"), WALK)
+def test_each_writer_on_a_full_disk(writer, background, request):
     CASES[writer](request)
 
 
@@ -100,15 +111,30 @@ def test_each_writer_on_a_full_disk(writer, request):
 
 
 def failing(exc: BaseException, partial_arg: int | None = 1):
-    """A library write that fails as a full disk does: some bytes of its file written, then `exc`."""
+    """A library write that fails as a full disk does: some bytes of its file written, then `exc`, raised with the
+    file still open in its frame (torch.save's zip writer holds it so: its close fails too), where the room of a
+    removed file stays taken for as long as anything keeps the error."""
 
     def write(*args, **kwargs):
         if partial_arg is not None and len(args) > partial_arg and isinstance(args[partial_arg], (str, Path)):
             Path(args[partial_arg]).parent.mkdir(parents=True, exist_ok=True)
-            Path(args[partial_arg]).write_bytes(b"\0" * 64)
+            held = open(args[partial_arg], "wb")  # noqa: SIM115 - left open, as the library leaves it
+            held.write(b"\0" * 64)
+            held.flush()
         raise exc
 
     return write
+
+
+def held_open(root: Path) -> list[str]:
+    """The removed files under `root` this process still holds open: their room is not free."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, gone
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(root)) and target.endswith(" (deleted)"):
+                found.append(target)
+    return found
 
 
 def _cause(exc: BaseException) -> str:
@@ -123,8 +149,24 @@ def blocks(tiny_texts, tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full_disk_run(blocks, tiny_tokenizer, tiny_model, tmp_path_factory):
+    return _full_disk_run(blocks, tiny_tokenizer, tiny_model, tmp_path_factory, background=False)
+
+
+@pytest.fixture(scope="module")
+def full_disk_run_background(blocks, tiny_tokenizer, tiny_model, tmp_path_factory):
+    return _full_disk_run(blocks, tiny_tokenizer, tiny_model, tmp_path_factory, background=True)
+
+
+def the_run(request):
+    """The run on a full disk this case is walked under: its saves blocking, or in the background."""
+    return request.getfixturevalue("full_disk_run_background" if request.node.callspec.params["background"]
+                                   else "full_disk_run")
+
+
+def _full_disk_run(blocks, tiny_tokenizer, tiny_model, tmp_path_factory, background: bool):
     """One run whose every save after the first fails, each with the next exception type (on_save_error=continue),
-    whose tensorboard, profile and loss plot fail once each; then a resume whose save fails under =stop."""
+    whose tensorboard, profile and loss plot fail once each; then a resume whose save fails under =stop. What the
+    run holds open of removed files is read as each failure is said."""
     import matplotlib.figure
     from accelerate import tracking
     from accelerate.utils import other
@@ -145,18 +187,26 @@ def full_disk_run(blocks, tiny_tokenizer, tiny_model, tmp_path_factory):
     mp.setattr(profile, "export_chrome_trace", failing(errors[1], None))
     mp.setattr(matplotlib.figure.Figure, "savefig", failing(errors[2]))
     printed: list[str] = []
+    held: dict[str, list[str]] = {}  # a failure said -> the removed files then held open
+    saves = f"checkpoint.async_save={str(background).lower()}"
+
+    def say(line: str) -> None:
+        printed.append(line)
+        if "could not be written" in line:
+            held[line] = held_open(out)
+
     try:
         trainer = start_trainer(out, blocks, tiny_tokenizer, tiny_model, f"train.max_steps={len(errors) + 1}",
-                                "checkpoint.every=1",
+                                "checkpoint.every=1", saves,
                                 "checkpoint.keep_last=10", "eval.every=0", "checkpoint.on_save_error=continue",
                                 "logging.trackers=[tensorboard]", "logging.profile=[2, 3]")
-        trainer.strategy.print = printed.append
+        trainer.strategy.print = say
         trainer.fit()
         plot = trainer.close()
         rows = [r["step"] for r in read_metrics(trainer.run.metrics) if "checkpoint_error" in r]
         mp.setattr(other, "safe_save_file", failing(errors[2]))
         again = start_trainer(out, blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", "checkpoint.every=1",
-                              "eval.every=0", "resume=auto")
+                              saves, "eval.every=0", "resume=auto")
         from toolkit.checkpoint.checkpointer import SaveStopped
 
         with pytest.raises(SaveStopped) as stopped:
@@ -165,18 +215,20 @@ def full_disk_run(blocks, tiny_tokenizer, tiny_model, tmp_path_factory):
     finally:
         mp.undo()
         AcceleratorState._reset_state(True)
-    return trainer, printed, plot, str(stopped.value), errors, rows
+    return trainer, printed, plot, str(stopped.value), errors, rows, held
 
 
 def case_checkpoint(request):
     from toolkit.run.manifest import check_manifest
 
-    trainer, printed, _, stopped, errors, rows = request.getfixturevalue("full_disk_run")
+    trainer, printed, _, stopped, errors, rows, held = the_run(request)
     run = trainer.run
     for step, exc in enumerate(errors, start=2):
         said = [p for p in printed if f"warning: checkpoint step-{step} could not be written" in p]
         assert len(said) == 1 and _cause(exc) in said[0] and "step-1 is intact" in said[0], (step, printed)
         assert said[0].endswith("training goes on (checkpoint.on_save_error=continue)")
+        # its files closed by the time it is said (a background save's error is kept until then): their room is free
+        assert held[said[0]] == [], (step, held[said[0]])
     # nothing of a failed save is left that a resume or an export could take for a checkpoint
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-1"]
     assert check_manifest(run.checkpoint(1)) is None
@@ -188,20 +240,20 @@ def case_checkpoint(request):
 
 
 def case_trackers(request):
-    trainer, printed, _, _, errors, _ = request.getfixturevalue("full_disk_run")
+    trainer, printed, _, _, errors, _, _ = the_run(request)
     said = [p for p in printed if "trackers could not be written" in p]
     assert len(said) == 1 and _cause(errors[0]) in said[0] and said[0].endswith("logging.trackers are not written to again in this run")
 
 
 def case_profile(request):
-    trainer, printed, _, _, errors, _ = request.getfixturevalue("full_disk_run")
+    trainer, printed, _, _, errors, _, _ = the_run(request)
     said = [p for p in printed if "profile could not be written" in p]
     assert len(said) == 1 and said[0].startswith("[unit] warning: ") and _cause(errors[1]) in said[0]
     assert not any(p.startswith("[unit] profile: ") for p in printed)  # no "written to" for what was not
 
 
 def case_loss_plot(request):
-    trainer, printed, plot, _, errors, _ = request.getfixturevalue("full_disk_run")
+    trainer, printed, plot, _, errors, _, _ = the_run(request)
     said = [p for p in printed if "loss plot could not be written" in p]
     assert len(said) == 1 and _cause(errors[2]) in said[0]
     assert plot is None and not trainer.run.loss_plot.exists()  # the partial PNG is gone
@@ -272,6 +324,7 @@ def case_final_model(request):
         assert str(info.value).startswith("final model could not be written: ") and _cause(exc) in str(info.value)
         assert "resume=auto" in str(info.value) and info.value.exit == 5
         assert sorted(p.name for p in tmp.iterdir()) == ["final"]  # no final.tmp
+        assert held_open(tmp) == []  # nor its room taken: the error kept (info) holds no file open
         assert (final / "README.md").read_text() == "the previous final/"
 
 
@@ -436,7 +489,7 @@ def case_converted_checkpoint(request):
     from toolkit.checkpoint import conversion
     from toolkit.config.errors import UserError
 
-    trainer, *_ = request.getfixturevalue("full_disk_run")
+    trainer, *_ = the_run(request)
     folder, monkeypatch = trainer.run.checkpoint(1), request.getfixturevalue("monkeypatch")
     for exc in full_disk_errors(str(folder) + ".converted.tmp/exp_avg.safetensors"):
         monkeypatch.setattr(conversion, "save_file", failing(exc))
