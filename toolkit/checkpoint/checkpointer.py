@@ -31,6 +31,7 @@ class Checkpointer:
         self.strategy, self.run, self.cfg, self.say, self.log = strategy, run, cfg, say, log
         self.saving: Saving | None = None  # a checkpoint still being made complete
         self.step = -1  # the step of the newest checkpoint begun (-1: none yet, or its save failed)
+        self.tried = -1  # the step of the newest save begun, failed or not: the end and a stop do not try it again
         self.model: torch.nn.Module | None = None  # the unwrapped model whose weights are saved (attach)
         self.model_files: Callable[[Path], None] | None = None
         self.stream = None  # what each rank keeps of its own: a stream's position (toolkit.data.streaming)
@@ -59,7 +60,8 @@ class Checkpointer:
         if bad is not None:
             raise UserError(f"checkpoint {self.loaded} holds non-finite weights ({bad} has NaN or inf); resume from an "
                             "earlier checkpoint with resume=PATH, or start a new output_dir")
-        self.step, self.unproven = state.step, True
+        self.step = self.tried = state.step
+        self.unproven = True
         self.say(f"resumed from {self.loaded} at step {state.step}")
         return state
 
@@ -87,7 +89,7 @@ class Checkpointer:
         bad = nonfinite_weight(self.strategy.accelerator, self.model)
         state.suspect = (f"non-finite weights ({bad})" if bad is not None
                          else f"saved right after {skipped} skipped non-finite step(s)" if skipped else "")
-        self.step = state.step
+        self.step = self.tried = state.step
         self.saving = begin_save(self.strategy, self.run, state, self.cfg.keep_last, self.model_files, self.say,
                                  rank_files=self.stream.save if self.stream is not None else None,
                                  background=background)
@@ -114,7 +116,7 @@ class Checkpointer:
         except SaveFailed as exc:
             self.saving = None
             if self.step == saving.state.step:
-                self.step = -1  # the step has no checkpoint: the end and a stop try again
+                self.step = -1  # the step has no checkpoint: the end and a stop try again, at a later step
             self.log("checkpoint_error", {"step": saving.state.step, "checkpoint_error": str(exc)})
             if self.cfg.on_save_error == "stop":
                 raise SaveStopped(f"{exc}; free space, then continue with resume=auto") from None

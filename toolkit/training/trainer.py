@@ -427,7 +427,8 @@ class Trainer:
         bar.close()
         step = self.state.step
         self.checkpoints.wait(step)
-        folder = self.save_checkpoint() if self.checkpoints.step != step else self.run.checkpoint(step)
+        folder = (self.save_checkpoint() if self.checkpoints.tried != step
+                  else self.run.checkpoint(step) if self.checkpoints.step == step else None)
         saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
         raise Stopped(f"stopped by a signal at step {step}; {saved}; continue with resume=auto")
 
@@ -498,7 +499,7 @@ class Trainer:
         the run), then the replica check and every rank's peak memory."""
         if self.feed.val is not None and self.eval_step != self.step:
             self.state.last_eval = self.evaluate("after")
-        if self.checkpoints.step != self.step:
+        if self.checkpoints.tried != self.step:  # a save of this step that failed is said once, not tried again
             self.save_checkpoint()
         digests = self.strategy.check_replicas_in_sync(self.model)
         memory = gather_object([peak_memory_mb(self.strategy.device)])
