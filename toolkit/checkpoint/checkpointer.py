@@ -119,7 +119,9 @@ class Checkpointer:
                 self.step = -1  # the step has no checkpoint: the end and a stop try again, at a later step
             self.log("checkpoint_error", {"step": saving.state.step, "checkpoint_error": str(exc)})
             if self.cfg.on_save_error == "stop":
-                raise SaveStopped(f"{exc}; free space, then continue with resume=auto") from None
+                then = ("continue with resume=auto" if self.run.latest_checkpoint() is not None
+                        else "run the same command again: there is no checkpoint to continue from")
+                raise SaveStopped(f"{exc}; free space, then {then}") from None
             self.say(f"warning: {exc}; training goes on (checkpoint.on_save_error=continue)")
             return None
         if folder is None:  # the manifest and state file being written, in the background

@@ -244,10 +244,11 @@ class Saving:
             raise RuntimeError(f"checkpoint {folder.name}: another process failed while writing it; its error is "
                                "above")
         if strategy.accelerator.is_main_process:
-            written = _bytes(folder)
             shutil.rmtree(folder, ignore_errors=True)
-            needed = _bytes(previous) if previous is not None else written
-            failure += f"; a checkpoint needs about {_size(needed)}, {_size(_free(folder))} is free there"
+            # what the failed save wrote is no measure of it (nothing, where its first write failed)
+            needed = (f"about {_size(_bytes(previous))}" if previous is not None
+                      else f"at least {_size(least_bytes(strategy))}")
+            failure += f"; a checkpoint needs {needed}, {_size(_free(folder))} is free there"
             failure += f"; {previous.name} is intact" if previous is not None else "; no earlier checkpoint exists"
         failure = _first(strategy, failure if strategy.accelerator.is_main_process else None)
         raise SaveFailed(f"checkpoint {folder.name} could not be written: {failure}")
@@ -311,6 +312,17 @@ def _first(strategy: Strategy, failure: str | None) -> str | None:
 
 def _bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def least_bytes(strategy: Strategy) -> int:
+    """What a checkpoint of this run holds at least, before any was written: each weight of this process's models in
+    fp32 and AdamW's two fp32 moments of each weight trained (a 16-bit copy, the schedule and random states on top)."""
+    total = 0
+    for model in strategy.prepared()[0]:
+        for param in model.parameters():
+            count = getattr(param, "ds_numel", param.numel())  # ZeRO-3 keeps an empty stand-in; numel() is 0
+            total += count * (12 if param.requires_grad else 4)
+    return total
 
 
 def _free(folder: Path) -> int:

@@ -64,7 +64,8 @@ WRITERS: dict[str, Writer] = {
     "final model": Writer(
         "final/ and adapter/ (weights, config, tokenizer, card), written in a .tmp folder and renamed into place",
         ("toolkit.export.hf_folder:write_model_folder", "toolkit.export.hf_folder:save_adapter"),
-        "free space, then run the same command with resume=auto: it writes them again from the last checkpoint",
+        "free space, then run the same command with resume=auto: it writes them again from the run's newest "
+        "checkpoint, or trains again from the start where none was saved",
         "the previous final/ or adapter/ if any (the .tmp removed); the checkpoints untouched",
     ),
     "data cache": Writer(

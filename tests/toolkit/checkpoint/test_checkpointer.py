@@ -58,6 +58,21 @@ def test_a_failed_save_stops_the_run_or_is_said_and_leaves_no_checkpoint_of_its_
     assert [p.name for p in keeper.run.complete_checkpoints()] == ["step-1"]
 
 
+def test_a_first_save_that_failed_before_writing_says_what_a_checkpoint_needs_and_names_none(tmp_path, strategy,
+                                                                                            monkeypatch):
+    """In the background the writes never started (nothing on disk to measure): the need is the weights and AdamW's
+    moments, 15 x (4 + 8) bytes, and with no checkpoint there is none to continue from."""
+    monkeypatch.setenv("LLM_TOOLKIT_FAIL", "save.rank_files@1/0=ENOSPC")
+    monkeypatch.setenv("LLM_TOOLKIT_KILL_LOG", str(tmp_path / "faults.log"))
+    keeper, _, _ = checkpointer(strategy, tmp_path)
+    assert keeper.save(TrainerState(step=1), background=True) is None
+    with pytest.raises(SaveStopped) as info:
+        keeper.wait(1)
+    said = str(info.value)
+    assert "; a checkpoint needs at least 180 bytes, " in said and "; no earlier checkpoint exists; " in said, said
+    assert said.endswith("; free space, then run the same command again: there is no checkpoint to continue from")
+
+
 def test_a_save_of_weights_that_are_not_numbers_is_marked_suspect_and_so_is_one_right_after_skips(tmp_path, strategy):
     keeper, _, _ = checkpointer(strategy, tmp_path, keep_last=3)
     state = TrainerState(step=1)
