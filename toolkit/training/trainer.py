@@ -429,8 +429,11 @@ class Trainer:
         self.checkpoints.wait(step)
         folder = (self.save_checkpoint() if self.checkpoints.tried != step
                   else self.run.checkpoint(step) if self.checkpoints.step == step else None)
-        saved = f"checkpoint saved in {folder}" if folder else f"its checkpoint failed, {self.run.latest_checkpoint()} is the newest"
-        raise Stopped(f"stopped by a signal at step {step}; {saved}; continue with resume=auto")
+        newest = self.run.latest_checkpoint()
+        saved = (f"checkpoint saved in {folder}; continue with resume=auto" if folder else
+                 f"its checkpoint failed, {newest} is the newest; continue with resume=auto" if newest else
+                 "its checkpoint failed and no other was saved: run the same command again to start over")
+        raise Stopped(f"stopped by a signal at step {step}; {saved}")
 
     def settle(self, step: int, step_tokens: int, nonfinite: str | None, bar, unread: bool = False) -> None:
         """What a step's verdict decides: the tokens it trained on count, or its skip is logged and the run stops

@@ -107,6 +107,21 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues_bit_exactly(tmp_p
     assert losses(resumed.run) == losses(whole.run)  # the same floats, step 1 from before the stop
 
 
+def test_a_stop_whose_checkpoint_failed_names_none_that_does_not_exist(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                     monkeypatch):
+    """A stop signal at step 1 whose save fails on a full disk (checkpoint.on_save_error=continue): with no other
+    checkpoint, the line says to start over (it said 'None is the newest; continue with resume=auto')."""
+    monkeypatch.setenv("LLM_TOOLKIT_FAIL", "save.manifest@1/0=ENOSPC")
+    monkeypatch.setenv("LLM_TOOLKIT_KILL_LOG", str(tmp_path / "faults.log"))
+    stopped = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=3", "checkpoint.every=0",
+                    "checkpoint.on_save_error=continue")
+    stopped.stop._handle(signal.SIGTERM, None)
+    with pytest.raises(Stopped, match="stopped by a signal at step 1; its checkpoint failed and no other was saved: "
+                                      "run the same command again to start over$"):
+        stopped.fit()
+    stopped.close()
+
+
 def test_model_size_counts_a_tied_output_head_as_a_matmul(tiny_model):
     """The input embedding is a lookup (no FLOPs); the output head multiplies, tied to it or not."""
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
