@@ -417,7 +417,7 @@ def test_a_model_far_larger_than_the_machine_is_refused_before_it_is_built(pretr
     line = run_main(pretrain, capsys, monkeypatch, tmp_path, *HUGE)
     assert line.startswith("error: model.config (llama, hidden_size=16384, intermediate_size=53248, ")
     assert re.search(r"\) has 20\d\.\dB parameters; training it needs ~3\d\d\d GB per process under single process "
-                     r"\(weights, gradients and AdamW state, before activations\) and this machine has \d+ GB available", line)
+                     r"\(weights, gradients and AdamW state, before activations\) and this machine has [\d.]+ GB available", line)
     assert line.endswith("or see python recipes/plan.py")
     assert not list((tmp_path / "cache").glob("packed-*"))  # no data was prepared
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.checkpoint.formats import Checkpoint
+from toolkit.checkpoint.integrity import read_intact
 from toolkit.config.declarations import FROM_NEXT_STEP, KEPT_BY_THE_OPTIMIZER, SCHEDULE, Resume, declared
 from toolkit.config.errors import UserError
 from toolkit.config.keys import value_at
@@ -129,11 +130,11 @@ def check_same_settings(checkpoint: Checkpoint, settings: dict, max_steps: int,
 def check_before_preparing(folder: Path, cfg, optimizer_in_ds_json: bool = False) -> None:
     """A resume's refusals that the config and checkpoint `folder`'s record (trainer_state.json) decide, said before
     any data is prepared or model loaded (a tokenizer trained and a corpus packed, a 7B base loaded: minutes): the data
-    order and the settings a resume cannot take, as the resume would say them. A record that cannot be read is left
-    to the resume's own check (resume=auto sets that checkpoint aside and tries the one before)."""
-    try:
-        checkpoint = Checkpoint.read(folder)
-    except (OSError, ValueError):
+    order and the settings a resume cannot take, as the resume would say them. A record that cannot be read, or is
+    not this checkpoint's (integrity.read_intact's cheap checks), is left to the resume's own check (resume=auto sets
+    that checkpoint aside and tries the one before)."""
+    checkpoint, _ = read_intact(folder)
+    if checkpoint is None:
         return
     check_same_data_order(checkpoint, cfg.seed, cfg.train.global_batch_size, getattr(cfg.data, "streaming", False))
     settings = trained_settings(cfg, optimizer_in_ds_json)

@@ -3,9 +3,8 @@
     bash recipes/launch.sh --config_file accelerate_configs/zero3.yaml --num_processes 2 \\
         recipes/pretrain.py --config recipes/configs/pretrain_tiny.yaml
 
-Same arguments as `accelerate launch`, run in this process, each honoured or refused (toolkit/launch/options.py:
-`--num_processes 2` alone is 2 ranks); the recipe's exit code and one line, a missing --config_file or script refused
-in one line, SIGTERM/SIGUSR1/SIGINT passed on to the ranks (they save, exit 3).
+Same arguments as `accelerate launch`, each honoured or refused (toolkit/launch/options.py); the recipe's exit code
+and one line, a missing --config_file or script refused in one line, SIGTERM/SIGUSR1/SIGINT passed on to the ranks.
 What torchrun does instead, and why no flag could: docs/internals.md, toolkit/launch/launcher.py.
 """
 

@@ -1,15 +1,10 @@
-"""The numerics canary (`train.canary`): every fast path the run takes, checked against the reference it was proven
-against on CPU, while the run goes on.
+"""The numerics canary (`train.canary`): every fast path a run takes, checked while it goes on against the
+reference it was proven against on CPU (`LEVERS`).
 
-At the first step of a launch and every `train.canary_every` steps, before that step trains, one row of its first
-micro-batch (the one holding the most documents) goes through the model twice on the same weights: as the run computes it, and with every lever in use
-switched to its reference (`LEVERS`). The summed loss and the gradients of a sample of the trainable tensors are
-compared within the tolerance of the precision the run computes in (`TOLERANCE`). A drift past it stops the run
-(`Drifted`, exit 5, before the step's update: every checkpoint saved so far is of weights trained before it) or, with
-`train.canary=warn`, is said; the lever is named by running the reference with one lever at a time in its fast form.
-
-Neither pass touches what training reads: the gradients come from `torch.autograd.grad` (no `.grad` written, no
-hook of DDP or DeepSpeed that waits on one), the RNG is forked, and each lever is switched back on exit.
+At the launch's first step and every `train.canary_every` steps, before the step trains, a row of its first micro-batch
+goes through the model as the run computes it and with every lever switched to its reference, on the same weights;
+the summed loss and a sample of gradients are compared within the precision's `TOLERANCE`. A drift stops the run
+(`Drifted`) or, with `warn`, is said. Why and how it leaves training untouched: docs/internals.md, this module.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ CASES = {
     "eval.blocks": (FinetuneConfig, "eval.blocks=8", ["data.val_fraction=0"], ["data.val_fraction=0",
                                                                               "data.val_path=b.jsonl"]),
     "checkpoint.async_save": (PretrainConfig, "checkpoint.async_save=true", ["checkpoint.every=0"], []),
+    "train.canary_every": (PretrainConfig, "train.canary_every=5", [], ["train.canary=stop"]),
     **{f"eval.harness_{k}": (PretrainConfig, f"eval.harness_{k}={v}", [], ["eval.harness_tasks=[my_task]"])
        for k, v in (("include_path", "."), ("num_fewshot", 2), ("limit", 5))},
     "model.gguf_cache": (FinetuneConfig, "model.gguf_cache=false", ["model.path=org/base"], ["model.path=b.gguf"]),
