@@ -13,7 +13,8 @@ and the recipe prints its table and writes its JSON to --output (default ./harne
 Under `accelerate launch` the harness splits the documents over the processes where each has a GPU; on CPU the first
 process evaluates alone, said in one line. Errors, one line and exit code 2: an unknown task (with the closest
 names), a task whose documents are on the Hub when it cannot be reached, a folder that is not a model, a
-checkpoint still being written, an existing --output without --overwrite, the harness not installed.
+checkpoint still being written, an existing --output without --overwrite, an --output inside a run's own entry (a
+checkpoint's folder, which rotation deletes with the scores) or inside what it reads, the harness not installed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from toolkit.launch import environment
 from toolkit.launch.cli import OneLineParser
 from toolkit.launch.rank_process import die_with_trainer
 from toolkit.models.adapter import leave_out_bitsandbytes
+from toolkit.run.paths import COMMAND_OPTIONS, READ, check_scores_output
 from toolkit.run.writes import WriteFailed, writing
 from toolkit.training.harness import HarnessConfig, check_tasks, harness, scores, table, task_manager
 
@@ -82,11 +84,15 @@ def as_evaluation(read, *args, **kwargs):
 def output_path(args, source: Source) -> Path:
     """--output, or ./harness-<run or folder name>[-step-N].json; an existing file only with --overwrite, and only one
     this recipe wrote."""
-    name = (source.run_dir or source.path).name + (f"-step-{source.step}" if source.step is not None else "")
-    output = Path(args.output) if args.output else Path(f"harness-{name}.json")
+    if args.output:
+        output = Path(args.output)
+    else:
+        name = (source.run_dir or source.path).name + (f"-step-{source.step}" if source.step is not None else "")
+        output = Path(f"harness-{name}.json")
     check_creatable(output)
     if output.is_dir():
         raise UserError(f"--output {output} is a folder; give a file name ending in .json")
+    check_scores_output(output, reads(args))
     if output.exists():
         if not args.overwrite:
             raise UserError(f"{output} exists; give another --output, or --overwrite to replace it")
@@ -98,6 +104,22 @@ def output_path(args, source: Source) -> Path:
             raise UserError(f"{output} was not written by recipes/evaluate.py; --overwrite replaces only an earlier "
                             "evaluation's results: give another --output")
     return output
+
+
+def reads(args) -> dict[str, Path | None]:
+    """What the evaluation reads, by option (toolkit.run.paths.COMMAND_OPTIONS): --output never lies in it."""
+    return {f"--{dest.replace('_', '-')}".replace("--source", "--from"): Path(value) if value else None
+            for dest, role in COMMAND_OPTIONS["evaluate"].items() if role == READ
+            for value in [getattr(args, dest)]}
+
+
+def write_results(output: Path, results: dict) -> None:
+    """The JSON, whole: an earlier evaluation stays as it was until this one is written."""
+    staged = output.with_name(f".{output.name}.tmp")
+    with writing("evaluation", staged):
+        output.absolute().parent.mkdir(parents=True, exist_ok=True)
+        staged.write_text(json.dumps(results, indent=2, default=str))
+        staged.replace(output)
 
 
 def model_folder(source: Source, base: str | None, work: Path) -> Path:
@@ -156,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         results[MARK] = {"source": source.describe(), "scores": scores(results)}
         print(table(results))
-        staged = output.with_name(f".{output.name}.tmp")  # an earlier evaluation stays whole until this one is
-        with writing("evaluation", staged):
-            output.absolute().parent.mkdir(parents=True, exist_ok=True)
-            staged.write_text(json.dumps(results, indent=2, default=str))
-            staged.replace(output)
+        write_results(output, results)
         print(f"[evaluate] wrote {output}")
     except UserError as exc:
         return said(exc, 2, main_process)

@@ -18,7 +18,7 @@ from pathlib import Path
 from toolkit.config.errors import UserError
 from toolkit.run.folder import RunDir, nearest_folder
 from toolkit.run.manifest import MANIFEST, write_manifest, written_by
-from toolkit.run.paths import run_around
+from toolkit.run.paths import COMMAND_OPTIONS, run_around
 from toolkit.run.writes import writing
 
 EXPORTED_BY = "llm-toolkit recipes/export.py"
@@ -26,14 +26,9 @@ MODELFILE_FIRST_LINE = "# Ollama: ollama create "  # the first line of every Mod
 REPORT_FIRST_LINE = "# Export report: "  # ... and of every export_report.md (ExportReport.markdown)
 REPORT = "export_report.md"
 
-# Every flag of recipes/export.py (argparse's dest): "output" is written, "read" is read and never
-# written into (check_output's `reads`), None is not a path. tests/toolkit/export/test_destination.py
-# fails on a flag that is not here; toolkit.run.paths.overlaps lists --output against each overlap.
-EXPORT_FLAGS: dict[str, str | None] = {
-    "output": "output", "source": "read", "base": "read", "eval_text": "read",
-    "checkpoint": None,  # a step-N name inside --from's run, checked there
-    "format": None, "quant": None, "dtype": None, "merge_lora": None, "max_shard_size": None, "overwrite": None,
-}
+# Every flag of recipes/export.py (argparse's dest) and what it is: toolkit.run.paths.COMMAND_OPTIONS; its "read"
+# ones are check_output's `reads`, which --output never lies in.
+EXPORT_FLAGS = COMMAND_OPTIONS["export"]
 
 
 def check_creatable(output: Path) -> None:

@@ -1,4 +1,4 @@
-"""Every folder a run or an export writes or deletes, against everything it could overlap.
+"""Every folder a run or a command (export, evaluate) writes or deletes, against everything it could overlap.
 
 Each deletes only what it wrote. Every text setting of the recipe configs says on its field which of
 OUTPUT, CACHE, READ, RESUME it is, or None; `overlaps` is each writing folder against each kind of overlap,
@@ -9,6 +9,7 @@ What each writer deletes: docs/internals.md, toolkit/run/paths.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,28 @@ OUTPUT, CACHE, READ, RESUME = "output", "cache", "read", "resume"  # writes and 
 # The kinds of overlap: the folder is the other, lies inside it, holds it, or is a symbolic link to it.
 RELATIONS = ("same", "inside", "contains", "symlink")
 REFUSED = "refused"
-EXPORT_OUTPUT = "--output"  # recipes/export.py's (toolkit.export.destination.EXPORT_FLAGS)
+
+# Every command of llm-toolkit (toolkit.launch.cli.RECIPES) and what each of its options (argparse's dest) is: OUTPUT
+# is written, READ is read and never written into, None is not a path. pretrain and finetune write what their
+# config says (each text field declares path=); the others' options are here. tests/toolkit/run/test_paths.py walks
+# every command's parser against this, and every OUTPUT option against each overlap below.
+CONFIG_COMMANDS = ("pretrain", "finetune")
+COMMAND_OPTIONS: dict[str, dict[str, str | None]] = {
+    "export": {
+        "output": OUTPUT, "source": READ, "base": READ, "eval_text": READ,
+        "checkpoint": None,  # a step-N name inside --from's run, checked there
+        "format": None, "quant": None, "dtype": None, "merge_lora": None, "max_shard_size": None, "overwrite": None,
+    },
+    "evaluate": {
+        "output": OUTPUT, "source": READ, "base": READ, "include_path": READ,
+        "checkpoint": None, "tasks": None, "num_fewshot": None, "limit": None, "batch_size": None, "overwrite": None,
+    },
+    "plan": {  # prints, writes nothing
+        "config": READ, "gpus": None, "gpu_memory": None, "headroom": None, "micro_batch": None, "cpu": None,
+        "json": None, "all": None, "overrides": None,
+    },
+}
+EXPORT_OUTPUT, EVALUATE_OUTPUT = "export --output", "evaluate --output"  # their rows below
 
 # (folder, what it could overlap, relation) -> REFUSED, or "safe: why". "another run" is a run folder
 # on disk (inside: in its checkpoints/); "user files" a folder of the user's (thesis.tex); a setting
@@ -45,18 +67,32 @@ _FIXED: dict[tuple[str, str, str], str] = {
     ("output_dir", "user files", "inside"): _OWN_ONLY,
     ("output_dir", "user files", "contains"): REFUSED,
     ("output_dir", "user files", "symlink"): REFUSED,
-    ("--output", "another run", "same"): REFUSED,  # destination.check_output: a run, never replaced
-    ("--output", "another run", "inside"): REFUSED,  # inside a run's own entry
-    ("--output", "another run", "contains"): REFUSED,  # exists and holds a run
-    ("--output", "another run", "symlink"): REFUSED,
-    ("--output", "user files", "same"): REFUSED,  # files no export wrote
-    ("--output", "user files", "inside"): "safe: the export writes its output and a staging folder it deletes",
-    ("--output", "user files", "contains"): REFUSED,
-    ("--output", "user files", "symlink"): REFUSED,
-    ("--output", "--from", "same"): REFUSED,  # never writes into what it reads
-    ("--output", "--from", "inside"): REFUSED,
-    ("--output", "--from", "contains"): REFUSED,
-    ("--output", "--from", "symlink"): REFUSED,
+    (EXPORT_OUTPUT, "another run", "same"): REFUSED,  # destination.check_output: a run, never replaced
+    (EXPORT_OUTPUT, "another run", "inside"): REFUSED,  # inside a run's own entry
+    (EXPORT_OUTPUT, "another run", "contains"): REFUSED,  # exists and holds a run
+    (EXPORT_OUTPUT, "another run", "symlink"): REFUSED,
+    (EXPORT_OUTPUT, "user files", "same"): REFUSED,  # files no export wrote
+    (EXPORT_OUTPUT, "user files", "inside"): "safe: the export writes its output and a staging folder it deletes",
+    (EXPORT_OUTPUT, "user files", "contains"): REFUSED,
+    (EXPORT_OUTPUT, "user files", "symlink"): REFUSED,
+    (EXPORT_OUTPUT, "--from", "same"): REFUSED,  # never writes into what it reads
+    (EXPORT_OUTPUT, "--from", "inside"): REFUSED,
+    (EXPORT_OUTPUT, "--from", "contains"): REFUSED,
+    (EXPORT_OUTPUT, "--from", "symlink"): REFUSED,
+    # a JSON file: a folder in its place is refused (same, contains, a link to one)
+    (EVALUATE_OUTPUT, "another run", "same"): REFUSED,
+    (EVALUATE_OUTPUT, "another run", "inside"): REFUSED,  # check_scores_output: its rotation would delete the scores
+    (EVALUATE_OUTPUT, "another run", "contains"): REFUSED,
+    (EVALUATE_OUTPUT, "another run", "symlink"): REFUSED,
+    (EVALUATE_OUTPUT, "user files", "same"): REFUSED,
+    (EVALUATE_OUTPUT, "user files", "inside"): "safe: the evaluation writes its JSON (a hidden .tmp renamed into "
+                                               "place) and a temporary model folder it deletes",
+    (EVALUATE_OUTPUT, "user files", "contains"): REFUSED,
+    (EVALUATE_OUTPUT, "user files", "symlink"): REFUSED,
+    (EVALUATE_OUTPUT, "--from", "same"): REFUSED,  # never writes into what it reads
+    (EVALUATE_OUTPUT, "--from", "inside"): REFUSED,
+    (EVALUATE_OUTPUT, "--from", "contains"): REFUSED,
+    (EVALUATE_OUTPUT, "--from", "symlink"): REFUSED,
 }
 
 
@@ -148,6 +184,31 @@ def check_run_paths(cfg: Any) -> None:
                             "or replaces (overwrite=true, rotation, the new final/); copy it out of the run folder "
                             "or choose another output_dir"
                         )
+
+
+def check_scores_output(output: Path, reads: dict[str, Path | None]) -> None:
+    """recipes/evaluate.py's --output, a file: never inside what the evaluation reads, nor in a run's own entry, which
+    that run deletes or replaces (a checkpoint's folder goes at the next rotation, the scores with it).
+
+    A run's scoring of its own steps (eval.harness_tasks) writes harness/step-N.json: that entry is where the run
+    keeps its scores, and it replaces that file only with its own scoring of step N."""
+    around = run_around(output)
+    if around is not None:
+        run, entry = around
+        source = reads.get("--from")
+        if (entry == "harness" and output.parent.resolve() == (run / entry).resolve()
+                and re.fullmatch(r"step-\d+\.json", output.name) is not None and source is not None
+                and (source.resolve() == run.resolve() or (run_around(source) or (None,))[0] == run)):
+            return  # the run's own scoring
+        slash = "/" if (run / entry).is_dir() else ""
+        raise UserError(
+            f"--output {output} is inside the toolkit run {run} (its {entry}{slash}), which that run deletes or replaces "
+            f"(rotation, overwrite=true) and the scores with it; write them outside the run's {entry}{slash}"
+        )
+    for flag, read in reads.items():
+        if read is not None and _exists(read) and _relation(output, read) in ("is", "is inside"):
+            raise UserError(f"--output {output} {_relation(output, read)} {flag} {read}, which this evaluation reads; "
+                            "write the scores outside it")
 
 
 def _check_cache(key: str, folder: Path, run: RunDir) -> None:

@@ -19,8 +19,9 @@ import pytest
 from toolkit.config.errors import UserError
 from toolkit.config.load import load_config
 from toolkit.export import destination
+from toolkit.run import paths
 from toolkit.run.folder import RunDir
-from toolkit.run.paths import CACHE, EXPORT_OUTPUT, OUTPUT, READ, REFUSED, RELATIONS, RESUME, check_run_paths
+from toolkit.run.paths import CACHE, COMMAND_OPTIONS, EVALUATE_OUTPUT, EXPORT_OUTPUT, OUTPUT, READ, REFUSED
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 from toolkit.training.recipe_keys import OVERLAPS, PATH_SETTINGS
 
@@ -45,25 +46,37 @@ def test_every_text_setting_is_classified():
     fields = set().union(*(_text_fields(cls) for cls in CONFIGS))
     assert fields - set(PATH_SETTINGS) == set(), "say on each field whether it is a path: path=READ, ... or None"
     assert set(PATH_SETTINGS) - fields == set(), "no such setting any more"
-    assert set(PATH_SETTINGS.values()) <= {OUTPUT, CACHE, READ, RESUME, None}
+    assert set(PATH_SETTINGS.values()) <= {OUTPUT, CACHE, READ, paths.RESUME, None}
 
 
-def test_every_export_flag_is_classified():
+def test_every_command_and_each_of_its_options_is_classified():
+    """A new command of llm-toolkit, or a new option of one, fails here until COMMAND_OPTIONS says what it is."""
     from recipe_runner import recipe_module
 
-    flags = {a.dest for a in recipe_module("export").parser()._actions if a.dest != "help"}
-    assert flags == set(destination.EXPORT_FLAGS), "classify the flag in destination.EXPORT_FLAGS"
+    from toolkit.launch.cli import RECIPES
+
+    assert set(RECIPES) == set(paths.CONFIG_COMMANDS) | set(COMMAND_OPTIONS), "classify the command in COMMAND_OPTIONS"
+    for command in COMMAND_OPTIONS:
+        dests = {a.dest for a in recipe_module(command).parser()._actions if a.dest != "help"}
+        assert dests == set(COMMAND_OPTIONS[command]), f"classify {command}'s options in COMMAND_OPTIONS"
+    assert set().union(*(options.values() for options in COMMAND_OPTIONS.values())) <= {OUTPUT, READ, None}
+
+
+def _writers() -> set[str]:
+    """Every folder or file a command writes: the recipes' output settings and caches, the others' output options."""
+    writers = {key for key, role in PATH_SETTINGS.items() if role in (OUTPUT, CACHE)}
+    return writers | {f"{command} --{dest}" for command, options in COMMAND_OPTIONS.items()
+                      for dest, role in options.items() if role == OUTPUT}
 
 
 def test_every_writing_folder_meets_every_overlap():
-    writers = {key for key, role in PATH_SETTINGS.items() if role in (OUTPUT, CACHE)}
-    writers |= {f"--{flag}" for flag, role in destination.EXPORT_FLAGS.items() if role == "output"}
-    assert {folder for folder, _, _ in OVERLAPS} == writers and EXPORT_OUTPUT in writers
-    others = {"output_dir": {"another run", "user files"} | {k for k, r in PATH_SETTINGS.items() if r in (CACHE, READ)},
-              EXPORT_OUTPUT: {"another run", "user files", "--from"}}
+    writers = _writers()
+    assert {folder for folder, _, _ in OVERLAPS} == writers and {EXPORT_OUTPUT, EVALUATE_OUTPUT} <= writers
+    others = {"output_dir": {"another run", "user files"} | {k for k, r in PATH_SETTINGS.items() if r in (CACHE, READ)}}
     for folder in writers:
-        for other in others.get(folder, {"another run", "user files"}):
-            for relation in RELATIONS:
+        default = {"another run", "user files"} | ({"--from"} if folder.startswith(tuple(COMMAND_OPTIONS)) else set())
+        for other in others.get(folder, default):
+            for relation in paths.RELATIONS:
                 assert (folder, other, relation) in OVERLAPS, (folder, other, relation)
 
 
@@ -131,15 +144,22 @@ def _tree(root: Path) -> set[str]:
 
 
 def _check(folder_key: str, folder: Path, other: str, other_path: Path, tmp: Path) -> None:
+    reads = {"--from": other_path if other == "--from" else tmp / "src"}
     if folder_key == EXPORT_OUTPUT:
-        reads = {"--from": other_path if other == "--from" else tmp / "src"}
         destination.check_output(folder, "hf", True, reads)
+        return
+    if folder_key == EVALUATE_OUTPUT:  # recipes/evaluate.py's checks of its --output, in its order
+        from recipe_runner import recipe_module
+
+        evaluate = recipe_module("evaluate")
+        args = evaluate.parser().parse_args(["--from", str(reads["--from"]), "--tasks", "t", "--output", str(folder)])
+        evaluate.output_path(args, None)
         return
     settings = {folder_key: str(folder)}
     if folder_key == "output_dir" and other not in ("another run", "user files"):
         settings[other] = str(other_path / "chat.jinja" if other == "data.chat_template" else other_path)
     cfg = _config(tmp, **settings)
-    check_run_paths(cfg)
+    paths.check_run_paths(cfg)
     if folder_key == "output_dir":  # overwrite=true, the most it may delete; but of a run there, asked for
         RunDir(folder).check(None, other != "another run")
 
@@ -162,6 +182,10 @@ def _delete_as_it_does(folder_key: str, folder: Path, tmp: Path, tokenizer, mode
 
         folder.mkdir(parents=True, exist_ok=True)
         _write_cache(model(tokenizer=tokenizer), tokenizer, tmp / "base.gguf", folder / "gguf-base-0123")
+    elif folder_key == EVALUATE_OUTPUT:
+        from recipe_runner import recipe_module
+
+        recipe_module("evaluate").write_results(folder, {"llm_toolkit_evaluation": {}})
     else:
         with destination.staging(folder) as (staged, _):
             staged.mkdir()
@@ -186,7 +210,7 @@ def test_each_overlap_is_refused_or_safe(row, tmp_path, tiny_tokenizer, tiny_mod
         with pytest.raises(UserError) as refused:
             _check(folder_key, folder, other, base / name, tmp_path)
         message = str(refused.value)
-        assert "\n" not in message and folder_key in message, message
+        assert "\n" not in message and folder_key.split()[-1] in message, message
         assert _tree(tmp_path) == before, "a refusal wrote or deleted something"
     else:
         _check(folder_key, folder, other, base / name, tmp_path)
@@ -204,7 +228,7 @@ def test_an_entry_of_the_run_that_links_to_the_users_folder_is_refused(entry, tm
     run.mkdir()
     (run / entry).symlink_to(user, target_is_directory=True)
     with pytest.raises(UserError, match=rf"^output_dir=.*its {entry} is a symbolic link"):
-        check_run_paths(_config(tmp_path, output_dir=str(run)))
+        paths.check_run_paths(_config(tmp_path, output_dir=str(run)))
     assert (user / "thesis.tex").read_text() == "keep"
 
 
@@ -214,3 +238,18 @@ def test_an_export_through_a_link_into_a_runs_checkpoints_is_refused(tmp_path):
     (tmp_path / "ckpts").symlink_to(tmp_path / "run" / "checkpoints", target_is_directory=True)
     with pytest.raises(UserError, match=r"^--output .* is inside the toolkit run .*run \(its checkpoints/\)"):
         destination.check_output(tmp_path / "ckpts" / "export", "hf", False, {"--from": tmp_path / "src"})
+
+
+def test_a_runs_own_scoring_writes_its_scores_in_its_harness_folder_and_nothing_else_may(tmp_path):
+    """eval.harness_tasks: the run scores harness/step-N into harness/step-N.json; scores in a checkpoint's folder
+    would go at the next rotation (issue 63)."""
+    run = tmp_path / "run"
+    _make("another run", run, "same")
+    (run / "harness" / "step-3").mkdir(parents=True)
+    paths.check_scores_output(run / "harness" / "step-3.json", {"--from": run / "harness" / "step-3"})
+    paths.check_scores_output(run / "harness" / "step-6.json", {"--from": run / "final"})  # the run's final/, scored
+    for output, source in ((run / "checkpoints" / "step-1" / "scores.json", run),
+                           (run / "harness" / "mine.json", run / "harness" / "step-3"),
+                           (run / "harness" / "step-3.json", tmp_path / "elsewhere")):
+        with pytest.raises(UserError, match=rf"^--output {output} is inside the toolkit run {run} \(its "):
+            paths.check_scores_output(output, {"--from": source})
