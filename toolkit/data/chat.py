@@ -1,7 +1,8 @@
 """Chat SFT data: records -> messages -> (input_ids, labels) -> packed blocks.
 
 Only the assistant's own output is a target (each assistant message's content and the token that ends its
-turn); everything else gets label -100, found by rendering with any chat template. Blocks use
+turn; the whole turn where the template renders more of it, its tool calls); everything else gets label -100, found
+by rendering with any chat template. Every other key of a record or turn goes to the template (`rendered`). Blocks use
 `toolkit.data.packing`'s layout plus `labels`; a conversation is never split across blocks.
 How the spans are found and the blocks filled: docs/internals.md, toolkit/data/chat.py.
 """
@@ -9,6 +10,11 @@ How the spans are found and the blocks filled: docs/internals.md, toolkit/data/c
 from __future__ import annotations
 
 import bisect
+import contextlib
+import functools
+import inspect
+import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +29,17 @@ import torch
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.data.packing import IGNORE_INDEX, attention_inputs
-from toolkit.data.records import ColumnsConfig, read_records, shapes_said, to_messages
+from toolkit.data.records import (
+    REFUSE,
+    TOOL,
+    UNRENDERED,
+    ColumnsConfig,
+    read_records,
+    record_rest,
+    shapes_said,
+    to_messages,
+    unrendered,
+)
 from toolkit.data.text_files import read_utf8
 
 EMBEDDED = "embedded:python-chats"
@@ -101,24 +117,31 @@ def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
     return own
 
 
+def _render(tokenizer, messages: list[dict], template: str, variables: dict | None = None,
+            generation_prompt: bool = False) -> str:
+    if not messages:
+        return ""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=template, **(variables or {})
+        )
+    except jinja2.TemplateError as exc:  # e.g. raise_exception("roles must alternate")
+        raise UserError(f"the chat template rejected the conversation: {exc}") from None
+
+
 def render_conversation(
-    tokenizer, messages: list[dict[str, str]], chat_template: str | None = None, last_only: bool = False
+    tokenizer, messages: list[dict], chat_template: str | None = None, last_only: bool = False,
+    variables: dict | None = None,
 ) -> tuple[list[int], list[int]]:
-    """(input_ids, labels): labels are the ids on assistant output (content + turn end), -100 elsewhere;
-    `last_only`: on the last assistant message's only (a preference pair's answer after its prompt)."""
+    """(input_ids, labels): labels are the ids on assistant output (content + turn end; the whole turn where the
+    template renders more of it, its tool calls), -100 elsewhere; `last_only`: on the last assistant message's only
+    (a preference pair's answer after its prompt). `variables`: the record's own keys, for the template."""
     if not getattr(tokenizer, "is_fast", False):
         raise UserError("chat SFT needs a fast tokenizer (character offsets); load one with use_fast=True")
     template = chat_template_for(tokenizer, chat_template)
 
-    def render(msgs: list[dict[str, str]], generation_prompt: bool = False) -> str:
-        if not msgs:
-            return ""
-        try:
-            return tokenizer.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
-            )
-        except jinja2.TemplateError as exc:  # e.g. raise_exception("roles must alternate")
-            raise UserError(f"the chat template rejected the conversation: {exc}") from None
+    def render(msgs: list[dict], generation_prompt: bool = False) -> str:
+        return _render(tokenizer, msgs, template, variables, generation_prompt)
 
     full = render(messages)
     spans = []  # [start, end) characters of each assistant output, and where its turn ends
@@ -134,6 +157,11 @@ def render_conversation(
                 f"the chat template renders the turns before assistant message {k} differently once later turns "
                 "follow (e.g. it rewrites history), so its tokens cannot be located; set data.chat_template"
             )
+        if set(message) - {"role", "content"}:  # keys the template renders (rendered): the turn's output too
+            rest = through[len(before):]
+            start = len(before) + len(rest) - len(rest.lstrip())
+            spans.append((start, len(through.rstrip()), len(through)))
+            continue
         content = message["content"]
         start = through.find(content, len(before))
         if start < 0 and content.strip() != content:  # templates that trim the content
@@ -164,17 +192,83 @@ def render_conversation(
     return list(ids), labels
 
 
-def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: str | None = None,
-                           shape: str = "auto", columns: ColumnsConfig | None = None) -> datasets.Dataset:
-    """Records of `shape` (auto: each its own) -> dataset of `input_ids` and `labels` (one row per conversation)."""
-    chat_template = chat_template_for(tokenizer, chat_template)  # fails once, not per record
-    rows = []
-    for i, record in enumerate(records):
-        messages = to_messages(record, i, None if shape == "auto" else shape, columns)
+@functools.cache
+def _parameters(tokenizer_class: type) -> frozenset[str]:
+    """apply_chat_template's own parameters: a record's key of such a name is no variable of the template."""
+    return frozenset(inspect.signature(tokenizer_class.apply_chat_template).parameters) - {"tools", "documents",
+                                                                                           "kwargs", "self"}
+
+
+TOOL_TURNS = f"role: {TOOL}"  # records.UNRENDERED's name for a conversation's tool turns
+
+
+def rendered(tokenizer, messages: list[dict], template: str, variables: dict, index: int
+             ) -> tuple[list[dict], dict, list[str]]:
+    """(the turns, the record's variables, the keys left out): every key beyond role and content, a turn's or the
+    record's, that the template renders nothing of is left out, or refused (records.UNRENDERED); a tool's turns alike.
+    A key is rendered where the conversation renders otherwise without it."""
+    names = _parameters(type(tokenizer))
+    if isinstance(variables.get("tools"), str):  # the datasets that keep the definitions as a JSON string
+        with contextlib.suppress(ValueError):
+            variables = {**variables, "tools": json.loads(variables["tools"])}
+    unpassable = sorted(set(variables) & names)  # a record's `tokenize` is no template's variable
+    variables = {k: v for k, v in variables.items() if k not in names}
+    keys = sorted({k for m in messages for k in m if k not in ("role", "content")} | set(variables))
+    keys += [TOOL_TURNS] if any(m["role"] == TOOL for m in messages) else []
+    if not keys:
+        return messages, variables, unpassable
+
+    def without(drop: set[str]) -> tuple[list[dict], dict]:
+        return ([{k: v for k, v in m.items() if k not in drop} for m in messages
+                 if not (TOOL_TURNS in drop and m["role"] == TOOL)], {k: v for k, v in variables.items() if k not in drop})
+
+    def renders(drop: set[str]) -> str | None:
         try:
-            rows.append(render_conversation(tokenizer, messages, chat_template))
+            return _render(tokenizer, *without(drop)[:1], template, without(drop)[1])
+        except (UserError, TypeError, ValueError):  # refused without it: it matters
+            return None
+
+    full = _render(tokenizer, messages, template, variables)
+    unseen = keys if renders(set(keys)) == full else [k for k in keys if renders({k}) == full]
+    for key in unseen:
+        if unrendered(key) == REFUSE:
+            said = "tool turns (role tool)" if key == TOOL_TURNS else f"`{key}`"
+            raise UserError(f"record {index} has {said}, which the chat template renders nothing of "
+                            f"({UNRENDERED[key][1]}); set data.chat_template to a template that renders them, or "
+                            "leave them out of the records")
+    messages, variables = without(set(unseen))
+    return messages, variables, unpassable + unseen
+
+
+def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: str | None = None,
+                           shape: str = "auto", columns: ColumnsConfig | None = None,
+                           notes: list[str] | None = None) -> datasets.Dataset:
+    """Records of `shape` (auto: each its own) -> dataset of `input_ids` and `labels` (one row per conversation).
+
+    A conversation whose every answer is empty is left out (it would teach an empty answer), and so is each key the
+    template renders nothing of (records.UNRENDERED): both counted in a line of `notes`."""
+    chat_template = chat_template_for(tokenizer, chat_template)  # fails once, not per record
+    named = None if shape == "auto" else shape
+    rows, empty, left_out = [], 0, Counter()
+    for i, record in enumerate(records):
+        messages = to_messages(record, i, named, columns)
+        messages, variables, unseen = rendered(tokenizer, messages, chat_template, record_rest(record, named, columns), i)
+        left_out.update(unseen)
+        if all(not m["content"] and set(m) == {"role", "content"} for m in messages if m["role"] == "assistant"):
+            empty += 1
+            continue
+        try:
+            rows.append(render_conversation(tokenizer, messages, chat_template, variables=variables))
         except UserError as exc:
             raise UserError(f"record {i}: {exc}") from None
+    if not rows and empty:
+        raise UserError(f"every one of the {empty} conversations has only empty answers (assistant content \"\"), so "
+                        "nothing to learn from; give the assistant messages content")
+    if notes is not None and empty:
+        notes.append(f"{empty} conversations with an empty answer (every assistant turn \"\") left out")
+    if notes is not None and left_out:
+        notes.append("left out, the chat template rendering nothing of them: " + ", ".join(
+            f"`{key}` in {n} records" for key, n in sorted(left_out.items())))
     return datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
 
 
@@ -368,15 +462,18 @@ def chat_blocks(
     from toolkit.data.corpus import split_documents
 
     records = load_chat_records(cfg)
-    rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format, cfg.columns)
+    said: list[str] = []
+    rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format, cfg.columns, said)
     if cfg.val_path:  # the user's own held-out set, whole
         train_rows = rows
+        held_out: list[str] = []
         val_rows = tokenize_conversations(read_records(cfg.val_path, "chat", "data.val_path"), tokenizer,
-                                          cfg.chat_template, cfg.record_format, cfg.columns)
+                                          cfg.chat_template, cfg.record_format, cfg.columns, held_out)
+        said += [f"held-out (data.val_path): {line}" for line in held_out]
     else:
         train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)
     train, stats = pack_conversations(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
-    notes = [shapes_said(records, cfg.record_format, cfg.columns), f"train: {stats}"]
+    notes = [shapes_said(records, cfg.record_format, cfg.columns), *said, f"train: {stats}"]
     val = None
     if val_rows is not None:
         val, val_stats = pack_conversations(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)

@@ -35,7 +35,8 @@ from toolkit.data.text_files import (
 )
 
 ROLES = ("system", "user", "assistant")
-OWN_ROLES = {r: r for r in ROLES}  # role/content turns name their roles as the chat templates do
+TOOL = "tool"  # a tool's result, answering an assistant's tool_calls (OpenAI's tool-calling format)
+OWN_ROLES = {r: r for r in (*ROLES, TOOL)}  # role/content turns name their roles as the chat templates do
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion")
 # ShareGPT's `from` values as the sets in the wild write them
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -189,8 +190,45 @@ def _non_empty(ds: datasets.Dataset, said: str) -> list:
     return ds.to_list()
 
 
+# Every key a record or a turn carries beyond what its shape reads (role and content, from and value, ...) is handed
+# to the chat template: a turn's with its turn, a record's as a variable of the template (`tools` is
+# apply_chat_template's own). What the template renders trains, as its turn does; where it renders nothing of a key,
+# that key is refused or said (a note counting the records), never dropped unsaid (toolkit.data.chat.rendered).
+# tests/toolkit/data/test_chat.py walks every row, and a key no row names.
+REFUSE, NOTE = "refused", "said"
+UNRENDERED: dict[str, tuple[str, str]] = {
+    "tool_calls": (REFUSE, "the assistant's answer is the call: trained on its content alone it learns to answer "
+                            "without calling"),
+    f"role: {TOOL}": (REFUSE, "the turns after a tool's result would be trained on a result the model never saw"),
+    "tools": (NOTE, "the tool definitions: a template that shows none still trains the calls"),
+    "tool_call_id": (NOTE, "which call a result answers: templates that show results in order leave it out"),
+    "name": (NOTE, "a speaker's or a tool's name"),
+    "reasoning_content": (NOTE, "the assistant's reasoning, where a template shows it"),
+    "thinking": (NOTE, "the assistant's reasoning, where a template shows it"),
+    "weight": (NOTE, "a turn's weight in the loss (axolotl's ShareGPT): every assistant turn trains alike here"),
+}
+
+
+def unrendered(key: str) -> str:
+    """What a key the chat template renders nothing of does: refused or said (any key no row names: said)."""
+    return UNRENDERED.get(key, (NOTE, ""))[0]
+
+
 NEEDS = {"messages": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
          "prompt_completion": ("prompt", "completion")}  # the keys each shape is known by
+
+
+READS = {**NEEDS, "alpaca": ("instruction", "input", "output", "system")}  # the keys each shape reads
+
+
+def record_rest(record, shape: str | None = None, columns: ColumnsConfig | None = None) -> dict:
+    """A record's keys that its shape (None: its own) or data.columns does not read, with a value: handed to the chat
+    template as its variables (UNRENDERED)."""
+    if not isinstance(record, dict):
+        return {}
+    read = {columns.conversation} if columns is not None and columns.conversation else set(
+        READS.get(shape or shape_of(record) or "", ()))
+    return {k: v for k, v in record.items() if k not in read and v is not None}
 
 
 def shape_of(record) -> str | None:
@@ -287,6 +325,7 @@ def to_messages(record, index: int, shape: str | None = None, columns: ColumnsCo
 
 
 def _messages(turns, index: int, key: str, role_key: str, text_key: str, roles: dict[str, str]) -> list[dict]:
+    """`[{"role", "content", and the turn's other keys}, ...]`: what the chat template is handed (toolkit.data.chat)."""
     if not isinstance(turns, list) or not turns:
         raise UserError(f"record {index}: `{key}` must be a non-empty list of {role_key}/{text_key} mappings")
     out = []
@@ -295,13 +334,30 @@ def _messages(turns, index: int, key: str, role_key: str, text_key: str, roles: 
         role = roles.get(said) if isinstance(said, str) else None
         if role is None:
             raise UserError(f"record {index}: turn {j} of `{key}` has {role_key} {said!r}; use one of {', '.join(roles)}")
-        if not isinstance(turn.get(text_key), str):
-            raise UserError(f"record {index}: turn {j} of `{key}` ({said}) has no text `{text_key}`")
-        out.append({"role": role, "content": turn[text_key]})
+        # a column of a parquet or csv that this turn has no value in is there as null
+        rest = {k: v for k, v in turn.items() if k not in (role_key, text_key) and v is not None}
+        out.append({"role": role, "content": _text(turn.get(text_key), f"record {index}: turn {j} of `{key}` ({said})",
+                                                   text_key, "tool_calls" in rest), **rest})
     return out
 
 
-def _turns(value, index: int, key: str, role: str) -> list[dict[str, str]]:
+def _text(value, said: str, text_key: str, calls: bool) -> str:
+    """A turn's text: a string; OpenAI's content parts of type text, joined; none beside tool calls."""
+    if isinstance(value, str):
+        return value
+    if value is None and calls:  # OpenAI's assistant turn that only calls
+        return ""
+    if isinstance(value, list) and value and all(isinstance(part, dict) for part in value):
+        kinds = sorted({str(part.get("type")) for part in value} - {"text"})
+        if kinds:
+            raise UserError(f"{said} has content parts of type {', '.join(kinds)}; only text trains a text model: "
+                            "leave the others out")
+        if all(isinstance(part.get("text"), str) for part in value):
+            return "".join(part["text"] for part in value)
+    raise UserError(f"{said} has no text `{text_key}`")
+
+
+def _turns(value, index: int, key: str, role: str) -> list[dict]:
     """prompt/completion's halves: a string (one turn of `role`) or a role/content list."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]

@@ -4,14 +4,18 @@ conversation whole and apart, and a packed batch has the loss of its conversatio
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import numpy as np
 import pytest
 import torch
+from recipe_runner import CHATML
 
 from toolkit.config.errors import ConfigError, UserError
 from toolkit.config.load import load_config
 from toolkit.data.chat import (
+    TOOL_TURNS,
     ChatDataConfig,
     chat_target_counts,
     chat_template_for,
@@ -24,6 +28,7 @@ from toolkit.data.chat import (
 )
 from toolkit.data.packing import IGNORE_INDEX, column
 from toolkit.data.python_chats import PYTHON_CHATS
+from toolkit.data.records import REFUSE, UNRENDERED, unrendered
 from toolkit.models.loss import token_loss_sum
 
 # Meta-Llama-3-8B-Instruct's template, verbatim: BOS, headers, `| trim` on the content, <|eot_id|>.
@@ -315,3 +320,87 @@ def test_packed_sft_loss_equals_conversations_one_by_one(smol_tokenizer, tiny_mo
 
     assert packed_targets == alone_targets == stats.targets > 0
     torch.testing.assert_close(packed_sum / packed_targets, alone_sum / alone_targets, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------ every key a record or a turn carries
+VALUES = {"tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+          "tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}]}
+
+
+def _keyed(key: str, place: str) -> dict:
+    """A conversation carrying `key` on its answer's turn or as the record's own key (a tool's turn: TOOL_TURNS)."""
+    turns = [{"role": "user", "content": "add 1 and 2"}, {"role": "assistant", "content": "it is three"}]
+    if key == TOOL_TURNS:
+        return {"messages": [turns[0], {"role": "assistant", "content": "", "tool_calls": VALUES["tool_calls"]},
+                             {"role": "tool", "content": "three"}, turns[1]]}
+    value = VALUES.get(key, "zqx")
+    if place == "turn":
+        return {"messages": [turns[0], {**turns[1], key: value}]}
+    return {"messages": turns, key: value}
+
+
+def _rendering(key: str, place: str) -> str:
+    """ChatML that renders `key` where `_keyed` puts it (and tool calls, for a tool's turn to follow one)."""
+    shown = "{% if m.tool_calls %}<call>{{ m.tool_calls | tojson }}</call>{% endif %}"
+    if place == "turn" and key not in (TOOL_TURNS, "tool_calls"):
+        shown += f"{{% if m['{key}'] is defined %}}<k>{{{{ m['{key}'] | tojson }}}}</k>{{% endif %}}"
+    head = f"{{% if {key} is defined %}}<k>{{{{ {key} | tojson }}}}</k>{{% endif %}}" if place == "record" else ""
+    return (head + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}" + shown
+            + "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("place", ["turn", "record"])
+@pytest.mark.parametrize("key", [*UNRENDERED, "a_key_no_row_names"])
+def test_every_key_a_record_carries_is_trained_refused_or_said(key, place, chat_tokenizer):
+    """Issue 63: OpenAI's tool calls trained on the content alone, exit 0. Every key beyond role and content goes to
+    the template: rendered, it trains (an answer's keys as its targets); not rendered, it is refused or said
+    (records.UNRENDERED; any other key said), and the conversation trains as it would without it."""
+    if key == TOOL_TURNS and place == "record":
+        pytest.skip("a tool's turns are turns")
+    record = _keyed(key, place)
+    notes: list[str] = []
+    rows = tokenize_conversations([record], chat_tokenizer, _rendering(key, place), notes=notes)
+    ids, labels = rows[0]["input_ids"], rows[0]["labels"]
+    text = chat_tokenizer.decode(ids)
+    assert notes == []
+    tag = "call" if key == "tool_calls" and place == "turn" else "k"
+    shown = "<|im_start|>tool\nthree" if key == TOOL_TURNS else f"<{tag}>{json.dumps(VALUES.get(key, 'zqx'))}</{tag}>"
+    assert shown in text
+    targets = chat_tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX])
+    if place == "turn" and key != TOOL_TURNS:
+        assert targets == f"it is three{shown}<|im_end|>"  # the answer's keys are its output
+
+    plain = copy.deepcopy(record)  # the template renders none of it
+    if unrendered(key) == REFUSE:
+        with pytest.raises(UserError, match=rf"^record 0 has .*{re.escape(key.split()[-1])}.*, which the chat template "
+                                            "renders nothing of .*; set data.chat_template") as refused:
+            tokenize_conversations([plain], chat_tokenizer, CHATML)
+        assert "\n" not in str(refused.value)
+        return
+    rows = tokenize_conversations([plain, plain], chat_tokenizer, CHATML, notes=notes)
+    assert notes == [f"left out, the chat template rendering nothing of them: `{key}` in 2 records"]
+    bare = {"messages": [{k: v for k, v in m.items() if k != key} for m in record["messages"]]}
+    assert rows[0] == tokenize_conversations([bare], chat_tokenizer, CHATML)[0]
+
+
+def test_text_parts_are_their_text_and_other_parts_one_line(chat_tokenizer):
+    """OpenAI's content as a list of {type: text, text} parts was "has no text content"."""
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "add "}, {"type": "text", "text": "1"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "one"}]}]}
+    assert to_messages(parts, 0) == [{"role": "user", "content": "add 1"}, {"role": "assistant", "content": "one"}]
+    parts["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "x.png"}})
+    with pytest.raises(UserError, match=r"^record 0: turn 0 of `messages` \(user\) has content parts of type "
+                                        r"image_url; only text trains a text model: leave the others out$"):
+        to_messages(parts, 0)
+
+
+def test_empty_answers_are_left_out_and_counted_as_such(chat_tokenizer):
+    """An answer of "" was counted among "longer than seq_len, or no target left" (or trained the turn's end alone)."""
+    empty = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}
+    full = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    notes: list[str] = []
+    rows = tokenize_conversations([empty, full, empty], chat_tokenizer, notes=notes)
+    assert len(rows) == 1 and notes == ['2 conversations with an empty answer (every assistant turn "") left out']
+    with pytest.raises(UserError, match=r'^every one of the 2 conversations has only empty answers \(assistant content '
+                                        r'""\), so nothing to learn from; give the assistant messages content$'):
+        tokenize_conversations([empty, empty], chat_tokenizer)

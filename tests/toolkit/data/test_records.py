@@ -199,8 +199,11 @@ def test_a_held_out_file_of_its_own_is_read_whole_and_checked_before_the_model(t
     held = write(tmp_path / "held", "parquet", [SHAPES["messages"]] * 2)
     cfg = ChatDataConfig(path=train, val_path=held, seq_len=256, val_fraction=0.5)
     blocks, val, notes = chat_blocks(cfg, chat_tokenizer, 0)
-    assert notes[1].startswith("train: packed 6 of 6 conversations")
-    assert notes[2].startswith(f"held-out (data.val_path={held}): packed 2 of 2 conversations")
+    assert notes[1:3] == ["left out, the chat template rendering nothing of them: `id` in 6 records",
+                          "held-out (data.val_path): left out, the chat template rendering nothing of them: `source` "
+                          "in 2 records"]
+    assert notes[3].startswith("train: packed 6 of 6 conversations")
+    assert notes[4].startswith(f"held-out (data.val_path={held}): packed 2 of 2 conversations")
     bad = write(tmp_path, "json", [SHAPES["messages"], {"text": "hi"}])
     with pytest.raises(UserError, match=rf"^data.val_path={bad}: record 1 has keys \['text'\]; a chat record needs"):
         check_first_records(FinetuneDataConfig(format="chat", path=train, val_path=bad))
