@@ -34,7 +34,9 @@ from toolkit.planner.facts import read_strategy
 from toolkit.run.manifest import check_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
-MALFORMATIONS = ("empty", "binary", "utf16", "latin1", "truncated", "top-level type", "field type", "key twice")
+MALFORMATIONS = ("empty", "binary", "utf16", "latin1", "truncated", "top-level type", "field type", "key twice",
+                 "no rows")  # no rows: a table whose columns are there and no record (a valid parquet of 0 rows)
+NOT_A_TABLE = "not a table: a file with nothing in it is the empty cell"
 UTF16 = "iconv -f utf-16 -t utf-8"
 LATIN1 = "iconv -f latin1 -t utf-8"
 NOT_JSON = "is not valid JSON"
@@ -48,6 +50,17 @@ def _parquet(table: dict) -> bytes:
 
 GOOD_PARQUET = _parquet({"text": ["hello world"] * 20})
 
+
+def _arrow(table: dict) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, pa.table(table).schema) as writer:  # datasets' .arrow files are arrow streams
+        writer.write_table(pa.table(table))
+    return sink.getvalue().to_pybytes()
+
+
+NO_TEXT = {"text": pa.array([], pa.string())}
+NO_MESSAGES = {"messages": pa.array([], pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))}
+
 # kind -> (file name, {malformation: (bytes written, expected fragment of the one line)} or a str: why not)
 CELLS: dict[str, tuple[str, dict]] = {
     "recipe YAML": ("cfg.yaml", {
@@ -59,6 +72,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b"- seed: 1\n", "must hold a mapping of keys (key: value lines), found a list"),
         "field type": "load_config checks each field's type: test_bad_config_gives_one_line[wrong type]",
         "key twice": (b"seed: 1\nseed: 2\n", "seed is written twice (lines 1 and 2); keep one"),
+        "no rows": NOT_A_TABLE,
     }),
     "accelerate config": ("acc.yaml", {
         "empty": (b"", None),  # Accelerate's defaults: one process
@@ -69,6 +83,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b"- num_processes: 2\n", "must hold a mapping of keys (an accelerate config"),
         "field type": (b"num_processes: many\n", "num_processes='many' must be an integer"),
         "key twice": (b"num_processes: 2\nnum_processes: 4\n", "num_processes is written twice"),
+        "no rows": NOT_A_TABLE,
     }),
     "DeepSpeed JSON": ("ds.json", {
         "empty": (b"", f"{NOT_JSON}: Expecting value at line 1"),
@@ -79,6 +94,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b"[2]", "must hold a JSON object ({...}: a DeepSpeed config), found a list"),
         "field type": (b'{"zero_optimization": [2]}', "zero_optimization must be an object"),
         "key twice": (b'{"zero_optimization": {"stage": 2, "stage": 3}}', "the key 'stage' is written twice"),
+        "no rows": NOT_A_TABLE,
     }),
     "corpus .txt": ("corpus.txt", {
         "empty": (b"", "holds no text (all 1 file(s) are empty)"),
@@ -89,6 +105,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": "plain text has no structure",
         "field type": "plain text has no fields",
         "key twice": "plain text has no keys",
+        "no rows": "text has no columns: a file with no line is the empty cell, one of blank lines test_corpus.py's",
     }),
     "corpus .jsonl": ("corpus.jsonl", {
         "empty": (b"", "holds no text (all 1 file(s) are empty)"),
@@ -99,6 +116,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b'["a"]\n["b"]\n', "is a JSON list, not an object"),
         "field type": (b'{"text": 12}\n', "record 0 has text=12 (int), not text; set data.text_column"),
         "key twice": (b'{"text": "a", "text": "b"}\n', "line 1: the key 'text' is written twice in one object"),
+        "no rows": (b"\n\n", "holds no text"),
     }),
     "corpus .parquet": ("corpus.parquet", {
         "empty": (b"", "holds no text (all 1 file(s) are empty)"),
@@ -109,6 +127,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": ("a parquet file is always a table; text under its name is the utf16/latin1 cells"),
         "field type": (_parquet({"text": [1, 2]}), "record 0 has text=1 (int), not text"),
         "key twice": "arrow refuses to write two columns of one name",
+        "no rows": (_parquet(NO_TEXT), "holds no records: its parquet file has columns and no row"),
     }),
     "chat records .jsonl": ("chats.jsonl", {
         "empty": (b"", "holds no records"),
@@ -119,6 +138,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b"[1]\n", "line 1 is a JSON list, not an object"),
         "field type": "to_messages checks each record's fields: tests/toolkit/data/test_records.py (BAD records)",
         "key twice": (b'{"prompt": "a", "prompt": "b"}\n', "the key 'prompt' is written twice in one object"),
+        "no rows": (b"\n\n", "holds no records"),
     }),
     "chat records .json": ("chats.json", {
         "empty": (b"", f"{NOT_JSON} at line 1"),
@@ -129,6 +149,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b'{"messages": []}', "must hold a JSON list of records, found dict"),
         "field type": (b'["hi"]', "record 0 is a JSON str, not an object"),
         "key twice": (b'[{"prompt": "a", "prompt": "b"}]', "the key 'prompt' is written twice"),
+        "no rows": (b"[]", "holds no records"),
     }),
     "chat records .parquet": ("chats.parquet", {
         "empty": (b"", "is not a parquet file: it is empty"),
@@ -139,6 +160,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": "a parquet file is always a table",
         "field type": "to_messages checks each record's fields, as for jsonl",
         "key twice": "arrow refuses to write two columns of one name",
+        "no rows": (_parquet(NO_MESSAGES), "holds no records"),
     }),
     "chat records .csv": ("chats.csv", {
         "empty": (b"", "is empty; give a csv file with a header line"),
@@ -149,6 +171,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": "a csv file is always a table",
         "field type": "csv cells are strings; to_messages checks the shape",
         "key twice": (b"prompt,prompt\na,b\n", None),  # pandas renames the second prompt.1: read, then the shape
+        "no rows": (b"prompt,completion\n", "holds no records"),
     }),
     "chat records .arrow": ("chats.arrow", {
         "empty": (b"", "cannot be read as arrow: File is too small: 0; write it again"),
@@ -159,6 +182,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": "an arrow file is always a table",
         "field type": "to_messages checks each record's fields, as for jsonl",
         "key twice": "arrow refuses to write two columns of one name",
+        "no rows": (_arrow(NO_MESSAGES), "holds no records"),
     }),
     "save_to_disk folder": ("saved/state.json", {
         "empty": (b"", "cannot be read as a save_to_disk folder"),
@@ -169,6 +193,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b"[1]", "cannot be read as a save_to_disk folder"),
         "field type": (b'{"_data_files": 3}', "cannot be read as a save_to_disk folder"),
         "key twice": "datasets wrote it (json.dump cannot write a key twice); a hand edit is the other cells",
+        "no rows": "its state.json names arrow files: a save of no rows is read_records' 'holds no records' (_non_empty)",
     }),
     "tokenizer folder": ("tok/tokenizer_config.json", {
         "empty": (b"", f"tokenizer_config.json {NOT_JSON}"),
@@ -179,6 +204,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b"[1]", "must hold a JSON object ({...}: a tokenizer's tokenizer_config.json), found a list"),
         "field type": "transformers' own checks, said as 'could not be loaded (...)' (load_tokenizer)",
         "key twice": (b'{"eos_token": "a", "eos_token": "b"}', "the key 'eos_token' is written twice"),
+        "no rows": NOT_A_TABLE,
     }),
     "chat template file": ("template.jinja", {
         "empty": (b"", "is empty; write the Jinja template in it"),
@@ -189,6 +215,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": "a template is text",
         "field type": "a template is text",
         "key twice": "a template is text",
+        "no rows": NOT_A_TABLE,
     }),
     "trainer_state.json": ("step-4/trainer_state.json", {
         "empty": (b"", "is not a readable trainer state (empty)"),
@@ -199,6 +226,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b"[4]", "is not a readable trainer state (a JSON list, not the object the toolkit writes)"),
         "field type": (b'{"step": "4"}', "is not a readable trainer state (its step is '4', not an integer)"),
         "key twice": (b'{"step": 4, "step": 3}', "is not a readable trainer state (the key 'step' is written twice in one object)"),
+        "no rows": NOT_A_TABLE,
     }),
     "manifest.json": ("step-4/manifest.json", {
         "empty": (b"", "is not a readable manifest (not JSON"),
@@ -209,6 +237,7 @@ CELLS: dict[str, tuple[str, dict]] = {
         "top-level type": (b"[1]", "is not a readable manifest (a JSON list, not an object)"),
         "field type": (b'{"files": {"a": "x"}}', "is not a readable manifest (its entry for a is 'x'"),
         "key twice": (b'{"files": {}, "files": {}}', "is not a readable manifest (the key 'files' is written twice in one object)"),
+        "no rows": NOT_A_TABLE,
     }),
 }
 
@@ -307,6 +336,7 @@ READERS: dict[str, str] = {
     "toolkit/data/records.py:read_records": "save_to_disk folder",
     "toolkit/data/records.py:_read_file": "chat records .jsonl",
     "toolkit/data/records.py:_json": "chat records .json and .jsonl",
+    "toolkit/data/chat.py:rendered": "a record's `tools` held as a JSON string, read where it parses (else handed on)",
     "toolkit/data/tokenizer.py:load_tokenizer": "tokenizer folder",
     "toolkit/data/tokenizer.py:get_tokenizer": "its own cache, written by save_pretrained then renamed into place",
     "toolkit/checkpoint/trainer_state.py:_state_record": "trainer_state.json",

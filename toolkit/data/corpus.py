@@ -28,6 +28,7 @@ from toolkit.config.values import name_problems, path_problems
 from toolkit.data.mixture import SourceConfig, StageConfig, mixture_problems
 from toolkit.data.packing import column_windows
 from toolkit.data.text_files import (
+    NO_ROWS,
     _binary,
     _first_line_not_a_record,
     _first_not_parquet,
@@ -36,6 +37,7 @@ from toolkit.data.text_files import (
     _only_whitespace,
     datasets_quiet,
     first_utf16,
+    parquet_rows,
     utf8_problem,
 )
 from toolkit.data.tokenizer import hub_unreachable
@@ -191,6 +193,8 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
                 raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty or whitespace)") from None
             if builder == "json" and (error := _first_line_not_a_record(cfg.path, files)) is not None:
                 raise error from None  # arrow's "The document is empty" names neither the file nor the line
+            if NO_ROWS in str(cause):  # blank lines only, or a table of no row
+                raise UserError(f"data.path={cfg.path} holds no text: no record in its {len(files)} file(s)") from None
             raise UserError(f"could not read data.path={cfg.path} as {builder}: {cause}") from None
         stats = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
         fingerprint = _hash(builder, cfg.sample_by, cfg.text_column, repr(stats))
@@ -248,7 +252,14 @@ def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | 
         raise error
     if all(os.path.getsize(f) == 0 for f in files):
         raise UserError(f"data.path={cfg.path} holds no text (all {len(files)} file(s) are empty)")
+    if builder == "parquet":  # a file of columns and no row: valid parquet, which datasets refuses to read
+        files = [f for f in files if parquet_rows(Path(f)) != 0] or _no_rows(cfg.path, files)
     return files, builder, {"sample_by": cfg.sample_by} if builder == "text" else {}
+
+
+def _no_rows(path: str, files: list[str]):
+    what = "its parquet file has" if len(files) == 1 else f"its {len(files)} parquet files have"
+    raise UserError(f"data.path={path} holds no records: {what} columns and no row; give a file with records")
 
 
 def _hub_dataset(cfg: DataConfig, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:

@@ -28,9 +28,11 @@ from toolkit.config.files import KeyTwice, once
 from toolkit.config.load import field
 from toolkit.data.corpus import hub_dataset
 from toolkit.data.text_files import (
+    NO_ROWS,
     datasets_quiet,
     not_parquet_error,
     parquet_problem,
+    parquet_rows,
     read_utf8,
 )
 
@@ -123,6 +125,8 @@ def _read_file(path: Path, said: str) -> list:
         raise UserError(f"{said} has suffix {path.suffix or '(none)'}; use one of {', '.join(FILES)}")
     if suffix == ".parquet" and (why := parquet_problem(path)) is not None:
         raise not_parquet_error(said, why)
+    if suffix == ".parquet" and parquet_rows(path) == 0:
+        return []  # its columns and no row: a folder's other files may hold records; none at all is said as such
     if suffix == ".csv":
         read_utf8(path, said)  # not UTF-8 (UTF-16, latin-1): said as every text file is
         if not path.read_bytes().strip():
@@ -132,6 +136,8 @@ def _read_file(path: Path, said: str) -> list:
             with _no_progress_bars(), datasets_quiet():  # datasets' bar and log lines for a file read in a moment
                 ds = datasets.load_dataset(FILES[suffix], data_files=str(path), split="train")
         except Exception as exc:  # pyarrow's, pandas' and datasets' own errors for a damaged file
+            if NO_ROWS in str(exc):
+                return []  # a table of no row: read_records says it holds no records
             cause = exc.__cause__ or exc  # datasets' DatasetGenerationError says only that an error occurred
             raise UserError(f"{said} cannot be read as {suffix[1:]}: {first_line(cause)[:200]}; write it again, or "
                             "give another file") from None

@@ -122,6 +122,20 @@ def parquet_problem(path: Path) -> str | None:
     return "it does not start with PAR1, as every parquet file does"
 
 
+NO_ROWS = "corresponds to no data"  # datasets' words for a file of no record (a csv's header alone, an empty table)
+
+
+def parquet_rows(path: Path) -> int | None:
+    """The records a parquet file holds, by its footer (None where it cannot be read): a file of columns and no row
+    is valid parquet, which datasets cannot read ("corresponds to no data", a null column that casts to nothing)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # damaged: parquet_problem or the reader says what
+        return None
+
+
 def _decodes(sample: bytes) -> bool:
     try:
         codecs.getincrementaldecoder("utf-8")().decode(sample)  # not final: a character cut at the end is fine

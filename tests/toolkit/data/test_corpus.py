@@ -555,3 +555,20 @@ def test_a_utf16_file_is_named_utf16_not_latin1(tmp_path):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(UserError, match="it is UTF-16 text .*; re-encode it as UTF-8, e.g. iconv -f utf-16 -t utf-8"):
             load_corpus(DataConfig(path=str(tmp_path / name)))
+
+
+def test_a_parquet_shard_of_no_rows_beside_others_is_read_past(tmp_path):
+    """A sharded write leaves a shard of columns and no row: datasets refused the folder ("Couldn't cast array of type
+    string to null"); the chat records' reader alike. Only such shards: one line (test_malformed_files.py's no rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from toolkit.data.records import read_records
+
+    pq.write_table(pa.table({"text": pa.array([], pa.null())}), tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"text": ["one document", "another"]}), tmp_path / "part-1.parquet")
+    assert corpus(str(tmp_path))[0] == ["one document", "another"]
+    assert len(read_records(str(tmp_path), "chat")) == 2
+    (tmp_path / "part-1.parquet").unlink()
+    with pytest.raises(UserError, match=r"holds no records: its parquet file has columns and no row; give a file"):
+        load_corpus(DataConfig(path=str(tmp_path)))
