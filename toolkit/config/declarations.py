@@ -109,10 +109,11 @@ def is_text(hint: Any) -> bool:
 
 def required(key: str, hint: Any) -> set[str]:
     """What a key of this type must declare: every key what a resume does and when it has an effect, a list whether
-    it may repeat an entry, text whether it is a path; a key inside a list (`data.sources[].path`) only the last."""
+    it may repeat an entry, text whether it is a path; a key inside a list (`data.sources[].path`) when it has an
+    effect and whether it is a path (a resume checks the list whole)."""
     needs = {"path"} if is_text(hint) else set()
     if "[]" in key:
-        return needs
+        return needs | {"used_when"}
     return needs | {"resume", "used_when"} | ({"unique"} if typing.get_origin(hint) is list else set())
 
 

@@ -20,6 +20,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from toolkit.config.declarations import ALWAYS, CheckedBy, Need
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.run.paths import READ
@@ -27,30 +28,45 @@ from toolkit.run.paths import READ
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source's name is part of metric keys (eval_loss/<name>, tokens/<name>)
 
 
+# a source's keys read only by one kind of data (a recipe without data.format reads text)
+TEXT_SOURCE = Need("data.format", ("text",), "text sources'")
+CHAT_SOURCE = CheckedBy("DataConfig.source_problems")  # refused on a source that reads text or pairs
+
+
 @dataclass
 class SourceConfig:
-    name: str = field(help="what the logs and metrics call it: eval_loss/<name>, tokens/<name>", path=None)
+    """One corpus of a mixture; each key says when it has an effect (used_when=, walked with data.format by
+    tests/toolkit/training/test_unused.py): a text source's keys are said where the source reads records, a chat
+    source's refused where it reads text (source_problems)."""
+
+    name: str = field(help="what the logs and metrics call it: eval_loss/<name>, tokens/<name>", path=None,
+                      used_when=ALWAYS)
     path: str | None = field(
-        None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs", path=READ
+        None, help="text/jsonl/parquet file, folder, glob or hub dataset id; empty = embedded Python docs", path=READ,
+        used_when=ALWAYS,
     )
-    weight: float = field(1.0, help="its share of every global batch's blocks (the weights are normalised)")
-    text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data", path=None)
+    weight: float = field(1.0, help="its share of every global batch's blocks (the weights are normalised)",
+                          used_when=ALWAYS)
+    text_column: str = field("text", help="column holding the text in jsonl/parquet/hub data", path=None,
+                             used_when=TEXT_SOURCE)
     sample_by: Literal["document", "paragraph", "line"] = field(
-        "paragraph", help="how plain-text files split into documents"
+        "paragraph", help="how plain-text files split into documents", used_when=TEXT_SOURCE
     )
-    subset: str | None = field(None, help="hub dataset config name (data.name of a single source)", path=None)
-    split: str = field("train", help="split to read from a hub dataset", path=None)
+    subset: str | None = field(None, help="hub dataset config name (data.name of a single source)", path=None,
+                               used_when=ALWAYS)
+    split: str = field("train", help="split to read from a hub dataset", path=None, used_when=ALWAYS)
     record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] | None = field(
-        None, help="chat: this source's record shape (docs/data.md); empty = data.record_format")
+        None, help="chat: this source's record shape (docs/data.md); empty = data.record_format", used_when=CHAT_SOURCE)
     columns: dict = field(default_factory=dict, help="chat: this source's records of another shape, mapped as "
                           "data.columns maps them ({conversation, role, content, user, assistant, system}); empty = "
-                          "data.columns")
+                          "data.columns", used_when=CHAT_SOURCE)
 
 
 @dataclass
 class StageConfig:
-    start_step: int = field(help="the first step these weights are in force")
-    weights: dict = field(default_factory=dict, help="{source name: weight}; a source not named keeps its weight")
+    start_step: int = field(help="the first step these weights are in force", used_when=ALWAYS)
+    weights: dict = field(default_factory=dict, help="{source name: weight}; a source not named keeps its weight",
+                          used_when=ALWAYS)
 
 
 def mixture_problems(sources: list[SourceConfig], stages: list[StageConfig]) -> list[str]:

@@ -18,23 +18,38 @@ from toolkit.config.keys import value_at as get
 
 def unused_settings(cfg) -> list[str]:
     """One line for each key set away from its default where the rest of `cfg` gives it no effect."""
-    default = type(cfg)()
     lines = []
     for key, need in declared(type(cfg), "used_when").items():
         if not isinstance(need, Need) and not callable(need):
             continue  # ALWAYS read, or refused by its component (CheckedBy)
-        value = get(cfg, key, absent=dataclasses.MISSING)
-        if value is dataclasses.MISSING or value == get(default, key):
-            continue
-        if isinstance(need, Need):
-            state = get(cfg, need.on, absent="text" if need.on == "data.format" else None)
-            if state in need.values:
-                continue
-            lines.append(f"note: {key}={_said(value)} is ignored: {need.on}={_said(state)} gives it no effect (it is "
-                         f"{need.whose})")
-        elif (why := need(cfg)) is not None:
-            lines.append(f"note: {key}={_said(value)} is ignored: {why}")
+        for name, value in _set(cfg, key):
+            if isinstance(need, Need):
+                state = get(cfg, need.on, absent="text" if need.on == "data.format" else None)
+                if state in need.values:
+                    continue
+                lines.append(f"note: {name}={_said(value)} is ignored: {need.on}={_said(state)} gives it no effect (it "
+                             f"is {need.whose})")
+            elif (why := need(cfg)) is not None:
+                lines.append(f"note: {name}={_said(value)} is ignored: {why}")
     return lines
+
+
+def _set(cfg, key: str) -> list[tuple[str, Any]]:
+    """(the key's name, its value) where it is set away from its default: a key of each entry of a list of sections
+    (`data.sources[].text_column`) once for each entry that sets it, named by its place (`data.sources[1].text_column`)."""
+    if "[]." not in key:
+        value = get(cfg, key, absent=dataclasses.MISSING)
+        return [] if value is dataclasses.MISSING or value == get(type(cfg)(), key) else [(key, value)]
+    listed, _, name = key.partition("[].")
+    found = []
+    for i, entry in enumerate(get(cfg, listed) or []):
+        field = {f.name: f for f in dataclasses.fields(entry)}[name] if entry is not None else None
+        if field is None:
+            continue  # an entry the loader could not build, and said why
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        if getattr(entry, name) != default:
+            found.append((f"{listed}[{i}].{name}", getattr(entry, name)))
+    return found
 
 
 def repeated_entries(cfg) -> list[str]:

@@ -24,8 +24,13 @@ from toolkit.config.load import field
 
 @dataclasses.dataclass
 class Item:
-    path: str | None = field(None, help="a file", path="read")
-    weight: float = field(1.0, help="its share")
+    path: str | None = field(None, help="a file", path="read", used_when=ALWAYS)
+    weight: float = field(1.0, help="its share", used_when=ALWAYS)
+
+
+@dataclasses.dataclass
+class Hurried:
+    size: int = field(1, help="an entry's key added in a hurry")
 
 
 @dataclasses.dataclass
@@ -60,12 +65,16 @@ def test_a_field_added_without_its_declarations_is_named_once_for_each_it_leaves
     class Newer(Outer):
         colour: str | None = field(None, help="a key added in a hurry")
         sizes: list[int] = field(default_factory=list, help="another", resume=free("labels"), used_when=ALWAYS)
+        entries: list[Hurried] = field(default_factory=list, help="a list of sections", resume=free("labels"),
+                                       used_when=ALWAYS, unique=False)
 
     assert undeclared(Newer) == [
         "colour declares no resume=: say it on its field (toolkit.config.declarations)",
         "colour declares no used_when=: say it on its field (toolkit.config.declarations)",
         "colour declares no path=: say it on its field (toolkit.config.declarations)",
         "sizes declares no unique=: say it on its field (toolkit.config.declarations)",
+        # a key of a list's entries: when it has an effect, each entry's alike (issue 63: a source's text_column)
+        "entries[].size declares no used_when=: say it on its field (toolkit.config.declarations)",
     ]
     assert "colour" not in declared(Newer, "resume")  # so a table walked over every key misses it too
 

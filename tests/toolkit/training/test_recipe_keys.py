@@ -49,7 +49,7 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
         "output_dir": OUTPUT, "data.cache_dir": CACHE, "model.cache_dir": CACHE, "resume": RESUME,
         **dict.fromkeys(("model.path", "model.gguf_file", "tokenizer.path", "data.path", "data.val_path",
                          "data.sources[].path", "data.chat_template", "eval.harness_include_path"), READ)}
-    assert len(keys.PATH_SETTINGS) == 33 and len(keys.OVERLAPS) == 76
+    assert len(keys.PATH_SETTINGS) == 33 and len(keys.OVERLAPS) == 88  # + evaluate --output's 12 (issue 63)
     assert sorted(keys.OWN_CHECK) == sorted(("seed", "train.global_batch_size", "data.sources", "data.stages",
                                              "data.streaming"))
     assert sorted(keys.SCHEDULE) == sorted(("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch",
@@ -68,8 +68,10 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
         "resume": "RunConfig.validate (with overwrite=true)", "train.beta": "FinetuneTrainConfig.validate",
         "train.gamma": "FinetuneTrainConfig.validate", "train.orpo_lambda": "FinetuneTrainConfig.validate",
         "data.chat_template": "FinetuneDataConfig.validate", "data.record_format": "FinetuneDataConfig.validate",
-        "data.columns.conversation": "FinetuneDataConfig.validate"}
-    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (40, 55)  # eval.every and eval.blocks: held-out data; train.canary(_every)
+        "data.columns.conversation": "FinetuneDataConfig.validate",
+        # a source's keys declare it since issue 63 (they said nothing: keys inside a list needed only path=)
+        "data.sources[].record_format": "DataConfig.source_problems", "data.sources[].columns": "DataConfig.source_problems"}
+    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (37 + 2 + 3, 56 + 7 - 1)  # + the sources' keys; eval.every, eval.blocks, train.canary(_every)
     assert keys.USED_WHEN["adapter.r"] == ("adapter.method", ("lora", "qlora"), "LoRA's")
     assert keys.USED_WHEN["tokenizer.vocab_size"] == ("tokenizer.path", (None,), "for a tokenizer the run trains")
     assert keys.ACCEPTS["optim.max_grad_norm"] == {"0": "no clipping, as documented"}

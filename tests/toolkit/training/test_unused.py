@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import re
 import typing
 
 import pytest
 
+from toolkit.config.declarations import ALWAYS as ALWAYS_USED
+from toolkit.config.declarations import CheckedBy, Need, declarations
 from toolkit.config.errors import ConfigError
 from toolkit.config.keys import dotted_keys
 from toolkit.config.load import load_config
 from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
 from toolkit.training.recipe_keys import ALWAYS, CHECKED_BY, REPEATS_MEAN_SOMETHING, UNIQUE, USED_WHEN
 
-ALL = dotted_keys(PretrainConfig) | dotted_keys(FinetuneConfig)
+ALL = dotted_keys(PretrainConfig) | dotted_keys(FinetuneConfig) | {  # and each key of a list's entries
+    key: said["hint"] for cls in (PretrainConfig, FinetuneConfig) for key, said in declarations(cls).items() if "[]" in key}
 
 # Each rule of USED_WHEN: (recipe config, the key set, overrides that leave it without effect, overrides that give it one)
 CASES = {
@@ -61,6 +65,12 @@ CASES = {
                            ["data.format=chat", "data.path=a.jsonl"]),
     "data.columns.conversation": (FinetuneConfig, "data.columns.conversation=c", ["data.format=text"],
                                   ["data.format=chat"]),
+    # a source's own keys (data.sources[0]...): as the same keys of data (issue 63: a chat source's text_column)
+    **{f"data.sources[].{k}": (FinetuneConfig, f"data.sources=[{{name: a, path: a.jsonl, {k}: {v}}}]", [f"data.format={f}"],
+                               [f"data.format={u}"])
+       for k, v, f, u in (("text_column", "body", "chat", "text"), ("sample_by", "line", "chat", "text"),
+                          ("record_format", "alpaca", "text", "chat"), ("columns", "{conversation: c}", "preference",
+                                                                        "chat"))},
 }
 
 
@@ -82,6 +92,7 @@ def test_every_list_valued_key_says_whether_its_entries_may_repeat():
 def test_a_setting_without_effect_is_said_in_one_line_before_anything_runs(key):
     """Said, not refused: the YAML of one mode run in another by an override keeps its keys."""
     cls, setting, unused, used = CASES[key]
+    key = key.replace("[]", "[0]")  # a key of a list's entries is said by its place
     notes: list[str] = []
     load_config(cls, None, [setting, *unused], notes)
     assert [n for n in notes if key in n] == [n for n in notes if n.startswith(f"note: {key}=")], notes
@@ -97,7 +108,8 @@ def test_a_setting_its_component_finds_without_effect_is_refused_in_one_line(key
     cls, setting, unused, used = CASES[key]
     with pytest.raises(ConfigError) as err:
         load_config(cls, None, [setting, *unused])
-    named = [p for p in err.value.problems if re.match(rf"({re.escape(key)}|{key.rsplit('.', 1)[-1]})[= ]", p)]
+    key = key.replace("[]", "[0]").removeprefix("data.sources")  # a source's key: sources[0].record_format
+    named = [p for p in err.value.problems if re.match(rf"(\S*{re.escape(key)}|{key.rsplit('.', 1)[-1]})[= ]", p)]
     assert len(named) == 1 and re.search(r"drop|choose", named[0]), err.value.problems
     load_config(cls, None, [setting, *used])
 
@@ -115,3 +127,32 @@ def test_the_shipped_configs_set_nothing_without_effect():
         notes: list[str] = []
         load_config(PretrainConfig if path.name.startswith("pretrain") else FinetuneConfig, path, None, notes)
         assert [n for n in notes if "is ignored" in n] == [], path
+
+
+FORMATS = ("text", "chat", "preference")
+SOURCE_VALUES = {"name": "b", "path": "b.jsonl", "weight": 2.0, "text_column": "body", "sample_by": "line",
+                 "subset": "s", "split": "test", "record_format": "alpaca", "columns": {"conversation": "c"}}
+OBJECTIVE = {"text": [], "chat": [], "preference": ["train.objective=dpo"]}  # what each format trains with
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("key", [k.removeprefix("data.sources[].") for k in ALL if k.startswith("data.sources[].")])
+def test_every_key_of_a_source_has_its_effect_in_every_format_or_is_said(key, data_format):
+    """Issue 63: a chat source's text_column (or sample_by) did nothing, unsaid. Each key of a source, set on one, in
+    each data.format: read, or said in a note (Need), or refused (CheckedBy), as its field declares; a new key of a
+    source fails here until SOURCE_VALUES sets it."""
+    need = declarations(FinetuneConfig)[f"data.sources[].{key}"]["used_when"]
+    entry = {"name": "a", "path": "a.jsonl", key: SOURCE_VALUES[key]}
+    notes: list[str] = []
+    overrides = [f"data.format={data_format}", f"data.sources={json.dumps([entry])}", *OBJECTIVE[data_format]]
+    if isinstance(need, CheckedBy) and data_format != "chat":
+        with pytest.raises(ConfigError) as err:
+            load_config(FinetuneConfig, None, overrides)
+        assert [p for p in err.value.problems if f"sources[0].{key}" in p and "drop it" in p], err.value.problems
+        return
+    load_config(FinetuneConfig, None, overrides, notes)
+    said = [n for n in notes if f"data.sources[0].{key}=" in n]
+    ignored = isinstance(need, Need) and data_format not in need.values
+    assert need == ALWAYS_USED or isinstance(need, (Need, CheckedBy)), need
+    assert said == ([f"note: data.sources[0].{key}={SOURCE_VALUES[key]} is ignored: data.format={data_format} gives it "
+                     f"no effect (it is {need.whose})"] if ignored else []), notes
