@@ -137,7 +137,9 @@ def check_tasks(cfg: HarnessConfig, manager) -> None:
     include = cfg.named["include_path"].strip(" =")
     for name in cfg.tasks:
         try:
-            with contextlib.redirect_stdout(io.StringIO()):  # "... not found in the evaluate library!", printed
+            # its prints, and its registry's log of a metric it cannot find ("... not found in the evaluate library!"):
+            # the line below says it
+            with contextlib.redirect_stdout(io.StringIO()), _silent("lm_eval.api.registry"):
                 built = manager.load([name])  # builds the task: reads (or downloads) its documents
         except Exception as exc:  # the datasets and hub errors of a task whose data is not here, its template's
             raise UserError(_unbuilt(name, manager, exc, include)) from None
@@ -149,6 +151,17 @@ def check_tasks(cfg: HarnessConfig, manager) -> None:
             if cfg.num_fewshot and cfg.num_fewshot > examples:  # shots come from the task's examples, the asked aside
                 raise UserError(f"{cfg.named['num_fewshot']}{cfg.num_fewshot}: task {task} has {examples} "
                                 f"examples to draw shots from; give at most {examples}")
+
+
+@contextlib.contextmanager
+def _silent(logger: str):
+    log = logging.getLogger(logger)
+    was = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 def _built(tasks: dict, shots: bool) -> list[tuple[str, int, dict]]:

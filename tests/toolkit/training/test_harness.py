@@ -4,6 +4,7 @@ harness scoring real tasks, through recipes/evaluate.py: tests/recipes/test_eval
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -101,7 +102,7 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", MALFORMED)
-def test_each_malformed_task_folder_is_one_line_before_any_model(case, tmp_path, capsys, monkeypatch):
+def test_each_malformed_task_folder_is_one_line_before_any_model(case, tmp_path, capsys, monkeypatch, caplog):
     harness()
     import evaluate.config
 
@@ -116,3 +117,5 @@ def test_each_malformed_task_folder_is_one_line_before_any_model(case, tmp_path,
     line = str(info.value)
     assert "\n" not in line and len(line) < 400 and re.search(said, line), line
     assert capsys.readouterr().out == ""  # the harness's own prints kept off the terminal
+    # and its log lines ("nosuchmetric not found in the evaluate library!" went to stderr before the toolkit's line)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("lm_eval") and r.levelno >= logging.WARNING] == []
