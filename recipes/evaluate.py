@@ -186,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         return said(exc, exc.exit, main_process)
     except Elsewhere as exc:
         return exc.code  # the first process said why
+    except KeyboardInterrupt:  # Ctrl-C: its temporary model folder is gone (finally above), an earlier --output whole
+        if main_process:
+            print("[evaluate] stopped by Ctrl-C (SIGINT) before its scores were written; nothing was written",
+                  file=sys.stderr)
+        return 130
     return 0
 
 

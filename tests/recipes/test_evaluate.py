@@ -191,6 +191,26 @@ def test_bad_input_is_one_line(evaluate, tasks, model_folder, tmp_path, monkeypa
     assert "pip install -e '.[eval]'" in capsys.readouterr().err
 
 
+def test_ctrl_c_is_one_line_and_exit_130(evaluate, tasks, model_folder, tmp_path, monkeypatch, capsys):
+    """Issue 63: a Ctrl-C while the harness scored was a 33-frame KeyboardInterrupt traceback."""
+    import toolkit.training.harness
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(toolkit.training.harness, "score", interrupted)
+    out = tmp_path / "scores.json"
+    try:
+        code = evaluate(["--from", str(model_folder), "--tasks", "pydoc_continuation", "--include-path", str(tasks[0]),
+                         "--output", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt went on: a traceback")
+    assert code == 130
+    err = capsys.readouterr().err
+    assert err == "[evaluate] stopped by Ctrl-C (SIGINT) before its scores were written; nothing was written\n", err
+    assert not out.exists()
+
+
 # every option of evaluate.py by kind (tests/support/wrong_arguments.py lists each kind's wrong values)
 KINDS = {"--from": "folder", "--checkpoint": "name", "--tasks": "names", "--include-path": "folder",
          "--num-fewshot": "count or zero", "--limit": "amount", "--batch-size": "count", "--base": "folder",
