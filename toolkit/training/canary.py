@@ -10,6 +10,7 @@ the summed loss and a sample of gradients are compared within the precision's `T
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 import types
@@ -21,7 +22,7 @@ from accelerate.utils import gather_object
 
 from toolkit.data.packing import POSITION_ATTENTION, VARLEN_ATTENTION, attention_inputs
 from toolkit.models.loss import LOSS_IN_FORWARD, forward_loss_sum, unwrapped
-from toolkit.training.step import Diverged, on_device
+from toolkit.training.step import Diverged, on_device, verdict
 
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "labels")  # what a row of any collated batch holds
 # The relative difference two paths may show at each compute precision: ~100x what the healthy levers measure on CPU
@@ -47,11 +48,20 @@ class Pass:
 
 
 @dataclass(frozen=True)
+class Taken:
+    """What the launched run decided that its config alone does not say."""
+
+    casts_per_step: bool = False  # model.cast_weights: the copy made once per step (auto, where it applies)
+    skips_on_device: bool = False  # train.step_sync: the fused AdamW skips a non-finite step on the device
+
+
+@dataclass(frozen=True)
 class Lever:
     setting: str  # as a user writes it; its reference is said as the override that takes it
     reference: str
-    in_use: Callable[[object, bool], bool]  # (recipe config, casts once per step) -> whether the run takes it
-    switch: Callable[[Pass], contextlib.AbstractContextManager]  # the pass made the reference's for a while
+    in_use: Callable[[object, Taken], bool]  # (recipe config, what the launched run took) -> whether it takes it
+    # the pass made the reference's for a while; None: a lever of the update, checked after it (Canary.after)
+    switch: Callable[[Pass], contextlib.AbstractContextManager] | None
 
 
 @contextlib.contextmanager
@@ -120,14 +130,18 @@ def _autocast_casts(p: Pass) -> Iterator[None]:
 # model.compile, model.attn_implementation, model.loss, model.cast_weights or train.mixed_precision that is neither
 # a lever nor a reference fails tests/toolkit/training/test_canary.py until it is classified here or in REFERENCES.
 LEVERS: tuple[Lever, ...] = (
-    Lever("model.compile", "model.compile=none", lambda cfg, cast: cfg.model.compile != "none", _eager),
+    Lever("model.compile", "model.compile=none", lambda cfg, t: cfg.model.compile != "none", _eager),
     Lever("model.attn_implementation", "model.attn_implementation=sdpa",
-          lambda cfg, cast: cfg.model.attn_implementation in POSITION_ATTENTION | VARLEN_ATTENTION, _masked_attention),
+          lambda cfg, t: cfg.model.attn_implementation in POSITION_ATTENTION | VARLEN_ATTENTION, _masked_attention),
     Lever("train.mixed_precision=fp8", "train.mixed_precision=bf16",
-          lambda cfg, cast: cfg.train.mixed_precision == "fp8", _bf16_linears),
-    Lever("model.loss=chunked", "model.loss=full", lambda cfg, cast: cfg.model.loss == "chunked", _full_loss),
+          lambda cfg, t: cfg.train.mixed_precision == "fp8", _bf16_linears),
+    Lever("model.loss=chunked", "model.loss=full", lambda cfg, t: cfg.model.loss == "chunked", _full_loss),
     # where the run really casts once per step (model.cast_weights=auto takes it where it applies)
-    Lever("model.cast_weights=per_step", "model.cast_weights=per_forward", lambda cfg, cast: cast, _autocast_casts),
+    Lever("model.cast_weights=per_step", "model.cast_weights=per_forward", lambda cfg, t: t.casts_per_step,
+          _autocast_casts),
+    # the skip of a non-finite step decided on the device (auto takes it where fused AdamW steps), against the host's
+    # reading of the same flags: the sampled weights moved exactly where the host says the step trained
+    Lever("train.step_sync=none", "train.step_sync=host", lambda cfg, t: t.skips_on_device, None),
 )
 # The values that are the references (or change nothing the canary could compare), with why.
 REFERENCES = {
@@ -140,12 +154,15 @@ REFERENCES = {
                            "per_step": "a lever where the run casts once per step (`casts_per_step`)"},
     "train.mixed_precision": {"no": "fp32", "bf16": "the reference of fp8", "fp16": "autocast's, as bf16",
                               "auto": "bf16 or fp32, as the device computes: a reference either way"},
+    "train.step_sync": {"host": "the host's verdict: the reference",
+                        "auto": "none where fused AdamW steps: the canary asks the run (`skips_on_device`)",
+                        "none": "a lever where the run skips on the device (`skips_on_device`)"},
 }
 
 
-def levers_in_use(cfg, casts_per_step: bool) -> list[Lever]:
+def levers_in_use(cfg, taken: Taken) -> list[Lever]:
     """The levers this run takes."""
-    return [lever for lever in LEVERS if lever.in_use(cfg, casts_per_step)]
+    return [lever for lever in LEVERS if lever.in_use(cfg, taken)]
 
 
 @dataclass(frozen=True)
@@ -191,51 +208,88 @@ def measure(p: Pass, sample: list[torch.Tensor], backward: bool) -> Reading:
 
 
 class Canary:
-    """The run's canary: `due(step)` says whether a check runs before that step, `check` runs it."""
+    """The run's canary: `before` a step checks its forward and backward where one is due, `after` its update."""
 
     def __init__(self, cfg, model: torch.nn.Module, weight_cast, precision: str, say: Callable[[str], None],
-                 log: Callable[[dict], None], backward: bool = True):
+                 log: Callable[[dict], None], taken: Taken = Taken(), backward: bool = True):
         self.action, self.every = cfg.train.canary, cfg.train.canary_every
         self.model, self.weight_cast, self.say, self.log = model, weight_cast, say, log
-        self.levers = levers_in_use(cfg, weight_cast is not None)
+        self.levers = levers_in_use(cfg, taken)
+        self.passes = [lever for lever in self.levers if lever.switch is not None]
         self.tolerance = TOLERANCE[precision]
         self.precision, self.backward = precision, backward
         self.sample = sample_of(model)
         self.device = self.sample[0].device
-        self.checked = False
+        self.checked, self.before_update = False, None
         if not self.levers:
             say(f"train.canary={self.action}: this run takes no fast path to check (" + ", ".join(
                 lever.reference for lever in LEVERS if lever.setting != "train.mixed_precision=fp8")
                 + ", and no fp8, are the references); it checks nothing")
 
     @classmethod
-    def of(cls, cfg, model: torch.nn.Module, weight_cast, mixed_precision: str, say: Callable[[str], None],
-           log: Callable[..., None]) -> Canary | None:
+    def of(cls, cfg, model: torch.nn.Module, weight_cast, mixed_precision: str, skips_on_device: bool,
+           say: Callable[[str], None], log: Callable[..., None]) -> Canary | None:
         """The run's canary, or None with train.canary=none. `mixed_precision`: the Accelerator's (auto resolved);
         `log`: the trainer's, a row of metrics.jsonl of a kind."""
         if cfg.train.canary == "none":
             return None
         precision = "fp8" if cfg.train.mixed_precision == "fp8" else mixed_precision
-        return cls(cfg, model, weight_cast, precision, say, lambda record: log("canary", record))
+        return cls(cfg, model, weight_cast, precision, say, lambda record: log("canary", record),
+                   Taken(casts_per_step=weight_cast is not None, skips_on_device=skips_on_device))
 
     def due(self, step: int) -> bool:
-        """Whether a check runs before the step after `step` (steps done): the launch's first, then every N."""
-        return bool(self.levers) and (not self.checked or step % self.every == 0)
+        """Whether step `step` (from 1) is checked: the launch's first, then one every train.canary_every."""
+        return bool(self.levers) and (not self.checked or (step - 1) % self.every == 0)
+
+    def before(self, step: int, batches: Iterator[dict], chunk_tokens: int) -> Iterator[dict]:
+        """Step `step`'s micro-batches, checked first where a check is due (its first one, `check`), and the sampled
+        weights kept for `after` where the update is a lever."""
+        if not self.due(step):
+            return batches
+        self.checked = True
+        if self.passes:
+            first = next(batches)
+            self.check(step, first, chunk_tokens)
+            batches = itertools.chain([first], batches)
+        if len(self.passes) < len(self.levers):
+            self.before_update = (step, [t.detach().clone() for t in self.sample])
+        return batches
+
+    def after(self, nonfinite, lr: float) -> None:
+        """After a checked step's update (`nonfinite`: optimizer_step's third value, the flags left on the device):
+        the sampled weights moved where the host's reading of the flags says the step trained, and only there."""
+        if self.before_update is None:
+            return
+        (step, kept), self.before_update = self.before_update, None
+        if lr == 0:
+            return  # a step at rate 0 moves nothing: it tells nothing
+        host = verdict(nonfinite.tolist()) if isinstance(nonfinite, torch.Tensor) else nonfinite
+        moved = any(not torch.equal(was, now.detach()) for was, now in zip(kept, self.sample, strict=True))
+        self.log({"step": step, "levers": ["train.step_sync=none"], "loss": None, "reference_loss": None,
+                  "loss_drift": None, "grad_drift": None, "tolerance": None,
+                  "drifted": None if moved == (host is None) else "train.step_sync=none", "verdict": host,
+                  "moved": moved})
+        if moved != (host is None):
+            self.stop_or_say(
+                f"numerics canary at step {step}: train.step_sync=none's update on the device "
+                f"{'changed' if moved else 'left'} the weights where the host's reading of the same flags "
+                f"{'skips' if host else 'trains'} the step ({host or 'all finite'})", "train.step_sync=host",
+                "the update was applied as the device decided")
 
     def check(self, step: int, batch: dict[str, torch.Tensor], chunk_tokens: int) -> None:
         """Collective (one gather): every rank checks a row of its micro-batch `batch`; a drift on any rank is said
         (or raised as Drifted) on every rank alike."""
-        self.checked, t0 = True, time.perf_counter()
+        t0 = time.perf_counter()
         # the row that holds the most documents: the one whose document mask has the most to keep apart
         i = int((batch["position_ids"] == 0).sum(dim=-1).argmax())
         row = on_device({k: v[i : i + 1] for k, v in batch.items() if k in MODEL_INPUTS}, self.device)
         p = Pass(self.model, row, chunk_tokens, self.weight_cast)
         fast = measure(p, self.sample, self.backward)
-        with self.switched(p, self.levers):
+        with self.switched(p, self.passes):
             reference = measure(p, self.sample, self.backward)
         loss_drift, grad_drift = fast.drift(reference)
         lever = self.culprit(p, reference) if self.drifted(fast, reference) else None
-        record = {"step": step, "levers": [lv.setting for lv in self.levers], "loss": fast.loss,
+        record = {"step": step, "levers": [lv.setting for lv in self.passes], "loss": fast.loss,
                   "reference_loss": reference.loss, "loss_drift": loss_drift, "grad_norm": fast.grad_norm(),
                   "reference_grad_norm": reference.grad_norm(), "grad_drift": grad_drift,
                   "tolerance": self.tolerance, "drifted": lever, "seconds": time.perf_counter() - t0}
@@ -258,11 +312,11 @@ class Canary:
 
     def culprit(self, p: Pass, reference: Reading) -> str:
         """The lever that, alone in its fast form, drifts most from the reference (one pass per lever, on a drift)."""
-        if len(self.levers) == 1:
-            return self.levers[0].setting
+        if len(self.passes) == 1:
+            return self.passes[0].setting
         drifts = {}
-        for lever in self.levers:
-            with self.switched(p, [other for other in self.levers if other is not lever]):
+        for lever in self.passes:
+            with self.switched(p, [other for other in self.passes if other is not lever]):
                 drifts[lever.setting] = max(measure(p, self.sample, self.backward).drift(reference))
         return max(drifts, key=drifts.get)
 
@@ -271,11 +325,15 @@ class Canary:
         grads = "" if r["grad_norm"] is None else (
             f", the sampled gradients' norm {r['grad_norm']:.6g} against {r['reference_grad_norm']:.6g} (a relative "
             f"difference of {r['grad_drift']:.2g})")
-        said = (f"numerics canary at step {r['step']}: {lever.setting} computed a loss of {r['loss']:.6g} against its "
-                f"reference's ({lever.reference}) {r['reference_loss']:.6g} (a relative difference of "
-                f"{r['loss_drift']:.2g}){grads}, past the tolerance of {self.precision} ({r['tolerance']:g})")
+        self.stop_or_say(
+            f"numerics canary at step {r['step']}: {lever.setting} computed a loss of {r['loss']:.6g} against its "
+            f"reference's ({lever.reference}) {r['reference_loss']:.6g} (a relative difference of "
+            f"{r['loss_drift']:.2g}){grads}, past the tolerance of {self.precision} ({r['tolerance']:g})",
+            lever.reference, "the step was not applied")
+
+    def stop_or_say(self, said: str, reference: str, applied: str) -> None:
         if self.action == "warn":
             self.say(f"warning: {said}; training goes on (train.canary=warn)")
             return
-        raise Drifted(f"{said}; the step was not applied and the checkpoints saved so far are intact: train with "
-                      f"{lever.reference} and resume=auto, and report the drift (train.canary=warn only says it)")
+        raise Drifted(f"{said}; {applied} and the checkpoints saved so far are intact: train with {reference} and "
+                      "resume=auto, and report the drift (train.canary=warn only says it)")

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -216,8 +215,7 @@ class Trainer:
         if cfg.model.chunk_tokens:
             output_head(model)  # a head the chunked loss cannot replace is refused before any step
         # The recipe's AdamW + warmup/decay, unless a user's DeepSpeed JSON defines its own.
-        owned = self.strategy.family.optimization_owned(self.strategy)
-        if owned:
+        if owned := self.strategy.family.optimization_owned(self.strategy):
             self.print(f"the DeepSpeed config defines {' and '.join(owned)}: using them instead of the recipe's optim "
                        "section")
         if cfg.optim.lr_scaling != "none":
@@ -241,7 +239,8 @@ class Trainer:
                                        self.strategy.layout, AUTOCAST.get(self.accelerator.mixed_precision),
                                        cfg.model.compile)
         unwrapped, stream = self.accelerator.unwrap_model(self.model), self.feed.stream
-        self.canary = Canary.of(cfg, unwrapped, self.weight_cast, self.accelerator.mixed_precision, self.print, self.log)
+        self.canary = Canary.of(cfg, unwrapped, self.weight_cast, self.accelerator.mixed_precision, self.skip_on_device,
+                                self.print, self.log)
         self.checkpoints.attach(unwrapped, lambda d: write_model_files(unwrapped, self.tokenizer, d, self.model_files),
                                 stream)
         if self.resume_from is not None:
@@ -324,11 +323,11 @@ class Trainer:
             meter or contextlib.nullcontext(),
             self.weight_cast.step() if self.weight_cast is not None else contextlib.nullcontext(),
         ):
-            if self.canary is not None and self.canary.due(state.step):
-                first = next(batches)  # a row of the step's first micro-batch, checked before the step trains on it
-                self.canary.check(state.step, first, cfg.model.chunk_tokens)
-                batches = itertools.chain([first], batches)
+            if self.canary is not None:  # train.canary: where due, the step's fast paths checked before it trains
+                batches = self.canary.before(state.step + 1, batches, cfg.model.chunk_tokens)
             loss_sum, grad_norm, nonfinite, extras = self.update(faulty(batches), scale, meter)
+        if self.canary is not None:
+            self.canary.after(nonfinite, lr)
         on_device = nonfinite if isinstance(nonfinite, torch.Tensor) else None  # the verdict's flags, unread
         # A skipped step leaves the schedule where it was; one read later steps it now and back if skipped.
         if self.step_scheduler and (nonfinite is None or on_device is not None):

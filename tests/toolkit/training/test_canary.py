@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import typing
 
 import probe_ranks
@@ -44,8 +45,9 @@ def fast_values() -> dict[str, tuple[str, ...]]:
     hints = typing.get_type_hints(type(load_config(PretrainConfig, None, []).model))
     values = {f"model.{key}": typing.get_args(hints[key]) for key in ("compile", "loss", "cast_weights")}
     values["model.attn_implementation"] = tuple(sorted(MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION))
-    values["train.mixed_precision"] = typing.get_args(typing.get_type_hints(
-        type(load_config(PretrainConfig, None, []).train))["mixed_precision"])
+    train = typing.get_type_hints(type(load_config(PretrainConfig, None, []).train))
+    values["train.mixed_precision"] = typing.get_args(train["mixed_precision"])
+    values["train.step_sync"] = typing.get_args(train["step_sync"])
     return values
 
 
@@ -56,11 +58,12 @@ def test_every_path_a_setting_picks_is_a_lever_or_a_reference(monkeypatch):
     for key, values in fast_values().items():
         for value in values:
             cfg = load_config(PretrainConfig, None, [f"{key}={value}"])
-            levers = [lever.setting for lever in canary.levers_in_use(cfg, casts_per_step=False)]
+            levers = [lever.setting for lever in canary.levers_in_use(cfg, canary.Taken())]
             assert levers or value in canary.REFERENCES[key], f"{key}={value}: neither a lever nor a reference"
             assert not (levers and value in canary.REFERENCES[key]), f"{key}={value}: both a lever and a reference"
-    assert [lv.setting for lv in canary.levers_in_use(load_config(PretrainConfig, None, []), True)] == \
-        ["model.cast_weights=per_step"]  # where the run casts once per step (auto where it applies)
+    default = load_config(PretrainConfig, None, [])  # auto casts and skips where the launched run can
+    assert [lv.setting for lv in canary.levers_in_use(default, canary.Taken(True, True))] == \
+        ["model.cast_weights=per_step", "train.step_sync=none"]
 
 
 def canary_run(tmp_path, blocks, tiny_tokenizer, tiny_model, *overrides):
@@ -112,12 +115,12 @@ def stale_copy_once(monkeypatch):
 
 
 PLANTED = {  # (the bug, the run's settings, the lever named, the step whose check catches it)
-    "a chunked loss that drops the last chunk": (drops_the_last_chunk, CHUNKED, "model.loss=chunked", 0),
-    "a loss that scales one token's gradient": (scales_one_tokens_gradient, CHUNKED, "model.loss=chunked", 0),
+    "a chunked loss that drops the last chunk": (drops_the_last_chunk, CHUNKED, "model.loss=chunked", 1),
+    "a loss that scales one token's gradient": (scales_one_tokens_gradient, CHUNKED, "model.loss=chunked", 1),
     # two levers in use: the one whose fast path alone drifts is named
     "a dropped last chunk beside the per-step copy": (drops_the_last_chunk, CHUNKED + PER_STEP, "model.loss=chunked",
-                                                      0),
-    "a bf16 weight copy stale for one step": (stale_copy_once, PER_STEP, "model.cast_weights=per_step", 2),
+                                                      1),
+    "a bf16 weight copy stale for one step": (stale_copy_once, PER_STEP, "model.cast_weights=per_step", 3),
 }
 
 
@@ -129,8 +132,8 @@ def test_a_planted_bug_is_caught_at_its_first_check(tmp_path, blocks, tiny_token
                          "train.canary_every=1")
     with pytest.raises(canary.Drifted, match=rf"numerics canary at step {step}: {lever} computed a loss of") as e:
         trainer.fit()
-    assert trainer.state.step == step  # before the step trained
-    assert [c.name for c in RunDir(tmp_path / "run").complete_checkpoints()] == [f"step-{s}" for s in range(1, step + 1)]
+    assert trainer.state.step == step - 1  # before the step trained
+    assert [c.name for c in RunDir(tmp_path / "run").complete_checkpoints()] == [f"step-{s}" for s in range(1, step)]
     rows = [r for r in read_metrics(RunDir(tmp_path / "run").metrics) if r["kind"] == "canary"]
     assert rows[-1]["drifted"] == lever
     assert "the step was not applied and the checkpoints saved so far are intact" in str(e.value)
@@ -152,7 +155,7 @@ def test_the_canary_changes_no_number_training_computes(tmp_path, blocks, tiny_t
     assert runs["on"][0] == runs["off"][0]
     assert all(torch.equal(runs["on"][1][k], w) for k, w in runs["off"][1].items())
     checks = runs["on"][2]
-    assert [r["step"] for r in checks] == [0, 1, 2] and runs["off"][2] == []
+    assert [r["step"] for r in checks] == [1, 2, 3] and runs["off"][2] == []
     assert all(r["drifted"] is None and max(r["loss_drift"], r["grad_drift"]) <= r["tolerance"] for r in checks)
     assert checks[0]["levers"] == ["model.loss=chunked", "model.cast_weights=per_step"]
 
@@ -207,3 +210,38 @@ def test_every_rank_checks_its_own_row_and_stops_together(strategy, tmp_path):
     assert all(r["first"]["drifted"] is None for r in ranks)
     assert ranks[0]["first"]["loss"] != ranks[1]["first"]["loss"]  # each rank its own row
     assert ranks[0]["raised"] == ranks[1]["raised"] and "numerics canary at step 1: model.loss=chunked" in ranks[0]["raised"]
+
+
+@pytest.mark.parametrize("bug", ["steps through a skip", "never steps"])
+def test_a_skip_on_the_device_that_disagrees_with_the_host_is_caught(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                                     monkeypatch, bug):
+    """train.step_sync=none (fused AdamW skips on its found_inf): an optimizer that drops the flag steps through step
+    2's NaN gradients, one whose flag is stuck never steps; the host's reading of the same flags says otherwise."""
+    if bug == "steps through a skip":
+        monkeypatch.setenv("LLM_TOOLKIT_NONFINITE", "grad@2")
+    fused_step = torch.optim.AdamW.step
+
+    def planted(self, closure=None):
+        self.found_inf = None if bug == "steps through a skip" else torch.ones(())
+        return fused_step(self, closure)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", planted)
+    trainer = canary_run(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "optim.fused=true",
+                         "train.step_sync=none", "optim.warmup_steps=0", "train.canary=stop", "train.canary_every=1")
+    assert [lv.setting for lv in trainer.canary.levers] == ["train.step_sync=none"]
+    step, said = (2, "changed the weights where the host's reading of the same flags skips the step (grad)") if \
+        bug == "steps through a skip" else (1, "left the weights where the host's reading of the same flags trains")
+    with pytest.raises(canary.Drifted, match=rf"numerics canary at step {step}: train.step_sync=none's update on the "
+                                             rf"device {re.escape(said)}"):
+        trainer.fit()
+
+
+def test_a_skip_on_the_device_that_agrees_with_the_host_passes(tmp_path, blocks, tiny_tokenizer, tiny_model,
+                                                               monkeypatch):
+    monkeypatch.setenv("LLM_TOOLKIT_NONFINITE", "grad@2")
+    trainer = canary_run(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "optim.fused=true",
+                         "train.step_sync=none", "optim.warmup_steps=0", "train.canary=stop", "train.canary_every=1")
+    trainer.fit()
+    rows = [r for r in read_metrics(trainer.run.metrics) if r["kind"] == "canary"]
+    assert [(r["step"], r["verdict"], r["moved"], r["drifted"]) for r in rows] == [
+        (1, None, True, None), (2, "grad", False, None), (3, None, True, None)]
