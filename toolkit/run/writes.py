@@ -98,7 +98,7 @@ WRITERS: dict[str, Writer] = {
     ),
     "evaluation": Writer(
         "recipes/evaluate.py --output: the harness's results; a checkpoint or adapter made a model folder beside it "
-        "for the harness (removed after)", ("recipes.evaluate:main",),
+        "for the harness (removed after)", ("recipes.evaluate:main", "recipes.evaluate:write_results"),
         "free space beside --output, or choose an --output on a disk with room",
         "nothing (the partial results and the model folder removed)",
     ),
