@@ -29,3 +29,14 @@ def test_a_layout_the_launch_refuses_is_left_out_in_the_launchs_words():
     assert not any(r["strategy"] == "fsdp_tp" for r in rows) and any(r["strategy"] == "fsdp" for r in rows)
     assert "fsdp_tp: not listed: train.mixed_precision=fp8 trains under DDP, FSDP and ZeRO" in "\n".join(notes)
     assert any(n.startswith("train.mixed_precision=fp8 is planned as bf16") for n in notes)
+
+
+def test_a_row_whose_layout_takes_an_override_says_it():
+    """A rule an override lifts (train.canary under FSDP and ZeRO-3) plans the row as launched with it, and says so,
+    for a layout of its own as for a model-parallel one."""
+    rows, _, notes = plan("pretrain", load_config(PretrainConfig, TINY, ["train.canary=stop"]), gpus=2,
+                          gpu_memory=80 * 10**9)
+    said = "\n".join(notes)
+    assert {"fsdp", "zero3", "ddp"} <= {r["strategy"] for r in rows}
+    assert "fsdp: as launched with train.canary=none" in said and "zero3: as launched with train.canary=none" in said
+    assert "ddp: as launched" not in said and "zero2: as launched" not in said
