@@ -27,7 +27,7 @@ from toolkit.config.errors import ConfigError, UserError
 from toolkit.config.files import read_yaml
 from toolkit.config.user_paths import from_here
 from toolkit.launch.environment import gpus_short
-from toolkit.launch.options import given, honour, refusal
+from toolkit.launch.options import given, honour, refusal, repeated
 from toolkit.launch.rank_process import LAUNCHER_PID
 from toolkit.run.writes import WriteFailed, writing
 
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    problem = missing_file(args) or out_of_range(args) or unreadable_config(args.config_file)
+    problem = (repeated(accelerate_launch.launch_command_parser(), argv, args.training_script) or missing_file(args)
+               or out_of_range(args) or unreadable_config(args.config_file))
     crowded = None if problem else ranks_per_machine(args, gpus(), len(os.sched_getaffinity(0)))
     if crowded is not None and crowded.startswith("error: "):
         problem = crowded.removeprefix("error: ")

@@ -172,6 +172,27 @@ def given(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
     return flags
 
 
+def repeated(parser: argparse.ArgumentParser, argv: list[str], script: str | None) -> str | None:
+    """The line for an option given twice before the recipe (`script`): argparse keeps the last in silence, and
+    `--config_file ddp.yaml --config_file zero2.yaml` launched zero2's 8 processes without a word."""
+    flags = {flag: action for action in parser._actions for flag in action.option_strings}
+    end = argv.index(script) if script in argv else len(argv)
+    seen: dict[str, list[str]] = {}
+    for i, token in enumerate(argv[:end]):
+        name, eq, value = token.partition("=")
+        action = flags.get(name)
+        if action is None or not name.startswith("--"):
+            continue
+        if not eq and action.nargs != 0 and i + 1 < end:
+            value = argv[i + 1]
+        said = seen.setdefault(action.dest, [])
+        said.append(value)
+        if len(said) == 2:
+            values = f" ({', '.join(said)})" if any(said) else ""
+            return f"{action.option_strings[0]} is given twice{values}; give it once"
+    return None
+
+
 def honour(args: argparse.Namespace, config: dict, gpus: int) -> frozenset[str]:
     """`args` made to launch what they ask for; the features of the launch they then make (Option.needs).
 

@@ -10,6 +10,7 @@ Each code's causes, and one rank's error as one line: docs/internals.md, toolkit
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 
@@ -79,8 +80,11 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool]:
                             "before the recipe's script (bash recipes/launch.sh OPTIONS recipes/NAME.py --config ...), "
                             "or anywhere to llm-toolkit")
         elif arg.startswith("-"):
-            raise UserError(f"{arg} is not an option of this recipe; its options are --config FILE, --print-config and "
-                            "--help, and every other argument is a key=value override")
+            near = difflib.get_close_matches(option, [*OPTIONS, "--config", *launch_options()], n=1, cutoff=0.8)
+            hint = "" if not near else f"; did you mean {near[0]}" + ("" if near[0] in (*OPTIONS, "--config") else
+                                                                      " (the launcher's)")
+            raise UserError(f"{arg} is not an option of this recipe{hint}; its options are --config FILE, "
+                            "--print-config and --help, and every other argument is a key=value override")
         else:
             overrides.append(arg)
         i += 1

@@ -10,7 +10,7 @@ import pytest
 from accelerate.commands import launch as accelerate_launch
 
 from toolkit.launch import launcher
-from toolkit.launch.options import OPTIONS
+from toolkit.launch.options import OPTIONS, repeated
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = str(ROOT / "recipes" / "pretrain.py")
@@ -141,3 +141,23 @@ def test_two_processes_without_a_config_launch_quietly(launched, caplog):
     assert code == 0 and name == "multi_gpu_launcher"
     assert (args.num_machines, args.mixed_precision, args.dynamo_backend) == (1, "no", "no")
     assert "were not passed" not in caplog.text
+
+
+def test_every_option_given_twice_is_one_line():
+    """argparse keeps an option's last value in silence: each option of the launch parser, given twice before the
+    recipe (as --opt v and --opt=v), is refused in one line that names both values; once, or after the recipe, it is
+    not."""
+    parser = accelerate_launch.launch_command_parser()
+    for dest, action in options().items():
+        flag = next(f for f in action.option_strings if f.startswith("--"))
+        value = [] if action.nargs == 0 else ["1"]
+        twice = [flag, *value, f"{flag}={value[0]}" if value else flag, SCRIPT, "--config", "x.yaml"]
+        said = f"{action.option_strings[0]} is given twice{' (1, 1)' if value else ''}; give it once"
+        assert repeated(parser, twice, SCRIPT) == said, dest
+        assert repeated(parser, [flag, *value, SCRIPT, flag, *value], SCRIPT) is None, dest  # the recipe's own
+
+
+def test_a_repeated_option_is_refused_before_anything_launches(launched, capsys):
+    """(was: the last --config_file taken, zero2.yaml's 8 processes, then an unrelated batch-size error)"""
+    assert launched(["--config_file", DDP, "--config_file", ZERO3]) == (2, None)
+    assert capsys.readouterr().err == f"error: --config_file is given twice ({DDP}, {ZERO3}); give it once\n"

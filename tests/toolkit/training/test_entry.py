@@ -8,7 +8,7 @@ import pytest
 import wrong_arguments
 
 from toolkit.config.errors import UserError
-from toolkit.training.entry import run
+from toolkit.training.entry import command_line, run
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.trainer import Stopped
 
@@ -204,6 +204,18 @@ def test_a_launch_config_given_as_the_recipes_is_one_line(launch_config, kind, r
     err = capsys.readouterr().err
     assert err.startswith(f"error: --config {path} is {kind} (") and err.count("\n") == 1, err
     assert "not a recipe's; give it as " in err
+
+
+@pytest.mark.parametrize(("typed", "meant"), [("--print-confg", "--print-config"), ("--confg", "--config"),
+                                             ("--main_process_portt", "--main_process_port (the launcher's)"),
+                                             ("--num_proceses", "--num_processes (the launcher's)"), ("--nope", None)])
+def test_a_misspelt_option_is_told_its_nearest(typed, meant):
+    """A misspelt option of the recipe's or of the launcher's (which llm-toolkit hands to the recipe when it is not
+    the launcher's) was "not an option of this recipe" with no hint."""
+    with pytest.raises(UserError) as refused:
+        command_line(["--config", TINY, typed])
+    assert str(refused.value).startswith(f"{typed} is not an option of this recipe" +
+                                         (f"; did you mean {meant}; " if meant else "; "))
 
 
 def test_a_launchers_option_given_to_the_recipe_says_where_it_goes(recipe, capsys, monkeypatch):
