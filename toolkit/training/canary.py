@@ -29,6 +29,7 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "labels")  # what
 # (fp32: 1e-7 to 1e-6, the order of the sums), a few units in the last place of bf16 (2**-8) and fp16 (2**-11), and
 # e4m3's one (2**-4) for fp8's matmul inputs. Drifts are logged at every check (metrics.jsonl, kind "canary").
 TOLERANCE = {"no": 1e-4, "fp16": 5e-3, "bf16": 2e-2, "fp8": 1e-1}
+PRECISION = {"no": "fp32"}  # the Accelerator's names, as a line says them
 SAMPLE_ELEMENTS = 1 << 20  # a trainable tensor this small is in the gradients compared (norms, biases, LoRA matrices)
 
 
@@ -160,6 +161,14 @@ REFERENCES = {
 }
 
 
+def named(lever: Lever, cfg) -> str:
+    """The lever as this run sets it: `model.compile=layers`, where its setting names the key alone."""
+    if "=" in lever.setting:
+        return lever.setting
+    section, key = lever.setting.split(".")
+    return f"{lever.setting}={getattr(getattr(cfg, section), key)}"
+
+
 def levers_in_use(cfg, taken: Taken) -> list[Lever]:
     """The levers this run takes."""
     return [lever for lever in LEVERS if lever.in_use(cfg, taken)]
@@ -216,11 +225,12 @@ class Canary:
         self.model, self.weight_cast, self.say, self.log = model, weight_cast, say, log
         self.levers = levers_in_use(cfg, taken)
         self.passes = [lever for lever in self.levers if lever.switch is not None]
+        self.names = {lever.setting: named(lever, cfg) for lever in self.levers}  # model.compile -> model.compile=layers
         self.tolerance = TOLERANCE[precision]
         self.precision, self.backward = precision, backward
         self.sample = sample_of(model)
         self.device = self.sample[0].device
-        self.checked, self.before_update = False, None
+        self.checked, self.before_update, self.update_due = False, None, False
         if not self.levers:
             say(f"train.canary={self.action}: this run takes no fast path to check (" + ", ".join(
                 lever.reference for lever in LEVERS if lever.setting != "train.mixed_precision=fp8")
@@ -244,14 +254,13 @@ class Canary:
     def before(self, step: int, batches: Iterator[dict], chunk_tokens: int) -> Iterator[dict]:
         """Step `step`'s micro-batches, checked first where a check is due (its first one, `check`), and the sampled
         weights kept for `after` where the update is a lever."""
-        if not self.due(step):
-            return batches
-        self.checked = True
-        if self.passes:
+        due = self.due(step)
+        if due and self.passes:
             first = next(batches)
             self.check(step, first, chunk_tokens)
             batches = itertools.chain([first], batches)
-        if len(self.passes) < len(self.levers):
+        self.checked = self.checked or due
+        if len(self.passes) < len(self.levers) and (due or self.update_due):
             self.before_update = (step, [t.detach().clone() for t in self.sample])
         return batches
 
@@ -261,14 +270,15 @@ class Canary:
         if self.before_update is None:
             return
         (step, kept), self.before_update = self.before_update, None
-        if lr == 0:
-            return  # a step at rate 0 moves nothing: it tells nothing
+        self.update_due = lr == 0  # a step at rate 0 moves nothing and tells nothing: the next one is checked
+        if self.update_due:
+            return
         host = verdict(nonfinite.tolist()) if isinstance(nonfinite, torch.Tensor) else nonfinite
         moved = any(not torch.equal(was, now.detach()) for was, now in zip(kept, self.sample, strict=True))
         self.log({"step": step, "levers": ["train.step_sync=none"], "loss": None, "reference_loss": None,
-                  "loss_drift": None, "grad_drift": None, "tolerance": None,
-                  "drifted": None if moved == (host is None) else "train.step_sync=none", "verdict": host,
-                  "moved": moved})
+                  "loss_drift": None, "grad_norm": None, "reference_grad_norm": None, "grad_drift": None,
+                  "tolerance": None, "drifted": None if moved == (host is None) else "train.step_sync=none",
+                  "seconds": 0.0, "verdict": host, "moved": moved})
         if moved != (host is None):
             self.stop_or_say(
                 f"numerics canary at step {step}: train.step_sync=none's update on the device "
@@ -288,8 +298,8 @@ class Canary:
         with self.switched(p, self.passes):
             reference = measure(p, self.sample, self.backward)
         loss_drift, grad_drift = fast.drift(reference)
-        lever = self.culprit(p, reference) if self.drifted(fast, reference) else None
-        record = {"step": step, "levers": [lv.setting for lv in self.passes], "loss": fast.loss,
+        lever = self.names[self.culprit(p, reference)] if self.drifted(fast, reference) else None
+        record = {"step": step, "levers": [self.names[lv.setting] for lv in self.passes], "loss": fast.loss,
                   "reference_loss": reference.loss, "loss_drift": loss_drift, "grad_norm": fast.grad_norm(),
                   "reference_grad_norm": reference.grad_norm(), "grad_drift": grad_drift,
                   "tolerance": self.tolerance, "drifted": lever, "seconds": time.perf_counter() - t0}
@@ -321,14 +331,15 @@ class Canary:
         return max(drifts, key=drifts.get)
 
     def drift(self, r: dict) -> None:
-        lever = next(lv for lv in self.levers if lv.setting == r["drifted"])
+        lever = next(lv for lv in self.levers if self.names[lv.setting] == r["drifted"])
         grads = "" if r["grad_norm"] is None else (
             f", the sampled gradients' norm {r['grad_norm']:.6g} against {r['reference_grad_norm']:.6g} (a relative "
             f"difference of {r['grad_drift']:.2g})")
         self.stop_or_say(
-            f"numerics canary at step {r['step']}: {lever.setting} computed a loss of {r['loss']:.6g} against its "
+            f"numerics canary at step {r['step']}: {r['drifted']} computed a loss of {r['loss']:.6g} against its "
             f"reference's ({lever.reference}) {r['reference_loss']:.6g} (a relative difference of "
-            f"{r['loss_drift']:.2g}){grads}, past the tolerance of {self.precision} ({r['tolerance']:g})",
+            f"{r['loss_drift']:.2g}){grads}, past {PRECISION.get(self.precision, self.precision)}'s tolerance "
+            f"({r['tolerance']:g})",
             lever.reference, "the step was not applied")
 
     def stop_or_say(self, said: str, reference: str, applied: str) -> None:

@@ -190,7 +190,8 @@ def test_a_document_mask_that_lets_a_token_see_across_is_caught(tiny_tokenizer, 
     check.check(0, batch, 0)  # healthy: within fp32's tolerance
     assert said[-1]["drifted"] is None and said[-1]["loss_drift"] <= canary.TOLERANCE["no"]
     monkeypatch.setattr(masking, "find_packed_sequence_indices", planted)
-    with pytest.raises(canary.Drifted, match="model.attn_implementation computed a loss of .* against its reference's "
+    with pytest.raises(canary.Drifted, match="model.attn_implementation=flex_attention computed a loss of .* against "
+                                             "its reference's "
                                              r"\(model.attn_implementation=sdpa\)"):
         check.check(1, batch, 0)
     assert model.config._attn_implementation == "flex_attention"  # switched back
@@ -245,3 +246,15 @@ def test_a_skip_on_the_device_that_agrees_with_the_host_passes(tmp_path, blocks,
     rows = [r for r in read_metrics(trainer.run.metrics) if r["kind"] == "canary"]
     assert [(r["step"], r["verdict"], r["moved"], r["drifted"]) for r in rows] == [
         (1, None, True, None), (2, "grad", False, None), (3, None, True, None)]
+
+
+def test_the_first_update_that_trains_is_checked_when_the_first_moves_nothing(tmp_path, blocks, tiny_tokenizer,
+                                                                             tiny_model):
+    """Warmup's first step trains at rate 0 and moves no weight: it tells nothing, and the check goes to the next step
+    (it was dropped until step 101: a shorter run checked nothing)."""
+    trainer = canary_run(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "optim.fused=true",
+                         "train.step_sync=none", "optim.warmup_steps=2", "train.canary=stop")
+    trainer.fit()
+    rows = [r for r in read_metrics(trainer.run.metrics) if r["kind"] == "canary"]
+    assert [(r["step"], r["moved"]) for r in rows] == [(2, True)]
+    assert {"grad_norm", "reference_grad_norm", "seconds"} <= set(rows[0])  # every canary row has the same columns
