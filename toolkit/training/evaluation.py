@@ -39,6 +39,10 @@ def _nothing_evaluated(cfg) -> str | None:
     return None if cfg.eval.every == 0 else _no_held_out_data(cfg)  # 0: only at the end, nothing asked of the steps
 
 
+def _no_blocks_to_take(cfg) -> str | None:
+    return None if cfg.eval.blocks == 0 else _no_held_out_data(cfg)  # 0: every block there is, none or some
+
+
 @dataclass
 class EvalConfig:
     every: int = field(50, help="held-out loss and perplexity every N optimizer steps (0 = only at the end)",
@@ -46,7 +50,7 @@ class EvalConfig:
                        accepts={"0": "only at the end", "2**31": "only at the end"})
     blocks: int = field(64, help="held-out blocks per evaluation (of each source of a mixture), the same on any "
                         "number of processes (0 = all)", resume=FROM_NEXT_STEP,
-                        used_when=_no_held_out_data,
+                        used_when=_no_blocks_to_take,
                         accepts={"0": "every held-out block", "2**31": "every held-out block"})
     harness_tasks: list[str] = field(
         default_factory=list, help="lm-evaluation-harness tasks: a fine-tune scores its base and its result, "

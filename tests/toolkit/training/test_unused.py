@@ -127,6 +127,11 @@ def test_the_shipped_configs_set_nothing_without_effect():
         notes: list[str] = []
         load_config(PretrainConfig if path.name.startswith("pretrain") else FinetuneConfig, path, None, notes)
         assert [n for n in notes if "is ignored" in n] == [], path
+        # without held-out data: eval.every=0 and eval.blocks=0 ("only at the end", "every block") ask nothing
+        notes.clear()
+        load_config(PretrainConfig if path.name.startswith("pretrain") else FinetuneConfig, path,
+                    ["data.val_fraction=0"], notes)
+        assert [n for n in notes if "=0 is ignored" in n] == [], path
 
 
 FORMATS = ("text", "chat", "preference")
