@@ -161,7 +161,8 @@ def _differences(key: str, was, now):
 
 
 def _said(value) -> str:
-    return "(empty)" if value is None or value == "" else str(value)
+    """As a user writes it to get it back: null (data.path=null, the embedded corpus; was said as "(empty)")."""
+    return "null" if value is None else "(empty)" if value == "" else str(value)
 
 
 def take_changed_settings(

@@ -129,6 +129,9 @@ def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_sha
         else:
             assert check_same_settings(Checkpoint.read(tmp_path), other, 10, s.ON_RESUME) == {key: (value, f"{value}-other")}
     assert check_same_settings(Checkpoint.read(tmp_path), {**saved, "data.cache_dir": "elsewhere"}, 10, s.ON_RESUME) == {}  # free, not recorded
+    # a null setting (the embedded corpus) is said as a user writes it back: it was "(empty)"
+    with pytest.raises(UserError, match=r"was trained with data.path=null \(this run has b.txt: "):
+        check_same_settings(Checkpoint.read(tmp_path), {**saved, "data.path": "b.txt"}, 10, s.ON_RESUME)
 
 
 def test_a_path_is_recorded_as_the_file_it_names_wherever_the_run_is_launched_from(tmp_path, monkeypatch):
