@@ -185,7 +185,9 @@ def take_changed_settings(
         for group, lr in zip(groups, rates, strict=True):
             group["lr"] = lr
         scheduler._last_lr = rates
-        now = f"; the learning rate of step {step + 1} is {rates[0]:.4g} (was {was:.4g})"
+        digits = next((d for d in (4, 6, 8, 17) if f"{rates[0]:.{d}g}" != f"{was:.{d}g}"), None)
+        now = (f"; the learning rate of step {step + 1} is {rates[0]:.4g}, unchanged" if digits is None else
+               f"; the learning rate of step {step + 1} is {rates[0]:.{digits}g} (was {was:.{digits}g})")
     listed = ", ".join(f"{k} {was} -> {v}" for k, (was, v) in changed.items())
     say(f"resumed with changed settings, taken from step {step + 1} on: {listed}{now}")
 

@@ -464,6 +464,20 @@ def test_a_resume_takes_a_new_rate_and_schedule_from_its_step_on_and_says_so(tmp
     assert TrainerState.read(resumed.run.checkpoint(6)).settings["optim.lr"] == 0.01  # the next resume compares with it
 
 
+def test_a_rate_a_change_leaves_as_it_was_is_said_unchanged(tmp_path, blocks, tiny_tokenizer, tiny_model, capsys):
+    """A longer run under a constant schedule: the next step's rate is the same (was "0.00045 (was 0.00045)", a
+    change said where there was none; rates that differ past 4 digits are said with the digits that tell them apart)."""
+    steps = ["checkpoint.every=2", "eval.every=0", "optim.warmup_steps=0", "optim.schedule=constant"]
+    first = start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=2", *steps)
+    first.fit()
+    first.close()
+    capsys.readouterr()
+    start(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "train.max_steps=3", *steps, "resume=auto")
+    said = [line for line in capsys.readouterr().out.splitlines() if "changed settings" in line]
+    assert said == ["[unit] resumed with changed settings, taken from step 3 on: train.max_steps 2 -> 3; the learning "
+                    "rate of step 3 is 0.001, unchanged"]
+
+
 @pytest.mark.parametrize("change, line", [
     ("optim.betas=[0.8,0.9]", "was trained with optim.betas=[0.9, 0.95] (this run has [0.8, 0.9]): AdamW's saved "
                               "state carries them and a resume loads them over the config, so the change would be "
