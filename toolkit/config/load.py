@@ -254,7 +254,11 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
             # YAML 1.1 reads no/off/yes/on as booleans: `mixed_precision: no` means the string (and `false`, none)
             said = ("yes", "on", "true") if value else ("no", "off", "false", "none")
             spelled = [a for a in args if str(a).lower() in said]
-            value = spelled[0] if spelled else value
+            if not spelled:  # said as YAML's boolean, not as True: the user wrote yes, on or true (no, off, false)
+                problems.append(f"{key}={'/'.join(said[:3])} (YAML's {str(value).lower()}) is not one of "
+                                f"{', '.join(map(str, args))}")
+                return value
+            value = spelled[0]
         if value not in args:
             same_letters = [str(a) for a in args if str(a).lower() == str(value).lower()]  # LoRA for lora
             close = same_letters or difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

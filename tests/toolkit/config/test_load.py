@@ -480,3 +480,29 @@ def test_validate_runs_even_when_only_range_checks_fail():
     with pytest.raises(ConfigError) as excinfo:
         load_config(Recipe, None, ["train.max_steps=-3", "data.seq_len=2"])
     assert problems_of(excinfo) == ["train.max_steps=-3 must be at least 1", "data.seq_len=2 is too short"]
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "finetune"])
+def test_every_choice_key_reads_yamls_booleans_as_written(recipe):
+    """YAML 1.1 reads yes/on/true and no/off/false as booleans: a choice key takes the choice they spell (no, none,
+    off, ...) or refuses them as the user wrote them (was `train.canary=True is not one of ...`)."""
+    import typing
+
+    from toolkit.config.keys import dotted_keys, value_at
+    from toolkit.training.recipe_config import FinetuneConfig, PretrainConfig
+
+    cls = PretrainConfig if recipe == "pretrain" else FinetuneConfig
+    choices = {k: typing.get_args(h) for k, h in dotted_keys(cls).items() if typing.get_origin(h) is Literal}
+    assert "train.canary" in choices and "model.loss" in choices
+    for key, args in choices.items():
+        for written, meaning in (("yes", True), ("no", False)):
+            said = ("yes", "on", "true") if meaning else ("no", "off", "false", "none")
+            spelled = [a for a in args if str(a).lower() in said]
+            try:
+                cfg = load_config(cls, None, [f"{key}={written}"])
+            except ConfigError as exc:
+                assert not spelled, (key, written, exc.problems)
+                assert any(p.startswith(f"{key}={'/'.join(said[:3])} (YAML's {str(meaning).lower()}) is not one of ")
+                           for p in exc.problems), (key, exc.problems)
+                continue
+            assert value_at(cfg, key) == spelled[0], key
