@@ -178,12 +178,12 @@ def plan(recipe: str, cfg, gpus: int, gpu_memory: int, headroom: float = 0.1,
         if group > 1:
             notes.append(f"{facts.name}: {axis_name(facts)} {group} x dp_shard {data_ranks}" + tp_layout(facts, attention, experts)
                          + (f", as launched with {required}" if needs else ""))
-        elif needs and facts.layout.pp == 1:  # a layout of its own whose row a rule's override lifts: said too
-            notes.append(f"{facts.name}: as launched with {required}")
         if facts.layout.pp > 1:
             notes.append(f"pp{facts.layout.pp}: ddp.yaml + train.pipeline_stages={facts.layout.pp} ({facts.layout.pp} stages x "
                          f"{data_ranks} replicas), each row is the rank of its largest stage"
                          + (f", as launched with {required}" if needs else ""))
+        elif needs and group == 1:  # a layout of its own whose row a rule's override lifts: said too
+            notes.append(f"{facts.name}: as launched with {required}")
         for ckpt in CHECKPOINTING:
             # selective: not modelled for a mixture or a model-parallel group (selective_bytes_per_token), refused
             # under ZeRO-3 at launch (gradient_checkpointing.py)
