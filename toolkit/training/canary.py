@@ -35,7 +35,7 @@ SAMPLE_ELEMENTS = 1 << 20  # a trainable tensor this small is in the gradients c
 
 class Drifted(Diverged):
     """A fast path computed past its reference's tolerance (train.canary=stop); raised on every rank at the same step,
-    before that step's update. The message is the run's one `error:` line."""
+    before that step's update (after it, for the update's own lever). The message is the run's one `error:` line."""
 
 
 @dataclass
