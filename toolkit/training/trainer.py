@@ -112,10 +112,11 @@ class Trainer:
         check_combinations(cfg, strategy.layout, self.accelerator.mixed_precision,  # before the model loads
                            self.accelerator.device.type)
         strategy.check_sequence_length(cfg.data.seq_len)
-        fused = use_fused(cfg.optim.fused, self.accelerator.device) and not strategy.family.optimization_owned(strategy)
+        owned = bool(strategy.family.optimization_owned(strategy))  # a DeepSpeed JSON's own optimizer
+        fused = use_fused(cfg.optim.fused, self.accelerator.device) and not owned
         check_step_sync(t.step_sync, host_decides(strategy.family, self.accelerator.mixed_precision == "fp16", fused))
         if self.resume_from is not None:  # what its record decides: minutes before the resume loads it
-            check_before_preparing(self.resume_from, cfg, bool(strategy.family.optimization_owned(strategy)))
+            check_before_preparing(self.resume_from, cfg, owned)
         restart = cfg.resume == "auto" and self.resume_from is None and self.run.died_before_first_checkpoint()
         if restart:
             self.print(f"resume=auto: {self.run.root} has no complete checkpoint yet (the run stopped before "
