@@ -114,6 +114,32 @@ def load_base_model(
     return model, tokenizer, notes
 
 
+def base_tokenizer(cfg: BaseModelConfig):
+    """The base's tokenizer alone, as load_base_model gives it (its pad token set): what is checked and shown of the
+    data before any weight loads (a GGUF's from its metadata, or from its float copy once cached)."""
+    gguf = resolve_gguf(cfg)
+    cached = cache_folder(cfg, gguf) if gguf is not None else None
+    if cached is not None and (cached / "config.json").is_file():
+        path, source, extra = str(cached), f"model.gguf_file={gguf}", {}
+    elif gguf is not None:
+        path, source, extra = str(gguf.parent), f"model.gguf_file={gguf}", {"gguf_file": gguf.name}
+    else:
+        _check_folder(cfg)
+        path, source, extra = cfg.path, f"model.path={cfg.path}", {"local_files_only": local_files_only(cfg.path)}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        if extra.get("local_files_only"):
+            raise UserError(offline_hint("model.path", cfg.path)) from None
+        raise UserError(f"{source} has no usable tokenizer ({first_line(exc)}); save one into that folder") from None
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"{source}: the tokenizer has no EOS token, which ends every turn and document; "
+                        "set eos_token in its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # only fills block tails, which are masked out
+    return tokenizer
+
+
 def loadable_base(cfg: BaseModelConfig) -> str | None:
     """The base as transformers' from_pretrained loads it alone (what an adapter's config names): the folder or hub
     id, or a GGUF's dequantised copy once cached; None for a GGUF without one."""
