@@ -130,7 +130,20 @@ def test_base_config_refuses_what_the_fine_tune_refuses_in_its_words(tmp_path, t
         base_model.base_config(cfg)
     with pytest.raises(UserError) as loaded:
         load_base_model(cfg)
-    assert str(planned.value) == str(loaded.value) and str(folder) in str(planned.value)
+    with pytest.raises(UserError) as tokenizer:
+        base_model.base_tokenizer(cfg)
+    assert str(planned.value) == str(loaded.value) == str(tokenizer.value) and str(folder) in str(planned.value)
+
+
+def test_base_tokenizer_is_the_loaded_models_without_loading_it(smollm2):
+    """What the data's checks and a preview read before the weights load: the tokenizer load_base_model gives,
+    from the dequantised copy, or from the GGUF's metadata where there is none."""
+    _, tokenizer, _, cfg = smollm2
+    text = "<|im_start|>user\nHi<|im_end|>\n"
+    for alone in (base_model.base_tokenizer(cfg), base_model.base_tokenizer(BaseModelConfig(gguf_cache=False))):
+        assert (len(alone), alone.eos_token, alone.pad_token, alone.chat_template) == (
+            len(tokenizer), tokenizer.eos_token, tokenizer.pad_token, tokenizer.chat_template)
+        assert alone(text).input_ids == tokenizer(text).input_ids
 
 
 def test_a_dequantised_copy_loads_without_the_gguf_package(smollm2, monkeypatch):
@@ -169,6 +182,9 @@ def test_tokenizer_without_eos(tmp_path, tiny_model, tiny_tokenizer):
     with pytest.raises(UserError, match="the tokenizer has no EOS token") as exc:
         load_base_model(BaseModelConfig(path=str(tmp_path)))
     assert f"model.path={tmp_path}" in _one_line_error(exc)
+    with pytest.raises(UserError) as alone:
+        base_model.base_tokenizer(BaseModelConfig(path=str(tmp_path)))
+    assert str(alone.value) == str(exc.value)
 
 
 def test_config_loads_and_validates(tmp_path):
