@@ -64,6 +64,8 @@ class ChatDataConfig:
     chat_template: str | None = field(
         None, help="Jinja chat template (the text, or a .jinja file) used instead of the tokenizer's"
     )
+    append_stop: bool = field(False, help="train the EOS token after each assistant answer the template ends without "
+                                          "it (toolkit.data.template_check)")
     val_fraction: float = field(0.1, help="fraction of conversations held out for evaluation (0 = no eval)")
     val_path: str | None = field(None, help="held-out records of their own (as data.path takes them), in place of "
                                             "val_fraction")
@@ -131,11 +133,12 @@ def _render(tokenizer, messages: list[dict], template: str, variables: dict | No
 
 def render_conversation(
     tokenizer, messages: list[dict], chat_template: str | None = None, last_only: bool = False,
-    variables: dict | None = None,
+    variables: dict | None = None, append_stop: bool = False,
 ) -> tuple[list[int], list[int]]:
     """(input_ids, labels): labels are the ids on assistant output (content + turn end; the whole turn where the
     template renders more of it, its tool calls), -100 elsewhere; `last_only`: on the last assistant message's only
-    (a preference pair's answer after its prompt). `variables`: the record's own keys, for the template."""
+    (a preference pair's answer after its prompt). `variables`: the record's own keys, for the template.
+    `append_stop` (data.append_stop): the EOS id inserted, as a target, after each output that does not end with it."""
     if not getattr(tokenizer, "is_fast", False):
         raise UserError("chat SFT needs a fast tokenizer (character offsets); load one with use_fast=True")
     template = chat_template_for(tokenizer, chat_template)
@@ -179,17 +182,23 @@ def render_conversation(
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    labels = [IGNORE_INDEX] * len(ids)
+    ids, labels, last = list(ids), [IGNORE_INDEX] * len(ids), []
     for start, end, turn_end in spans:
         # the turn ends at the first special token after the content, if the turn's text has one
         for (s, e), tid in zip(offsets, ids, strict=True):
             if s >= end and e <= turn_end and e > s and tid in special:
                 end = e
                 break
-        for i, (s, e) in enumerate(offsets):
-            if s < end and e > start:
-                labels[i] = ids[i]
-    return list(ids), labels
+        inside = [i for i, (s, e) in enumerate(offsets) if s < end and e > start]
+        for i in inside:
+            labels[i] = ids[i]
+        last.append(inside[-1] if inside else -1)
+    if append_stop:  # a template ending a turn with the next role's marker: no trained token ever stops generation
+        for i in reversed(last):
+            if i >= 0 and ids[i] != tokenizer.eos_token_id:
+                ids.insert(i + 1, tokenizer.eos_token_id)
+                labels.insert(i + 1, tokenizer.eos_token_id)
+    return ids, labels
 
 
 @functools.cache
@@ -242,7 +251,7 @@ def rendered(tokenizer, messages: list[dict], template: str, variables: dict, in
 
 def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: str | None = None,
                            shape: str = "auto", columns: ColumnsConfig | None = None,
-                           notes: list[str] | None = None) -> datasets.Dataset:
+                           notes: list[str] | None = None, append_stop: bool = False) -> datasets.Dataset:
     """Records of `shape` (auto: each its own) -> dataset of `input_ids` and `labels` (one row per conversation).
 
     A conversation whose every answer is empty is left out (it would teach an empty answer), and so is each key the
@@ -258,7 +267,8 @@ def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: st
             empty += 1
             continue
         try:
-            rows.append(render_conversation(tokenizer, messages, chat_template, variables=variables))
+            rows.append(render_conversation(tokenizer, messages, chat_template, variables=variables,
+                                            append_stop=append_stop))
         except UserError as exc:
             raise UserError(f"record {i}: {exc}") from None
     if not rows and empty:
@@ -463,12 +473,13 @@ def chat_blocks(
 
     records = load_chat_records(cfg)
     said: list[str] = []
-    rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format, cfg.columns, said)
+    rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format, cfg.columns, said,
+                                  cfg.append_stop)
     if cfg.val_path:  # the user's own held-out set, whole
         train_rows = rows
         held_out: list[str] = []
         val_rows = tokenize_conversations(read_records(cfg.val_path, "chat", "data.val_path"), tokenizer,
-                                          cfg.chat_template, cfg.record_format, cfg.columns, held_out)
+                                          cfg.chat_template, cfg.record_format, cfg.columns, held_out, cfg.append_stop)
         said += [f"held-out (data.val_path): {line}" for line in held_out]
     else:
         train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)

@@ -44,10 +44,12 @@ def embedded_records() -> list[dict]:
     return records
 
 
-def render_answer(tokenizer, prompt: list[dict[str, str]], answer: str, template: str) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of prompt + answer, the labels on the answer only, cut after its last target."""
+def render_answer(tokenizer, prompt: list[dict[str, str]], answer: str, template: str,
+                  append_stop: bool = False) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of prompt + answer, the labels on the answer only (and EOS after it, `append_stop`), cut
+    after its last target."""
     ids, labels = render_conversation(tokenizer, [*prompt, {"role": "assistant", "content": answer}], template,
-                                      last_only=True)
+                                      last_only=True, append_stop=append_stop)
     targets = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
     if not targets:
         raise UserError(f"the chat template renders no token of the answer {answer[:40]!r}; set data.chat_template")
@@ -71,7 +73,8 @@ class PairStats:
                 "seq_len, or an answer with no token left within it)")
 
 
-def tokenize_pairs(records: list, tokenizer, chat_template: str | None) -> tuple[list[tuple], str]:
+def tokenize_pairs(records: list, tokenizer, chat_template: str | None,
+                   append_stop: bool = False) -> tuple[list[tuple], str]:
     """Records -> [(chosen ids, chosen labels, rejected ids, rejected labels)] and a line for the log, leaving out
     (and counting) pairs whose answers are equal or empty: they teach nothing."""
     template = chat_template_for(tokenizer, chat_template)
@@ -85,8 +88,8 @@ def tokenize_pairs(records: list, tokenizer, chat_template: str | None) -> tuple
             identical += 1
             continue
         try:
-            rows.append((*render_answer(tokenizer, prompt, chosen, template),
-                         *render_answer(tokenizer, prompt, rejected, template)))
+            rows.append((*render_answer(tokenizer, prompt, chosen, template, append_stop),
+                         *render_answer(tokenizer, prompt, rejected, template, append_stop)))
         except UserError as exc:
             raise UserError(f"record {i}: {exc}") from None
     return rows, (f"{len(records)} preference records: {identical} with chosen equal to rejected and {empty} with "
@@ -187,12 +190,12 @@ def preference_blocks(cfg: ChatDataConfig, tokenizer, seed: int) -> tuple[datase
     from toolkit.data.corpus import split_documents
 
     records = read_records(cfg.path, "preference", "data.path", cfg.name, cfg.split) if cfg.path else embedded_records()
-    rows, read = tokenize_pairs(records, tokenizer, cfg.chat_template)
+    rows, read = tokenize_pairs(records, tokenizer, cfg.chat_template, cfg.append_stop)
     if not rows:
         raise UserError(f"{read}: none has two different, non-empty answers; check data.path")
     if cfg.val_path:  # the user's own held-out pairs, whole
         train_rows, (val_rows, _) = rows, tokenize_pairs(read_records(cfg.val_path, "preference", "data.val_path"),
-                                                         tokenizer, cfg.chat_template)
+                                                         tokenizer, cfg.chat_template, cfg.append_stop)
     else:
         train, held = split_documents(datasets.Dataset.from_dict({"row": list(range(len(rows)))}), cfg.val_fraction,
                                       seed)

@@ -241,6 +241,11 @@ class FinetuneDataConfig(DataConfig):
         path=READ,  # a .jinja file, or the template itself
         accepts={"unset": "the tokenizer's own template"},
     )
+    append_stop: bool = field(
+        False, help="chat, preference: train the EOS token after each assistant answer whose turn the template ends "
+        "without it (a turn that ends with the next role's marker): the repair of the stop check (docs/data.md)",
+        resume=refused(TOKENS), used_when=Need("data.format", ("chat", "preference"), "chat and preference records'"),
+    )
     val_path: str | None = field(
         None, help="held-out data of its own, read as data.path is (records for chat and preference, text "
         "otherwise), in place of val_fraction", resume=refused(TOKENS),
@@ -328,7 +333,7 @@ class FinetuneDataConfig(DataConfig):
         return ChatDataConfig(
             path=self.path, seq_len=self.seq_len, overlong=self.overlong, chat_template=self.chat_template,
             val_fraction=self.val_fraction, record_format=self.record_format, val_path=self.val_path, name=self.name,
-            split=self.split, columns=self.columns,
+            split=self.split, columns=self.columns, append_stop=self.append_stop,
         )
 
 

@@ -1,0 +1,123 @@
+"""The chat template checked before any weight loads: its stop token trained, its prompt what training saw.
+
+A two-turn conversation (system, user, assistant, user, assistant) is rendered through the same
+`render_conversation` training uses, and three things must hold, or the run is refused with one line:
+(a) every assistant turn's last target is a token generation stops on: the tokenizer's EOS, the template's
+    end-of-turn token (the special token that closes the user's turn as it closes the assistant's: <|im_end|>,
+    <end_of_turn>, <|eot_id|>), or one of `stops` (a base's generation_config eos ids). A template that ends a
+    turn with the next role's marker (GLM-style) trains none: data.append_stop=true trains the EOS there;
+(b) the generation prompt (add_generation_prompt over the turns before an assistant turn) is a prefix of the
+    rendered conversation, so generation sees what training saw;
+(c) a system message is rendered somewhere; a template that refuses one (raise_exception) is fine: records
+    carrying one are then refused as they are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import jinja2
+
+from toolkit.config.errors import UserError
+from toolkit.data.chat import chat_template_for, render_conversation
+from toolkit.data.packing import IGNORE_INDEX
+
+SYSTEM = "You answer in one short sentence."  # distinctive enough to be found where a template renders it
+TURNS = [
+    {"role": "user", "content": "What does len() return?"},
+    {"role": "assistant", "content": "The number of items in a container."},
+    {"role": "user", "content": "And for a string?"},
+    {"role": "assistant", "content": "The number of characters in it."},
+]
+REPAIR = "set data.append_stop=true to train the EOS after each answer"
+
+
+def which_template(chat_template: str | None) -> str:
+    """How a line names the template: the tokenizer's, or data.chat_template=... (a file's name, a text's start)."""
+    if not chat_template:
+        return "the tokenizer's chat template"
+    shown = chat_template if "\n" not in chat_template and len(chat_template) <= 80 else f"{chat_template[:40]!r}..."
+    return f"data.chat_template={shown}"
+
+
+def _render(tokenizer, template: str, messages: list[dict], generation_prompt: bool = False) -> str | None:
+    """The text, or None where the template refuses the conversation (raise_exception, say)."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             chat_template=template)
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return None
+
+
+def _prefix_problem(tokenizer, template: str, messages: list[dict]) -> str | None:
+    """(b): the first assistant turn whose generation prompt is not how the conversation renders it."""
+    full = _render(tokenizer, template, messages) or ""
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, template, messages[:k], generation_prompt=True) or ""
+        if not full.startswith(prompt):
+            at = next((i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), len(full))
+            start = max(0, at - 20)
+            return (f"the generation prompt before assistant turn {k} ends {prompt[start:]!r} where the conversation "
+                    f"has {full[start:at + 10]!r}")
+    return None
+
+
+def end_of_turn(tokenizer, template: str) -> int | None:
+    """The special token the template closes a user's turn with (ChatML's <|im_end|>), if it closes it with one."""
+    text = _render(tokenizer, template, TURNS[:1]) or ""
+    ids = tokenizer(text.rstrip(), add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return ids[-1] if ids and ids[-1] in special and ids[-1] != tokenizer.bos_token_id else None
+
+
+def check_template(tokenizer, chat_template: str | None = None, append_stop: bool = False,
+                   stops: Collection[int] = ()) -> list[str]:
+    """Refuses, in one line, a template that fails (a), (b) or (c) (module docstring); else lines for the log."""
+    template = chat_template_for(tokenizer, chat_template)
+    named, notes = which_template(chat_template), []
+    with_system = [{"role": "system", "content": SYSTEM}, *TURNS]
+    messages = with_system
+    if _render(tokenizer, template, with_system) is None:  # no system role: records carrying one are refused
+        messages = TURNS
+        if _render(tokenizer, template, TURNS) is None:
+            raise UserError(f"{named} refuses a plain user/assistant conversation (raise_exception); give a "
+                            "data.chat_template that renders user and assistant turns")
+    else:
+        full = _render(tokenizer, template, with_system)
+        prompt = _render(tokenizer, template, with_system[:2], generation_prompt=True) or ""
+        if SYSTEM not in full and SYSTEM not in prompt:
+            raise UserError(f"{named} fails check (c): it renders nothing of a system message, so training and "
+                            "generation ignore it; give a data.chat_template that renders the system message (or "
+                            "refuses it with raise_exception)")
+        if SYSTEM not in full or (_prefix_problem(tokenizer, template, with_system)
+                                  and not _prefix_problem(tokenizer, template, TURNS)):
+            # Mistral-style: the system message rendered in the last user turn only, which training never sees
+            notes.append(f"{named} renders a system message only in the prompt, not where training sees it: records "
+                         "with a system message are refused as they are read")
+            messages = TURNS
+    if problem := _prefix_problem(tokenizer, template, messages):
+        raise UserError(f"{named} fails check (b): {problem}, so generation would not see what training saw; give a "
+                        "data.chat_template whose add_generation_prompt text is how an assistant turn begins")
+    try:
+        ids, labels = render_conversation(tokenizer, messages, template, append_stop=append_stop)
+    except UserError as exc:  # it rewrites earlier turns, or does not render an answer verbatim
+        raise UserError(f"{named} fails check (b): {exc}") from None
+    eos, eot = tokenizer.eos_token_id, end_of_turn(tokenizer, template)
+    allowed = {eos, *stops} | ({eot} if eot is not None else set())
+    ends = [i for i, label in enumerate(labels) if label != IGNORE_INDEX
+            and (i + 1 == len(labels) or labels[i + 1] == IGNORE_INDEX)]  # each answer's last target
+    for turn, i in enumerate(ends):
+        if ids[i] not in allowed:
+            said = ", ".join(repr(tokenizer.convert_ids_to_tokens(t)) for t in sorted(allowed))
+            raise UserError(
+                f"{named} fails check (a): assistant turn {turn} ends its targets with "
+                f"{tokenizer.convert_ids_to_tokens(ids[i])!r}, not a token generation stops on ({said}), so the model "
+                f"would never learn to stop; {REPAIR}, or give a data.chat_template that ends the assistant turn with "
+                f"{tokenizer.eos_token!r}")
+    if eot is not None and eot != eos and eot not in stops and any(ids[i] == eot for i in ends):
+        notes.append(f"{named} trains {tokenizer.convert_ids_to_tokens(eot)!r} as the stop, its end-of-turn token, not "
+                     f"the EOS {tokenizer.eos_token!r}: a runtime stops on it where the model's generation_config (or "
+                     "the export's) lists it")
+    return notes
