@@ -27,6 +27,7 @@ CASES = {
     **{f"data.columns.{k}": (FinetuneConfig, f"data.columns.{k}=x", ["data.format=text"], ["data.format=chat"])
        for k in ("role", "content", "user", "assistant", "system")},
     "data.overlong": (FinetuneConfig, "data.overlong=drop", ["data.format=text"], ["data.format=chat"]),
+    "data.append_stop": (FinetuneConfig, "data.append_stop=true", ["data.format=text"], ["data.format=chat"]),
     "data.sample_by": (FinetuneConfig, "data.sample_by=line", ["data.format=chat"], ["data.format=text"]),
     "data.text_column": (FinetuneConfig, "data.text_column=body", ["data.format=chat"], []),
     "data.stream_val_documents": (PretrainConfig, "data.stream_val_documents=5", [], ["data.streaming=true"]),
