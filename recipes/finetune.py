@@ -26,7 +26,9 @@ adapter and compares before with after.
 
 Errors (one line, exit code 2): everything the pretraining recipe refuses, plus a missing base
 model or GGUF, chat records that are not UTF-8, lack `messages` or have an unknown role, a
-tokenizer without a chat template, LoRA target modules that match no layer, QLoRA without a CUDA
+tokenizer without a chat template, a chat template that trains no stop token after an answer, whose generation
+prompt is not how its turns begin, or that drops the system message (toolkit.data.template_check, before the base
+loads), LoRA target modules that match no layer, QLoRA without a CUDA
 GPU, preference records without prompt/chosen/rejected, a preference objective without preference
 data (or the other way round) or under model parallel. Ranks that fall out of step: one line per
 rank, exit code 4, as in pretraining.
@@ -46,6 +48,7 @@ from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import collate, column, packed_splits, target_counts
 from toolkit.data.preference import collate_pairs, pair_counts, preference_blocks
 from toolkit.data.records import check_first_records
+from toolkit.data.template_check import check_template
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import (
@@ -55,7 +58,7 @@ from toolkit.models.adapter import (
     merge,
     quantization_config,
 )
-from toolkit.models.base_model import load_base_model, loadable_base, meta_base
+from toolkit.models.base_model import base_tokenizer, load_base_model, loadable_base, meta_base
 from toolkit.models.gguf_base import resolve_gguf
 from toolkit.models.scratch import check_window, max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
@@ -86,6 +89,11 @@ class FinetuneRecipe:
         for i, data in enumerate(cfg.data.of_sources()):
             with naming(i, cfg.data.sources):
                 check_first_records(data)
+        # The chat template too (every source renders with it): a stop token that is never trained, or a prompt that
+        # is not what training saw, is found by the first generation after hours of training otherwise.
+        if cfg.data.format in ("chat", "preference"):
+            for line in check_template(base_tokenizer(cfg.model), cfg.data.chat_template, cfg.data.append_stop):
+                trainer.print(f"data: {line}")
 
         # A base this machine cannot hold, or train, is refused before it is loaded: loading it is
         # what the kernel's OOM killer would stop.

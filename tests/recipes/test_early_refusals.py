@@ -59,6 +59,9 @@ EARLY = {
     "samples past the base's positions": (
         "finetune", [f"samples.max_new_tokens={2 * BASE_POSITIONS}", "model.path={base}"],
         f"samples.max_new_tokens={2 * BASE_POSITIONS} is more than the base model's {BASE_POSITIONS} positions"),
+    "a chat template that trains no stop token": (
+        "finetune", ["data.format=chat", "data.chat_template={glm}"],
+        "fails check (a): assistant turn 0 ends its targets with"),
 }
 
 
@@ -70,7 +73,7 @@ def recipes():
 @pytest.fixture
 def places(tmp_path, monkeypatch):
     """The tiny base (its config.json alone: nothing may load its weights), a checkpoint's record of a run on corpus
-    a.txt, and corpus b.txt."""
+    a.txt, corpus b.txt and a chat template that trains no stop token."""
     from transformers import LlamaConfig
 
     monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(tmp_path / "cache"))
@@ -86,7 +89,10 @@ def places(tmp_path, monkeypatch):
     TrainerState(step=3, seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
                  settings={"data.path": str(trained.resolve())}).write(checkpoint)
     assert json.loads((checkpoint / "trainer_state.json").read_text())["settings"]["data.path"]
-    yield {"base": base, "resume": checkpoint, "other": other}
+    glm = tmp_path / "glm.jinja"  # GLM's shape: nothing ends an answer but the next role's marker
+    glm.write_text("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    yield {"base": base, "resume": checkpoint, "other": other, "glm": glm}
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
