@@ -83,7 +83,7 @@ def test_hf_export_of_a_zero3_checkpoint(export, runs, tmp_path, capsys):
 def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, data_cache, tmp_path, export, capsys):
     out = tmp_path / "lora"
     run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
-                            f"data.chat_template={chatml_file}", "train.max_steps=2", "checkpoint.every=2",
+                            f"data.chat_template={chatml_file}", "data.append_stop=true", "train.max_steps=2", "checkpoint.every=2",
                             f"output_dir={out}"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
     assert_generates_with_the_cache(out / "final")
     source = resolve_source(out, "step-2")

@@ -78,7 +78,7 @@ def test_base_model_of_an_architecture_without_a_causal_lm(finetune, capsys, tmp
 def test_chat_records_without_messages(finetune, capsys, tmp_path, tiny_base, chatml_file):
     data = write_jsonl(tmp_path / "chat.jsonl", [{"text": "hello"}] * 4)
     err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat",
-                    f"data.path={data}", f"data.chat_template={chatml_file}")
+                    f"data.path={data}", f"data.chat_template={chatml_file}", "data.append_stop=true")
     assert "record 0 has keys ['text']" in err and "`messages`" in err
 
 
@@ -116,7 +116,7 @@ def test_chat_message_with_an_unknown_role(finetune, capsys, tmp_path, tiny_base
     record = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}
     data = write_jsonl(tmp_path / "chat.jsonl", [record] * 4)
     err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat",
-                    f"data.path={data}", f"data.chat_template={chatml_file}")
+                    f"data.path={data}", f"data.chat_template={chatml_file}", "data.append_stop=true")
     assert "turn 1 of `messages` has role 'bot'" in err and "system, user, assistant" in err
 
 
@@ -125,7 +125,7 @@ def test_chat_data_that_is_not_utf8(finetune, capsys, tmp_path, tiny_base, chatm
     data = tmp_path / "chat.jsonl"
     data.write_bytes((json.dumps(record, ensure_ascii=False) + "\n").encode("latin-1"))  # é is byte 0xe9
     err = one_error(finetune, capsys, tmp_path, f"model.path={tiny_base}", "data.format=chat",
-                    f"data.path={data}", f"data.chat_template={chatml_file}")
+                    f"data.path={data}", f"data.chat_template={chatml_file}", "data.append_stop=true")
     assert err == (
         f"error: data.path={data} is not UTF-8 text (byte 0xe9 at offset 46, line 1); re-encode it as UTF-8, "
         "e.g. iconv -f latin1 -t utf-8"
@@ -152,7 +152,7 @@ def test_overlong_conversations_are_counted_in_the_log(finetune, capsys, tmp_pat
     short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
     long = {"messages": [{"role": "user", "content": "Explain"}, {"role": "assistant", "content": "word " * 200}]}
     data = write_jsonl(tmp_path / "chat.jsonl", [short] * 6 + [long] * 2)
-    common = [f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
+    common = [f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}", "data.append_stop=true",
               f"data.path={data}", "data.seq_len=64", "data.val_fraction=0", "train.global_batch_size=2"]
     code, out, err = run(finetune, capsys, tmp_path, *common, "data.overlong=drop")
     assert code == 0, err[-2000:]

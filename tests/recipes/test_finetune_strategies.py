@@ -24,7 +24,7 @@ CONFIG = "finetune_smollm2_lora.yaml"
 
 def lora_chat(tiny_base, chatml_file, out) -> list[str]:
     return [
-        *FT_TINY, f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
+        *FT_TINY, f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}", "data.append_stop=true",
         "adapter.dropout=0", "adapter.r=8", "train.max_steps=4", f"output_dir={out}",
     ]
 
@@ -106,7 +106,7 @@ def test_gemma2_lora_under_zero3_matches_one_process(gemma2_base, chatml_file, d
     magnitude reads each adapted weight whole, which ZeRO-3 holds in parts), rsLoRA, a module trained whole
     (modules_to_save) and the layers to adapt, so that ZeRO-3 is shown to hold them as one process does."""
     common = [*FT_TINY, f"model.path={gemma2_base}", "model.attn_implementation=eager", "data.format=chat",
-              f"data.chat_template={chatml_file}", "adapter.r=8", "train.max_steps=3", "checkpoint.every=0",
+              f"data.chat_template={chatml_file}", "data.append_stop=true", "adapter.r=8", "train.max_steps=3", "checkpoint.every=0",
               "adapter.dora=true", "adapter.rslora=true", "adapter.modules_to_save=[norm]", "adapter.layers=[1]"]
     one, sharded = tmp_path / "one", tmp_path / "zero3"
     run_recipe("finetune", [*common, f"output_dir={one}"], nproc=1, cache=data_cache, config=CONFIG)

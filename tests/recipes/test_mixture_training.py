@@ -110,7 +110,7 @@ def test_a_fine_tune_mixes_chat_sets_by_weight(tiny_base, chatml_file, tmp_path,
                                            "output": f"{a} - {b} = {a - b}."}) for a in range(20) for b in range(5)))
     out = tmp_path / "sft"
     proc = run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
-                                   f"data.chat_template={chatml_file}", "train.max_steps=3", f"output_dir={out}",
+                                   f"data.chat_template={chatml_file}", "data.append_stop=true", "train.max_steps=3", f"output_dir={out}",
                                    f"data.sources=[{{name: python, path: {hub}, weight: 0.5}}, {{name: sums, path: {sums}, "
                                    f"weight: 0.25}}, {{name: diffs, path: {diffs}, weight: 0.25}}]"],
                      nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")

@@ -26,7 +26,7 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accu
 
 def dpo(tiny_base, chatml_file, out, method: str, *more: str) -> list[str]:
     return [
-        *FT_TINY, f"model.path={tiny_base}", f"data.chat_template={chatml_file}", "data.seq_len=256",
+        *FT_TINY, f"model.path={tiny_base}", f"data.chat_template={chatml_file}", "data.append_stop=true", "data.seq_len=256",
         f"adapter.method={method}", *(["adapter.r=8"] if method != "full" else []), "optim.lr=1e-3", "train.max_steps=3", "eval.every=0",
         "eval.blocks=0", "checkpoint.every=2", f"output_dir={out}", *more,
     ]

@@ -136,7 +136,7 @@ def test_a_checkpoint_resumes_under_another_strategy_or_world_size(source, targe
 def test_a_lora_checkpoint_moves_between_strategies(tiny_base, chatml_file, data_cache, tmp_path):
     """LoRA chat SFT on the tiny base under ZeRO-2 on 2 processes, resumed on one process: peft's names,
     a frozen base without Adam state, the adapter's moments carried over."""
-    common = [*FT_TINY, f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}",
+    common = [*FT_TINY, f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}", "data.append_stop=true",
               "adapter.dropout=0", "adapter.r=8", "train.max_steps=6", "checkpoint.every=3"]
     source, resumed = tmp_path / "zero2", tmp_path / "one"
     launch("finetune", "zero2", 2, [*common, f"output_dir={source}"], tmp_path / "saved.pt", data_cache,

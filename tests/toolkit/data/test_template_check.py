@@ -108,3 +108,14 @@ def test_a_template_file_is_named_by_its_path(smol, tmp_path):
     path.write_text(GLM_STYLE)
     with pytest.raises(UserError, match=rf"^data.chat_template={path} fails check \(a\)"):
         check_template(smol, str(path))
+
+
+def test_preference_answers_train_the_eos_under_append_stop(with_markers):
+    """A pair's answers are rendered as chat turns are: each ends with a trained EOS, its last target."""
+    from toolkit.data.preference import render_answer
+
+    prompt, eos = TURNS[:1], with_markers.eos_token_id
+    ids, labels = render_answer(with_markers, prompt, "Its length.", GLM_STYLE, append_stop=True)
+    assert ids[-1] == labels[-1] == eos
+    before, _ = render_answer(with_markers, prompt, "Its length.", GLM_STYLE)
+    assert ids[:-1] == before and eos not in before
