@@ -26,6 +26,13 @@ DROPS_SYSTEM = ("{% for m in messages if m['role'] != 'system' %}<|im_start|>{{ 
 NOT_A_PREFIX = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 
+# Mistral v0.3's shape: the system message goes into the last user turn only, so never where an answer is trained.
+MISTRAL_STYLE = ("{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}{% set msgs = "
+                 "messages[1:] %}{% else %}{% set msgs = messages %}{% endif %}{% for m in msgs %}"
+                 "{% if m['role'] == 'user' and loop.last and sys is defined %}[INST] {{ sys }}\n\n{{ m['content'] }}"
+                 "[/INST]{% elif m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]{% else %} {{ m['content'] }}"
+                 "{{ eos_token }}{% endif %}{% endfor %}")
+
 
 @pytest.fixture(scope="module")
 def smol(smollm2_gguf_path):
@@ -119,3 +126,9 @@ def test_preference_answers_train_the_eos_under_append_stop(with_markers):
     assert ids[-1] == labels[-1] == eos
     before, _ = render_answer(with_markers, prompt, "Its length.", GLM_STYLE)
     assert ids[:-1] == before and eos not in before
+
+
+def test_a_system_message_rendered_only_in_the_prompt_is_said_not_refused(smol):
+    """Training never sees it (records carrying one are refused as they are read); the template itself is sound."""
+    notes = check_template(smol, MISTRAL_STYLE)
+    assert len(notes) == 1 and "renders a system message only in the prompt, not where training sees it" in notes[0]
