@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -28,7 +29,7 @@ import torch
 
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
-from toolkit.data.packing import IGNORE_INDEX, attention_inputs
+from toolkit.data.packing import IGNORE_INDEX, Seen, attention_inputs
 from toolkit.data.records import (
     REFUSE,
     TOOL,
@@ -209,6 +210,11 @@ def _parameters(tokenizer_class: type) -> frozenset[str]:
 
 
 TOOL_TURNS = f"role: {TOOL}"  # records.UNRENDERED's name for a conversation's tool turns
+# why a record is not trained on: the reasons a preview counts (PackStats.why)
+EMPTY_ANSWER = "an empty answer (every assistant turn \"\")"
+TOO_LONG = "longer than data.seq_len (data.overlong=drop)"
+NO_ANSWER_TOKEN = "no assistant token to train on"
+ANSWER_CUT_OFF = "every assistant token past data.seq_len (truncated away)"
 
 
 def rendered(tokenizer, messages: list[dict], template: str, variables: dict, index: int
@@ -251,11 +257,13 @@ def rendered(tokenizer, messages: list[dict], template: str, variables: dict, in
 
 def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: str | None = None,
                            shape: str = "auto", columns: ColumnsConfig | None = None,
-                           notes: list[str] | None = None, append_stop: bool = False) -> datasets.Dataset:
+                           notes: list[str] | None = None, append_stop: bool = False,
+                           dropped: Counter | None = None) -> datasets.Dataset:
     """Records of `shape` (auto: each its own) -> dataset of `input_ids` and `labels` (one row per conversation).
 
     A conversation whose every answer is empty is left out (it would teach an empty answer), and so is each key the
-    template renders nothing of (records.UNRENDERED): both counted in a line of `notes`."""
+    template renders nothing of (records.UNRENDERED): both counted in a line of `notes`; the records left out counted
+    by reason in `dropped` (a preview's table)."""
     chat_template = chat_template_for(tokenizer, chat_template)  # fails once, not per record
     named = None if shape == "auto" else shape
     rows, empty, left_out = [], 0, Counter()
@@ -274,6 +282,8 @@ def tokenize_conversations(records: Sequence[dict], tokenizer, chat_template: st
     if not rows and empty:
         raise UserError(f"every one of the {empty} conversations has only empty answers (assistant content \"\"), so "
                         "nothing to learn from; give the assistant messages content")
+    if dropped is not None and empty:
+        dropped[EMPTY_ANSWER] += empty
     if notes is not None and empty:
         notes.append(f"{empty} conversations with an empty answer (every assistant turn \"\") left out")
     if notes is not None and left_out:
@@ -292,6 +302,11 @@ class PackStats:
     tokens: int
     targets: int
     seq_len: int
+    # what a preview's table shows (recipes' --preview): tokens of each conversation offered (before any cut), tokens
+    # cut from the truncated ones, the dropped ones by reason
+    lengths: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    cut: int = 0
+    why: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         fill = self.tokens / max(1, self.blocks * self.seq_len)
@@ -364,6 +379,11 @@ def pack_conversations(
             "num_tokens": pa.array(used.astype(np.int32)),
         }
     )
+    whole = cum[offsets[1:]] - cum[np.minimum(offsets[:-1] + 1, offsets[1:])]
+    too_long_dropped = too_long & (overlong == "drop")
+    why = Counter({TOO_LONG: int((~keep & too_long_dropped).sum()),
+                   NO_ANSWER_TOKEN: int((~keep & ~too_long_dropped & (whole == 0)).sum()),
+                   ANSWER_CUT_OFF: int((~keep & ~too_long_dropped & (whole > 0)).sum())})
     stats = PackStats(
         conversations=n,
         kept=int(keep.sum()),
@@ -373,6 +393,9 @@ def pack_conversations(
         tokens=total,
         targets=int(targets[keep].sum()),
         seq_len=seq_len,
+        lengths=lengths.astype(np.int64),
+        cut=int((lengths - seq_len)[too_long & keep].sum()),
+        why={reason: count for reason, count in why.items() if count},
     )
     return datasets.Dataset(table), stats
 
@@ -466,15 +489,17 @@ def _looks_like_file(value: str) -> bool:
 
 
 def chat_blocks(
-    cfg: ChatDataConfig, tokenizer, seed: int
+    cfg: ChatDataConfig, tokenizer, seed: int, seen: Seen | None = None
 ) -> tuple[datasets.Dataset, datasets.Dataset | None, list[str]]:
-    """(train blocks, held-out blocks or None, lines for the log): whole conversations held out."""
+    """(train blocks, held-out blocks or None, lines for the log): whole conversations held out. `seen` (when
+    given) is told what they were made of."""
     from toolkit.data.corpus import split_documents
 
     records = load_chat_records(cfg)
     said: list[str] = []
+    seen = seen if seen is not None else Seen()
     rows = tokenize_conversations(records, tokenizer, cfg.chat_template, cfg.record_format, cfg.columns, said,
-                                  cfg.append_stop)
+                                  cfg.append_stop, seen.dropped)
     if cfg.val_path:  # the user's own held-out set, whole
         train_rows = rows
         held_out: list[str] = []
@@ -484,6 +509,8 @@ def chat_blocks(
     else:
         train_rows, val_rows = split_documents(rows, cfg.val_fraction, seed)
     train, stats = pack_conversations(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+    seen.read, seen.stats = len(records), stats
+    seen.held_out = len(val_rows) if val_rows is not None and not cfg.val_path else 0
     notes = [shapes_said(records, cfg.record_format, cfg.columns), *said, f"train: {stats}"]
     val = None
     if val_rows is not None:

@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import hashlib
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -154,6 +155,9 @@ class DataConfig:
         return cache_dir(self.cache_dir)
 
 
+NO_TEXT = "no text (the text column null, empty or only whitespace)"
+
+
 def load_held_out(cfg: DataConfig, notes: list[str] | None = None) -> datasets.Dataset:
     """The documents of data.val_path (a fine-tune's held-out text of its own), read as data.path is; its errors
     name data.val_path."""
@@ -164,11 +168,12 @@ def load_held_out(cfg: DataConfig, notes: list[str] | None = None) -> datasets.D
         raise UserError(str(exc).replace("data.path", "data.val_path")) from None
 
 
-def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datasets.Dataset, str]:
+def load_corpus(cfg: DataConfig, notes: list[str] | None = None,
+                dropped: Counter | None = None) -> tuple[datasets.Dataset, str]:
     """Return (dataset with one `text` column of non-empty documents, fingerprint of the source).
 
     `notes` (when given) gets a line when files without an extension were read as plain text,
-    saying how many were skipped as binary."""
+    saying how many were skipped as binary; `dropped` (a preview's table) counts the records skipped with no text."""
     if not cfg.path:
         from pydoc_data.topics import topics
 
@@ -209,6 +214,8 @@ def load_corpus(cfg: DataConfig, notes: list[str] | None = None) -> tuple[datase
     try:
         before = len(ds)
         ds = _non_empty(ds, cfg.path, cfg.text_column)
+        if dropped is not None and len(ds) < before and (files is None or builder != "text"):
+            dropped[NO_TEXT] += before - len(ds)
         if notes is not None and len(ds) < before and (files is None or builder != "text"):
             # records (jsonl, parquet, a hub set) whose text is null or blank; plain text has no empty documents
             notes.append(f"data.path={cfg.path}: skipped {before - len(ds)} of {before} records with no text "

@@ -13,6 +13,7 @@ import hashlib
 import json
 import shutil
 import socket
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,19 @@ EMPTY_CORPUS = "the corpus tokenized to 0 tokens; check data.path and data.text_
 MASKED_ATTENTION = {"sdpa", "eager"}  # a 4-D mask (packed_mask)
 POSITION_ATTENTION = {"flex_attention"}  # position ids, one row per block
 VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3"}  # position ids, the blocks in one row
+
+
+@dataclass
+class Seen:
+    """What a corpus's training blocks were made of, for a preview's table (recipes' --preview): the records read,
+    those left out by reason before packing, those held out, and the packing's stats (chat's PackStats, preference's
+    PairStats) or, for text, the training documents (whose tokens the preview counts)."""
+
+    read: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    held_out: int = 0
+    stats: Any = None
+    documents: datasets.Dataset | None = None
 
 
 def check_attention(attn_implementation: str) -> None:

@@ -8,6 +8,8 @@ The records it takes, and how blocks are filled: docs/internals.md, toolkit/data
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,8 +19,14 @@ import pyarrow as pa
 import torch
 
 from toolkit.config.errors import UserError
-from toolkit.data.chat import ChatDataConfig, best_fit_decreasing, chat_template_for, render_conversation
-from toolkit.data.packing import IGNORE_INDEX, attention_inputs
+from toolkit.data.chat import (
+    TOO_LONG,
+    ChatDataConfig,
+    best_fit_decreasing,
+    chat_template_for,
+    render_conversation,
+)
+from toolkit.data.packing import IGNORE_INDEX, Seen, attention_inputs
 from toolkit.data.records import pair_shapes_said, read_records, to_pair
 
 # The embedded set's non-answers, for a third of its pairs (the others reject another question's answer).
@@ -65,6 +73,11 @@ class PairStats:
     blocks: int = 0
     tokens: int = 0
     seq_len: int = 0
+    # what a preview's table shows (recipes' --preview): tokens of each pair offered (both sequences, before any cut),
+    # tokens cut from the truncated ones, the dropped ones by reason
+    lengths: list[int] = dataclasses.field(default_factory=list)
+    cut: int = 0
+    why: Counter = dataclasses.field(default_factory=Counter)
 
     def __str__(self) -> str:
         fill = self.tokens / max(1, self.blocks * self.seq_len)
@@ -73,10 +86,14 @@ class PairStats:
                 "seq_len, or an answer with no token left within it)")
 
 
-def tokenize_pairs(records: list, tokenizer, chat_template: str | None,
-                   append_stop: bool = False) -> tuple[list[tuple], str]:
+IDENTICAL, EMPTY = "chosen equal to rejected", "an empty answer"
+NO_ANSWER_LEFT = "an answer with no token left within data.seq_len"
+
+
+def tokenize_pairs(records: list, tokenizer, chat_template: str | None, append_stop: bool = False,
+                   dropped: Counter | None = None) -> tuple[list[tuple], str]:
     """Records -> [(chosen ids, chosen labels, rejected ids, rejected labels)] and a line for the log, leaving out
-    (and counting) pairs whose answers are equal or empty: they teach nothing."""
+    (and counting, in `dropped` too when given) pairs whose answers are equal or empty: they teach nothing."""
     template = chat_template_for(tokenizer, chat_template)
     rows, identical, empty = [], 0, 0
     for i, record in enumerate(records):
@@ -92,6 +109,8 @@ def tokenize_pairs(records: list, tokenizer, chat_template: str | None,
                          *render_answer(tokenizer, prompt, rejected, template, append_stop)))
         except UserError as exc:
             raise UserError(f"record {i}: {exc}") from None
+    if dropped is not None:
+        dropped.update({k: n for k, n in ((IDENTICAL, identical), (EMPTY, empty)) if n})
     return rows, (f"{len(records)} preference records: {identical} with chosen equal to rejected and {empty} with "
                   "an empty answer left out")
 
@@ -114,12 +133,15 @@ def pack_pairs(rows: list[tuple], seq_len: int, pad_id: int,
     for ids_c, lab_c, ids_r, lab_r in rows:
         c, r = _fit(len(ids_c), len(ids_r), seq_len)
         cut = (c, r) != (len(ids_c), len(ids_r))
+        stats.lengths.append(len(ids_c) + len(ids_r))
         # a sequence's first token is never a target (nothing before it in the block predicts it)
         if (cut and overlong == "drop") or not any(x != IGNORE_INDEX for x in lab_c[1:c]) or not any(
                 x != IGNORE_INDEX for x in lab_r[1:r]):
             stats.dropped += 1
+            stats.why[TOO_LONG if cut and overlong == "drop" else NO_ANSWER_LEFT] += 1
             continue
         stats.truncated += cut
+        stats.cut += len(ids_c) + len(ids_r) - c - r
         kept.append((ids_c[:c], lab_c[:c], ids_r[:r], lab_r[:r]))
     if not kept:
         raise UserError(f"none of {stats.offered} preference pairs fits data.seq_len={seq_len} with an answer token "
@@ -184,13 +206,15 @@ def pair_counts(blocks: datasets.Dataset) -> np.ndarray:
     return np.asarray(blocks.select_columns(["pairs"]).with_format("numpy")[:]["pairs"], dtype=np.int64)
 
 
-def preference_blocks(cfg: ChatDataConfig, tokenizer, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None,
-                                                                            list[str]]:
-    """(train blocks, held-out blocks or None, lines for the log): whole pairs held out."""
+def preference_blocks(cfg: ChatDataConfig, tokenizer, seed: int, seen: Seen | None = None
+                      ) -> tuple[datasets.Dataset, datasets.Dataset | None, list[str]]:
+    """(train blocks, held-out blocks or None, lines for the log): whole pairs held out. `seen` (when given) is told
+    what they were made of."""
     from toolkit.data.corpus import split_documents
 
     records = read_records(cfg.path, "preference", "data.path", cfg.name, cfg.split) if cfg.path else embedded_records()
-    rows, read = tokenize_pairs(records, tokenizer, cfg.chat_template, cfg.append_stop)
+    seen = seen if seen is not None else Seen()
+    rows, read = tokenize_pairs(records, tokenizer, cfg.chat_template, cfg.append_stop, seen.dropped)
     if not rows:
         raise UserError(f"{read}: none has two different, non-empty answers; check data.path")
     if cfg.val_path:  # the user's own held-out pairs, whole
@@ -202,6 +226,7 @@ def preference_blocks(cfg: ChatDataConfig, tokenizer, seed: int) -> tuple[datase
         train_rows = [rows[i] for i in train["row"]]
         val_rows = [rows[i] for i in held["row"]] if held is not None else []
     train, stats = pack_pairs(train_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+    seen.read, seen.stats, seen.held_out = len(records), stats, 0 if cfg.val_path else len(val_rows)
     notes = [f"{read}; TRL's {pair_shapes_said(records)}", f"train: {stats}"]
     val = None
     if val_rows:
