@@ -49,6 +49,11 @@ COMMANDS = {
                                       ["PY", "-m", "toolkit.launch.launcher", "--num_processes", "2", "--main_process_port=0",
                                        "ROOT/recipes/pretrain.py", "--config", "ROOT/recipes/configs/pretrain_tiny.yaml",
                                        "train.max_steps=2"]),
+    # --preview trains nothing: one process, whatever launch options are given (they are said to be unused)
+    "preview with launch options": (["finetune", "--config_file", "zero3", "--num_processes", "2", "--config",
+                                     "finetune_smollm2_chat_lora", "--preview", "3"],
+                                    ["PY", "ROOT/recipes/finetune.py", "--config",
+                                     "ROOT/recipes/configs/finetune_smollm2_chat_lora.yaml", "--preview", "3"]),
     # without --config: the recipe's refusal (no --config), from one process, the launch not started for it
     "launch options without --config": (["pretrain", "--num_processes", "2", "train.max_steps=2"],
                                         ["PY", "ROOT/recipes/pretrain.py", "train.max_steps=2"]),

@@ -149,7 +149,8 @@ def test_print_config_shows_the_resolved_config_without_running_and_reads_back(t
 
 
 # every option of a recipe by kind (tests/support/wrong_arguments.py lists each kind's wrong values); the rest are overrides
-KINDS = {"--config": "file", "--print-config": "switch", "--help": "help", "overrides": "overrides"}
+KINDS = {"--config": "file", "--print-config": "switch", "--preview": "count", "--help": "help",
+         "overrides": "overrides"}
 
 
 def test_every_option_of_a_recipe_has_a_kind():
@@ -179,6 +180,8 @@ def test_the_arguments_may_come_in_any_order_and_config_once(recipe, capsys, mon
     assert "max_steps: 3" in capsys.readouterr().out and recipe.calls == []
     assert run("pretrain", PretrainConfig, recipe, ["--config", TINY, "--config", TINY]) == 2
     assert capsys.readouterr().err.startswith(f"error: --config is given twice ({TINY}, {TINY}); give one")
+    assert run("pretrain", PretrainConfig, recipe, ["--config", TINY, "--preview", "2", "--preview=3"]) == 2
+    assert capsys.readouterr().err == "error: --preview is given twice (2, 3); give it once\n"
 
 
 def test_a_missing_config_is_named_as_it_works_from_where_the_command_runs(recipe, capsys, tmp_path, monkeypatch):
