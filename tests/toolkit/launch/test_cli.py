@@ -145,7 +145,7 @@ def test_a_recipes_usage_names_the_command_the_user_typed(monkeypatch):
 
 def test_every_launch_option_goes_to_the_launcher_wherever_it_is_given():
     """Each option of Accelerate's launch parser, after --config (with its value where it takes one), is the
-    launcher's: none is the recipe's, whose own are --config, --print-config and --help."""
+    launcher's: none is the recipe's, whose own are --config, --print-config, --preview and --help."""
     for flag, takes_value in launch_options().items():
         said = command(["pretrain", "--config", "pretrain_tiny", flag, *(["V"] if takes_value else []), "a.b=1"])
         assert said[3:5 if takes_value else 4] == [flag, "V"][:1 + takes_value], flag
