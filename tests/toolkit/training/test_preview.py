@@ -44,7 +44,8 @@ def test_the_bracketed_spans_are_the_tokens_the_labels_train(blocks_of, collate_
         carried = labels != IGNORE_INDEX
         edges = np.flatnonzero(np.diff(np.concatenate([[0], carried.astype(int), [0]])))
         runs = [chat_tokenizer.decode(labels[a:z].tolist(), skip_special_tokens=False,
-                                      clean_up_tokenization_spaces=False) for a, z in zip(edges[::2], edges[1::2])]
+                                      clean_up_tokenization_spaces=False) for a, z in
+                zip(edges[::2], edges[1::2], strict=True)]
         assert runs and spans_of(text) == runs
         starts = text.count("<#")
         assert starts == (int((np.asarray(train[b]["position_ids"])[:train[b]["num_tokens"]] == 0).sum()))
