@@ -217,6 +217,11 @@ class FinetuneRecipe:
         template = "none (text data)"
         if cfg.data.format in ("chat", "preference"):
             chat_template_for(self.tokenizer, cfg.data.chat_template)  # none at all: one line, before any record
+            try:  # what training would refuse, said above the data that shows why
+                for line in check_template(self.tokenizer, cfg.data.chat_template, cfg.data.append_stop):
+                    print(f"data: {line}")
+            except UserError as exc:
+                print(f"warning: training refuses this template: {exc}")
             given = cfg.data.chat_template
             template = (f"the tokenizer's own ({self.base_name})" if not given else f"data.chat_template={given}"
                         if "\n" not in given and "{" not in given else "data.chat_template (its text)")

@@ -125,3 +125,20 @@ def test_a_shipped_config_previews_in_seconds_and_writes_no_run(recipe, config, 
     assert code == 0 and time.monotonic() - start < 60
     assert printed.count("--- block ") == 2 and "[[" in printed and shows in printed
     assert "\ntokens with loss" in printed and not out.exists()
+
+
+def test_a_template_training_refuses_is_said_above_the_data_that_shows_why(tmp_path, capsys, monkeypatch):
+    """Training refuses a template whose answers end with no stop token; the preview shows the data anyway, under the
+    refusal's line, so that the user sees the answers' marks end with no stop."""
+    monkeypatch.delenv("RANK", raising=False)
+    module = recipe_module("finetune")
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    code = run("finetune", FinetuneConfig, module.FinetuneRecipe,
+               ["--config", str(ROOT / "recipes" / "configs" / "finetune_smollm2_chat_lora.yaml"), "--preview", "1",
+                f"data.chat_template={template}", f"output_dir={tmp_path / 'run'}"])
+    printed = capsys.readouterr().out
+    assert code == 0 and printed.count("--- block ") == 1
+    warning = next(line for line in printed.splitlines() if line.startswith("warning: training refuses"))
+    assert "data.append_stop=true" in warning and printed.index(warning) < printed.index("--- block ")
