@@ -432,3 +432,26 @@ def _summary(folder: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return facts if isinstance(facts, dict) else {}
+
+
+def source_tokenizer(source: Source, base: str | None = None):
+    """The tokenizer `load_model` gives with the source, read alone, before any weight loads: a checkpoint's from its
+    model files, an adapter's own or else its base's (a GGUF base's from its metadata)."""
+    with unchanged(source):
+        if source.is_checkpoint:
+            return load_tokenizer(_model_files(source), source)
+        if source.kind == "hf" or (source.path / "tokenizer.json").is_file() or \
+                (source.path / "tokenizer_config.json").is_file():
+            return load_tokenizer(source.path, source)
+        if base:
+            return load_tokenizer(Path(base), Source("hf", Path(base)))
+        if (source.path / BASE_MODEL_FILE).is_file():
+            from toolkit.models.base_model import BaseModelConfig, base_tokenizer
+
+            saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
+            return base_tokenizer(BaseModelConfig(**{k: v for k, v in saved.items()
+                                                     if k in BaseModelConfig.__dataclass_fields__}))
+        named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not named or not Path(named).is_dir():
+            raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
+        return load_tokenizer(Path(named), Source("hf", Path(named)))

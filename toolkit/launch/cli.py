@@ -2,7 +2,7 @@
 
     llm-toolkit pretrain --config pretrain_tiny train.max_steps=200
     llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora output_dir=runs/ft
-    llm-toolkit export --from runs/ft --format gguf --output runs/ft.gguf            (also: evaluate, plan)
+    llm-toolkit export --from runs/ft --format gguf --output runs/ft.gguf            (also: evaluate, plan, chat)
 
 `accelerate launch`'s options, anywhere: with any, the recipe runs through recipes/launch.sh's launcher.
 How names, options and signals are taken: docs/internals.md, toolkit/launch/cli.py.
@@ -18,7 +18,7 @@ from pathlib import Path
 from toolkit.config.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the toolkit is installed from (pip install -e .)
-RECIPES = ("pretrain", "finetune", "export", "evaluate", "plan")
+RECIPES = ("pretrain", "finetune", "export", "evaluate", "plan", "chat")
 CALLED_AS = "LLM_TOOLKIT_CALLED_AS"  # how the user started the recipe, for its usage lines: "llm-toolkit NAME"
 # the options whose value may name a shipped file by its name alone, and the folder it is looked up in
 SHIPPED_BY_OPTION = {"--config": "recipes/configs", "--config_file": "accelerate_configs"}
@@ -87,7 +87,7 @@ def command(argv: list[str]) -> list[str]:
         if option in args and args.index(option) + 1 < len(args):
             at = args.index(option) + 1
             args[at] = shipped(args[at], folder)
-    if name in ("export", "evaluate", "plan"):  # one process (a launch of evaluate: accelerate launch recipes/...)
+    if name in ("export", "evaluate", "plan", "chat"):  # one process (a launch of evaluate: accelerate launch recipes/...)
         return [sys.executable, script, *args]
     launch, recipe = split(args)
     if not launch or "--config" not in recipe:  # --help, or no config: the recipe's usage or refusal, one process

@@ -41,6 +41,11 @@ COMMAND_OPTIONS: dict[str, dict[str, str | None]] = {
         "output": OUTPUT, "source": READ, "base": READ, "include_path": READ,
         "checkpoint": None, "tasks": None, "num_fewshot": None, "limit": None, "batch_size": None, "overwrite": None,
     },
+    "chat": {  # prints, writes nothing
+        "source": READ, "base": READ, "chat_template": READ,
+        "checkpoint": None, "system": None, "prompt": None, "max_new_tokens": None, "temperature": None,
+        "show_prompt": None,
+    },
     "plan": {  # prints, writes nothing
         "config": READ, "gpus": None, "gpu_memory": None, "headroom": None, "micro_batch": None, "cpu": None,
         "json": None, "all": None, "overrides": None,

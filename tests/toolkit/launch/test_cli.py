@@ -36,6 +36,8 @@ COMMANDS = {
              ["PY", "ROOT/recipes/plan.py", "--config", "ROOT/recipes/configs/pretrain_llama_1b.yaml", "--gpus", "8"]),
     "export": (["export", "--from", "runs/ft", "--format", "gguf"],
                ["PY", "ROOT/recipes/export.py", "--from", "runs/ft", "--format", "gguf"]),
+    "chat": (["chat", "--from", "runs/ft.gguf", "--prompt", "hi"],
+             ["PY", "ROOT/recipes/chat.py", "--from", "runs/ft.gguf", "--prompt", "hi"]),
     "help": (["finetune", "--help"], ["PY", "ROOT/recipes/finetune.py", "--help"]),
     # argparse's other spelling, which the recipes and accelerate take: found by name, the launch options split off
     "with =": (["finetune", "--config_file=zero3", "--num_processes", "2", "--config=finetune_smollm2_lora",
@@ -91,7 +93,7 @@ def test_no_recipe_is_one_line(capsys):
         code = main([] if value is None else [value])
         out, err = capsys.readouterr()
         wrong_arguments.assert_one_line(code, out, err, "recipe", value)
-        assert err.endswith("use one of pretrain, finetune, export, evaluate, plan (llm-toolkit --help: how)\n"), case
+        assert err.endswith("use one of pretrain, finetune, export, evaluate, plan, chat (llm-toolkit --help: how)\n"), case
 
 
 @pytest.mark.parametrize("option", PASSED_ON)
