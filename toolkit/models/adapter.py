@@ -23,6 +23,7 @@ import torch
 from toolkit.config.declarations import ALWAYS, FROM_NEXT_STEP, SHAPE, Need, free, refused
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
+from toolkit.models.new_tokens import new_token_ids
 
 # The attention and MLP projections of LLaMA/Mistral/Qwen2 (GPT-2 names them c_attn, c_proj, c_fc).
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -252,6 +253,7 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
     _check_rank(model, cfg)
     untie = tied_and_adapted(model, cfg)
     kinds = {layer_kind(module) for module in _adapted(model, cfg).values()}
+    tokens = _new_token_rows(model, cfg)
     if cfg.method == "qlora":
         # fp32 norms and an input hook so that checkpointed activations still get gradients
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -267,6 +269,7 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
         modules_to_save=list(cfg.modules_to_save) or None,
         layers_to_transform=list(cfg.layers) or None,
         fan_in_fan_out=kinds == {"Conv1D"},  # GPT-2's weights are stored (in, out); peft warns and sets it otherwise
+        trainable_token_indices=tokens or None,
     )
     try:
         with no_tied_warnings():  # said in the line returned, and taken care of by merged()
@@ -279,12 +282,25 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[torch.nn.
     kind = "+".join([cfg.method, *(["dora"] if cfg.dora else []), *(["rslora"] if cfg.rslora else [])])
     where = f" of layers {cfg.layers}" if cfg.layers else ""
     whole = f", {', '.join(cfg.modules_to_save)} trained whole" if cfg.modules_to_save else ""
+    whole += f", the rows of model.new_tokens on {' and '.join(tokens)}" if tokens else ""
     tied = (f"; this base ties its embedding and head (tie_word_embeddings) and the adapter changes {' and '.join(untie)}: "
             "the merged model unties them (one vocab x hidden matrix more)" if untie else "")
     return model, (
         f"weights: {kind} r={cfg.r} alpha={cfg.alpha:g} on {', '.join(cfg.target_modules)}{where}{whole}: "
         f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}){tied}"
     )
+
+
+def _new_token_rows(model: torch.nn.Module, cfg: AdapterConfig) -> dict[str, list[int]]:
+    """peft's trainable_token_indices for model.new_tokens' rows: on the embedding (peft ties a tied head to it), and
+    on an untied head; none for a module modules_to_save already trains whole."""
+    ids = new_token_ids(model)
+    if not ids:
+        return {}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    layers = [embed] if head is None or head.weight is embed.weight else [embed, head]
+    names = [next(n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is layer) for layer in layers]
+    return {name: ids for name in names if name not in cfg.modules_to_save}
 
 
 BASE_MODEL_FILE = "base_model.json"  # how the base was loaded (toolkit.models.base_model.BaseModelConfig)

@@ -22,6 +22,7 @@ from toolkit.config.values import path_problems
 from toolkit.data.tokenizer import local_files_only, offline_hint
 from toolkit.models.compute import ComputeConfig
 from toolkit.models.gguf_base import HUB_ID, cache_folder, dequantise, gguf_config, resolve_gguf
+from toolkit.models.new_tokens import TEMPLATE, add_new_tokens, entry_problems, resize_for_new_tokens
 from toolkit.run.paths import CACHE, READ
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,9 +65,15 @@ class BaseModelConfig(ComputeConfig):
         resume=free("where the base's float copy is kept"), used_when=ALWAYS, path=CACHE,
         accepts={"unset": "~/.cache/llm-toolkit"},
     )
+    new_tokens: list[str] = field(
+        default_factory=list, help=f"special tokens to add to the base, e.g. [<|im_start|>, <|im_end|>]; {TEMPLATE} = "
+        "the <|...|> and <...> markers of the run's chat template that the tokenizer lacks; their embedding and head "
+        "rows start at the mean of the existing ones and train (under LoRA: peft's trainable_token_indices)",
+        resume=refused(SHAPE), used_when=ALWAYS, path=None, unique=True, accepts={"[]": "no token added, no resize"},
+    )
 
     def validate(self) -> list[str]:
-        problems = super().validate() + path_problems(self, ("path", "cache_dir"))
+        problems = super().validate() + path_problems(self, ("path", "cache_dir")) + entry_problems(self.new_tokens)
         if self.gguf_file is not None and not self.gguf_file.strip():
             problems.append("gguf_file is empty; leave it out to load path as a Hugging Face folder")
         else:
@@ -78,9 +85,10 @@ class BaseModelConfig(ComputeConfig):
 
 
 def load_base_model(
-    cfg: BaseModelConfig, quantization=None, device_map: dict | None = None
+    cfg: BaseModelConfig, quantization=None, device_map: dict | None = None, chat_template: str | None = None
 ) -> tuple[torch.nn.Module, object, list[str]]:
-    """(model, tokenizer, notes): an ordinary trainable, savable causal LM and lines for the log.
+    """(model, tokenizer, notes): an ordinary trainable, savable causal LM and lines for the log; model.new_tokens
+    added to both (`chat_template`: the run's data.chat_template, which model.new_tokens=[template] reads).
 
     Every rank may call it; under `accelerator.main_process_first()` only the main process
     parses a GGUF and the others load the copy it cached. `quantization` (a transformers
@@ -110,13 +118,17 @@ def load_base_model(
         model, tokenizer = _load_folder(cfg, quantization, device_map)
         notes = [f"base model: {cfg.path} ({type(model).__name__}, {_dtype_name(model)})"]
         source = f"model.path={cfg.path}"
+    added = add_new_tokens(tokenizer, cfg.new_tokens, chat_template, source)
+    if added:
+        notes.append(resize_for_new_tokens(model, tokenizer, added))
     _check_tokenizer(tokenizer, model, source)
     return model, tokenizer, notes
 
 
-def base_tokenizer(cfg: BaseModelConfig):
-    """The base's tokenizer alone, as load_base_model gives it (its pad token set): what is checked and shown of the
-    data before any weight loads (a GGUF's from its metadata, or from its float copy once cached)."""
+def base_tokenizer(cfg: BaseModelConfig, chat_template: str | None = None):
+    """The base's tokenizer alone, as load_base_model gives it (its pad token set, model.new_tokens added; pass the
+    run's data.chat_template as there): what is checked and shown of the data before any weight loads (a GGUF's from
+    its metadata, or from its float copy once cached)."""
     gguf = resolve_gguf(cfg)
     cached = cache_folder(cfg, gguf) if gguf is not None else None
     if cached is not None and (cached / "config.json").is_file():
@@ -132,6 +144,7 @@ def base_tokenizer(cfg: BaseModelConfig):
         if extra.get("local_files_only"):
             raise UserError(offline_hint("model.path", cfg.path)) from None
         raise UserError(f"{source} has no usable tokenizer ({first_line(exc)}); save one into that folder") from None
+    add_new_tokens(tokenizer, cfg.new_tokens, chat_template, source)
     if tokenizer.eos_token_id is None:
         raise UserError(f"{source}: the tokenizer has no EOS token, which ends every turn and document; "
                         "set eos_token in its tokenizer_config.json")
