@@ -112,7 +112,8 @@ class FinetuneRecipe:
         # Base model: whole on every rank (the strategy shards it at prepare). The main process
         # goes first so that a GGUF is parsed once and the other ranks read its cached copy.
         with strategy.accelerator.main_process_first(), strategy.outside_training():
-            model, self.tokenizer, notes = load_base_model(cfg.model, quantization_config(cfg.adapter), strategy.device_map())
+            model, self.tokenizer, notes = load_base_model(cfg.model, quantization_config(cfg.adapter), strategy.device_map(),
+                                                           cfg.data.chat_template)
         for line in notes:
             trainer.print(line)
         strategy.check_fsdp_layers(model)
@@ -272,7 +273,7 @@ class FinetuneRecipe:
         # outside_training keeps ZeRO-3 from partitioning it), and the samples come from it.
         with strategy.outside_training():
             if adapter_dir is not None and cfg.adapter.merge:
-                base_model, _, _ = load_base_model(cfg.model)  # full precision, also after QLoRA
+                base_model, _, _ = load_base_model(cfg.model, chat_template=cfg.data.chat_template)  # full precision
                 merged = merge(base_model, adapter_dir)
                 final = write_model_folder(
                     merged, self.tokenizer, run_dir.final, facts, to_dict(cfg), dtype=cfg.checkpoint.final_dtype
@@ -315,7 +316,7 @@ class FinetuneRecipe:
             trainer.print(f"harness: scoring the {what} on {', '.join(runs.cfg.tasks)}")
             try:
                 if phase == "before":
-                    model, tokenizer, _ = load_base_model(self.cfg.model)  # full precision, also after QLoRA
+                    model, tokenizer, _ = load_base_model(self.cfg.model, chat_template=self.cfg.data.chat_template)
                 else:
                     model, tokenizer = trained, self.tokenizer
                 if device.type == "cuda":
@@ -344,7 +345,7 @@ def _reload(final: Path | None, adapter_dir: Path | None, cfg: FinetuneConfig):
 
     if final is not None:
         return AutoModelForCausalLM.from_pretrained(final).eval()
-    base_model, _, _ = load_base_model(cfg.model)
+    base_model, _, _ = load_base_model(cfg.model, chat_template=cfg.data.chat_template)
     return load_with_adapter(base_model, adapter_dir)
 
 

@@ -81,11 +81,30 @@ def test_hf_export_of_a_zero3_checkpoint(export, runs, tmp_path, capsys):
 
 
 def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, data_cache, tmp_path, export, capsys):
+    """A ChatML fine-tune of a base whose tokenizer lacks ChatML's markers (model.new_tokens=[template]): its checkpoint
+    and its adapter merge to final/, the adapter loads by peft alone, and the GGUF carries the tokens."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
     out = tmp_path / "lora"
-    run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
-                            f"data.chat_template={chatml_file}", "data.append_stop=true", "train.max_steps=2", "checkpoint.every=2",
-                            f"output_dir={out}"], nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml")
+    said = run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",
+                                   f"data.chat_template={chatml_file}", "model.new_tokens=[template]",
+                                   "train.max_steps=2", "checkpoint.every=2", f"output_dir={out}"],
+                      nproc=1, cache=data_cache, config="finetune_smollm2_lora.yaml").stdout
+    assert ("model.new_tokens: added 2 tokens (<|im_start|>, <|im_end|>), their embedding (tied to the head) rows set "
+            "to the mean of the existing") in said and "the rows of model.new_tokens on embed_tokens" in said
+    tokenizer = AutoTokenizer.from_pretrained(out / "adapter")
+    ids = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids == [len(tokenizer) - 2, len(tokenizer) - 1]
+    assert AutoTokenizer.from_pretrained(out / "final").get_vocab() == tokenizer.get_vocab()
     assert_generates_with_the_cache(out / "final")
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert final.config.vocab_size == len(tokenizer)
+    # what a user does with adapter/ and peft alone: the base resized to the adapter's tokenizer, then the adapter
+    base = AutoModelForCausalLM.from_pretrained(tiny_base)
+    base.resize_token_embeddings(len(tokenizer))
+    alone = PeftModel.from_pretrained(base, out / "adapter")
+    torch.testing.assert_close(logits(alone), logits(final), atol=1e-4, rtol=0)
     source = resolve_source(out, "step-2")
     with warnings.catch_warnings(record=True) as said:  # no library noise (peft's "base was renamed")
         warnings.simplefilter("always")
@@ -98,6 +117,15 @@ def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, d
     # the adapter folder on the same base gives the same merged model
     merged, _, _ = load_model(resolve_source(out / "adapter"), merge_lora=True)
     torch.testing.assert_close(logits(merged), logits(model), atol=1e-4, rtol=0)
+    # the GGUF of final/ holds the new tokens, as control tokens (special)
+    import gguf
+
+    code = export.main(["--from", str(out / "final"), "--format", "gguf", "--output", str(tmp_path / "t.gguf")])
+    assert code == 0, capsys.readouterr().err
+    reader = gguf.GGUFReader(tmp_path / "t.gguf")
+    tokens, types = reader.get_field("tokenizer.ggml.tokens"), reader.get_field("tokenizer.ggml.token_type")
+    for i in ids:
+        assert tokens.contents(i) in ("<|im_start|>", "<|im_end|>") and types.contents(i) == gguf.TokenType.CONTROL
 
     assert "holds a LoRA model; export it with --merge-lora" in error_line(
         export, capsys, "--from", str(out), "--checkpoint", "step-2", "--output", str(tmp_path / "x"))

