@@ -70,15 +70,15 @@ def resize_for_new_tokens(model: torch.nn.Module, tokenizer, added: list[str]) -
     if len(tokenizer) > old:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # the rows are set below
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    index = torch.tensor(ids, device=embed.weight.device)
-    kept = torch.ones(old, dtype=torch.bool, device=embed.weight.device)
-    kept[index[index < old]] = False  # rows past the tokenizer's (padded vocabularies): not existing tokens
+    kept = torch.ones(old, dtype=torch.bool)
+    kept[[i for i in ids if i < old]] = False  # rows past the tokenizer's (padded vocabularies): not existing tokens
     with torch.no_grad():
         for layer in (embed, head):
-            if layer is None or (layer is head and head.weight is embed.weight):
+            if layer is None or (layer is head and head.weight is embed.weight) or layer.weight.is_meta:  # the planner's
                 continue
             weight = layer.weight
-            weight[index] = weight[:old][kept].float().mean(0).to(weight.dtype)
+            rows = kept.to(weight.device)
+            weight[ids] = weight[:old][rows].float().mean(0).to(weight.dtype)
     setattr(model, _IDS, ids)
     tied = head is not None and head.weight is embed.weight
     return (f"model.new_tokens: added {len(added)} tokens ({', '.join(added)}), their embedding "

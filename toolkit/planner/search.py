@@ -38,7 +38,8 @@ def meta_model(recipe: str, cfg, notes: list[str] | None = None) -> tuple[torch.
     is 4-bit); where the architecture came from, if not the usual place, in `notes`. Not to be changed: it is kept
     for the next plan of the same config."""
     part = cfg.adapter if recipe == "finetune" else cfg.tokenizer
-    key = json.dumps([recipe, to_dict(cfg.model), to_dict(part)], sort_keys=True, default=str)
+    template = cfg.data.chat_template if recipe == "finetune" and cfg.model.new_tokens else None  # new_tokens=[template]
+    key = json.dumps([recipe, to_dict(cfg.model), to_dict(part), template], sort_keys=True, default=str)
     if key not in BUILT:
         said: list[str] = []
         BUILT[key] = (*_build(recipe, cfg, said), said)
@@ -65,6 +66,14 @@ def _build(recipe: str, cfg, notes: list[str]) -> tuple[torch.nn.Module, torch.d
         quantized = cfg.adapter.method == "qlora"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if recipe == "finetune" and cfg.model.new_tokens:  # the rows the run adds, as load_base_model adds them
+        from toolkit.models.base_model import base_tokenizer
+        from toolkit.models.new_tokens import add_new_tokens, resize_for_new_tokens
+
+        tokenizer = base_tokenizer(dataclasses.replace(cfg.model, new_tokens=[]))
+        added = add_new_tokens(tokenizer, cfg.model.new_tokens, cfg.data.chat_template, f"model.path={cfg.model.path}")
+        if added:
+            notes.append(resize_for_new_tokens(model, tokenizer, added))
     if recipe == "finetune" and cfg.adapter.is_lora:
         model, _ = apply_adapter(model, cfg.adapter)  # the recipe's: its targets, layers, DoRA, modules_to_save
     return model, dtype, quantized

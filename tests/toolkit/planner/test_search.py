@@ -40,3 +40,23 @@ def test_a_row_whose_layout_takes_an_override_says_it():
     assert {"fsdp", "zero3", "ddp"} <= {r["strategy"] for r in rows}
     assert "fsdp: as launched with train.canary=none" in said and "zero3: as launched with train.canary=none" in said
     assert "ddp: as launched" not in said and "zero2: as launched" not in said
+
+
+def test_a_fine_tune_that_adds_tokens_is_planned_with_their_rows(tmp_path, tiny_model, tiny_tokenizer):
+    """model.new_tokens grows the vocabulary the planner sizes, and a LoRA's trainable rows, as the run does."""
+    from transformers import PreTrainedTokenizerFast
+
+    from toolkit.planner.search import meta_model
+    from toolkit.training.recipe_config import FinetuneConfig
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer, eos_token=tiny_tokenizer.eos_token)
+    tiny_model("llama", tokenizer=tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    yaml = ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml"
+    plain = meta_model("finetune", load_config(FinetuneConfig, yaml, [f"model.path={tmp_path}"]))[0]
+    notes = []
+    model = meta_model("finetune", load_config(FinetuneConfig, yaml, [f"model.path={tmp_path}",
+                                                                      "model.new_tokens=[<x>,<y>]"]), notes)[0]
+    assert model.get_base_model().config.vocab_size == plain.get_base_model().config.vocab_size + 2 == 302
+    assert model.get_nb_trainable_parameters()[0] == plain.get_nb_trainable_parameters()[0] + 2 * 2 * 64  # embedding and head
+    assert any(n.startswith("model.new_tokens: added 2 tokens (<x>, <y>)") for n in notes)

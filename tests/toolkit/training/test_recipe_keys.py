@@ -49,19 +49,19 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
         "output_dir": OUTPUT, "data.cache_dir": CACHE, "model.cache_dir": CACHE, "resume": RESUME,
         **dict.fromkeys(("model.path", "model.gguf_file", "tokenizer.path", "data.path", "data.val_path",
                          "data.sources[].path", "data.chat_template", "eval.harness_include_path"), READ)}
-    assert len(keys.PATH_SETTINGS) == 33 and len(keys.OVERLAPS) == 88  # + evaluate --output's 12 (issue 63)
+    assert len(keys.PATH_SETTINGS) == 34 and len(keys.OVERLAPS) == 88  # + evaluate --output's 12 (issue 63); model.new_tokens (64)
     assert sorted(keys.OWN_CHECK) == sorted(("seed", "train.global_batch_size", "data.sources", "data.stages",
                                              "data.streaming"))
     assert sorted(keys.SCHEDULE) == sorted(("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch",
                                             "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio",
                                             "train.max_steps"))
     assert sorted(keys.KEPT_BY_THE_OPTIMIZER) == ["optim.betas", "optim.eps", "optim.weight_decay"]
-    assert (len(keys.REFUSED), len(keys.FROM_NEXT_STEP), len(keys.FREE)) == (38, 12, 38)  # + train.canary, canary_every; data.append_stop
+    assert (len(keys.REFUSED), len(keys.FROM_NEXT_STEP), len(keys.FREE)) == (39, 12, 38)  # + train.canary, canary_every; data.append_stop, model.new_tokens
     assert keys.REFUSED["data.seq_len"] == "it decides which tokens each step reads"
     assert keys.REFUSED["train.mixed_precision"] == "the strategy's saved weights and optimizer state are in its precision"
     assert keys.FREE["model.loss"] == "the chunked loss equals the full one (test_loss)"
     assert sorted(keys.UNIQUE) == sorted(("logging.trackers", "adapter.target_modules", "adapter.modules_to_save",
-                                          "adapter.layers", "eval.harness_tasks"))
+                                          "adapter.layers", "eval.harness_tasks", "model.new_tokens"))
     assert sorted(keys.REPEATS_MEAN_SOMETHING) == sorted(("optim.betas", "logging.profile", "samples.prompts",
                                                           "data.sources", "data.stages"))
     assert keys.CHECKED_BY == {
@@ -71,7 +71,7 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
         "data.columns.conversation": "FinetuneDataConfig.validate",
         # a source's keys declare it since issue 63 (they said nothing: keys inside a list needed only path=)
         "data.sources[].record_format": "DataConfig.source_problems", "data.sources[].columns": "DataConfig.source_problems"}
-    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (37 + 2 + 3 + 1, 56 + 7 - 1)  # + the sources' keys; eval.every, eval.blocks, train.canary(_every); data.append_stop
+    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (37 + 2 + 3 + 1, 56 + 7 - 1 + 1)  # + the sources' keys; eval.every, eval.blocks, train.canary(_every); data.append_stop; model.new_tokens
     assert keys.USED_WHEN["adapter.r"] == ("adapter.method", ("lora", "qlora"), "LoRA's")
     assert keys.USED_WHEN["tokenizer.vocab_size"] == ("tokenizer.path", (None,), "for a tokenizer the run trains")
     assert keys.ACCEPTS["optim.max_grad_norm"] == {"0": "no clipping, as documented"}
