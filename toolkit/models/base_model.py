@@ -95,6 +95,8 @@ def load_base_model(
     quantization config, e.g. QLoRA's 4-bit) loads the weights quantised on the GPU `device_map` names
     (the strategy's `device_map()`: this rank's own).
     """
+    if cfg.new_tokens:  # a token the tokenizer has, or a template it lacks: one line before any weight loads
+        base_tokenizer(cfg, chat_template)
     gguf = resolve_gguf(cfg)
     cached = cache_folder(cfg, gguf) if gguf is not None else None
     if gguf is not None and quantization is not None:

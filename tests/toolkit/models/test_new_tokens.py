@@ -160,3 +160,15 @@ def test_the_chunked_loss_sees_the_trained_token_rows(base_folder, tied):
         delta = next(p for n, p in peft_model.named_parameters() if "trainable_tokens_delta" in n)
         grads.append((loss.detach(), delta.grad.clone()))
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_a_token_the_base_has_is_refused_before_its_weights_load(base_folder, monkeypatch):
+    from toolkit.models import base_model
+
+    monkeypatch.setattr(base_model, "_load_folder", lambda *a, **k: pytest.fail("the weights were loaded"))
+    folder = base_folder(tied=True)
+    eos = AutoTokenizer.from_pretrained(folder).eos_token
+    with pytest.raises(UserError, match=f"model.new_tokens: {eos} is already token"):
+        load_base_model(BaseModelConfig(path=str(folder), new_tokens=[eos]))
+    with pytest.raises(UserError, match="has no chat template; set data.chat_template"):  # [template], and none to read
+        load_base_model(BaseModelConfig(path=str(folder), new_tokens=["template"]))
