@@ -128,6 +128,15 @@ RULES: tuple[Rule, ...] = (
         f"{'tensor' if layout.tp > 1 else 'pipeline'} parallel trains a whole model, not a LoRA adapter, yet; use "
         "fsdp.yaml or the zero configs"
     ) if _method(cfg) in ("lora", "qlora") and (layout.tp > 1 or layout.pp > 1) else None, None),
+    # peft 0.21's trainable tokens (model.new_tokens' rows under a LoRA): FSDP2 refuses to shard the delta a tied head
+    # shares ("Invariant encountered: value was None" in its DeviceMesh), and under ZeRO-3 peft gathers the rows on a
+    # CUDA device of its own (it fails on CPU); DDP and ZeRO-1/2 train them with the same losses
+    Rule("model.new_tokens", lambda cfg, layout, precision: (
+        f"model.new_tokens under a LoRA trains the new rows through peft's trainable tokens, which do not train under "
+        f"{'FSDP2' if layout.kind == 'fsdp' else 'ZeRO-3'} yet; use ddp.yaml, zero1.yaml or zero2.yaml, or "
+        "adapter.method=full"
+    ) if getattr(cfg.model, "new_tokens", None) and _method(cfg) in ("lora", "qlora") and (
+        layout.kind == "fsdp" or (layout.kind == "deepspeed" and layout.zero_stage == 3)) else None, None),
     Rule("train.objective (a preference objective)", lambda cfg, layout, precision: (
         f"train.objective={_objective(cfg)} trains under DDP, FSDP and ZeRO (data parallel), not with model parallel "
         f"({_degrees(layout)}) yet; use accelerate_configs/ddp.yaml, fsdp.yaml or a zero*.yaml, and "

@@ -42,6 +42,9 @@ CASES = {
                              set(LAYOUTS) - {"ddp"}, "adapter.method=qlora trains under DDP only ("),
     "adapter.method=lora": ("finetune", ["adapter.method=lora"], "bf16", {"fsdp_tp"} | PIPELINES,
                             "parallel trains a whole model, not a LoRA adapter, yet"),
+    "model.new_tokens": ("finetune", ["model.new_tokens=[<x>]"], "bf16",
+                         {name for name in LAYOUTS if name.startswith(("fsdp", "zero3", "pipeline_fsdp"))},
+                         "model.new_tokens under a LoRA trains the new rows through peft's trainable tokens"),
     "train.objective (a preference objective)": (
         "finetune", ["train.objective=dpo", "data.format=preference", "adapter.method=full"], "bf16",
         {"fsdp_cp", "fsdp_sp", "fsdp_tp", "zero3_sp"} | PIPELINES,
