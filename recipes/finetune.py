@@ -97,7 +97,8 @@ class FinetuneRecipe:
         # The chat template too (every source renders with it): a stop token that is never trained, or a prompt that
         # is not what training saw, is found by the first generation after hours of training otherwise.
         if cfg.data.format in ("chat", "preference"):
-            for line in check_template(base_tokenizer(cfg.model), cfg.data.chat_template, cfg.data.append_stop):
+            for line in check_template(base_tokenizer(cfg.model, cfg.data.chat_template), cfg.data.chat_template,
+                                       cfg.data.append_stop):
                 trainer.print(f"data: {line}")
 
         # A base this machine cannot hold, or train, is refused before it is loaded: loading it is
@@ -214,7 +215,7 @@ class FinetuneRecipe:
         for i, data in enumerate(cfg.data.of_sources()):
             with naming(i, cfg.data.sources):
                 check_first_records(data)
-        self.tokenizer = base_tokenizer(cfg.model)
+        self.tokenizer = base_tokenizer(cfg.model, cfg.data.chat_template)
         template = "none (text data)"
         if cfg.data.format in ("chat", "preference"):
             chat_template_for(self.tokenizer, cfg.data.chat_template)  # none at all: one line, before any record
