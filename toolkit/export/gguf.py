@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,8 @@ import torch
 from safetensors import safe_open
 
 from toolkit.config.errors import UserError, first_line
-from toolkit.export.destination import EXPORTED_BY, MODELFILE_FIRST_LINE, modelfile_path
+from toolkit.export.destination import EXPORTED_BY
+from toolkit.export.modelfile import template_text, turn_shape
 
 try:
     import gguf
@@ -97,52 +97,6 @@ def write_gguf(model_dir: Path, out_file: Path, quant: str = "f16", notes: list[
         writer.close()
         tmp.unlink(missing_ok=True)
     return out_file
-
-
-def write_modelfile(gguf_file: Path, tokenizer_dir: Path) -> Path:
-    """An Ollama Modelfile beside `gguf_file`, `<stem>.Modelfile`: `ollama create NAME -f <stem>.Modelfile`,
-    then `ollama run NAME`.
-
-    A ChatML chat template (`<|im_start|>role ... <|im_end|>`, as SmolLM2 and Qwen use) becomes the
-    equivalent Go TEMPLATE, its built-in default system prompt a SYSTEM line, and `<|im_end|>` a stop
-    token. Any other template is left to Ollama, which reads the GGUF's own chat template.
-    """
-    from transformers import AutoTokenizer
-
-    gguf_file = Path(gguf_file)
-    if not gguf_file.is_file():
-        raise UserError(f"{gguf_file} does not exist; write it first with write_gguf")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    except (OSError, ValueError) as exc:
-        raise UserError(
-            f"{tokenizer_dir} has no usable tokenizer ({first_line(exc)}); give the exported model folder"
-        ) from None
-    template = _chat_template(tokenizer) or ""
-    if not isinstance(template, str):
-        template = next((t["template"] for t in template if t["name"] == "default"), "")
-    path = modelfile_path(gguf_file)
-    lines = [f"{MODELFILE_FIRST_LINE}{gguf_file.stem} -f {path.name}", f"FROM ./{gguf_file.name}"]
-    stops = []
-    if "<|im_start|>" in template and "<|im_end|>" in template:
-        lines.append(
-            'TEMPLATE """{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}'
-            "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
-            '<|im_start|>assistant\n{{ .Response }}<|im_end|>\n"""'
-        )
-        default_system = re.search(r"<\|im_start\|>system(?:\n|\\n)([^<>{}'\"]+?)<\|im_end\|>", template)
-        if default_system:
-            lines.append(f'SYSTEM """{default_system.group(1)}"""')
-        stops.append("<|im_end|>")
-    else:
-        lines.append(
-            "# no ChatML chat template: Ollama uses the GGUF's tokenizer.chat_template if it knows it"
-        )
-    if tokenizer.eos_token and tokenizer.eos_token not in stops:
-        stops.append(tokenizer.eos_token)
-    lines += [f'PARAMETER stop "{stop}"' for stop in stops]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def _read_config(model_dir: Path) -> tuple[object, object]:
@@ -227,11 +181,21 @@ def _read_vocab(model_dir: Path, n_vocab: int) -> dict:
         "tokens": tokens,
         "types": types,
         "merges": merges,
-        "special": {k: getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "unk", "pad")},
+        "special": {**{k: getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "unk", "pad")},
+                    "eot": end_of_turn_id(tokenizer)},
         "add_bos": added_first and with_special[0] == tokenizer.bos_token_id,
         "add_eos": added_last and with_special[-1] == tokenizer.eos_token_id,
         "chat_template": _chat_template(tokenizer),
     }
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The id of the chat template's end-of-turn token where it is one token other than the EOS (Llama-3's
+    `<|eot_id|>`): llama.cpp stops a chat turn at it. None where the EOS ends a turn (ChatML on SmolLM2) or none does."""
+    template = template_text(tokenizer)
+    end = turn_shape(tokenizer, template).end_of_turn if template else None
+    ids = tokenizer(end, add_special_tokens=False).input_ids if end else []
+    return ids[0] if len(ids) == 1 and ids[0] != tokenizer.eos_token_id else None
 
 
 def _chat_template(tokenizer) -> str | list[dict[str, str]] | None:

@@ -91,7 +91,7 @@ WRITERS: dict[str, Writer] = {
     "export": Writer(
         "recipes/export.py --output: an HF folder, int4/int8 folder or GGUF and its report, staged beside it and "
         "renamed into place",
-        ("toolkit.export.gguf:write_gguf", "toolkit.export.gguf:write_modelfile", "toolkit.export.quantize:quantize_folder",
+        ("toolkit.export.gguf:write_gguf", "toolkit.export.modelfile:write_modelfile", "toolkit.export.quantize:quantize_folder",
          "toolkit.export.destination:put_in_place", "recipes.export:main"),
         "free space beside --output, or choose an --output on a disk with room",
         "the previous export if any (the staging folder removed)",

@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config.errors import UserError
-from toolkit.export.gguf import GGUF_TYPES, SUPPORTED_ARCHITECTURES, write_gguf, write_modelfile
+from toolkit.export.gguf import GGUF_TYPES, SUPPORTED_ARCHITECTURES, write_gguf
+from toolkit.export.modelfile import write_modelfile
 
 gguf = installed.module("gguf", "smollm2")
 
