@@ -126,6 +126,8 @@ class FinetuneRecipe:
         if cfg.data.format in ("chat", "preference"):
             with strategy.accelerator.main_process_first():
                 self.chat_template = chat_template_for(self.tokenizer, cfg.data.chat_template)
+            if cfg.data.chat_template:  # final/ and adapter/ carry the template the run trained with, and so do exports
+                self.tokenizer.chat_template = self.chat_template
         check_prompt_lengths(self.tokenizer, cfg.samples, limit, self.chat_template, "the base model's")
         parts = []
         for i, data in enumerate(cfg.data.of_sources()):
