@@ -16,7 +16,11 @@ Formats
 - int8 / int4: weight-only quantised HF folders through transformers' quantization configs.
 
 Every export is reloaded and measured: export_report.md (format, size, held-out perplexity and
-its change against the fp32 source, generation tokens/s) is printed and written beside it.
+its change against the fp32 source, generation tokens/s) is printed and written beside it, with
+its stops: on the run's sample prompts, greedy tokens of the source and of the export (a GGUF
+run by llama.cpp where llama-cpp-python is installed) up to the same stop, and the Modelfile's
+template and stops against the chat template's (toolkit.export.stops). A GGUF or Modelfile that
+would stop elsewhere than the source fails the export.
 Errors (one line, exit code 2): a missing or unrecognised --from, an incomplete, unknown or
 damaged source (its manifest, as resume checks a checkpoint's; a missing weight or tokenizer
 file), an unsupported architecture or quant type, an existing output without --overwrite, an
@@ -44,6 +48,7 @@ from toolkit.export import destination
 from toolkit.export.consolidate import adapter_base, load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
+from toolkit.export.stops import check_stops, run_prompts, source_reference
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.run.writes import WriteFailed
@@ -155,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # too short to measure a perplexity on
             raise UserError(f"--eval-text {args.eval_text}: {exc}; give a longer text") from None
         source_ppl = perplexity(model, blocks)
+        reference = source_reference(model, tokenizer, *run_prompts(source.path, source.run_dir))
         facts = {"source": source.describe(), "step": source.facts.get("step", "n/a"),
                  "eval_loss": _fmt(source.facts.get("eval_loss"))}
 
@@ -169,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 hf_folder = write_model_folder(model, tokenizer, work / "model", {}, {}, card="", writer="export")
                 if args.format == "gguf":
-                    from toolkit.export.gguf import write_gguf, write_modelfile
+                    from toolkit.export.gguf import write_gguf
+                    from toolkit.export.modelfile import write_modelfile
 
                     write_gguf(hf_folder, staged, args.quant, notes)
                     write_modelfile(staged, hf_folder)
@@ -182,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
                     notes += quant_notes
                     exported = _load_hf(staged)
 
+            # the export stops where the source stops, or it is not put in place (toolkit.export.stops)
+            gguf = args.format == "gguf"
+            stops = check_stops(reference, exported, f"the export ({output.name})", staged if gguf else None,
+                                destination.modelfile_path(staged) if gguf else None, lossy=not (args.format == "hf" and args.dtype == "fp32" or gguf and args.quant == "f32"))
+            if stops.problems:
+                raise UserError(f"the export would not stop where its source does: {stops.problems[0]}"
+                                + (f" (and {len(stops.problems) - 1} more)" if len(stops.problems) > 1 else "")
+                                + "; nothing was written: export from a folder whose tokenizer holds the run's chat "
+                                "template (a run's final/ or adapter/), or report it as a bug of the exporter")
             # what the notes say of the staged copy is true of the output once it is moved into place
             notes = [note.replace(str(staged), str(output)) for note in notes]
             report = ExportReport(
@@ -190,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 export_ppl=perplexity(exported, blocks), tokens_per_s=tokens_per_second(exported, tokenizer), notes=notes,
                 text=f"--eval-text {args.eval_text}" if args.eval_text else "the CPython docs' held-out documents",
                 trained_ppl=source.facts.get("eval_ppl") if isinstance(source.facts.get("eval_ppl"), float) else None,
+                stops=stops.markdown().replace(str(staged), str(output)),
             )
             destination.report_path(staged, args.format).write_text(report.markdown())
             destination.mark(staged, args.format)

@@ -79,6 +79,7 @@ class ExportReport:
     notes: list[str]
     text: str = "the CPython docs' held-out documents"  # what the perplexities were measured on
     trained_ppl: float | None = None  # the run's own held-out perplexity at its last evaluation, if it had one
+    stops: str = ""  # toolkit.export.stops' section: the export stops where the source stops
 
     def speed_by(self) -> str:
         """What generated: a GGUF is measured through transformers, on its weights dequantised."""
@@ -110,6 +111,8 @@ class ExportReport:
             + (", which are not the run's own held-out blocks (another text, another count)" if self.trained_ppl
                is not None else "") + "; speed: greedy, one sequence, this machine.",
         ]
+        if self.stops:
+            lines += ["", self.stops.rstrip("\n")]
         if self.notes:
             lines += ["", "## Notes", "", *[f"- {n}" for n in self.notes]]
         return "\n".join(lines) + "\n"
