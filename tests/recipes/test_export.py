@@ -433,6 +433,24 @@ def test_gguf_of_an_architecture_the_writer_does_not_support(export, capsys, tmp
     assert not (tmp_path / "g.gguf").exists() and not list(tmp_path.glob("export-*"))
 
 
+def test_a_modelfile_that_would_stop_elsewhere_fails_the_export(export, capsys, tiny_base, tmp_path, monkeypatch):
+    from toolkit.export import modelfile
+
+    written = modelfile.write_modelfile
+
+    def wrong_stop(gguf_file, folder):
+        path = written(gguf_file, folder)
+        path.write_text(path.read_text().replace('PARAMETER stop "<|endoftext|>"', 'PARAMETER stop "</s>"'))
+        return path
+
+    monkeypatch.setattr(modelfile, "write_modelfile", wrong_stop)
+    out = tmp_path / "tiny.gguf"
+    err = error_line(export, capsys, "--from", str(tiny_base), "--format", "gguf", "--output", str(out))
+    assert err.startswith('error: the export would not stop where its source does: tiny.Modelfile lacks PARAMETER '
+                          'stop "<|endoftext|>", where the source stops; nothing was written'), err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_weight_only_export_loads_and_generates(scheme, export, tiny_base, tmp_path, capsys):
     installed.module("torchao", "quant")
@@ -458,5 +476,8 @@ def test_hf_export_shards_above_the_size_limit(export, tiny_base, tmp_path, caps
     code = export.main(["--from", str(tiny_base), "--format", "hf", "--max-shard-size", "100KB", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    report = (out / "export_report.md").read_text()  # the stops: on the run's own prompts, the same tokens
+    assert "## Stops" in report and f"samples.prompts of the run ({tiny_base / 'README.md'})" in report, report
+    assert "| The for statement | 32 tokens, no stop within 32 | same tokens up to the same stop |" in report, report
     torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out)),
                                logits(AutoModelForCausalLM.from_pretrained(tiny_base)), atol=0, rtol=0)

@@ -281,6 +281,29 @@ def test_modelfile_for_chatml_and_for_no_template(tiny, tmp_path, tiny_model, ti
     assert 'PARAMETER stop "<|endoftext|>"' in text and "im_end" not in text
 
 
+def test_a_llama3_template_gives_the_gguf_its_eot_id_and_the_modelfile_its_template(tmp_path, tiny_model, chat_tokenizer):
+    """Not only ChatML: the GGUF holds the template and the end-of-turn id beside the EOS, and the Modelfile's
+    TEMPLATE and stops come from the same template (tests/toolkit/export/test_modelfile.py: any template)."""
+    import copy
+
+    from test_modelfile import LLAMA3
+
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    folder = _save(tiny_model("llama", tokenizer=tokenizer), tokenizer, tmp_path / "llama3", LLAMA3)
+    reader = gguf.GGUFReader(write_gguf(folder, tmp_path / "llama3.gguf", "f16"))
+    assert _field(reader, gguf.Keys.Tokenizer.CHAT_TEMPLATE) == LLAMA3
+    assert _field(reader, gguf.Keys.Tokenizer.EOS_ID) == tokenizer.eos_token_id
+    assert _field(reader, gguf.Keys.Tokenizer.EOT_ID) == tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    text = write_modelfile(tmp_path / "llama3.gguf", folder).read_text()
+    assert "<|start_header_id|>assistant<|end_header_id|>\n\n{{ .Response }}<|eot_id|>\"\"\"" in text
+    assert 'PARAMETER stop "<|eot_id|>"\nPARAMETER stop "<|endoftext|>"' in text
+    # ChatML whose <|im_end|> is a token other than the EOS: that is the EOT id
+    reader = gguf.GGUFReader(write_gguf(_save(tiny_model("llama", tokenizer=chat_tokenizer), chat_tokenizer,
+                                              tmp_path / "chatml"), tmp_path / "c.gguf"))
+    assert _field(reader, gguf.Keys.Tokenizer.EOT_ID) == chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 
@@ -392,6 +415,8 @@ def test_smollm2_f16_holds_its_tokenizer_and_tied_weights(smollm2, smollm2_f16):
     assert _field(reader, gguf.Keys.Tokenizer.BOS_ID) == tokenizer.bos_token_id == 1
     assert _field(reader, gguf.Keys.Tokenizer.UNK_ID) == tokenizer.unk_token_id == 0
     assert _field(reader, gguf.Keys.Tokenizer.CHAT_TEMPLATE) == tokenizer.chat_template
+    assert _field(reader, gguf.Keys.Tokenizer.EOS_ID) == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert gguf.Keys.Tokenizer.EOT_ID not in reader.fields  # the EOS ends a turn: no second id
     assert len(_field(reader, gguf.Keys.Tokenizer.MERGES)) == 48900
     pairs = _hf_tensors(model, reader, model.config)
     assert "output.weight" not in pairs and len(pairs) == 1 + 9 * 30 + 1  # tied: token_embd is the output
