@@ -17,7 +17,7 @@ import pytest
 import torch
 import wrong_arguments
 from recipe_runner import FT_TINY, assert_generates_with_the_cache, recipe_module, run_recipe
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.export.consolidate import load_model, resolve_source
 
@@ -105,6 +105,8 @@ def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, d
     base.resize_token_embeddings(len(tokenizer))
     alone = PeftModel.from_pretrained(base, out / "adapter")
     torch.testing.assert_close(logits(alone), logits(final), atol=1e-4, rtol=0)
+    for saved in ("final", "adapter"):  # the template the run trained with, which every export then carries
+        assert AutoTokenizer.from_pretrained(out / saved).chat_template == chatml_file.read_text(), saved
     source = resolve_source(out, "step-2")
     with warnings.catch_warnings(record=True) as said:  # no library noise (peft's "base was renamed")
         warnings.simplefilter("always")
