@@ -31,10 +31,11 @@ from pathlib import Path
 
 from toolkit import quiet_weight_bars
 from toolkit.config.errors import UserError
+from toolkit.data.template_check import stop_ids
 from toolkit.data.text_files import read_utf8
 from toolkit.export import destination
 from toolkit.export.consolidate import load_model, resolve_source, source_tokenizer
-from toolkit.export.conversation import Conversation, LlamaCppChat, TransformersChat, check_template, stop_ids
+from toolkit.export.conversation import Conversation, LlamaCppChat, TransformersChat, check_template
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
 

@@ -55,7 +55,6 @@ def test_checkpoint_consolidates_to_the_model_it_saved(strategy, runs):
 
 
 def source_tokenizer(run):
-    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(run / "final")
 
@@ -84,7 +83,6 @@ def test_lora_run_checkpoint_merges_to_its_final_model(tiny_base, chatml_file, d
     """A ChatML fine-tune of a base whose tokenizer lacks ChatML's markers (model.new_tokens=[template]): its checkpoint
     and its adapter merge to final/, the adapter loads by peft alone, and the GGUF carries the tokens."""
     from peft import PeftModel
-    from transformers import AutoTokenizer
 
     out = tmp_path / "lora"
     said = run_recipe("finetune", [*FT_TINY, f"model.path={tiny_base}", "data.format=chat",

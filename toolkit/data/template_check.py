@@ -72,6 +72,14 @@ def end_of_turn(tokenizer, template: str) -> int | None:
     return ids[-1] if ids and ids[-1] in special and ids[-1] != tokenizer.bos_token_id else None
 
 
+def stop_ids(tokenizer, template: str | None, generation_eos: int | list[int] | None = None) -> list[int]:
+    """Every token an answer stops at, each once: the tokenizer's EOS, the model's generation EOS ids, and the
+    template's end-of-turn token (what check (a) lets an answer's targets end with, so what training trains)."""
+    extra = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    ids = [tokenizer.eos_token_id, *extra, end_of_turn(tokenizer, template) if template else None]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
 def check_template(tokenizer, chat_template: str | None = None, append_stop: bool = False,
                    stops: Collection[int] = ()) -> list[str]:
     """Refuses, in one line, a template that fails (a), (b) or (c) (module docstring); else lines for the log."""

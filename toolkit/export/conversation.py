@@ -14,8 +14,6 @@ import jinja2
 import torch
 
 from toolkit.config.errors import UserError, first_line
-from toolkit.data.chat import render_conversation
-from toolkit.data.packing import IGNORE_INDEX
 
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
@@ -43,26 +41,6 @@ def check_template(tokenizer, template: str, where: str, system: str | None = No
         said = "refuses a plain user turn"
     raise UserError(f"the chat template of {where} {said} ({first_line(exc)}); give --chat-template FILE with a Jinja "
                     "template that renders user and assistant turns")
-
-
-def end_of_turn(tokenizer, template: str) -> int | None:
-    """The token the template ends an assistant turn with, as training labels it (toolkit.data.chat: the first
-    special token after the answer); None where the turn ends with no special token."""
-    try:
-        ids, labels = render_conversation(tokenizer, PROBE, template)
-    except UserError:  # a template whose turns cannot be located: only the EOS stops
-        return None
-    trained = [label for label in labels if label != IGNORE_INDEX]
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    return trained[-1] if trained and trained[-1] in special else None
-
-
-def stop_ids(tokenizer, template: str, generation_eos: int | list[int] | None = None) -> list[int]:
-    """Every token an answer stops at: the tokenizer's EOS, the model's generation EOS ids, the template's end of
-    turn; in that order, each once."""
-    extra = generation_eos if isinstance(generation_eos, list) else [generation_eos]
-    ids = [tokenizer.eos_token_id, *extra, end_of_turn(tokenizer, template)]
-    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 @dataclass

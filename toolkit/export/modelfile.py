@@ -129,16 +129,6 @@ def stop_strings(tokenizer, shape: TurnShape | None) -> list[str]:
     return stops + [tokenizer.eos_token] if tokenizer.eos_token and tokenizer.eos_token not in stops else stops
 
 
-def stop_ids(tokenizer, shape: TurnShape | None) -> list[int]:
-    """The token ids generation stops at: the EOS, and the end-of-turn token where it is one token."""
-    ids = []
-    for text in stop_strings(tokenizer, shape):
-        encoded = tokenizer(text, add_special_tokens=False).input_ids
-        if len(encoded) == 1 and encoded[0] not in ids:
-            ids.append(encoded[0])
-    return ids
-
-
 def fill(go_template: str, system: str, prompt: str) -> str:
     """The prompt Ollama renders from `go_template` (the part before `.Response`), by plain substitution."""
     text = go_template.split("{{ .Response }}")[0]

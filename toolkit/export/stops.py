@@ -18,15 +18,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from toolkit.export.modelfile import (
-    fill,
-    read_modelfile,
-    render,
-    stop_ids,
-    stop_strings,
-    template_text,
-    turn_shape,
-)
+from toolkit.data.template_check import stop_ids
+from toolkit.export.modelfile import fill, read_modelfile, render, stop_strings, template_text, turn_shape
 
 NEW_TOKENS = 32  # per prompt and model: enough to reach a short answer's stop, seconds on a CPU
 DEFAULT_PROMPTS = ["What is the capital of France?", "Write one sentence about the sea."]
@@ -191,7 +184,7 @@ class Reference:
 
 def source_reference(model, tokenizer, prompts: list[str], prompts_from: str) -> Reference:
     template = template_text(tokenizer)
-    stops = stop_ids(tokenizer, turn_shape(tokenizer, template) if template else None)
+    stops = stop_ids(tokenizer, template)
     ids = [prompt_ids(tokenizer, p, template) for p in prompts]
     return Reference(tokenizer, prompts, prompts_from, ids, stops, [greedy(model, i, stops) for i in ids])
 

@@ -8,11 +8,12 @@ import copy
 from pathlib import Path
 
 import pytest
+from recipe_runner import CHATML
 
 from toolkit.config.errors import UserError
 from toolkit.data.chat import render_conversation
 from toolkit.data.packing import IGNORE_INDEX
-from toolkit.data.template_check import TURNS, check_template
+from toolkit.data.template_check import TURNS, check_template, end_of_turn, stop_ids
 
 BASES = Path(__file__).resolve().parents[3] / "recipes" / "configs" / "bases"
 
@@ -132,3 +133,18 @@ def test_a_system_message_rendered_only_in_the_prompt_is_said_not_refused(smol):
     """Training never sees it (records carrying one are refused as they are read); the template itself is sound."""
     notes = check_template(smol, MISTRAL_STYLE)
     assert len(notes) == 1 and "renders a system message only in the prompt, not where training sees it" in notes[0]
+
+
+NEWLINE_ENDS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+NEXT_ROLE_ENDS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_the_stops_are_the_eos_and_the_end_of_turn_that_training_labels(chat_tokenizer):
+    eos, im_end = chat_tokenizer.eos_token_id, chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn(chat_tokenizer, CHATML) == im_end
+    assert stop_ids(chat_tokenizer, CHATML) == [eos, im_end]
+    assert stop_ids(chat_tokenizer, CHATML, [eos, 7]) == [eos, 7, im_end]  # the model's generation EOS ids too
+    for template in (NEWLINE_ENDS, NEXT_ROLE_ENDS):  # no special token ends the turn: the EOS alone
+        assert end_of_turn(chat_tokenizer, template) is None and stop_ids(chat_tokenizer, template) == [eos]

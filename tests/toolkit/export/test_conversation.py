@@ -8,24 +8,10 @@ import pytest
 from recipe_runner import CHATML
 
 from toolkit.config.errors import UserError
-from toolkit.export.conversation import Conversation, check_template, end_of_turn, stop_ids
+from toolkit.export.conversation import Conversation, check_template
+
 
 # ChatML whose turns end with a newline alone, and a GLM-style one whose turn ends where the next role's marker begins
-NEWLINE_ENDS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-NEXT_ROLE_ENDS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% endfor %}"
-                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def test_the_stops_are_the_eos_and_the_end_of_turn_that_training_labels(chat_tokenizer):
-    eos, im_end = chat_tokenizer.eos_token_id, chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert end_of_turn(chat_tokenizer, CHATML) == im_end
-    assert stop_ids(chat_tokenizer, CHATML) == [eos, im_end]
-    assert stop_ids(chat_tokenizer, CHATML, [eos, 7]) == [eos, 7, im_end]  # the model's generation EOS ids too
-    for template in (NEWLINE_ENDS, NEXT_ROLE_ENDS):  # no special token ends the turn: the EOS alone
-        assert end_of_turn(chat_tokenizer, template) is None and stop_ids(chat_tokenizer, template) == [eos]
-
-
 def test_the_history_is_rendered_whole_and_loses_its_oldest_exchange_first(chat_tokenizer):
     talk = Conversation(chat_tokenizer, CHATML, system="Be brief.")
     for k in range(3):

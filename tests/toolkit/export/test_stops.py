@@ -52,7 +52,7 @@ def test_an_hf_export_stops_where_its_source_stops(chat_model):
     assert "| prompt | the source | the export, transformers |" in table and "Where is Paris?" in table
     # the prompt was the user turn of the template, and generation stops at its end of turn
     assert ref.ids[0][:1] == tokenizer.convert_tokens_to_ids(["<|im_start|>"])
-    assert ref.stops == tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert ref.stops == tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])  # the EOS, the end of turn
 
 
 def test_generation_ends_at_the_first_stop_and_a_difference_is_located(chat_model):
