@@ -181,6 +181,16 @@ def tiny_model():
     return build_tiny_model
 
 
+@pytest.fixture(scope="session")
+def model_folder(tmp_path_factory, tiny_model, tiny_tokenizer) -> Path:
+    """A small Hugging Face folder (a tiny LLaMA and the tiny BPE, no chat template): what a command's refusals and
+    reads need, without a training run. Read only."""
+    folder = tmp_path_factory.mktemp("model-folder") / "model"
+    tiny_model(tokenizer=tiny_tokenizer).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
 # --- runs of the recipes, shared by the tests that read them (tests/recipes, and the sharding tests) ---
 
 

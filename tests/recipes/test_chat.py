@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import wrong_arguments
-from recipe_runner import recipe_module
+from recipe_runner import recipe_module, saved_lora
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -124,16 +124,10 @@ def test_a_piped_session_keeps_the_history_until_reset(chat, capsys, folders, mo
 
 
 def test_a_lora_adapter_on_its_base(chat, capsys, folders, tmp_path):
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
 
     base = folders["random"]
-    torch.manual_seed(0)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero; a trained adapter does not
-            torch.nn.init.normal_(p, std=0.5)
-    peft_model.save_pretrained(tmp_path / "adapter")  # no tokenizer: the base's
+    saved_lora(base, tmp_path / "adapter", std=0.5)
     code, out, err = run(chat, capsys, "--from", tmp_path / "adapter", "--base", base, "--prompt", "x = [",
                          "--max-new-tokens", 10)
     assert code == 0, err
@@ -220,17 +214,8 @@ BAD = {
 }
 
 
-@pytest.fixture(scope="module")
-def plain_folder(tmp_path_factory, tiny_model, tiny_tokenizer):
-    """A model folder whose tokenizer has no chat template."""
-    folder = tmp_path_factory.mktemp("plain") / "model"
-    tiny_model(tokenizer=tiny_tokenizer).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize("case", BAD)
-def test_bad_input_is_one_line_before_any_weight_loads(case, chat, capsys, tmp_path, folders, plain_folder, monkeypatch):
+def test_bad_input_is_one_line_before_any_weight_loads(case, chat, capsys, tmp_path, folders, model_folder, monkeypatch):
     (tmp_path / "notes.txt").write_text("hello\n")
     (tmp_path / "fake.gguf").write_text("not a model\n")
     (tmp_path / "real.gguf").write_bytes(b"GGUF" + bytes(20))
@@ -242,7 +227,7 @@ def test_bad_input_is_one_line_before_any_weight_loads(case, chat, capsys, tmp_p
                                              "{{ m['content'] }}{% endfor %}")
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", None)  # any weight loaded fails the test
     argv, expected = BAD[case]
-    fill = {"tmp": str(tmp_path), "model": str(folders["random"]), "plain": str(plain_folder)}
+    fill = {"tmp": str(tmp_path), "model": str(folders["random"]), "plain": str(model_folder)}
     code, out, err = run(chat, capsys, *(a.format(**fill) for a in argv))
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and not out, err

@@ -59,15 +59,6 @@ def domain(tasks, tmp_path_factory, data_cache) -> tuple[Path, Path]:
     return run, base
 
 
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory, tiny_model, tiny_tokenizer) -> Path:
-    """A small Hugging Face folder, so that the refusals need no training run."""
-    folder = tmp_path_factory.mktemp("evaluate-flags") / "model"
-    tiny_model(tokenizer=tiny_tokenizer).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
-
-
 def scored(evaluate, source: Path, tasks: Path, out: Path, *more: str) -> dict:
     assert evaluate(["--from", str(source), "--tasks", TASKS, "--include-path", str(tasks), "--output", str(out),
                      *more]) == 0

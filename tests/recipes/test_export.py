@@ -16,7 +16,7 @@ import installed
 import pytest
 import torch
 import wrong_arguments
-from recipe_runner import FT_TINY, assert_generates_with_the_cache, recipe_module, run_recipe
+from recipe_runner import FT_TINY, assert_generates_with_the_cache, recipe_module, run_recipe, saved_lora
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.export.consolidate import load_model, resolve_source
@@ -149,15 +149,9 @@ def tree(root: Path) -> dict[str, bytes | None]:
 
 
 def test_lora_adapter_merge_equals_base_plus_adapter(tiny_base, tmp_path, export, capsys):
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
 
-    torch.manual_seed(0)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero; a trained adapter does not
-            torch.nn.init.normal_(p, std=0.05)
-    peft_model.save_pretrained(tmp_path / "adapter")
+    saved_lora(tiny_base, tmp_path / "adapter", std=0.05)
     expected = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), tmp_path / "adapter"))
     out = tmp_path / "merged"
     code = export.main(["--from", str(tmp_path / "adapter"), "--base", str(tiny_base), "--merge-lora", "--format", "hf",
@@ -203,15 +197,6 @@ def test_bad_input_is_one_line(export, capsys, tmp_path, tiny_base):
     (tmp_path / "model.Modelfile").write_text("FROM ./model.gguf\n")  # from an export whose .gguf was moved
     assert "model.Modelfile is in the way and was not written by an export" in error_line(
         export, capsys, "--from", str(tiny_base), "--format", "gguf", "--output", str(tmp_path / "model.gguf"))
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory, tiny_model, tiny_tokenizer):
-    """A small Hugging Face folder, so that these refusals need no pretraining run."""
-    folder = tmp_path_factory.mktemp("export-flags") / "model"
-    tiny_model(tokenizer=tiny_tokenizer).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
 
 
 # every wrong flag: argv after --from MODEL (or the whole argv when it starts with no --from), and the line

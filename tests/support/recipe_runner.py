@@ -160,3 +160,20 @@ def assert_generates_with_the_cache(folder: Path) -> None:
     assert config.get("use_cache") is True, f"{folder}/config.json: use_cache={config.get('use_cache')!r}"
     generation = json.loads((Path(folder) / "generation_config.json").read_text())
     assert generation.get("use_cache", True) is True, f"{folder}/generation_config.json: {generation}"
+
+
+def saved_lora(base: Path, folder: Path, std: float) -> Path:
+    """A LoRA adapter of `base` on q_proj and v_proj, saved in `folder` (no tokenizer: the base's); its B drawn with
+    `std` rather than peft's zeros, as a trained adapter's, so that it changes what the model says."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=std)
+    peft_model.save_pretrained(folder)
+    return folder
