@@ -26,8 +26,10 @@ DEFAULT_PROMPTS = ["What is the capital of France?", "Write one sentence about t
 TRAINING_CONFIG = "## Training config\n```yaml\n"  # where final/'s card holds the run's config (toolkit.export.hf_folder)
 
 
-def run_prompts(source_path: Path, run_dir: Path | None = None) -> tuple[list[str], str]:
-    """(prompts, where they come from): the run's samples.prompts, read from its final/ card, else DEFAULT_PROMPTS."""
+def run_prompts(source_path: Path, run_dir: Path | None = None) -> tuple[list[str], str, bool]:
+    """(prompts, where they come from, whether they are chat turns): the run's samples.prompts, read from its final/
+    card, chat turns where it trained on chat or preference data and text to go on from otherwise, as its samples.md
+    was made; else DEFAULT_PROMPTS, as chat turns."""
     folders = [source_path, run_dir and run_dir / "final", source_path.parent / "final"]
     for folder in [f for f in folders if f is not None]:
         card = folder / "README.md"
@@ -36,10 +38,13 @@ def run_prompts(source_path: Path, run_dir: Path | None = None) -> tuple[list[st
             config = yaml.safe_load(text.split(TRAINING_CONFIG, 1)[1].split("```", 1)[0]) if TRAINING_CONFIG in text else None
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue
-        prompts = ((config or {}).get("samples") or {}).get("prompts") if isinstance(config, dict) else None
+        if not isinstance(config, dict):
+            continue
+        prompts = (config.get("samples") or {}).get("prompts")
         if isinstance(prompts, list) and prompts and all(isinstance(p, str) and p.strip() for p in prompts):
-            return prompts, f"samples.prompts of the run ({card})"
-    return DEFAULT_PROMPTS, "default prompts (no run config with samples.prompts found)"
+            chat = (config.get("data") or {}).get("format") in ("chat", "preference")
+            return prompts, f"samples.prompts of the run ({card}){'' if chat else ', as text to go on from'}", chat
+    return DEFAULT_PROMPTS, "default prompts (no run config with samples.prompts found)", True
 
 
 def gguf_runtime() -> str | None:
@@ -182,10 +187,10 @@ class Reference:
     tokens: list[list[int]]
 
 
-def source_reference(model, tokenizer, prompts: list[str], prompts_from: str) -> Reference:
+def source_reference(model, tokenizer, prompts: list[str], prompts_from: str, chat: bool = True) -> Reference:
     template = template_text(tokenizer)
     stops = stop_ids(tokenizer, template)
-    ids = [prompt_ids(tokenizer, p, template) for p in prompts]
+    ids = [prompt_ids(tokenizer, p, template if chat else None) for p in prompts]
     return Reference(tokenizer, prompts, prompts_from, ids, stops, [greedy(model, i, stops) for i in ids])
 
 

@@ -53,6 +53,8 @@ def test_an_hf_export_stops_where_its_source_stops(chat_model):
     # the prompt was the user turn of the template, and generation stops at its end of turn
     assert ref.ids[0][:1] == tokenizer.convert_tokens_to_ids(["<|im_start|>"])
     assert ref.stops == tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])  # the EOS, the end of turn
+    text = source_reference(model, tokenizer, PROMPTS, "a text run's prompts", chat=False)  # as its samples.md's
+    assert text.ids == [tokenizer(p).input_ids for p in PROMPTS] and text.stops == ref.stops
 
 
 def test_generation_ends_at_the_first_stop_and_a_difference_is_located(chat_model):
@@ -71,12 +73,18 @@ def test_generation_ends_at_the_first_stop_and_a_difference_is_located(chat_mode
 def test_the_prompts_are_the_runs_own(tmp_path):
     final = tmp_path / "run" / "final"
     final.mkdir(parents=True)
-    assert run_prompts(final) == (DEFAULT_PROMPTS, "default prompts (no run config with samples.prompts found)")
-    config = yaml.safe_dump({"samples": {"prompts": ["Hello?", "Bye?"]}})
+    assert run_prompts(final) == (DEFAULT_PROMPTS, "default prompts (no run config with samples.prompts found)", True)
+    config = yaml.safe_dump({"samples": {"prompts": ["Hello?", "Bye?"]}, "data": {"format": "chat"}})
     (final / "README.md").write_text(f"# card\n\n{TRAINING_CONFIG}{config}```\n")
-    assert run_prompts(final)[0] == ["Hello?", "Bye?"]
+    assert run_prompts(final)[::2] == (["Hello?", "Bye?"], True)
     (tmp_path / "run" / "adapter").mkdir()  # a LoRA run's adapter/ finds them in its final/
-    assert run_prompts(tmp_path / "run" / "adapter")[0] == ["Hello?", "Bye?"]
+    assert run_prompts(tmp_path / "run" / "adapter")[::2] == (["Hello?", "Bye?"], True)
+    # a run on text (continued pretraining, or pretraining, whose config has no data.format): text to go on from, as
+    # its samples.md was made
+    config = yaml.safe_dump({"samples": {"prompts": ["def f("]}, "data": {"path": None}})
+    (final / "README.md").write_text(f"# card\n\n{TRAINING_CONFIG}{config}```\n")
+    prompts, said, chat = run_prompts(final)
+    assert (prompts, chat) == (["def f("], False) and said.endswith("as text to go on from")
 
 
 def test_the_gguf_and_modelfile_stop_as_the_source(chat_model, exported_gguf):
