@@ -45,8 +45,10 @@ FT_TINY = [
 MOE = ["model.model_type=qwen3_moe", "model.config.num_experts=4", "model.config.num_experts_per_tok=2",
        "model.config.moe_intermediate_size=64", "model.config.decoder_sparse_step=1",
        "model.config.router_aux_loss_coef=0.05"]
+# ChatML's layout with the tiny BPE's EOS ending each turn: that tokenizer has no <|im_end|>, and a template whose
+# answers end with no stop token is refused before the model loads (toolkit.data.template_check)
 CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
