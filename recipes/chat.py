@@ -17,8 +17,8 @@ and every note to stderr; without it, each line on stdin is a user turn (a pipe 
 Errors (one line, exit code 2, before any weight loads): a --from that does not exist or is not a model (a text
 file, an empty folder, a run with neither final/ nor a checkpoint, a damaged source: export's checks), a .gguf that is
 not GGUF, a tokenizer without a chat template, a template that does not parse, a --chat-template that is no file, an
-empty --prompt or --system, a --max-new-tokens that is not a positive integer, a --temperature below 0; argparse's
-own refusals too. Ctrl-C ends the chat quietly (exit code 130).
+empty --prompt or --system, a closed stdin without --prompt, a --max-new-tokens that is not a positive integer, a
+--temperature below 0; argparse's own refusals too. Ctrl-C ends the chat quietly (exit code 130).
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         said = "is a folder" if Path(args.chat_template).is_dir() else "does not exist"
         raise UserError(f"--chat-template {args.chat_template} {said}; give a Jinja template file")
     destination.check_base(args.base)
+    if args.prompt is None and sys.stdin is None:  # `<&-`: no stream to read turns from (input() would raise after the load)
+        raise UserError("stdin is closed, and without --prompt each line on stdin is a user turn; give --prompt TEXT, "
+                        "or run it with a terminal or a pipe on stdin")
     return args
 
 

@@ -234,6 +234,16 @@ def test_bad_input_is_one_line_before_any_weight_loads(case, chat, capsys, tmp_p
     assert lines[0].startswith("error: " + expected.format(**fill)), lines[0]
 
 
+def test_a_closed_stdin_without_prompt_is_one_line_before_any_weight_loads(chat, capsys, folders, monkeypatch):
+    """`llm-toolkit chat --from RUN <&-`: sys.stdin is None, which the turns' loop would trip on after the load."""
+    monkeypatch.setattr(sys, "stdin", None)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", None)  # any weight loaded fails the test
+    code, out, err = run(chat, capsys, "--from", folders["random"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and not out, err
+    assert lines[0].startswith("error: stdin is closed, and without --prompt"), lines[0]
+
+
 # every option of chat.py by kind (tests/support/wrong_arguments.py lists each kind's wrong values)
 KINDS = {"--from": "folder", "--checkpoint": "name", "--base": "folder", "--chat-template": "file", "--system": "text",
          "--prompt": "text", "--max-new-tokens": "count", "--temperature": "amount or zero", "--show-prompt": "switch",
