@@ -18,7 +18,7 @@ from collections.abc import Collection
 
 import jinja2
 
-from toolkit.config.errors import UserError
+from toolkit.config.errors import UserError, first_line
 from toolkit.data.chat import chat_template_for, render_conversation
 from toolkit.data.packing import IGNORE_INDEX
 
@@ -42,11 +42,26 @@ def which_template(chat_template: str | None) -> str:
 
 def _render(tokenizer, template: str, messages: list[dict], generation_prompt: bool = False) -> str | None:
     """The text, or None where the template refuses the conversation (raise_exception, say)."""
+    return _try_render(tokenizer, template, messages, generation_prompt)[0]
+
+
+def _try_render(tokenizer, template: str, messages: list[dict],
+                generation_prompt: bool = False) -> tuple[str | None, Exception | None]:
+    """(the text, None), or (None, what the template raised)."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                             chat_template=template)
-    except (jinja2.TemplateError, TypeError, ValueError):
-        return None
+                                             chat_template=template), None
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        return None, exc
+
+
+def _unrendered(named: str, exc: Exception | None) -> UserError:
+    """The line for a template that renders no plain user/assistant conversation: it does not parse, or it raises."""
+    if isinstance(exc, jinja2.TemplateSyntaxError):
+        return UserError(f"{named} does not parse ({first_line(exc)}, line {exc.lineno} of the template); fix its "
+                         "Jinja, or give a data.chat_template that renders user and assistant turns")
+    return UserError(f"{named} refuses a plain user/assistant conversation ({first_line(exc)}); give a "
+                     "data.chat_template that renders user and assistant turns")
 
 
 def _prefix_problem(tokenizer, template: str, messages: list[dict]) -> str | None:
@@ -89,9 +104,9 @@ def check_template(tokenizer, chat_template: str | None = None, append_stop: boo
     messages = with_system
     if _render(tokenizer, template, with_system) is None:  # no system role: records carrying one are refused
         messages = TURNS
-        if _render(tokenizer, template, TURNS) is None:
-            raise UserError(f"{named} refuses a plain user/assistant conversation (raise_exception); give a "
-                            "data.chat_template that renders user and assistant turns")
+        text, exc = _try_render(tokenizer, template, TURNS)
+        if text is None:
+            raise _unrendered(named, exc)
     else:
         full = _render(tokenizer, template, with_system)
         prompt = _render(tokenizer, template, with_system[:2], generation_prompt=True) or ""

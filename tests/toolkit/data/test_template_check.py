@@ -111,6 +111,20 @@ def test_a_generation_prompt_that_is_not_a_prefix_is_refused(smol):
         check_template(smol, NOT_A_PREFIX)
 
 
+@pytest.mark.parametrize("template, said", [
+    ("{% for m in messages %}{{ m['content'] }", r"does not parse \(unexpected '}', line 1 of the template\); fix its "
+                                                 "Jinja"),
+    ("{{ raise_exception('no turns here') }}", r"refuses a plain user/assistant conversation \(no turns here\)"),
+    ("{{ undefined_filter() }}", r"refuses a plain user/assistant conversation \('undefined_filter' is undefined\)"),
+])
+def test_a_template_that_renders_no_conversation_says_why(smol, tmp_path, template, said):
+    """A syntax error is not a raise_exception: the line names what the template said, and where."""
+    path = tmp_path / "bad.jinja"
+    path.write_text(template)
+    with pytest.raises(UserError, match=rf"^data.chat_template={path} {said}"):
+        check_template(smol, str(path))
+
+
 def test_a_template_file_is_named_by_its_path(smol, tmp_path):
     path = tmp_path / "glm.jinja"
     path.write_text(GLM_STYLE)
