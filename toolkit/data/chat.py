@@ -83,7 +83,8 @@ class ChatDataConfig:
         if self.chat_template and _looks_like_file(self.chat_template) and not _is_file(self.chat_template):
             shown = (self.chat_template if len(self.chat_template) <= 240 else  # the end names the file
                      f"{self.chat_template[:60]}...{self.chat_template[-60:]}")
-            problems.append(f"chat_template={shown} does not exist; give a .jinja file or the template text")
+            said = "is a folder" if Path(self.chat_template).is_dir() else "does not exist"
+            problems.append(f"chat_template={shown} {said}; give a .jinja file or the template text")
         elif self.chat_template and not _looks_like_file(self.chat_template) and not _is_jinja(self.chat_template):
             problems.append(f"chat_template={self.chat_template[:40]!r} is neither a file nor a template (it has no "
                             "{{ }} or {% %}): every conversation would render as this text; give a Jinja template")

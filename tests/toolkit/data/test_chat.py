@@ -186,6 +186,8 @@ def test_template_from_file(tmp_path, tiny_tokenizer):
     assert (cfg.overlong, cfg.seq_len) == ("drop", 64)
     with pytest.raises(ConfigError, match="chat_template=.*missing.jinja does not exist"):
         load_config(ChatDataConfig, None, [f"chat_template={tmp_path / 'missing.jinja'}"])
+    with pytest.raises(ConfigError, match=f"chat_template={tmp_path} is a folder; give a .jinja file"):
+        load_config(ChatDataConfig, None, [f"chat_template={tmp_path}"])
     latin1 = tmp_path / "latin1.jinja"
     latin1.write_bytes("{# résumé #}".encode("latin-1") + LLAMA3_TEMPLATE.encode())
     with pytest.raises(UserError, match=r"chat_template=.*latin1.jinja is not UTF-8 text \(byte 0xe9 at offset 4"):
