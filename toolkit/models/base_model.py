@@ -145,6 +145,9 @@ def base_tokenizer(cfg: BaseModelConfig, chat_template: str | None = None):
     except (OSError, ValueError, KeyError, struct.error) as exc:
         if extra.get("local_files_only"):
             raise UserError(offline_hint("model.path", cfg.path)) from None
+        if "gguf_file" in extra:  # no folder to save a tokenizer into: the file itself is cut short or damaged
+            raise UserError(f"{source}: its tokenizer could not be read by transformers ({first_line(exc)}); the file "
+                            "is cut short or damaged: download or export it again") from None
         raise UserError(f"{source} has no usable tokenizer ({first_line(exc)}); save one into that folder") from None
     add_new_tokens(tokenizer, cfg.new_tokens, chat_template, source)
     if tokenizer.eos_token_id is None:

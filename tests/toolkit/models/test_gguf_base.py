@@ -132,7 +132,7 @@ def test_file_that_is_not_gguf(tmp_path):
 def test_a_gguf_cut_short_is_one_line(tmp_path, smollm2_gguf_path, kept):
     """A download or copy that stopped early: the fine-tune's load and plan.py's config read each say so in one
     line (cut in the header, transformers' reader raised struct.error, a traceback before)."""
-    from toolkit.models.base_model import base_config
+    from toolkit.models.base_model import base_config, base_tokenizer
 
     cut = tmp_path / "cut.gguf"
     with open(smollm2_gguf_path, "rb") as f:
@@ -144,6 +144,10 @@ def test_a_gguf_cut_short_is_one_line(tmp_path, smollm2_gguf_path, kept):
     with pytest.raises(UserError, match="its config could not be read by transformers") as exc:
         base_config(cfg)
     _one_line_error(exc)
+    with pytest.raises(UserError, match="its tokenizer could not be read by transformers .*; the file is cut short "
+                                        "or damaged: download or export it again") as exc:
+        base_tokenizer(cfg)  # the template check's, --preview's and chat's read, before any weight (it said: save a
+    _one_line_error(exc)     # tokenizer into that folder)
 
 
 def _without_smollm2_package(monkeypatch):
