@@ -201,6 +201,9 @@ BAD = {
     "an empty folder": (["--from", "{tmp}/empty"], "--from {tmp}/empty is not a model, run, checkpoint or adapter"),
     "a run with nothing saved": (["--from", "{tmp}/run"], "--from {tmp}/run is a run with neither final/ nor a complete "
                                                           "checkpoint; nothing to chat with"),
+    "a run that has saved nothing yet": (["--from", "{tmp}/started"], "--from {tmp}/started is a run with nothing saved "
+                                         "yet: it has neither final/ nor a checkpoint; wait for its first checkpoint "
+                                         "(checkpoint.every) or its end, then chat with it"),
     "no chat template": (["--from", "{plain}"], "--from {plain}: its tokenizer has no chat template; give "
                                                 "--chat-template FILE"),
     "a template that does not parse": (["--from", "{model}", "--chat-template", "{tmp}/broken.jinja"],
@@ -221,6 +224,8 @@ def test_bad_input_is_one_line_before_any_weight_loads(case, chat, capsys, tmp_p
     (tmp_path / "real.gguf").write_bytes(b"GGUF" + bytes(20))
     (tmp_path / "empty").mkdir()
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "started").mkdir()
+    (tmp_path / "started" / "metrics.jsonl").write_text("")
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }")
     (tmp_path / "nosystem.jinja").write_text("{% for m in messages %}{% if m['role'] == 'system' %}"
                                              "{{ raise_exception('System role not supported') }}{% endif %}"

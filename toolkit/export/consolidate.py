@@ -28,6 +28,7 @@ from toolkit.checkpoint.formats import Checkpoint, gather_full_weights, saved_by
 from toolkit.config.errors import UserError, first_line
 from toolkit.models.adapter import BASE_MODEL_FILE, load_with_adapter, merged, no_tied_warnings
 from toolkit.run.folder import MODEL_FILES, STATE_FILE, RunDir, checkpoint_step, is_complete
+from toolkit.run.lock import LOCK_FILE, OwnerLock
 from toolkit.run.manifest import MANIFEST, check_manifest, crc32
 from toolkit.strategy.unpickling import not_only_numbers
 
@@ -94,6 +95,11 @@ def _find_source(path: str | Path, checkpoint: str | None) -> Source:
     if checkpoint_step(p) is not None or is_complete(p) or any(p.glob("random_states*")):
         owner = RunDir.of_checkpoint(p)
         return _checkpoint_source(p, owner.root if owner else None)
+    if (p / LOCK_FILE).exists() or run.metrics.is_file():  # a run that has not saved yet: training, or stopped early
+        holder = OwnerLock.holder(p, wait_s=0.5)
+        now = f"it is still training (pid {holder.get('pid', '?')} on {holder.get('host', '?')}) and " if holder else ""
+        raise UserError(f"--from {path} is a run with nothing saved yet: {now}it has neither final/ nor a checkpoint; "
+                        "wait for its first checkpoint (checkpoint.every) or its end, then export it")
     raise UserError(
         f"--from {path} is not a model, run, checkpoint or adapter folder (no config.json, final/, checkpoints/, "
         "trainer_state.json or adapter_config.json)"

@@ -119,6 +119,25 @@ def test_a_folder_that_is_nothing_exportable(tmp_path):
         resolve_source(tmp_path)
 
 
+def test_a_run_that_has_saved_nothing_yet(tmp_path):
+    """A run still training before its first checkpoint (its lock held), or one stopped there: said as a run."""
+    from toolkit.run.lock import OwnerLock
+
+    run = tmp_path / "run"
+    run.mkdir()  # kept when the lock is released
+    lock = OwnerLock.take(run, "test")
+    try:
+        with pytest.raises(UserError, match=r"^--from .*run is a run with nothing saved yet: it is still training "
+                                            r"\(pid \d+ on .*\) and it has neither final/ nor a checkpoint; wait "
+                                            r"for its first checkpoint"):
+            resolve_source(run)
+    finally:
+        lock.release()
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match=r"is a run with nothing saved yet: it has neither final/ nor a checkpoint"):
+        resolve_source(run)
+
+
 # checkpoints
 
 
