@@ -29,11 +29,16 @@ def _torchao_enum(record: logging.LogRecord) -> bool:
     )
 
 
+# the head's weight itself, or the one peft keeps of it under a LoRA (base_layer) or a trained copy (original_module),
+# or under model.new_tokens' trainable tokens (token_adapter: its base weight and the new rows' delta, which peft ties
+# to the embedding's): the same tensors as the embedding's, which the load ties again
+_TIED_HEAD = (r"'([\w.]+\.)?lm_head\.(base_layer\.weight|original_module\.weight|weight|token_adapter\.base_layer\.weight|"
+              r"token_adapter\.trainable_tokens_delta\.\w+)'")
+
+
 def _tied_head_saved_once(record: logging.LogRecord) -> bool:
-    # the head's weight itself, or the one peft keeps of it under a LoRA (base_layer) or a trained copy
-    # (original_module): the same tensor as the embedding's, which the load ties again
-    return re.fullmatch(r"(\[RANK \d+\] )?Removed shared tensor \{'([\w.]+\.)?lm_head\.(base_layer\.|original_module\.)?"
-                        r"weight'\} while saving\..*", str(record.msg)) is not None
+    return re.fullmatch(rf"(\[RANK \d+\] )?Removed shared tensor \{{{_TIED_HEAD}(, {_TIED_HEAD})*\}} while saving\..*",
+                        str(record.msg)) is not None
 
 
 logging.getLogger("accelerate.utils.other").addFilter(lambda record: not _tied_head_saved_once(record))
