@@ -54,7 +54,16 @@ def add_new_tokens(tokenizer, entries: list[str], chat_template: str | None, sou
     the texts added, none when the list is empty."""
     if not entries:
         return []
-    template = chat_template_for(tokenizer, chat_template) if TEMPLATE in entries else None
+    template = None
+    if TEMPLATE in entries:
+        try:
+            template = chat_template_for(tokenizer, chat_template)
+        except UserError as exc:
+            if chat_template:  # a data.chat_template file that is empty or not UTF-8: its own line
+                raise
+            raise UserError(f"model.new_tokens has {TEMPLATE}, which reads the markers of the chat template, and "
+                            f"{source}'s tokenizer has none: list the tokens to add (model.new_tokens=[<|im_start|>, "
+                            "<|im_end|>]), or, for chat data, set data.chat_template") from exc
     added = tokens_to_add(tokenizer, entries, template, source)
     if added:
         tokenizer.add_tokens(added, special_tokens=True)

@@ -52,6 +52,14 @@ def test_template_means_the_markers_the_tokenizer_lacks(plain_tokenizer, chat_to
     assert add_new_tokens(copy.deepcopy(chat_tokenizer), ["template"], None, "base") == []
 
 
+def test_template_with_no_template_to_read_says_what_to_list(plain_tokenizer):
+    """A base with no chat template and no data.chat_template (data.format=text, say, which refuses one): the line
+    names model.new_tokens and the fix that applies, not only data.chat_template."""
+    with pytest.raises(UserError, match=r"^model.new_tokens has template, which reads the markers of the chat template, "
+                                        r"and base's tokenizer has none: list the tokens to add"):
+        add_new_tokens(copy.deepcopy(plain_tokenizer), ["template"], None, "base")
+
+
 def test_a_listed_token_the_tokenizer_has_is_refused(chat_tokenizer):
     with pytest.raises(UserError, match=r"model.new_tokens: <\|im_end\|> is already token \d+ of base's tokenizer; drop"):
         add_new_tokens(copy.deepcopy(chat_tokenizer), ["<think>", "<|im_end|>"], None, "base")
@@ -170,5 +178,5 @@ def test_a_token_the_base_has_is_refused_before_its_weights_load(base_folder, mo
     eos = AutoTokenizer.from_pretrained(folder).eos_token
     with pytest.raises(UserError, match=f"model.new_tokens: {eos} is already token"):
         load_base_model(BaseModelConfig(path=str(folder), new_tokens=[eos]))
-    with pytest.raises(UserError, match="has no chat template; set data.chat_template"):  # [template], and none to read
+    with pytest.raises(UserError, match="model.new_tokens has template, .* tokenizer has none: list the tokens"):
         load_base_model(BaseModelConfig(path=str(folder), new_tokens=["template"]))
