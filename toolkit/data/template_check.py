@@ -7,7 +7,7 @@ A two-turn conversation (system, user, assistant, user, assistant) is rendered t
     <end_of_turn>, <|eot_id|>), or one of `stops` (a base's generation_config eos ids). A template that ends a
     turn with the next role's marker (GLM-style) trains none: data.append_stop=true trains the EOS there;
 (b) the generation prompt (add_generation_prompt over the turns before an assistant turn) is a prefix of the
-    rendered conversation, so generation sees what training saw;
+    rendered conversation, and no more than whitespace parts it from the answer, so generation sees what training saw;
 (c) a system message is rendered somewhere; a template that refuses one (raise_exception) is fine: records
     carrying one are then refused as they are read.
 """
@@ -76,6 +76,14 @@ def _prefix_problem(tokenizer, template: str, messages: list[dict]) -> str | Non
             start = max(0, at - 20)
             return (f"the generation prompt before assistant turn {k} ends {prompt[start:]!r} where the conversation "
                     f"has {full[start:at + 10]!r}")
+        # and it is all that comes before the answer: text between the two (a template that ignores
+        # add_generation_prompt, its role header never written) is read in training and never given to generation
+        through = _render(tokenizer, template, messages[:k + 1]) or ""
+        answer = through.find(message["content"].strip(), len(prompt))
+        if answer > len(prompt) and through[len(prompt):answer].strip():
+            return (f"the conversation renders {through[len(prompt):answer]!r} between the generation prompt "
+                    f"({prompt[-20:]!r}) and assistant turn {k}'s answer, which generation is never given (does "
+                    "the template ignore add_generation_prompt?)")
     return None
 
 

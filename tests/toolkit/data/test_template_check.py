@@ -125,6 +125,16 @@ def test_a_template_that_renders_no_conversation_says_why(smol, tmp_path, templa
         check_template(smol, str(path))
 
 
+def test_a_template_that_ignores_add_generation_prompt_is_refused(smol):
+    """ChatML without its generation prompt: the prompt is a prefix of the conversation, but the assistant's header
+    that training reads before each answer is never given to generation."""
+    no_prompt = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    with pytest.raises(UserError, match=r"fails check \(b\): the conversation renders '<\|im_start\|>assistant\\n' "
+                                        r"between the generation prompt .* and assistant turn \d's answer, which "
+                                        r"generation is never given \(does the template ignore add_generation_prompt"):
+        check_template(smol, no_prompt)
+
+
 def test_a_template_file_is_named_by_its_path(smol, tmp_path):
     path = tmp_path / "glm.jinja"
     path.write_text(GLM_STYLE)
