@@ -289,7 +289,14 @@ def _load_adapter(source: Source, base: str | None, merge_lora: bool):
         # model.new_tokens: the base resized to the adapter's tokenizer before the adapter loads, as peft documents;
         # the new rows' trained values are the adapter's (trainable tokens)
         base_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model = merged(load_with_adapter(base_model, source.path))
+    try:
+        model = merged(load_with_adapter(base_model, source.path))
+    except RuntimeError as exc:  # peft's load_state_dict: "size mismatch for ..." on a base of another shape
+        if "size mismatch" not in str(exc):
+            raise
+        shape = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), first_line(exc))
+        raise UserError(f"--from {source.path} is a LoRA adapter of another base than {where} ({shape}); give --base "
+                        "the model it was trained on") from None
     return model.eval(), tokenizer, [f"source: {source.describe()} on base {where}, merged"]
 
 

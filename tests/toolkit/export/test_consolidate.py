@@ -274,6 +274,19 @@ def test_an_adapter_folder_merges_onto_the_given_base(model, tiny_tokenizer, tmp
     assert notes == [f"source: {source.describe()} on base {base_dir}, merged"]
 
 
+def test_an_adapter_on_a_base_of_another_shape_is_one_line(tiny_model, tiny_tokenizer, tmp_path):
+    """--base naming another model than the adapter's (peft's "size mismatch" RuntimeError, a traceback before)."""
+    from peft import LoraConfig, get_peft_model
+
+    own = tiny_model("llama", seed=3, tokenizer=tiny_tokenizer)
+    get_peft_model(own, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    wider = save_hf(tiny_model("llama", seed=3, tokenizer=tiny_tokenizer, hidden_size=2 * own.config.hidden_size),
+                    tiny_tokenizer, tmp_path / "wider")
+    with pytest.raises(UserError, match=r"^--from .*adapter is a LoRA adapter of another base than .*wider "
+                                        r"\(size mismatch for .*q_proj.*\); give --base the model it was trained on"):
+        load_model(resolve_source(tmp_path / "adapter"), str(wider))
+
+
 def test_an_adapter_finds_its_base_by_name_or_asks_for_it(model, tiny_tokenizer, tmp_path):
     import shutil
 
