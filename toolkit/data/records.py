@@ -384,6 +384,9 @@ def _answer(value, index: int, key: str) -> str:
         value = value[0]
     if isinstance(value, dict) and value.get("role") == "assistant" and isinstance(value.get("content"), str):
         value = value["content"]
+    if isinstance(value, dict) and value.get("role") not in (None, "assistant"):  # a whole conversation's last turn
+        raise UserError(f"record {index}: the answer of `{key}` (its last message) has role {value['role']!r}; an "
+                        "answer is the assistant's: give it role assistant")
     if not isinstance(value, str):
         raise UserError(f"record {index}: `{key}` must be a string or one assistant message")
     return value

@@ -40,6 +40,12 @@ def test_record_forms():
         to_pair({"prompt": "Q"}, 3)
     with pytest.raises(UserError, match="record 0: `rejected` must be a string or one assistant message"):
         to_pair({"prompt": "Q", "chosen": "a", "rejected": 7}, 0)
+    # whole conversations whose last turn is not the assistant's: the role said (it said "must be a string or one
+    # assistant message", of a shape the implicit prompt takes)
+    bot = [{"role": "user", "content": "hi"}, {"role": "bot", "content": "a"}]
+    with pytest.raises(UserError, match="record 4: the answer of `chosen` \\(its last message\\) has role 'bot'; an "
+                                        "answer is the assistant's"):
+        to_pair({"chosen": bot, "rejected": [*bot[:1], {"role": "bot", "content": "b"}]}, 4)
 
 
 def test_trl_s_standard_implicit_prompt_is_the_words_both_texts_open_with():
