@@ -18,13 +18,15 @@ Errors (one line, exit code 2, before any weight loads): a --from that does not 
 file, an empty folder, a run with neither final/ nor a checkpoint, a damaged source: export's checks), a .gguf that is
 not GGUF, a tokenizer without a chat template, a template that does not parse, a --chat-template that is no file, an
 empty --prompt or --system, a closed stdin without --prompt, a --max-new-tokens that is not a positive integer, a
---temperature below 0; argparse's own refusals too. Ctrl-C ends the chat quietly (exit code 130).
+--temperature below 0; argparse's own refusals too. Ctrl-C ends the chat quietly (exit code 130), as does a closed stdout (`| head`: 141).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -226,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the chat ends, with no traceback
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader left (`| head`): the chat ends as a piped command does, quietly
+        with contextlib.suppress(OSError, ValueError):  # nothing more to flush into the closed pipe at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 0
 
 

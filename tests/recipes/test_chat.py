@@ -193,6 +193,18 @@ def test_ctrl_c_ends_the_chat_quietly(chat, capsys, folders, monkeypatch):
     assert code == 130 and "Traceback" not in err
 
 
+def test_a_closed_stdout_ends_the_chat_quietly(chat, capsys, folders, monkeypatch):
+    """`llm-toolkit chat ... | head -c 3`: the streamer's print meets a closed pipe (a BrokenPipeError traceback)."""
+    from toolkit.export.conversation import TransformersChat
+
+    def closed(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(TransformersChat, "answer", closed)
+    code, _, err = run(chat, capsys, "--from", folders["random"], "--prompt", "hi")
+    assert code == 141 and "Traceback" not in err and "error" not in err
+
+
 # every bad input: argv (filled in) -> the start of its one line
 BAD = {
     "no such --from": (["--from", "{tmp}/nowhere"], "--from {tmp}/nowhere does not exist"),
