@@ -10,6 +10,7 @@ Each code's causes, and one rank's error as one line: docs/internals.md, toolkit
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import sys
@@ -137,7 +138,12 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
             if is_launch_main():
                 for line in notes:
                     print(f"[{name}] {line}", file=sys.stderr, flush=True)
-                recipe_class(cfg).preview(preview)
+                try:
+                    recipe_class(cfg).preview(preview)
+                except BrokenPipeError:  # `--preview N | head`: the reader left; quiet, as a piped command ends
+                    with contextlib.suppress(OSError, ValueError):  # nothing more to flush into the pipe at exit
+                        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                    return 141
             return 0
         if is_launch_main():
             for line in notes:

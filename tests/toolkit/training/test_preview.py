@@ -142,3 +142,20 @@ def test_a_template_training_refuses_is_said_above_the_data_that_shows_why(tmp_p
     assert code == 0 and printed.count("--- block ") == 1
     warning = next(line for line in printed.splitlines() if line.startswith("warning: training refuses"))
     assert "data.append_stop=true" in warning and printed.index(warning) < printed.index("--- block ")
+
+
+def test_a_preview_piped_into_head_ends_quietly(tmp_path, capsys, monkeypatch):
+    """`--preview 500 | head`: the reader leaves and print meets a closed pipe; BrokenPipeError is a ConnectionError,
+    which was said as "a collective ... failed because another rank stopped" (exit code 4)."""
+    monkeypatch.delenv("RANK", raising=False)
+    module = recipe_module("finetune")
+
+    def closed(self, n):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(module.FinetuneRecipe, "preview", closed)
+    code = run("finetune", FinetuneConfig, module.FinetuneRecipe,
+               ["--config", str(ROOT / "recipes" / "configs" / "finetune_smollm2_chat_lora.yaml"), "--preview", "3",
+                f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 141 and "error" not in err and "Traceback" not in err, err
