@@ -72,6 +72,7 @@ def main() -> int:
     spec = importlib.util.spec_from_file_location("export_recipe", ROOT / "recipes" / "export.py")
     export = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(export)
+    from toolkit.export.stops import SAME
 
     with tempfile.TemporaryDirectory(prefix="export-stops-") as tmp:
         workdir = Path(args.workdir or tmp)
@@ -88,7 +89,7 @@ def main() -> int:
                 print(f"error: the {quant} export failed (exit {code}); its line is above", file=sys.stderr)
                 return code
             runtime, rows = stops_rows(Path(f"{out}.export_report.md").read_text())
-            same = [r for r in rows if r[2] == "same tokens up to the same stop"]
+            same = [r for r in rows if r[2] == SAME]
             other = next((f"{r[0]!r}: {r[2]}" for r in rows if r not in same), "none")
             lines.append(f"| {quant} | {runtime.split(', ', 1)[1]} | {len(rows)} | {len(same)} | {other} |")
         print(f"\nsource: {source}{' (smoke: random weights)' if args.smoke else ''}")

@@ -463,6 +463,6 @@ def test_hf_export_shards_above_the_size_limit(export, tiny_base, tmp_path, caps
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
     report = (out / "export_report.md").read_text()  # the stops: on the run's own prompts, the same tokens
     assert "## Stops" in report and f"samples.prompts of the run ({tiny_base / 'README.md'})" in report, report
-    assert "| The for statement | 32 tokens, no stop within 32 | same tokens up to the same stop |" in report, report
+    assert "| The for statement | 32 tokens, no stop within 32 | same 32 tokens, neither stopped within 32 |" in report, report
     torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out)),
                                logits(AutoModelForCausalLM.from_pretrained(tiny_base)), atol=0, rtol=0)

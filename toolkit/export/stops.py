@@ -120,10 +120,13 @@ def describe(tokenizer, ids: list[int], stops: list[int]) -> str:
     return f"{len(ids)} tokens, no stop within {NEW_TOKENS}"
 
 
-def compare(tokenizer, source: list[int], other: list[int]) -> str:
-    """"same tokens up to the same stop", or where the two first differ."""
+SAME = "same tokens up to the same stop"
+
+
+def compare(tokenizer, source: list[int], other: list[int], stops: list[int]) -> str:
+    """SAME, or the same tokens where neither stopped (which proves nothing of the stop), or where they first differ."""
     if source == other:
-        return "same tokens up to the same stop"
+        return SAME if source and source[-1] in stops else f"same {len(source)} tokens, neither stopped within {NEW_TOKENS}"
     i = next((i for i, (a, b) in enumerate(zip(source, other, strict=False)) if a != b), min(len(source), len(other)))
     token = lambda ids: repr(tokenizer.decode([ids[i]])) if i < len(ids) else "(ended)"  # noqa: E731
     return f"differs at token {i}: {token(source)} vs {token(other)}"
@@ -213,7 +216,7 @@ def check_stops(ref: Reference, exported, label: str, gguf_file: Path | None = N
             check.notes.append("llama-cpp-python is not installed here: the GGUF was read by transformers' GGUF "
                                "loader (dequantised), not by llama.cpp; pip install llama-cpp-python for the real runtime")
     for prompt, mine, theirs, extra in zip(ref.prompts, ref.tokens, others, cells, strict=True):
-        check.rows.append([prompt, describe(tokenizer, mine, stops), compare(tokenizer, mine, theirs), *extra])
+        check.rows.append([prompt, describe(tokenizer, mine, stops), compare(tokenizer, mine, theirs, stops), *extra])
     if lossy and any(s != o for s, o in zip(ref.tokens, others, strict=True)):
         check.notes.append(f"{label} is quantised: greedy tokens may part from the source's where two were close")
     return check

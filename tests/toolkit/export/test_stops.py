@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from stopping import stopping_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.export.gguf import write_gguf
@@ -27,8 +28,9 @@ PROMPTS = ["Where is Paris?", "def main"]
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory, tiny_model, chat_tokenizer):
-    """(folder, model, tokenizer): a tiny LLaMA whose tokenizer has ChatML's markers, saved as final/ is."""
-    model = tiny_model("llama", tokenizer=chat_tokenizer, initializer_range=0.2).eval()
+    """(folder, model, tokenizer): a tiny LLaMA whose tokenizer has ChatML's markers, answering one token and then
+    <|im_end|> (a random one never stops), saved as final/ is."""
+    model = stopping_model(tiny_model, chat_tokenizer, chat_tokenizer("hello")["input_ids"][0]).eval()
     folder = tmp_path_factory.mktemp("run") / "final"
     model.save_pretrained(folder)
     chat_tokenizer.save_pretrained(folder)
@@ -64,10 +66,10 @@ def test_generation_ends_at_the_first_stop_and_a_difference_is_located(chat_mode
     assert len(free) == 6
     assert greedy(model, ids, [free[2]], new_tokens=6) == free[: free.index(free[2]) + 1]
     other = [*free[:3], (free[3] + 1) % len(tokenizer), *free[4:]]
-    assert compare(tokenizer, free, other) == (f"differs at token 3: {tokenizer.decode([free[3]])!r} vs "
+    assert compare(tokenizer, free, other, []) == (f"differs at token 3: {tokenizer.decode([free[3]])!r} vs "
                                                f"{tokenizer.decode([other[3]])!r}")
-    assert compare(tokenizer, free, free[:4]).startswith("differs at token 4: ") and "(ended)" in compare(
-        tokenizer, free, free[:4])
+    assert compare(tokenizer, free, free[:4], []).startswith("differs at token 4: ") and "(ended)" in compare(
+        tokenizer, free, free[:4], [])
 
 
 def test_the_prompts_are_the_runs_own(tmp_path):
