@@ -37,7 +37,7 @@ from toolkit.data.template_check import stop_ids
 from toolkit.data.text_files import read_utf8
 from toolkit.export import destination
 from toolkit.export.consolidate import load_model, resolve_source, source_tokenizer
-from toolkit.export.conversation import Conversation, LlamaCppChat, TransformersChat, check_template
+from toolkit.export.conversation import Conversation, LlamaCppChat, TransformersChat, check_prompts
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         source, tokenizer = tokenizer_of(args)
         template, where = template_of(args, tokenizer)
-        check_template(tokenizer, template, where, args.system)
+        check_prompts(tokenizer, template, where, args.system)
         chat = model_of(source, tokenizer, template, args, stop_ids(tokenizer, template))
         names = ", ".join(tokenizer.convert_ids_to_tokens(chat.stops))
         said = "the tokenizer's own" if where.startswith("--from") else where

@@ -64,7 +64,7 @@ def _unrendered(named: str, exc: Exception | None) -> UserError:
                      "data.chat_template that renders user and assistant turns")
 
 
-def _prefix_problem(tokenizer, template: str, messages: list[dict]) -> str | None:
+def prompt_problem(tokenizer, template: str, messages: list[dict]) -> str | None:
     """(b): the first assistant turn whose generation prompt is not how the conversation renders it."""
     full = _render(tokenizer, template, messages) or ""
     for k, message in enumerate(messages):
@@ -122,13 +122,13 @@ def check_template(tokenizer, chat_template: str | None = None, append_stop: boo
             raise UserError(f"{named} fails check (c): it renders nothing of a system message, so training and "
                             "generation ignore it; give a data.chat_template that renders the system message (or "
                             "refuses it with raise_exception)")
-        if SYSTEM not in full or (_prefix_problem(tokenizer, template, with_system)
-                                  and not _prefix_problem(tokenizer, template, TURNS)):
+        if SYSTEM not in full or (prompt_problem(tokenizer, template, with_system)
+                                  and not prompt_problem(tokenizer, template, TURNS)):
             # Mistral-style: the system message rendered in the last user turn only, which training never sees
             notes.append(f"{named} renders a system message only in the prompt, not where training sees it: records "
                          "with a system message are refused as they are read")
             messages = TURNS
-    if problem := _prefix_problem(tokenizer, template, messages):
+    if problem := prompt_problem(tokenizer, template, messages):
         raise UserError(f"{named} fails check (b): {problem}, so generation would not see what training saw; give a "
                         "data.chat_template whose add_generation_prompt text is how an assistant turn begins")
     try:

@@ -14,13 +14,15 @@ import jinja2
 import torch
 
 from toolkit.config.errors import UserError, first_line
+from toolkit.data.template_check import TURNS, prompt_problem
 
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
 
-def check_template(tokenizer, template: str, where: str, system: str | None = None) -> None:
+def check_prompts(tokenizer, template: str, where: str, system: str | None = None) -> None:
     """Refuse, before any weight loads, a template that does not parse or refuses a plain turn (or the system
-    prompt, when one is given): one line naming `where` the template came from."""
+    prompt, when one is given), or whose generation prompt is not what training saw before an answer
+    (toolkit.data.template_check's check (b)): one line naming `where` the template came from."""
     def refusal(messages: list[dict]) -> jinja2.TemplateError | None:
         try:
             tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=template)
@@ -31,6 +33,10 @@ def check_template(tokenizer, template: str, where: str, system: str | None = No
     system_turn = [{"role": "system", "content": system}] if system is not None else []
     exc = refusal([*system_turn, *PROBE[:1]])
     if exc is None:
+        if problem := prompt_problem(tokenizer, template, TURNS):
+            raise UserError(f"the chat template of {where}: {problem}, so the model would not be prompted as it was "
+                            "trained; give --chat-template FILE whose add_generation_prompt text is how an assistant "
+                            "turn begins")
         return
     if isinstance(exc, jinja2.TemplateSyntaxError):
         said = "does not parse"

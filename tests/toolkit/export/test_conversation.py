@@ -8,7 +8,7 @@ import pytest
 from recipe_runner import CHATML
 
 from toolkit.config.errors import UserError
-from toolkit.export.conversation import Conversation, check_template
+from toolkit.export.conversation import Conversation, check_prompts
 
 
 # ChatML whose turns end with a newline alone, and a GLM-style one whose turn ends where the next role's marker begins
@@ -41,6 +41,9 @@ REFUSALS = {
     "refuses a user turn": ("{{ raise_exception('roles must alternate') }}", None,
                             "the chat template of T refuses a plain user turn (roles must alternate); give "
                             "--chat-template FILE"),
+    "ignores add_generation_prompt": (  # answers would begin with the role header training read before each answer
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}", None,
+        "the chat template of T: the conversation renders '<|im_start|>assistant\\n' between the generation prompt"),
 }
 
 
@@ -48,6 +51,6 @@ REFUSALS = {
 def test_a_template_that_cannot_chat_is_one_line(case, chat_tokenizer):
     template, system, said = REFUSALS[case]
     with pytest.raises(UserError) as refused:
-        check_template(chat_tokenizer, template, "T", system)
+        check_prompts(chat_tokenizer, template, "T", system)
     assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
-    check_template(chat_tokenizer, CHATML, "T", "Be brief.")  # ChatML takes both
+    check_prompts(chat_tokenizer, CHATML, "T", "Be brief.")  # ChatML takes both
