@@ -50,7 +50,7 @@ from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import Seen, collate, column, packed_splits, target_counts
 from toolkit.data.preference import collate_pairs, pair_counts, preference_blocks
 from toolkit.data.records import check_first_records
-from toolkit.data.template_check import check_template
+from toolkit.data.template_check import Unrenderable, check_template
 from toolkit.export.hf_folder import save_adapter, save_final_model, write_model_folder
 from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import (
@@ -224,6 +224,8 @@ class FinetuneRecipe:
             try:  # what training would refuse, said above the data that shows why
                 for line in check_template(self.tokenizer, cfg.data.chat_template, cfg.data.append_stop):
                     print(f"data: {line}")
+            except Unrenderable:  # nothing to show either: its one line alone
+                raise
             except UserError as exc:
                 print(f"warning: training refuses this template: {exc}")
             given = cfg.data.chat_template

@@ -55,12 +55,16 @@ def _try_render(tokenizer, template: str, messages: list[dict],
         return None, exc
 
 
+class Unrenderable(UserError):
+    """A template that renders no plain user/assistant conversation: no data can be shown with it either."""
+
+
 def _unrendered(named: str, exc: Exception | None) -> UserError:
     """The line for a template that renders no plain user/assistant conversation: it does not parse, or it raises."""
     if isinstance(exc, jinja2.TemplateSyntaxError):
-        return UserError(f"{named} does not parse ({first_line(exc)}, line {exc.lineno} of the template); fix its "
+        return Unrenderable(f"{named} does not parse ({first_line(exc)}, line {exc.lineno} of the template); fix its "
                          "Jinja, or give a data.chat_template that renders user and assistant turns")
-    return UserError(f"{named} refuses a plain user/assistant conversation ({first_line(exc)}); give a "
+    return Unrenderable(f"{named} refuses a plain user/assistant conversation ({first_line(exc)}); give a "
                      "data.chat_template that renders user and assistant turns")
 
 

@@ -159,3 +159,16 @@ def test_a_preview_piped_into_head_ends_quietly(tmp_path, capsys, monkeypatch):
                 f"output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code == 141 and "error" not in err and "Traceback" not in err, err
+
+
+def test_a_template_that_renders_nothing_is_its_one_line_alone(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }")
+    code = run("finetune", FinetuneConfig, recipe_module("finetune").FinetuneRecipe,
+               ["--config", str(ROOT / "recipes" / "configs" / "finetune_smollm2_chat_lora.yaml"), "--preview", "1",
+                f"data.chat_template={template}", f"output_dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "warning" not in out and "--- block" not in out
+    assert err.startswith(f"error: data.chat_template={template} does not parse")
+    assert err.count("\n") == 1
