@@ -105,6 +105,8 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool, int | None]:
         i += 1
     if config is None:
         raise UserError(f"no --config: give the recipe's YAML file, {example}")
+    if show and preview is not None:  # each runs instead of training: one of them would go unsaid
+        raise UserError("--print-config and --preview each stand in for the run; give one of them")
     return config, overrides, show, preview
 
 

@@ -182,6 +182,9 @@ def test_the_arguments_may_come_in_any_order_and_config_once(recipe, capsys, mon
     assert capsys.readouterr().err.startswith(f"error: --config is given twice ({TINY}, {TINY}); give one")
     assert run("pretrain", PretrainConfig, recipe, ["--config", TINY, "--preview", "2", "--preview=3"]) == 2
     assert capsys.readouterr().err == "error: --preview is given twice (2, 3); give it once\n"
+    assert run("pretrain", PretrainConfig, recipe, ["--config", TINY, "--preview", "2", "--print-config"]) == 2
+    assert capsys.readouterr().err == ("error: --print-config and --preview each stand in for the run; give one of "
+                                       "them\n") and recipe.calls == []
 
 
 def test_a_missing_config_is_named_as_it_works_from_where_the_command_runs(recipe, capsys, tmp_path, monkeypatch):
