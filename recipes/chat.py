@@ -45,7 +45,7 @@ GGUF_MAGIC = b"GGUF"
 
 
 def parser() -> OneLineParser:
-    """The command line; every option's wrong values are refused in one line (tests/recipes/test_chat.py walks them)."""
+    """The command line; every option's wrong values are refused in one line (tests/recipes/test_chat_recipe.py walks them)."""
     parser = OneLineParser("python recipes/chat.py", description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="source", required=True, help="run, model, checkpoint or adapter folder, or a .gguf")
     parser.add_argument("--checkpoint", help="with a run folder: step-N or latest (default: its final/)")

@@ -221,8 +221,8 @@ def test_preference_settings_that_contradict(finetune, capsys, tmp_path, overrid
                                                   "preference record needs `prompt`, `chosen` and `rejected`"),
     ([{**PAIR, "prompt": [{"role": "assistant", "content": "Hi"}]}], "record 0: the prompt's last message is the "
                                                                      "assistant's; end it with the user's turn"),
-    ([{**PAIR, "chosen": {"role": "user", "content": "x"}}], "record 0: `chosen` must be a string or one assistant "
-                                                             "message"),
+    ([{**PAIR, "chosen": {"role": "user", "content": "x"}}], "record 0: the answer of `chosen` (its last "
+                                                             "message) has role 'user'; an answer is the assistant's"),
     ([{**PAIR, "rejected": PAIR["chosen"]}, {**PAIR, "chosen": " "}], "2 preference records: 1 with chosen equal to "
                                                                       "rejected and 1 with an empty answer left out: "
                                                                       "none has two different, non-empty answers"),

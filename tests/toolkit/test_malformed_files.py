@@ -363,6 +363,7 @@ READERS: dict[str, str] = {
     "toolkit/training/harness_runs.py:start": "harness.log, opened to append the scoring's output, never read",
     "toolkit/training/samples.py:sample_folder": "final/, which the run wrote and checked",
     "toolkit/training/profiling.py:_quiet_stderr": "/dev/null",
+    "toolkit/training/entry.py:run": "/dev/null, as stdout once a --preview's reader has gone (| head)",
     "toolkit/strategy/deepspeed/files.py:tag_folder": OWN + " (DeepSpeed's `latest`)",
     "toolkit/checkpoint/same_model.py:check_same_model": OWN + " (model_files/)",
     "toolkit/checkpoint/conversion.py:cached_conversion": OWN,

@@ -80,12 +80,12 @@ class ChatDataConfig:
             problems.append(f"seq_len={self.seq_len} is too short; use at least 16 tokens")
         if not 0 <= self.val_fraction < 1:
             problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
-        if self.chat_template and _looks_like_file(self.chat_template) and not _is_file(self.chat_template):
+        if self.chat_template and looks_like_file(self.chat_template) and not _is_file(self.chat_template):
             shown = (self.chat_template if len(self.chat_template) <= 240 else  # the end names the file
                      f"{self.chat_template[:60]}...{self.chat_template[-60:]}")
-            said = "is a folder" if Path(self.chat_template).is_dir() else "does not exist"
+            said = "is a folder" if _is_file(self.chat_template, Path.is_dir) else "does not exist"
             problems.append(f"chat_template={shown} {said}; give a .jinja file or the template text")
-        elif self.chat_template and not _looks_like_file(self.chat_template) and not _is_jinja(self.chat_template):
+        elif self.chat_template and not looks_like_file(self.chat_template) and not _is_jinja(self.chat_template):
             problems.append(f"chat_template={self.chat_template[:40]!r} is neither a file nor a template (it has no "
                             "{{ }} or {% %}): every conversation would render as this text; give a Jinja template")
         return problems
@@ -103,7 +103,7 @@ def load_chat_records(cfg: ChatDataConfig) -> list[dict]:
 def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
     """The template to render with: the override (text or file), else the tokenizer's."""
     if chat_template:
-        if _looks_like_file(chat_template):
+        if looks_like_file(chat_template):
             text = read_utf8(Path(chat_template), f"chat_template={chat_template}")
             if not text.strip():  # else the tokenizer's own template would render, with no word
                 raise UserError(f"chat_template={chat_template} is empty; write the Jinja template in it, or leave "
@@ -474,9 +474,9 @@ def _flatten(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids, labels, offsets
 
 
-def _is_file(value: str) -> bool:
+def _is_file(value: str, kind=Path.is_file) -> bool:
     try:
-        return Path(value).is_file()
+        return kind(Path(value))
     except OSError:  # a name longer than the file system takes: no such file
         return False
 
@@ -485,7 +485,7 @@ def _is_jinja(value: str) -> bool:
     return "{%" in value or "{{" in value
 
 
-def _looks_like_file(value: str) -> bool:
+def looks_like_file(value: str) -> bool:
     return "\n" not in value and not _is_jinja(value)
 
 

@@ -1,15 +1,10 @@
 """The chat template checked before any weight loads: its stop token trained, its prompt what training saw.
 
-A two-turn conversation (system, user, assistant, user, assistant) is rendered through the same
-`render_conversation` training uses, and three things must hold, or the run is refused with one line:
-(a) every assistant turn's last target is a token generation stops on: the tokenizer's EOS, the template's
-    end-of-turn token (the special token that closes the user's turn as it closes the assistant's: <|im_end|>,
-    <end_of_turn>, <|eot_id|>), or one of `stops` (a base's generation_config eos ids). A template that ends a
-    turn with the next role's marker (GLM-style) trains none: data.append_stop=true trains the EOS there;
-(b) the generation prompt (add_generation_prompt over the turns before an assistant turn) is a prefix of the
-    rendered conversation, and no more than whitespace parts it from the answer, so generation sees what training saw;
-(c) a system message is rendered somewhere; a template that refuses one (raise_exception) is fine: records
-    carrying one are then refused as they are read.
+A two-turn conversation is rendered through the `render_conversation` training uses; the run is refused in one line
+unless (a) every answer's last target is a token generation stops on (the EOS, the template's end-of-turn token, a
+base's generation EOS ids; data.append_stop=true trains the EOS where a template has none), (b) the generation prompt
+is a prefix of the conversation with nothing but whitespace before the answer, and (c) a system message is rendered
+(or refused with raise_exception). Each check, and the shipped bases' verdicts: docs/data.md.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ from collections.abc import Collection
 import jinja2
 
 from toolkit.config.errors import UserError, first_line
-from toolkit.data.chat import chat_template_for, render_conversation
+from toolkit.data.chat import chat_template_for, looks_like_file, render_conversation
 from toolkit.data.packing import IGNORE_INDEX
 
 SYSTEM = "You answer in one short sentence."  # distinctive enough to be found where a template renders it
@@ -36,7 +31,7 @@ def which_template(chat_template: str | None) -> str:
     """How a line names the template: the tokenizer's, or data.chat_template=... (a file's name, a text's start)."""
     if not chat_template:
         return "the tokenizer's chat template"
-    shown = chat_template if "\n" not in chat_template and len(chat_template) <= 80 else f"{chat_template[:40]!r}..."
+    shown = chat_template if looks_like_file(chat_template) or len(chat_template) <= 80 else f"{chat_template[:40]!r}..."
     return f"data.chat_template={shown}"
 
 

@@ -1,12 +1,10 @@
 """Whether an export stops where its source stops: the export report's check.
 
-On the run's sample prompts, rendered with the chat template the source carries, greedy generation of at most
-NEW_TOKENS tokens from the source (final/, or the merged model) and from the export as written (the HF, int8
-or int4 folder; a GGUF read by llama.cpp through llama-cpp-python where it is installed, else by transformers'
-GGUF loader) is compared token by token up to the stop (the EOS, or the template's end-of-turn token). A
-quantised export may differ: that is reported, not refused. What would make a deployment stop elsewhere is
-refused (the export fails, nothing is put in place): a GGUF without the template or the EOS/EOT ids final/
-has, a Modelfile whose TEMPLATE renders another prompt than the Jinja template or that lacks a stop.
+On the run's sample prompts, greedy generation of at most NEW_TOKENS tokens from the source and from the export as
+written (a GGUF read by llama.cpp where llama-cpp-python is installed, else by transformers' GGUF loader) is
+compared token by token up to the stop (toolkit.data.template_check.stop_ids). A quantised export may differ: that is
+reported. What would make a deployment stop elsewhere is refused, nothing put in place: a GGUF without final/'s
+template or EOS/EOT ids, a Modelfile whose TEMPLATE renders another prompt or that lacks a stop (docs/export.md).
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_sha
     present = {k for k in [*s.REFUSED, *s.SCHEDULE, *s.FROM_NEXT_STEP, *s.KEPT_BY_THE_OPTIMIZER]
                if k not in ("train.gamma", "train.orpo_lambda") and (k.split(".")[0] != "adapter" or recipe == "finetune")}
     present -= {k for k in present if k.startswith("tokenizer.")} if recipe == "finetune" else set()
-    present -= {k for k in present if k in ("train.objective", "train.beta", "model.path", "model.gguf_file",
+    present -= {k for k in present if k in ("train.objective", "train.beta", "model.path", "model.gguf_file", "model.new_tokens",
                                             "model.dtype", "data.format", "data.overlong", "data.chat_template", "data.append_stop",
                                             "data.record_format", "data.val_path") or k.startswith("data.columns")
                 } if recipe == "pretrain" else {"model.model_type", "model.config"}

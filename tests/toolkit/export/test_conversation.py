@@ -1,6 +1,6 @@
 """A chat's turns and stops (toolkit/export/conversation.py): the stops are those training labels, the history is
 rendered whole and shortened from its oldest exchange, a template that cannot chat is one line before any weight
-loads. The command around it: tests/recipes/test_chat.py."""
+loads. The command around it: tests/recipes/test_chat_recipe.py."""
 
 from __future__ import annotations
 
