@@ -183,7 +183,7 @@ def render_conversation(
         spans = spans[-1:]
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    special = special_ids(tokenizer)
     ids, labels, last = list(ids), [IGNORE_INDEX] * len(ids), []
     for start, end, turn_end in spans:
         # the turn ends at the first special token after the content, if the turn's text has one
@@ -201,6 +201,11 @@ def render_conversation(
                 ids.insert(i + 1, tokenizer.eos_token_id)
                 labels.insert(i + 1, tokenizer.eos_token_id)
     return ids, labels
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The ids a turn may end with: the special tokens and every added token (ChatML's markers, say)."""
+    return set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
 
 
 @functools.cache

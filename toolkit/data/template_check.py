@@ -14,7 +14,7 @@ from collections.abc import Collection
 import jinja2
 
 from toolkit.config.errors import UserError, first_line
-from toolkit.data.chat import chat_template_for, looks_like_file, render_conversation
+from toolkit.data.chat import chat_template_for, looks_like_file, render_conversation, special_ids
 from toolkit.data.packing import IGNORE_INDEX
 
 SYSTEM = "You answer in one short sentence."  # distinctive enough to be found where a template renders it
@@ -90,8 +90,7 @@ def end_of_turn(tokenizer, template: str) -> int | None:
     """The special token the template closes a user's turn with (ChatML's <|im_end|>), if it closes it with one."""
     text = _render(tokenizer, template, TURNS[:1]) or ""
     ids = tokenizer(text.rstrip(), add_special_tokens=False)["input_ids"]
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    return ids[-1] if ids and ids[-1] in special and ids[-1] != tokenizer.bos_token_id else None
+    return ids[-1] if ids and ids[-1] in special_ids(tokenizer) and ids[-1] != tokenizer.bos_token_id else None
 
 
 def stop_ids(tokenizer, template: str | None, generation_eos: int | list[int] | None = None) -> list[int]:
@@ -109,13 +108,13 @@ def check_template(tokenizer, chat_template: str | None = None, append_stop: boo
     named, notes = which_template(chat_template), []
     with_system = [{"role": "system", "content": SYSTEM}, *TURNS]
     messages = with_system
-    if _render(tokenizer, template, with_system) is None:  # no system role: records carrying one are refused
+    full = _render(tokenizer, template, with_system)
+    if full is None:  # no system role: records carrying one are refused
         messages = TURNS
         text, exc = _try_render(tokenizer, template, TURNS)
         if text is None:
             raise _unrendered(named, exc)
     else:
-        full = _render(tokenizer, template, with_system)
         prompt = _render(tokenizer, template, with_system[:2], generation_prompt=True) or ""
         if SYSTEM not in full and SYSTEM not in prompt:
             raise UserError(f"{named} fails check (c): it renders nothing of a system message, so training and "
