@@ -44,7 +44,13 @@ import torch
 
 from toolkit.config.errors import UserError
 from toolkit.config.load import to_dict
-from toolkit.data.chat import chat_blocks, chat_target_counts, chat_template_for, collate_chat
+from toolkit.data.chat import (
+    chat_blocks,
+    chat_target_counts,
+    chat_template_for,
+    collate_chat,
+    looks_like_file,
+)
 from toolkit.data.corpus import load_corpus, load_held_out, split_documents
 from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import Seen, collate, column, packed_splits, target_counts
@@ -204,8 +210,7 @@ class FinetuneRecipe:
                 train_docs, val_docs = corpus, load_held_out(data, notes)
             else:
                 train_docs, val_docs = split_documents(corpus, data.val_fraction, cfg.seed)
-        seen.read = len(corpus) + sum(seen.dropped.values())
-        seen.held_out, seen.documents = 0 if data.val_path else len(val_docs or []), train_docs
+        seen.text_split(corpus, train_docs, 0 if data.val_path else len(val_docs or []))
         # every rank tokenizes and packs its share of the documents
         train, val = packed_splits(train_docs, val_docs, self.tokenizer, data, source, cfg.seed)
         return train, val, [*notes, f"{len(train_docs)} train / {len(val_docs or [])} held-out documents of {source}"]
@@ -230,7 +235,7 @@ class FinetuneRecipe:
                 print(f"warning: training refuses this template: {exc}")
             given = cfg.data.chat_template
             template = (f"the tokenizer's own ({self.base_name})" if not given else f"data.chat_template={given}"
-                        if "\n" not in given and "{" not in given else "data.chat_template (its text)")
+                        if looks_like_file(given) else "data.chat_template (its text)")
         collate_fn = {"chat": collate_chat, "preference": collate_pairs, "text": collate}[cfg.data.format]
         names = [s.name for s in cfg.data.sources] or [""]
         parts, columns = [], []

@@ -107,8 +107,7 @@ class PretrainRecipe:
             corpus, source = load_corpus(cfg.data, notes, seen.dropped)
             train_docs, val_docs = split_documents(corpus, cfg.data.val_fraction, cfg.seed)
             self.tokenizer = self.tokenizer_of(train_docs, source)
-        seen.read = len(corpus) + sum(seen.dropped.values())
-        seen.held_out, seen.documents = len(val_docs or []), train_docs
+        seen.text_split(corpus, train_docs, len(val_docs or []))
         train, val = packed_splits(train_docs, val_docs, self.tokenizer, cfg.data, source, cfg.seed)
         return train, val, (train_docs, val_docs)
 

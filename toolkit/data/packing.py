@@ -62,6 +62,11 @@ class Seen:
     stats: Any = None
     documents: datasets.Dataset | None = None
 
+    def text_split(self, corpus, train_docs: datasets.Dataset, held_out: int) -> None:
+        """A text corpus's: its documents read (kept, and those `dropped` counts), the training ones, those held out."""
+        self.read = len(corpus) + sum(self.dropped.values())
+        self.held_out, self.documents = held_out, train_docs
+
 
 def check_attention(attn_implementation: str) -> None:
     if attn_implementation not in MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION:
