@@ -33,6 +33,7 @@ from pathlib import Path
 
 from toolkit import quiet_weight_bars
 from toolkit.config.errors import UserError
+from toolkit.data.chat import own_template
 from toolkit.data.template_check import stop_ids
 from toolkit.data.text_files import read_utf8
 from toolkit.export import destination
@@ -125,8 +126,7 @@ def template_of(args, tokenizer) -> tuple[str, str]:
         if not text.strip():
             raise UserError(f"--chat-template {args.chat_template} is empty; write the Jinja template in it")
         return text, f"--chat-template {args.chat_template}"
-    own = getattr(tokenizer, "chat_template", None)
-    own = own.get("default") if isinstance(own, dict) else own
+    own = own_template(tokenizer)
     if not own:
         raise UserError(f"--from {args.source}: its tokenizer has no chat template; give --chat-template FILE (a Jinja "
                         "template, such as the one the run trained with, data.chat_template)")

@@ -100,6 +100,12 @@ def load_chat_records(cfg: ChatDataConfig) -> list[dict]:
     return read_records(cfg.path, "chat", "data.path", cfg.name, cfg.split)
 
 
+def own_template(tokenizer) -> str | None:
+    """The chat template a tokenizer carries (the default one where it has several named), or None."""
+    own = getattr(tokenizer, "chat_template", None)
+    return (own.get("default") if isinstance(own, dict) else own) or None
+
+
 def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
     """The template to render with: the override (text or file), else the tokenizer's."""
     if chat_template:
@@ -110,9 +116,7 @@ def chat_template_for(tokenizer, chat_template: str | None = None) -> str:
                                 "data.chat_template unset for the tokenizer's own")
             return text
         return chat_template
-    own = getattr(tokenizer, "chat_template", None)
-    if isinstance(own, dict):  # several named templates: the default one
-        own = own.get("default")
+    own = own_template(tokenizer)
     if not own:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise UserError(

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from toolkit.config.errors import UserError, first_line
+from toolkit.data.chat import own_template
 from toolkit.data.template_check import end_of_turn
 from toolkit.export.destination import EXPORTED_BY
-from toolkit.export.modelfile import template_text
 
 try:
     import gguf
@@ -193,7 +193,7 @@ def _read_vocab(model_dir: Path, n_vocab: int) -> dict:
 def end_of_turn_id(tokenizer) -> int | None:
     """The id of the chat template's end-of-turn token where it is not the EOS (Llama-3's `<|eot_id|>`): llama.cpp
     stops a chat turn at it. None where the EOS ends a turn (ChatML on SmolLM2) or no special token does."""
-    template = template_text(tokenizer)
+    template = own_template(tokenizer)
     end = end_of_turn(tokenizer, template) if template else None
     return end if end != tokenizer.eos_token_id else None
 

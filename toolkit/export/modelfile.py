@@ -16,6 +16,7 @@ from pathlib import Path
 import jinja2
 
 from toolkit.config.errors import UserError, first_line
+from toolkit.data.chat import own_template
 from toolkit.export.destination import MODELFILE_FIRST_LINE, modelfile_path
 
 SYSTEM, PROMPT, ANSWER, PROMPT2 = "Sys7qZx", "Prm7qZx", "Ans7qZx", "Nxt7qZx"  # text no template alters
@@ -32,14 +33,6 @@ class TurnShape:
     end_of_turn: str | None = None
     bos: str = ""
     note: str = ""
-
-
-def template_text(tokenizer) -> str | None:
-    """The chat template final/ carries (the default one where there are several), or None."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
-    return template or None
 
 
 def render(tokenizer, template: str, messages: list[dict], generation_prompt: bool, bos: str = "") -> str | None:
@@ -160,7 +153,7 @@ def write_modelfile(gguf_file: Path, tokenizer_dir: Path) -> Path:
         raise UserError(
             f"{tokenizer_dir} has no usable tokenizer ({first_line(exc)}); give the exported model folder"
         ) from None
-    template = template_text(tokenizer)
+    template = own_template(tokenizer)
     shape = turn_shape(tokenizer, template) if template else None
     path = modelfile_path(gguf_file)
     lines = [f"{MODELFILE_FIRST_LINE}{gguf_file.stem} -f {path.name}", f"FROM ./{gguf_file.name}"]

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import yaml
 
+from toolkit.data.chat import own_template
 from toolkit.data.template_check import stop_ids
-from toolkit.export.modelfile import fill, read_modelfile, render, stop_strings, template_text, turn_shape
+from toolkit.export.modelfile import fill, read_modelfile, render, stop_strings, turn_shape
 
 NEW_TOKENS = 32  # per prompt and model: enough to reach a short answer's stop, seconds on a CPU
 DEFAULT_PROMPTS = ["What is the capital of France?", "Write one sentence about the sea."]
@@ -138,7 +139,7 @@ def gguf_problems(gguf_file: Path, tokenizer) -> list[str]:
     reader = read_gguf(gguf_file)
     value = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731
     problems = []
-    template = template_text(tokenizer)
+    template = own_template(tokenizer)
     if value("tokenizer.chat_template") != template:
         problems.append(f"{gguf_file.name}: tokenizer.chat_template is not the chat template of the source's tokenizer")
     for key, expected in (("eos", tokenizer.eos_token_id), ("eot", end_of_turn_id(tokenizer))):
@@ -151,7 +152,7 @@ def gguf_problems(gguf_file: Path, tokenizer) -> list[str]:
 def modelfile_cells(modelfile: Path, tokenizer, prompts: list[str]) -> tuple[list[str], list[str], list[str]]:
     """(one cell per prompt, problems, notes): the Modelfile's TEMPLATE filled for each prompt against the Jinja
     render, and its stops against the stops final/ needs."""
-    template = template_text(tokenizer)
+    template = own_template(tokenizer)
     shape = turn_shape(tokenizer, template) if template else None
     written = read_modelfile(modelfile)
     missing = [s for s in stop_strings(tokenizer, shape) if s not in written["stops"]]
@@ -189,7 +190,7 @@ class Reference:
 
 
 def source_reference(model, tokenizer, prompts: list[str], prompts_from: str, chat: bool = True) -> Reference:
-    template = template_text(tokenizer)
+    template = own_template(tokenizer)
     stops = stop_ids(tokenizer, template)
     ids = [prompt_ids(tokenizer, p, template if chat else None) for p in prompts]
     return Reference(tokenizer, prompts, prompts_from, ids, stops, [greedy(model, i, stops) for i in ids])
