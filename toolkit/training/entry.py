@@ -55,6 +55,16 @@ OPTIONS = {"--config": "FILE: the recipe's YAML", "--print-config": "print the r
            "--help": "every key, its type, default and help"}
 
 
+def _value(argv: list[str], i: int) -> tuple[str | None, int]:
+    """(the value of the option at argv[i], attached with = or the next argument, None where there is none or the
+    next is another option; where the arguments after it start)."""
+    _, equals, attached = argv[i].partition("=")
+    if equals:
+        return attached, i + 1
+    value = argv[i + 1] if i + 1 < len(argv) else None
+    return (None if value is None or value.startswith("--") else value), i + 2
+
+
 def command_line(argv: list[str]) -> tuple[str, list[str], bool, int | None]:
     """(the --config file, the overrides, whether --print-config was given, --preview's count or None) of a recipe's
     arguments, each mistake refused in one line naming the argument."""
@@ -63,20 +73,19 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool, int | None]:
     i = 0
     while i < len(argv):
         arg = argv[i]
-        option, _, attached = arg.partition("=")
+        option = arg.partition("=")[0]
         if option == "--config":
-            value = attached if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
-            if value is None or ("=" not in arg and value.startswith("--")):
+            value, i = _value(argv, i)
+            if value is None:
                 raise UserError(f"--config needs the recipe's YAML file after it, {example}")
             if config is not None:
                 raise UserError(f"--config is given twice ({config}, {value}); give one, and change its keys with "
                                 "key=value overrides")
             config = value
-            i += 1 if "=" in arg else 2
             continue
         if option == "--preview":
-            value = attached if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
-            if value is None or ("=" not in arg and value.startswith("--")):
+            value, i = _value(argv, i)
+            if value is None:
                 raise UserError("--preview needs the number of packed blocks to show after it, e.g. --preview 3")
             if not value.isdigit() or int(value) < 1:
                 raise UserError(f"--preview {value!r} is not a positive integer; give the number of packed blocks to "
@@ -84,7 +93,6 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool, int | None]:
             if preview is not None:
                 raise UserError(f"--preview is given twice ({preview}, {value}); give it once")
             preview = int(value)
-            i += 1 if "=" in arg else 2
             continue
         if arg == "--print-config":
             show = True
