@@ -5,6 +5,8 @@ weights a token in a short micro-batch more than one in a long micro-batch. Here
 its *sum* of token losses, divided by the number of target tokens in the entire global batch, so accumulation
 and data parallelism change nothing. model.loss=chunked (`forward_loss_sum(..., chunk_tokens)`) computes the
 same sum and gradients inside the output head's forward, a chunk of tokens at a time, without the full logits.
+model.loss_positions=targets (`loss_on_targets`) has the head project only the positions that carry a target, in
+either path: a chat fine-tune's prompts, system and user turns need the trunk's forward, not the head's.
 """
 
 from __future__ import annotations
@@ -57,23 +59,32 @@ def backward_scale(global_targets: int, world_size: int, accumulation_steps: int
     return world_size * accumulation_steps / max(1, global_targets)
 
 
+NOT_INPUTS = ("labels", "shift_labels", "target_rows")  # a batch's columns the model's forward does not take
+
+
 def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0) -> torch.Tensor:
     """This micro-batch's summed token loss (a 0-d fp32 tensor to backward).
 
     `chunk_tokens` 0: from the model's full logits; > 0 (model.loss=chunked): computed inside the
-    output head `chunk_tokens` tokens at a time, with the same value and gradients.
+    output head `chunk_tokens` tokens at a time, with the same value and gradients. A model marked by
+    `loss_on_targets`: the head projects only the positions with a target (`rows_of`).
     """
     targets = targets_of(batch)
     # No KV cache: training never reads one, and with one transformers stops reading document
     # boundaries from position ids (flex_attention would then let documents see each other).
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")} | {"use_cache": False}
+    inputs = {k: v for k, v in batch.items() if k not in NOT_INPUTS} | {"use_cache": False}
     with static_flex_on_cpu(model, targets.device):
         inner = unwrapped(model)
         if getattr(inner, LOSS_IN_FORWARD, False):
             return loss_from_forward(model, inner, inputs, targets)
+        rows = rows_of(batch, targets) if on_targets(model) else None
         if chunk_tokens <= 0:
-            return target_loss_sum(model(**inputs).logits, targets)
-        with loss_in_head(model, targets, chunk_tokens) as returned:
+            if rows is None:
+                return target_loss_sum(model(**inputs).logits, targets)
+            with head_at(model, rows):
+                logits = model(**inputs).logits
+            return target_loss_sum(logits, targets.reshape(-1).index_select(0, rows))
+        with loss_in_head(model, targets, chunk_tokens, rows) as returned:
             loss = model(**inputs).logits
     if len(returned) != 1 or loss.dim() != 0:
         raise RuntimeError(
@@ -81,6 +92,54 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
             f"and returned logits of shape {tuple(loss.shape)}, not the loss the head computed; use model.loss=full"
         )
     return loss
+
+
+# ------------------------------------------------------------------ model.loss_positions=targets
+TARGETS_ONLY = "_toolkit_loss_on_targets"
+
+
+def loss_on_targets(model: torch.nn.Module) -> None:
+    """From now on the output head of `model` projects only the positions that carry a target (forward_loss_sum and
+    the preference objectives' token_logps): the same sum and gradients, less of the head's compute and memory."""
+    setattr(unwrapped(model), TARGETS_ONLY, True)
+
+
+def on_targets(model: torch.nn.Module) -> bool:
+    return bool(getattr(unwrapped(model), TARGETS_ONLY, False))
+
+
+def target_rows(targets: torch.Tensor) -> torch.Tensor:
+    """The positions of `targets` (already shifted) that carry one, as indices into its flattened (rows x positions)."""
+    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def with_target_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` (on the host) with its `target_rows`: found where its labels are, so that the device never waits
+    for the host to read them (a GPU's nonzero() would, at every micro-batch)."""
+    return batch | {"target_rows": target_rows(targets_of(batch))}
+
+
+def rows_of(batch: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """The rows of `targets` to project: those `with_target_rows` found on the host, else found here (a context- or
+    sequence-parallel shard is a batch of its own, made on the device)."""
+    rows = batch.get("target_rows")
+    return rows if rows is not None else target_rows(targets)
+
+
+@contextlib.contextmanager
+def head_at(model: torch.nn.Module, rows: torch.Tensor):
+    """For one forward of `model`: its output head gets only the hidden states at `rows` (flattened positions), and
+    the model returns their logits, (len(rows) x vocab). A pre-hook, so that the hooks of ZeRO-3, FSDP2 and peft's
+    wrappers around the head still run as they do."""
+    def select(module, args):
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), *args[1:])
+
+    handle = unwrapped(model).get_output_embeddings().register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 LOSS_IN_FORWARD = "_toolkit_loss_in_forward"  # True, then "checked" after the first forward agreed with target_loss_sum
@@ -275,8 +334,9 @@ def logit_softcap(model: torch.nn.Module) -> float | None:
 
 
 @contextlib.contextmanager
-def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int):
-    """For one forward of `model`: its output head returns the summed token loss instead of logits.
+def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int, rows: torch.Tensor | None = None):
+    """For one forward of `model`: its output head returns the summed token loss instead of logits (computed at
+    `rows` alone, the flattened positions with a target, where they are given).
 
     The instance `forward` is replaced, not the class's: the module's hooks still run around it
     (ZeRO-3 gathers the weight before, FSDP2 unshards it before and reshards it after), and
@@ -299,7 +359,10 @@ def loss_in_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: in
                 f"model.loss=chunked: the output head got hidden states {tuple(hidden.shape)} for labels "
                 f"{tuple(targets.shape)}; the model must project every position (logits_to_keep=0)"
             )
-        returned.append(linear_cross_entropy_sum(hidden, *head_weight(head), targets, chunk_tokens, cap))
+        kept = targets
+        if rows is not None:
+            hidden, kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), targets.reshape(-1)[rows]
+        returned.append(linear_cross_entropy_sum(hidden, *head_weight(head), kept, chunk_tokens, cap))
         return returned[-1]
 
     own = head.__dict__.get("forward")  # a forward already set on the instance (accelerate hooks do that)

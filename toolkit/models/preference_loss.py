@@ -14,22 +14,30 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.data.packing import IGNORE_INDEX
-from toolkit.models.loss import static_flex_on_cpu, targets_of
+from toolkit.models.loss import NOT_INPUTS, head_at, on_targets, rows_of, static_flex_on_cpu, targets_of
 
 OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
 STATS = ("chosen", "rejected", "accuracy", "pairs")  # what `PreferenceLoss.sums` adds up besides the loss
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "sequence", "ref_logps")
+NOT_MODEL_INPUTS = (*NOT_INPUTS, "sequence", "ref_logps")
 
 
 def token_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model's log-probability of each position's target (fp32; 0 where there is none)."""
+    """The model's log-probability of each position's target (fp32; 0 where there is none). With
+    model.loss_positions=targets the head projects those positions alone, and the others are 0 as before."""
     targets = targets_of(batch)
     inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS} | {"use_cache": False}
-    with static_flex_on_cpu(model, targets.device):
+    if not on_targets(model):
+        with static_flex_on_cpu(model, targets.device):
+            logits = model(**inputs).logits
+        flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="none")
+        return -flat.view(targets.shape)
+    rows = rows_of(batch, targets)
+    with static_flex_on_cpu(model, targets.device), head_at(model, rows):
         logits = model(**inputs).logits
-    flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="none")
-    return -flat.view(targets.shape)
+    picked = F.cross_entropy(logits.float(), targets.reshape(-1)[rows], reduction="none")
+    return -torch.zeros(targets.numel(), dtype=picked.dtype, device=picked.device).index_add(
+        0, rows, picked).view(targets.shape)
 
 
 def sequence_sums(batch: dict[str, torch.Tensor], values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from toolkit.config.errors import UserError
-from toolkit.models.loss import forward_loss_sum
+from toolkit.models.loss import forward_loss_sum, on_targets, with_target_rows
 from toolkit.models.preference_loss import STATS, PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.strategy.family import DATA_PARALLEL, Family, nonfinite_flags, verdict
@@ -62,8 +62,9 @@ def optimizer_step(
     router_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     stats = torch.zeros(len(STATS) if objective is not None else 0, device=accelerator.device, dtype=torch.float64)
     grad_norm = nonfinite = None
+    rows = on_targets(model)  # model.loss_positions=targets: the rows found before the batch leaves the host
     for batch in micro_batches:
-        batch = on_device(batch, accelerator.device)
+        batch = on_device(with_target_rows(batch) if rows else batch, accelerator.device)
         with accelerator.accumulate(model):
             if router is not None:
                 router.start()

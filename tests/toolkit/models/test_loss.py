@@ -22,7 +22,17 @@ from torch.utils._pytree import tree_leaves
 
 from toolkit.config.errors import UserError
 from toolkit.data.packing import IGNORE_INDEX, collate, pack_documents, target_counts, tokenize_documents
-from toolkit.models.loss import backward_scale, forward_loss_sum, linear_cross_entropy_sum, token_loss_sum
+from toolkit.models.loss import (
+    TARGETS_ONLY,
+    backward_scale,
+    forward_loss_sum,
+    linear_cross_entropy_sum,
+    loss_on_targets,
+    target_rows,
+    targets_of,
+    token_loss_sum,
+    with_target_rows,
+)
 
 SEQ_LEN = 32
 MICRO = 2
@@ -482,3 +492,96 @@ def test_flex_attention_loss_equals_the_masked_sdpa_loss(setup, make_model, chun
         model.set_attn_implementation("flex_attention")
         flex = forward_loss_sum(model, flex_batch, chunk_tokens)
     torch.testing.assert_close(flex, masked, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------ model.loss_positions=targets
+
+
+@pytest.fixture(scope="module")
+def prompted(setup):
+    """setup["full"] as a chat fine-tune's batch looks: each block's first 20 labels masked (its prompt), so that
+    most positions carry no target."""
+    batch = {k: v.clone() for k, v in setup["full"].items()}
+    batch["labels"][:, :20] = IGNORE_INDEX
+    targets = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert 0 < targets < batch["labels"].numel() // 2
+    return batch, targets
+
+
+def head_rows(model, batch, chunk_tokens: int) -> int:
+    """How many positions the head projects in a forward and backward: the largest (rows x vocab) tensor's rows on
+    the full path; on the chunked path, the rows of its projection matmuls, a chunk each."""
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    with OutputShapes() as shapes:
+        forward_loss_sum(model, batch, chunk_tokens).backward()
+    model.zero_grad(set_to_none=True)
+    if chunk_tokens:
+        return sum(s[0] for op, s in shapes.seen if op.startswith(("mm", "addmm")) and len(s) == 2 and s[1] == vocab)
+    return max(math.prod(s[:-1]) for _, s in shapes.seen if s and s[-1] == vocab and s != (hidden, vocab))
+
+
+@pytest.mark.parametrize(("model_type", "chunk_tokens"),
+                         [("llama", 0), ("llama", 7), ("gpt2", 0), ("gemma2", 0), ("gemma2", 7), ("qwen2", 10_000)])
+def test_the_head_on_target_positions_alone_gives_the_same_loss_and_gradients(model_type, chunk_tokens, prompted,
+                                                                              chunk_models):
+    """Fails if a masked position reaches the head (the rows it projects are counted) or a target is dropped (the
+    loss and every gradient, the head's and the embedding's included, are compared)."""
+    batch, targets = prompted
+    model = chunk_models(model_type).train()
+    loss_ref, grads_ref = loss_and_grads(model, batch, 0, targets)
+    assert head_rows(model, batch, chunk_tokens) == batch["labels"].numel()
+    loss_on_targets(model)
+    try:
+        loss, grads = loss_and_grads(model, batch, chunk_tokens, targets)
+        assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
+        assert_same_grads(grads, grads_ref)
+        assert head_rows(model, batch, chunk_tokens) == targets
+        # the rows found on the host, as the step hands them, are the same rows
+        assert torch.equal(with_target_rows(batch)["target_rows"], target_rows(targets_of(batch)))
+        assert forward_loss_sum(model, with_target_rows(batch), chunk_tokens).item() == loss.item()
+    finally:
+        delattr(model, TARGETS_ONLY)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 7])
+def test_the_head_on_targets_under_a_lora_and_with_a_head_trained_whole(chunk_tokens, prompted, make_model):
+    """peft wraps the head (modules_to_save) or leaves it frozen: the pre-hook and the chunks see the rows alike."""
+    from peft import LoraConfig, get_peft_model
+
+    batch, targets = prompted
+    for save in (None, ["lm_head"]):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                          modules_to_save=save)
+        model = get_peft_model(make_model(), lora).train()
+        loss_ref, grads_ref = loss_and_grads(model, batch, 0, targets)
+        loss_on_targets(model)
+        loss, grads = loss_and_grads(model, batch, chunk_tokens, targets)
+        assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
+        assert_same_grads(grads, grads_ref)
+        assert any("lm_head" in n for n in grads) == bool(save)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 7])
+def test_a_micro_batch_without_targets_gives_zero_and_a_backward(chunk_tokens, setup, make_model):
+    """A block whose every answer was cut (overlong: truncate) still runs the backward every strategy waits for."""
+    model = make_model().train()
+    loss_on_targets(model)
+    batch = {k: v.clone() for k, v in setup["full"].items()}
+    batch["labels"][:] = IGNORE_INDEX
+    loss = forward_loss_sum(model, with_target_rows(batch), chunk_tokens)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
+
+
+def test_preference_log_probabilities_on_target_positions_alone(prompted, make_model):
+    from toolkit.models.preference_loss import token_logps
+
+    batch, _ = prompted
+    model = make_model().eval()
+    with torch.no_grad():
+        every = token_logps(model, batch)
+        loss_on_targets(model)
+        only = token_logps(model, with_target_rows(batch))
+    assert (every[targets_of(batch) == IGNORE_INDEX] == 0).all()
+    torch.testing.assert_close(only, every, rtol=1e-6, atol=1e-6)
