@@ -52,8 +52,10 @@ class BaseModelConfig(ComputeConfig):
         None, help="a .gguf file name inside path, or a path to a .gguf file; it is dequantised to float",
         resume=refused(SHAPE), used_when=ALWAYS, path=READ, accepts={"unset": "model.path read as a Hugging Face folder"},
     )
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
-        "float32", help="parameter dtype; auto = the checkpoint's own (float32 for a GGUF)", resume=refused(SHAPE),
+    dtype: Literal["float32", "bfloat16", "float16", "auto", "compute"] = field(
+        "float32", help="parameter dtype; auto = the checkpoint's own (float32 for a GGUF); compute = the dtype the "
+        "run computes in for a base a LoRA/QLoRA leaves frozen (bfloat16 under bf16 mixed precision, a GPU's auto), "
+        "float32 for weights that train", resume=refused(SHAPE),
         used_when=ALWAYS,
     )
     gguf_cache: bool = field(

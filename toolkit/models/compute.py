@@ -12,6 +12,7 @@ from toolkit.config.values import name_problems
 from toolkit.data.packing import MASKED_ATTENTION, POSITION_ATTENTION, VARLEN_ATTENTION
 
 RECOMPUTATION = free("recomputation (test_gradient_checkpointing)")
+ATTENTION = MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION | {"auto"}  # auto: toolkit.training.switches
 
 
 @dataclass
@@ -19,7 +20,8 @@ class ComputeConfig:
     attn_implementation: str = field(
         "sdpa",
         help="sdpa (CPU/GPU), eager (the scores materialised: what Gemma 2 has on CPU), flex_attention (a compiled "
-        "document BlockMask; fastest with model.compile on GPUs) or flash_attention_2 (GPU, when installed)",
+        "document BlockMask; fastest with model.compile on GPUs), flash_attention_2 (GPU, when installed) or auto "
+        "(flex_attention on a GPU without model parallel, sdpa elsewhere)",
         resume=free("the same attention (test_attention's equivalence)"), used_when=ALWAYS, path=None,
     )
     gradient_checkpointing: Literal["none", "full", "every_k", "selective"] = field(
@@ -32,9 +34,10 @@ class ComputeConfig:
         used_when=Need("model.gradient_checkpointing", ("every_k",), "every_k recomputation's"),
         accepts={"2**31": "at most one layer is recomputed: harmless, if of little use"},
     )
-    compile: Literal["none", "layers", "model"] = field(
+    compile: Literal["none", "layers", "model", "auto"] = field(
         "none", help="torch.compile in place: none; layers (each decoder layer: one graph all of them reuse); model "
-                     "(the whole forward with its loss, one graph; needs loss=full); the first steps compile",
+                     "(the whole forward with its loss, one graph; needs loss=full); auto = layers on a GPU without "
+                     "model parallel, none elsewhere; the first steps compile",
         resume=free("the same forward, compiled"), used_when=ALWAYS,
     )
     cast_weights: Literal["auto", "per_forward", "per_step"] = field(
@@ -49,6 +52,12 @@ class ComputeConfig:
         help="full: fp32 logits of the whole micro-batch at once; chunked: the output projection and "
         "cross-entropy loss_chunk_tokens at a time, never holding the (tokens x vocab) logits",
         resume=free("the chunked loss equals the full one (test_loss)"), used_when=ALWAYS,
+    )
+    loss_positions: Literal["all", "targets", "auto"] = field(
+        "all", help="where the output head and the loss are computed: all (every position), targets (only the "
+        "positions with a label: the same loss and gradients, without the head's work on a chat's prompts and user "
+        "turns); auto = targets on a GPU where it applies (not compile=model, tensor parallel or a pipeline)",
+        resume=free("the same loss (test_loss)"), used_when=ALWAYS,
     )
     loss_chunk_tokens: int = field(
         4096, help="with loss=chunked: tokens per chunk", resume=free("(test_loss)"),
@@ -65,13 +74,16 @@ class ComputeConfig:
         fix = "use sdpa, eager, flex_attention, or flash_attention_2 on GPU"
         problems = name_problems(self, ("attn_implementation",), fix)
         # caught here, not when the trainer starts or the model is built
-        if not problems and self.attn_implementation not in MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION:
+        if not problems and self.attn_implementation not in ATTENTION:
             problems.append(f"attn_implementation={self.attn_implementation[:60]} cannot keep packed documents apart; "
                             f"{fix}")
         if self.gradient_checkpointing_k < 1:
             problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
         if self.loss_chunk_tokens < 1:
             problems.append(f"loss_chunk_tokens={self.loss_chunk_tokens} must be at least 1")
+        if self.compile == "model" and self.loss_positions == "targets":
+            problems.append("compile=model computes the loss in the compiled graph, at every position: set "
+                            "loss_positions=all (or auto), or compile=layers to keep loss_positions=targets")
         if self.compile == "model" and self.loss == "chunked":
             problems.append("compile=model computes the loss in the compiled graph, whole: set loss=full, or "
                             "compile=layers to keep loss=chunked")

@@ -4,6 +4,7 @@ the rows recipes/plan.py prints, and the fastest that fits. A layout the launch 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -14,10 +15,13 @@ from toolkit.config.combinations import refusals
 from toolkit.config.errors import UserError
 from toolkit.config.files import read_yaml
 from toolkit.config.load import to_dict
+from toolkit.config.switches import Machine
+from toolkit.config.switches import resolve as resolve_switches
 from toolkit.launch.cli import ROOT
 from toolkit.models.adapter import apply_adapter
 from toolkit.models.router import expert_count
 from toolkit.models.weight_cast import AUTOCAST, auto_applies
+from toolkit.parallel_layout import ParallelLayout
 from toolkit.planner.estimate import cpu_reserve, estimate
 from toolkit.planner.facts import Run, StrategyFacts, rank_key, read_strategy
 from toolkit.planner.state import model_tensors
@@ -153,11 +157,16 @@ def plan(recipe: str, cfg, gpus: int, gpu_memory: int, headroom: float = 0.1,
     validated `cfg` on `gpus` GPUs of `gpu_memory` bytes (CPU processes and their share of the host's with `cpu`),
     over every single-node accelerate config in `configs` and the pipelines."""
     notes: list[str] = []
+    precision = {"auto": "fp32" if cpu else "bf16", "no": "fp32"}.get(cfg.train.mixed_precision,
+                                                                      cfg.train.mixed_precision)
+    # the auto switches as the launch makes them on this device (the model-parallel rows' attention: `needs` below)
+    cfg = copy.deepcopy(cfg)
+    resolve_switches(cfg, Machine("cpu" if cpu else "cuda", {"fp32": "no", "fp8": "bf16"}.get(precision, precision),
+                                  ParallelLayout("ddp", max(1, gpus))))
     model, dtype, quantized = meta_model(recipe, cfg, notes)
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     hidden, experts = config.hidden_size, expert_count(config)
     t, m = cfg.train, cfg.model
-    precision = {"auto": "fp32" if cpu else "bf16", "no": "fp32"}.get(t.mixed_precision, t.mixed_precision)
     if precision == "fp8":  # its memory is not modelled yet; bf16's is its upper bound
         notes.append("train.mixed_precision=fp8 is planned as bf16, its upper bound: what the float8 layers save is not "
                      "modelled yet (the 1B YAML on an H200 held 48.4 GB under fp8, 59.1 under bf16: docs/fp8.md)")

@@ -12,6 +12,7 @@ from toolkit.models import float8
 from toolkit.models.adapter import AdapterConfig, apply_adapter
 from toolkit.models.compilation import compile_model
 from toolkit.models.gradient_checkpointing import apply_gradient_checkpointing
+from toolkit.models.loss import loss_on_targets
 from toolkit.training.metrics import model_size
 
 
@@ -44,6 +45,8 @@ def assemble(trainer, model: torch.nn.Module, tokenizer, adapter: AdapterConfig 
         model, note = apply_adapter(model, adapter)
         trainer.print(note)
     compile_model(model, cfg.model.compile)  # after the adapter, so that what is compiled holds its modules
+    if cfg.model.loss_positions == "targets":
+        loss_on_targets(model)
     trainer.prepare(model, tokenizer, n_params, flops_token, model_files)
     objective = trainer.objective
     return Assembled(n_params, flops_token, trainer.resumed, trainer.feed.val is not None,

@@ -21,7 +21,7 @@ import torch
 from accelerate.utils import gather_object
 
 from toolkit.data.packing import POSITION_ATTENTION, VARLEN_ATTENTION, attention_inputs
-from toolkit.models.loss import LOSS_IN_FORWARD, forward_loss_sum, unwrapped
+from toolkit.models.loss import LOSS_IN_FORWARD, TARGETS_ONLY, forward_loss_sum, unwrapped
 from toolkit.training.step import Diverged, on_device, verdict
 
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "labels")  # what a row of any collated batch holds
@@ -115,6 +115,17 @@ def _full_loss(p: Pass) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _every_position(p: Pass) -> Iterator[None]:
+    inner = unwrapped(p.model)
+    marked = getattr(inner, TARGETS_ONLY, False)
+    setattr(inner, TARGETS_ONLY, False)
+    try:
+        yield
+    finally:
+        setattr(inner, TARGETS_ONLY, marked)
+
+
+@contextlib.contextmanager
 def _autocast_casts(p: Pass) -> Iterator[None]:
     linears = getattr(p.weight_cast, "linears", [])
     copies = [m.step_weight for m in linears]
@@ -128,15 +139,18 @@ def _autocast_casts(p: Pass) -> Iterator[None]:
 
 
 # Every fast path a run can take: a setting's value that computes what its reference computes, faster. A value of
-# model.compile, model.attn_implementation, model.loss, model.cast_weights or train.mixed_precision that is neither
+# model.compile, model.attn_implementation, model.loss, model.loss_positions, model.cast_weights or
+# train.mixed_precision that is neither
 # a lever nor a reference fails tests/toolkit/training/test_canary.py until it is classified here or in REFERENCES.
 LEVERS: tuple[Lever, ...] = (
-    Lever("model.compile", "model.compile=none", lambda cfg, t: cfg.model.compile != "none", _eager),
+    Lever("model.compile", "model.compile=none", lambda cfg, t: cfg.model.compile not in ("none", "auto"), _eager),
     Lever("model.attn_implementation", "model.attn_implementation=sdpa",
           lambda cfg, t: cfg.model.attn_implementation in POSITION_ATTENTION | VARLEN_ATTENTION, _masked_attention),
     Lever("train.mixed_precision=fp8", "train.mixed_precision=bf16",
           lambda cfg, t: cfg.train.mixed_precision == "fp8", _bf16_linears),
     Lever("model.loss=chunked", "model.loss=full", lambda cfg, t: cfg.model.loss == "chunked", _full_loss),
+    Lever("model.loss_positions=targets", "model.loss_positions=all",
+          lambda cfg, t: cfg.model.loss_positions == "targets", _every_position),
     # where the run really casts once per step (model.cast_weights=auto takes it where it applies)
     Lever("model.cast_weights=per_step", "model.cast_weights=per_forward", lambda cfg, t: t.casts_per_step,
           _autocast_casts),
@@ -145,11 +159,13 @@ LEVERS: tuple[Lever, ...] = (
     Lever("train.step_sync=none", "train.step_sync=host", lambda cfg, t: t.skips_on_device, None),
 )
 # The values that are the references (or change nothing the canary could compare), with why.
+AUTO = "made a lever or a reference at the launch, before the canary reads it (toolkit.config.switches)"
 REFERENCES = {
-    "model.compile": {"none": "eager: the reference"},
+    "model.compile": {"none": "eager: the reference", "auto": AUTO},
     "model.attn_implementation": {"sdpa": "the document mask: the reference", "eager": "the scores materialised: "
-                                  "a reference as sdpa is (test_attention)"},
+                                  "a reference as sdpa is (test_attention)", "auto": AUTO},
     "model.loss": {"full": "the reference"},
+    "model.loss_positions": {"all": "the reference", "auto": AUTO},
     "model.cast_weights": {"per_forward": "autocast's casts: the reference",
                            "auto": "per_step where it applies: the canary asks the run (`casts_per_step`)",
                            "per_step": "a lever where the run casts once per step (`casts_per_step`)"},

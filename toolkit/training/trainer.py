@@ -26,6 +26,8 @@ from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config.combinations import check as check_combinations
 from toolkit.config.declarations import declared
 from toolkit.config.load import to_dict
+from toolkit.config.switches import Machine
+from toolkit.config.switches import resolve as resolve_switches
 from toolkit.data.batching import BatchSchedule
 from toolkit.data.mixture import MixtureSchedule
 from toolkit.data.packing import check_attention
@@ -109,6 +111,10 @@ class Trainer:
             timeout_s=t.collective_timeout_s, pipeline_stages=t.pipeline_stages,
         )
         self.accelerator = strategy.accelerator
+        said = resolve_switches(cfg, Machine(self.accelerator.device.type, self.accelerator.mixed_precision,
+                                             strategy.layout))
+        if said:
+            self.print(said)
         check_combinations(cfg, strategy.layout, self.accelerator.mixed_precision,  # before the model loads
                            self.accelerator.device.type)
         strategy.check_sequence_length(cfg.data.seq_len)

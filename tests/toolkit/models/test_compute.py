@@ -16,7 +16,7 @@ from toolkit.models.scratch import ModelConfig
 
 COMPUTE_KEYS = [
     "attn_implementation", "gradient_checkpointing", "gradient_checkpointing_k", "compile", "cast_weights", "loss",
-    "loss_chunk_tokens",
+    "loss_positions", "loss_chunk_tokens",
 ]
 MODEL_SECTIONS = [ModelConfig, BaseModelConfig]
 

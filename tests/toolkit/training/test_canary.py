@@ -16,9 +16,10 @@ from accelerate.state import AcceleratorState
 from one_process_trainer import packed_blocks, start_trainer
 
 from toolkit.config.load import load_config
-from toolkit.data.packing import MASKED_ATTENTION, POSITION_ATTENTION, VARLEN_ATTENTION, collate
+from toolkit.data.packing import collate
 from toolkit.models import float8, weight_cast
 from toolkit.models import loss as loss_module
+from toolkit.models.compute import ATTENTION
 from toolkit.run.folder import RunDir
 from toolkit.training import canary
 from toolkit.training.metrics import read_metrics
@@ -43,8 +44,9 @@ def fresh_accelerator_state():
 def fast_values() -> dict[str, tuple[str, ...]]:
     """Every value of every setting that picks a path the model computes by, from the config's own types."""
     hints = typing.get_type_hints(type(load_config(PretrainConfig, None, []).model))
-    values = {f"model.{key}": typing.get_args(hints[key]) for key in ("compile", "loss", "cast_weights")}
-    values["model.attn_implementation"] = tuple(sorted(MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION))
+    values = {f"model.{key}": typing.get_args(hints[key]) for key in ("compile", "loss", "loss_positions",
+                                                                       "cast_weights")}
+    values["model.attn_implementation"] = tuple(sorted(ATTENTION))
     train = typing.get_type_hints(type(load_config(PretrainConfig, None, []).train))
     values["train.mixed_precision"] = typing.get_args(train["mixed_precision"])
     values["train.step_sync"] = typing.get_args(train["step_sync"])
@@ -114,7 +116,18 @@ def stale_copy_once(monkeypatch):
     monkeypatch.setattr(weight_cast.WeightCast, "step", planted)
 
 
+def drops_a_target_row(monkeypatch):
+    original = loss_module.target_rows
+
+    def planted(targets):
+        return original(targets)[1:]  # the first target never reaches the head
+
+    monkeypatch.setattr(loss_module, "target_rows", planted)
+
+
 PLANTED = {  # (the bug, the run's settings, the lever named, the step whose check catches it)
+    "a head on the targets that drops one": (drops_a_target_row, ["model.loss_positions=targets"],
+                                             "model.loss_positions=targets", 1),
     "a chunked loss that drops the last chunk": (drops_the_last_chunk, CHUNKED, "model.loss=chunked", 1),
     "a loss that scales one token's gradient": (scales_one_tokens_gradient, CHUNKED, "model.loss=chunked", 1),
     # two levers in use: the one whose fast path alone drifts is named

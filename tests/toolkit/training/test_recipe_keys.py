@@ -56,7 +56,7 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
                                             "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio",
                                             "train.max_steps"))
     assert sorted(keys.KEPT_BY_THE_OPTIMIZER) == ["optim.betas", "optim.eps", "optim.weight_decay"]
-    assert (len(keys.REFUSED), len(keys.FROM_NEXT_STEP), len(keys.FREE)) == (39, 12, 38)  # + train.canary, canary_every; data.append_stop, model.new_tokens
+    assert (len(keys.REFUSED), len(keys.FROM_NEXT_STEP), len(keys.FREE)) == (39, 12, 39)  # + train.canary, canary_every; data.append_stop, model.new_tokens; model.loss_positions
     assert keys.REFUSED["data.seq_len"] == "it decides which tokens each step reads"
     assert keys.REFUSED["train.mixed_precision"] == "the strategy's saved weights and optimizer state are in its precision"
     assert keys.FREE["model.loss"] == "the chunked loss equals the full one (test_loss)"
@@ -71,7 +71,7 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
         "data.columns.conversation": "FinetuneDataConfig.validate",
         # a source's keys declare it since issue 63 (they said nothing: keys inside a list needed only path=)
         "data.sources[].record_format": "DataConfig.source_problems", "data.sources[].columns": "DataConfig.source_problems"}
-    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (37 + 2 + 3 + 1, 56 + 7 - 1 + 1)  # + the sources' keys; eval.every, eval.blocks, train.canary(_every); data.append_stop; model.new_tokens
+    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (37 + 2 + 3 + 1, 56 + 7 - 1 + 1 + 1)  # + the sources' keys; eval.every, eval.blocks, train.canary(_every); data.append_stop; model.new_tokens; model.loss_positions
     assert keys.USED_WHEN["adapter.r"] == ("adapter.method", ("lora", "qlora"), "LoRA's")
     assert keys.USED_WHEN["tokenizer.vocab_size"] == ("tokenizer.path", (None,), "for a tokenizer the run trains")
     assert keys.ACCEPTS["optim.max_grad_norm"] == {"0": "no clipping, as documented"}
