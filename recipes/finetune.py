@@ -61,6 +61,7 @@ from toolkit.export.hf_folder import save_adapter, save_final_model, write_model
 from toolkit.launch.verdict import exit_process
 from toolkit.models.adapter import (
     check_qlora_device,
+    keep_4bit_trainable,
     leave_out_bitsandbytes,
     load_with_adapter,
     merge,
@@ -119,8 +120,10 @@ class FinetuneRecipe:
         # Base model: whole on every rank (the strategy shards it at prepare). The main process
         # goes first so that a GGUF is parsed once and the other ranks read its cached copy.
         with strategy.accelerator.main_process_first(), strategy.outside_training():
-            model, self.tokenizer, notes = load_base_model(cfg.model, quantization_config(cfg.adapter), strategy.device_map(),
-                                                           cfg.data.chat_template)
+            quantized = quantization_config(cfg.adapter, strategy.accelerator.device.type == "cuda",
+                                            strategy.accelerator.mixed_precision, strategy.family.qlora_storage(strategy.accelerator.mixed_precision))
+            model, self.tokenizer, notes = load_base_model(cfg.model, quantized, strategy.device_map(), cfg.data.chat_template)
+        keep_4bit_trainable(model)
         for line in notes:
             trainer.print(line)
         strategy.check_fsdp_layers(model)

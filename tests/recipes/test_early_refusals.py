@@ -51,8 +51,6 @@ EARLY = {
     "flex_attention on CPU": (
         "pretrain", ["model.attn_implementation=flex_attention"],
         "model.attn_implementation=flex_attention trains only on GPUs"),
-    "qlora without a GPU": (
-        "finetune", ["adapter.method=qlora", "model.path={base}"], "adapter.method=qlora needs a CUDA GPU"),
     "seq_len past the base's positions": (
         "finetune", [f"data.seq_len={2 * BASE_POSITIONS}", "model.path={base}"],
         f"data.seq_len={2 * BASE_POSITIONS} is larger than the base model's max positions ({BASE_POSITIONS})"),

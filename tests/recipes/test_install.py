@@ -76,7 +76,7 @@ def test_a_second_install_skips_pip_and_builds_cpu_adam_in_idle_time(tmp_path, s
     stamp.write_text(f"{ROOT}-elsewhere 0123456789abcdef\n")
     assert_uv_gets_pips_settings(tmp_path)
     assert stamp.read_text().split()[0] == str(ROOT)
-    assert stamp.read_text().split()[-1] == "deepspeed,smollm2,test,quant,eval"
+    assert stamp.read_text().split()[-1] == "deepspeed,smollm2,test,quant,eval,qlora"
     env, log = fake_deepspeed(tmp_path)
     # a user's and the quickstart's packages are among the tests' install: nothing to install either
     assert install(tmp_path) == []
@@ -103,7 +103,7 @@ def assert_uv_gets_pips_settings(tmp_path: Path) -> None:
     conf.write_text(PIP_CONF)
     cmds = install(tmp_path, "--for", "tests", env={"PIP_CONFIG_FILE": str(conf), **PIP_ENV})
     assert cmds[0] == "-m pip install --quiet uv"
-    editable = next(c.split() for c in cmds if c.endswith("-e .[deepspeed,smollm2,test,quant,eval]"))
+    editable = next(c.split() for c in cmds if c.endswith("-e .[deepspeed,smollm2,test,quant,eval,qlora]"))
     assert editable[:5] == ["-m", "uv", "pip", "install", "--quiet"] and "--compile-bytecode" in editable
     flags = list(zip(editable, editable[1:], strict=False))
     assert [v for f, v in flags if f == "--index-url"] == ["file:///mirror/simple"]
@@ -135,7 +135,7 @@ def test_the_quickstart_installs_only_what_it_needs_once(tmp_path, stamp):
     assert stamp.read_text().split()[-1] == "deepspeed"
     assert install(tmp_path, "--for", "quickstart") == []  # the second run: installed
     assert install(tmp_path)[-2].endswith("-e .[deepspeed,smollm2]")  # a user's needs more: SmolLM2
-    assert install(tmp_path, "--for", "tests")[-2].endswith("-e .[deepspeed,smollm2,test,quant,eval]")  # the suite's more still
+    assert install(tmp_path, "--for", "tests")[-2].endswith("-e .[deepspeed,smollm2,test,quant,eval,qlora]")  # the suite's more still
     assert "recipes/install.sh\" --for quickstart" in (ROOT / "recipes" / "quickstart.sh").read_text()
     assert "install.sh --for tests" in (ROOT / "tests" / "run.sh").read_text()
 

@@ -71,18 +71,20 @@ def _canary(cfg, layout: ParallelLayout, precision: str) -> str | None:
 
 
 def _qlora(cfg, layout: ParallelLayout, precision: str) -> str | None:
-    # Its 4-bit base is bitsandbytes' packed NF4 weights, which every process holds whole: FSDP and ZeRO-3 would
-    # shard them, DeepSpeed's bf16 mode casts the module, and model parallel splits the layers.
-    if _method(cfg) != "qlora" or (layout.kind in ("single", "ddp") and layout.model_parallel == 1):
+    # Its 4-bit base is bitsandbytes' packed NF4 weights: DDP holds them whole on every process, FSDP2 shards them
+    # (held in a float dtype, toolkit.strategy.fsdp's qlora_storage) and model parallel would split the layers.
+    # ZeRO-3 trained tiny runs with FSDP2's losses on 2 CPU processes (fp32 and bf16) but its resume, merge and export
+    # of a 4-bit base are untested, and FSDP1 shards with flat parameters that bitsandbytes' quant state does not follow
+    if _method(cfg) != "qlora" or layout.model_parallel == 1 and (
+            layout.kind in ("single", "ddp") or layout.kind == "fsdp" and layout.fsdp_version == 2):
         return None
     if layout.model_parallel > 1:
-        return ("adapter.method=qlora trains under DDP only (model parallel would split its 4-bit base, which "
-                "bitsandbytes keeps whole on each GPU); launch with accelerate_configs/ddp.yaml and no "
-                "train.pipeline_stages")
-    how = "FSDP would shard" if layout.kind == "fsdp" else "DeepSpeed would cast or shard"
-    return (f"adapter.method=qlora trains under DDP only ({how} its 4-bit base, which bitsandbytes keeps whole on "
-            "each GPU); launch with accelerate_configs/ddp.yaml, or use adapter.method=lora to shard a full-precision "
-            "base")
+        return ("adapter.method=qlora trains under DDP and FSDP2 (data parallel), not with model parallel "
+                f"({_degrees(layout)}), which would split its 4-bit base; launch with accelerate_configs/ddp.yaml or "
+                "fsdp.yaml and no train.pipeline_stages")
+    what = "FSDP1" if layout.kind == "fsdp" else "DeepSpeed (untested with a 4-bit base)"
+    return (f"adapter.method=qlora trains under DDP and FSDP2, not under {what}; launch with "
+            "accelerate_configs/fsdp.yaml to shard its 4-bit base, or ddp.yaml")
 
 
 # A pipeline's stages under a layout that cannot hold them, refused by the launch as it is made (toolkit.strategy's

@@ -4,12 +4,14 @@ LoRA comes from peft. The adapter is added before `accelerator.prepare`, on the 
 ZeRO-3 see an ordinary module with some parameters frozen: FSDP2 shards frozen and trainable parameters alike,
 ZeRO-3 partitions the frozen base and builds its optimizer over the adapter only, and nothing peft-specific
 happens inside the strategy. QLoRA loads the base through bitsandbytes' 4-bit NF4 kernels, which need a CUDA
-GPU. Where there is none the recipe stops with a message; it never trains in full precision instead.
+GPU or (bitsandbytes>=0.50) the CPU; under FSDP2 its packed 4-bit bytes are sharded like any weight
+(toolkit.strategy.fsdp's qlora_storage).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import sys
 import warnings
@@ -35,7 +37,7 @@ LORA = Need("adapter.method", ("lora", "qlora"), "LoRA's")  # what the LoRA keys
 @dataclass
 class AdapterConfig:
     method: Literal["full", "lora", "qlora"] = field(
-        "lora", help="full = train every weight; lora = train a LoRA adapter (peft); qlora = LoRA on a 4-bit base (CUDA)",
+        "lora", help="full = train every weight; lora = train a LoRA adapter (peft); qlora = LoRA on a 4-bit NF4 base (bitsandbytes: CUDA GPU or CPU)",
         resume=refused(SHAPE), used_when=ALWAYS,
     )
     r: int = field(16, help="LoRA rank", resume=refused(SHAPE), used_when=LORA, accepts={
@@ -91,16 +93,27 @@ class AdapterConfig:
 
 
 def check_qlora_device(cfg: AdapterConfig) -> None:
-    """QLoRA needs bitsandbytes' 4-bit CUDA kernels; say so before any work is done."""
+    """QLoRA needs bitsandbytes (its 4-bit kernels run on a CUDA GPU and, from 0.50, on the CPU); say so before any
+    work is done, and import it here, without its notice (import_bitsandbytes)."""
     if cfg.method != "qlora":
         return
-    if not torch.cuda.is_available():
-        raise UserError(
-            "adapter.method=qlora needs a CUDA GPU (bitsandbytes 4-bit kernels) and this machine has none; "
-            "use adapter.method=lora, which trains the same adapter on a full-precision base"
-        )
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError("adapter.method=qlora needs bitsandbytes; pip install bitsandbytes")
+        raise UserError("adapter.method=qlora needs bitsandbytes; pip install -e '.[qlora]' (bitsandbytes>=0.50)")
+    import_bitsandbytes()
+
+
+class _NoKernelsHub(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+def import_bitsandbytes() -> None:
+    """Import bitsandbytes for a run that loads a 4-bit base, without the warning its CPU backend logs at import on a
+    CPU with AVX512-BF16 when the optional `kernels` package (a faster fused 4-bit matmul from the Hub) is missing:
+    "Failed to load CPU gemm_4bit_forward from kernels-community". bitsandbytes falls back to its own kernels, which
+    every QLoRA here is measured with; the line would tell users to install a package they do not need."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoKernelsHub())
+    import bitsandbytes  # noqa: F401
 
 
 def leave_out_bitsandbytes() -> None:
@@ -115,8 +128,23 @@ def leave_out_bitsandbytes() -> None:
         sys.modules["bitsandbytes"] = None
 
 
-def quantization_config(cfg: AdapterConfig):
-    """The 4-bit NF4 load of the QLoRA paper (double quantisation, bf16 compute); None otherwise."""
+def keep_4bit_trainable(model: torch.nn.Module) -> torch.nn.Module:
+    """Keep bitsandbytes' 4-bit layers on their differentiable path on the CPU. On a CPU with AVX512-BF16, a
+    Linear4bit's first forward in eval mode without gradients (the held-out loss before training, the samples)
+    repacks its weight in place for a fused inference kernel (gemv_4bit) that has no backward: every training step
+    after it ran through it ("an autograd kernel was not registered" at the first backward), the gradient into the
+    layers below each 4-bit layer unsound. Off, the layers dequantise and matmul in training and eval alike, on
+    every CPU the same."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def quantization_config(cfg: AdapterConfig, on_gpu: bool, mixed_precision: str, storage: torch.dtype | None = None):
+    """The 4-bit NF4 load of the QLoRA paper (double quantisation); None for another method. It computes in bf16 on a
+    GPU (the paper's), and on the CPU in the run's precision: fp32 unless train.mixed_precision=bf16. `storage`: the
+    dtype the packed 4-bit bytes are held in (bitsandbytes' quant_storage, uint8 by default), see qlora_storage."""
     if cfg.method != "qlora":
         return None
     from transformers import BitsAndBytesConfig
@@ -125,7 +153,8 @@ def quantization_config(cfg: AdapterConfig):
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_compute_dtype=torch.bfloat16 if on_gpu or mixed_precision == "bf16" else torch.float32,
+        bnb_4bit_quant_storage=storage or torch.uint8,
     )
 
 
@@ -137,7 +166,7 @@ def _linear_rank(module: torch.nn.Module) -> int:
 # rank: min(rows, columns) of its weight, past which a LoRA's rank adds parameters and nothing it can express. A
 # layer of another kind is refused; subclasses count as their kind (Gemma's scaled embedding is an Embedding). What
 # the merge makes of each kind, on a base with tied and untied embeddings, is MERGES below; Linear4bit and
-# Linear8bitLt are QLoRA's 4- and 8-bit bases (CUDA only).
+# Linear8bitLt are bitsandbytes' 4- and 8-bit bases (QLoRA's is the 4-bit one).
 ADAPTABLE = {
     "Linear": _linear_rank,
     "Conv1D": lambda module: min(module.weight.shape),  # GPT-2's linear layers, weight stored (in, out)
@@ -163,8 +192,8 @@ MERGES = {
     "method": {
         "full": "nothing to merge: final/ is the trained model",
         "lora": "the rows of target_modules",
-        "qlora": "CUDA only: merged into the base reloaded in full precision, which the 4-bit base it trained on "
-                 "only approximates",
+        "qlora": "merged into the base reloaded in full precision, which the 4-bit base it trained on only "
+                 "approximates",
     },
     "r": "the rank of B A; above the largest min(in, out) of the adapted layers it is refused before training",
     "alpha": "the scale alpha / r (alpha / sqrt(r) with rslora) of the update merged",
@@ -175,7 +204,8 @@ MERGES = {
     "layers": "only the layers named carry an update; the others stay the base's",
     "merge": "whether final/ is written at all (the adapter alone otherwise)",
 }
-CUDA_ONLY = ("Linear4bit", "Linear8bitLt", "qlora")
+# walked by the QLoRA recipe runs instead (tests/recipes/test_finetune_qlora.py: merged, exported), not by the table's
+NOT_WALKED = ("Linear4bit", "Linear8bitLt", "qlora")
 
 
 def layer_kind(module: torch.nn.Module) -> str | None:

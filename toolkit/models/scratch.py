@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import re
 import types
@@ -160,7 +161,9 @@ def build_model(cfg: ModelConfig, config: PretrainedConfig, seed: int) -> torch.
 
 
 def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = False) -> int:
-    total = sum(p.numel() for p in model.parameters())
+    # a 4-bit weight (QLoRA's bitsandbytes Params4bit) packs its values into fewer elements: its own shape counts
+    total = sum(math.prod(p.quant_state.shape) if getattr(p, "quant_state", None) is not None else p.numel()
+                for p in model.parameters())
     if exclude_embeddings:
         emb = model.get_input_embeddings()
         if emb is not None:

@@ -267,9 +267,9 @@ class Strategy:
         bit-identical."""
         return self.family.check_replicas(self, model)
 
-    def device_map(self) -> dict[str, int]:
-        """Where a quantised (QLoRA) base loads: this rank's own GPU."""
-        return {"": self.accelerator.local_process_index}
+    def device_map(self) -> dict[str, int | str]:
+        """Where a quantised (QLoRA) base loads: this rank's own GPU, or the CPU (bitsandbytes' CPU kernels)."""
+        return {"": self.accelerator.local_process_index if self.accelerator.device.type == "cuda" else "cpu"}
 
     def prepared(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer], list]:
         """(models, optimizers, registered objects) as `prepare` and register_for_checkpointing handed them

@@ -59,6 +59,13 @@ class Fsdp(DataParallel):
                 f"its decoder layer class is {', '.join(layers)} (or leave fsdp_transformer_layer_cls_to_wrap out)"
             )
 
+    def qlora_storage(self, precision: str) -> torch.dtype | None:
+        """FSDP2 shards a 4-bit base's packed bytes like any weight when they are held in a float dtype (Accelerate
+        leaves uint8 ones whole on every rank, "non-floating frozen Params4bit"), and casts every float weight to
+        its compute dtype at the all-gather under mixed precision: held in that dtype, the bytes go through
+        unchanged. Measured on 2 CPU processes: the same losses as one process, each rank holding half the bytes."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
     def prepare(self, strategy: Strategy, *objects):
         """Accelerate's prepare, with each optimizer's parameters found again by name where its own mapping fails.
         Accelerate swaps them for FSDP2's sharded ones by data_ptr(), which torchao's float8 weight wrapper (the
