@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import difflib
+import math
 import re
 import types
 from dataclasses import dataclass

@@ -13,9 +13,9 @@ from toolkit.config.errors import UserError
 from toolkit.models import adapter
 from toolkit.models.adapter import (
     ADAPTABLE,
-    NOT_WALKED,
     DEFAULT_TARGETS,
     MERGES,
+    NOT_WALKED,
     AdapterConfig,
     adaptable_names,
     apply_adapter,
