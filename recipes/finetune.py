@@ -13,8 +13,8 @@ Features
   data.format=preference with train.objective=dpo|simpo|orpo: prompt/chosen/rejected pairs packed
   whole, several per block; DPO's reference is the base scored once before training
   (docs/preference.md).
-- adapter.method: full, lora (peft) or qlora (4-bit base, CUDA only); the same under DDP, FSDP
-  and DeepSpeed ZeRO-1/2/3.
+- adapter.method: full, lora (peft) or qlora (4-bit base, bitsandbytes: CUDA GPU or CPU); the
+  same under DDP, FSDP and DeepSpeed ZeRO-1/2/3 (qlora: DDP and FSDP2).
 - Held-out loss and perplexity (pairs: loss and rewards) before and after training, side by
   side; greedy generations for the YAML's prompts before and after, in samples.md.
 - Output: final/ (HF folder) for a full fine-tune; adapter/ (peft) for LoRA, plus final/ with
@@ -28,8 +28,8 @@ Errors (one line, exit code 2): everything the pretraining recipe refuses, plus 
 model or GGUF, chat records that are not UTF-8, lack `messages` or have an unknown role, a
 tokenizer without a chat template, a chat template that trains no stop token after an answer, whose generation
 prompt is not how its turns begin, or that drops the system message (toolkit.data.template_check, before the base
-loads), LoRA target modules that match no layer, QLoRA without a CUDA
-GPU, preference records without prompt/chosen/rejected, a preference objective without preference
+loads), LoRA target modules that match no layer, QLoRA without
+bitsandbytes, preference records without prompt/chosen/rejected, a preference objective without preference
 data (or the other way round) or under model parallel. Ranks that fall out of step: one line per
 rank, exit code 4, as in pretraining.
 """
@@ -123,7 +123,12 @@ class FinetuneRecipe:
             quantized = quantization_config(cfg.adapter, strategy.accelerator.device.type == "cuda",
                                             strategy.accelerator.mixed_precision, strategy.family.qlora_storage(strategy.accelerator.mixed_precision))
             model, self.tokenizer, notes = load_base_model(cfg.model, quantized, strategy.device_map(), cfg.data.chat_template)
-        keep_4bit_trainable(model)
+        if quantized is not None:
+            keep_4bit_trainable(model)
+            notes.append(f"base model: 4-bit NF4 (bitsandbytes), computing in "
+                         f"{str(quantized.bnb_4bit_compute_dtype).removeprefix('torch.')}, packed bytes held as "
+                         f"{str(quantized.bnb_4bit_quant_storage).removeprefix('torch.')}"
+                         f"{' (FSDP2 shards them)' if strategy.layout.kind == 'fsdp' else ''}")
         for line in notes:
             trainer.print(line)
         strategy.check_fsdp_layers(model)

@@ -134,11 +134,27 @@ def keep_4bit_trainable(model: torch.nn.Module) -> torch.nn.Module:
     repacks its weight in place for a fused inference kernel (gemv_4bit) that has no backward: every training step
     after it ran through it ("an autograd kernel was not registered" at the first backward), the gradient into the
     layers below each 4-bit layer unsound. Off, the layers dequantise and matmul in training and eval alike, on
-    every CPU the same."""
+    every CPU the same.
+
+    Also: a checkpoint resumes into them. A Linear4bit's state dict holds its quant state beside the packed weight
+    (weight.absmax, weight.quant_map, ...), which it does not load back (torch: "Unexpected key(s)"); the frozen base
+    is the one this run loaded, so the saved quant state is dropped where it equals the live one, and a different one
+    is left for the load to refuse (toolkit.checkpoint.same_model's line)."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+            module._register_load_state_dict_pre_hook(_same_quant_state, with_module=True)
     return model
+
+
+def _same_quant_state(module, state_dict, prefix, *args) -> None:
+    quant_state = getattr(module.weight, "quant_state", None)
+    if quant_state is None:
+        return
+    for key, live in quant_state.as_dict(packed=True).items():
+        saved = state_dict.get(prefix + "weight." + key)
+        if saved is not None and torch.equal(saved.to(live.device), live):
+            del state_dict[prefix + "weight." + key]
 
 
 def quantization_config(cfg: AdapterConfig, on_gpu: bool, mixed_precision: str, storage: torch.dtype | None = None):
