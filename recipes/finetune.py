@@ -128,7 +128,7 @@ class FinetuneRecipe:
             notes.append(f"base model: 4-bit NF4 (bitsandbytes), computing in "
                          f"{str(quantized.bnb_4bit_compute_dtype).removeprefix('torch.')}, packed bytes held as "
                          f"{str(quantized.bnb_4bit_quant_storage).removeprefix('torch.')}"
-                         f"{' (FSDP2 shards them)' if strategy.layout.kind == 'fsdp' else ''}")
+                         f"{'' if strategy.is_replicated else ' (sharded over the ranks)'}")
         for line in notes:
             trainer.print(line)
         strategy.check_fsdp_layers(model)

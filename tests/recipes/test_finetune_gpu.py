@@ -1,7 +1,7 @@
-"""QLoRA, which only a CUDA GPU can run: a 4-bit NF4 SmolLM2 base with a LoRA adapter on top.
+"""QLoRA of the real SmolLM2 on a CUDA GPU: a 4-bit NF4 base with a LoRA adapter on top, in bf16.
 
-Skipped without a GPU (this file is what `pytest -m gpu` runs on a GPU machine); on CPU the
-recipe's refusal is tested in test_finetune_errors.py.
+Skipped without a GPU (this file is what `pytest -m gpu` runs on a GPU machine); QLoRA on the CPU,
+one process and FSDP2, is tests/recipes/test_finetune_qlora.py.
 """
 
 from __future__ import annotations

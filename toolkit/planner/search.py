@@ -249,8 +249,7 @@ def plan(recipe: str, cfg, gpus: int, gpu_memory: int, headroom: float = 0.1,
 
 def nothing_fits(recipe: str, cfg, rows: list[dict]) -> str:
     """What to change where no row fits: what limits it, and only the changes that lower it and are not in effect
-    already (more GPUs where some row shards the model, a LoRA for a full fine-tune, LoRA's sharded base for a
-    QLoRA, which trains under DDP alone)."""
+    already (more GPUs where some row shards the model, a LoRA for a full fine-tune)."""
     method = cfg.adapter.method if recipe == "finetune" else None
     shards = any(r["strategy"] != "ddp" or r["pipeline_stages"] > 1 or r["cp"] * r["tp"] * r["sp"] > 1 for r in rows)
     changes = [] if shards else ["GPUs with more memory"]
@@ -258,10 +257,6 @@ def nothing_fits(recipe: str, cfg, rows: list[dict]) -> str:
     changes += ["a shorter data.seq_len"]
     if method == "full":
         changes.append("a LoRA (adapter.method=lora)")
-    elif method == "qlora":
-        changes.append("adapter.method=lora, whose full-precision base fsdp.yaml and zero3.yaml shard over the GPUs")
-    limit = ("" if shards else
-             f"{'adapter.method=qlora trains under DDP only, and ' if method == 'qlora' else ''}DDP holds the whole model "
-             "on every GPU: more GPUs do not lower it; ")
+    limit = "" if shards else "DDP holds the whole model on every GPU: more GPUs do not lower it; "
     return f"{limit}try {', '.join(changes[:-1])} or {changes[-1]}" if len(changes) > 1 else f"{limit}try {changes[0]}"
 

@@ -141,8 +141,12 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
 
     def stored(t: Held, numel: int | None = None) -> float:
         n = t.numel if numel is None else numel
-        # QLoRA: peft's prepare_model_for_kbit_training casts every weight it did not quantise to fp32 (embeddings,
+        # QLoRA: a 4-bit weight is its packed bytes (half a byte a weight; FSDP2 shards them, held in a float dtype) and
+        # its quant state, whole on every rank (an fp32-coded uint8 absmax per 64 weights, double-quantised: ~0.016 a
+        # weight). peft's prepare_model_for_kbit_training casts every weight it did not quantise to fp32 (embeddings,
         # head, norms)
-        return n * 0.516 if t.quantized else n * (4 if run.quantized_base and not t.trainable else pb)
+        if t.quantized:
+            return n * 0.5 + t.numel * 0.016
+        return n * (4 if run.quantized_base and not t.trainable else pb)
 
     return backend.planned_state(run, tensors, _groups(tensors), stored, gb, step)
