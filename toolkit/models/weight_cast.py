@@ -38,7 +38,10 @@ class WeightCast:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         self.dtype = dtype
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+        # a weight already in `dtype` (a bf16 frozen base under LoRA) is its own copy: `.to` would hand back the
+        # Parameter itself, which nn.Module's setattr takes for a new parameter
+        self.linears = [m for m in model.modules()
+                        if type(m) is torch.nn.Linear and m is not head and m.weight.dtype != dtype]
         for module in self.linears:
             module.__class__ = _StepCastLinear  # the same parameters and state dict; only forward reads the copy
 

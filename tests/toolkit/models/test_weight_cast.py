@@ -112,3 +112,16 @@ def test_auto_casts_once_per_step_on_one_process_and_ddp(tiny_model):
     assert weight_cast("auto", tiny_model("llama"), ddp, torch.bfloat16, "layers") is not None
     assert weight_cast("auto", tiny_model("llama"), ParallelLayout("ddp", 1), torch.bfloat16, "model") is not None
     assert weight_cast("per_step", tiny_model("llama"), ddp, torch.bfloat16, "model") is not None
+
+
+def test_a_weight_already_in_the_compute_dtype_is_left_to_compute_with_itself(tiny_model):
+    """A LoRA over a bf16 base: the base's bf16 weights are no copies to make; the fp32 ones still are."""
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.to(torch.bfloat16)
+    copies = WeightCast(model, torch.bfloat16)
+    mlp = model.model.layers[0].mlp
+    assert not {mlp.gate_proj, mlp.up_proj, mlp.down_proj} & set(copies.linears) and copies.linears
+    for _ in range(2):  # a second step is where a copy taken for a parameter was refused
+        with copies.step():
+            assert all(m.step_weight.dtype == torch.bfloat16 for m in copies.linears)
+        assert all(m.step_weight is None for m in copies.linears)
