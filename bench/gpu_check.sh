@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the toolkit in one script, each part saved as it ends; each part fits a device call of at
-# most 10 minutes (the whole, ~25 minutes on an H200, fits none; a session's 15 minutes hold two calls).
+# most 10 minutes (the whole, ~30 minutes on an H200, fits none; a session's 15 minutes hold two calls).
 #
 #   bash bench/gpu_check.sh [OUT]           # on one H100/H200: its estimate is printed first
 #   bash bench/gpu_check.sh --smoke [OUT]   # the same code paths on CPU, tiny shapes: about 3 minutes
-#   bash bench/gpu_check.sh --only finetune [OUT]   # one part: throughput (5.5 min), finetune (3.5), fp8 (9: run
-#       already, 2026-11-28), fp8-variants (7.5: not yet run), harness (~4, estimated: not yet run); throughput and
-#       finetune fit one call together; a session's 15 minutes hold fp8-variants and harness, a call each; canary
-#       (~4, estimated: not yet run) fits beside harness
+#   bash bench/gpu_check.sh --only finetune [OUT]   # one part: throughput (5.5 min), finetune (~8.5, estimated: not
+#       yet run), fp8 (9: run already, 2026-11-28), fp8-variants (7.5: not yet run), harness (~4, estimated: not yet
+#       run); a session's 15 minutes hold fp8-variants and harness, a call each; canary (~4, estimated: not yet run)
+#       fits beside harness
 #
 # OUT (default $OUT, else ./gpu-check) receives throughput.md / .json (tokens/s, MFU, peak GB and the planner's
-# per row, then one profile table per row: device busy %, longest idle gaps, top kernels), finetune.md (the recipe
-# against transformers.Trainer, LoRA and full), fp8.md / fp8-variants.md (issue 46: the 1B YAML as shipped in bf16,
-# then in fp8, 100 steps each with their loss curves side by side, and each layer shape timed; fp8-variants.md: 30
-# steps each of bf16, fp8, fp8 with only the MLP's layers, and rowwise), harness.md (issue 47: eval.harness_tasks in a
+# per row, then one profile table per row: device busy %, longest idle gaps, top kernels), finetune.md (issue 65: the
+# recipe against transformers.Trainer + peft for SmolLM2-135M LoRA and full and a Llama-3.1-8B-shaped LoRA and QLoRA,
+# the planner's peak beside each, and the 8B's longest sequence at micro-batch 1, planned and run), fp8.md /
+# fp8-variants.md (issue 46: the 1B YAML as shipped in bf16, then in fp8, 100 steps each with their loss curves side by
+# side, and each layer shape timed; fp8-variants.md: 30 steps each of bf16, fp8, fp8 with only the MLP's layers, and
+# rowwise), harness.md (issue 47: eval.harness_tasks in a
 # fine-tune and in pretraining, and recipes/evaluate.py under accelerate launch, on the GPU), canary.md (issue 63: the
 # numerics canary's check against a step of the 1B YAML, its share at the default cadence, the largest drift a healthy
 # check saw, and the same losses without it) and the log of each part. On a lent
@@ -71,11 +73,14 @@ fi
 if (( SMOKE )); then
   FINETUNE=(--smoke)
 else
-  FINETUNE=(--steps 10 --warmup 3)
-  # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s, fine-tuning 118 s
-  # before its two rows with the whole model compiled (~35 s each, compiling); the throughput rows were 3 then as now
+  # fine-tuning: 2 untimed and 4 timed steps a row and --budget 540 for the whole (its own estimate, printed first,
+  # says how: bench/finetune_throughput.py's ESTIMATE, from the SmolLM2 rows measured on an H200 in 2026-11-27:
+  # 118 s, ~35 s more a compiled row; the 8B's load, compile and steps estimated)
+  FINETUNE=(--steps 4 --warmup 2 --budget 540)
+  # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s; the throughput rows
+  # were 3 then as now
   # fp8 on an H200 (2026-11-28): its two 100-step rows 441 s, the layer table 86 s, the rowwise row ~110 s
-  echo "== estimate (an H200): throughput 321 s, fine-tuning ~190 s, fp8 527 s, fp8-variants ~440 s, harness ~240 s, canary ~240 s: a call per part but throughput + finetune (the header's)" >&2
+  echo "== estimate (an H200): throughput 321 s, fine-tuning ~505 s, fp8 527 s, fp8-variants ~440 s, harness ~240 s, canary ~240 s: a call per part (the header's)" >&2
 fi
 
 status=0
