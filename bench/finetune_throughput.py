@@ -234,7 +234,9 @@ def trainer_worker(spec: dict) -> dict:
     seconds = stamps[-1] - stamps[spec["warmup"] - 1] if spec["warmup"] else stamps[-1] - stamps[0]
     counted = spec["steps"] if spec["warmup"] else spec["steps"] - 1
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"tokens_per_s": counted * spec["batch"] * seq / seconds, "peak_gib": peak / 2**30}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"tokens_per_s": counted * spec["batch"] * seq / seconds, "peak_gib": peak / 2**30, "trainable": trainable,
+            "blocks": len(blocks)}
 
 
 def worker(kind: str, spec: dict, work: Path, name: str) -> dict:
