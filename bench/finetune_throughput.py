@@ -191,15 +191,19 @@ def trainer_worker(spec: dict) -> dict:
     )
 
     from toolkit.config.load import load_config
+    from toolkit.config.switches import Machine, resolve
     from toolkit.models.adapter import quantization_config
+    from toolkit.parallel_layout import ParallelLayout
     from toolkit.training.recipe_config import FinetuneConfig
 
     cuda = torch.cuda.is_available()
     shipped = load_config(FinetuneConfig, CONFIGS / spec["yaml"], [])
+    precision = "bf16" if cuda else "no"
+    resolve(shipped, Machine("cuda" if cuda else "cpu", precision, ParallelLayout("ddp", 1)))  # as the recipe's launch
     a, recompute = shipped.adapter, shipped.model.gradient_checkpointing != "none"
     tokenizer = AutoTokenizer.from_pretrained(spec["base"])
     dtype = "auto" if shipped.model.dtype == "auto" else getattr(torch, shipped.model.dtype)  # as the recipe reads it
-    extra = {"quantization_config": quantization_config(a), "device_map": {"": 0} if cuda else None} if a.method == "qlora" else {}
+    extra = {"quantization_config": quantization_config(a, cuda, precision), "device_map": {"": 0} if cuda else None} if a.method == "qlora" else {}
     model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=dtype, **extra)
     if a.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recompute)

@@ -292,7 +292,9 @@ def test_lora_needs_a_small_optimizer_and_no_base_gradients():
     def ddp(rows):
         return next(r for r in rows if (r["strategy"], r["gradient_checkpointing"], r["micro_batch_size"]) == ("ddp", "none", 4))
 
-    assert ddp(full)["params_bytes"] < ddp(lora)["params_bytes"] < 1.05 * ddp(full)["params_bytes"], "the frozen base is still held"
+    # the YAML's model.dtype=compute holds the frozen base in bf16 on a GPU: half the fp32 masters of a full fine-tune
+    assert 0.5 * ddp(full)["params_bytes"] < ddp(lora)["params_bytes"] < 0.55 * ddp(full)["params_bytes"], \
+        "the frozen base is still held, in bf16"
     assert ddp(lora)["optimizer_bytes"] < ddp(full)["optimizer_bytes"] / 20
     assert ddp(lora)["grads_bytes"] < ddp(full)["grads_bytes"] / 20
 

@@ -45,6 +45,13 @@ def whole_model_refused(layout: ParallelLayout) -> str | None:
     return None
 
 
+def positions_refused(layout: ParallelLayout) -> str | None:
+    """Why the output head cannot be computed on the target positions alone (model.loss_positions=targets) under
+    `layout`, or None where it can: tensor parallel splits the head by vocabulary, a pipeline's last stage computes its
+    loss from its own logits, and context and sequence parallel shards are untried with it."""
+    return f"with model parallel ({_degrees(layout)})" if layout.model_parallel > 1 else None
+
+
 def cast_refused(layout: ParallelLayout, precision: str) -> str | None:
     """Why the bf16 copy of the weights cannot be made once per step (model.cast_weights=per_step) under `layout`
     at `precision` ("no", "bf16" or "fp16"), or None where it can (toolkit.models.weight_cast)."""
@@ -163,6 +170,11 @@ RULES: tuple[Rule, ...] = (
         "its LoRA"
     ) if cfg.model.chunk_tokens and _method(cfg) in ("lora", "qlora") and "lm_head" in cfg.adapter.target_modules
         else None, {"model.loss": "full"}),
+    Rule("model.loss_positions=targets", lambda cfg, layout, precision: (
+        f"model.loss_positions=targets does not run {why} yet; use model.loss_positions=all (auto takes it where it "
+        "runs)"
+    ) if getattr(cfg.model, "loss_positions", "all") == "targets" and (why := positions_refused(layout)) else None,
+        {"model.loss_positions": "all"}),
     Rule("model.compile=model", lambda cfg, layout, precision: (
         f"model.compile=model does not run {why}; use model.compile=layers"
     ) if cfg.model.compile == "model" and (why := whole_model_refused(layout)) else None, {"model.compile": "layers"}),

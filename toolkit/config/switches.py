@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.config.combinations import positions_refused
 from toolkit.parallel_layout import ParallelLayout
 
 
@@ -35,9 +36,8 @@ def _compile(cfg, m: Machine) -> str:
 
 
 def _loss_positions(cfg, m: Machine) -> str:
-    # compile=model computes transformers' loss in its graph, every position; tensor parallel splits the head by
-    # vocabulary and a pipeline's last stage computes its loss from its own logits
-    applies = cfg.model.compile != "model" and m.layout.tp == 1 and m.layout.pp == 1
+    # compile=model computes transformers' loss in its graph, at every position; model parallel: positions_refused
+    applies = cfg.model.compile != "model" and positions_refused(m.layout) is None
     return "targets" if m.device == "cuda" and applies else "all"
 
 

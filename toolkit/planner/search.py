@@ -150,6 +150,14 @@ def pipelines(model: torch.nn.Module, gpus: int) -> tuple[list[StrategyFacts], l
     return facts, notes
 
 
+def as_launched(cfg, device: str, precision: str, layout: ParallelLayout):
+    """A copy of `cfg` with its auto switches as the launch makes them on `device` under `layout` (the planner's
+    precision names: fp32, bf16, fp16, fp8)."""
+    cfg = copy.deepcopy(cfg)
+    resolve_switches(cfg, Machine(device, {"fp32": "no", "fp8": "bf16"}.get(precision, precision), layout))
+    return cfg
+
+
 def plan(recipe: str, cfg, gpus: int, gpu_memory: int, headroom: float = 0.1,
          micro_batches: tuple[int, ...] = MICRO_BATCHES, cpu: bool = False,
          configs: Path = ROOT / "accelerate_configs") -> tuple[list[dict], dict | None, list[str]]:
@@ -159,10 +167,8 @@ def plan(recipe: str, cfg, gpus: int, gpu_memory: int, headroom: float = 0.1,
     notes: list[str] = []
     precision = {"auto": "fp32" if cpu else "bf16", "no": "fp32"}.get(cfg.train.mixed_precision,
                                                                       cfg.train.mixed_precision)
-    # the auto switches as the launch makes them on this device (the model-parallel rows' attention: `needs` below)
-    cfg = copy.deepcopy(cfg)
-    resolve_switches(cfg, Machine("cpu" if cpu else "cuda", {"fp32": "no", "fp8": "bf16"}.get(precision, precision),
-                                  ParallelLayout("ddp", max(1, gpus))))
+    device = "cpu" if cpu else "cuda"
+    written, cfg = cfg, as_launched(cfg, device, precision, ParallelLayout("ddp", max(1, gpus)))
     model, dtype, quantized = meta_model(recipe, cfg, notes)
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     hidden, experts = config.hidden_size, expert_count(config)
@@ -179,6 +185,8 @@ def plan(recipe: str, cfg, gpus: int, gpu_memory: int, headroom: float = 0.1,
     # the rows of selective recomputation, where the launch's own rules let it run
     selective = dataclasses.replace(cfg, model=dataclasses.replace(m, gradient_checkpointing="selective"))
     for facts in [*strategies(configs, hidden), *staged]:
+        cfg = as_launched(written, device, precision, facts.layout)
+        m = cfg.model
         # the launch's own refusals: the first that no override lifts leaves the layout out, in its words
         found = refusals(cfg, facts.layout, precision)
         needs, refused = model_parallel_needs(facts, model, cfg, gpus)

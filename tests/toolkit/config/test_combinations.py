@@ -51,6 +51,9 @@ CASES = {
         "train.objective=dpo trains under DDP, FSDP and ZeRO (data parallel), not with model parallel"),
     "model.loss=chunked": ("pretrain", ["model.loss=chunked"], "bf16", {"fsdp_tp"} | PIPELINES,
                            "model.loss=chunked is not supported with"),
+    "model.loss_positions=targets": ("finetune", ["model.loss_positions=targets"], "bf16",
+                                     {"fsdp_cp", "fsdp_tp", "fsdp_sp", "zero3_sp"} | PIPELINES,
+                                     "model.loss_positions=targets does not run with model parallel"),
     "model.compile=model": ("pretrain", ["model.compile=model"], "bf16", {"fsdp_tp", "fsdp_sp", "zero3_sp"} | PIPELINES,
                             "model.compile=model does not run with"),
     "model.gradient_checkpointing=selective": (
