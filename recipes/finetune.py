@@ -14,7 +14,7 @@ Features
   whole, several per block; DPO's reference is the base scored once before training
   (docs/preference.md).
 - adapter.method: full, lora (peft) or qlora (4-bit base, bitsandbytes: CUDA GPU or CPU); the
-  same under DDP, FSDP and DeepSpeed ZeRO-1/2/3 (qlora: DDP and FSDP2).
+  same under DDP, FSDP and DeepSpeed ZeRO-1/2/3 (qlora: not under FSDP1).
 - Held-out loss and perplexity (pairs: loss and rewards) before and after training, side by
   side; greedy generations for the YAML's prompts before and after, in samples.md.
 - Output: final/ (HF folder) for a full fine-tune; adapter/ (peft) for LoRA, plus final/ with

@@ -78,20 +78,23 @@ def _canary(cfg, layout: ParallelLayout, precision: str) -> str | None:
 
 
 def _qlora(cfg, layout: ParallelLayout, precision: str) -> str | None:
-    # Its 4-bit base is bitsandbytes' packed NF4 weights: DDP holds them whole on every process, FSDP2 shards them
-    # (held in a float dtype, toolkit.strategy.fsdp's qlora_storage) and model parallel would split the layers.
-    # ZeRO-3 trained tiny runs with FSDP2's losses on 2 CPU processes (fp32 and bf16) but its resume, merge and export
-    # of a 4-bit base are untested, and FSDP1 shards with flat parameters that bitsandbytes' quant state does not follow
+    # Its 4-bit base is bitsandbytes' packed NF4 weights (Params4bit, each with a quant state beside it): DDP holds
+    # them whole on every process, FSDP2 shards them once held in a float dtype (toolkit.strategy.fsdp's
+    # qlora_storage), ZeRO-3 partitions the uint8 bytes themselves (each rank's ds_tensor holds half on 2, the quant
+    # state stays whole and the gathered Params4bit finds it again). Measured on 2 CPU processes under ZeRO-1/2/3
+    # (and zero3_offload): one process's losses (fp32: equal; bf16: 1.7e-5 relative), resumed bit for bit, merged
+    # and exported as a LoRA (tests/recipes/test_finetune_qlora.py). FSDP1 shards with flat parameters that the quant
+    # state does not follow, and model parallel would split the layers.
     if _method(cfg) != "qlora" or layout.model_parallel == 1 and (
-            layout.kind in ("single", "ddp") or layout.kind == "fsdp" and layout.fsdp_version == 2):
+            layout.kind in ("single", "ddp", "deepspeed") or layout.kind == "fsdp" and layout.fsdp_version == 2):
         return None
     if layout.model_parallel > 1:
-        return ("adapter.method=qlora trains under DDP and FSDP2 (data parallel), not with model parallel "
-                f"({_degrees(layout)}), which would split its 4-bit base; launch with accelerate_configs/ddp.yaml or "
-                "fsdp.yaml and no train.pipeline_stages")
-    what = "FSDP1" if layout.kind == "fsdp" else "DeepSpeed (untested with a 4-bit base)"
-    return (f"adapter.method=qlora trains under DDP and FSDP2, not under {what}; launch with "
-            "accelerate_configs/fsdp.yaml to shard its 4-bit base, or ddp.yaml")
+        return ("adapter.method=qlora trains under DDP, FSDP2 and DeepSpeed ZeRO (data parallel), not with model "
+                f"parallel ({_degrees(layout)}), which would split its 4-bit base; launch with "
+                "accelerate_configs/ddp.yaml, fsdp.yaml or zero3.yaml and no train.pipeline_stages")
+    return ("adapter.method=qlora trains under DDP, FSDP2 and DeepSpeed ZeRO, not under FSDP1 (its flat parameters "
+            "lose the 4-bit quant state); launch with accelerate_configs/fsdp.yaml (FSDP2) or zero3.yaml to shard "
+            "its 4-bit base, or ddp.yaml")
 
 
 # A pipeline's stages under a layout that cannot hold them, refused by the launch as it is made (toolkit.strategy's

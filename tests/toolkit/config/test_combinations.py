@@ -39,7 +39,8 @@ CASES = {
                                    {name for name in LAYOUTS if name.startswith("zero")} | PIPELINES,
                                    "checkpoint.async_save=true writes DDP's and FSDP2's checkpoints in the background"),
     "adapter.method=qlora": ("finetune", ["adapter.method=qlora"], "bf16",
-                             set(LAYOUTS) - {"ddp", "fsdp"}, "adapter.method=qlora trains under DDP and FSDP2"),
+                             {"fsdp_cp", "fsdp_sp", "fsdp_tp", "zero3_sp"} | PIPELINES,
+                             "adapter.method=qlora trains under DDP, FSDP2 and DeepSpeed ZeRO"),
     "adapter.method=lora": ("finetune", ["adapter.method=lora"], "bf16", {"fsdp_tp"} | PIPELINES,
                             "parallel trains a whole model, not a LoRA adapter, yet"),
     "model.new_tokens": ("finetune", ["model.new_tokens=[<x>]"], "bf16",
@@ -116,8 +117,8 @@ def test_the_launch_raises_the_first_rule_it_breaks_and_the_override_lifts_it():
 # each rule's reason under each kind of layout it refuses (moved here with the rules: qlora from test_adapter.py,
 # model.compile=model from test_compilation.py, model.cast_weights=per_step from test_weight_cast.py)
 REASONS = [
-    (["adapter.method=qlora"], "bf16", ParallelLayout("fsdp", world=8, fsdp_version=1), "not under FSDP1; launch with"),
-    (["adapter.method=qlora"], "bf16", ParallelLayout("deepspeed", zero_stage=3), "not under DeepSpeed (untested with"),
+    (["adapter.method=qlora"], "bf16", ParallelLayout("fsdp", world=8, fsdp_version=1), "not under FSDP1 (its flat"),
+    (["adapter.method=qlora"], "bf16", ParallelLayout("deepspeed", world=2, zero_stage=3, sp=2), "parallel (sp 2), which"),
     (["adapter.method=qlora"], "bf16", ParallelLayout("fsdp", world=4, tp=2), "not with model parallel (tp 2), which"),
     (["adapter.method=qlora"], "bf16", ParallelLayout("ddp", pp=2), "not with model parallel (pp 2), which would split"),
     (["adapter.method=lora"], "bf16", ParallelLayout("fsdp", 2, tp=2), "tensor parallel trains a whole model, not a LoRA"),
