@@ -138,15 +138,16 @@ def state_bytes(tensors: list[Held], run: Run) -> dict[str, int]:
     pb = backend.planned_parameter_bytes(run, torch.finfo(run.param_dtype).bits // 8)
     gb = pb  # gradients come in the weights' dtype
     step = 4  # torch AdamW's step: one fp32 scalar per state-holding tensor
+    frozen = backend.planned_parameter_bytes(run, 4)  # QLoRA's fp32 non-4-bit weights, as the family holds them
 
     def stored(t: Held, numel: int | None = None) -> float:
         n = t.numel if numel is None else numel
         # QLoRA: a 4-bit weight is its packed bytes (half a byte a weight; FSDP2 shards them, held in a float dtype) and
         # its quant state, whole on every rank (an fp32-coded uint8 absmax per 64 weights, double-quantised: ~0.016 a
         # weight). peft's prepare_model_for_kbit_training casts every weight it did not quantise to fp32 (embeddings,
-        # head, norms)
+        # head, norms), which DeepSpeed's bf16 mode casts back to 16 bits (measured under ZeRO-2 and 3)
         if t.quantized:
             return n * 0.5 + t.numel * 0.016
-        return n * (4 if run.quantized_base and not t.trainable else pb)
+        return n * (frozen if run.quantized_base and not t.trainable else pb)
 
     return backend.planned_state(run, tensors, _groups(tensors), stored, gb, step)

@@ -214,12 +214,15 @@ class DeepSpeed(DataParallel):
                 "grads_peak": full_grads if s.layout.zero_stage == 1 else part * grad_bytes,
             }
 
-        # ZeRO-3: every parameter partitioned; the small ones (persistence threshold) also whole
+        # ZeRO-3: every parameter partitioned; the small ones (persistence threshold) also whole. A 4-bit weight is
+        # its packed uint8 bytes (2 weights a byte), partitioned like any parameter; its quant state, whole on
+        # every rank, is in its partition's share (stored)
         def part3(t) -> int:
             return math.ceil(t.numel / w)
 
         train = [t for g in groups for t in g]
-        persisted = sum(stored(t) for t in tensors if t.numel <= s.persistence_threshold)
+        persisted = sum(t.numel * 0.5 if t.quantized else stored(t) for t in tensors
+                        if (t.numel // 2 if t.quantized else t.numel) <= s.persistence_threshold)
         partitions = sum(stored(t, part3(t)) for t in tensors)
         master = sum(part3(t) for t in train)
         return {
