@@ -1,10 +1,12 @@
 """QLoRA on the CPU (bitsandbytes 0.50's 4-bit NF4 kernels): a LoRA on the tiny base loaded in 4-bit, in one process
-and under FSDP2 on 2 processes, which shards the packed 4-bit bytes; resumed, merged and exported as a LoRA is.
+and under FSDP2 and DeepSpeed ZeRO-3 on 2 processes, which shard the packed 4-bit bytes; resumed, merged and exported
+as a LoRA is.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from toolkit.training.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = "finetune_smollm2_qlora.yaml"
 KERNELS_LINE = "Failed to load CPU gemm_4bit_forward"  # bitsandbytes' import notice, filtered (adapter.import_bitsandbytes)
@@ -45,12 +49,14 @@ def model_tensors_of(base) -> list:
     return model_tensors(model, quantized_base=True)
 
 
-def planned_state(base, gpus: int) -> dict[str, int]:
-    from toolkit.parallel_layout import ParallelLayout
-    from toolkit.planner.facts import Run, StrategyFacts
+def planned_state(base, gpus: int, accelerate_config: str) -> dict[str, int]:
+    from transformers import AutoConfig
+
+    from toolkit.planner.facts import Run, read_strategy
     from toolkit.planner.state import state_bytes
 
-    run = Run(StrategyFacts("fsdp", ParallelLayout("fsdp", gpus)), gpus, 2, 128, precision="fp32", quantized_base=True)
+    strategy = read_strategy(ROOT / "accelerate_configs" / accelerate_config, AutoConfig.from_pretrained(base).hidden_size)
+    run = Run(strategy, gpus, 2, 128, precision="fp32", quantized_base=True)
     return state_bytes(model_tensors_of(base), run)
 
 
@@ -88,36 +94,48 @@ def test_qlora_trains_on_the_cpu_and_merges_into_the_full_precision_base(one_pro
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# what each layout says it holds the packed bytes in, and how many of the one process's parameter bytes a rank holds
+SHARDED = {
+    # each rank holds half of every tensor: the packed 4-bit bytes (FSDP2 shards them), the fp32 embeddings and norms,
+    # the adapter (measured: 117,376 of 234,752)
+    "fsdp.yaml": ("packed bytes held as float32 (sharded over the ranks)", 117_376),
+    # ZeRO-3 partitions the uint8 bytes themselves (each rank's Params4bit a ds_tensor of half its bytes, the quant
+    # state whole beside it) and everything else; the tensors under stage3_param_persistence_threshold (640 elements:
+    # the norms and most LoRA matrices) are held whole beside their partitions (measured: 159,616)
+    "zero3.yaml": ("packed bytes held as uint8 (sharded over the ranks)", 159_616),
+}
+
+
 @pytest.mark.distributed
-def test_qlora_under_fsdp2_shards_the_4bit_base_and_matches_one_process(one_process, tiny_base, chatml_file, data_cache,
-                                                                         tmp_path, capsys):
+@pytest.mark.parametrize("accelerate_config", SHARDED, ids=["fsdp2", "zero3"])
+def test_qlora_sharded_over_2_processes_matches_one_process_resumes_and_exports(
+        accelerate_config, one_process, tiny_base, chatml_file, data_cache, tmp_path, capsys):
     reference, _ = one_process
-    out = tmp_path / "fsdp"
+    said, params = SHARDED[accelerate_config]
+    out = tmp_path / "run"
     log = run_recipe("finetune", qlora_chat(tiny_base, chatml_file, out), nproc=2, cache=data_cache, config=CONFIG,
-                     accelerate_config="fsdp.yaml").stdout
-    assert "packed bytes held as float32 (sharded over the ranks)" in log and "non-floating frozen Params4bit" not in log
+                     accelerate_config=accelerate_config).stdout
+    assert said in log and "non-floating frozen Params4bit" not in log
     expected, got = train_losses(reference), train_losses(out)
     # the 4-bit path adds no rounding of its own between layouts: each rank dequantises the same NF4 blocks to the same
     # fp32 weights, so what differs is the fp32 sums' order, as for a LoRA (test_finetune_strategies: rel 1e-4, 4e-5
-    # derived); measured 0 at every step (fp32) and <= 1.2e-5 relative in bf16
+    # derived); measured 0 at every step (fp32, FSDP2 and ZeRO-3) and <= 1.7e-5 relative in bf16
     for step, (a, b) in enumerate(zip(expected, got, strict=True), 1):
-        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: 1 process {a}, fsdp {b}"
-    # each rank holds half of every tensor: the packed 4-bit bytes (FSDP2 shards them), the fp32 embeddings and norms,
-    # the adapter; its gradients and Adam state (measured: 117,376 of 234,752 parameter bytes)
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: 1 process {a}, {accelerate_config} {b}"
+    # each rank holds its share of the parameters, half the adapter's gradients and Adam state
     one, ranks = held(reference)[0], held(out)
-    assert [r["params"] for r in ranks] == [one["params"] // 2] * 2, (one, ranks)
+    assert [r["params"] for r in ranks] == [params] * 2, (one, ranks)
     assert all(r["grads"] == one["grads"] // 2 and r["optimizer"] < one["optimizer"] * 0.51 for r in ranks), (one, ranks)
-    # the planner's rank under fsdp.yaml on 2 GPUs is that rank: the 4-bit bytes and the adapter sharded, the adapter's
-    # gradients and Adam state sharded; beside them it counts the quant state each rank holds whole (0.016 a weight),
-    # which is not a parameter, so not in held_bytes
-    planned = planned_state(tiny_base, 2)
+    # the planner's rank on 2 GPUs is that rank (ZeRO-3's fp32 master partition of the adapter too); beside it, it
+    # counts the quant state each rank holds whole (0.016 a weight), which is not a parameter, so not in held_bytes
+    planned = planned_state(tiny_base, 2, accelerate_config)
     packed = sum(t.numel for t in model_tensors_of(tiny_base) if t.quantized)
     assert abs(planned["params"] - packed * 0.016 - ranks[0]["params"]) < 1, (planned, ranks[0])  # int() of a float sum
-    assert planned["grads"] == ranks[0]["grads"] and planned["optimizer"] == ranks[0]["optimizer"], (planned, ranks[0])
-    # resumed under FSDP2 at its step-3 checkpoint: step 4 bit for bit
-    resumed = tmp_path / "fsdp-resumed"
+    assert all(planned[k] == ranks[0][k] for k in ("grads", "optimizer", "master")), (planned, ranks[0])
+    # resumed at its step-3 checkpoint: step 4 bit for bit
+    resumed = tmp_path / "resumed"
     run_recipe("finetune", qlora_chat(tiny_base, chatml_file, resumed, f"resume={out / 'checkpoints' / 'step-3'}"),
-               nproc=2, cache=data_cache, config=CONFIG, accelerate_config="fsdp.yaml")
+               nproc=2, cache=data_cache, config=CONFIG, accelerate_config=accelerate_config)
     assert train_losses(resumed) == got[3:]
     a, b = (load_file(o / "adapter" / "adapter_model.safetensors") for o in (out, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -129,3 +147,20 @@ def test_qlora_under_fsdp2_shards_the_4bit_base_and_matches_one_process(one_proc
     mine, final = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert mine.keys() == final.keys() and all(torch.allclose(mine[k], final[k], atol=1e-6) for k in mine)
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 8
+
+
+@pytest.mark.parametrize("accelerate_config, measured", [("zero2.yaml", 135_808), ("zero3.yaml", 89_024)])
+def test_the_planner_holds_a_qlora_base_in_bf16_as_deepspeed_does(accelerate_config, measured, tiny_base):
+    # DeepSpeed's bf16 mode casts the weights peft kept in fp32 (embeddings, norms) and the adapter to bf16; the packed
+    # bytes stay uint8. `measured`: a rank's held_bytes params of this run with train.mixed_precision=bf16 on 2 CPU
+    # processes (ZeRO-2 holds every parameter whole, ZeRO-3 its partitions and the persisted ones whole)
+    from transformers import AutoConfig
+
+    from toolkit.planner.facts import Run, read_strategy
+    from toolkit.planner.state import state_bytes
+
+    tensors = model_tensors_of(tiny_base)
+    strategy = read_strategy(ROOT / "accelerate_configs" / accelerate_config, AutoConfig.from_pretrained(tiny_base).hidden_size)
+    planned = state_bytes(tensors, Run(strategy, 2, 2, 128, precision="bf16", quantized_base=True))
+    packed = sum(t.numel for t in tensors if t.quantized)
+    assert abs(planned["params"] - packed * 0.016 - measured) < 1, planned
