@@ -86,7 +86,8 @@ def test_every_link_between_the_readme_and_docs_leads_to_a_file_and_heading_that
 
 
 # issue 41's switches (and the profile mode): each a row of the README's table of options
-SPEED_OPTIONS = ("train.step_sync", "model.cast_weights", "model.compile", "model.loss", "model.gradient_checkpointing",
+SPEED_OPTIONS = ("train.step_sync", "model.cast_weights", "model.compile", "model.loss", "model.loss_positions",
+                 "model.gradient_checkpointing",
                  "train.mixed_precision", "train.fp8_recipe", "train.fp8_layers", "checkpoint.async_save", "optim.fused",
                  "logging.profile")
 

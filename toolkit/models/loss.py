@@ -3,10 +3,9 @@
 Averaging per micro-batch and then over micro-batches/ranks (what transformers did before #34191 was fixed)
 weights a token in a short micro-batch more than one in a long micro-batch. Here every micro-batch contributes
 its *sum* of token losses, divided by the number of target tokens in the entire global batch, so accumulation
-and data parallelism change nothing. model.loss=chunked (`forward_loss_sum(..., chunk_tokens)`) computes the
-same sum and gradients inside the output head's forward, a chunk of tokens at a time, without the full logits.
-model.loss_positions=targets (`loss_on_targets`) has the head project only the positions that carry a target, in
-either path: a chat fine-tune's prompts, system and user turns need the trunk's forward, not the head's.
+and data parallelism change nothing. model.loss=chunked computes the same sum and gradients inside the output head,
+a chunk of tokens at a time, without the full logits; model.loss_positions=targets (`loss_on_targets`) has the head
+project only the positions that carry a target, in either path.
 """
 
 from __future__ import annotations

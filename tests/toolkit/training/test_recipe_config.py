@@ -51,7 +51,7 @@ def test_old_finetune_section_name_and_overrides(tmp_path):
     notes: list[str] = []
     cfg = load_config(FinetuneConfig, CONFIGS / "finetune_smollm2_lora.yaml",
                       ["base_model.path=/models/x", "base_model.gradient_checkpointing=full", "logging.eval_every=9"], notes)
-    assert cfg.model.path == "/models/x" and cfg.model.gradient_checkpointing == "full" and cfg.model.dtype == "float32"
+    assert cfg.model.path == "/models/x" and cfg.model.gradient_checkpointing == "full" and cfg.model.dtype == "compute"
     assert cfg.eval.every == 9  # an old-name override still wins over the file's new key
     assert sorted(notes) == sorted([
         "deprecated: the config key base_model is now model; the old name stops working in the next release",
