@@ -20,8 +20,8 @@ data.seq_len, the batch, the steps, adapter.merge=false, no eval, samples, track
   (the Hugging Face examples' run_clm: texts tokenized, concatenated, cut into blocks; the YAML's LoRA, dtype,
   recomputation as gradient checkpointing, learning rate; the 4-bit NF4 base of toolkit.models.adapter for QLoRA,
   prepare_model_for_kbit_training), timed by a callback from the end of step --warmup to the end of the last;
-- the longest sequence at micro-batch 1 of the 8B LoRA and QLoRA YAMLs (as shipped: their recomputation, attention,
-  loss): the planner's largest data.seq_len (a multiple of 1,024) that fits this GPU's memory with plan.py's 10 %
+- the longest sequence at micro-batch 1 of the 8B LoRA and QLoRA YAMLs (as shipped: their attention and loss, with
+  every layer recomputed, LONGEST): the planner's largest data.seq_len (a multiple of 1,024) that fits this GPU's memory with plan.py's 10 %
   headroom, and the largest within 80 GB (Unsloth's figure is for 80 GB), then 2 steps of the recipe at the first,
   on the CPython docs repeated to fill them: its peak from the run's own metrics (torch.cuda.max_memory_allocated),
   or "out of memory".
@@ -103,12 +103,17 @@ def planned_gib(yaml: str, overrides: list[str], memory: int, gpu: bool) -> floa
     return (row["peak_bytes"] + (0 if gpu else row["reserve_bytes"])) / 2**30
 
 
+# the longest sequence is searched with every layer recomputed (the least a step holds: Unsloth's figure recomputes too),
+# whatever recomputation the YAML ships for its own sequence length
+LONGEST = ["model.gradient_checkpointing=full"]
+
+
 def longest(yaml: str, base: Path, memory: int, gpu: bool, step: int) -> int:
     """The planner's largest data.seq_len (a multiple of `step`) that fits `memory` at micro-batch 1, 0 if none."""
     lo, hi = 0, 1 << 21  # 2M tokens: beyond any GPU's memory for these shapes
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
-        fits = planned(yaml, recipe_overrides(yaml, base, "null", mid, 1, 1, 0), memory, gpu)["fits"]
+        fits = planned(yaml, [*recipe_overrides(yaml, base, "null", mid, 1, 1, 0), *LONGEST], memory, gpu)["fits"]
         lo, hi = (mid, hi) if fits else (lo, mid)
     return lo
 
@@ -309,7 +314,7 @@ def main() -> int:
             length, within_80 = longest(yaml, work / base, memory, gpu, step), longest(yaml, work / base, GB80, gpu, step)
             long_text = work / f"long-{len(results)}.txt"  # a file of its own: the recipe caches what it tokenized
             write_long_text(work / base, 2 * length, long_text)  # the 2 steps' blocks
-            overrides = recipe_overrides(yaml, work / base, str(long_text), length, 1, 1, 1)
+            overrides = [*recipe_overrides(yaml, work / base, str(long_text), length, 1, 1, 1), *LONGEST]
             if not length:
                 recipe = {"said": "nothing fits"}
             elif args.smoke and "qlora" in yaml:  # its code: the QLoRA row's and the LoRA longest's
@@ -350,8 +355,8 @@ def main() -> int:
           for row, res in results.items()),
         "",
         f"longest: the planner's largest data.seq_len at micro-batch 1 that fits {where} (plan.py's 10 % headroom), "
-        f"run 2 steps; recipe peak: the run's torch.cuda.max_memory_allocated (on CPU its peak RSS); "
-        f"planned: toolkit.planner's ddp row of the YAML's recomputation; {UNSLOTH}",
+        f"every layer recomputed, run 2 steps; recipe peak: the run's torch.cuda.max_memory_allocated (on CPU its peak RSS); "
+        f"planned: toolkit.planner's ddp row of the run's recomputation; {UNSLOTH}",
     ]
     print("\n".join(lines))
     if args.out:
