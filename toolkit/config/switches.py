@@ -43,9 +43,11 @@ def _loss_positions(cfg, m: Machine) -> str:
 
 def _dtype(cfg, m: Machine) -> str:
     # a frozen base computes in the autocast dtype anyway: stored in it, it takes half the memory and no cast a step;
-    # weights that train keep fp32 masters (a LoRA's own matrices: peft keeps them in fp32 on a bf16 base)
+    # weights that train keep fp32 masters (a LoRA's own matrices: peft keeps them in fp32 on a bf16 base). On CPU the
+    # base stays fp32 whatever the precision, as it trained before
     frozen = getattr(getattr(cfg, "adapter", None), "is_lora", False)
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(m.precision, "float32") if frozen else "float32"
+    low = {"bf16": "bfloat16", "fp16": "float16"}.get(m.precision)
+    return low if frozen and low and m.device == "cuda" else "float32"
 
 
 # key -> (the value that resolves, how, the CPU test that proves the fast path equal to the other)

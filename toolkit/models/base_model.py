@@ -53,9 +53,9 @@ class BaseModelConfig(ComputeConfig):
         resume=refused(SHAPE), used_when=ALWAYS, path=READ, accepts={"unset": "model.path read as a Hugging Face folder"},
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto", "compute"] = field(
-        "float32", help="parameter dtype; auto = the checkpoint's own (float32 for a GGUF); compute = the dtype the "
-        "run computes in for a base a LoRA/QLoRA leaves frozen (bfloat16 under bf16 mixed precision, a GPU's auto), "
-        "float32 for weights that train", resume=refused(SHAPE),
+        "float32", help="parameter dtype; auto = the checkpoint's own (float32 for a GGUF); compute = on a GPU, the dtype "
+        "the run computes in for a base a LoRA/QLoRA leaves frozen (bfloat16 under bf16 mixed precision, auto's), "
+        "float32 for weights that train and on CPU", resume=refused(SHAPE),
         used_when=ALWAYS,
     )
     gguf_cache: bool = field(

@@ -42,7 +42,7 @@ def finetune(*overrides: str) -> FinetuneConfig:
     (Machine("cuda", "bf16", ParallelLayout("fsdp", 8)), ("flex_attention", "layers", "targets", "bfloat16")),
     (Machine("cuda", "no", ONE_GPU), ("flex_attention", "layers", "targets", "float32")),
     (Machine("cpu", "no", ONE_GPU), ("sdpa", "none", "all", "float32")),
-    (Machine("cpu", "bf16", ONE_GPU), ("sdpa", "none", "all", "bfloat16")),
+    (Machine("cpu", "bf16", ONE_GPU), ("sdpa", "none", "all", "float32")),  # CPU runs as they ran before
     # model parallel reads packing's block-causal mask, and splits the head (tp) or the loss (pp)
     (Machine("cuda", "bf16", ParallelLayout("fsdp", 4, tp=2)), ("sdpa", "none", "all", "bfloat16")),
     (Machine("cuda", "bf16", ParallelLayout("ddp", 2, pp=2)), ("sdpa", "none", "all", "bfloat16")),
