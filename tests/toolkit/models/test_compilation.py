@@ -119,3 +119,30 @@ def test_a_forward_whose_loss_is_not_the_targets_sum_is_refused_on_its_first_bat
     with pytest.raises(UserError, match="model.compile=model: LlamaForCausalLM computes another loss in its forward "
                                         "than the sum over the targets it is given .*; use model.compile=layers"):
         forward_loss_sum(other, batch)
+
+
+def test_compiled_layers_under_a_lora_with_the_head_on_targets_give_eager_loss_and_gradients(tiny_model):
+    """The fine-tune YAMLs' auto on a GPU: a LoRA's layers compiled and the head on the target positions alone, against
+    the eager LoRA with the head on every position: the adapter's gradients within fp32's summation order."""
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.models.loss import loss_on_targets
+
+    def lora():
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        torch.manual_seed(0)
+        return get_peft_model(tiny_model("llama", seed=0, **SIZES), config).train()
+
+    eager, compiled = lora(), lora()
+    compile_model(compiled, "layers")
+    loss_on_targets(compiled)
+    batch = packed_batch(eager.config.vocab_size)
+    batch["labels"][:, :16] = -100  # a prompt: positions the head skips
+    ref_loss, ref_grads = loss_and_grads(eager, batch)
+    loss, grads = loss_and_grads(compiled, batch)
+    assert grads.keys() == ref_grads.keys() and all("lora_" in n for n in grads)
+    bound = 4 * 2.0**-24 * eager.config.vocab_size**0.5  # as above
+    torch.testing.assert_close(loss, ref_loss, rtol=bound, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=bound * ref_grads[name].abs().max().item(),
+                                   msg=name)
