@@ -92,6 +92,19 @@ def test_qlora_trains_on_the_cpu_and_merges_into_the_full_precision_base(one_pro
     assert train_losses(resumed) == losses[3:]
     a, b = (load_file(o / "adapter" / "adapter_model.safetensors") for o in (out, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_checkpoint_exports_as_final(out, tmp_path / "from-checkpoint")
+
+
+def assert_checkpoint_exports_as_final(out, exported) -> None:
+    """A QLoRA run's last checkpoint, exported with --merge-lora, is final/: its adapter merged into the base reloaded
+    in full precision (its packed 4-bit base cannot be; transformers' 4-bit loader was asked to and refused)."""
+    code = recipe_module("export").main(["--from", str(out), "--checkpoint", "latest", "--merge-lora", "--format", "hf",
+                                         "--output", str(exported)])
+    assert code == 0
+    assert "merged its" in (exported / "export_report.md").read_text() and "reloaded in full precision" in (
+        exported / "export_report.md").read_text()
+    mine, final = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert mine.keys() == final.keys() and all(torch.allclose(mine[k], final[k], atol=1e-6) for k in mine)
 
 
 # what each layout says it holds the packed bytes in, and how many of the one process's parameter bytes a rank holds
@@ -147,6 +160,7 @@ def test_qlora_sharded_over_2_processes_matches_one_process_resumes_and_exports(
     mine, final = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert mine.keys() == final.keys() and all(torch.allclose(mine[k], final[k], atol=1e-6) for k in mine)
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 8
+    assert_checkpoint_exports_as_final(out, tmp_path / "from-checkpoint")  # the shards gathered, then merged
 
 
 @pytest.mark.parametrize("accelerate_config, measured", [("zero2.yaml", 135_808), ("zero3.yaml", 89_024)])

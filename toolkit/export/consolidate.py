@@ -239,14 +239,18 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
     state = {k.removeprefix("base_model.model.").replace(".token_adapter.base_layer.", ".").replace(".base_layer.", ".")
              .replace(".original_module.", "."): v for k, v in state.items()}
     config = AutoConfig.from_pretrained(files)
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    try:  # built on the meta device around the tensors (buffers computed, tied weights tied)
-        model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32)
-    except (RuntimeError, ValueError) as exc:
-        raise UserError(
-            f"{source.describe()} does not match its model config ({first_line(exc)}); "
-            f"the weights and {MODEL_FILES}/ come from different models"
-        ) from None
+    quantized = getattr(config, "quantization_config", None) is not None
+    if quantized:  # QLoRA's base is packed 4-bit bytes: the adapter merges into the base reloaded in full precision
+        model = _full_precision_base(files, source)
+    else:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        try:  # built on the meta device around the tensors (buffers computed, tied weights tied)
+            model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32)
+        except (RuntimeError, ValueError) as exc:
+            raise UserError(
+                f"{source.describe()} does not match its model config ({first_line(exc)}); "
+                f"the weights and {MODEL_FILES}/ come from different models"
+            ) from None
     del state
     adapter_config = LoraConfig.from_pretrained(str(files))
     adapter_config.base_model_name_or_path = None  # the base was built from the checkpoint: peft would warn
@@ -259,7 +263,21 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
             f"(unexpected {result.unexpected_keys[:3]}); the checkpoint and {MODEL_FILES}/ differ"
         )
     model = merged(model)  # an adapter on a tied embedding or head: untied, as in final/
-    return model, [f"the checkpoint holds a LoRA model: merged its {len(adapter)} adapter tensors into the base"]
+    base = " reloaded in full precision (the run trained on its 4-bit copy)" if quantized else ""
+    return model, [f"the checkpoint holds a LoRA model: merged its {len(adapter)} adapter tensors into the base{base}"]
+
+
+def _full_precision_base(files: Path, source: Source):
+    """A QLoRA checkpoint's base as the recipe loaded it (its base_model.json), in float32 and not quantised."""
+    from toolkit.models.base_model import BaseModelConfig, load_base_model
+
+    if not (files / BASE_MODEL_FILE).is_file():
+        raise UserError(f"{source.describe()} holds a 4-bit base without the {BASE_MODEL_FILE} that says where its "
+                        "full-precision base is; export the run's adapter/ with --merge-lora and --base FOLDER")
+    saved = json.loads((files / BASE_MODEL_FILE).read_text())
+    found = BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
+    found.dtype = "float32"
+    return load_base_model(found)[0]
 
 
 def _has_tokenizer(folder: Path) -> bool:
