@@ -73,7 +73,7 @@ def check_attention(attn_implementation: str) -> None:
     if attn_implementation not in MASKED_ATTENTION | POSITION_ATTENTION | VARLEN_ATTENTION | {"auto"}:
         raise UserError(
             f"model.attn_implementation={attn_implementation} cannot keep packed documents apart; use sdpa, eager, "
-            "flex_attention, or flash_attention_2 on GPU"
+            "flex_attention, flash_attention_2 on GPU, or auto"
         )
 
 

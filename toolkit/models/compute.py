@@ -3,6 +3,7 @@ and activation recomputation. Both recipes' `model` sections share these fields.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,7 +57,7 @@ class ComputeConfig:
     loss_positions: Literal["all", "targets", "auto"] = field(
         "all", help="where the output head and the loss are computed: all (every position), targets (only the "
         "positions with a label: the same loss and gradients, without the head's work on a chat's prompts and user "
-        "turns); auto = targets on a GPU where it applies (not compile=model, tensor parallel or a pipeline)",
+        "turns); auto = targets on a GPU where it applies (not with compile=model or model parallel)",
         resume=free("the same loss (test_loss)"), used_when=ALWAYS,
     )
     loss_chunk_tokens: int = field(
@@ -71,11 +72,18 @@ class ComputeConfig:
         return self.loss_chunk_tokens if self.loss == "chunked" else 0
 
     def validate(self) -> list[str]:
-        fix = "use sdpa, eager, flex_attention, or flash_attention_2 on GPU"
+        fix = "use sdpa, eager, flex_attention, flash_attention_2 on GPU, or auto"
         problems = name_problems(self, ("attn_implementation",), fix)
         # caught here, not when the trainer starts or the model is built
         if not problems and self.attn_implementation not in ATTENTION:
-            problems.append(f"attn_implementation={self.attn_implementation[:60]} cannot keep packed documents apart; "
+            given = self.attn_implementation.lower()  # a misspelling is told its nearest; another kernel, why not it
+            # (sdpa_paged, a kernel of its own, is not sdpa misspelt)
+            near = [a for a in sorted(ATTENTION) if given.startswith(a) and not given[len(a):].startswith(("_", "|"))] \
+                or difflib.get_close_matches(
+                given, sorted(ATTENTION), n=1, cutoff=0.8)
+            problems.append(f"attn_implementation={self.attn_implementation[:60]} is not one of "
+                            f"{', '.join(sorted(ATTENTION))}; did you mean {near[0]}?" if near else
+                            f"attn_implementation={self.attn_implementation[:60]} cannot keep packed documents apart; "
                             f"{fix}")
         if self.gradient_checkpointing_k < 1:
             problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")

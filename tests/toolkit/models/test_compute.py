@@ -87,3 +87,16 @@ def test_chunk_tokens_is_zero_unless_the_loss_is_chunked():
     assert ComputeConfig().chunk_tokens == 0
     assert ComputeConfig(loss="chunked", loss_chunk_tokens=512).chunk_tokens == 512
     assert ComputeConfig(loss="full", loss_chunk_tokens=512).chunk_tokens == 0
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    ("automatic", "is not one of auto, eager, flash_attention_2, flash_attention_3, flex_attention, sdpa; did you mean auto?"),
+    ("Auto", "did you mean auto?"), ("sdpa2", "did you mean sdpa?"), ("eagre", "did you mean eager?"),
+    ("flash-attention-2", "did you mean flash_attention_2?"),
+    # transformers' own kernels that read no document boundaries: why not, not a spelling
+    ("sdpa_paged", "cannot keep packed documents apart; use sdpa, eager, flex_attention, flash_attention_2 on GPU, or auto"),
+    ("paged_attention", "cannot keep packed documents apart"),
+])
+def test_an_attention_that_is_not_one_is_told_its_nearest_or_why(value, said):
+    problems = ComputeConfig(attn_implementation=value).validate()
+    assert len(problems) == 1 and said in problems[0], problems
