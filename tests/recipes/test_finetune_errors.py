@@ -159,12 +159,21 @@ def test_overlong_conversations_are_counted_in_the_log(finetune, capsys, tmp_pat
               f"data.path={data}", "data.seq_len=64", "data.val_fraction=0", "train.global_batch_size=2"]
     code, out, err = run(finetune, capsys, tmp_path, *common, "data.overlong=drop")
     assert code == 0, err[-2000:]
-    assert "2 training conversations are longer than data.seq_len=64 and were dropped (data.overlong=drop)" in out + err
+    assert "2 training conversations are longer than data.seq_len=64 and were 2 dropped (data.overlong=drop)" in out + err
     assert "packed 6 of 8 conversations" in out + err
     code, out, err = run(finetune, capsys, tmp_path, *common, "data.overlong=truncate", "overwrite=true")
     assert code == 0, err[-2000:]
-    assert "2 training conversations are longer than data.seq_len=64 and were truncated" in out + err
+    assert "2 training conversations are longer than data.seq_len=64 and were 2 truncated (data.overlong=truncate)" \
+        in out + err
     assert "packed 8 of 8 conversations" in out + err
+    # a question longer than the block: truncated, nothing of its answer is left, so it is dropped, and said so (the
+    # line said "truncated" of conversations the packing line counted as dropped)
+    asks = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "Yes."}]}
+    write_jsonl(tmp_path / "chat.jsonl", [short] * 6 + [long] * 2 + [asks])
+    code, out, err = run(finetune, capsys, tmp_path, *common, "data.overlong=truncate", "overwrite=true")
+    assert code == 0, err[-2000:]
+    assert ("3 training conversations are longer than data.seq_len=64 and were 2 truncated and 1 dropped (no assistant "
+            "token left within it) (data.overlong=truncate)") in out + err
 
 
 def test_streaming_is_refused_for_fine_tuning(finetune, capsys, tmp_path):

@@ -327,23 +327,25 @@ class PackStats:
         )
 
 
-def _nothing_to_train_on(whole_targets: np.ndarray, too_long: np.ndarray, seq_len: int, overlong: str) -> str:
-    """Why no conversation kept a target token, by its real cause: no assistant tokens at all (empty
-    assistant turns), or the assistant tokens lie past data.seq_len (and how overlong treats them)."""
+def _nothing_to_train_on(whole_targets: np.ndarray, too_long: np.ndarray, seq_len: int, overlong: str,
+                         split: str) -> str:
+    """Why no conversation of `split` ("training", "held-out") kept a target token, by its real cause: no assistant
+    tokens at all (empty assistant turns), or the assistant tokens lie past data.seq_len (and how overlong treats
+    them)."""
     n = whole_targets.size
     if not whole_targets.any():
-        return (f"none of the {n} conversations has an assistant token to train on (their assistant turns are "
-                "empty, or the chat template renders none); give the assistant messages content")
+        return (f"none of the {n} {split} conversations has an assistant token to train on (their assistant turns "
+                "are empty, or the chat template renders none); give the assistant messages content")
     if overlong == "truncate":
-        return (f"no conversation has an assistant token within its first data.seq_len={seq_len} tokens "
+        return (f"no {split} conversation has an assistant token within its first data.seq_len={seq_len} tokens "
                 f"({int(too_long.sum())} of {n} are longer, and truncating them cuts off every assistant turn); "
                 "raise data.seq_len")
-    return (f"no conversation fits data.seq_len={seq_len} with a target left ({int(too_long.sum())} of {n} are "
-            "longer); raise data.seq_len or set data.overlong=truncate")
+    return (f"no {split} conversation fits data.seq_len={seq_len} with a target left ({int(too_long.sum())} of {n} "
+            "are longer); raise data.seq_len or set data.overlong=truncate")
 
 
 def pack_conversations(
-    rows, seq_len: int, pad_id: int, overlong: Literal["truncate", "drop"] = "truncate"
+    rows, seq_len: int, pad_id: int, overlong: Literal["truncate", "drop"] = "truncate", split: str = "training"
 ) -> tuple[datasets.Dataset, PackStats]:
     """Conversations (a dataset with `input_ids`/`labels`, or (ids, labels) pairs) -> packed blocks."""
     flat_ids, flat_labels, offsets = _flatten(rows)
@@ -360,7 +362,7 @@ def pack_conversations(
     keep = (targets > 0) & ((overlong == "truncate") | ~too_long)
     if not keep.any():
         raise UserError(_nothing_to_train_on(cum[offsets[1:]] - cum[np.minimum(offsets[:-1] + 1, offsets[1:])],
-                                             too_long, seq_len, overlong))
+                                             too_long, seq_len, overlong, split))
     src_start, size = offsets[:-1][keep], size[keep]
 
     block, start, n_blocks = best_fit_decreasing(size, seq_len)
@@ -524,12 +526,15 @@ def chat_blocks(
     notes = [shapes_said(records, cfg.record_format, cfg.columns), *said, f"train: {stats}"]
     val = None
     if val_rows is not None:
-        val, val_stats = pack_conversations(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong)
+        val, val_stats = pack_conversations(val_rows, cfg.seq_len, tokenizer.pad_token_id, cfg.overlong, "held-out")
         notes.append(f"held-out{f' (data.val_path={cfg.val_path})' if cfg.val_path else ''}: {val_stats}")
     if stats.truncated or stats.dropped:
+        # under truncate, a conversation cut before its first answer has nothing left to train: dropped, said apart
+        cut = [f"{stats.truncated} truncated"] if stats.truncated else []
+        cut += [f"{stats.dropped} dropped" + (" (no assistant token left within it)" if cfg.overlong == "truncate"
+                                               else "")] if stats.dropped else []
         notes.append(
             f"{stats.truncated + stats.dropped} training conversations are longer than data.seq_len={cfg.seq_len} "
-            f"and were {'truncated' if cfg.overlong == 'truncate' else 'dropped'} (data.overlong={cfg.overlong}); "
-            "raise data.seq_len to keep them whole"
+            f"and were {' and '.join(cut)} (data.overlong={cfg.overlong}); raise data.seq_len to keep them whole"
         )
     return train, val, notes

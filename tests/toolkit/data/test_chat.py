@@ -280,7 +280,7 @@ def test_truncation_that_leaves_no_target_drops_the_conversation():
     rows = [(ids, [IGNORE_INDEX] * 40 + ids[40:]), (ids[:8], [IGNORE_INDEX] + ids[1:8])]
     blocks, stats = pack_conversations(rows, 32, pad_id=0)
     assert (stats.kept, stats.dropped, stats.truncated) == (1, 1, 0)
-    with pytest.raises(UserError, match="no conversation fits data.seq_len=32") as exc:
+    with pytest.raises(UserError, match="no training conversation fits data.seq_len=32") as exc:
         pack_conversations(rows[:1], 32, pad_id=0, overlong="drop")
     assert "\n" not in str(exc.value)
 
@@ -293,12 +293,15 @@ def test_no_target_anywhere_is_named_as_its_cause():
     for overlong in ("truncate", "drop"):
         with pytest.raises(UserError) as exc:
             pack_conversations(empty, 64, pad_id=0, overlong=overlong)
-        assert str(exc.value) == ("none of the 2 conversations has an assistant token to train on (their assistant "
+        assert str(exc.value) == ("none of the 2 training conversations has an assistant token to train on (their assistant "
                                   "turns are empty, or the chat template renders none); give the assistant messages content")
     late = [(ids * 3, [IGNORE_INDEX] * 50 + ids[:10])]  # the assistant's tokens lie past seq_len
-    with pytest.raises(UserError, match=r"no conversation has an assistant token within its first data.seq_len=32 "
+    with pytest.raises(UserError, match=r"no training conversation has an assistant token within its first data.seq_len=32 "
                                         r"tokens \(1 of 1 are longer, .*\); raise data.seq_len$"):
         pack_conversations(late, 32, pad_id=0, overlong="truncate")
+    # the held-out split said as such: its one conversation is not the training data's
+    with pytest.raises(UserError, match=r"^no held-out conversation has an assistant token"):
+        pack_conversations(late, 32, pad_id=0, overlong="truncate", split="held-out")
 
 
 def test_packed_sft_loss_equals_conversations_one_by_one(smol_tokenizer, tiny_model):
