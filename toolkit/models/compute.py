@@ -76,14 +76,14 @@ class ComputeConfig:
         problems = name_problems(self, ("attn_implementation",), fix)
         # caught here, not when the trainer starts or the model is built
         if not problems and self.attn_implementation not in ATTENTION:
-            given = self.attn_implementation.lower()  # a misspelling is told its nearest; another kernel, why not it
+            given = str(self.attn_implementation).lower()  # a misspelling is told its nearest; another kernel, why not
             # (sdpa_paged, a kernel of its own, is not sdpa misspelt)
             near = [a for a in sorted(ATTENTION) if given.startswith(a) and not given[len(a):].startswith(("_", "|"))] \
                 or difflib.get_close_matches(
                 given, sorted(ATTENTION), n=1, cutoff=0.8)
-            problems.append(f"attn_implementation={self.attn_implementation[:60]} is not one of "
+            problems.append(f"attn_implementation={str(self.attn_implementation)[:60]} is not one of "
                             f"{', '.join(sorted(ATTENTION))}; did you mean {near[0]}?" if near else
-                            f"attn_implementation={self.attn_implementation[:60]} cannot keep packed documents apart; "
+                            f"attn_implementation={str(self.attn_implementation)[:60]} cannot keep packed documents apart; "
                             f"{fix}")
         if self.gradient_checkpointing_k < 1:
             problems.append(f"gradient_checkpointing_k={self.gradient_checkpointing_k} must be at least 1")
