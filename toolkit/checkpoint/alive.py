@@ -9,6 +9,7 @@ import math
 import torch
 from accelerate.utils import gather_object
 
+from toolkit.models.adapter import layer_kind
 from toolkit.strategy.family import held_values
 
 DEAD_LOSS_RTOL = 1e-3  # how close to ln(vocab size) a loss is uniform guessing
@@ -18,8 +19,7 @@ def nonfinite_weight(accelerator, model: torch.nn.Module) -> str | None:
     """Collective: the name of a weight holding NaN or inf on some rank (each checks its own part), or None. A 4-bit
     weight (QLoRA's bitsandbytes Linear4bit) is packed bytes, not numbers: held in a float dtype for FSDP2, some read
     as NaN; it is frozen, the base's, and left out."""
-    packed = {f"{name}.weight" for name, m in model.named_modules()
-              if any(k.__name__ == "Linear4bit" for k in type(m).__mro__)}
+    packed = {f"{name}.weight" for name, m in model.named_modules() if layer_kind(m) == "Linear4bit"}
     params = [(name, held_values(p).detach()) for name, p in model.named_parameters() if name not in packed]
     flags = [torch.isfinite(t).all() for _, t in params if t.numel()]
     # one host sync for all weights; the names only when something is wrong

@@ -64,13 +64,14 @@ AUTO = {
 
 def resolve(cfg, machine: Machine) -> str | None:
     """Every `auto` of AUTO in `cfg` set to its value on `machine`; the line that says them, or None if none was."""
-    said = []
+    said, words = [], []
     for key, (value, how, _) in AUTO.items():
         section, name = key.split(".")
         part = getattr(cfg, section)
         if getattr(part, name, None) == value:
             setattr(part, name, how(cfg, machine))
             said.append(f"{key}={getattr(part, name)}")
+            words += [value] if value not in words else []
     if not said:
         return None
-    return f"on {'a CUDA GPU' if machine.device == 'cuda' else 'CPU'}, {' and '.join(AUTO[s.split('=')[0]][0] for s in said[:1])}: {', '.join(said)}"
+    return f"on {'a CUDA GPU' if machine.device == 'cuda' else 'CPU'}, {' and '.join(words)}: {', '.join(said)}"

@@ -269,15 +269,22 @@ def _merge_lora_checkpoint(weights: Path, files: Path, source: Source):
 
 def _full_precision_base(files: Path, source: Source):
     """A QLoRA checkpoint's base as the recipe loaded it (its base_model.json), in float32 and not quantised."""
-    from toolkit.models.base_model import BaseModelConfig, load_base_model
+    from toolkit.models.base_model import load_base_model
 
     if not (files / BASE_MODEL_FILE).is_file():
         raise UserError(f"{source.describe()} holds a 4-bit base without the {BASE_MODEL_FILE} that says where its "
                         "full-precision base is; export the run's adapter/ with --merge-lora and --base FOLDER")
-    saved = json.loads((files / BASE_MODEL_FILE).read_text())
-    found = BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
+    found = _saved_base(files)
     found.dtype = "float32"
     return load_base_model(found)[0]
+
+
+def _saved_base(folder: Path):
+    """How the recipe loaded the base (`folder`'s base_model.json), as a BaseModelConfig."""
+    from toolkit.models.base_model import BaseModelConfig
+
+    saved = json.loads((folder / BASE_MODEL_FILE).read_text())
+    return BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
 
 
 def _has_tokenizer(folder: Path) -> bool:
@@ -291,10 +298,7 @@ def _base_of(source: Source, base: str | None):
     if base:
         return base
     if (source.path / BASE_MODEL_FILE).is_file():
-        from toolkit.models.base_model import BaseModelConfig
-
-        saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
-        return BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
+        return _saved_base(source.path)
     named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not named or not Path(named).is_dir():
         raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")

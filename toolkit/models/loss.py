@@ -78,11 +78,9 @@ def forward_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 
             return loss_from_forward(model, inner, inputs, targets)
         rows = rows_of(batch, targets) if on_targets(model) else None
         if chunk_tokens <= 0:
-            if rows is None:
-                return target_loss_sum(model(**inputs).logits, targets)
             with head_at(model, rows):
                 logits = model(**inputs).logits
-            return target_loss_sum(logits, targets.reshape(-1).index_select(0, rows))
+            return target_loss_sum(logits, targets if rows is None else targets.reshape(-1)[rows])
         with loss_in_head(model, targets, chunk_tokens, rows) as returned:
             loss = model(**inputs).logits
     if len(returned) != 1 or loss.dim() != 0:
@@ -126,10 +124,14 @@ def rows_of(batch: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tens
 
 
 @contextlib.contextmanager
-def head_at(model: torch.nn.Module, rows: torch.Tensor):
+def head_at(model: torch.nn.Module, rows: torch.Tensor | None):
     """For one forward of `model`: its output head gets only the hidden states at `rows` (flattened positions), and
-    the model returns their logits, (len(rows) x vocab). A pre-hook, so that the hooks of ZeRO-3, FSDP2 and peft's
-    wrappers around the head still run as they do."""
+    the model returns their logits, (len(rows) x vocab); every position where `rows` is None. A pre-hook, so that the
+    hooks of ZeRO-3, FSDP2 and peft's wrappers around the head still run as they do."""
+    if rows is None:
+        yield
+        return
+
     def select(module, args):
         hidden = args[0]
         return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), *args[1:])

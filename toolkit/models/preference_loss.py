@@ -26,15 +26,13 @@ def token_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     model.loss_positions=targets the head projects those positions alone, and the others are 0 as before."""
     targets = targets_of(batch)
     inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS} | {"use_cache": False}
-    if not on_targets(model):
-        with static_flex_on_cpu(model, targets.device):
-            logits = model(**inputs).logits
+    rows = rows_of(batch, targets) if on_targets(model) else None
+    with static_flex_on_cpu(model, targets.device), head_at(model, rows):
+        logits = model(**inputs).logits
+    if rows is None:
         flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="none")
         return -flat.view(targets.shape)
-    rows = rows_of(batch, targets)
-    with static_flex_on_cpu(model, targets.device), head_at(model, rows):
-        logits = model(**inputs).logits
     picked = F.cross_entropy(logits.float(), targets.reshape(-1)[rows], reduction="none")
     return -torch.zeros(targets.numel(), dtype=picked.dtype, device=picked.device).index_add(
         0, rows, picked).view(targets.shape)
