@@ -51,7 +51,7 @@ from toolkit.data.chat import (
     collate_chat,
     looks_like_file,
 )
-from toolkit.data.corpus import load_corpus, load_held_out, split_documents
+from toolkit.data.corpus import DataConfig, load_corpus, load_held_out, split_documents
 from toolkit.data.mixture import naming, stages_said, weight_plan
 from toolkit.data.packing import Seen, collate, column, packed_splits, target_counts
 from toolkit.data.preference import collate_pairs, pair_counts, preference_blocks
@@ -73,6 +73,7 @@ from toolkit.models.scratch import check_window, max_positions
 from toolkit.planner.estimate import check_base_fits, check_fits
 from toolkit.training.assembly import assemble
 from toolkit.training.entry import run
+from toolkit.training.forgetting import Budget
 from toolkit.training.harness import score
 from toolkit.training.harness import scores as named_scores
 from toolkit.training.preview import column_of, show
@@ -171,6 +172,12 @@ class FinetuneRecipe:
                 trainer.print(f"data: {line}")
             trainer.print(f"data: {cfg.data.format}, {len(train)} blocks of {cfg.data.seq_len} tokens "
                           f"({schedule.steps_per_epoch} steps per epoch)")
+        # The forgetting budget: a general held-out set, a source's or read from a path, judged at each evaluation.
+        budget = Budget.of(cfg, [s.name for s in cfg.data.sources], plan if cfg.data.sources else None)
+        if budget is not None:
+            general = self.general_blocks() if budget.index is None else None
+            trainer.use_budget(budget, general, collate)
+            trainer.print(f"forgetting: {budget.said()}")
 
         # Samples from the untouched base, generated here while the model is still whole; also on a resume, whose
         # samples.prompts may differ from the checkpoint's.
@@ -222,6 +229,22 @@ class FinetuneRecipe:
         # every rank tokenizes and packs its share of the documents
         train, val = packed_splits(train_docs, val_docs, self.tokenizer, data, source, cfg.seed)
         return train, val, [*notes, f"{len(train_docs)} train / {len(val_docs or [])} held-out documents of {source}"]
+
+    def general_blocks(self):
+        """The packed blocks of forgetting.general read from a path, every document of it held out (text)."""
+        cfg = self.cfg
+        data = DataConfig(path=cfg.forgetting.general, seq_len=cfg.data.seq_len, val_fraction=0.0,
+                          num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
+        notes = []
+        try:
+            with self.first():
+                docs, source = load_corpus(data, notes)
+        except UserError as exc:  # the corpus reader names data.path
+            raise UserError(str(exc).replace("data.path", "forgetting.general")) from None
+        blocks, _ = packed_splits(docs, None, self.tokenizer, data, source, cfg.seed)
+        for line in notes:
+            self.trainer.print(f"forgetting: {line}")
+        return blocks
 
     def preview(self, n: int) -> None:
         """--preview N: the training blocks built as setup builds them, N of them shown with their loss marked, and one
@@ -305,8 +328,9 @@ class FinetuneRecipe:
                 before, after = self.harness_scores(trained)
         plot = trainer.close()
         print()
+        budget = trainer.budget.rows(before, after, state.step) if trainer.budget is not None else []
         if (state.eval_before and state.last_eval) or before:
-            print(_before_after({**state.eval_before, **before}, {**state.last_eval, **after}))
+            print(_table(_before_after({**state.eval_before, **before}, {**state.last_eval, **after}) + budget))
         if adapter_dir is not None:
             print(f"adapter     : {adapter_dir}")
         if final is not None:
@@ -367,7 +391,7 @@ def _reload(final: Path | None, adapter_dir: Path | None, cfg: FinetuneConfig):
     return load_with_adapter(base_model, adapter_dir)
 
 
-def _before_after(before: dict[str, float], after: dict[str, float]) -> str:
+def _before_after(before: dict[str, float], after: dict[str, float]) -> list[tuple[str, str, str]]:
     rows = [("held-out", "before", "after"), ("-" * 14, "-" * 10, "-" * 10)] if "eval_loss" in before else []
     named = (("loss", "eval_loss"), ("perplexity", "eval_ppl"), ("reward margin", "eval_rewards/margin"),
              ("reward accuracy", "eval_rewards/accuracy"))
@@ -380,6 +404,10 @@ def _before_after(before: dict[str, float], after: dict[str, float]) -> str:
                for key in before if key.startswith("harness/") and key in after]
     if harness:
         rows += [("harness", "before", "after"), ("-" * 14, "-" * 10, "-" * 10), *harness]
+    return rows
+
+
+def _table(rows: list[tuple[str, str, str]]) -> str:
     width = max(16, *(len(a) + 2 for a, _, _ in rows))
     return "\n".join(f"{a:<{width}}{b:>12}{c:>12}" for a, b, c in rows)
 

@@ -87,8 +87,8 @@ def test_the_harness_scores_the_base_and_the_result_into_the_before_after_table(
     assert [(r["step"], r["phase"]) for r in rows] == [(0, "before"), (2, "after")]
     assert all(0 <= r["harness/pydoc_continuation/acc"] <= 1 for r in rows)
     phases = {r["phase"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"}
-    table = recipe_module("finetune")._before_after(
-        {**phases["before"], **rows[0]}, {**phases["after"], **rows[1]}).splitlines()
+    recipe = recipe_module("finetune")
+    table = recipe._table(recipe._before_after({**phases["before"], **rows[0]}, {**phases["after"], **rows[1]})).splitlines()
     assert table[0].split() == ["held-out", "before", "after"] and table[4].split() == ["harness", "before", "after"]
     assert table[6].split() == ["pydoc_continuation/acc", f"{rows[0]['harness/pydoc_continuation/acc']:.4f}",
                                 f"{rows[1]['harness/pydoc_continuation/acc']:.4f}"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint.alive import dead_after_resume, nonfinite_weight
-from toolkit.checkpoint.manager import CheckpointConfig, SaveFailed, Saving, begin_save
+from toolkit.checkpoint.integrity import intact_checkpoint
+from toolkit.checkpoint.manager import CheckpointConfig, SaveFailed, Saving, begin_save, load_checkpoint
 from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config.declarations import Resume
@@ -64,6 +65,13 @@ class Checkpointer:
         self.unproven = True
         self.say(f"resumed from {self.loaded} at step {state.step}")
         return state
+
+    def restore(self, step: int) -> Path:
+        """Collective, after training: checkpoint `step`'s weights (and optimizer state) into the prepared run, the
+        step a forgetting budget keeps for final/ (toolkit.training.forgetting)."""
+        checkpoint = intact_checkpoint(self.strategy, self.run, self.run.checkpoint(step), False, self.say)
+        load_checkpoint(self.strategy, checkpoint, self.say)
+        return checkpoint.folder
 
     def check_loaded(self, loss: float, grad_norm, vocab_size: int | None, preference: bool) -> None:
         """The first step that trained after a load: garbage loaded from the checkpoint (finite weights pass every

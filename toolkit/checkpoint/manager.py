@@ -258,6 +258,9 @@ class Saving:
         # never the newest one that passed its checks: after a skipped non-finite step or with
         # non-finite weights, the last keep_last saves may all hold a model that diverged
         passed = [c for c in done if TrainerState.passed(c)][-1:]
+        # nor the step a forgetting budget keeps for final/ (toolkit.training.forgetting)
+        if self.state.budget.get("best_step") is not None:
+            passed.append(self.run.checkpoint(self.state.budget["best_step"]))
         # a link in checkpoints/ is not a folder this run wrote: rotation never deletes through one
         for old in [c for c in done[:-self.keep_last] if c not in passed and not c.is_symlink()]:
             # Out of rotation in one rename, then deleted: a crash mid-delete leaves a folder

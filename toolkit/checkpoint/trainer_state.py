@@ -45,6 +45,9 @@ class TrainerState:
     # the optimizer and schedule settings it trained with ({} in older checkpoints): a resume says how
     # it takes a change, or refuses one it cannot take (toolkit.checkpoint.settings.check_same_settings)
     settings: dict = field(default_factory=dict)
+    # a fine-tune's forgetting budget ({} without one): the base's general loss, replay's decisions, the kept step
+    # and the evaluations since it (toolkit.training.forgetting.Budget.state)
+    budget: dict = field(default_factory=dict)
 
     def write(self, folder: Path) -> None:
         """Atomically, so that a reader sees the whole state or none (the completeness marker)."""

@@ -231,6 +231,13 @@ class MixtureSchedule:
         self._orders: dict[tuple[int, int], np.ndarray] = {}
         self._last: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
+    def reweigh(self, plan: list[tuple[int, list[float]]]) -> None:
+        """Other weights from some step on (a forgetting budget's replay, toolkit.training.forgetting): `plan` keeps
+        the batches already drawn as they were, so only the steps after its change draw otherwise. `self.plan` stays
+        the configured one, what a checkpoint records and a resume checks."""
+        self.shares = Shares(plan, self.global_batch)
+        self._last = (-1, np.empty(0, dtype=np.int64))
+
     def counts(self, step: int) -> np.ndarray:
         """Each source's blocks in global batch `step`."""
         return self.shares.counts(step)

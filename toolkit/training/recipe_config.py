@@ -32,6 +32,7 @@ from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.scratch import ModelConfig
 from toolkit.run.paths import OUTPUT, READ, RESUME
 from toolkit.training.evaluation import EvalConfig
+from toolkit.training.forgetting import ForgettingConfig, forgetting_problems
 from toolkit.training.metrics import LoggingConfig
 from toolkit.training.optim import OptimConfig
 from toolkit.training.profiling import check_steps
@@ -410,6 +411,8 @@ class FinetuneConfig(RunConfig):
     adapter: AdapterConfig = field(default_factory=AdapterConfig, help="full, LoRA or QLoRA")
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig, help="domain text or chat records")
     samples: SamplesConfig = field(default_factory=SamplesConfig, help="generations before and after, into samples.md")
+    forgetting: ForgettingConfig = field(default_factory=ForgettingConfig, help="what the base knew that the run may "
+                                         "lose: a general held-out set and a budget held at each evaluation")
 
     RENAMED: ClassVar[dict] = {"base_model": "model", **EVAL_RENAMED}
     HARNESS_STEPS: ClassVar[bool] = False  # a fine-tune scores its base and its result, at its end (recipes/finetune.py)
@@ -423,7 +426,7 @@ class FinetuneConfig(RunConfig):
         elif not preference and self.train.objective != "sft":
             problems.append(f"train.objective={self.train.objective} trains on preference pairs; set "
                             "data.format=preference (records with prompt, chosen and rejected)")
-        return problems
+        return problems + forgetting_problems(self)
 
 
 def path_keys(cls: type) -> tuple[str, ...]:

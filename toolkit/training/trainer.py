@@ -47,8 +47,9 @@ from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.cadence import Due, Stepped, Window
 from toolkit.training.canary import Canary
-from toolkit.training.evaluation import evaluate, said
+from toolkit.training.evaluation import evaluate, held_out_sums, said
 from toolkit.training.feed import Feed
+from toolkit.training.forgetting import Budget, Judged
 from toolkit.training.harness_runs import HarnessRuns
 from toolkit.training.metrics import (
     HostCopy,
@@ -147,6 +148,8 @@ class Trainer:
         self.trackers = TrackerLog(self.accelerator, cfg.logging.trackers, self.print)  # until a write fails
         self.nonfinite_in_a_row = 0  # skipped steps since the last one that trained
         self.harness = HarnessRuns.of(self)  # eval.harness_tasks: checked now, before the data and the model
+        self.budget: Budget | None = None  # set by use_budget: a fine-tune's forgetting budget
+        self.judged: Judged | None = None  # the budget's verdict on the newest evaluation
         self.harness_steps = self.harness is not None and type(cfg).HARNESS_STEPS
 
     @property
@@ -199,6 +202,13 @@ class Trainer:
         t = self.cfg.train
         self.feed = Feed(collate, val, t.global_batch_size, t.micro_batch_size, stream=train)
         self.state.mixture = self.feed.mixture
+
+    def use_budget(self, budget: Budget, general: datasets.Dataset | None = None,
+                   collate: Callable | None = None) -> None:
+        """A forgetting budget judged at each evaluation (after use_data or use_mixture): `general` is the held-out
+        blocks of a general set read from a path, with their `collate` (None: a source of the mixture)."""
+        self.budget, self.general, self.general_collate = budget, general, collate
+        self.state.budget = budget.state
 
     def step_data(self, step: int) -> tuple[Iterator[dict], int, int]:
         """This rank's micro-batches (block columns) of `step`, and the global batch's target and token counts."""
@@ -257,6 +267,11 @@ class Trainer:
                 scheduler=self.scheduler if self.step_scheduler else None, on_resume=declared(type(cfg), "resume"),
             )
             self.resume_from, self.eval_step = self.checkpoints.loaded, self.state.eval_step
+            if self.budget is not None:  # replay's decisions so far: the data order goes on as it would have
+                plan = self.budget.restore(self.state.budget)
+                self.state.budget = self.budget.state
+                if plan is not None:
+                    self.feed.schedule.reweigh(plan)
         if self.strategy.is_main:
             self.metrics = MetricsWriter(self.run.metrics, self.step, self.print)
         if cfg.logging.trackers:
@@ -288,7 +303,7 @@ class Trainer:
         window = Window()
         self.previous: HostCopy | None = None  # the step before's all-reduce
         self.unread: tuple[int, int] | None = None  # (step, tokens) of a step whose verdict stayed on the device
-        while state.step < cfg.train.max_steps:
+        while state.step < cfg.train.max_steps and not (self.budget and self.budget.state["ended"]):
             done = self.train_step(window)
             trained = self.judge(done, bar)
             if trained and done.due.log:
@@ -298,17 +313,27 @@ class Trainer:
             # forward after save_state, with no training step between, leaves the root's
             # parameters unsharded in storage that cannot be freed, and gathering the final
             # model then fails ("Trying to resize storage that is not resizable").
+            judged = None
             if done.due.eval:
                 state.last_eval = self.evaluate("after" if done.due.last else "train")
+                judged = self.judged
+                if judged is not None and judged.plan is not None:  # replay: the next steps draw by the new weights
+                    self.feed.schedule.reweigh(judged.plan)
             # A signal, and the end of a checkpoint's writes, are seen in this step's values where they were
             # read, else in the previous step's, which arrived while this step ran: every rank agrees at one step.
             flags = done.values if done.values is not None else self.previous.get() if self.previous else None
-            self.save_on_cadence(done, flags)
+            self.save_on_cadence(done, flags, keep=judged is not None and judged.keep)
             self.previous = done.totals
             if flags is not None and flags[1] > 0:
                 self.stop_at(done, bar)
             if self.harness is not None:
                 self.harness.at_step(self, done.due.harness)
+            if judged is not None and judged.end:
+                best = self.budget.state["best_step"]
+                self.print(f"forgetting.patience={cfg.forgetting.patience}: no better domain loss within the budget "
+                           f"for {cfg.forgetting.patience} evaluations; the run ends at step {state.step} of "
+                           f"{cfg.train.max_steps}" + (f" (the best within it: step {best})" if best else
+                                                       " (none within it)"))
         bar.close()
         self.checkpoints.wait(state.step)  # training ends with its checkpoints complete
 
@@ -418,12 +443,12 @@ class Trainer:
         bar.set_postfix(loss=f"{done.loss:.3f}", lr=f"{done.lr:.2e}", tok_s=f"{tps:,.0f}")
         window.reset()
 
-    def save_on_cadence(self, done: Stepped, flags: list[float] | None) -> None:
+    def save_on_cadence(self, done: Stepped, flags: list[float] | None, keep: bool = False) -> None:
         """A background save taken to its next step once no rank writes any more (`flags`: this step's values, or
-        the previous step's); then this step's checkpoint, where one is due."""
+        the previous step's); then this step's checkpoint, where one is due or the forgetting budget `keep`s it."""
         seen_at = done.step if done.values is not None else done.step - 1
         self.checkpoints.poll(done.step, seen_at, flags)
-        if done.due.save:
+        if done.due.save or keep:
             self.save_checkpoint(background=self.cfg.checkpoint.async_save)
 
     def stop_at(self, done: Stepped, bar) -> None:
@@ -495,8 +520,24 @@ class Trainer:
             )
         self.eval_step = self.state.eval_step = self.step
         self.log("eval", {"step": self.step, "phase": phase, **result})
-        self.print(f"step {self.step} ({phase}): {said(result)}")
+        line = said(result)
+        if self.budget is not None:
+            self.judged = self.budget.judge(self.step, phase, result, self.general_loss())
+            self.log("budget", self.judged.row)
+            line += f"; {self.judged.line}"
+        self.print(f"step {self.step} ({phase}): {line}")
         return result
+
+    def general_loss(self) -> float | None:
+        """Collective: the held-out loss of a general set read from a path (None: the budget's is a source's)."""
+        if self.general is None:
+            return None
+        cfg = self.cfg
+        loss_sum, targets = held_out_sums(
+            self.accelerator, self.model, self.general, cfg.train.micro_batch_size, cfg.eval.blocks,
+            cfg.model.attn_implementation, self.general_collate, cfg.model.chunk_tokens, self.strategy.data_ranks,
+            self.strategy.split_sequences, self.strategy.pipeline)
+        return loss_sum / max(1.0, targets)
 
     def save_checkpoint(self, background: bool = False) -> Path | None:
         """Collective: this step's checkpoint (Checkpointer.save)."""
@@ -510,6 +551,12 @@ class Trainer:
             self.state.last_eval = self.evaluate("after")
         if self.checkpoints.tried != self.step:  # a save of this step that failed is said once, not tried again
             self.save_checkpoint()
+        if self.budget is not None and (kept := self.budget.selected(self.step)) is not None:
+            folder = self.checkpoints.restore(kept)
+            self.state.last_eval = {k: v for k, v in self.budget.state["best_eval"].items()
+                                    if k not in ("domain_loss", "general_loss")}
+            self.print(f"forgetting.select: the result is step {kept}'s ({folder}), the best domain loss within the "
+                       f"budget; the last step's checkpoint is step {self.step}'s")
         digests = self.strategy.check_replicas_in_sync(self.model)
         memory = gather_object([peak_memory_mb(self.strategy.device)])
         if self.metrics is None or not self.metrics.has(self.step, "parameter_digests"):  # a finished run re-run

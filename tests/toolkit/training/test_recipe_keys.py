@@ -48,15 +48,16 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
     assert {k: r for k, r in keys.PATH_SETTINGS.items() if r} == {
         "output_dir": OUTPUT, "data.cache_dir": CACHE, "model.cache_dir": CACHE, "resume": RESUME,
         **dict.fromkeys(("model.path", "model.gguf_file", "tokenizer.path", "data.path", "data.val_path",
-                         "data.sources[].path", "data.chat_template", "eval.harness_include_path"), READ)}
-    assert len(keys.PATH_SETTINGS) == 34 and len(keys.OVERLAPS) == 88  # + evaluate --output's 12 (issue 63); model.new_tokens (64)
+                         "data.sources[].path", "data.chat_template", "eval.harness_include_path",
+                         "forgetting.general"), READ)}
+    assert len(keys.PATH_SETTINGS) == 35 and len(keys.OVERLAPS) == 92  # + evaluate --output's 12 (issue 63); model.new_tokens (64); forgetting.general
     assert sorted(keys.OWN_CHECK) == sorted(("seed", "train.global_batch_size", "data.sources", "data.stages",
                                              "data.streaming"))
     assert sorted(keys.SCHEDULE) == sorted(("optim.lr", "optim.lr_scaling", "optim.lr_reference_batch",
                                             "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio",
                                             "train.max_steps"))
     assert sorted(keys.KEPT_BY_THE_OPTIMIZER) == ["optim.betas", "optim.eps", "optim.weight_decay"]
-    assert (len(keys.REFUSED), len(keys.FROM_NEXT_STEP), len(keys.FREE)) == (39, 12, 39)  # + train.canary, canary_every; data.append_stop, model.new_tokens; model.loss_positions
+    assert (len(keys.REFUSED), len(keys.FROM_NEXT_STEP), len(keys.FREE)) == (41, 15, 40)  # + train.canary, canary_every; data.append_stop, model.new_tokens; model.loss_positions; forgetting.*
     assert keys.REFUSED["data.seq_len"] == "it decides which tokens each step reads"
     assert keys.REFUSED["train.mixed_precision"] == "the strategy's saved weights and optimizer state are in its precision"
     assert keys.FREE["model.loss"] == "the chunked loss equals the full one (test_loss)"
