@@ -117,7 +117,7 @@ WRITERS: dict[str, Writer] = {
         "free space; logging.trackers are not written to again in this run", "the events written before it", exit=None,
     ),
     "loss plot": Writer(
-        "loss.png", ("toolkit.training.metrics:_plot_loss",), "free space; metrics.jsonl holds the same numbers",
+        "loss.png", ("toolkit.training.loss_plot:_plot_loss",), "free space; metrics.jsonl holds the same numbers",
         "no loss.png, or a partial one", exit=None,
     ),
     "profile": Writer(

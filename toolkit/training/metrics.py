@@ -1,5 +1,5 @@
-"""Training metrics: `metrics.jsonl`, model FLOPs utilisation, the loss-curve plot, and the copy of a step's
-numbers to the host."""
+"""Training metrics: `metrics.jsonl`, model FLOPs utilisation, and the copy of a step's numbers to the host
+(loss.png: toolkit.training.loss_plot)."""
 
 from __future__ import annotations
 
@@ -168,6 +168,10 @@ KINDS = {
     "checkpoint_error": ("step", "checkpoint_error"),  # a save that failed under checkpoint.on_save_error=continue
     "harness": ("step", "phase"),  # eval.harness_tasks' scores, harness/<task>/<metric>; logged when they arrive
     "canary": ("step", "loss", "reference_loss", "loss_drift", "grad_drift", "tolerance", "drifted"),  # train.canary
+    # a budgeted fine-tune's forgetting, after each evaluation (and at step 0, phase before): share and best_step null
+    # without replay or a kept checkpoint, general_limit null for a general set reported without a budget
+    "budget": ("step", "domain_loss", "general_loss", "general_base", "general_limit", "general_change", "within",
+               "share", "best_step"),
     "summary": ("step", "parameter_digests", "peak_memory"),  # the run's last row
 }
 
@@ -254,62 +258,6 @@ class TrackerLog:
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def plot_loss(metrics_path: Path, out_png: Path, say: Callable[[str], None] = print) -> Path | None:
-    """loss.png; None where it could not be written (said through `say`: metrics.jsonl holds the same numbers)."""
-    with writing("loss plot", out_png, say=say):
-        return _plot_loss(metrics_path, out_png)
-    return None
-
-
-def _plot_loss(metrics_path: Path, out_png: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    preference = any("rewards/margin" in r or "eval_rewards/margin" in r for r in rows)
-    fig, axes = plt.subplots(1, 2 if preference else 1, figsize=(12 if preference else 7, 4), dpi=110, squeeze=False)
-    ax = axes[0][0]
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1)
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="held-out loss")
-    sources = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("eval_loss/")})
-    for name in sources:  # a mixture's sources (data.sources), each its own curve
-        points = [(r["step"], r[f"eval_loss/{name}"]) for r in rows if f"eval_loss/{name}" in r]
-        ax.plot(*zip(*points, strict=True), ".--", linewidth=1, label=f"held-out loss: {name}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("preference loss (mean over pairs)" if preference else "cross-entropy (nats/token)")
-    ax.grid(alpha=0.3)
-    _legend(ax)
-    if preference:  # the rewards beside the loss: the margin should widen, the accuracy rise
-        ax = axes[0][1]
-        for key, style, label in (("rewards/margin", "-", "train reward margin"),
-                                  ("eval_rewards/margin", "o-", "held-out reward margin"),
-                                  ("rewards/accuracy", "-", "train reward accuracy"),
-                                  ("eval_rewards/accuracy", "o-", "held-out reward accuracy")):
-            points = [(r["step"], r[key]) for r in rows if key in r]
-            if points:
-                ax.plot(*zip(*points, strict=True), style, linewidth=1, label=label)
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-        _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out_png)
-    plt.close(fig)
-    return out_png
-
-
-def _legend(ax) -> None:
-    """A legend where a curve was drawn (a run that stopped before its first logged step has none, and
-    matplotlib warns about an empty legend)."""
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
 
 
 def flat_hparams(tree: dict, prefix: str = "") -> dict:

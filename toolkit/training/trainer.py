@@ -51,6 +51,7 @@ from toolkit.training.evaluation import evaluate, held_out_sums, said
 from toolkit.training.feed import Feed
 from toolkit.training.forgetting import Budget, Judged
 from toolkit.training.harness_runs import HarnessRuns
+from toolkit.training.loss_plot import plot_loss
 from toolkit.training.metrics import (
     HostCopy,
     MetricsWriter,
@@ -62,7 +63,6 @@ from toolkit.training.metrics import (
     flat_hparams,
     peak_flops,
     peak_memory_mb,
-    plot_loss,
     tracker_log_with,
 )
 from toolkit.training.optim import prepare_optimization, use_fused, wind_back
