@@ -238,7 +238,7 @@ class Budget:
         within = self.limit is None or general <= self.limit
         judged = Judged(row={}, line="")
         words = [f"general {general:.4f} ({change:+.1%} of the base's"
-                 + (f", budget {cfg.budget:+.0%})" if self.held else ")"), f"domain {domain:.4f}"]
+                 + (f", budget {cfg.budget:+.1%})" if self.held else ")"), f"domain {domain:.4f}"]
         if phase != "before" and self.held:
             if within and (s["best_step"] is None or domain < s["best_eval"]["domain_loss"]):
                 s["best_step"], s["since_best"] = step, 0
