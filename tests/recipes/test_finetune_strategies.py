@@ -23,10 +23,25 @@ CONFIG = "finetune_smollm2_lora.yaml"
 
 
 def lora_chat(tiny_base, chatml_file, out) -> list[str]:
+    # with a forgetting budget on general text read from a file (the CPython docs the base was pretrained on), judged
+    # at steps 2 and 4: its numbers, and the step it keeps, the same under every strategy
     return [
         *FT_TINY, f"model.path={tiny_base}", "data.format=chat", f"data.chat_template={chatml_file}", "data.append_stop=true",
-        "adapter.dropout=0", "adapter.r=8", "train.max_steps=4", f"output_dir={out}",
+        "adapter.dropout=0", "adapter.r=8", "train.max_steps=4", f"output_dir={out}", "eval.every=2",
+        f"forgetting.general={general_text(out.parent)}", "forgetting.budget=0.05",
     ]
+
+
+def general_text(folder) -> str:
+    from pydoc_data.topics import topics
+
+    path = folder / "general.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics)[:40]))
+    return str(path)
+
+
+def budget_rows(out) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "budget"]
 
 
 def train_losses(out) -> list[float]:
@@ -34,7 +49,7 @@ def train_losses(out) -> list[float]:
 
 
 def evals(out) -> dict[str, float]:
-    return {r["phase"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "phase" in r}
+    return {r["phase"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +66,11 @@ def test_lora_chat_run_writes_an_adapter_and_a_merged_model(lora_reference):
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert adapter and all("lora_" in k for k in adapter), sorted(adapter)[:5]
     assert (out / "final" / "config.json").is_file() and not any("lora" in k for k in load_file(out / "final" / "model.safetensors"))
-    assert set(evals(out)) == {"before", "after"}
+    assert set(evals(out)) == {"before", "train", "after"}
+    judged = budget_rows(out)
+    assert [r["step"] for r in judged] == [0, 2, 4] and judged[0]["general_change"] == 0
+    assert judged[-1]["general_loss"] != judged[0]["general_loss"] and judged[-1]["best_step"] in (2, 4)
+    assert "general held-out set " in log and "forgetting" in log.split("final model")[0].rsplit("held-out", 1)[1]
     losses = train_losses(out)
     assert len(losses) == 4 and losses[-1] < losses[0]
 
@@ -72,6 +91,8 @@ def test_lora_under_sharding_matches_one_process(strategy, lora_reference, tiny_
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: 1 process {a}, {strategy} {b}"
     for phase, loss in evals(reference).items():
         assert abs(evals(out)[phase] - loss) <= 1e-4 * loss, phase
+    for a, b in zip(budget_rows(reference), budget_rows(out), strict=True):  # the general set's loss, the kept step
+        assert b["general_loss"] == pytest.approx(a["general_loss"], rel=1e-4) and b["best_step"] == a["best_step"]
     # the adapter written from sharded weights equals the 1-process one within what the steps' rounding
     # allows (same_training.py; K = the 1024 tokens a step sums, longer than the 512-token vocabulary).
     # Each of its 28 tensors has ~585 weights, so ~4 may flip: a strategy that moves every weight by
@@ -124,7 +145,8 @@ def test_gemma2_lora_under_zero3_matches_one_process(gemma2_base, chatml_file, d
 def test_full_finetune_resumes_from_a_checkpoint(tiny_base, data_cache, tmp_path):
     """6 steps straight = the same run's step-3 checkpoint resumed for 3 more (bit-equal on CPU)."""
     common = [*FT_TINY, f"model.path={tiny_base}", "adapter.method=full", "data.format=text", "data.seq_len=64",
-              "train.max_steps=6"]
+              "train.max_steps=6", "eval.every=2", f"forgetting.general={general_text(tmp_path)}",
+              "forgetting.budget=0.05", "checkpoint.keep_last=5"]  # a budget: what it judges and keeps carries over too
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_recipe("finetune", [*common, f"output_dir={straight}"], nproc=2, cache=data_cache, config=CONFIG,
                accelerate_config="zero2.yaml")
@@ -132,6 +154,7 @@ def test_full_finetune_resumes_from_a_checkpoint(tiny_base, data_cache, tmp_path
                       nproc=2, cache=data_cache, config=CONFIG, accelerate_config="zero2.yaml")
     assert "resumed from" in proc.stdout + proc.stderr and "at step 3" in proc.stdout + proc.stderr
     assert train_losses(resumed) == train_losses(straight)[3:]
+    assert budget_rows(resumed) == [r for r in budget_rows(straight) if r["step"] > 3]
     summary = json.loads((resumed / "final" / "training_summary.json").read_text())
     assert summary["step"] == 6 and summary["adapter"] == "full"
     assert not (resumed / "adapter").exists()

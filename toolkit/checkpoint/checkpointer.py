@@ -66,10 +66,10 @@ class Checkpointer:
         self.say(f"resumed from {self.loaded} at step {state.step}")
         return state
 
-    def restore(self, step: int) -> Path:
-        """Collective, after training: checkpoint `step`'s weights (and optimizer state) into the prepared run, the
+    def restore(self, folder: Path) -> Path:
+        """Collective, after training: checkpoint `folder`'s weights (and optimizer state) into the prepared run, the
         step a forgetting budget keeps for final/ (toolkit.training.forgetting)."""
-        checkpoint = intact_checkpoint(self.strategy, self.run, self.run.checkpoint(step), False, self.say)
+        checkpoint = intact_checkpoint(self.strategy, self.run, folder, False, self.say)
         load_checkpoint(self.strategy, checkpoint, self.say)
         return checkpoint.folder
 

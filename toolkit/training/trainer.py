@@ -40,7 +40,7 @@ from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.models.weight_cast import AUTOCAST, weight_cast
 from toolkit.run.faults import model_kill_points, planted
-from toolkit.run.folder import RunDir
+from toolkit.run.folder import RunDir, is_complete
 from toolkit.run.paths import check_run_paths
 from toolkit.strategy.accelerator import release_freed_memory
 from toolkit.strategy.distributed import Strategy
@@ -552,15 +552,27 @@ class Trainer:
         if self.checkpoints.tried != self.step:  # a save of this step that failed is said once, not tried again
             self.save_checkpoint()
         if self.budget is not None and (kept := self.budget.selected(self.step)) is not None:
-            folder = self.checkpoints.restore(kept)
-            self.state.last_eval = {k: v for k, v in self.budget.state["best_eval"].items()
-                                    if k not in ("domain_loss", "general_loss")}
-            self.print(f"forgetting.select: the result is step {kept}'s ({folder}), the best domain loss within the "
-                       f"budget; the last step's checkpoint is step {self.step}'s")
+            self.keep_selected(kept)
         digests = self.strategy.check_replicas_in_sync(self.model)
         memory = gather_object([peak_memory_mb(self.strategy.device)])
         if self.metrics is None or not self.metrics.has(self.step, "parameter_digests"):  # a finished run re-run
             self.log("summary", {"step": self.step, "parameter_digests": digests, "peak_memory": memory})
+
+    def keep_selected(self, kept: int) -> None:
+        """Collective: the weights of step `kept`, the forgetting budget's best, in place of the last step's."""
+        # in this run's checkpoints, or beside the one it resumed from (resume=PATH of another run's)
+        found = [f for f in (self.run.checkpoint(kept), self.resume_from and self.resume_from.parent / f"step-{kept}")
+                 if f and is_complete(f)]
+        if not found:
+            self.print(f"warning: forgetting.select keeps step {kept}, and its checkpoint is gone (deleted by hand?); "
+                       f"the result is the last step's, {self.step}")
+            self.budget.state["best_step"] = None
+            return
+        folder = self.checkpoints.restore(found[0])
+        self.state.last_eval = {k: v for k, v in self.budget.state["best_eval"].items()
+                                if k not in ("domain_loss", "general_loss")}
+        self.print(f"forgetting.select: the result is step {kept}'s ({folder}), the best domain loss within the "
+                   f"budget; the last step's checkpoint is step {self.step}'s")
 
     def facts(self, model_type: str) -> dict:
         """What every model card says about the run."""
