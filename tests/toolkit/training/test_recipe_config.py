@@ -147,7 +147,7 @@ def test_the_path_keys_load_config_expands_are_the_classified_paths_this_recipe_
 
     expected = {"output_dir", "resume", "data.path", "data.sources[].path", "data.cache_dir", "eval.harness_include_path"} | (
         {"tokenizer.path"} if cls is PretrainConfig else
-        {"data.val_path", "data.chat_template", "model.path", "model.gguf_file", "model.cache_dir"})
+        {"data.val_path", "data.chat_template", "model.path", "model.gguf_file", "model.cache_dir", "forgetting.general"})
     assert set(cls.PATHS) == expected and all(PATH_SETTINGS[k] for k in cls.PATHS)
 
 
