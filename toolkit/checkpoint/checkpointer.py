@@ -17,7 +17,7 @@ from toolkit.checkpoint.resume import resume
 from toolkit.checkpoint.trainer_state import TrainerState
 from toolkit.config.declarations import Resume
 from toolkit.config.errors import UserError
-from toolkit.run.folder import RunDir
+from toolkit.run.folder import RunDir, is_complete
 from toolkit.strategy.distributed import Strategy
 
 
@@ -66,10 +66,15 @@ class Checkpointer:
         self.say(f"resumed from {self.loaded} at step {state.step}")
         return state
 
-    def restore(self, folder: Path) -> Path:
-        """Collective, after training: checkpoint `folder`'s weights (and optimizer state) into the prepared run, the
-        step a forgetting budget keeps for final/ (toolkit.training.forgetting)."""
-        checkpoint = intact_checkpoint(self.strategy, self.run, folder, False, self.say)
+    def restore(self, step: int, resumed_from: Path | None) -> Path | None:
+        """Collective, after training: the weights (and optimizer state) of checkpoint `step` into the prepared run, the
+        step a forgetting budget keeps for final/ (toolkit.training.forgetting); None where it is gone. It is in this
+        run's checkpoints, or beside the one it resumed from (resume=PATH of another run's)."""
+        found = [f for f in (self.run.checkpoint(step), resumed_from and resumed_from.parent / f"step-{step}")
+                 if f and is_complete(f)]
+        if not found:
+            return None
+        checkpoint = intact_checkpoint(self.strategy, self.run, found[0], False, self.say)
         load_checkpoint(self.strategy, checkpoint, self.say)
         return checkpoint.folder
 

@@ -209,11 +209,13 @@ class Budget:
         return [(0, weights), *((first, weights_at(weights, self.index, share))
                                 for first, share in self.state["decisions"])]
 
-    def restore(self, saved: dict) -> list | None:
-        """A resumed run's state (TrainerState.budget); the plan its replay decided, to set on the schedule."""
-        if saved:
-            self.state = {**self.state, **saved}
-        return self.plan()
+    def restore(self, saved: dict, schedule) -> dict:
+        """The state to go on from (TrainerState.budget), a resumed run's `saved` one; its replay's decisions set on the
+        mixture's `schedule` (toolkit.data.mixture.MixtureSchedule), so that its steps draw the blocks they drew."""
+        self.state = {**self.state, **saved}
+        if (plan := self.plan()) is not None:
+            schedule.reweigh(plan)
+        return self.state
 
     def losses(self, result: dict, general: float | None) -> tuple[float, float]:
         """(domain, general) held-out losses of an evaluation: a general source's left out of the domain's."""

@@ -40,14 +40,14 @@ from toolkit.models.preference_loss import PreferenceLoss
 from toolkit.models.router import RouterLoss
 from toolkit.models.weight_cast import AUTOCAST, weight_cast
 from toolkit.run.faults import model_kill_points, planted
-from toolkit.run.folder import RunDir, is_complete
+from toolkit.run.folder import RunDir
 from toolkit.run.paths import check_run_paths
 from toolkit.strategy.accelerator import release_freed_memory
 from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.cadence import Due, Stepped, Window
 from toolkit.training.canary import Canary
-from toolkit.training.evaluation import evaluate, held_out_sums, said
+from toolkit.training.evaluation import evaluate, said
 from toolkit.training.feed import Feed
 from toolkit.training.forgetting import Budget, Judged
 from toolkit.training.harness_runs import HarnessRuns
@@ -267,11 +267,6 @@ class Trainer:
                 scheduler=self.scheduler if self.step_scheduler else None, on_resume=declared(type(cfg), "resume"),
             )
             self.resume_from, self.eval_step = self.checkpoints.loaded, self.state.eval_step
-            if self.budget is not None:  # replay's decisions so far: the data order goes on as it would have
-                plan = self.budget.restore(self.state.budget)
-                self.state.budget = self.budget.state
-                if plan is not None:
-                    self.feed.schedule.reweigh(plan)
         if self.strategy.is_main:
             self.metrics = MetricsWriter(self.run.metrics, self.step, self.print)
         if cfg.logging.trackers:
@@ -287,6 +282,8 @@ class Trainer:
     def fit(self) -> None:
         self.stop.step = lambda: self.state.step
         self.stop.training = True
+        if self.budget is not None:  # resumed: replay's decisions so far, so that the data order goes on as it would have
+            self.state.budget = self.budget.restore(self.state.budget, self.feed.schedule)
         self.bar = bar = tqdm(total=self.cfg.train.max_steps, initial=self.state.step,
                               disable=not self.accelerator.is_main_process, desc=self.name)
         try:
@@ -522,22 +519,15 @@ class Trainer:
         self.log("eval", {"step": self.step, "phase": phase, **result})
         line = said(result)
         if self.budget is not None:
-            self.judged = self.budget.judge(self.step, phase, result, self.general_loss())
+            general = None if self.general is None else evaluate(
+                self.accelerator, self.model, self.general, cfg.train.micro_batch_size, cfg.eval.blocks,
+                cfg.model.attn_implementation, self.general_collate, cfg.model.chunk_tokens, self.strategy.data_ranks,
+                self.strategy.split_sequences, self.strategy.pipeline)["eval_loss"]
+            self.judged = self.budget.judge(self.step, phase, result, general)
             self.log("budget", self.judged.row)
             line += f"; {self.judged.line}"
         self.print(f"step {self.step} ({phase}): {line}")
         return result
-
-    def general_loss(self) -> float | None:
-        """Collective: the held-out loss of a general set read from a path (None: the budget's is a source's)."""
-        if self.general is None:
-            return None
-        cfg = self.cfg
-        loss_sum, targets = held_out_sums(
-            self.accelerator, self.model, self.general, cfg.train.micro_batch_size, cfg.eval.blocks,
-            cfg.model.attn_implementation, self.general_collate, cfg.model.chunk_tokens, self.strategy.data_ranks,
-            self.strategy.split_sequences, self.strategy.pipeline)
-        return loss_sum / max(1.0, targets)
 
     def save_checkpoint(self, background: bool = False) -> Path | None:
         """Collective: this step's checkpoint (Checkpointer.save)."""
@@ -560,15 +550,12 @@ class Trainer:
 
     def keep_selected(self, kept: int) -> None:
         """Collective: the weights of step `kept`, the forgetting budget's best, in place of the last step's."""
-        # in this run's checkpoints, or beside the one it resumed from (resume=PATH of another run's)
-        found = [f for f in (self.run.checkpoint(kept), self.resume_from and self.resume_from.parent / f"step-{kept}")
-                 if f and is_complete(f)]
-        if not found:
+        folder = self.checkpoints.restore(kept, self.resume_from)
+        if folder is None:
             self.print(f"warning: forgetting.select keeps step {kept}, and its checkpoint is gone (deleted by hand?); "
                        f"the result is the last step's, {self.step}")
             self.budget.state["best_step"] = None
             return
-        folder = self.checkpoints.restore(found[0])
         self.state.last_eval = {k: v for k, v in self.budget.state["best_eval"].items()
                                 if k not in ("domain_loss", "general_loss")}
         self.print(f"forgetting.select: the result is step {kept}'s ({folder}), the best domain loss within the "

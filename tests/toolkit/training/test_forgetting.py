@@ -72,7 +72,10 @@ def test_a_run_is_held_to_its_budget_by_replay_selection_and_patience():
     # a resume continues from the saved state: the same plan, the same next verdicts
     saved = json.loads(json.dumps(budget.state))
     again = Budget(cfg, ["docs", "general"], [(0, [0.8, 0.2])])
-    assert again.restore(saved) == budget.plan() and again.state == budget.state
+    schedule = MixtureSchedule([50, 50], [(0, [0.8, 0.2])], ["docs", "general"], 10, 5, 1, 0, 1234)
+    assert again.restore(saved, schedule) == budget.state and again.plan() == budget.plan()
+    assert [int(schedule.counts(step)[1]) for step in (9, 30)] == [2, 9]  # the base's share, then the last decision's
+    assert int(schedule.counts(10)[1]) in (2, 3) and int(schedule.counts(20)[1]) in (7, 8)  # 2.5 and 7.5 blocks
 
 
 def test_without_a_budget_the_general_loss_is_reported_and_nothing_acts():
@@ -115,7 +118,8 @@ def test_a_reweighed_mixture_draws_the_steps_before_its_change_as_it_did():
     (["forgetting.budget=0.05"], "forgetting.budget=0.05 bounds the loss of a general held-out set, and there is none"),
     (["forgetting.general=/tmp/g.txt", "forgetting.budget=-0.1", "eval.every=5"], "forgetting.budget=-0.1 must be >= 0"),
     (["forgetting.general=/tmp/g.txt", "forgetting.patience=-1"], "forgetting.patience=-1 must be >= 0"),
-    (["forgetting.general=/tmp/g.txt", "forgetting.budget=0.05"], "and eval.every=0 evaluates only at the end"),
+    (["forgetting.general=/tmp/g.txt", "forgetting.budget=0.05", "eval.every=0"],
+     "and eval.every=0 evaluates only at the end"),
     (["forgetting.general=/tmp/g.txt", "forgetting.budget=0.05", "eval.every=5", "data.val_fraction=0"],
      "data.val_fraction=0 holds none out"),
     (["forgetting.general=/tmp/g.txt", "data.path=/tmp/g.txt"], "is training data too"),
@@ -126,7 +130,7 @@ def test_a_reweighed_mixture_draws_the_steps_before_its_change_as_it_did():
       "data.stages=[{start_step: 5, weights: {docs: 0.5}}]"], "drop data.stages, or set forgetting.replay=false"),
     (["data.sources=[{name: general, path: /tmp/general.txt}]", "forgetting.general=general"],
      "is the only data source"),
-    (["forgetting.general=/tmp/g.txt", "forgetting.harness_points=2"], "forgetting.harness_points=2 is part of the budget"),
+    (["forgetting.general=/tmp/g.txt", "forgetting.harness_points=2"], "forgetting.harness_points=2.0 is part of the budget"),
     (["forgetting.general=/tmp/g.txt", "data.format=preference", "train.objective=dpo"],
      "train.objective's preference loss is not one"),
 ])
