@@ -234,7 +234,8 @@ class FinetuneRecipe:
         """The packed blocks of forgetting.general read from a path, every document of it held out (text)."""
         cfg = self.cfg
         data = DataConfig(path=cfg.forgetting.general, seq_len=cfg.data.seq_len, val_fraction=0.0,
-                          num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
+                          text_column=cfg.data.text_column, sample_by=cfg.data.sample_by, num_proc=cfg.data.num_proc,
+                          cache_dir=cfg.data.cache_dir)  # read as data.path is
         notes = []
         try:
             with self.first():
@@ -290,16 +291,16 @@ class FinetuneRecipe:
         trainer.finish()
         strategy, state, run_dir = trainer.strategy, trainer.state, trainer.run
         base = self.base_name
-        facts = {
-            **trainer.facts(strategy.accelerator.unwrap_model(trainer.model).config.model_type),
-            "origin": f"fine-tuned from {base} ({cfg.adapter.method}, {cfg.data.format} data)",
-            "base_model": base, "adapter": cfg.adapter.method,
-        }
+        facts = trainer.facts(strategy.accelerator.unwrap_model(trainer.model).config.model_type)
+        kept = (f"; the weights of its step {facts['step']} of {state.step}, the best domain loss within its forgetting "
+                "budget" if "trained_steps" in facts else "")
+        facts = {**facts, "origin": f"fine-tuned from {base} ({cfg.adapter.method}, {cfg.data.format} data{kept})",
+                 "base_model": base, "adapter": cfg.adapter.method}
         adapter_dir = final = None
         if cfg.adapter.is_lora:
             adapter_dir = save_adapter(
                 strategy, trainer.model, self.tokenizer, run_dir.adapter, to_dict(cfg.model), cfg.checkpoint.final_dtype,
-                loadable_base(cfg.model), {**facts, "base": base, "data": f"{cfg.data.format} data",
+                loadable_base(cfg.model), {**facts, "base": base, "data": f"{cfg.data.format} data{kept}",
                                            "gguf": resolve_gguf(cfg.model)},
             )
         else:

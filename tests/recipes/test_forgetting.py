@@ -5,6 +5,7 @@ says so, and a resume under another strategy continues the controller: the same 
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -25,6 +26,10 @@ def budgeted(tiny_base, code, out) -> list[str]:
     return [*FT_TINY, f"model.path={tiny_base}", "train.max_steps=12", "eval.every=2", "checkpoint.keep_last=1",
             f"data.sources=[{{name: code, path: {code}, weight: 0.8}}, {{name: docs, weight: 0.2}}]",
             "forgetting.general=docs", "forgetting.budget=0.002", "forgetting.patience=0", f"output_dir={out}"]
+
+
+def best_eval(out, best: dict) -> float:
+    return next(r["eval_loss"] for r in rows(out, "eval") if r["step"] == best["step"])
 
 
 def rows(out, kind: str) -> list[dict]:
@@ -72,8 +77,12 @@ def test_replay_selection_and_the_end_table_hold_the_budget(budgeted_run):
             if "lora_" in k}
     assert not all(torch.equal(adapter[k], last[k]) for k in adapter)
     assert f"forgetting.select: the result is step {best['step']}'s" in said
+    summary = json.loads((out / "final" / "training_summary.json").read_text())  # what the cards say: the kept step
+    assert (summary["step"], summary["trained_steps"]) == (best["step"], 12)
+    assert summary["tokens"] == train[best["step"]]["tokens"] and summary["eval_loss"] == pytest.approx(best_eval(out, best))
+    assert f"the weights of its step {best['step']} of 12" in (out / "adapter" / "README.md").read_text()
     assert re.search(rf"kept +step {best['step']} of 12\n", said)
-    assert re.search(r"general change \(budget \+0\.2%\) +[+-]\d+\.\d%\n", said)
+    assert re.search(r"general change \(budget \+0\.2%\) +[+-]\d+\.\d\d%( over)?\n", said)
     assert re.search(rf"domain loss +{judged[0]['domain_loss']:.4f} +{best['domain_loss']:.4f}\n", said)
     assert re.search(rf"loss: docs +\d\.\d{{4}} +{best['general_loss']:.4f}\n", said)  # the kept step's, not the last
 

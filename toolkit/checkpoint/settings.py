@@ -81,13 +81,15 @@ def trained_settings(cfg, optimizer_in_ds_json: bool = False) -> dict:
     if optimizer_in_ds_json:
         keys = [k for k in keys if not k.startswith("optim.") and k != "train.max_steps"]
     paths = {key for key, role in declared(type(cfg), "path").items() if role == READ}  # compared as the files they name
+    # (a source's name, forgetting.general=docs, is a name, even where a folder docs/ exists)
+    names = {s.name for s in getattr(cfg.data, "sources", []) if s is not None}
     values = {}
     for key in keys:
         value = value_at(cfg, key, absent=dataclasses.MISSING)
         if value is dataclasses.MISSING or key in ("train.gamma", "train.orpo_lambda"):
             continue
-        if key in paths and isinstance(value, str) and Path(value).exists():  # load_config expanded `~` and $VAR
-            value = str(Path(value).resolve())  # the same file, wherever the run is launched from
+        if key in paths and isinstance(value, str) and Path(value).exists() and value not in names:
+            value = str(Path(value).resolve())  # the same file, wherever the run is launched from (load_config expanded ~)
         values[key] = list(value) if isinstance(value, tuple) else value
     if hasattr(cfg.train, "objective_settings"):
         values.update(cfg.train.objective_settings())

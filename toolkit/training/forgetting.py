@@ -12,6 +12,7 @@ takes the same ones."""
 
 from __future__ import annotations
 
+import glob
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,9 @@ def forgetting_problems(cfg) -> list[str]:
         if data.val_fraction == 0:
             problems.append(f"forgetting.general={f.general} is measured on its held-out part, and data.val_fraction=0 "
                             "holds none out; set data.val_fraction above 0 (e.g. 0.05)")
+        if sum(max(0.0, s.weight) for s in data.sources if s is not None and s.name != f.general) == 0:
+            problems.append(f"forgetting.general={f.general} is the only data source with weight: nothing is left to be "
+                            "the domain; give the domain's sources a weight above 0")
     else:
         if GENERAL in names:
             problems.append(f"forgetting.general={f.general} is read as text and reported as {GENERAL}, the name of a "
@@ -107,6 +111,10 @@ def forgetting_problems(cfg) -> list[str]:
         if names and "/" not in f.general and not Path(f.general).exists():
             problems.append(f"forgetting.general={f.general} is neither a data.sources name ({', '.join(names)}) nor a "
                             "file; name a source, or give the path of general text")
+        elif _local(f.general) and not _files(f.general):
+            problems.append(f"forgetting.general={f.general} does not exist"
+                            + (" (no file matches the pattern)" if glob.has_magic(f.general) else "")
+                            + "; give a file, folder or glob of general text, or a data.sources name")
         trained = [data.path] if not data.sources else [s.path for s in data.sources]
         if any(_same_data(f.general, p) for p in trained if p):
             problems.append(f"forgetting.general={f.general} is training data too: its loss would fall with the domain's; "
@@ -124,15 +132,26 @@ def forgetting_problems(cfg) -> list[str]:
     return problems
 
 
+def _local(path: str) -> bool:
+    """Whether a data path can only be a local one (a hub id is `org/name`, read once the base is loaded)."""
+    return path.startswith(("/", "./", "../", "~")) or glob.has_magic(path) or Path(path).suffix != ""
+
+
+def _files(path: str) -> list[Path]:
+    """What a data path names on this machine: the file or folder, or what a glob matches, resolved."""
+    named = glob.glob(path) if glob.has_magic(path) else [path] if Path(path).exists() else []
+    return [Path(p).resolve() for p in named]
+
+
 def _same_data(a: str, b: str) -> bool:
-    """Whether two data paths name the same files (or one holds the other), or the same hub id."""
+    """Whether two data paths (files, folders, globs) share a file, one holding the other, or name the same hub id."""
     if a == b:
         return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    if not (pa.exists() and pb.exists()):
-        return False
-    pa, pb = pa.resolve(), pb.resolve()
-    return pa == pb or pa in pb.parents or pb in pa.parents
+    return any(x == y or x in y.parents or y in x.parents for x in _files(a) for y in _files(b))
+
+
+def _percent(budget: float) -> str:
+    return f"{100 * budget:+.4g}%"
 
 
 def next_share(share: float, change: float, budget: float) -> float:
@@ -174,7 +193,8 @@ class Budget:
         self.base_plan = plan
         share = plan[0][1][self.index] if self.replays else None
         self.state = {"general_base": None, "domain_base": None, "share": share, "decisions": [], "best_step": None,
-                      "best_eval": {}, "since_best": 0, "ended": None, "last": {}}
+                      "best_eval": {}, "since_best": 0, "ended": None, "last": {},
+                      "gone": False}
 
     @classmethod
     def of(cls, cfg, sources: list[str], plan: list | None) -> Budget | None:
@@ -192,18 +212,19 @@ class Budget:
     def said(self) -> str:
         """The budget in one line, for the log."""
         cfg = self.cfg
-        where = f"the held-out part of data source {self.name}" if self.index is not None else cfg.general
+        where = (f"data source {self.name}'s held-out part" if self.index is not None else
+                 f"{cfg.general} ({', '.join(map(str, _files(cfg.general)[:3])) or 'a hub dataset'})")
         if not self.held:
-            return f"general held-out set {where}: its loss is reported at each evaluation (no forgetting.budget)"
-        levers = [f"replay (its share {self.state['share']:.2f} of each batch now)"] if self.replays else []
+            return f"general held-out set: {where}; its loss is reported at each evaluation (no forgetting.budget)"
+        levers = ["replay of its share of each batch"] if self.replays else []
         levers += ["selection of the best step within it"] if cfg.select else []
         levers += [f"patience {cfg.patience}"] if cfg.patience else []
-        return (f"general held-out set {where}; its loss may rise {cfg.budget:.1%} over the base's, held at each "
+        return (f"general held-out set: {where}; its loss may rise {cfg.budget:.1%} over the base's, held at each "
                 f"evaluation by {', '.join(levers) or 'nothing (replay, select and patience are off): reported'}")
 
     def plan(self) -> list | None:
         """The mixture's weight plan with replay's decisions: [(first batch, weights)]."""
-        if not self.replays or not self.state["decisions"]:
+        if self.index is None or not self.state["decisions"]:  # (made, they stay: the data order a resume continues)
             return None
         weights = self.base_plan[0][1]
         return [(0, weights), *((first, weights_at(weights, self.index, share))
@@ -226,9 +247,9 @@ class Budget:
         tokens = sum(t for _, t in domain)
         return sum(loss * t for loss, t in domain) / max(1, tokens), result[f"eval_loss/{self.name}"]
 
-    def judge(self, step: int, phase: str, result: dict, general: float | None = None) -> Judged:
+    def judge(self, step: int, phase: str, result: dict, general: float | None = None, tokens: int = 0) -> Judged:
         """Evaluation `phase` at `step` (before: the base's), with `general` the loss of a general set read from a path
-        (None: a source's, in `result`)."""
+        (None: a source's, in `result`), after `tokens` trained."""
         s, cfg = self.state, self.cfg
         domain, general = self.losses(result, general)
         if phase == "before":
@@ -239,12 +260,12 @@ class Budget:
         change = general / base - 1 if base else 0.0
         within = self.limit is None or general <= self.limit
         judged = Judged(row={}, line="")
-        words = [f"general {general:.4f} ({change:+.1%} of the base's"
-                 + (f", budget {cfg.budget:+.1%})" if self.held else ")"), f"domain {domain:.4f}"]
+        words = [f"general {general:.4f} ({change:+.2%} of the base's"
+                 + (f", budget {_percent(cfg.budget)})" if self.held else ")"), f"domain {domain:.4f}"]
         if phase != "before" and self.held:
             if within and (s["best_step"] is None or domain < s["best_eval"]["domain_loss"]):
                 s["best_step"], s["since_best"] = step, 0
-                s["best_eval"] = {**result, "domain_loss": domain, "general_loss": general}
+                s["best_eval"] = {**result, "domain_loss": domain, "general_loss": general, "tokens": tokens}
                 judged.keep = cfg.select
                 words.append("the best within the budget" + (": kept" if cfg.select else ""))
             else:
@@ -260,11 +281,17 @@ class Budget:
                     s["share"] = share
                     s["decisions"].append([step, share])
                     judged.plan = self.plan()
-        judged.row = {"step": step, "phase": phase, "domain_loss": domain, "general_loss": general,
+        judged.row = {"step": step, "phase": phase, "general": self.name, "domain_loss": domain, "general_loss": general,
                       "general_base": base, "general_limit": self.limit, "general_change": change, "within": within,
                       "share": s["share"], "best_step": s["best_step"]}
         judged.line = "; ".join(words)
         return judged
+
+    def result(self, step: int, tokens: int) -> tuple[int, int]:
+        """(step, tokens trained) of the weights a run of `step` steps and `tokens` delivers: the kept step's."""
+        if self.selected(step) is None or self.state["gone"]:
+            return step, tokens
+        return self.state["best_step"], self.state["best_eval"].get("tokens", tokens)
 
     def selected(self, step: int) -> int | None:
         """The step whose checkpoint final/ is made from, where it is not the last one (`step`)."""
@@ -285,8 +312,8 @@ class Budget:
                 ("domain loss", f"{s['domain_base']:.4f}", f"{domain:.4f}"),
                 ("domain gain", "", f"{1 - domain / s['domain_base']:+.1%}"),
                 (f"general loss: {self.name}", f"{s['general_base']:.4f}", f"{general:.4f}"),
-                ("general change" + (f" (budget {cfg.budget:+.1%})" if self.held else ""), "",
-                 f"{change:+.1%}" + (" over" if self.held and change > cfg.budget else ""))]
+                ("general change" + (f" (budget {_percent(cfg.budget)})" if self.held else ""), "",
+                 f"{change:+.2%}" + (" over" if self.held and change > cfg.budget else ""))]
         if cfg.harness_points is not None:
             for key in before:
                 if key.startswith("harness/") and key in after:
@@ -295,6 +322,34 @@ class Budget:
                                  "points)", "", f"{-lost:+.1f} points" + (" over" if lost > cfg.harness_points else "")))
         if self.held:
             best = s["best_step"]
-            rows.append(("kept", "", f"step {step} (none within)" if best is None else
-                         f"step {best} of {step}" if cfg.select else f"step {step}"))
+            rows.append(("kept", "", f"step {step} (none within)" if best is None else f"step {step}" if s["gone"]
+                         or not cfg.select else f"step {best} of {step}"))
         return rows
+
+    def warnings(self, step: int) -> list[str]:
+        """What the end says of a result that is not what a budget is for: nothing within it, or no domain gain."""
+        s, cfg = self.state, self.cfg
+        if not self.held or not s["last"]:
+            return []
+        if s["best_step"] is None:
+            return [f"warning: no evaluation was within forgetting.budget={cfg.budget} (the general loss rose "
+                    f"{s['last']['general_loss'] / s['general_base'] - 1:+.2%} by step {step}): the result is the last "
+                    "step's; lower optim.lr, raise the general data's weight, or loosen the budget"]
+        kept = s["best_eval"] if self.selected(step) is not None else s["last"]
+        if kept["domain_loss"] >= s["domain_base"]:
+            return [f"warning: the result (step {s['best_step'] if self.selected(step) is not None else step}) has "
+                    f"gained nothing on the domain ({kept['domain_loss']:.4f} against the base's {s['domain_base']:.4f})"
+                    " within the budget"]
+        return []
+
+    def ended_said(self) -> str | None:
+        """A resumed run that patience ended: why it trains no more, and what would train on; None otherwise. One whose
+        forgetting.patience has been raised (or set to 0) since is no longer ended."""
+        s, patience = self.state, self.cfg.patience
+        if s["ended"] is None:
+            return None
+        if not patience or s["since_best"] < patience:
+            s["ended"] = None
+            return None
+        return (f"the run ended at step {s['ended']}: forgetting.patience={patience} evaluations brought no better domain "
+                f"loss within the budget; raise forgetting.patience (or set it to 0) to train on")

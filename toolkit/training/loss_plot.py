@@ -38,7 +38,8 @@ def loss_figure(metrics_path: Path):
     _train(ax, [r for r in rows if _kind(r) == "train"])
     evals = [r for r in rows if _kind(r) == "eval"]
     _measured(ax, evals, "eval_loss", "C1", "held-out loss")
-    sources = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("eval_loss/")})
+    general = {r.get("general") for r in rows if _kind(r) == "budget"}  # drawn below as the general held-out loss
+    sources = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("eval_loss/")} - general)
     for i, name in enumerate(sources):  # a mixture's sources (data.sources), each its own points
         _measured(ax, evals, f"eval_loss/{name}", f"C{3 + i}", f"held-out loss: {name}", marker=".")
     _budget(ax, [r for r in rows if _kind(r) == "budget"])

@@ -284,6 +284,8 @@ class Trainer:
         self.stop.training = True
         if self.budget is not None:  # resumed: replay's decisions so far, so that the data order goes on as it would have
             self.state.budget = self.budget.restore(self.state.budget, self.feed.schedule)
+            if ended := self.budget.ended_said():
+                self.print(ended)
         self.bar = bar = tqdm(total=self.cfg.train.max_steps, initial=self.state.step,
                               disable=not self.accelerator.is_main_process, desc=self.name)
         try:
@@ -523,7 +525,7 @@ class Trainer:
                 self.accelerator, self.model, self.general, cfg.train.micro_batch_size, cfg.eval.blocks,
                 cfg.model.attn_implementation, self.general_collate, cfg.model.chunk_tokens, self.strategy.data_ranks,
                 self.strategy.split_sequences, self.strategy.pipeline)["eval_loss"]
-            self.judged = self.budget.judge(self.step, phase, result, general)
+            self.judged = self.budget.judge(self.step, phase, result, general, self.state.tokens_seen)
             self.log("budget", self.judged.row)
             line += f"; {self.judged.line}"
         self.print(f"step {self.step} ({phase}): {line}")
@@ -543,6 +545,8 @@ class Trainer:
             self.save_checkpoint()
         if self.budget is not None and (kept := self.budget.selected(self.step)) is not None:
             self.keep_selected(kept)
+        for line in self.budget.warnings(self.step) if self.budget is not None else []:
+            self.print(line)
         digests = self.strategy.check_replicas_in_sync(self.model)
         memory = gather_object([peak_memory_mb(self.strategy.device)])
         if self.metrics is None or not self.metrics.has(self.step, "parameter_digests"):  # a finished run re-run
@@ -554,7 +558,7 @@ class Trainer:
         if folder is None:
             self.print(f"warning: forgetting.select keeps step {kept}, and its checkpoint is gone (deleted by hand?); "
                        f"the result is the last step's, {self.step}")
-            self.budget.state["best_step"] = None
+            self.budget.state["gone"] = True
             return
         self.state.last_eval = {k: v for k, v in self.budget.state["best_eval"].items()
                                 if k not in ("domain_loss", "general_loss")}
@@ -563,9 +567,12 @@ class Trainer:
 
     def facts(self, model_type: str) -> dict:
         """What every model card says about the run."""
+        # a forgetting budget's kept step: its weights are the result
+        step, tokens = self.budget.result(self.step, self.state.tokens_seen) if self.budget else (self.step, None)
         return {
-            "recipe": self.name, "model_type": model_type, "params": self.n_params, "step": self.step,
-            "tokens": self.state.tokens_seen, "strategy": self.strategy.layout.name, **self.state.last_eval,
+            "recipe": self.name, "model_type": model_type, "params": self.n_params, "step": step,
+            "tokens": self.state.tokens_seen if tokens is None else tokens, "strategy": self.strategy.layout.name,
+            **self.state.last_eval, **({"trained_steps": self.step} if step != self.step else {}),
         }
 
     def close(self) -> Path | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +68,7 @@ def test_a_run_is_held_to_its_budget_by_replay_selection_and_patience():
     assert plan[0] == (0, [0.8, 0.2]) and plan[1][0] == 10 and plan[-1][1] == pytest.approx([0.1, 0.9])
     assert budget.selected(40) == 10 and budget.selected(10) is None
     rows = {name: after for name, _, after in budget.rows({}, {}, 40)}
-    assert rows["domain gain"] == "+6.7%" and rows["general change (budget +5.0%)"] == "+3.0%"
+    assert rows["domain gain"] == "+6.7%" and rows["general change (budget +5%)"] == "+3.00%"
     assert rows["kept"] == "step 10 of 40"
     # a resume continues from the saved state: the same plan, the same next verdicts
     saved = json.loads(json.dumps(budget.state))
@@ -83,7 +84,7 @@ def test_without_a_budget_the_general_loss_is_reported_and_nothing_acts():
     assert not any(x.keep or x.end or x.plan for x in v) and budget.state["decisions"] == []
     assert [x.row["general_limit"] for x in v] == [None, None, None] and v[-1].row["general_change"] == 0.75
     assert budget.selected(20) is None
-    assert dict((n, a) for n, _, a in budget.rows({}, {}, 20))["general change"] == "+75.0%"
+    assert dict((n, a) for n, _, a in budget.rows({}, {}, 20))["general change"] == "+75.00%"
 
 
 def test_nothing_within_the_budget_keeps_the_last_step_and_says_so():
@@ -91,7 +92,7 @@ def test_nothing_within_the_budget_keeps_the_last_step_and_says_so():
                            [(0, 3.0, 2.0), (10, 2.5, 2.5), (20, 2.0, 3.0)])
     assert not any(x.keep for x in v) and budget.selected(20) is None
     rows = {n: a for n, _, a in budget.rows({}, {}, 20)}
-    assert rows["kept"] == "step 20 (none within)" and rows["general change (budget +1.0%)"] == "+50.0% over"
+    assert rows["kept"] == "step 20 (none within)" and rows["general change (budget +1%)"] == "+50.00% over"
 
 
 def test_the_harness_budget_is_judged_in_the_end_table():
@@ -145,3 +146,76 @@ def test_a_budget_it_can_hold_loads():
     assert cfg.forgetting.budget == 0.05 and cfg.forgetting.select and cfg.forgetting.patience == 3
     assert Budget.of(cfg, ["docs", "general"], [(0, [0.8, 0.2])]).replays
     assert Budget.of(load_config(FinetuneConfig, CONFIG, []), [], None) is None
+
+
+def test_a_general_set_that_shares_a_file_with_the_training_data_is_refused(tmp_path):
+    (tmp_path / "train.txt").write_text("domain\n")
+    (tmp_path / "general.txt").write_text("general\n")
+    for general, data in ((f"{tmp_path}/*.txt", f"{tmp_path}/train.txt"), (f"{tmp_path}/general.txt", f"{tmp_path}/*.txt"),
+                          (str(tmp_path), f"{tmp_path}/train.txt")):
+        with pytest.raises(ConfigError, match="is training data too"):
+            load_config(FinetuneConfig, CONFIG, [f"data.path={data}", f"forgetting.general={general}"])
+    load_config(FinetuneConfig, CONFIG, [f"data.path={tmp_path}/train.txt", f"forgetting.general={tmp_path}/g*.txt"])
+    for missing, said in ((f"{tmp_path}/nope.txt", "does not exist; give a file"),
+                          (f"{tmp_path}/*.md", "does not exist (no file matches the pattern)")):
+        with pytest.raises(ConfigError, match=re.escape(said)):  # before the base loads, not after
+            load_config(FinetuneConfig, CONFIG, [f"forgetting.general={missing}"])
+    load_config(FinetuneConfig, CONFIG, ["forgetting.general=org/english-text"])  # a hub id: read once the base loads
+
+
+def test_a_source_name_is_recorded_as_a_name_where_a_folder_has_it_too(tmp_path, monkeypatch):
+    from toolkit.checkpoint.settings import trained_settings
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "general").mkdir()  # a folder of the launch's: forgetting.general=general is still the source
+    cfg = load_config(FinetuneConfig, CONFIG, [*MIXED, "forgetting.general=general"])
+    assert trained_settings(cfg)["forgetting.general"] == "general"
+
+
+def test_only_the_general_source_with_weight_is_refused():
+    with pytest.raises(ConfigError, match="is the only data source with weight"):
+        load_config(FinetuneConfig, CONFIG, ["data.sources=[{name: docs, weight: 0}, {name: general, path: /tmp/g.txt}]",
+                                             "forgetting.general=general"])
+
+
+def test_the_end_says_a_result_that_is_not_what_a_budget_is_for():
+    budget, _ = judged_run(ForgettingConfig(general="general", budget=0.01), [(0, 3.0, 2.0), (10, 2.9, 2.5)])
+    assert budget.warnings(10) == ["warning: no evaluation was within forgetting.budget=0.01 (the general loss rose "
+                                   "+25.00% by step 10): the result is the last step's; lower optim.lr, raise the "
+                                   "general data's weight, or loosen the budget"]
+    budget, _ = judged_run(ForgettingConfig(general="general", budget=0.05), [(0, 3.0, 2.0), (10, 3.1, 2.0)])
+    assert "has gained nothing on the domain (3.1000 against the base's 3.0000)" in budget.warnings(10)[0]
+    budget, _ = judged_run(ForgettingConfig(general="general", budget=0.05), [(0, 3.0, 2.0), (10, 2.9, 2.0)])
+    assert budget.warnings(10) == [] and budget.result(10, 999) == (10, 999)
+
+
+def test_a_kept_step_is_the_result_the_cards_describe():
+    budget, _ = judged_run(ForgettingConfig(general="general", budget=0.05),
+                           [(0, 3.0, 2.0), (10, 2.8, 2.0), (20, 2.9, 2.0)])
+    assert budget.result(20, 2000) == (10, 0)  # judged_run trains no tokens: the kept step's count
+    budget.state["gone"] = True  # its checkpoint deleted by hand: the last step is the result, and the table says so
+    assert budget.result(20, 2000) == (20, 2000) and dict((n, a) for n, _, a in budget.rows({}, {}, 20))["kept"] == "step 20"
+
+
+def test_patience_ends_a_resumed_run_until_it_is_raised():
+    cfg = ForgettingConfig(general="general", budget=0.05, patience=1)
+    budget, v = judged_run(cfg, [(0, 3.0, 2.0), (10, 2.8, 2.0), (20, 2.9, 2.0), (30, 2.9, 2.0)])
+    assert v[2].end and budget.state["ended"] == 20
+    saved = json.loads(json.dumps(budget.state))
+    schedule = MixtureSchedule([50, 50], [(0, [0.8, 0.2])], ["docs", "general"], 10, 5, 1, 0, 1234)
+    again = Budget(cfg, ["docs", "general"], [(0, [0.8, 0.2])])
+    again.restore(saved, schedule)
+    assert "the run ended at step 20: forgetting.patience=1 evaluations" in again.ended_said()
+    raised = Budget(ForgettingConfig(general="general", budget=0.05, patience=3), ["docs", "general"], [(0, [0.8, 0.2])])
+    raised.restore(json.loads(json.dumps(saved)), schedule)
+    assert raised.ended_said() is None and raised.state["ended"] is None  # it trains on
+
+
+def test_replay_decisions_stay_in_force_when_a_resume_drops_the_budget():
+    budget, _ = judged_run(ForgettingConfig(general="general", budget=0.05),
+                           [(0, 3.0, 2.0), (10, 2.8, 2.2), (20, 2.8, 2.2)])
+    assert budget.state["decisions"] == [[10, 0.7]]
+    unheld = Budget(ForgettingConfig(general="general"), ["docs", "general"], [(0, [0.8, 0.2])])
+    schedule = MixtureSchedule([50, 50], [(0, [0.8, 0.2])], ["docs", "general"], 10, 5, 1, 0, 1234)
+    unheld.restore(json.loads(json.dumps(budget.state)), schedule)
+    assert int(schedule.counts(11)[1]) == 7  # the share the run was drawing: the data order it trained with goes on

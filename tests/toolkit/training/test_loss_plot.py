@@ -169,6 +169,18 @@ def test_the_kept_step_is_the_last_budget_rows(tmp_path):
     assert list(lines["general budget (+2.33 %)"].get_ydata()) == [3.07, 3.07]
 
 
+def test_a_general_source_is_drawn_once_as_the_general_held_out_loss(tmp_path):
+    path = fine_tune_metrics(tmp_path / "metrics.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:-1]]
+    for r in rows:  # the general set is the mixture's source "web": its eval_loss/web is the budget's general_loss
+        if r["kind"] == "eval":
+            r["eval_loss/web"] = 3.0
+        if r["kind"] == "budget":
+            r["general"] = "web"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "general held-out" in drawn(path) and "held-out loss: web" not in drawn(path)
+
+
 def test_without_budget_rows_no_budget_is_drawn(tmp_path):
     lines = drawn(fine_tune_metrics(tmp_path / "metrics.jsonl", budget=False))
     assert not [label for label in lines if label.startswith(("general", "kept"))]
