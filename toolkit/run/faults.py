@@ -35,7 +35,8 @@ NONFINITE_ENV, NONFINITE_KINDS = "LLM_TOOLKIT_NONFINITE", ("batch", "loss", "gra
 
 POINTS = {
     "forward": "after the first micro-batch's forward, before its backward",
-    "backward": "inside the backward, once the decoder layers' gradients are computed",
+    "backward": "inside the backward, once the decoder layers' gradients are computed (a frozen embedding's, as a "
+                "LoRA's: all but the first layer's)",
     "between_micro_batches": "after the first micro-batch's backward, before the second one's forward",
     "after_optimizer": "after the optimizer step, before the step counter moves",
     "eval": "inside an evaluation, after its first forward",
@@ -126,13 +127,19 @@ def model_kill_points(model, step: int, point_forward: str = "forward"):
     if armed(point_forward, step) and embedding is not None:
         handles.append(model.register_forward_hook(lambda *_: kill_point(point_forward, step)))
     if point_forward == "forward" and armed("backward", step) and embedding is not None:
-        # The embedding's output is the last tensor the backward reaches: every decoder layer's
-        # gradient exists, the optimizer has not stepped, and DDP's buckets may be in flight.
+        # The first output of a forward that needs a gradient is the last tensor the backward reaches: the
+        # embedding's, or, where the embedding is frozen (an adapter), the first trained module's in the first
+        # decoder layer; every other decoder layer's gradient exists, the optimizer has not stepped, and DDP's
+        # buckets may be in flight. One per forward (a recomputing checkpointed layer adds none).
+        first: list[torch.Tensor] = []
+
         def on_output(module, inputs, output):
-            if output.requires_grad:
+            if not first and isinstance(output, torch.Tensor) and output.requires_grad:
+                first.append(output)
                 output.register_hook(lambda grad: kill_point("backward", step))
 
-        handles.append(embedding.register_forward_hook(on_output))
+        handles.append(model.register_forward_pre_hook(lambda *_: first.clear()))
+        handles += [module.register_forward_hook(on_output) for module in model.modules() if module is not model]
     try:
         yield
     finally:

@@ -63,3 +63,31 @@ def test_a_misspelt_point_or_a_missing_log_is_refused(monkeypatch, log):
     monkeypatch.delenv(faults.LOG_ENV)
     with pytest.raises(RuntimeError, match="without LLM_TOOLKIT_KILL_LOG"):
         faults.armed("backward", 3)
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["full", "lora"])
+def test_the_backward_point_fires_once_the_later_layers_have_their_gradients(tiny_model, monkeypatch, log, adapter):
+    """backward@N fires once, inside the backward, when every decoder layer but the first has its gradients: at the
+    embedding's output where the embedding trains, at the first trained module's where it is frozen (a LoRA: its
+    embedding's output needs no gradient, and the point was never reached)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setenv(faults.ENV, "backward@3/0")
+    model = tiny_model("llama", num_hidden_layers=2)
+    if adapter:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    fired = []
+    monkeypatch.setattr(faults, "kill_point", lambda point, step=None: fired.append(
+        (point, step, {name for name, p in trained if p.grad is not None})))
+    ids = torch.randint(0, 100, (2, 8))
+    with faults.model_kill_points(model, 3):
+        loss = model(input_ids=ids, labels=ids).loss
+        assert fired == []  # not in the forward
+        loss.backward()
+    assert [(point, step) for point, step, _ in fired] == [("backward", 3)]
+    later = [name for name, _ in trained if ".layers.1." in name]
+    assert later and set(later) <= fired[0][2]
+    model(input_ids=ids, labels=ids).loss.backward()  # outside the context: its hooks are gone
+    assert len(fired) == 1
