@@ -28,7 +28,8 @@ uninterrupted run's log, not derived from checkpoint.every; the evaluation befor
 points; and the relaunch must also give the same budget rows (metrics.jsonl kind budget), tokens per source and
 adapter/ as the uninterrupted run, bit for bit.
 It prints one table, a row per kill, and the line "N kill points, N resumed bit-exact, 0 lost".
-tests/recipes/test_strategies.py runs the same harness in a small deterministic form.
+tests/recipes/test_strategies.py runs the same harness in a small deterministic form, and
+tests/recipes/test_forgetting_kills.py its --finetune-budget form.
 """
 
 from __future__ import annotations
