@@ -1,14 +1,10 @@
 """A fine-tune's forgetting budget: how much a general held-out loss may rise over the base's, held at each evaluation.
 
-    budget = Budget.of(cfg, sources)          # None without forgetting.general
-    budget.judge(step, phase, result, loss)   # each evaluation: the numbers, the replay share, the kept step, the end
-    budget.state                              # TrainerState.budget: what a resume continues from
-
-Three levers, each a key (docs/finetuning.md): replay moves the general source's share of each batch (next_share),
-selection keeps the checkpoint with the best domain loss within the budget for final/, and patience ends a run whose
-domain loss has not improved within the budget for that many evaluations. Every decision is a function of reduced
-evaluation numbers, so every rank takes it alike, and its inputs live in the checkpoint, so a resume under any strategy
-takes the same ones."""
+Replay moves the general source's share of each batch (next_share), selection keeps the checkpoint with the best
+domain loss within the budget for final/, patience ends a run whose domain loss has not improved within the budget.
+Every decision reads evaluation numbers already reduced over the ranks, so every rank takes it alike; its inputs live
+in the checkpoint (TrainerState.budget), so a resume under any strategy takes the same ones (docs/finetuning.md).
+"""
 
 from __future__ import annotations
 
