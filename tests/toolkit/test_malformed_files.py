@@ -354,6 +354,8 @@ READERS: dict[str, str] = {
     "toolkit/run/faults.py:_fire": "the test suite's fault-injection log, not a user's",
     "toolkit/training/metrics.py:_open": OWN + " (metrics.jsonl, appended by the run; a line that is not JSON is dropped)",
     "toolkit/training/metrics.py:read_metrics": OWN + " (metrics.jsonl, appended by the run)",
+    "toolkit/training/loss_plot.py:_rows": OWN + " (metrics.jsonl, appended by the run; a line that is not a JSON object "
+                                                 "is skipped)",
     "toolkit/training/reference.py:base_identity": "the base's config.json as transformers wrote it: a fingerprint",
     "toolkit/training/reference.py:_write": OWN,
     "toolkit/training/harness.py:_unreadable_yamls": "a user's harness task folder: test_harness.py's MALFORMED walks "

@@ -72,7 +72,8 @@ class ForgettingConfig:
                      if getattr(self, name) is not None and getattr(self, name) < 0]
         if self.budget is not None and self.general is None:
             problems.append(f"budget={self.budget} bounds the loss of a general held-out set, and there is none: set "
-                            "forgetting.general to a data.sources name or a file, folder or hub id of general text")
+                            "forgetting.general to a data.sources name or a file, folder or hub id of general text, or "
+                            "drop forgetting.budget")
         return problems
 
 

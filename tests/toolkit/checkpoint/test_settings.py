@@ -114,6 +114,7 @@ def test_a_resume_refuses_each_change_that_decides_the_tokens_the_ids_or_the_sha
     present -= {k for k in present if k in ("train.objective", "train.beta", "model.path", "model.gguf_file", "model.new_tokens",
                                             "model.dtype", "data.format", "data.overlong", "data.chat_template", "data.append_stop",
                                             "data.record_format", "data.val_path") or k.startswith("data.columns")
+                or k.startswith("forgetting.")
                 } if recipe == "pretrain" else {"model.model_type", "model.config"}
     assert sorted(saved) == sorted(present)
     TrainerState(step=3, seed=1, settings=saved).write(tmp_path)

@@ -67,12 +67,13 @@ def test_the_derived_tables_hold_what_the_hand_written_ones_held():
                                                           "data.sources", "data.stages"))
     assert keys.CHECKED_BY == {
         "resume": "RunConfig.validate (with overwrite=true)", "train.beta": "FinetuneTrainConfig.validate",
+        "forgetting.budget": "forgetting_problems",
         "train.gamma": "FinetuneTrainConfig.validate", "train.orpo_lambda": "FinetuneTrainConfig.validate",
         "data.chat_template": "FinetuneDataConfig.validate", "data.record_format": "FinetuneDataConfig.validate",
         "data.columns.conversation": "FinetuneDataConfig.validate",
         # a source's keys declare it since issue 63 (they said nothing: keys inside a list needed only path=)
         "data.sources[].record_format": "DataConfig.source_problems", "data.sources[].columns": "DataConfig.source_problems"}
-    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (37 + 2 + 3 + 1, 56 + 7 - 1 + 1 + 1)  # + the sources' keys; eval.every, eval.blocks, train.canary(_every); data.append_stop; model.new_tokens; model.loss_positions
+    assert (len(keys.USED_WHEN), len(keys.ALWAYS)) == (37 + 2 + 3 + 1 + 4, 56 + 7 - 1 + 1 + 1 + 1)  # + the sources' keys; eval.every, eval.blocks, train.canary(_every); data.append_stop; model.new_tokens; model.loss_positions; forgetting.*
     assert keys.USED_WHEN["adapter.r"] == ("adapter.method", ("lora", "qlora"), "LoRA's")
     assert keys.USED_WHEN["tokenizer.vocab_size"] == ("tokenizer.path", (None,), "for a tokenizer the run trains")
     assert keys.ACCEPTS["optim.max_grad_norm"] == {"0": "no clipping, as documented"}

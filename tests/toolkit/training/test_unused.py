@@ -57,7 +57,18 @@ CASES = {
     **{f"eval.harness_{k}": (PretrainConfig, f"eval.harness_{k}={v}", [], ["eval.harness_tasks=[my_task]"])
        for k, v in (("include_path", "."), ("num_fewshot", 2), ("limit", 5))},
     "model.gguf_cache": (FinetuneConfig, "model.gguf_cache=false", ["model.path=org/base"], ["model.path=b.gguf"]),
+    # a forgetting budget's levers, with no budget (or no harness) to act on
+    **{f"forgetting.{k}": (FinetuneConfig, f"forgetting.{k}={v}", [], ["forgetting.general=org/english",
+                                                                       "forgetting.budget=0.05"])
+       for k, v in (("select", "false"), ("patience", 5))},
+    "forgetting.replay": (FinetuneConfig, "forgetting.replay=false", [], [
+        "data.sources=[{name: a}, {name: g}]", "forgetting.general=g", "forgetting.budget=0.05"]),
+    "forgetting.harness_points": (FinetuneConfig, "forgetting.harness_points=2",
+                                  ["forgetting.general=org/english", "forgetting.budget=0.05"],
+                                  ["forgetting.general=org/english", "forgetting.budget=0.05",
+                                   "eval.harness_tasks=[my_task]"]),
     # CHECKED_BY: refused by their component, in its own words
+    "forgetting.budget": (FinetuneConfig, "forgetting.budget=0.05", [], ["forgetting.general=org/english"]),
     "resume": (FinetuneConfig, "resume=auto", ["overwrite=true"], []),
     **{f"train.{k}": (FinetuneConfig, f"train.{k}=0.3", [], ["train.objective=" + o, "data.format=preference"])
        for k, o in (("beta", "dpo"), ("gamma", "simpo"), ("orpo_lambda", "orpo"))},
