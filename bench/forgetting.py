@@ -33,9 +33,12 @@ FORTUNES = Path("/usr/share/games/fortunes")
 # fortune files that are code, ASCII art, or another domain's jargon rather than English prose
 NOT_PROSE = {"computers", "linux", "linuxcookie", "knghtbrd", "debian", "perl", "art", "ascii-art", "startrek", "zippy",
              "translate-me"}
-# what both runs train with: the shipped LoRA YAML, longer and harder so that the unconstrained run forgets
-SETTINGS = ["adapter.method=full", "optim.lr=1e-3", "train.max_steps=40", "eval.every=5", "eval.blocks=16",
-            "samples.max_new_tokens=0", "checkpoint.every=0", "logging.trackers=[]"]
+# what both runs train with: the shipped LoRA YAML as a full fine-tune at a rate that forgets (a LoRA, and a full
+# fine-tune at 3e-4, moved the general loss by under 1 %); a larger held-out share, so that the domain's is not 4
+# documents
+SETTINGS = ["adapter.method=full", "optim.lr=1e-3", "train.global_batch_size=4", "train.max_steps=40", "eval.every=5",
+            "eval.blocks=16", "data.val_fraction=0.15", "samples.max_new_tokens=0", "checkpoint.every=0",
+            "logging.trackers=[]"]
 SMOKE = ["train.max_steps=2", "eval.every=1", "eval.blocks=2", "data.seq_len=64"]
 
 
