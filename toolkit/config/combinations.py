@@ -154,6 +154,14 @@ RULES: tuple[Rule, ...] = (
         f"({_degrees(layout)}) yet; use accelerate_configs/ddp.yaml, fsdp.yaml or a zero*.yaml, and "
         "train.pipeline_stages=1"
     ) if _objective(cfg) != "sft" and layout.model_parallel > 1 else None, None),
+    # the kept step is a checkpoint loaded back after training, and replay reweighs the mixture: both proven under
+    # DDP, FSDP2 and ZeRO (tests/recipes/test_finetune_forgetting.py, the kill soak), not with model parallel
+    Rule("forgetting.budget", lambda cfg, layout, precision: (
+        f"forgetting.budget holds a run under DDP, FSDP and ZeRO (data parallel), not with model parallel "
+        f"({_degrees(layout)}) yet; use accelerate_configs/ddp.yaml, fsdp.yaml or a zero*.yaml, or drop the budget "
+        "(forgetting.general alone reports the general loss)"
+    ) if getattr(getattr(cfg, "forgetting", None), "budget", None) is not None and layout.model_parallel > 1 else None,
+        {"forgetting.budget": ""}),
     Rule("model.loss=chunked", lambda cfg, layout, precision: (
         "model.loss=chunked is not supported with train.pipeline_stages > 1 yet (the last stage computes the loss "
         "from its logits); use model.loss=full"
