@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.config.declarations import ALWAYS, FROM_NEXT_STEP, TOKENS, CheckedBy, free, refused
+from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.config.values import path_problems
 from toolkit.run.paths import READ
@@ -230,7 +231,14 @@ class Budget:
     def restore(self, saved: dict, schedule) -> dict:
         """The state to go on from (TrainerState.budget), a resumed run's `saved` one; its replay's decisions set on the
         mixture's `schedule` (toolkit.data.mixture.MixtureSchedule), so that its steps draw the blocks they drew."""
+        if not saved:  # a checkpoint of a run without forgetting.general: the base's loss was never measured
+            raise UserError("this run's checkpoint was trained without forgetting.general, so the base's general loss "
+                            "was not measured before it; start a new output_dir with forgetting.general (model.path= "
+                            "the checkpoint's weights to go on from them), or resume without forgetting.*")
+        share = self.state["share"]
         self.state = {**self.state, **saved}
+        if self.state["share"] is None:  # a budget set on a resume: replay starts from the configured share
+            self.state["share"] = share
         if (plan := self.plan()) is not None:
             schedule.reweigh(plan)
         return self.state

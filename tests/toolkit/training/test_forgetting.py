@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toolkit.config.errors import ConfigError
+from toolkit.config.errors import ConfigError, UserError
 from toolkit.config.load import load_config
 from toolkit.data.mixture import MixtureSchedule
 from toolkit.training.forgetting import MAX_SHARE, Budget, ForgettingConfig, next_share, weights_at
@@ -219,3 +219,14 @@ def test_replay_decisions_stay_in_force_when_a_resume_drops_the_budget():
     schedule = MixtureSchedule([50, 50], [(0, [0.8, 0.2])], ["docs", "general"], 10, 5, 1, 0, 1234)
     unheld.restore(json.loads(json.dumps(budget.state)), schedule)
     assert int(schedule.counts(11)[1]) == 7  # the share the run was drawing: the data order it trained with goes on
+
+
+def test_a_budget_set_on_a_resume_replays_from_the_configured_share_and_one_without_a_base_is_refused():
+    reported, _ = judged_run(ForgettingConfig(general="general"), [(0, 3.0, 2.0), (10, 2.8, 2.2)])
+    assert reported.state["share"] is None  # no budget, no replay
+    held = Budget(ForgettingConfig(general="general", budget=0.05), ["docs", "general"], [(0, [0.8, 0.2])])
+    schedule = MixtureSchedule([50, 50], [(0, [0.8, 0.2])], ["docs", "general"], 10, 5, 1, 0, 1234)
+    held.restore(json.loads(json.dumps(reported.state)), schedule)
+    assert held.state["share"] == 0.2 and held.state["general_base"] == 2.0
+    with pytest.raises(UserError, match="trained without forgetting.general"):  # a checkpoint from before the feature
+        Budget(ForgettingConfig(general="general"), ["docs", "general"], [(0, [0.8, 0.2])]).restore({}, schedule)
