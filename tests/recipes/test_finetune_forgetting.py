@@ -40,7 +40,8 @@ def rows(out, kind: str) -> list[dict]:
 def budgeted_run(tiny_base, data_cache, tmp_path_factory):
     work = tmp_path_factory.mktemp("forgetting")
     code, out = code_corpus(work / "code"), work / "run"
-    proc = run_recipe("finetune", budgeted(tiny_base, code, out), nproc=1, cache=data_cache, config=CONFIG)
+    proc = run_recipe("finetune", [*budgeted(tiny_base, code, out), "logging.trackers=[tensorboard]"], nproc=1,
+                      cache=data_cache, config=CONFIG)
     return code, out, proc.stdout + proc.stderr
 
 
@@ -85,6 +86,13 @@ def test_replay_selection_and_the_end_table_hold_the_budget(budgeted_run):
     assert re.search(r"general change \(budget \+0\.2%\) +[+-]\d+\.\d\d%( over)?\n", said)
     assert re.search(rf"domain loss +{judged[0]['domain_loss']:.4f} +{best['domain_loss']:.4f}\n", said)
     assert re.search(rf"loss: docs +\d\.\d{{4}} +{best['general_loss']:.4f}\n", said)  # the kept step's, not the last
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # the trackers: the same numbers as metrics.jsonl
+    events = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert [e.value for e in events.Scalars("general_change")] == pytest.approx([r["general_change"] for r in judged])
+    assert [e.value for e in events.Scalars("share")] == pytest.approx(shares)
 
 
 def test_a_resume_under_another_strategy_continues_the_controller(budgeted_run, tiny_base, data_cache, tmp_path):

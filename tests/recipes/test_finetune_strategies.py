@@ -70,7 +70,7 @@ def test_lora_chat_run_writes_an_adapter_and_a_merged_model(lora_reference):
     judged = budget_rows(out)
     assert [r["step"] for r in judged] == [0, 2, 4] and judged[0]["general_change"] == 0
     assert judged[-1]["general_loss"] != judged[0]["general_loss"] and judged[-1]["best_step"] in (2, 4)
-    assert "general held-out set " in log and "forgetting" in log.split("final model")[0].rsplit("held-out", 1)[1]
+    assert "forgetting: general held-out set: " in log and "forgetting" in log.split("final model")[0].rsplit("held-out", 1)[1]
     losses = train_losses(out)
     assert len(losses) == 4 and losses[-1] < losses[0]
 
