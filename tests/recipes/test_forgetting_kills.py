@@ -10,6 +10,7 @@ import json
 import sys
 
 import pytest
+from kill_relaunch import through_kills
 from recipe_runner import ROOT, run_recipe
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -39,17 +40,8 @@ def test_hard_kills_of_a_budgeted_fine_tune_come_back_bit_exact(tiny_base, tmp_p
     assert set(KILLS) <= set(kill_soak.possible_kills(overrides, "ddp", schedule))
 
     out, log = tmp_path / "run", tmp_path / "kills.log"
-    outputs = []
-    for _ in range(len(KILLS) + 1):  # a launch per kill, then the one that finishes
-        proc = run_recipe("finetune", [*overrides, "resume=auto", f"output_dir={out}"], nproc=2, cache=data_cache,
-                          config="finetune_smollm2_lora.yaml", check=False,
-                          env={kill_soak.KILL_ENV: ",".join(KILLS), kill_soak.LOG_ENV: str(log)})
-        outputs.append(proc.stdout)
-        if proc.returncode == 0:
-            break
-        assert len(log.read_text().split()) == len(outputs), proc.stdout[-6000:]  # it stopped at its kill
-    output = "\n".join(outputs)
-    assert proc.returncode == 0, output[-6000:]
+    output = through_kills("finetune", [*overrides, "resume=auto", f"output_dir={out}"], KILLS, log, data_cache,
+                           config="finetune_smollm2_lora.yaml")
     assert kill_soak.compare(out, reference) == []
     assert log.read_text().split() == KILLS, "each kill fires once, in order"
     expected = [kill_soak.expected_resume(kill, overrides, schedule.saves) for kill in KILLS]

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
+from kill_relaunch import through_kills
 from recipe_runner import MATRIX_RUN, ROOT, TINY, recipe_module, run_recipe
 from safetensors.torch import load_file
 from same_training import assert_same_weights, lr_sum
@@ -176,18 +177,10 @@ def test_hard_kills_come_back_bit_exact(strategy, strategy_runs, tmp_path, data_
     if strategy == ELASTIC:
         proc = kill_soak.launch(strategy, out, overrides, data_cache, KILLS[strategy], log, restarts=3)
         output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output[-6000:]
     else:
-        outputs = []
-        for _ in range(len(KILLS[strategy]) + 1):  # a launch per kill, then the one that finishes
-            proc = run_recipe("pretrain", [*overrides, f"output_dir={out}"], nproc=2, cache=data_cache, check=False,
-                              accelerate_config=f"{strategy}.yaml",
-                              env={kill_soak.KILL_ENV: ",".join(KILLS[strategy]), kill_soak.LOG_ENV: str(log)})
-            outputs.append(proc.stdout)
-            if proc.returncode == 0:
-                break
-            assert len(log.read_text().split()) == len(outputs), proc.stdout[-6000:]  # it stopped at its kill
-        output = "\n".join(outputs)
-    assert proc.returncode == 0, output[-6000:]
+        output = through_kills("pretrain", [*overrides, f"output_dir={out}"], KILLS[strategy], log, data_cache,
+                               accelerate_config=f"{strategy}.yaml")
     assert log.read_text().split() == KILLS[strategy], "each kill fires once, in order"
     expected = [kill_soak.expected_resume(kill, overrides) for kill in KILLS[strategy]]
     assert kill_soak.resumed_steps(output) == [step for step in expected if step], output[-6000:]
