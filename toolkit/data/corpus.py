@@ -241,7 +241,7 @@ def _file_source(cfg: DataConfig, notes: list[str] | None) -> tuple[list[str] | 
         if os.path.lexists(local):  # there, but neither a file nor a folder: reading a pipe would wait for ever
             what = "a broken symlink" if local.is_symlink() and not local.exists() else "a pipe, socket or device"
             raise UserError(f"data.path={cfg.path} is {what}, not a file or folder; give a file, a folder or a glob")
-        if Path(cfg.path).suffix or "/" not in cfg.path or cfg.path.startswith((".", "/", "~")):
+        if local_only(cfg.path):
             raise UserError(
                 f"data.path={cfg.path} does not exist; give a file, a folder, a glob, or a hub id like org/name"
             )
@@ -346,6 +346,12 @@ def split_documents(ds: datasets.Dataset, val_fraction: float, seed: int) -> tup
         )
     order = np.random.default_rng(seed).permutation(n)
     return ds.select(np.sort(order[n_val:])), ds.select(np.sort(order[:n_val]))
+
+
+def local_only(path: str) -> bool:
+    """Whether a data path that is not on this machine can only be a missing local one: a hub id is `org/name`, with no
+    extension, not starting like a path."""
+    return bool(Path(path).suffix) or "/" not in path or path.startswith((".", "/", "~"))
 
 
 def _local_files(path: str, notes: list[str]) -> list[str] | None:

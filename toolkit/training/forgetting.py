@@ -17,6 +17,7 @@ from toolkit.config.declarations import ALWAYS, FROM_NEXT_STEP, TOKENS, CheckedB
 from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.config.values import path_problems
+from toolkit.data.corpus import local_only
 from toolkit.run.paths import READ
 
 # The share moves to hold the general loss at half its budget: the evaluations between two decisions have room to
@@ -81,6 +82,8 @@ class ForgettingConfig:
 def forgetting_problems(cfg) -> list[str]:
     """What the rest of a fine-tune's config leaves a budget unable to do, one line each (before the base loads)."""
     f, data = cfg.forgetting, cfg.data
+    if path_problems(f, ("general",)):  # blank, a line break, too long for the file system: its own line says so
+        return []
     if f.general is None:
         return [f"forgetting.harness_points={f.harness_points} needs forgetting.general and forgetting.budget"
                 ] if f.harness_points is not None and f.budget is None else []
@@ -109,7 +112,7 @@ def forgetting_problems(cfg) -> list[str]:
         if names and "/" not in f.general and not Path(f.general).exists():
             problems.append(f"forgetting.general={f.general} is neither a data.sources name ({', '.join(names)}) nor a "
                             "file; name a source, or give the path of general text")
-        elif _local(f.general) and not _files(f.general):
+        elif (local_only(f.general) or glob.has_magic(f.general)) and not _files(f.general):
             problems.append(f"forgetting.general={f.general} does not exist"
                             + (" (no file matches the pattern)" if glob.has_magic(f.general) else "")
                             + "; give a file, folder or glob of general text, or a data.sources name")
@@ -128,11 +131,6 @@ def forgetting_problems(cfg) -> list[str]:
         problems.append(f"forgetting.harness_points={f.harness_points} is part of the budget: set forgetting.budget "
                         "too (the held-out loss's)")
     return problems
-
-
-def _local(path: str) -> bool:
-    """Whether a data path can only be a local one (a hub id is `org/name`, read once the base is loaded)."""
-    return path.startswith(("/", "./", "../", "~")) or glob.has_magic(path) or Path(path).suffix != ""
 
 
 def _files(path: str) -> list[Path]:

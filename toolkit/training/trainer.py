@@ -509,22 +509,20 @@ class Trainer:
     def evaluate(self, phase: str) -> dict[str, float]:
         """Held-out loss and perplexity (collective); `phase` is before, train or after training."""
         cfg = self.cfg
+
+        def over(blocks, collate, objective=None) -> dict[str, float]:
+            return evaluate(self.accelerator, self.model, blocks, cfg.train.micro_batch_size, cfg.eval.blocks,
+                            cfg.model.attn_implementation, collate, cfg.model.chunk_tokens, self.strategy.data_ranks,
+                            self.strategy.split_sequences, self.strategy.pipeline, objective=objective)
+
         release_freed_memory(self.accelerator.device)  # a CPU run's peak was the training's heap kept under this
         with model_kill_points(self.accelerator.unwrap_model(self.model), self.step, "eval"):
-            result = evaluate(
-                self.accelerator, self.model, self.feed.val, cfg.train.micro_batch_size,
-                cfg.eval.blocks, cfg.model.attn_implementation, self.feed.collate,
-                cfg.model.chunk_tokens, self.strategy.data_ranks, self.strategy.split_sequences,
-                self.strategy.pipeline, objective=self.objective,
-            )
+            result = over(self.feed.val, self.feed.collate, self.objective)
         self.eval_step = self.state.eval_step = self.step
         self.log("eval", {"step": self.step, "phase": phase, **result})
         line = said(result)
         if self.budget is not None:
-            general = None if self.general is None else evaluate(
-                self.accelerator, self.model, self.general, cfg.train.micro_batch_size, cfg.eval.blocks,
-                cfg.model.attn_implementation, self.general_collate, cfg.model.chunk_tokens, self.strategy.data_ranks,
-                self.strategy.split_sequences, self.strategy.pipeline)["eval_loss"]
+            general = None if self.general is None else over(self.general, self.general_collate)["eval_loss"]
             self.judged = self.budget.judge(self.step, phase, result, general, self.state.tokens_seen)
             self.log("budget", self.judged.row)
             line += f"; {self.judged.line}"
