@@ -39,6 +39,7 @@ from toolkit.data.text_files import read_utf8
 from toolkit.export import destination
 from toolkit.export.consolidate import load_model, resolve_source, source_tokenizer
 from toolkit.export.conversation import Conversation, LlamaCppChat, TransformersChat, check_prompts
+from toolkit.export.run_base import add_base_option, take_run_base
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
 
@@ -50,7 +51,7 @@ def parser() -> OneLineParser:
     parser = OneLineParser("python recipes/chat.py", description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="source", required=True, help="run, model, checkpoint or adapter folder, or a .gguf")
     parser.add_argument("--checkpoint", help="with a run folder: step-N or latest (default: its final/)")
-    parser.add_argument("--base", help="the base model folder of a LoRA adapter, when the adapter does not name it")
+    add_base_option(parser)
     parser.add_argument("--chat-template", help="a Jinja chat template file, in place of the tokenizer's")
     parser.add_argument("--system", help="a system prompt, the first turn of the conversation")
     parser.add_argument("--prompt", help="answer this one user turn and exit (the answer alone on stdout)")
@@ -67,6 +68,7 @@ PATH_OPTIONS = ("--from", "--base", "--chat-template")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     options = parser()
     args = options.parse_paths(options.parse_args(argv), PATH_OPTIONS)
+    take_run_base(args)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} is not a positive number of tokens; give 1 or more")
     if not math.isfinite(args.temperature) or args.temperature < 0:

@@ -31,6 +31,7 @@ from toolkit.config.errors import UserError
 from toolkit.export.consolidate import Source, load_model, resolve_source
 from toolkit.export.destination import check_base, check_creatable
 from toolkit.export.hf_folder import write_model_folder
+from toolkit.export.run_base import add_base_option, take_run_base
 from toolkit.launch import environment
 from toolkit.launch.cli import OneLineParser
 from toolkit.launch.rank_process import die_with_trainer
@@ -51,7 +52,7 @@ def parser() -> OneLineParser:
     parser.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
     parser.add_argument("--limit", type=float, help="documents per task (below 1: a fraction); for a quick look")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--base", help="the base model folder of a LoRA adapter, when the adapter does not name it")
+    add_base_option(parser)
     parser.add_argument("--output", help="the JSON file for the harness's results (default ./harness-<name>.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation's JSON")
     return parser
@@ -64,6 +65,7 @@ PATH_OPTIONS = ("--from", "--include-path", "--base", "--output")
 def parse_args(argv: list[str] | None):
     options = parser()
     args = options.parse_paths(options.parse_args(argv), PATH_OPTIONS)
+    take_run_base(args)
     cfg = HarnessConfig([t.strip() for t in args.tasks.split(",")], args.include_path, args.num_fewshot, args.limit,
                         args.batch_size)
     if problems := cfg.validate():

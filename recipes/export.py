@@ -48,6 +48,7 @@ from toolkit.export import destination
 from toolkit.export.consolidate import adapter_base, load_model, resolve_source
 from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.report import ExportReport, held_out_ids, perplexity, size_on_disk, tokens_per_second
+from toolkit.export.run_base import add_base_option, take_run_base
 from toolkit.export.stops import check_stops, run_prompts, source_reference
 from toolkit.launch.cli import OneLineParser
 from toolkit.models.adapter import leave_out_bitsandbytes
@@ -84,7 +85,7 @@ def parser() -> OneLineParser:
     parser.add_argument("--quant", default="f16", help="gguf: the tensor type (f16, q8_0, q4_0, ...)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="hf: the weights' dtype (default fp32)")
     parser.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base (needed for adapters)")
-    parser.add_argument("--base", help="the base model folder of a LoRA adapter, when the adapter does not name it")
+    add_base_option(parser)
     parser.add_argument("--max-shard-size", default="2GB", help="hf: split safetensors above this size")
     parser.add_argument("--output", required=True, help="the folder (hf, int8, int4) or .gguf file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -98,7 +99,9 @@ PATH_OPTIONS = ("--from", "--base", "--output", "--eval-text")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     options = parser()
-    return options.parse_paths(options.parse_args(argv), PATH_OPTIONS)
+    args = options.parse_paths(options.parse_args(argv), PATH_OPTIONS)
+    take_run_base(args)
+    return args
 
 
 def check_args(args: argparse.Namespace) -> Path:

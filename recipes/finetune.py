@@ -124,6 +124,10 @@ class FinetuneRecipe:
             quantized = quantization_config(cfg.adapter, strategy.accelerator.device.type == "cuda",
                                             strategy.accelerator.mixed_precision, strategy.family.qlora_storage(strategy.accelerator.mixed_precision))
             model, self.tokenizer, notes = load_base_model(cfg.model, quantized, strategy.device_map(), cfg.data.chat_template)
+            # what the adapter and `--from RUN --base` load as the base, on any machine holding the run folder (a GGUF's
+            # float copy kept in it): the cache it came from may be cleared or never have been this machine's
+            loads_from = loadable_base(cfg.model, trainer.run.base, keep=strategy.is_main)
+        self.base_files = {**to_dict(cfg.model), "loads_from": loads_from}  # base_model.json
         if quantized is not None:
             keep_4bit_trainable(model)
             notes.append(f"base model: 4-bit NF4 (bitsandbytes), computing in "
@@ -186,7 +190,7 @@ class FinetuneRecipe:
             before = generate(model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
 
         model.config.use_cache = False
-        assembled = assemble(trainer, model, self.tokenizer, cfg.adapter, {"base_model.json": to_dict(cfg.model)})
+        assembled = assemble(trainer, model, self.tokenizer, cfg.adapter, {"base_model.json": self.base_files})
         trainer.state.samples_before = before
         if assembled.needs_reference:  # DPO: the model before training
             use_reference(trainer, base_identity(cfg.model), cfg.adapter.is_lora)
@@ -299,9 +303,8 @@ class FinetuneRecipe:
         adapter_dir = final = None
         if cfg.adapter.is_lora:
             adapter_dir = save_adapter(
-                strategy, trainer.model, self.tokenizer, run_dir.adapter, to_dict(cfg.model), cfg.checkpoint.final_dtype,
-                loadable_base(cfg.model), {**facts, "base": base, "data": f"{cfg.data.format} data{kept}",
-                                           "gguf": resolve_gguf(cfg.model)},
+                strategy, trainer.model, self.tokenizer, run_dir.adapter, self.base_files, cfg.checkpoint.final_dtype,
+                {**facts, "base": base, "data": f"{cfg.data.format} data{kept}", "gguf": resolve_gguf(cfg.model)},
             )
         else:
             final = save_final_model(

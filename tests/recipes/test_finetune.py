@@ -49,8 +49,10 @@ def smol_run(tmp_path_factory, smollm2_gguf_path):
     write_tasks(out.parent / "tasks")
     harness = ["eval.harness_tasks=[pydoc_continuation]", f"eval.harness_include_path={out.parent / 'tasks'}",
                "eval.harness_limit=4"]  # the base and the result scored at the end
+    # a cache of its own, which a test moves away: the adapter's base must not live in it
     cfg = load_config(FinetuneConfig, ROOT / "recipes" / "configs" / "finetune_smollm2_lora.yaml",
-                      [*SMOL_LORA, f"output_dir={out}", f"data.val_path={held_out}", *harness])
+                      [*SMOL_LORA, f"output_dir={out}", f"data.val_path={held_out}", *harness,
+                       f"model.cache_dir={out.parent / 'cache'}"])
     recipe = recipe_module("finetune").FinetuneRecipe(cfg)
     recipe.setup()
     recipe.train()
@@ -137,21 +139,38 @@ def test_samples_before_and_after_are_written(smol_run):
 
 
 def test_the_adapter_loads_by_itself_with_peft_and_has_a_card(smol_run):
-    """adapter_config.json names a base transformers loads alone (the GGUF's dequantised copy, not the GGUF's
-    folder), so peft's own loader takes the folder; its README.md is the run's card, not peft's template."""
+    """adapter_config.json names a base transformers loads alone: the run's own float copy of the GGUF (base/, linked
+    from the cache, not the GGUF's folder nor the cache itself), so peft's own loader takes the folder on a machine
+    whose cache was cleared or moved, and --from RUN --base names it; its README.md is the run's card, not peft's
+    template, and publishes no path of the machine that trained it."""
     import json
 
     from peft import AutoPeftModelForCausalLM
 
-    out, _, inputs, live_logits = smol_run
+    from toolkit.export.consolidate import load_model, resolve_source
+    from toolkit.export.run_base import run_base
+
+    out, recipe, inputs, live_logits = smol_run
     named = json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert (Path(named) / "config.json").is_file(), named
+    assert named == str((out / "base").resolve()), named
+    assert json.loads((out / "adapter" / "base_model.json").read_text())["loads_from"] == named
+    assert run_base(out) == str(out / "base")
+    cache = out.parent / "cache"
+    assert (out / "base" / "model.safetensors").stat().st_nlink == 2  # linked, not copied, from the cache's copy
     for folder in (named, out / "final"):  # the adapter's base generates with the KV cache, as final/ does
         assert_generates_with_the_cache(folder)
-    loaded = AutoPeftModelForCausalLM.from_pretrained(out / "adapter").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(**inputs).logits, live_logits, atol=1e-5, rtol=0)
+    moved = cache.rename(out.parent / "cache-moved-away")
+    try:
+        loaded = AutoPeftModelForCausalLM.from_pretrained(out / "adapter").eval()
+        merged, _, _ = load_model(resolve_source(out / "adapter"), merge_lora=True)  # export --merge-lora
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**inputs).logits, live_logits, atol=1e-5, rtol=0)
+            torch.testing.assert_close(merged(**inputs).logits, live_logits, atol=2e-4, rtol=0)
+    finally:
+        moved.rename(cache)
     card = (out / "adapter" / "README.md").read_text()
     assert "More Information Needed" not in card
-    assert f"base_model: {named}" in card and "AutoPeftModelForCausalLM.from_pretrained" in card
+    assert "AutoPeftModelForCausalLM.from_pretrained" in card
+    assert "base_model:" not in card and str(cache) not in card and named not in card  # a GGUF base has no hub id
+    assert "`base/` beside this folder: SmolLM2-135M-Instruct.Q4_1.gguf dequantised" in card
     assert "| steps | 2 |" in card and "rank 8" in card and "--merge-lora" in card

@@ -274,6 +274,9 @@ def _full_precision_base(files: Path, source: Source):
     if not (files / BASE_MODEL_FILE).is_file():
         raise UserError(f"{source.describe()} holds a 4-bit base without the {BASE_MODEL_FILE} that says where its "
                         "full-precision base is; export the run's adapter/ with --merge-lora and --base FOLDER")
+    kept = _kept_base(files)
+    if kept is not None and not _saved_base(files).new_tokens:  # new tokens: the base is resized as the run did, below
+        return _from_folder(Path(kept), Source("hf", Path(kept)))
     found = _saved_base(files)
     found.dtype = "float32"
     return load_base_model(found)[0]
@@ -287,6 +290,13 @@ def _saved_base(folder: Path):
     return BaseModelConfig(**{k: v for k, v in saved.items() if k in BaseModelConfig.__dataclass_fields__})
 
 
+def _kept_base(folder: Path) -> str | None:
+    """The folder `folder`'s base_model.json says loads the base alone (`loads_from`: a GGUF's float copy kept in its
+    run, or the base's own folder), where it still exists: no GGUF parse, and no cache needed."""
+    kept = json.loads((folder / BASE_MODEL_FILE).read_text()).get("loads_from")
+    return kept if kept and (Path(kept) / "config.json").is_file() else None
+
+
 def _has_tokenizer(folder: Path) -> bool:
     """Whether the recipe saved a tokenizer with an adapter (other adapters use their base's)."""
     return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
@@ -298,7 +308,8 @@ def _base_of(source: Source, base: str | None):
     if base:
         return base
     if (source.path / BASE_MODEL_FILE).is_file():
-        return _saved_base(source.path)
+        kept = _kept_base(source.path)
+        return kept if kept is not None else _saved_base(source.path)
     named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not named or not Path(named).is_dir():
         raise UserError(f"--from {source.path} is a LoRA adapter whose base is unknown or absent ({named}); give --base FOLDER")
@@ -392,7 +403,7 @@ def adapter_base(source: Source, base: str | None) -> Path | None:
     try:
         if (source.path / BASE_MODEL_FILE).is_file():
             saved = json.loads((source.path / BASE_MODEL_FILE).read_text())
-            named = saved.get("gguf_file") or saved.get("path")
+            named = _kept_base(source.path) or saved.get("gguf_file") or saved.get("path")
         else:
             named = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     except (ValueError, AttributeError):

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from toolkit.models.adapter import BASE_MODEL_FILE
+from toolkit.models.gguf_base import HUB_ID
 from toolkit.run.faults import kill_point
 from toolkit.run.folder import replace_folder
 from toolkit.run.manifest import write_manifest
@@ -61,8 +62,7 @@ tokenizer = AutoTokenizer.from_pretrained("{name}")
 
 ADAPTER_CARD = """---
 library_name: peft
-base_model: {base_path}
-pipeline_tag: text-generation
+{hub_base}pipeline_tag: text-generation
 tags: [llm-toolkit, {model_type}, {adapter}]
 ---
 # {name}
@@ -73,7 +73,7 @@ llm-toolkit's `{recipe}` recipe: rank {r}, alpha {alpha}, on {targets}.
 | | |
 |---|---|
 """ + RUN_ROWS + """| adapter weights | {dtype}, cast from the fp32 master weights |
-| base, as peft loads it | `{base_path}` |
+| base, as peft loads it | {base_row} |
 
 ```python
 from peft import AutoPeftModelForCausalLM
@@ -82,17 +82,32 @@ model = AutoPeftModelForCausalLM.from_pretrained("{name}")
 tokenizer = AutoTokenizer.from_pretrained("{name}")
 ```
 
-{base_note}One folder with the adapter merged into its base: `python recipes/export.py --from {name} --merge-lora
+{base_note}One folder with the adapter merged into its base: `llm-toolkit export --from {name} --merge-lora
 --output DIR`.
 """
 
 
-def adapter_card(out_dir: Path, facts: dict, lora: dict, base_path: str, base_note: str, dtype: str) -> str:
-    """adapter/README.md, in place of peft's template: what the adapter is, of which base, and how it loads."""
+def adapter_card(out_dir: Path, facts: dict, lora: dict, base_path: str | None, dtype: str) -> str:
+    """adapter/README.md, in place of peft's template: what the adapter is, of which base, and how it loads. No path
+    of the machine that trained it: a card is what gets published; adapter_config.json names the base's path."""
     shown = {k: f"{v:.4f}" if isinstance(v, float) else v for k, v in facts.items()}
+    gguf = facts.get("gguf")
+    hub = base_path if base_path and HUB_ID.match(base_path) and not Path(base_path).expanduser().exists() else None
+    if hub:
+        row, note = f"`{hub}` (the Hugging Face Hub)", ""
+    elif base_path and gguf:
+        row = f"`{Path(base_path).name}/` beside this folder: {Path(gguf).name} dequantised to float"
+        note = (f"The base is the run's float copy of the GGUF {Path(gguf).name}, kept in the run folder; "
+                "adapter_config.json names it by its path. Elsewhere, dequantise that GGUF (`model.path` of the "
+                "toolkit's recipes takes it) and load the adapter onto it. ")
+    elif base_path:
+        row, note = f"the folder `{Path(base_path).name}` (adapter_config.json names its path)", ""
+    else:
+        row = "none (a GGUF base without a float copy, model.gguf_cache=false)"
+        note = "peft cannot load this adapter by itself: its base was a GGUF that the run kept no float copy of. "
     return ADAPTER_CARD.format(**{"eval_loss": "n/a", "eval_ppl": "n/a", **shown}, name=out_dir,
-                               base_path=base_path, base_note=base_note, dtype=dtype,
-                               method=facts.get("adapter", "LoRA"), origin_detail=facts.get("data", "trained"),
+                               hub_base=f"base_model: {hub}\n" if hub else "", base_row=row, base_note=note,
+                               dtype=dtype, method=facts.get("adapter", "LoRA"), origin_detail=facts.get("data", "trained"),
                                r=lora["r"], alpha=lora["lora_alpha"], targets=", ".join(sorted(lora["target_modules"])))
 
 
@@ -228,17 +243,17 @@ def write_model_files(model, tokenizer, folder: Path, extra: dict[str, dict] | N
 
 
 def save_adapter(
-    strategy: Strategy, model, tokenizer, out_dir: Path, base_model: dict | None = None, dtype: str = "float32",
-    base_path: str | None = None, facts: dict | None = None,
+    strategy: Strategy, model, tokenizer, out_dir: Path, base_model: dict, dtype: str = "float32",
+    facts: dict | None = None,
 ) -> Path | None:
     """Collective (gathers sharded weights); the main process writes the peft folder atomically.
 
     The adapter weights are the fp32 master weights cast to `dtype`, the same under every
-    strategy (see Strategy.master_weights). `base_model` (the run's base_model
-    section) is kept as base_model.json, so that the base can be found again for merging, even
-    when it was a GGUF. `base_path` is what peft's `base_model_name_or_path` names: a folder or hub id
-    transformers loads alone (a GGUF's dequantised copy), so that AutoPeftModelForCausalLM loads the folder;
-    None where there is none (the card then says to merge). `facts` (the model card's) make its README.md."""
+    strategy (see Strategy.master_weights). `base_model` (how the run loaded its base, and what loads it alone:
+    `loads_from`) is kept as base_model.json, so that the base can be found again for merging, even when it was a
+    GGUF; its `loads_from` is what peft's `base_model_name_or_path` names, so that AutoPeftModelForCausalLM loads the
+    folder (None: a GGUF without a kept float copy; the card then says to merge). `facts` (the model card's) make its
+    README.md."""
     state_dict = strategy.master_weights(model)
     if not strategy.is_main:
         strategy.accelerator.wait_for_everyone()
@@ -252,6 +267,7 @@ def save_adapter(
     peft_model = strategy.accelerator.unwrap_model(model)
     lora = peft_model.peft_config["default"]
     named = lora.base_model_name_or_path  # where the base was loaded from: a GGUF's folder holds no config
+    base_path = base_model.get("loads_from")
     lora.base_model_name_or_path = base_path or named
     with writing("final model", tmp):  # a failed write: one line, the .tmp removed
         try:
@@ -260,13 +276,8 @@ def save_adapter(
             lora.base_model_name_or_path = named
         tokenizer.save_pretrained(tmp)
         if facts is not None:
-            note = (f"The base named is the float copy of {facts['gguf']} the toolkit cached on the machine that trained "
-                    "it (elsewhere, load that GGUF's weights as the base). " if base_path and facts.get("gguf") else
-                    "The base was a GGUF without a float copy to name (model.gguf_cache=false): peft cannot load it by "
-                    "itself. " if not base_path else "")
-            (tmp / "README.md").write_text(adapter_card(out_dir, facts, lora.to_dict(), base_path or named, note, dtype))
-        if base_model is not None:
-            (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
+            (tmp / "README.md").write_text(adapter_card(out_dir, facts, lora.to_dict(), base_path, dtype))
+        (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
         write_manifest(tmp)
         replace_folder(tmp, out_dir)
     strategy.accelerator.wait_for_everyone()

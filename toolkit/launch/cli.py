@@ -132,7 +132,7 @@ class OneLineParser(argparse.ArgumentParser):
 
         for action in self._actions:
             value = getattr(args, action.dest, None)
-            if action.option_strings and action.option_strings[0] in options and value is not None:
+            if action.option_strings and action.option_strings[0] in options and value not in (None, action.const):
                 flag = action.option_strings[0]
                 if not value.strip():  # Path("") is the folder the command runs in
                     raise UserError(f"{flag} {value!r} names no path; give one")

@@ -21,7 +21,7 @@ from toolkit.config.user_paths import cache_dir
 from toolkit.config.values import path_problems
 from toolkit.data.tokenizer import local_files_only, offline_hint
 from toolkit.models.compute import ComputeConfig
-from toolkit.models.gguf_base import HUB_ID, cache_folder, dequantise, gguf_config, resolve_gguf
+from toolkit.models.gguf_base import HUB_ID, cache_folder, dequantise, gguf_config, keep_copy, resolve_gguf
 from toolkit.models.new_tokens import TEMPLATE, add_new_tokens, entry_problems, resize_for_new_tokens
 from toolkit.run.paths import CACHE, READ
 
@@ -160,14 +160,21 @@ def base_tokenizer(cfg: BaseModelConfig, chat_template: str | None = None):
     return tokenizer
 
 
-def loadable_base(cfg: BaseModelConfig) -> str | None:
-    """The base as transformers' from_pretrained loads it alone (what an adapter's config names): the folder or hub
-    id, or a GGUF's dequantised copy once cached; None for a GGUF without one."""
+def loadable_base(cfg: BaseModelConfig, kept: Path, keep: bool) -> str | None:
+    """The base as transformers' from_pretrained loads it alone, on any machine that holds the run folder: what an
+    adapter's config and `--base` name. A hub id as given, a folder by its absolute path, or for a GGUF base the run's
+    own copy of its dequantised float copy (`kept`, made here when `keep`: the main process, once the base loaded);
+    None for a GGUF whose float copy was not kept (model.gguf_cache=false)."""
     gguf = resolve_gguf(cfg)
     if gguf is None:
-        return cfg.path
+        local = Path(cfg.path).expanduser()
+        return str(local.resolve()) if local.exists() else cfg.path
     cached = cache_folder(cfg, gguf)
-    return str(cached) if cached is not None and (cached / "config.json").is_file() else None
+    if cached is None or not (cached / "config.json").is_file():
+        return None
+    if keep:
+        keep_copy(cached, kept)
+    return str(kept.resolve())
 
 
 def meta_base(cfg: BaseModelConfig) -> tuple[torch.nn.Module, int] | None:

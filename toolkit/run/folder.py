@@ -59,7 +59,7 @@ class RunDir:
     ENTRIES = (
         "final", "adapter", "checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "samples.md",
         "final.tmp", "adapter.tmp", "final.old", "adapter.old", "reference_logps.npz", "reference_logps.npz.tmp",
-        "profile", "harness",
+        "profile", "harness", "base", "base.tmp", "base.old",
     )
 
     @property
@@ -73,6 +73,10 @@ class RunDir:
     @property
     def adapter(self) -> Path:
         return self.root / "adapter"
+
+    @property
+    def base(self) -> Path:  # a GGUF base's float copy, kept with the run: what its adapter and --base load
+        return self.root / "base"
 
     @property
     def metrics(self) -> Path:

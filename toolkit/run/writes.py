@@ -84,6 +84,12 @@ WRITERS: dict[str, Writer] = {
         "free space there, point model.cache_dir elsewhere, or set model.gguf_cache=false",
         "nothing (its temporary folder removed)",
     ),
+    "the run's base": Writer(
+        "base/ in the run folder: a GGUF base's float copy, hard-linked (or copied) from model.cache_dir's",
+        ("toolkit.models.gguf_base:keep_copy",),
+        "free space in output_dir, or set model.gguf_cache=false (the adapter then names no base)",
+        "nothing (its temporary folder removed)",
+    ),
     "preference reference": Writer(
         "ref_logps-*.npz in the run folder: DPO's reference log-probabilities", ("toolkit.training.reference:_write",),
         RESUME, "nothing (its .tmp removed)",

@@ -471,6 +471,30 @@ def case_gguf_float_copy(request):
         assert list((tmp / "cache").iterdir()) == []
 
 
+def case_runs_base(request):
+    import os
+    import shutil
+
+    from toolkit.models.gguf_base import keep_copy
+
+    tmp, monkeypatch = request.getfixturevalue("tmp_path"), request.getfixturevalue("monkeypatch")
+    cached, run = tmp / "cache" / "gguf-m-0", tmp / "run"
+    cached.mkdir(parents=True)
+    run.mkdir()
+    for name in ("config.json", "model.safetensors", "gguf_source.json"):
+        (cached / name).write_text("{}")
+    for exc in full_disk_errors(str(run / "base.tmp" / "model.safetensors")):
+        monkeypatch.setattr(os, "link", failing(OSError(18, "Invalid cross-device link")))  # then copied
+        monkeypatch.setattr(shutil, "copy2", failing(exc))
+        with _fails() as info:
+            keep_copy(cached, run / "base")
+        monkeypatch.undo()
+        assert str(info.value).startswith("the run's base could not be written: ") and _cause(exc) in str(info.value)
+        assert list(run.iterdir()) == []
+    keep_copy(cached, run / "base")
+    assert sorted(p.name for p in (run / "base").iterdir()) == sorted(p.name for p in cached.iterdir())
+
+
 def case_preference_reference(request):
     import numpy as np
 
@@ -539,7 +563,7 @@ def case_run_lock(request):
 CASES = {
     "checkpoint": case_checkpoint, "converted checkpoint": case_converted_checkpoint, "final model": case_final_model,
     "data cache": case_data_cache, "tokenizer cache": case_tokenizer_cache, "gguf float copy": case_gguf_float_copy,
-    "preference reference": case_preference_reference, "export": case_export, "evaluation": case_evaluation,
+    "the run's base": case_runs_base, "preference reference": case_preference_reference, "export": case_export, "evaluation": case_evaluation,
     "harness scoring": case_harness_scoring, "metrics": case_metrics,
     "trackers": case_trackers, "loss plot": case_loss_plot, "profile": case_profile, "samples": case_samples,
     "launch config copy": case_launch_config_copy, "run lock": case_run_lock,

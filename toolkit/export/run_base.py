@@ -1,0 +1,58 @@
+"""`--from RUN --base`: the base a fine-tune started from, as export, chat and evaluate take it.
+
+A fine-tune records what loads its base alone in base_model.json (`loads_from`: a hub id, a folder, or for a GGUF base
+the float copy the run keeps in its base/), in its adapter/ and in each checkpoint's model files. `--base FOLDER`
+keeps its older meaning: the folder a LoRA adapter merges into.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit.config.errors import UserError
+from toolkit.models.adapter import BASE_MODEL_FILE
+from toolkit.run.folder import MODEL_FILES, RunDir
+from toolkit.run.paths import is_run
+
+RUN_BASE = "\0the run's base"  # --base given without a folder: what argparse's const holds
+BASE_HELP = ("with --from RUN alone: the base that run was fine-tuned from; with a FOLDER: the base model folder of a "
+             "LoRA adapter, when the adapter does not name it")
+
+
+def add_base_option(parser) -> None:
+    parser.add_argument("--base", nargs="?", const=RUN_BASE, metavar="FOLDER", help=BASE_HELP)
+
+
+def take_run_base(args) -> None:
+    """`--from RUN --base` made `--from` the run's base (in `args`); any other --base left as it is."""
+    if args.base != RUN_BASE:
+        return
+    if getattr(args, "checkpoint", None):
+        raise UserError("--base takes the run's base, which has no checkpoints; leave out --checkpoint, or give "
+                        "--base FOLDER for the base an adapter merges into")
+    args.source, args.base = run_base(Path(args.source)), None
+
+
+def run_base(run: Path) -> str:
+    """The folder the base of the fine-tune in `run` loads from; one line where there is none here."""
+    if not is_run(run):
+        raise UserError(f"--from {run} --base: {run} is not a run folder; --base alone names a fine-tune's base, "
+                        "give --from the run (e.g. runs/ft)")
+    folders = RunDir(run)
+    if (folders.base / "config.json").is_file():
+        return str(folders.base)
+    recorded = [folders.adapter / BASE_MODEL_FILE, *(c / MODEL_FILES / BASE_MODEL_FILE
+                                                     for c in reversed(folders.complete_checkpoints()))]
+    found = next((p for p in recorded if p.is_file()), None)
+    if found is None:
+        raise UserError(f"--from {run} --base: the run records no base (a pretraining run, or a fine-tune without "
+                        "adapter/ or checkpoints); give --from the base's folder")
+    saved = json.loads(found.read_text())
+    named = saved.get("loads_from") or saved.get("path")
+    if named and Path(named).expanduser().is_dir():
+        return named
+    where = (f"the hub id {named}, not a folder here: download it (huggingface-cli download {named} --local-dir DIR) "
+             "and give --from DIR" if named else
+             "a GGUF whose float copy was not kept (model.gguf_cache=false): give --from the GGUF")
+    raise UserError(f"--from {run} --base: its base is {where}")
