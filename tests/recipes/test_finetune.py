@@ -8,7 +8,6 @@ reloaded onto the base, and the merged final/ model.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from pydoc_data.topics import topics
 
 import pytest

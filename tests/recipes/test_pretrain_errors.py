@@ -327,6 +327,30 @@ def finished_run(pretrain, data_cache, tmp_path_factory) -> Path:
     return out
 
 
+def test_a_finished_run_launched_again_is_kept_and_says_what_trains_more(pretrain, capsys, monkeypatch, tmp_path,
+                                                                         finished_run):
+    """The README's command run a second time: refused, the option that keeps the run told apart from the one that
+    deletes it; with resume=auto (a changed learning rate too), the run is finished: it says so, what would train
+    more, exits 0 and touches nothing (it said "taken from step 5 on" and trained nothing)."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = files(out)
+    err = run_main(pretrain, capsys, monkeypatch, tmp_path, f"output_dir={out}", "train.max_steps=4")
+    assert err == (f"error: output_dir={out} already holds a finished run of 4 steps (final/, checkpoints/, "
+                   "metrics.jsonl and 2 more); to keep it and train on, raise train.max_steps with resume=auto; to "
+                   "start over, overwrite=true (deletes it); or choose another output_dir")
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(tmp_path / "cache"))
+    argv = ["--config", str(ROOT / "recipes/configs/pretrain_tiny.yaml"), *TINY, "train.max_steps=4",
+            f"output_dir={out}", "resume=auto", "optim.lr=1e-4"]
+    assert pretrain.main(argv) == 0
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1] == (f"[pretrain] {out} is finished: it trained its 4 steps and wrote final/; nothing is left to "
+                        "train, so nothing ran. To train on, raise train.max_steps (e.g. train.max_steps=8) with "
+                        "resume=auto; to start over from the base, overwrite=true (deletes the run) or another output_dir")
+    assert files(out) == before
+    assert not (tmp_path / "cache").exists()  # said before any data work
+
+
 def test_resume_auto_does_not_restart_a_finished_run_without_checkpoints(pretrain, capsys, monkeypatch, tmp_path,
                                                                           finished_run):
     out = tmp_path / "run"

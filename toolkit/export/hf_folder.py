@@ -277,6 +277,8 @@ def save_adapter(
         tokenizer.save_pretrained(tmp)
         if facts is not None:
             (tmp / "README.md").write_text(adapter_card(out_dir, facts, lora.to_dict(), base_path, dtype))
+            # as final/'s: what the run trained (its last trained step read by resume=auto), no path of its machine
+            (tmp / "training_summary.json").write_text(json.dumps({k: v for k, v in facts.items() if k != "gguf"}, indent=2))
         (tmp / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=2))
         write_manifest(tmp)
         replace_folder(tmp, out_dir)

@@ -9,6 +9,7 @@ The tree, with what each entry holds: docs/internals.md, toolkit/run/folder.py.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -44,6 +45,11 @@ def converted_state(folder: Path) -> Path:
     """Where checkpoint `folder`'s state by parameter name is kept once it was converted to resume
     under another strategy or world size: beside it, named so that nothing takes it for a checkpoint."""
     return folder.with_name(folder.name + CONVERTED)
+
+
+class RunFinished(Exception):
+    """resume=auto on a run that trained all its train.max_steps and wrote its outputs: nothing to do, exit code 0;
+    the message says what would train more."""
 
 
 @dataclass(frozen=True)
@@ -198,10 +204,13 @@ class RunDir:
                 "from, so resume=auto would start over and replace it; start that run over with "
                 "overwrite=true (deletes it), or choose another output_dir"
             )
-        hint = "continue it with resume=auto, " if resumable else ""
+        finished = self.finished_at()
+        keep = ("to keep it and train on, raise train.max_steps with resume=auto" if finished is not None else
+                "to keep it and continue, resume=auto" if resumable else "")
         raise UserError(
-            f"output_dir={out} already holds a run ({_few(own)}); {hint}"
-            "start over with overwrite=true (deletes it), or choose another output_dir"
+            f"output_dir={out} already holds a {f'finished run of {finished} steps' if finished is not None else 'run'} "
+            f"({_few(own)}); {keep}{'; ' if keep else ''}to start over, overwrite=true (deletes it); or choose another "
+            "output_dir"
         )
 
     # ------------------------------------------------------------- one owner at a time
@@ -228,6 +237,33 @@ class RunDir:
         lock = HELD.pop(self.root.absolute(), None)
         if lock is not None:
             lock.release()
+
+    def finished_at(self) -> int | None:
+        """The step a run in this folder finished at: its final/ or adapter/ was written from the training of its
+        newest complete checkpoint (their training_summary.json's last trained step is the checkpoint's); None for a
+        run stopped before its outputs, or extended past them."""
+        newest = self.latest_checkpoint()
+        for delivered in (self.final, self.adapter):
+            try:
+                facts = json.loads((delivered / "training_summary.json").read_text())
+            except (OSError, ValueError):
+                continue
+            trained = facts.get("trained_steps", facts.get("step")) if isinstance(facts, dict) else None
+            if newest is not None and trained == checkpoint_step(newest):
+                return trained
+        return None
+
+    def check_unfinished(self, resume: str | None, max_steps: int) -> None:
+        """resume=auto on a finished run (RunFinished) when train.max_steps asks for no step more."""
+        step = self.finished_at() if resume == "auto" else None
+        if step is None or max_steps > step:
+            return
+        written = " and ".join(f"{p.name}/" for p in (self.final, self.adapter) if p.is_dir())
+        raise RunFinished(
+            f"{self.root} is finished: it trained its {step} steps and wrote {written}; nothing is left to train, so "
+            f"nothing ran. To train on, raise train.max_steps (e.g. train.max_steps={2 * step}) with resume=auto; to "
+            f"start over from the base, overwrite=true (deletes the run) or another output_dir"
+        )
 
     def died_before_first_checkpoint(self) -> bool:
         """The folder holds only what a run writes before its first complete checkpoint (metrics,

@@ -28,7 +28,7 @@ from toolkit.launch.cli import CALLED_AS, launch_options
 from toolkit.launch.environment import is_launch_main
 from toolkit.launch.rank_process import die_with_launcher
 from toolkit.launch.verdict import report_once, reported_verdict
-from toolkit.run.folder import release_all
+from toolkit.run.folder import RunFinished, release_all
 from toolkit.run.writes import WriteFailed
 from toolkit.strategy.collectives import collective_failure
 from toolkit.training.step import Diverged
@@ -165,6 +165,10 @@ def run(name: str, config_class: type, recipe_class: type, argv: list[str] | Non
     except UserError as exc:
         report_once(f"error: {exc}", 2)
         return 2
+    except RunFinished as exc:  # every rank reads the same folder: each ends here, before any process group
+        if is_launch_main():
+            print(f"[{name}] {exc}", file=sys.stderr, flush=True)
+        return 0
     except WriteFailed as exc:  # a file the run needs could not be written (toolkit.run.writes.WRITERS): one line
         report_once(f"error: {exc}", exc.exit)
         return exc.exit

@@ -102,6 +102,8 @@ class Trainer:
 
     def _launch(self, name: str, cfg: Any) -> None:
         self.resume_from = self.run.resolve_resume(cfg.resume)
+        if cfg.train.epochs is None:  # a run of epochs knows its steps once its data is packed
+            self.run.check_unfinished(cfg.resume, cfg.train.max_steps)
 
         # The strategy, world size and backend come from the accelerate config file.
         t = cfg.train

@@ -59,7 +59,7 @@ def test_resume_auto_continues_a_run_with_a_complete_checkpoint(tmp_path):
 def test_no_flag_refuses_a_run_and_offers_what_works(tmp_path):
     resumable = refusal(finished_run(tmp_path / "resumable"))
     assert "already holds a run (final/, checkpoints/, metrics.jsonl and 1 more)" in resumable
-    assert "continue it with resume=auto" in resumable and "overwrite=true" in resumable
+    assert "to keep it and continue, resume=auto" in resumable and "to start over, overwrite=true (deletes it)" in resumable
     not_resumable = refusal(finished_run(tmp_path / "finished", checkpoint=None))
     assert "already holds a run" in not_resumable and "overwrite=true" in not_resumable
     assert "resume=auto" not in not_resumable  # it would be refused
