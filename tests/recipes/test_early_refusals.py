@@ -38,6 +38,9 @@ EARLY = {
     "resume with another data.path": (
         "pretrain", ["resume={resume}", "data.path={other}"],
         "was trained with data.path="),
+    "resume onto a mixture where it trained one corpus": (
+        "pretrain", ["resume={resume}", "data.path=null", "data.sources=[{{name: web, path: {other}}}]"],
+        "was trained on one corpus (data.path) and this run reads the mixture of web (data.sources)"),
     "resume with another seed": (
         "pretrain", ["resume={resume}", "data.path={other}", "seed=7"],
         "was trained with seed="),

@@ -12,7 +12,7 @@ from toolkit.checkpoint.integrity import read_intact
 from toolkit.config.declarations import FROM_NEXT_STEP, KEPT_BY_THE_OPTIMIZER, SCHEDULE, Resume, declared
 from toolkit.config.errors import UserError
 from toolkit.config.keys import value_at
-from toolkit.data.mixture import stages_said, trained_part
+from toolkit.data.mixture import stages_said, trained_part, weight_plan
 from toolkit.run.paths import READ
 
 
@@ -139,6 +139,10 @@ def check_before_preparing(folder: Path, cfg, optimizer_in_ds_json: bool = False
     if checkpoint is None:
         return
     check_same_data_order(checkpoint, cfg.seed, cfg.train.global_batch_size, getattr(cfg.data, "streaming", False))
+    sources = getattr(cfg.data, "sources", None)  # the mixture's record, as the recipes' weight_plan makes it
+    mixture = {"sources": [s.name for s in sources],
+               "plan": [[start, weights] for start, weights in weight_plan(sources, cfg.data.stages)]} if sources else {}
+    check_same_mixture(checkpoint, mixture, lambda line: None)  # the resume says a change it takes
     settings = trained_settings(cfg, optimizer_in_ds_json)
     if cfg.train.epochs is not None:  # its steps follow from the packed blocks: the resume checks them
         settings.pop("train.max_steps", None)
