@@ -70,8 +70,8 @@ QUIET = ["data.format=text", "data.val_fraction=0", "eval.every=0", "samples.max
 UNSLOTH = "Unsloth publishes 342,733 tokens for Llama 3.1 8B QLoRA on 80 GB, and 28,454 for HF + FA2"
 GB80 = 80 * 10**9
 SMOKE_MEMORY = 2 * 10**9  # --smoke: a CPU process's share, small enough for a longest sequence a CPU runs in seconds
-# Seconds each part takes on an H200, printed first. Measured (../shared/gpu/runs/2026-11-26-h200, docs/benchmarks.md
-# 2026-11-27): the SmolLM2 base's 2-step pretraining and the four SmolLM2 rows took 118 s, a row with the whole model
+# Seconds each part takes on an H200, printed first. Measured (docs/benchmarks.md,
+# 2026-11-26 and 2026-11-27): the SmolLM2 base's 2-step pretraining and the four SmolLM2 rows took 118 s, a row with the whole model
 # compiled ~35 s more; a launch's setup ~10 s. Estimated for the rest: the pretraining gone (-25 s), a compiled
 # layer ~20 s a recipe row; the 8B written once (16 GB from the GPU at ~1 GB/s) and read from the page cache at each
 # load (~10 s), a layer compiled ~30 s, 6 steps of 8,192 tokens ~1 s each for LoRA, ~1.5 s for QLoRA (its 4-bit load

@@ -15,11 +15,11 @@
 # the planner's peak beside each, and the 8B's longest sequence at micro-batch 1, planned and run), fp8.md /
 # fp8-variants.md (issue 46: the 1B YAML as shipped in bf16, then in fp8, 100 steps each with their loss curves side by
 # side, and each layer shape timed; fp8-variants.md: 30 steps each of bf16, fp8, fp8 with only the MLP's layers, and
-# rowwise), harness.md (issue 47: eval.harness_tasks in a
-# fine-tune and in pretraining, and recipes/evaluate.py under accelerate launch, on the GPU), canary.md (issue 63: the
+# rowwise), harness.md (eval.harness_tasks in a
+# fine-tune and in pretraining, and recipes/evaluate.py under accelerate launch, on the GPU), canary.md (the
 # numerics canary's check against a step of the 1B YAML, its share at the default cadence, the largest drift a healthy
 # check saw, and the same losses without it) and the log of each part. On a lent
-# machine (../shared/gpu/README.md): `source .gpu/setup.sh && bash bench/gpu_check.sh "$OUT"`. The GPU suite
+# machine, with the wheels it installs offline in .gpu/ (docs/gpu.md): `source .gpu/setup.sh && bash bench/gpu_check.sh "$OUT"`. The GPU suite
 # stays the second command: `python3 -m pytest -m gpu -n 7 tests/recipes/test_gpu_end_to_end.py` (3.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,7 +77,7 @@ else
   # says how: bench/finetune_throughput.py's ESTIMATE, from the SmolLM2 rows measured on an H200 in 2026-11-27:
   # 118 s, ~35 s more a compiled row; the 8B's load, compile and steps estimated)
   FINETUNE=(--steps 4 --warmup 2 --budget 540)
-  # as measured on an H200 (../shared/gpu/runs/2026-11-27-h200): setup 20 s, throughput 321 s; the throughput rows
+  # as measured on an H200 (2026-11-27, docs/benchmarks.md): setup 20 s, throughput 321 s; the throughput rows
   # were 3 then as now
   # fp8 on an H200 (2026-11-28): its two 100-step rows 441 s, the layer table 86 s, the rowwise row ~110 s
   echo "== estimate (an H200): throughput 321 s, fine-tuning ~505 s, fp8 527 s, fp8-variants ~440 s, harness ~240 s, canary ~240 s: a call per part (the header's)" >&2

@@ -33,8 +33,7 @@ With --profile N, each row then trains N more steps under torch.profiler (the re
 loop through the same toolkit.training.profiling) and a table per row follows the throughput table: device busy
 share, the longest idle gaps with the host work under each, the top kernels. The traces stay on the machine.
 
-On a lent GPU machine (../shared/gpu/README.md, docs/gpu.md): `bash ../shared/gpu/prepare.sh` here,
-then a device run with carry [".whl", ".gpu"] and the command
+On a GPU machine without internet, with the wheels it installs offline in .gpu/ (docs/gpu.md), the command
 
     source .gpu/setup.sh && python3 bench/gpu_throughput.py --configs quick --workdir /tmp/runs \
         --save $OUT/quick.json --out $OUT/quick.md

@@ -66,3 +66,16 @@ def test_a_shipped_yaml_with_an_unknown_key_fails(tmp_path):
     bad.write_text((ROOT / "recipes/configs/pretrain_tiny.yaml").read_text() + "\ntrian:\n  max_steps: 3\n")
     with pytest.raises(Exception, match="unknown key trian; did you mean train"):
         load_config(PretrainConfig, bad)
+
+
+def test_a_chat_config_that_names_record_shapes_names_every_one_the_reader_takes():
+    """A YAML's header that lists chat record shapes lists all of toolkit.data.records' (a shape left out reads as
+    unsupported), or points at docs/data.md alone."""
+    from toolkit.data.records import SAID
+
+    short = {shape: said.split(" (")[0] for shape, said in SAID.items()}  # messages, ShareGPT, Alpaca, prompt/completion
+    for path in sorted((ROOT / "recipes" / "configs").glob("finetune_*.yaml")):
+        header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+        named = [name for name in short.values() if name.lower() in header.lower()]
+        if len(named) > 1 or '"messages"' in header or '"instruction"' in header:
+            assert all(name.lower() in header.lower() for name in short.values()), (path.name, named)

@@ -1,6 +1,6 @@
 """End to end on one CUDA GPU at world size 1, in bf16: what a user runs, on the hardware it is for.
 
-`pytest -m gpu` on a GPU machine (../shared/gpu/README.md says how to set one up); skipped where
+`pytest -m gpu` on a GPU machine (docs/gpu.md says how to set one up); skipped where
 CUDA is absent. The SmolLM2 GGUF is too large to carry to that machine, so the fine-tunes start
 from a base that the pretraining recipe trains there first. What it printed when it last ran
 is in docs/gpu.md.
@@ -86,7 +86,7 @@ FINETUNES = {
 @pytest.mark.parametrize("method", FINETUNES)
 def test_finetune_from_a_gpu_trained_base(method, gpu_base, tmp_path, data_cache):
     if method == "qlora":
-        pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: bash ../shared/gpu/prepare.sh --qlora")
+        pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: pip install -e '.[qlora]'")
     out = tmp_path / method
     overrides = [
         f"model.path={gpu_base}", "data.format=text", "data.seq_len=64", "train.max_steps=12",
