@@ -137,7 +137,7 @@ def test_samples_before_and_after_are_written(smol_run):
     assert "fine-tuned from" in card and "lora" in card
 
 
-def test_the_adapter_loads_by_itself_with_peft_and_has_a_card(smol_run):
+def test_the_adapter_loads_by_itself_with_peft_and_has_a_card(smol_run, capsys):
     """adapter_config.json names a base transformers loads alone: the run's own float copy of the GGUF (base/, linked
     from the cache, not the GGUF's folder nor the cache itself), so peft's own loader takes the folder on a machine
     whose cache was cleared or moved, and --from RUN --base names it; its README.md is the run's card, not peft's
@@ -165,6 +165,9 @@ def test_the_adapter_loads_by_itself_with_peft_and_has_a_card(smol_run):
         with torch.no_grad():
             torch.testing.assert_close(loaded(**inputs).logits, live_logits, atol=1e-5, rtol=0)
             torch.testing.assert_close(merged(**inputs).logits, live_logits, atol=2e-4, rtol=0)
+        chat = recipe_module("chat")  # the README's `--from runs/ft --base`: the base the run started from
+        assert chat.main(["--from", str(out), "--base", "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+        assert f"[chat] source: Hugging Face model folder {out / 'base'}" in capsys.readouterr().err
     finally:
         moved.rename(cache)
     card = (out / "adapter" / "README.md").read_text()
