@@ -127,6 +127,8 @@ class FinetuneRecipe:
             # what the adapter and `--from RUN --base` load as the base, on any machine holding the run folder (a GGUF's
             # float copy kept in it): the cache it came from may be cleared or never have been this machine's
             loads_from = loadable_base(cfg.model, trainer.run.base, keep=strategy.is_main)
+        if loads_from == str(trainer.run.base.resolve()):
+            notes.append(f"base model: its float copy kept in {trainer.run.base} (what adapter/ and --from RUN --base load)")
         self.base_files = {**to_dict(cfg.model), "loads_from": loads_from}  # base_model.json
         if quantized is not None:
             keep_4bit_trainable(model)
