@@ -24,6 +24,8 @@ from toolkit.config.files import (
     parse_yaml,
     read_config_file,
 )
+from toolkit.config.keys import dotted_keys
+from toolkit.config.text_lists import is_text_list, read_text_list, spelled
 from toolkit.config.user_paths import expand_path, expand_paths, only_beside_the_config
 
 T = TypeVar("T")
@@ -42,8 +44,12 @@ def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """`["train.lr=3e-4", "output_dir=runs/x"]` -> nested dict, values parsed as YAML scalars."""
+def parse_overrides(args: list[str], text_lists: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+    """`["train.lr=3e-4", "output_dir=runs/x"]` -> nested dict, values parsed as YAML scalars; the keys in
+    `text_lists` (lists of strings) read as toolkit.config.text_lists reads them."""
+    for i, arg in enumerate(args):  # first: `key=[How` alone does not read either, and its error would hide why
+        if "=" not in arg and i and "=" in args[i - 1]:
+            raise ConfigError([split_by_the_shell(args, i, text_lists)])
     tree: dict[str, Any] = {}
     for arg in args:
         if "=" not in arg:
@@ -52,12 +58,15 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if not all(part.strip() for part in key.split(".")):
             raise ConfigError([f"override {arg!r} has an empty name before a dot or its '='; write it like "
                                "train.max_steps=200"])
-        try:
-            # `key=` is null; `key=~` is the home folder, as a shell would read it (YAML's ~ is null)
-            value = parse_yaml(raw, f"override {key}") if raw not in ("", "~") else {"": None, "~": "~"}[raw]
-        except NotYaml as exc:
-            # `data.path=*.txt` is a YAML alias that does not parse: the text as written, typed by its key
-            value = Unparsed(raw, exc.problems[0])
+        if key.strip() in text_lists:
+            value = read_text_list(key.strip(), raw)
+        else:
+            try:
+                # `key=` is null; `key=~` is the home folder, as a shell would read it (YAML's ~ is null)
+                value = parse_yaml(raw, f"override {key}") if raw not in ("", "~") else {"": None, "~": "~"}[raw]
+            except NotYaml as exc:
+                # `data.path=*.txt` is a YAML alias that does not parse: the text as written, typed by its key
+                value = Unparsed(raw, exc.problems[0])
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -67,6 +76,23 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             node = child
         node[parts[-1]] = value
     return tree
+
+
+def split_by_the_shell(args: list[str], i: int, text_lists: frozenset[str] | set[str]) -> str:
+    """The error for args[i], a word with no `=` after an override: the shell split that override's value at its
+    spaces (`samples.prompts=How do I open a file?` unquoted); the override whole, quoted, is what works."""
+    start, end = i - 1, i
+    while end < len(args) and "=" not in args[end]:
+        end += 1
+    key, raw = " ".join(args[start:end]).split("=", 1)
+    value: list[str] | str = raw
+    if key.strip() in text_lists:
+        try:
+            value = read_text_list(key.strip(), raw)
+        except ConfigError:
+            value = raw
+    return (f"override {args[i]!r} is not key=value: the shell split the value of {key.strip()} at its spaces into "
+            f"{end - start} arguments; quote the override whole, e.g. {spelled(key.strip(), value)}")
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +119,7 @@ def load_config(
         raw = read_config_file(path, notes)
         _not_a_launch_config(raw, path)
     problems: list[str] = []
-    over = parse_overrides(overrides or [])
+    over = parse_overrides(overrides or [], {key for key, hint in dotted_keys(cls).items() if is_text_list(hint)})
     renamed = getattr(cls, "RENAMED", {})
     # renamed in the file and in the overrides separately, so that an override wins either way
     lines = apply_renames(raw, renamed, problems) + apply_renames(over, renamed, problems)
@@ -266,6 +292,8 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
             problems.append(f"{key}={value!r} is not one of {', '.join(map(str, args))}{hint_txt}")
         return value
     if origin in (list, tuple):
+        if isinstance(value, str) and not isinstance(value, Unparsed) and args == (str,):
+            value = [value]  # one string where a list of strings is wanted: a list of one (`trackers: tensorboard`)
         if not isinstance(value, (list, tuple)):
             problems.append(_not_a(value, "a list", key))
             return []  # reported: the sections' range checks see an empty list

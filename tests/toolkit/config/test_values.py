@@ -27,7 +27,7 @@ RECIPES = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
 STR = {"empty": '""', "blank": '"   "', "long": "x" * 5000, "nul": '"a\\0b"', "newline": '"a\\nb"'}
 INT = {"0": "0", "-1": "-1", "2**31": str(2**31), "2**63": str(2**63), "1.5": "1.5", "abc": "abc"}
 FLOAT = {"0": "0", "-1": "-1", "nan": "nan", "inf": "inf", "1e308": "1e308", "abc": "abc"}
-WRONG_ITEM = {str: "[[1]]", int: "[a]", float: "[a]"}
+WRONG_ITEM = {int: "[a]", float: "[a]"}
 
 
 def edges(hint: typing.Any) -> dict[str, str]:
@@ -49,6 +49,8 @@ def edges(hint: typing.Any) -> dict[str, str]:
         return {"unset": "", "maybe": "maybe", "2": "2"}
     if origin is typing.Literal:
         return {"unset": "", "UPPER": str(args[0]).upper(), "empty": '""'}
+    if origin is list and args[0] is str:  # its entries are text on the command line: [null] is the string "null"
+        return {"unset": "", "[]": "[]", '[""]': '[""]', "open": "[a, b"}
     if origin is list:
         return {"unset": "", "scalar": "x", "[]": "[]", '[""]': '[""]', "[null]": "[null]",
                 "[wrong]": WRONG_ITEM.get(args[0], "[a]")}
