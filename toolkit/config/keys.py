@@ -30,19 +30,54 @@ def dotted_keys(cls: type, prefix: str = "") -> dict[str, Any]:
     return keys
 
 
-def key_lines(cls: type, prefix: str = "") -> list[str]:
-    """Every key of a config tree, a line each: its dotted name, type, default and help; a section's title first."""
+def is_set(tree: Any, key: str) -> bool:
+    """Whether a nested mapping (a YAML's, the overrides') sets a dotted key."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def key_lines(cls: type, cfg: Any = None, given: dict[str, str] | None = None) -> list[str]:
+    """Every key of a config tree, a line each: its dotted name, type, default and help; a section's title first.
+    With a loaded `cfg` and `given` (dotted key -> where it was set: "config", "command line"), a key set there shows
+    its value and where it came from before its default."""
+    return _lines(cls, "", _instance(cls), cfg, given or {})
+
+
+def _lines(cls: type, prefix: str, defaults: Any, cfg: Any, given: dict[str, str]) -> list[str]:
     hints = typing.get_type_hints(cls)
     lines: list[str] = []
     for f in dataclasses.fields(cls):
-        hint = hints[f.name]
+        hint, name, help_ = hints[f.name], prefix + f.name, f.metadata.get("help", "")
+        # the default from the tree's own instance: a section's default_factory may set its keys (pretraining's
+        # samples.max_new_tokens is 40, SamplesConfig's own 48)
+        default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
         if dataclasses.is_dataclass(hint):
-            lines += ["", f"{prefix}{f.name}: {f.metadata.get('help', '')}", *key_lines(hint, f"{prefix}{f.name}.")]
+            inner = default if dataclasses.is_dataclass(default) else _instance(hint)
+            lines += ["", f"{name}: {help_}", *_lines(hint, f"{name}.", inner, cfg, given)]
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
-        lines.append(f"  {prefix}{f.name} ({_type_name(hint)}, default {default!r}): {f.metadata.get('help', '')}")
+        said = f"default {default!r}"
+        if name in given:
+            value = value_at(cfg, name)
+            said = f"{value!r} from the {given[name]}" + (" (= default)" if value == default else f", {said}")
+        lines.append(f"  {name} ({_type_name(hint)}, {said}): {help_}")
     return lines
+
+
+def _instance(cls: type) -> Any:
+    """A config tree with every default; None where a key has none to give."""
+    try:
+        return cls()
+    except TypeError:
+        return None
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
 
 
 def _type_name(hint: Any) -> str:

@@ -24,7 +24,7 @@ from toolkit.config.files import (
     parse_yaml,
     read_config_file,
 )
-from toolkit.config.keys import dotted_keys
+from toolkit.config.keys import dotted_keys, is_set
 from toolkit.config.text_lists import is_text_list, read_text_list, spelled
 from toolkit.config.user_paths import expand_path, expand_paths, only_beside_the_config
 
@@ -106,9 +106,11 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(
-    cls: type[T], path: str | Path | None, overrides: list[str] | None = None, notes: list[str] | None = None
+    cls: type[T], path: str | Path | None, overrides: list[str] | None = None, notes: list[str] | None = None,
+    given: dict[str, str] | None = None,
 ) -> T:
-    """Read `path` (YAML), apply overrides, build and validate `cls`.
+    """Read `path` (YAML), apply overrides, build and validate `cls`; `given` (when given) gets each dotted key the
+    file or the overrides set, with where: "config" or "command line" (an override wins).
 
     Keys renamed in `cls.RENAMED` still work for one release: they are moved to their new
     name, and `notes` (when given) gets one deprecation line for each, and the lines of the config's own
@@ -126,6 +128,11 @@ def load_config(
     if notes is not None:
         notes.extend(dict.fromkeys(lines))
     from_file = raw
+    if given is not None:
+        for key in dotted_keys(cls):
+            where = "command line" if is_set(over, key) else "config" if is_set(from_file, key) else None
+            if where is not None:
+                given[key] = where
     raw = merge(raw, over)
     cfg = _build(cls, raw, "", problems)
     if cfg is not None:  # before the range checks: they look for the files paths name

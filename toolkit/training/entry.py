@@ -118,18 +118,38 @@ def command_line(argv: list[str]) -> tuple[str, list[str], bool, int | None]:
     return config, overrides, show, preview
 
 
+def help_lines(name: str, config_class: type, argv: list[str]) -> list[str]:
+    """--help: the options, then every key of the config; with a --config (and overrides) in `argv`, each key they
+    set with its value and where it came from beside its default: what this run would use, not the dataclass's."""
+    lines = [usage(name), "", "--print-config: the config the YAML and the overrides resolve to, as YAML, without "
+             "running; a YAML of it is a --config of its own",
+             "--preview N: the training data as it will train, before anything trains: N packed blocks after "
+             "templating, the tokens that carry loss marked, then one table (records read, dropped and why, "
+             "truncated, tokens per record, share with loss, template, stop token); the tokenizer alone loads, no run "
+             "folder is made, one process (docs/data.md)",
+             "--help with --config FILE (and overrides): each key's value as they set it, beside its default",
+             "", "a list of strings on the command line: 'samples.prompts=[How do I open a file?, What is a dict?]' "
+             "(a comma separates entries: quote one that holds a comma, 'samples.prompts=[\"a, b\", c]'); one string "
+             "is a list of one; quote the whole override for the shell"]
+    cfg, given = None, {}
+    if any(arg.partition("=")[0] == "--config" for arg in argv):
+        config, overrides, _, _ = command_line(argv)
+        cfg = load_config(config_class, config, overrides, given=given)
+        lines += ["", f"values: as --config {config}{' and the overrides' if overrides else ''} set them (from the "
+                  "config, from the command line); every other key at its default"]
+    return [*lines, "", "keys (set in the YAML, or key.sub=value on the command line; the last one wins):",
+            *key_lines(config_class, cfg, given)]
+
+
 def run(name: str, config_class: type, recipe_class: type, argv: list[str] | None = None) -> int:
     die_with_launcher()  # first: a rank must not outlive a launcher killed while it starts
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print("\n".join([usage(name), "", "--print-config: the config the YAML and the overrides resolve to, "
-                          "as YAML, without running; a YAML of it is a --config of its own",
-                          "--preview N: the training data as it will train, before anything trains: N packed blocks "
-                          "after templating, the tokens that carry loss marked, then one table (records read, dropped "
-                          "and why, truncated, tokens per record, share with loss, template, stop token); the "
-                          "tokenizer alone loads, no run folder is made, one process (docs/data.md)",
-                          "", "keys (set in the YAML, or key.sub=value on the command line; the last one wins):",
-                          *key_lines(config_class)]))
+        try:
+            print("\n".join(help_lines(name, config_class, [a for a in argv if a not in ("--help", "-h")])))
+        except UserError as exc:  # a --config that does not load: its one line, as a run gives it
+            report_once(f"error: {exc}", 2)
+            return 2
         return 0
     if not argv:
         report_once(usage(name), 2)

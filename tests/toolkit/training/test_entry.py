@@ -130,6 +130,69 @@ def test_help_lists_every_key_with_its_type_default_and_help(recipe, capsys):
     assert "  optim.betas (list[float], default [0.9, 0.95]): AdamW betas" in out
 
 
+SHIPPED = {"pretrain": "pretrain_tiny", "finetune": "finetune_smollm2_lora"}
+
+
+def _help(recipe: str, args: list[str], capsys) -> tuple[int, str, str]:
+    """`llm-toolkit RECIPE ARGS` as far as --help goes: the shipped config found by its name (toolkit.launch.cli),
+    the recipe's arguments given to its entry in this process."""
+    from toolkit.launch.cli import command
+    from toolkit.training.recipe_config import FinetuneConfig
+
+    config = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}[recipe]
+    argv = command([recipe, *args])  # [python, .../recipes/RECIPE.py, *the recipe's arguments]
+    script = next(i for i, arg in enumerate(argv) if arg.endswith(f"recipes/{recipe}.py"))
+    code = run(recipe, config, _Recipe, argv[script + 1:])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _key_line(out: str, key: str) -> str:
+    (line,) = [line for line in out.splitlines() if line.startswith(f"  {key} (")]
+    return line
+
+
+def _set_in(tree: dict, prefix: str = "") -> list[str]:
+    return [k for name, value in tree.items() for k in (
+        _set_in(value, f"{prefix}{name}.") if isinstance(value, dict) and name not in ("config", "columns")
+        else [f"{prefix}{name}"])]
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "finetune"])
+def test_help_with_a_config_shows_the_values_it_and_the_overrides_set(recipe, capsys):
+    """`finetune --config finetune_smollm2_lora --help` listed train.max_steps at its dataclass default, 200, where
+    the YAML runs 60."""
+    import yaml
+
+    _Recipe.calls = []
+    yaml_path = Path(TINY).parent / f"{SHIPPED[recipe]}.yaml"
+    written = yaml.safe_load(yaml_path.read_text())
+    steps = written["train"]["max_steps"]
+    code, out, err = _help(recipe, ["--config", SHIPPED[recipe], "--help"], capsys)
+    assert (code, err, _Recipe.calls) == (0, "", [])
+    said = f"{steps} from the config" + (" (= default)" if steps == 200 else ", default 200")
+    assert _key_line(out, "train.max_steps").startswith(f"  train.max_steps (int, {said}): optimizer steps to train")
+    for key in _set_in(written):  # every key the YAML sets says so; the others are the plain --help's lines
+        assert " from the config" in _key_line(out, key), key
+    _, plain, _ = _help(recipe, ["--help"], capsys)
+    assert _key_line(plain, "train.max_steps") == "  train.max_steps (int, default 200): optimizer steps to train"
+    assert _key_line(out, "train.epochs") == _key_line(plain, "train.epochs")
+
+    code, out, _ = _help(recipe, ["train.max_steps=7", "--help", "--config", SHIPPED[recipe], "seed=9"], capsys)
+    assert code == 0
+    assert _key_line(out, "train.max_steps").startswith("  train.max_steps (int, 7 from the command line, default 200)")
+    assert _key_line(out, "seed").startswith("  seed (int, 9 from the command line, default 1234)")
+
+
+def test_help_with_a_config_that_does_not_load_is_its_one_error_line(capsys):
+    code, out, err = _help("finetune", ["--config", "finetune_smollm2_lorx", "--help"], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith("error: --config finetune_smollm2_lorx does not exist; did you mean ")
+    assert err.endswith("/finetune_smollm2_lora.yaml?\n") and err.count("\n") == 1
+    code, out, err = _help("finetune", ["--config", SHIPPED["finetune"], "train.max_steps=lots", "-h"], capsys)
+    assert (code, out, err) == (2, "", "error: train.max_steps must be an integer, found 'lots'\n")
+
+
 def test_print_config_shows_the_resolved_config_without_running_and_reads_back(tmp_path, capsys):
     import yaml
 
