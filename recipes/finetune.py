@@ -79,6 +79,7 @@ from toolkit.training.harness import scores as named_scores
 from toolkit.training.preview import column_of, show
 from toolkit.training.recipe_config import FinetuneConfig
 from toolkit.training.reference import base_identity, use_reference
+from toolkit.training.sample_prompts import prompts_line, prompts_note
 from toolkit.training.samples import check_prompt_lengths, generate, write_samples
 from toolkit.training.trainer import Trainer
 
@@ -187,6 +188,8 @@ class FinetuneRecipe:
 
         # Samples from the untouched base, generated here while the model is still whole; also on a resume, whose
         # samples.prompts may differ from the checkpoint's.
+        if (line := prompts_line(cfg)) is not None:  # the shipped config's prompts kept on the user's own data
+            trainer.print(line)
         before = []
         if strategy.is_main and cfg.samples.max_new_tokens:
             before = generate(model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
@@ -348,7 +351,7 @@ class FinetuneRecipe:
             after = generate(trained, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
             header = f"{base}, {cfg.adapter.method}, {cfg.data.format} data, {state.step} steps"
             written = write_samples(run_dir.samples, cfg.samples.prompts, state.samples_before, after, header,
-                                    say=lambda line: print(f"[finetune] {line}"))
+                                    say=lambda line: print(f"[finetune] {line}"), note=prompts_note(cfg))
             if written is not None:
                 print(f"samples     : {written}")
 

@@ -51,6 +51,7 @@ from toolkit.training.assembly import assemble
 from toolkit.training.entry import run
 from toolkit.training.preview import column_of, show
 from toolkit.training.recipe_config import PretrainConfig
+from toolkit.training.sample_prompts import prompts_line
 from toolkit.training.samples import check_prompt_lengths, sample_folder
 from toolkit.training.trainer import Trainer
 
@@ -92,6 +93,8 @@ class PretrainRecipe:
         for line in data_notes:
             trainer.print(f"data: {line}")
         check_prompt_lengths(self.tokenizer, cfg.samples, cfg.model.positions())  # not a crash after training
+        if (line := prompts_line(cfg)) is not None:  # the shipped config's prompts kept on the user's own data
+            trainer.print(line)
 
         # Model: random init from the config, seeded identically on every rank.
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)

@@ -117,9 +117,11 @@ def sample_folder(folder: Path, prompt: str, max_new_tokens: int, seed: int) -> 
 
 
 def write_samples(path: Path, prompts: list[str], before: list[str], after: list[str], header: str,
-                  say: Callable[[str], None] = print) -> Path | None:
-    """samples.md; None where it could not be written (said through `say`: final/ is complete, the run goes on)."""
-    lines = [f"# Samples: {header}", "", "Greedy decoding; the same prompts before and after training.", ""]
+                  say: Callable[[str], None] = print, note: str | None = None) -> Path | None:
+    """samples.md, `note` (when given) under its title; None where it could not be written (said through `say`:
+    final/ is complete, the run goes on)."""
+    lines = [f"# Samples: {header}", "", *([f"> {note}", ""] if note else []),
+             "Greedy decoding; the same prompts before and after training.", ""]
     for i, (prompt, b, a) in enumerate(zip(prompts, before, after, strict=True), 1):
         lines += [f"## {i}. {prompt}", "", "**before**", "", _quote(b), "", "**after**", "", _quote(a), ""]
     with writing("samples", path, say=say):
