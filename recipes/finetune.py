@@ -121,7 +121,7 @@ class FinetuneRecipe:
 
         # Base model: whole on every rank (the strategy shards it at prepare). The main process
         # goes first so that a GGUF is parsed once and the other ranks read its cached copy.
-        with strategy.accelerator.main_process_first(), strategy.outside_training():
+        with strategy.accelerator.main_process_first(), strategy.outside_training(), trainer.phases("base load"):
             quantized = quantization_config(cfg.adapter, strategy.accelerator.device.type == "cuda",
                                             strategy.accelerator.mixed_precision, strategy.family.qlora_storage(strategy.accelerator.mixed_precision))
             model, self.tokenizer, notes = load_base_model(cfg.model, quantized, strategy.device_map(), cfg.data.chat_template)
@@ -144,58 +144,61 @@ class FinetuneRecipe:
 
         # Data: packed raw text (continued pretraining) or packed chat turns (SFT), of one corpus or of
         # several mixed by weight (data.sources).
-        self.chat_template = None
-        if cfg.data.format in ("chat", "preference"):
-            with strategy.accelerator.main_process_first():
-                self.chat_template = chat_template_for(self.tokenizer, cfg.data.chat_template)
-            if cfg.data.chat_template:  # final/ and adapter/ carry the template the run trained with, and so do exports
-                self.tokenizer.chat_template = self.chat_template
-        check_prompt_lengths(self.tokenizer, cfg.samples, limit, self.chat_template, "the base model's")
-        parts = []
-        for i, data in enumerate(cfg.data.of_sources()):
-            with naming(i, cfg.data.sources):
-                parts.append(self.blocks_of(data))
-        collate_fn, counts = {"chat": (collate_chat, chat_target_counts), "preference": (collate_pairs, pair_counts),
-                              "text": (collate, target_counts)}[cfg.data.format]
-        if cfg.data.sources:
-            names = [s.name for s in cfg.data.sources]
-            plan = weight_plan(cfg.data.sources, cfg.data.stages)
-            schedule = trainer.use_mixture({n: train for n, (train, _, _) in zip(names, parts, strict=True)},
-                                           {n: val for n, (_, val, _) in zip(names, parts, strict=True) if val is not None},
-                                           plan, collate_fn, counts, cfg.train.preference())
-            passes = schedule.passes(cfg.train.max_steps)
-            for i, (name, (train, _, notes)) in enumerate(zip(names, parts, strict=True)):
+        with trainer.phases("data"):
+            self.chat_template = None
+            if cfg.data.format in ("chat", "preference"):
+                with strategy.accelerator.main_process_first():
+                    self.chat_template = chat_template_for(self.tokenizer, cfg.data.chat_template)
+                if cfg.data.chat_template:  # final/ and adapter/ carry the template the run trained with, and so do exports
+                    self.tokenizer.chat_template = self.chat_template
+            check_prompt_lengths(self.tokenizer, cfg.samples, limit, self.chat_template, "the base model's")
+            parts = []
+            for i, data in enumerate(cfg.data.of_sources()):
+                with naming(i, cfg.data.sources):
+                    parts.append(self.blocks_of(data))
+            collate_fn, counts = {"chat": (collate_chat, chat_target_counts), "preference": (collate_pairs, pair_counts),
+                                  "text": (collate, target_counts)}[cfg.data.format]
+            if cfg.data.sources:
+                names = [s.name for s in cfg.data.sources]
+                plan = weight_plan(cfg.data.sources, cfg.data.stages)
+                schedule = trainer.use_mixture({n: train for n, (train, _, _) in zip(names, parts, strict=True)},
+                                               {n: val for n, (_, val, _) in zip(names, parts, strict=True) if val is not None},
+                                               plan, collate_fn, counts, cfg.train.preference())
+                passes = schedule.passes(cfg.train.max_steps)
+                for i, (name, (train, _, notes)) in enumerate(zip(names, parts, strict=True)):
+                    for line in notes:
+                        trainer.print(f"data: {name}: {line}")
+                    trainer.print(f"data: {name}: weight {plan[0][1][i]:.3f}, {len(train)} blocks of {cfg.data.seq_len} "
+                                  f"tokens ({int(column(train, 'num_tokens').sum()):,} tokens); {passes[i]:.2f} passes over "
+                                  f"them in train.max_steps={cfg.train.max_steps}")
+                for line in stages_said(names, plan[1:], cfg.train.max_steps):
+                    trainer.print(f"data: {line}")
+            else:
+                train, val, notes = parts[0]
+                schedule = trainer.use_data(train, val, collate_fn, counts, cfg.train.preference())
                 for line in notes:
-                    trainer.print(f"data: {name}: {line}")
-                trainer.print(f"data: {name}: weight {plan[0][1][i]:.3f}, {len(train)} blocks of {cfg.data.seq_len} "
-                              f"tokens ({int(column(train, 'num_tokens').sum()):,} tokens); {passes[i]:.2f} passes over "
-                              f"them in train.max_steps={cfg.train.max_steps}")
-            for line in stages_said(names, plan[1:], cfg.train.max_steps):
-                trainer.print(f"data: {line}")
-        else:
-            train, val, notes = parts[0]
-            schedule = trainer.use_data(train, val, collate_fn, counts, cfg.train.preference())
-            for line in notes:
-                trainer.print(f"data: {line}")
-            trainer.print(f"data: {cfg.data.format}, {len(train)} blocks of {cfg.data.seq_len} tokens "
-                          f"({schedule.steps_per_epoch} steps per epoch)")
-        # The forgetting budget: a general held-out set, a source's or read from a path, judged at each evaluation.
-        budget = Budget.of(cfg, [s.name for s in cfg.data.sources], plan if cfg.data.sources else None)
-        if budget is not None:
-            general = self.general_blocks() if budget.index is None else None
-            trainer.use_budget(budget, general, collate)
-            trainer.print(f"forgetting: {budget.said()}")
+                    trainer.print(f"data: {line}")
+                trainer.print(f"data: {cfg.data.format}, {len(train)} blocks of {cfg.data.seq_len} tokens "
+                              f"({schedule.steps_per_epoch} steps per epoch)")
+            # The forgetting budget: a general held-out set, a source's or read from a path, judged at each evaluation.
+            budget = Budget.of(cfg, [s.name for s in cfg.data.sources], plan if cfg.data.sources else None)
+            if budget is not None:
+                general = self.general_blocks() if budget.index is None else None
+                trainer.use_budget(budget, general, collate)
+                trainer.print(f"forgetting: {budget.said()}")
 
         # Samples from the untouched base, generated here while the model is still whole; also on a resume, whose
         # samples.prompts may differ from the checkpoint's.
         if (line := prompts_line(cfg)) is not None:  # the shipped config's prompts kept on the user's own data
             trainer.print(line)
-        before = []
-        if strategy.is_main and cfg.samples.max_new_tokens:
-            before = generate(model, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
+        before, prompts = [], cfg.samples.prompts
+        if strategy.is_main and cfg.samples.max_new_tokens and prompts:
+            with trainer.phases("samples before", total=len(prompts)) as bar:
+                before = generate(model, self.tokenizer, prompts, cfg.samples.max_new_tokens, self.chat_template, bar)
 
         model.config.use_cache = False
-        assembled = assemble(trainer, model, self.tokenizer, cfg.adapter, {"base_model.json": self.base_files})
+        with trainer.phases("model setup"):
+            assembled = assemble(trainer, model, self.tokenizer, cfg.adapter, {"base_model.json": self.base_files})
         trainer.state.samples_before = before
         if assembled.needs_reference:  # DPO: the model before training
             use_reference(trainer, base_identity(cfg.model), cfg.adapter.is_lora)
@@ -306,15 +309,15 @@ class FinetuneRecipe:
         facts = {**facts, "origin": f"fine-tuned from {base} ({cfg.adapter.method}, {cfg.data.format} data{kept})",
                  "base_model": base, "adapter": cfg.adapter.method}
         adapter_dir = final = None
-        if cfg.adapter.is_lora:
-            adapter_dir = save_adapter(
-                strategy, trainer.model, self.tokenizer, run_dir.adapter, self.base_files, cfg.checkpoint.final_dtype,
-                {**facts, "base": base, "data": f"{cfg.data.format} data{kept}", "gguf": resolve_gguf(cfg.model)},
-            )
-        else:
-            final = save_final_model(
-                strategy, trainer.model, self.tokenizer, run_dir.final, facts, to_dict(cfg), cfg.checkpoint.final_dtype
-            )
+        with trainer.phases("final save"):
+            if cfg.adapter.is_lora:
+                adapter_dir = save_adapter(
+                    strategy, trainer.model, self.tokenizer, run_dir.adapter, self.base_files, cfg.checkpoint.final_dtype,
+                    {**facts, "base": base, "data": f"{cfg.data.format} data{kept}", "gguf": resolve_gguf(cfg.model)},
+                )
+            else:
+                final = save_final_model(strategy, trainer.model, self.tokenizer, run_dir.final, facts, to_dict(cfg),
+                                         cfg.checkpoint.final_dtype)
         if not strategy.is_main:
             trainer.close()
             return
@@ -322,19 +325,21 @@ class FinetuneRecipe:
         # The deliverable is reloaded as an inference user would (whole, in this process only:
         # outside_training keeps ZeRO-3 from partitioning it), and the samples come from it.
         with strategy.outside_training():
-            if adapter_dir is not None and cfg.adapter.merge:
-                base_model, _, _ = load_base_model(cfg.model, chat_template=cfg.data.chat_template)  # full precision
-                merged = merge(base_model, adapter_dir)
-                final = write_model_folder(
-                    merged, self.tokenizer, run_dir.final, facts, to_dict(cfg), dtype=cfg.checkpoint.final_dtype
-                )
-            trained = _reload(final, adapter_dir, cfg)
+            with trainer.phases("merge and reload"):
+                if adapter_dir is not None and cfg.adapter.merge:
+                    base_model, _, _ = load_base_model(cfg.model, chat_template=cfg.data.chat_template)  # full precision
+                    merged = merge(base_model, adapter_dir)
+                    final = write_model_folder(
+                        merged, self.tokenizer, run_dir.final, facts, to_dict(cfg), dtype=cfg.checkpoint.final_dtype
+                    )
+                trained = _reload(final, adapter_dir, cfg)
             before, after = {}, {}
             if trainer.harness is not None and not trainer.metrics.has(state.step, "phase", kind="harness"):
                 # the base and the result scored here, with no collective left, so that training was never touched;
                 # before metrics.jsonl closes, which takes their rows; a signal from here skips them
                 trainer.stop.all_saved()
-                before, after = self.harness_scores(trained)
+                with trainer.phases("harness"):
+                    before, after = self.harness_scores(trained)
         plot = trainer.close()
         print()
         budget = trainer.budget.rows(before, after, state.step) if trainer.budget is not None else []
@@ -348,13 +353,15 @@ class FinetuneRecipe:
         print(f"loss plot   : {plot or 'not written (said above); metrics.jsonl holds its numbers'}")
         trainer.stop.all_saved()  # a signal from here on skips the samples: nothing is left to save
         if cfg.samples.max_new_tokens and state.samples_before:
-            after = generate(trained, self.tokenizer, cfg.samples.prompts, cfg.samples.max_new_tokens, self.chat_template)
+            prompts = cfg.samples.prompts
+            with trainer.phases("samples after", total=len(prompts)) as bar:
+                after = generate(trained, self.tokenizer, prompts, cfg.samples.max_new_tokens, self.chat_template, bar)
             header = f"{base}, {cfg.adapter.method}, {cfg.data.format} data, {state.step} steps"
-            written = write_samples(run_dir.samples, cfg.samples.prompts, state.samples_before, after, header,
+            written = write_samples(run_dir.samples, prompts, state.samples_before, after, header,
                                     say=lambda line: print(f"[finetune] {line}"), note=prompts_note(cfg))
             if written is not None:
                 print(f"samples     : {written}")
-
+        print(trainer.phases.said())  # last: the samples after are among them
 
     def harness_scores(self, trained) -> tuple[dict[str, float], dict[str, float]]:
         """eval.harness_tasks' scores (harness/<task>/<metric>) of the base, as this run loaded it, and of `trained`,

@@ -78,18 +78,19 @@ class PretrainRecipe:
         # Data: the main process reads the corpus and trains the tokenizer into the cache; the
         # others then read them. Every rank then tokenizes and packs its share of the documents.
         data_notes: list[str] = []
-        if cfg.data.streaming:
-            self.stream_data(data_notes)
-        elif cfg.data.sources:
-            self.mixture_data(data_notes)
-        else:
-            train, val, (train_docs, val_docs) = self.corpus_blocks(data_notes, Seen())
-            schedule = trainer.use_data(train, val, collate, target_counts)
-            trainer.print(
-                f"data: {len(train_docs)} train / {len(val_docs or [])} held-out documents -> "
-                f"{len(train)} blocks of {cfg.data.seq_len} tokens "
-                f"({schedule.steps_per_epoch} steps per epoch); vocab {len(self.tokenizer)}"
-            )
+        with trainer.phases("data"):
+            if cfg.data.streaming:
+                self.stream_data(data_notes)
+            elif cfg.data.sources:
+                self.mixture_data(data_notes)
+            else:
+                train, val, (train_docs, val_docs) = self.corpus_blocks(data_notes, Seen())
+                schedule = trainer.use_data(train, val, collate, target_counts)
+                trainer.print(
+                    f"data: {len(train_docs)} train / {len(val_docs or [])} held-out documents -> "
+                    f"{len(train)} blocks of {cfg.data.seq_len} tokens "
+                    f"({schedule.steps_per_epoch} steps per epoch); vocab {len(self.tokenizer)}"
+                )
         for line in data_notes:
             trainer.print(f"data: {line}")
         check_prompt_lengths(self.tokenizer, cfg.samples, cfg.model.positions())  # not a crash after training
@@ -98,9 +99,10 @@ class PretrainRecipe:
 
         # Model: random init from the config, seeded identically on every rank.
         config = hf_config(cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
-        with strategy.outside_training():
+        with strategy.outside_training(), trainer.phases("model build"):
             model = build_model(cfg.model, config, cfg.seed)
-        assemble(trainer, model, self.tokenizer)
+        with trainer.phases("model setup"):
+            assemble(trainer, model, self.tokenizer)
 
     def corpus_blocks(self, notes: list[str], seen: Seen) -> tuple:
         """(train blocks, held-out blocks or None, (train documents, held-out documents or None)) of data.path, and the
@@ -249,15 +251,17 @@ class PretrainRecipe:
         cfg, trainer = self.cfg, self.trainer
         trainer.finish()
         facts = trainer.facts(cfg.model.model_type)
-        final = save_final_model(
-            trainer.strategy, trainer.model, self.tokenizer, trainer.run.final, facts, to_dict(cfg),
-            cfg.checkpoint.final_dtype,
-        )
+        with trainer.phases("final save"):
+            final = save_final_model(
+                trainer.strategy, trainer.model, self.tokenizer, trainer.run.final, facts, to_dict(cfg),
+                cfg.checkpoint.final_dtype,
+            )
         scored = trainer.metrics is not None and trainer.metrics.has(trainer.step, "phase", kind="harness")
         if trainer.harness is not None and trainer.strategy.is_main and final is not None and not scored:
             trainer.stop.all_saved()  # a signal from here skips the scoring, and ends it
-            trainer.harness.start(trainer.step, "after", final, keep=True)  # final/ itself, before metrics.jsonl closes
-            trainer.harness.wait()
+            with trainer.phases("harness"):
+                trainer.harness.start(trainer.step, "after", final, keep=True)  # final/ itself, before metrics.jsonl closes
+                trainer.harness.wait()
         plot = trainer.close()
         if not trainer.strategy.is_main:
             return
@@ -267,11 +271,17 @@ class PretrainRecipe:
         if "tensorboard" in cfg.logging.trackers:
             print(f"tensorboard : tensorboard --logdir {trainer.run.tensorboard}")
         trainer.stop.all_saved()  # a signal from here on skips the samples: nothing is left to save
-        if cfg.samples.max_new_tokens:
-            with trainer.strategy.outside_training():  # a fresh load, not one partitioned by ZeRO-3's leftover config
-                for prompt in cfg.samples.prompts:
-                    text = sample_folder(final, prompt, cfg.samples.max_new_tokens, cfg.seed)
-                    print(f"sample      : {text!r}")
+        prompts = cfg.samples.prompts
+        if cfg.samples.max_new_tokens and prompts:
+            texts = []
+            # a fresh load, not one partitioned by ZeRO-3's leftover config
+            with trainer.strategy.outside_training(), trainer.phases("samples after", total=len(prompts)) as bar:
+                for prompt in prompts:
+                    texts.append(sample_folder(final, prompt, cfg.samples.max_new_tokens, cfg.seed))
+                    bar.update()
+            for text in texts:  # once the bar is gone
+                print(f"sample      : {text!r}")
+        print(trainer.phases.said())  # last: the samples are among them
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,6 +115,16 @@ def evaluate(accelerator: Accelerator, model, blocks: datasets.Dataset | dict[st
             **{f"eval_tokens/{name}": int(t) for name, (_, t) in sums.items()}}
 
 
+def forwards(blocks: datasets.Dataset | dict[str, datasets.Dataset], micro_batch: int, max_blocks: int,
+             world: int) -> int:
+    """The micro-batches held_out_sums runs on each of `world` data ranks over `blocks` (a mixture's: over each
+    source's): a pass's bar counts them."""
+    if isinstance(blocks, dict):
+        return sum(forwards(b, micro_batch, max_blocks, world) for b in blocks.values())
+    n = len(blocks) if max_blocks == 0 else min(max_blocks, len(blocks))
+    return math.ceil(math.ceil(n / world) / micro_batch)
+
+
 def said(result: dict[str, float]) -> str:
     """An evaluation's result as its log line says it: "held-out loss 2.1234 (a 2.0000, b 2.3000), perplexity 8.37"."""
     sources = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in result.items() if k.startswith("eval_loss/"))
@@ -142,6 +152,7 @@ def held_out_sums(
     split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     pipeline=None,
     objective: PreferenceLoss | None = None,
+    bar=None,
 ) -> tuple[float, ...]:
     """(token loss sum, targets) over the first `max_blocks` held-out blocks, split across ranks; with a
     preference `objective`, (pair loss sum, pairs, the sums of its STATS).
@@ -154,7 +165,7 @@ def held_out_sums(
     parallel's (toolkit.strategy.context_parallel): the ranks of a group read the same blocks.
     `pipeline` (toolkit.strategy.pipeline.stages): the micro-batches go through its stages, each of
     `micro_batch` rows and as many per run as it was built for (the schedule's shapes are fixed), the
-    rows and runs that fill them with no targets.
+    rows and runs that fill them with no targets. `bar` (toolkit.training.phases) is updated after each micro-batch.
 
     Every rank runs the same number of forwards (sharded models gather weights inside
     forward, so an uneven count would hang); a rank short of blocks repeats one and
@@ -186,10 +197,12 @@ def held_out_sums(
             pair_loss, micro_stats = objective.sums(model, batch)
             loss_sum += pair_loss.double()
             stats += micro_stats.double()
-            continue
-        loss, counted = losses.add(batch)
-        loss_sum += loss
-        targets += counted
+        else:
+            loss, counted = losses.add(batch)
+            loss_sum += loss
+            targets += counted
+        if bar is not None:
+            bar.update()
     loss_sum += losses.flush()
     model.train()
     if objective is not None:  # (loss, pairs, *STATS): the pairs are STATS' last

@@ -172,7 +172,8 @@ KINDS = {
     # without replay or a kept checkpoint, general_limit null for a general set reported without a budget
     "budget": ("step", "domain_loss", "general_loss", "general_base", "general_limit", "general_change", "within",
                "share", "best_step"),
-    "summary": ("step", "parameter_digests", "peak_memory"),  # the run's last row
+    "summary": ("step", "parameter_digests", "peak_memory"),  # after the last evaluation and checkpoint
+    "phases": ("step", "seconds", "total_seconds"),  # the last row: each phase's wall seconds (toolkit.training.phases)
 }
 
 

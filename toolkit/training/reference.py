@@ -27,15 +27,18 @@ from toolkit.models.gguf_base import resolve_gguf
 from toolkit.models.preference_loss import token_logps
 from toolkit.run.folder import RunDir
 from toolkit.run.writes import writing
+from toolkit.training.evaluation import forwards
 from toolkit.training.step import on_device
 
 
 @torch.no_grad()
-def reference_logps(accelerator, model, blocks: datasets.Dataset, micro_batch: int, attn: str) -> np.ndarray:
+def reference_logps(accelerator, model, blocks: datasets.Dataset, micro_batch: int, attn: str,
+                    bar=None) -> np.ndarray:
     """Collective: the model's log-probability of each position's target in every block (blocks x seq_len, float32).
 
     The blocks are split across ranks, every rank running the same number of forwards (a sharded model
-    gathers its weights inside them), and the results gathered so that every rank holds all of them."""
+    gathers its weights inside them), and the results gathered so that every rank holds all of them. `bar`
+    (toolkit.training.phases) is updated after each micro-batch."""
     n, world, rank = len(blocks), accelerator.num_processes, accelerator.process_index
     seq_len = len(blocks[0]["input_ids"])
     per_rank = math.ceil(n / world)
@@ -52,6 +55,8 @@ def reference_logps(accelerator, model, blocks: datasets.Dataset, micro_batch: i
             batch = on_device(collate_pairs(blocks[idx], attn), accelerator.device)
             with accelerator.autocast():
                 out[start:start + rows] = token_logps(model, batch).float().reshape(rows, seq_len)
+            if bar is not None:
+                bar.update()
     model.train(was_training)
     gathered = accelerator.gather(out).cpu().numpy()
     result = np.zeros((n, seq_len), dtype=np.float32)
@@ -108,9 +113,11 @@ def use_reference(trainer, base: str, lora: bool) -> None:
     if values is None:
         trainer.print("reference: one forward pass over the pairs with the "
                       f"{'adapter off' if lora else 'weights before training'} (DPO's reference log-probabilities)")
-        values = {name: reference_logps(acc, trainer.model, blocks, cfg.train.micro_batch_size,
-                                        cfg.model.attn_implementation)
-                  for name, blocks in {"train": feed.blocks, **_held_out(feed.val)}.items()}
+        scored, micro = {"train": feed.blocks, **_held_out(feed.val)}, cfg.train.micro_batch_size
+        passes = sum(forwards(blocks, micro, 0, acc.num_processes) for blocks in scored.values())
+        with trainer.phases("reference pass", total=passes) as bar:
+            values = {name: reference_logps(acc, trainer.model, blocks, micro, cfg.model.attn_implementation, bar)
+                      for name, blocks in scored.items()}
         kept = None
     if trainer.strategy.is_main and kept != trainer.run.reference:  # computed, or read from another run's folder:
         _write(trainer.run.reference, key, values)  # this run's own checkpoints resume from it

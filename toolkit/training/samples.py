@@ -49,8 +49,10 @@ class SamplesConfig:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_template: str | None = None) -> list[str]:
-    """The continuation of each prompt (prompt text not repeated); chat_template = render as a user turn."""
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_template: str | None = None,
+             bar=None) -> list[str]:
+    """The continuation of each prompt (prompt text not repeated); chat_template = render as a user turn. `bar`
+    (toolkit.training.phases) is updated after each prompt."""
     check_whole(model)
     was_training = model.training
     model.eval()
@@ -65,6 +67,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_tem
                 do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=False,
             )
         outputs.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+        if bar is not None:
+            bar.update()
     model.train(was_training)
     return outputs
 

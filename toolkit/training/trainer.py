@@ -18,7 +18,6 @@ from typing import Any
 import datasets
 import torch
 from accelerate.utils import gather_object
-from tqdm.auto import tqdm
 
 from toolkit.checkpoint.checkpointer import Checkpointer, SaveStopped
 from toolkit.checkpoint.settings import check_before_preparing, trained_settings
@@ -47,7 +46,7 @@ from toolkit.strategy.distributed import Strategy
 from toolkit.strategy.sharding import GradientMeter, held_bytes
 from toolkit.training.cadence import Due, Stepped, Window
 from toolkit.training.canary import Canary
-from toolkit.training.evaluation import evaluate, said
+from toolkit.training.evaluation import evaluate, forwards, said
 from toolkit.training.feed import Feed
 from toolkit.training.forgetting import Budget, Judged
 from toolkit.training.harness_runs import HarnessRuns
@@ -66,6 +65,7 @@ from toolkit.training.metrics import (
     tracker_log_with,
 )
 from toolkit.training.optim import prepare_optimization, use_fused, wind_back
+from toolkit.training.phases import Phases
 from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import (
     Diverged,
@@ -83,11 +83,16 @@ class Stopped(Exception):
     """Raised after the stop checkpoint is saved; the recipe exits with a non-zero code."""
 
 
+# Trainer.evaluate's phase of each evaluation (toolkit.training.phases.PHASES)
+EVALUATIONS = {"before": "evaluation before", "train": "evaluations during training", "after": "evaluation after"}
+
+
 class Trainer:
     """One run's loop. `cfg` is a recipe config with output_dir, seed, resume, overwrite and the
     sections model (attn_implementation), train, optim, checkpoint, logging and eval."""
 
     def __init__(self, name: str, cfg: Any):
+        self.phases = Phases(is_launch_main())  # what each phase of this process costs, from here; the recipes' too
         self.name, self.cfg, self.run = name, cfg, RunDir(cfg.output_dir)
         self.stop = StopRequest(name, is_launch_main(), self.run.release)
         check_attention(cfg.model.attn_implementation)
@@ -288,15 +293,14 @@ class Trainer:
             self.state.budget = self.budget.restore(self.state.budget, self.feed.schedule)
             if ended := self.budget.ended_said():
                 self.print(ended)
-        self.bar = bar = tqdm(total=self.cfg.train.max_steps, initial=self.state.step,
-                              disable=not self.accelerator.is_main_process, desc=self.name)
-        try:
-            self.train_steps(bar)
-        finally:
-            # Also when a step raises: the bar's line ends, so the error line each rank prints
-            # starts a line of its own instead of being glued after the bar's last "\r".
-            bar.close()
-            self.bar = None
+        # The bar's line ends also when a step raises (the phase closes it), so the error line each rank prints
+        # starts a line of its own instead of being glued after the bar's last "\r".
+        with self.phases("training", total=self.cfg.train.max_steps, initial=self.state.step, leave=True) as bar:
+            self.bar = bar
+            try:
+                self.train_steps(bar)
+            finally:
+                self.bar = None
 
     def train_steps(self, bar) -> None:
         """A step, then what is due after it, in this order; each (but the verdict) due at a step, then run."""
@@ -511,29 +515,34 @@ class Trainer:
     def evaluate(self, phase: str) -> dict[str, float]:
         """Held-out loss and perplexity (collective); `phase` is before, train or after training."""
         cfg = self.cfg
+        general = self.general if self.budget is not None else None  # the forgetting budget's, read from a path
+        passes = sum(forwards(blocks, cfg.train.micro_batch_size, cfg.eval.blocks, self.strategy.data_ranks[0])
+                     for blocks in (self.feed.val, general) if blocks is not None)
 
-        def over(blocks, collate, objective=None) -> dict[str, float]:
+        def over(blocks, collate, bar, objective=None) -> dict[str, float]:
             return evaluate(self.accelerator, self.model, blocks, cfg.train.micro_batch_size, cfg.eval.blocks,
                             cfg.model.attn_implementation, collate, cfg.model.chunk_tokens, self.strategy.data_ranks,
-                            self.strategy.split_sequences, self.strategy.pipeline, objective=objective)
+                            self.strategy.split_sequences, self.strategy.pipeline, objective=objective, bar=bar)
 
         release_freed_memory(self.accelerator.device)  # a CPU run's peak was the training's heap kept under this
-        with model_kill_points(self.accelerator.unwrap_model(self.model), self.step, "eval"):
-            result = over(self.feed.val, self.feed.collate, self.objective)
-        self.eval_step = self.state.eval_step = self.step
-        self.log("eval", {"step": self.step, "phase": phase, **result})
-        line = said(result)
-        if self.budget is not None:
-            general = None if self.general is None else over(self.general, self.general_collate)["eval_loss"]
-            self.judged = self.budget.judge(self.step, phase, result, general, self.state.tokens_seen)
-            self.log("budget", self.judged.row)
-            line += f"; {self.judged.line}"
-        self.print(f"step {self.step} ({phase}): {line}")
+        with self.phases(EVALUATIONS[phase], total=passes) as bar:
+            with model_kill_points(self.accelerator.unwrap_model(self.model), self.step, "eval"):
+                result = over(self.feed.val, self.feed.collate, bar, self.objective)
+            self.eval_step = self.state.eval_step = self.step
+            self.log("eval", {"step": self.step, "phase": phase, **result})
+            line = said(result)
+            if self.budget is not None:
+                general_loss = None if general is None else over(general, self.general_collate, bar)["eval_loss"]
+                self.judged = self.budget.judge(self.step, phase, result, general_loss, self.state.tokens_seen)
+                self.log("budget", self.judged.row)
+                line += f"; {self.judged.line}"
+        self.print(f"step {self.step} ({phase}): {line}")  # once its bar is gone
         return result
 
     def save_checkpoint(self, background: bool = False) -> Path | None:
         """Collective: this step's checkpoint (Checkpointer.save)."""
-        return self.checkpoints.save(self.state, background=background, skipped=self.nonfinite_in_a_row)
+        with self.phases("checkpoints"):
+            return self.checkpoints.save(self.state, background=background, skipped=self.nonfinite_in_a_row)
 
     # ---------------------------------------------------------------- the end
     def finish(self) -> None:
@@ -576,7 +585,9 @@ class Trainer:
         }
 
     def close(self) -> Path | None:
-        """Flush the trackers and close metrics.jsonl; on the main process, plot the loss curve."""
+        """Flush the trackers and close metrics.jsonl, its last row what each phase cost so far; on the main process,
+        plot the loss curve."""
+        self.log("phases", {"step": self.step, **self.phases.row()}, tracked={})
         self.trackers.close()
         self.run.release()  # after the deliverable: the recipe wrote it before calling close
         if self.metrics is None:

@@ -167,3 +167,29 @@ def test_a_rank_short_of_blocks_counts_no_filler_row(model, blocks, attn):
 
     _, targets = held_out_sums(Accelerator(cpu=True), model, blocks, 3, 5, attn, data_ranks=(2, 1))
     assert targets == int(target_counts(blocks)[[1, 3]].sum())
+
+
+class Counted:
+    """A pass's bar that counts its updates."""
+
+    def __init__(self):
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+
+@pytest.mark.parametrize(("micro_batch", "max_blocks", "ranks"), [(2, 0, (1, 0)), (3, 5, (2, 1)), (4, 7, (3, 2)),
+                                                                   (5, 4, (1, 0))])
+def test_an_evaluation_s_bar_reaches_the_total_its_phase_was_given(model, blocks, micro_batch, max_blocks, ranks):
+    """Trainer.evaluate gives the bar forwards(...) as its total: the ETA is right only if the pass updates it that
+    many times, on each rank (a mixture: over every source)."""
+    from toolkit.training.evaluation import forwards, held_out_sums
+
+    bar = Counted()
+    held_out_sums(Accelerator(cpu=True), model, blocks, micro_batch, max_blocks, "sdpa", data_ranks=ranks, bar=bar)
+    assert bar.n == forwards(blocks, micro_batch, max_blocks, ranks[0]) > 0
+    mixture, bar = {"web": blocks, "code": blocks.select(range(3))}, Counted()
+    evaluate(Accelerator(cpu=True), model, mixture, micro_batch, max_blocks, "sdpa", data_ranks=ranks, bar=bar)
+    assert bar.n == forwards(mixture, micro_batch, max_blocks, ranks[0]) > forwards(blocks, micro_batch, max_blocks,
+                                                                                       ranks[0])

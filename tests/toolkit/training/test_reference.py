@@ -17,7 +17,18 @@ from toolkit.data.chat import ChatDataConfig
 from toolkit.data.preference import collate_pairs, preference_blocks
 from toolkit.models.adapter import AdapterConfig, apply_adapter
 from toolkit.models.preference_loss import token_logps
+from toolkit.training.evaluation import forwards
 from toolkit.training.reference import _read, _write, fingerprint, reference_logps
+
+
+class Counted:
+    """A pass's bar that counts its updates."""
+
+    def __init__(self):
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +55,10 @@ def test_the_pass_is_the_base_with_the_adapter_off(blocks, tiny_model, accelerat
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     model.train()
-    got = reference_logps(accelerator, model, train, micro_batch=3, attn="sdpa")  # 3 does not divide the blocks
+    bar = Counted()
+    got = reference_logps(accelerator, model, train, micro_batch=3, attn="sdpa", bar=bar)  # 3 does not divide them
     assert len(train) % 3 and got.shape == expected.shape
+    assert bar.n == forwards(train, 3, 0, 1) == len(train) // 3 + 1  # the total use_reference gives the pass's bar
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert (got[expected == 0] == 0).all() and (got != 0).sum() > 100  # targets only, and there are some
     assert model.training  # left as it was found

@@ -56,7 +56,11 @@ def test_a_run_trains_evaluates_and_checkpoints_on_its_cadence(tmp_path, blocks,
     records = read_metrics(run.metrics)
     assert sorted(losses(run)) == [1, 2, 3, 4]
     assert [(r["step"], r["phase"]) for r in records if "eval_loss" in r] == [(2, "train"), (4, "after")]
-    assert "held_bytes" in records[0] and "parameter_digests" in records[-1]
+    assert "held_bytes" in records[0] and "parameter_digests" in records[-2]
+    # the last row: what each phase cost, an evaluation's time not the training's
+    phases = records[-1]["seconds"]
+    assert list(phases) == ["training", "evaluations during training", "evaluation after", "checkpoints"]
+    assert 0 < sum(phases.values()) <= records[-1]["total_seconds"]
     # as a user reads the file: one dense frame a kind, each with its documented columns (docs/metrics.md)
     import pandas
 
@@ -64,14 +68,14 @@ def test_a_run_trains_evaluates_and_checkpoints_on_its_cadence(tmp_path, blocks,
 
     frame = pandas.read_json(run.metrics, lines=True)
     assert list(frame["kind"]) == [r["kind"] for r in records]
-    assert set(frame["kind"]) == {"memory", "train", "eval", "summary"}
+    assert set(frame["kind"]) == {"memory", "train", "eval", "summary", "phases"}
     for kind, rows in frame.groupby("kind"):
         dense = rows.dropna(axis=1, how="all")  # the columns of this kind (mfu is null on a CPU: no peak FLOP/s)
         assert set(KINDS[kind]) - {"mfu"} <= set(dense.columns), kind
         assert not dense.isna().any().any(), kind  # and none of them missing in a row
     assert [p.name for p in run.complete_checkpoints()] == ["step-4"]  # step-3, then the last one; keep_last=1
     state = TrainerState.read(run.checkpoint(4))
-    assert state.step == 4 and state.tokens_seen > 0 and state.last_eval["eval_loss"] == records[-2]["eval_loss"]
+    assert state.step == 4 and state.tokens_seen > 0 and state.last_eval["eval_loss"] == records[-3]["eval_loss"]
     assert (run.checkpoint(4) / "model_files" / "config.json").is_file()
     assert plot == run.loss_plot and plot.is_file()
     assert trainer.facts("llama")["step"] == 4 and trainer.facts("llama")["strategy"] == "single process"
@@ -84,6 +88,8 @@ def test_a_run_trains_evaluates_and_checkpoints_on_its_cadence(tmp_path, blocks,
     assert json.loads((run.root / "profile" / "trace.json").read_text())["traceEvents"]
     printed = capfd.readouterr()
     assert "USDT" not in printed.err  # kineto's lines at the profiler's start and stop
+    for shown in ("training: 100%|", "evaluations during training:   0%|", "evaluation after:   0%|"):  # each pass's bar
+        assert shown in printed.err, shown
     assert f"[unit] profile: {run.root / 'profile'} (steps 2-3: " in printed.out
 
 
