@@ -19,6 +19,8 @@ Features
   side; greedy generations for the YAML's prompts before and after, in samples.md.
 - Output: final/ (HF folder) for a full fine-tune; adapter/ (peft) for LoRA, plus final/ with
   the adapter merged in when adapter.merge=true. Checkpoints and resume as in pretraining.
+- A bar for each pass that can take minutes (the reference pass, each evaluation, the samples), and
+  the summary's last line says what each phase cost (toolkit.training.phases).
 
 The loop, checkpoints, resume and metrics are toolkit.training.trainer's, shared with the
 pretraining recipe; this file loads the base, packs text, chat or preference data, applies the

@@ -12,6 +12,8 @@ Features
 - Loss normalised by target tokens over the whole global batch (accumulation- and rank-exact).
 - Checkpoints every N steps (keep the last K), `resume=auto` or `resume=PATH`.
 - metrics.jsonl, tensorboard, held-out perplexity, a loss-curve PNG, and final/ in HF format.
+- A bar for each pass that can take minutes (each evaluation, the samples), and the summary's last
+  line says what each phase cost (toolkit.training.phases).
 
 The loop, checkpoints, resume and metrics are toolkit.training.trainer's, shared with the
 fine-tuning recipe; this file builds the tokenizer, the packed corpus and a fresh model.

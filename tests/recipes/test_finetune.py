@@ -93,6 +93,8 @@ def test_the_harness_scores_the_base_and_the_result_into_the_before_after_table(
     assert table[0].split() == ["held-out", "before", "after"] and table[4].split() == ["harness", "before", "after"]
     assert table[6].split() == ["pydoc_continuation/acc", f"{rows[0]['harness/pydoc_continuation/acc']:.4f}",
                                 f"{rows[1]['harness/pydoc_continuation/acc']:.4f}"]
+    timed = read_metrics(out / "metrics.jsonl")[-1]["seconds"]  # what the scoring cost, the end summary's too
+    assert timed["harness"] > 0 and list(timed)[-2:] == ["merge and reload", "harness"]
 
 
 def test_a_scoring_that_fails_after_training_is_a_warning(smol_run, monkeypatch, capsys):
