@@ -86,6 +86,9 @@ def test_replay_selection_and_the_end_table_hold_the_budget(budgeted_run):
     assert re.search(r"general change \(budget \+0\.2%\) +[+-]\d+\.\d\d%( over)?\n", said)
     assert re.search(rf"domain loss +{judged[0]['domain_loss']:.4f} +{best['domain_loss']:.4f}\n", said)
     assert re.search(rf"loss: docs +\d\.\d{{4}} +{best['general_loss']:.4f}\n", said)  # the kept step's, not the last
+    # the evaluations every 2 steps: each with its bar, their time summed in the summary's last line
+    assert len(re.findall(r"(?:^|\r)evaluations during training: +0%\|", said, re.M)) == 5
+    assert re.search(r"\ntime        : \d+:\d\d \(.*, training \d+:\d\d, evaluations during training \d+:\d\d, ", said)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # the trackers: the same numbers as metrics.jsonl

@@ -8,6 +8,7 @@ ZeRO-2 resumed from its step-3 checkpoint ends where the uninterrupted run ends.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -71,6 +72,9 @@ def test_lora_chat_run_writes_an_adapter_and_a_merged_model(lora_reference):
     assert [r["step"] for r in judged] == [0, 2, 4] and judged[0]["general_change"] == 0
     assert judged[-1]["general_loss"] != judged[0]["general_loss"] and judged[-1]["best_step"] in (2, 4)
     assert "forgetting: general held-out set: " in log and "forgetting" in log.split("final model")[0].rsplit("held-out", 1)[1]
+    # each evaluation's bar counts the general set's micro-batches too: 1 of the chat's 2 held-out blocks, 2 of the
+    # general set's first 4 (eval.blocks=4, 2 a micro-batch)
+    assert re.search(r"(?:^|\r)evaluation before: +0%\|[^|\r\n]*\| 0/3 \[", log, re.M), log[-3000:]
     losses = train_losses(out)
     assert len(losses) == 4 and losses[-1] < losses[0]
 
