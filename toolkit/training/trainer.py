@@ -587,7 +587,8 @@ class Trainer:
     def close(self) -> Path | None:
         """Flush the trackers and close metrics.jsonl, its last row what each phase cost so far; on the main process,
         plot the loss curve."""
-        self.log("phases", {"step": self.step, **self.phases.row()}, tracked={})
+        if self.metrics is not None and not self.metrics.has(self.step, "seconds", kind="phases"):  # a finished run re-run
+            self.log("phases", {"step": self.step, **self.phases.row()}, tracked={})
         self.trackers.close()
         self.run.release()  # after the deliverable: the recipe wrote it before calling close
         if self.metrics is None:
