@@ -83,7 +83,7 @@ def test_dpo_trains_from_a_reference_pass_and_logs_rewards(method, single):
 # fails here until this run shows it, or this list says why it cannot.
 NOT_IN_THE_LORA_RUN = {
     "model build": "pretraining's",
-    "evaluations during training": "eval.every=0 (tests/toolkit/training/test_trainer.py draws them)",
+    "evaluations during training": "eval.every=0 (test_finetune_forgetting.py and test_trainer.py draw them)",
     "harness": "no eval.harness_tasks (tests/recipes/test_finetune.py scores a fine-tune)",
 }
 
