@@ -26,6 +26,7 @@ from toolkit.config.errors import UserError
 from toolkit.config.load import field
 from toolkit.config.user_paths import cache_dir
 from toolkit.config.values import name_problems, path_problems
+from toolkit.data.hub import hub_unreachable
 from toolkit.data.mixture import SourceConfig, StageConfig, mixture_problems
 from toolkit.data.packing import column_windows
 from toolkit.data.text_files import (
@@ -41,7 +42,6 @@ from toolkit.data.text_files import (
     parquet_rows,
     utf8_problem,
 )
-from toolkit.data.tokenizer import hub_unreachable
 from toolkit.run.paths import CACHE, READ
 
 EMBEDDED = "embedded:python-docs"

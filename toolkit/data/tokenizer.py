@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import re
 import shutil
-import socket
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import huggingface_hub
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -21,6 +17,7 @@ from toolkit.config.errors import ConfigError, UserError, first_line
 from toolkit.config.files import read_json
 from toolkit.config.load import field
 from toolkit.config.values import path_problems
+from toolkit.data.hub import hub_unreachable
 from toolkit.data.packing import document_pieces
 from toolkit.run.lock import one_writer
 from toolkit.run.paths import READ
@@ -86,21 +83,6 @@ def train_bpe(corpus: datasets.Dataset, vocab_size: int, min_frequency: int = 2)
 
     tok.train_from_iterator(batches(), trainer=trainer, length=len(corpus))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD)
-
-
-@functools.cache
-def hub_unreachable(timeout_s: float = 3.0) -> str | None:
-    """Why the Hugging Face Hub cannot be reached (one connection tried, `timeout_s` at most), or None.
-    Offline, the hub client retries each file for ~45 s before it says so; with HF_HUB_OFFLINE=1 it
-    does not try, and neither does this."""
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE=1"
-    url = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
-    except OSError as exc:
-        return f"{url.hostname}: {exc.strerror or exc}"
-    return None
 
 
 def local_files_only(path: str) -> bool:
