@@ -12,7 +12,8 @@ and the recipe prints its table and writes its JSON to --output (default ./harne
 
 Under `accelerate launch` the harness splits the documents over the processes where each has a GPU; on CPU the first
 process evaluates alone, said in one line. Errors, one line and exit code 2: an unknown task (with the closest
-names), a task whose documents are on the Hub when it cannot be reached, a folder that is not a model, a
+names), the tasks whose documents are on the Hub when it cannot be reached and the datasets cache does not hold
+them (within seconds: docs/evaluation.md, "Offline"), a folder that is not a model, a
 checkpoint still being written, an existing --output without --overwrite, an --output inside a run's own entry (a
 checkpoint's folder, which rotation deletes with the scores) or inside what it reads, the harness not installed.
 """
@@ -25,20 +26,22 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolkit import quiet_weight_bars
 from toolkit.config.errors import UserError
-from toolkit.export.consolidate import Source, load_model, resolve_source
 from toolkit.export.destination import check_base, check_creatable
-from toolkit.export.hf_folder import write_model_folder
 from toolkit.export.run_base import add_base_option, take_run_base
 from toolkit.launch import environment
 from toolkit.launch.cli import OneLineParser
 from toolkit.launch.rank_process import die_with_trainer
-from toolkit.models.adapter import leave_out_bitsandbytes
 from toolkit.run.paths import COMMAND_OPTIONS, READ, check_scores_output
 from toolkit.run.writes import WriteFailed, writing
 from toolkit.training.harness import HarnessConfig, check_tasks, harness, scores, table, task_manager
+from toolkit.training.harness_hub import check_hub
+
+if TYPE_CHECKING:
+    from toolkit.export.consolidate import Source
 
 MARK = "llm_toolkit_evaluation"  # in the JSON this recipe writes: what --overwrite may replace
 
@@ -128,6 +131,9 @@ def model_folder(source: Source, base: str | None, work: Path) -> Path:
     """A Hugging Face folder the harness loads: the source itself, or the checkpoint or adapter made into one."""
     if source.kind == "hf":
         return source.path
+    from toolkit.export.consolidate import load_model
+    from toolkit.export.hf_folder import write_model_folder
+
     model, tokenizer, notes = as_evaluation(load_model, source, base, merge_lora=True)
     for line in notes:
         print(f"[evaluate] {line}")
@@ -136,8 +142,6 @@ def model_folder(source: Source, base: str | None, work: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_trainer()  # a training run's scoring (eval.harness_tasks) ends with it
-    leave_out_bitsandbytes()
-    quiet_weight_bars()
     world, main_process = environment.world_size(), environment.is_launch_main()
     try:
         args, cfg = parse_args(argv)
@@ -150,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
                   "the first process evaluates alone on the CPU")
             environment.run_alone()
             world = 1
+        # first: offline, a task of the Hub's is refused in a second or two, before the imports, the harness's index
+        # and the model that take ~10 s
+        check_hub(cfg)
+        from toolkit.export.consolidate import resolve_source
+        from toolkit.models.adapter import leave_out_bitsandbytes
+
+        leave_out_bitsandbytes()
+        quiet_weight_bars()
         harness()  # installed, and quiet
         check_base(args.base)
         source = as_evaluation(resolve_source, args.source, args.checkpoint)

@@ -6,14 +6,22 @@ line."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import wrong_arguments
-from harness_tasks import write_tasks
-from recipe_runner import recipe_module, run_recipe
+from harness_tasks import (
+    OFFLINE_VARIABLES,
+    datasets_lines,
+    unreachable_hub,
+    write_cached_hub_task,
+    write_tasks,
+)
+from recipe_runner import ROOT, recipe_module, run_recipe
 
 from toolkit.training.metrics import read_metrics
 
@@ -148,8 +156,8 @@ def bad_inputs(run: Path, tasks: Path, tmp_path: Path) -> list[tuple[list[str], 
         (["--from", str(run), "--tasks", "pydoc_continuatoin", *here],
          "error: --tasks pydoc_continuatoin: unknown task, not among the harness's"),
         (["--from", str(run), "--tasks", "arc_easy", *here],
-         "error: task arc_easy reads its documents from the Hugging Face Hub (allenai/ai2_arc), which cannot be "
-         "reached from here"),
+         "error: task arc_easy (allenai/ai2_arc) reads its documents from the Hugging Face Hub, which is not read "
+         "while HF_HUB_OFFLINE=1 is set"),
         (["--from", str(tasks), "--tasks", "pydoc_continuation", *here],
          f"error: --from {tasks} is not a model, run, checkpoint or adapter folder"),
         (["--from", str(writing), "--tasks", "pydoc_continuation", *here],
@@ -173,6 +181,8 @@ def test_bad_input_is_one_line(evaluate, tasks, model_folder, tmp_path, monkeypa
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what this machine's network answers
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")  # whatever this machine's
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     for argv, said in bad_inputs(model_folder, tasks[0], tmp_path):
         assert evaluate([*argv, *([] if "--output" in argv else ["--output", str(tmp_path / "x.json")])]) == 2, argv
         captured = capsys.readouterr()
@@ -180,6 +190,40 @@ def test_bad_input_is_one_line(evaluate, tasks, model_folder, tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     assert evaluate(["--from", str(model_folder), "--tasks", "t", "--output", str(tmp_path / "x.json")]) == 2
     assert "pip install -e '.[eval]'" in capsys.readouterr().err
+
+
+def test_offline_a_hub_task_is_one_line_within_seconds_as_a_user_reads_it(model_folder, tmp_path):
+    """`llm-toolkit evaluate --from runs/ft --tasks arc_easy,hellaswag` without a network took 36 s and printed 6 lines
+    of the hub client's retries before its line. A new Python, as a user starts it (its imports' notices included),
+    the Hub unreachable whatever this machine's network (HF_ENDPOINT: a port nothing listens on)."""
+    env = {k: v for k, v in os.environ.items() if k not in OFFLINE_VARIABLES}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_DATASETS_CACHE=str(tmp_path / "datasets-cache"))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "recipes/evaluate.py", "--from", str(model_folder), "--tasks",
+                           "arc_easy,hellaswag", "--output", str(tmp_path / "scores.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr[-3000:]
+    assert done.stderr.startswith(
+        "error: tasks arc_easy (allenai/ai2_arc) and hellaswag (Rowan/hellaswag) read their documents from the Hugging "
+        "Face Hub, which cannot be reached from here (127.0.0.1: Connection refused), and the datasets cache ("
+        f"{tmp_path / 'datasets-cache'}) does not hold them: connect to the network, "), done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1, done.stderr[-3000:]  # no retry, warning or notice besides it
+    # ~3 s on 2 idle cores, of which 2 are the imports every recipe makes; the retries alone took 23
+    assert took < 15, f"{took:.1f} s"
+    assert not (tmp_path / "scores.json").exists()
+
+
+def test_offline_a_hub_task_the_datasets_cache_holds_is_scored_from_it(evaluate, model_folder, tmp_path, monkeypatch,
+                                                                      capfd):
+    with unreachable_hub(monkeypatch, tmp_path / "datasets-cache") as cache:
+        name = write_cached_hub_task(tmp_path / "tasks", cache)
+        with datasets_lines() as heard:
+            assert evaluate(["--from", str(model_folder), "--tasks", name, "--include-path", str(tmp_path / "tasks"),
+                             "--limit", "4", "--output", str(tmp_path / "scores.json")]) == 0
+    out, err = capfd.readouterr()
+    assert f"|{name}" in out and "harness/pydoc_hub/acc" in (tmp_path / "scores.json").read_text()
+    assert "Retrying" not in err and heard == [], (err[-3000:], heard)
 
 
 def test_ctrl_c_is_one_line_and_exit_130(evaluate, tasks, model_folder, tmp_path, monkeypatch, capsys):

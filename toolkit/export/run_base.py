@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 from toolkit.config.errors import UserError
-from toolkit.models.adapter import BASE_MODEL_FILE
 from toolkit.run.folder import MODEL_FILES, RunDir
 from toolkit.run.paths import is_run
 
@@ -39,6 +38,8 @@ def run_base(run: Path) -> str:
     if not is_run(run):
         raise UserError(f"--from {run} --base: {run} is not a run folder; --base alone names a fine-tune's base, "
                         "give --from the run (e.g. runs/ft)")
+    from toolkit.models.adapter import BASE_MODEL_FILE  # imports peft: only when a base is asked for
+
     folders = RunDir(run)
     if (folders.base / "config.json").is_file():
         return str(folders.base)

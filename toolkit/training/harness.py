@@ -15,6 +15,7 @@ import io
 import logging
 import math
 import random
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import yaml
 
 from toolkit.config.errors import UserError
+from toolkit.training.harness_hub import AnyTag, check_hub, index_lookup, refusal, unreachable
 
 INSTALL = "pip install -e '.[eval]' (or pip install lm-eval)"
 
@@ -134,6 +136,7 @@ def check_tasks(cfg: HarnessConfig, manager) -> None:
         where = f" or in {cfg.named['include_path']}{cfg.include_path}" if cfg.include_path else ""
         raise UserError(f"{cfg.named['tasks']}{name}: unknown task, not among the harness's {len(known):,} tasks{where}{hint} "
                         "(list them with: lm-eval ls tasks)")
+    check_hub(cfg, index_lookup(manager))  # a tag's tasks too, and a group's the files alone did not tell
     include = cfg.named["include_path"].strip(" =")
     for name in cfg.tasks:
         try:
@@ -178,19 +181,12 @@ def _built(tasks: dict, shots: bool) -> list[tuple[str, int, dict]]:
     return found
 
 
-class _AnyTag(yaml.SafeLoader):
-    """A task YAML as the harness writes them (`!function utils.process_docs`), read only to say what is wrong."""
-
-
-_AnyTag.add_multi_constructor("!", lambda loader, tag, node: None)
-
-
 def _unreadable_yamls(folder: Path) -> tuple[str, str] | tuple[()]:
     """The first YAML file under `folder` that the harness cannot have read as a task or group (its name there), and
     why; () where there is none."""
     for path in sorted([*folder.rglob("*.yaml"), *folder.rglob("*.yml")]):
         try:
-            content = yaml.load(path.read_text(encoding="utf-8"), Loader=_AnyTag)
+            content = yaml.load(path.read_text(encoding="utf-8"), Loader=AnyTag)
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             first = str(exc).strip().splitlines()[0][:80] if str(exc).strip() else ""
             return str(path.relative_to(folder)), f"is not a task YAML it can read ({type(exc).__name__}: {first})"
@@ -207,9 +203,9 @@ def _unbuilt(name: str, manager, exc: Exception, include: str) -> str:
     kind = type(exc).__name__
     offline = any(word in f"{kind} {exc}" for word in ("Offline", "offline", "Connection", "resolve", "LocalEntryNotFound",
                                                         "DatasetNotFound", "couldn't be found", "Couldn't reach"))
-    if offline:
-        return (f"task {name} reads its documents from the Hugging Face Hub ({dataset}), which cannot be reached from "
-                f"here ({kind}); run it where the Hub is reachable, or give a task of your own files with {include}")
+    if offline and (why := unreachable()) is not None:  # a dataset check_hub could not name (a Python task's, say)
+        named = re.search(r"(?:dataset|reach) '([^']+)'", str(exc))  # a group's: the one of its tasks that failed
+        return refusal({name: [named.group(1)] if named else [dataset] if dataset != "?" else []}, why, include)
     if isinstance(exc, StopIteration):
         return f"task {name} has no documents ({dataset}): give it at least one"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

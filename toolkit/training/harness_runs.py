@@ -24,6 +24,7 @@ from toolkit.launch.environment import alone_environment
 from toolkit.launch.rank_process import TRAINER_PID
 from toolkit.run.writes import WriteFailed, writing
 from toolkit.training.harness import HarnessConfig, check_tasks, harness, task_manager
+from toolkit.training.harness_hub import check_hub
 
 LOG = "harness.log"  # every scoring's output, appended, in harness/
 
@@ -36,6 +37,7 @@ class HarnessRuns:
         self.manager = None
         if main:  # only the main process scores; its refusal is the launch's one line (toolkit.training.entry)
             harness()  # installed: else one line, before any work
+            check_hub(cfg)  # tasks the Hub would give where it cannot be reached: refused before the harness's index
             self.manager = task_manager(cfg)
             check_tasks(cfg, self.manager)
         self.running: tuple[int, str, subprocess.Popen, Path, bool] | None = None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from accelerate.state import AcceleratorState
-from harness_tasks import write_tasks
+from harness_tasks import unreachable_hub, write_tasks
 from one_process_trainer import packed_blocks, start_trainer
 from recipe_runner import ROOT
 
@@ -119,6 +119,22 @@ def test_the_first_scoring_may_be_final_s_with_no_harness_folder_yet(tmp_path, m
     assert started[0][1:] == [str(ROOT / "recipes" / "evaluate.py"), "--from", str(tmp_path / "run" / "final"),
                               "--tasks", "t", "--batch-size", "8", "--output", str(runs.root / "step-7.json"),
                               "--overwrite", "--limit", "4"]
+
+
+def test_offline_a_hub_task_is_refused_before_the_harness_index_data_or_model(tmp_path, blocks, tiny_tokenizer,
+                                                                              tiny_model, monkeypatch):
+    """eval.harness_tasks=[arc_easy] without a network: the run's one line at once, not 7 s of the harness's index and
+    ~30 s of the hub client's retries first."""
+    import toolkit.training.harness
+
+    monkeypatch.setattr(toolkit.training.harness, "_indexed", lambda *a: pytest.fail("the harness's index was built"))
+    with unreachable_hub(monkeypatch, tmp_path / "datasets-cache"):
+        start = time.monotonic()
+        with pytest.raises(UserError, match=r"^task arc_easy \(allenai/ai2_arc\) reads its documents from the Hugging "
+                                            r"Face Hub, which cannot be reached from here .* or give tasks of your own "
+                                            r"files with eval.harness_include_path \(docs/evaluation.md"):
+            start_trainer(tmp_path / "run", blocks, tiny_tokenizer, tiny_model, "eval.harness_tasks=[arc_easy]")
+        assert time.monotonic() - start < 5
 
 
 def test_tasks_are_checked_before_any_data_or_model(tmp_path, blocks, tiny_tokenizer, tiny_model, monkeypatch):
