@@ -4,6 +4,7 @@
     llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora output_dir=runs/ft
     llm-toolkit export --from runs/ft --format gguf --output runs/ft.gguf            (also: evaluate, plan, chat)
 
+`llm-toolkit --help` (or alone) lists every command with an example (toolkit/launch/commands.py).
 `accelerate launch`'s options, anywhere: with any, the recipe runs through recipes/launch.sh's launcher.
 How names, options and signals are taken: docs/internals.md, toolkit/launch/cli.py.
 """
@@ -16,14 +17,13 @@ import sys
 from pathlib import Path
 
 from toolkit.config.errors import UserError
+from toolkit.launch.commands import COMMANDS, help_text
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the toolkit is installed from (pip install -e .)
-RECIPES = ("pretrain", "finetune", "export", "evaluate", "plan", "chat")
+RECIPES = tuple(COMMANDS)  # recipes/NAME.py, each described in toolkit/launch/commands.py
 CALLED_AS = "LLM_TOOLKIT_CALLED_AS"  # how the user started the recipe, for its usage lines: "llm-toolkit NAME"
 # the options whose value may name a shipped file by its name alone, and the folder it is looked up in
 SHIPPED_BY_OPTION = {"--config": "recipes/configs", "--config_file": "accelerate_configs"}
-USAGE = (f"usage: llm-toolkit {{{','.join(RECIPES)}}} [accelerate launch options] --config CONFIG [key=value ...]\n"
-         "       llm-toolkit NAME --help   (the recipe's own keys and options)")
 
 
 def shipped(name: str, folder: str) -> str:
@@ -101,12 +101,12 @@ def command(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["-h"], ["--help"]):
-        print(USAGE)
+    if argv[:1] in ([], ["-h"], ["--help"]):
+        print(help_text())
         return 0
-    if not argv or argv[0] not in RECIPES:
-        said = f"{argv[0]!r} is not a recipe" if argv else "no recipe named"
-        print(f"error: {said}: use one of {', '.join(RECIPES)} (llm-toolkit --help: how)", file=sys.stderr)
+    if argv[0] not in RECIPES:
+        print(f"error: {argv[0]!r} is not a recipe: use one of {', '.join(RECIPES)} (llm-toolkit --help: how)",
+              file=sys.stderr)
         return 2
     cmd = command(argv)
     os.environ[CALLED_AS] = f"llm-toolkit {argv[0]}"

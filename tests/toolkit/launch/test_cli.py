@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -87,14 +88,40 @@ PASSED_ON = {"--config": ["pretrain", "--config"], "--config_file": ["pretrain",
 
 
 def test_no_recipe_is_one_line(capsys):
-    assert main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: llm-toolkit {pretrain,finetune,export,evaluate,plan,chat} ")
     assert {o for o in PASSED_ON} == set(SHIPPED_BY_OPTION)
     for case, value in wrong_arguments.WRONG[KINDS["recipe"]].items():
-        code = main([] if value is None else [value])
+        if value is None:  # no argument at all: the help (test_the_help_lists_every_command_with_an_example_that_runs)
+            continue
+        code = main([value])
         out, err = capsys.readouterr()
         wrong_arguments.assert_one_line(code, out, err, "recipe", value)
         assert err.endswith("use one of pretrain, finetune, export, evaluate, plan, chat (llm-toolkit --help: how)\n"), case
+
+
+def test_the_help_lists_every_command_with_an_example_that_runs(capsys):
+    """`llm-toolkit --help` was one usage line. Each recipe (recipes/*.py) is a command, listed with what it does and
+    an example whose command line runs that recipe with the shipped files it names: a new recipe fails here until
+    toolkit/launch/commands.py describes it."""
+    assert sorted(RECIPES) == sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+    said = []
+    for argv in (["--help"], ["-h"], []):  # the same help, on stdout, exit code 0
+        assert main(argv) == 0, argv
+        said.append(capsys.readouterr())
+    assert {err for _, err in said} == {""} and len({out for out, _ in said}) == 1
+    help_text = said[0].out
+    lines = help_text.splitlines()
+    assert lines[0].startswith("usage: llm-toolkit COMMAND") and len(lines) <= 24  # one screen
+    assert "llm-toolkit COMMAND --help: that command's own options" in help_text
+    for name in RECIPES:
+        said = next((i for i, line in enumerate(lines) if line.split()[:1] == [name]), None)
+        assert said is not None and len(lines[said].split()) > 3, f"{name} is not described in llm-toolkit --help"
+        example = lines[said + 1].strip()
+        assert example.startswith(f"llm-toolkit {name} "), f"{name} has no example in llm-toolkit --help: {example!r}"
+        ran = command(shlex.split(example)[1:])
+        assert str(ROOT / "recipes" / f"{name}.py") in ran, (name, ran)
+        for option in SHIPPED_BY_OPTION:  # a shipped config or accelerate config it names exists
+            if option in ran:
+                assert Path(ran[ran.index(option) + 1]).is_file(), (name, ran)
 
 
 @pytest.mark.parametrize("option", PASSED_ON)
