@@ -360,6 +360,11 @@ READERS: dict[str, str] = {
     "toolkit/training/reference.py:_write": OWN,
     "toolkit/training/harness.py:_unreadable_yamls": "a user's harness task folder: test_harness.py's MALFORMED walks "
                                                      "its YAML's and documents' damage",
+    "toolkit/training/harness_hub.py:_named": "task YAMLs read as bytes for the names they give, nothing else: one it "
+                                              "cannot read is skipped, and harness.py's check names it",
+    "toolkit/training/harness_hub.py:read_task_file": "a task YAML read for its dataset: one it cannot read tells "
+                                                      "nothing (_entry), and harness.py's check names it "
+                                                      "(test_harness.py's MALFORMED)",
     "toolkit/training/harness_runs.py:_collect": OWN + " (harness/step-N.json, staged and renamed by recipes/evaluate.py; "
                                                    "one it cannot read is a warning: the step is not scored)",
     "toolkit/training/harness_runs.py:start": "harness.log, opened to append the scoring's output, never read",

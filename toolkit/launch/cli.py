@@ -4,7 +4,6 @@
     llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora output_dir=runs/ft
     llm-toolkit export --from runs/ft --format gguf --output runs/ft.gguf            (also: evaluate, plan, chat)
 
-`llm-toolkit --help` (or alone) lists every command with an example (toolkit/launch/commands.py).
 `accelerate launch`'s options, anywhere: with any, the recipe runs through recipes/launch.sh's launcher.
 How names, options and signals are taken: docs/internals.md, toolkit/launch/cli.py.
 """
@@ -17,13 +16,45 @@ import sys
 from pathlib import Path
 
 from toolkit.config.errors import UserError
-from toolkit.launch.commands import COMMANDS, help_text
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the toolkit is installed from (pip install -e .)
-RECIPES = tuple(COMMANDS)  # recipes/NAME.py, each described in toolkit/launch/commands.py
+# each command (recipes/NAME.py): what it does, and the README's example; `llm-toolkit --help` lists them, and a new
+# recipe fails tests/toolkit/launch/test_cli.py until it is described here
+COMMANDS = {
+    "pretrain": ("train a LLaMA/GPT-style model from scratch",
+                 "llm-toolkit pretrain --num_processes 2 --config pretrain_tiny output_dir=runs/tiny"),
+    "finetune": ("fine-tune a pretrained model: continued pretraining, chat SFT, DPO; LoRA, QLoRA or full",
+                 "llm-toolkit finetune --config_file zero3 --num_processes 2 --config finetune_smollm2_lora "
+                 "output_dir=runs/ft"),
+    "export": ("write a run for inference: a Hugging Face folder, a GGUF (llama.cpp, Ollama), int8 or int4",
+               "llm-toolkit export --from runs/ft --format gguf --quant q8_0 --output exports/ft-q8_0.gguf"),
+    "evaluate": ("score a run, checkpoint or export on lm-evaluation-harness tasks (pip install -e '.[eval]')",
+                 "llm-toolkit evaluate --from runs/ft --tasks arc_easy,hellaswag --limit 500"),
+    "plan": ("which strategy, checkpointing and micro-batch fit a config on your GPUs, before a launch",
+             "llm-toolkit plan --config pretrain_llama_1b --gpus 8 --gpu-memory 80GB"),
+    "chat": ("talk to a run, an export or a GGUF with its own chat template",
+             'llm-toolkit chat --from runs/ft --prompt "How do I reverse a list in Python?"'),
+}
+RECIPES = tuple(COMMANDS)
 CALLED_AS = "LLM_TOOLKIT_CALLED_AS"  # how the user started the recipe, for its usage lines: "llm-toolkit NAME"
 # the options whose value may name a shipped file by its name alone, and the folder it is looked up in
 SHIPPED_BY_OPTION = {"--config": "recipes/configs", "--config_file": "accelerate_configs"}
+
+
+def help_text() -> str:
+    """`llm-toolkit --help`: every command with what it does and its example, on one screen."""
+    width = max(map(len, COMMANDS))
+    rows = [f"  {name:<{width}}  {what}\n  {'':<{width}}  {example}" for name, (what, example) in COMMANDS.items()]
+    return "\n".join([
+        "usage: llm-toolkit COMMAND [options]   the toolkit's recipes, from any folder; shipped configs by name",
+        "",
+        "commands:",
+        *rows,
+        "",
+        "llm-toolkit COMMAND --help: that command's own options (pretrain and finetune: every key of their config,",
+        "with its type and default). accelerate launch's options (--num_processes 2, --config_file zero3) go anywhere",
+        "on a pretrain or finetune line. More: README.md.",
+    ])
 
 
 def shipped(name: str, folder: str) -> str:

@@ -219,7 +219,7 @@ def _named(folder: str) -> dict[str, str]:
 def _entry(name: str, path: Path) -> Found:
     try:
         cfg = read_task_file(path)
-    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, yaml.YAMLError):  # said by the harness's own check
         return None
     if cfg.get("group") == name:
         return "group", cfg

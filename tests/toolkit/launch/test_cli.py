@@ -101,7 +101,7 @@ def test_no_recipe_is_one_line(capsys):
 def test_the_help_lists_every_command_with_an_example_that_runs(capsys):
     """`llm-toolkit --help` was one usage line. Each recipe (recipes/*.py) is a command, listed with what it does and
     an example whose command line runs that recipe with the shipped files it names: a new recipe fails here until
-    toolkit/launch/commands.py describes it."""
+    COMMANDS in toolkit/launch/cli.py describes it."""
     assert sorted(RECIPES) == sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
     said = []
     for argv in (["--help"], ["-h"], []):  # the same help, on stdout, exit code 0
