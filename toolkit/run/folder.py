@@ -253,9 +253,10 @@ class RunDir:
                 return trained
         return None
 
-    def check_unfinished(self, resume: str | None, max_steps: int) -> None:
-        """resume=auto on a finished run (RunFinished) when train.max_steps asks for no step more."""
-        step = self.finished_at() if resume == "auto" else None
+    def check_unfinished(self, resume: str | None, max_steps: int | None) -> None:
+        """resume=auto on a finished run (RunFinished) when train.max_steps asks for no step more (None: a run of
+        train.epochs, whose steps are known once its data is packed)."""
+        step = self.finished_at() if resume == "auto" and max_steps is not None else None
         if step is None or max_steps > step:
             return
         written = " and ".join(f"{p.name}/" for p in (self.final, self.adapter) if p.is_dir())

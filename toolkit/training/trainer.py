@@ -65,7 +65,7 @@ from toolkit.training.metrics import (
     tracker_log_with,
 )
 from toolkit.training.optim import prepare_optimization, use_fused, wind_back
-from toolkit.training.phases import Phases
+from toolkit.training.phases import EVALUATIONS, Phases
 from toolkit.training.profiling import StepProfiler
 from toolkit.training.step import (
     Diverged,
@@ -81,10 +81,6 @@ from toolkit.training.stop import StopRequest
 
 class Stopped(Exception):
     """Raised after the stop checkpoint is saved; the recipe exits with a non-zero code."""
-
-
-# Trainer.evaluate's phase of each evaluation (toolkit.training.phases.PHASES)
-EVALUATIONS = {"before": "evaluation before", "train": "evaluations during training", "after": "evaluation after"}
 
 
 class Trainer:
@@ -107,8 +103,7 @@ class Trainer:
 
     def _launch(self, name: str, cfg: Any) -> None:
         self.resume_from = self.run.resolve_resume(cfg.resume)
-        if cfg.train.epochs is None:  # a run of epochs knows its steps once its data is packed
-            self.run.check_unfinished(cfg.resume, cfg.train.max_steps)
+        self.run.check_unfinished(cfg.resume, cfg.train.max_steps if cfg.train.epochs is None else None)
 
         # The strategy, world size and backend come from the accelerate config file.
         t = cfg.train
@@ -296,11 +291,7 @@ class Trainer:
         # The bar's line ends also when a step raises (the phase closes it), so the error line each rank prints
         # starts a line of its own instead of being glued after the bar's last "\r".
         with self.phases("training", total=self.cfg.train.max_steps, initial=self.state.step, leave=True) as bar:
-            self.bar = bar
-            try:
-                self.train_steps(bar)
-            finally:
-                self.bar = None
+            self.train_steps(bar)
 
     def train_steps(self, bar) -> None:
         """A step, then what is due after it, in this order; each (but the verdict) due at a step, then run."""
@@ -585,8 +576,7 @@ class Trainer:
         }
 
     def close(self) -> Path | None:
-        """Flush the trackers and close metrics.jsonl, its last row what each phase cost so far; on the main process,
-        plot the loss curve."""
+        """Flush the trackers, close metrics.jsonl (its last row: each phase's cost); the main process plots the loss."""
         if self.metrics is not None and not self.metrics.has(self.step, "seconds", kind="phases"):  # a finished run re-run
             self.log("phases", {"step": self.step, **self.phases.row()}, tracked={})
         self.trackers.close()
