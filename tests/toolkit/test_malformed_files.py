@@ -369,6 +369,12 @@ READERS: dict[str, str] = {
                                                    "one it cannot read is a warning: the step is not scored)",
     "toolkit/training/harness_runs.py:start": "harness.log, opened to append the scoring's output, never read",
     "toolkit/training/samples.py:sample_folder": "final/, which the run wrote and checked",
+    "toolkit/training/sample_prompts.py:_written_for": "the shipped configs (recipes/configs/), each validated by "
+                                                       "test_configs.py",
+    "toolkit/config/text_lists.py:entries": "a command line's value (yaml of a string), not a file",
+    "toolkit/config/text_lists.py:read_text_list": "a command line's value (yaml of a string), not a file",
+    "toolkit/run/folder.py:finished_at": OWN + " (final/ and adapter/'s training_summary.json: one it cannot read "
+                                               "is no finished run, and resume=auto goes on as it did)",
     "toolkit/training/profiling.py:_quiet_stderr": "/dev/null",
     "toolkit/training/entry.py:run": "/dev/null, as stdout once a --preview's reader has gone (| head)",
     "toolkit/strategy/deepspeed/files.py:tag_folder": OWN + " (DeepSpeed's `latest`)",
