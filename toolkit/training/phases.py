@@ -39,6 +39,7 @@ PHASES = {
 # Trainer.evaluate's phase of each evaluation, by its own phase name
 EVALUATIONS = {"before": "evaluation before", "train": "evaluations during training", "after": "evaluation after"}
 
+
 def bar(phase: str, total: int, main: bool, **more) -> tqdm:
     """A pass's bar, drawn as the training bar is: on the main process only, to stderr whether or not it is a terminal.
     Not left behind (`more` may say leave=True), and on the line the training bar is on (position 0): a bar of its own
