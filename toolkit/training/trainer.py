@@ -104,19 +104,19 @@ class Trainer:
     def _launch(self, name: str, cfg: Any) -> None:
         self.resume_from = self.run.resolve_resume(cfg.resume)
         self.run.check_unfinished(cfg.resume, cfg.train.max_steps if cfg.train.epochs is None else None)
+        if self.resume_from is not None:  # what its record decides but the optimizer's keys: before DeepSpeed loads
+            check_before_preparing(self.resume_from, cfg, optimizer_in_ds_json=True)
 
         # The strategy, world size and backend come from the accelerate config file.
         t = cfg.train
         self.strategy = strategy = Strategy.launch(
             mixed_precision=t.mixed_precision, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-            max_grad_norm=cfg.optim.max_grad_norm, project_dir=str(self.run.root),
-            trackers=tracker_log_with(cfg.logging.trackers, str(self.run.root)),
-            timeout_s=t.collective_timeout_s, pipeline_stages=t.pipeline_stages,
+            max_grad_norm=cfg.optim.max_grad_norm, project_dir=str(self.run.root), pipeline_stages=t.pipeline_stages,
+            trackers=tracker_log_with(cfg.logging.trackers, str(self.run.root)), timeout_s=t.collective_timeout_s,
         )
         self.accelerator = strategy.accelerator
-        said = resolve_switches(cfg, Machine(self.accelerator.device.type, self.accelerator.mixed_precision,
-                                             strategy.layout))
-        if said:
+        if said := resolve_switches(cfg, Machine(self.accelerator.device.type, self.accelerator.mixed_precision,
+                                                 strategy.layout)):
             self.print(said)
         check_combinations(cfg, strategy.layout, self.accelerator.mixed_precision,  # before the model loads
                            self.accelerator.device.type)
@@ -124,8 +124,8 @@ class Trainer:
         owned = bool(strategy.family.optimization_owned(strategy))  # a DeepSpeed JSON's own optimizer
         fused = use_fused(cfg.optim.fused, self.accelerator.device) and not owned
         check_step_sync(t.step_sync, host_decides(strategy.family, self.accelerator.mixed_precision == "fp16", fused))
-        if self.resume_from is not None:  # what its record decides: minutes before the resume loads it
-            check_before_preparing(self.resume_from, cfg, owned)
+        if self.resume_from is not None and not owned:  # the optimizer's keys too, where they are what runs
+            check_before_preparing(self.resume_from, cfg)
         restart = cfg.resume == "auto" and self.resume_from is None and self.run.died_before_first_checkpoint()
         if restart:
             self.print(f"resume=auto: {self.run.root} has no complete checkpoint yet (the run stopped before "
