@@ -12,6 +12,7 @@ from toolkit.checkpoint.integrity import read_intact
 from toolkit.config.declarations import FROM_NEXT_STEP, KEPT_BY_THE_OPTIMIZER, SCHEDULE, Resume, declared
 from toolkit.config.errors import UserError
 from toolkit.config.keys import value_at
+from toolkit.config.switches import AUTO
 from toolkit.data.mixture import stages_said, trained_part, weight_plan
 from toolkit.run.paths import READ
 
@@ -129,7 +130,7 @@ def check_same_settings(checkpoint: Checkpoint, settings: dict, max_steps: int,
     return changed
 
 
-def check_before_preparing(folder: Path, cfg, optimizer_in_ds_json: bool = False) -> None:
+def check_before_preparing(folder: Path, cfg, optimizer_in_ds_json: bool = False, launched: bool = True) -> None:
     """A resume's refusals that the config and checkpoint `folder`'s record (trainer_state.json) decide, said before
     any data is prepared or model loaded (a tokenizer trained and a corpus packed, a 7B base loaded: minutes): the data
     order and the settings a resume cannot take, as the resume would say them. A record that cannot be read, or is
@@ -144,6 +145,8 @@ def check_before_preparing(folder: Path, cfg, optimizer_in_ds_json: bool = False
                "plan": [[start, weights] for start, weights in weight_plan(sources, cfg.data.stages)]} if sources else {}
     check_same_mixture(checkpoint, mixture, lambda line: None)  # the resume says a change it takes
     settings = trained_settings(cfg, optimizer_in_ds_json)
+    if not launched:  # an auto switch is made concrete for the launched device: compared once it is
+        settings = {k: v for k, v in settings.items() if k not in AUTO or v != AUTO[k][0]}
     if cfg.train.epochs is not None:  # its steps follow from the packed blocks: the resume checks them
         settings.pop("train.max_steps", None)
         max_steps = checkpoint.state.step

@@ -104,8 +104,8 @@ class Trainer:
     def _launch(self, name: str, cfg: Any) -> None:
         self.resume_from = self.run.resolve_resume(cfg.resume)
         self.run.check_unfinished(cfg.resume, cfg.train.max_steps if cfg.train.epochs is None else None)
-        if self.resume_from is not None:  # what its record decides but the optimizer's keys: before DeepSpeed loads
-            check_before_preparing(self.resume_from, cfg, optimizer_in_ds_json=True)
+        if self.resume_from is not None:  # what its record decides that the launch does not: before DeepSpeed loads
+            check_before_preparing(self.resume_from, cfg, optimizer_in_ds_json=True, launched=False)
 
         # The strategy, world size and backend come from the accelerate config file.
         t = cfg.train
@@ -124,8 +124,8 @@ class Trainer:
         owned = bool(strategy.family.optimization_owned(strategy))  # a DeepSpeed JSON's own optimizer
         fused = use_fused(cfg.optim.fused, self.accelerator.device) and not owned
         check_step_sync(t.step_sync, host_decides(strategy.family, self.accelerator.mixed_precision == "fp16", fused))
-        if self.resume_from is not None and not owned:  # the optimizer's keys too, where they are what runs
-            check_before_preparing(self.resume_from, cfg)
+        if self.resume_from is not None:  # with the switches made concrete, and the optimizer's keys where they run
+            check_before_preparing(self.resume_from, cfg, owned)
         restart = cfg.resume == "auto" and self.resume_from is None and self.run.died_before_first_checkpoint()
         if restart:
             self.print(f"resume=auto: {self.run.root} has no complete checkpoint yet (the run stopped before "
