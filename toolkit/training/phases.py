@@ -11,6 +11,7 @@ outer one, so that the parts add up to the whole. They are this process's: a res
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -42,9 +43,11 @@ EVALUATIONS = {"before": "evaluation before", "train": "evaluations during train
 
 def bar(phase: str, total: int, main: bool, **more) -> tqdm:
     """A pass's bar, drawn as the training bar is: on the main process only, to stderr whether or not it is a terminal.
-    Not left behind (`more` may say leave=True), and on the line the training bar is on (position 0): a bar of its own
-    below it would move the cursor with escape codes, which a log file keeps as garbage."""
-    return tqdm(total=total, desc=phase, disable=not main, **{"leave": False, "position": 0, **more})
+    On the line the training bar is on (position 0): a bar of its own below it would move the cursor with escape codes,
+    which a log file keeps as garbage. In a terminal it is gone at its end (`more` may say leave=True); in a file
+    (SLURM, `> log`), where its updates are "\r" with no end of line, its line is ended with its last count and time,
+    so that what is printed next starts a line of its own (not glued after the bar's "\r", where grep misses it)."""
+    return tqdm(total=total, desc=phase, disable=not main, **{"leave": not sys.stderr.isatty(), "position": 0, **more})
 
 
 def clock(seconds: float) -> str:

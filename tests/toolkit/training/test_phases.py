@@ -4,6 +4,9 @@ training bar is."""
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 
 from toolkit.training.phases import PHASES, Phases, clock
@@ -84,17 +87,37 @@ def test_a_phase_outside_the_table_or_a_pass_without_its_total_is_refused():
 @pytest.mark.parametrize("phase", [p for p, shown in PHASES.items() if shown])
 def test_each_pass_draws_its_bar_with_an_eta_on_the_main_process_only(phase, capfd):
     """To stderr also into a file (the training bar's policy), labelled with the phase, on the line the training bar
-    is on (no cursor movement a log would keep), and gone at its end."""
+    is on (no cursor movement a log would keep); in a file its line ends with its last count, so that the log line
+    printed next starts a line of its own (was: glued after the cleared bar's "\r", where grep '^[finetune]' missed
+    it)."""
     for main in (True, False):
         with Phases(main=main)(phase, total=4, mininterval=0) as bar:
             bar.update(2)
+        print("[finetune] step 0 (before): held-out loss 3.2865", file=sys.stderr)
         err = capfd.readouterr().err
         if not main:
-            assert err == ""
+            assert err == "[finetune] step 0 (before): held-out loss 3.2865\n"
             continue
         assert f"{phase}:   0%|" in err and f"{phase}:  50%|" in err and "| 2/4 [" in err and "<" in err  # the ETA
-        assert "\x1b[" not in err and "\n" not in err  # no escape code, no line left behind
-        assert err.endswith("\r") and not err.rsplit("\r", 2)[-2].strip()  # its line cleared
+        assert "\x1b[" not in err  # no escape code
+        *bar_lines, said, end = err.split("\n")
+        assert said == "[finetune] step 0 (before): held-out loss 3.2865" and end == ""
+        assert len(bar_lines) == 1 and "| 2/4 [" in bar_lines[0].rsplit("\r", 1)[-1]  # its last count, line ended
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("phase", [p for p, shown in PHASES.items() if shown and p != "training"])
+def test_in_a_terminal_a_pass_s_bar_is_gone_at_its_end(phase, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with Phases(main=True)(phase, total=4, mininterval=0) as bar:
+        bar.update(2)
+    err = sys.stderr.getvalue()
+    assert "| 2/4 [" in err and "\x1b[" not in err and "\n" not in err  # no escape code, no line left behind
+    assert err.endswith("\r") and not err.rsplit("\r", 2)[-2].strip()  # its line cleared
 
 
 def test_the_training_bar_is_left_behind_where_it_asks_to_be(capfd):
