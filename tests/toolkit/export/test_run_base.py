@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,8 @@ def test_a_hub_base_says_how_to_get_a_folder(tmp_path):
 def test_what_has_no_base(tmp_path):
     with pytest.raises(UserError, match="is not a run folder"):
         run_base(tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        run_base(tmp_path / "nope")
     with pytest.raises(UserError, match="the run records no base"):
         run_base(a_run(tmp_path / "pretrained"))
 
@@ -73,3 +76,37 @@ def test_the_option_alone_names_the_runs_base_and_with_a_folder_keeps_its_meanin
     assert (folder.source, folder.base) == (str(run / "adapter"), "/some/base")
     with pytest.raises(UserError, match="leave out --checkpoint"):
         take_run_base(parser.parse_args(["--from", str(run), "--checkpoint", "latest", "--base"]))
+
+
+@pytest.mark.parametrize("inside", ["adapter", "final", "checkpoints/step-2"])
+def test_a_folder_inside_a_run_is_told_the_run(tmp_path, inside):
+    """--from runs/ft/adapter --base: the run's base is what was meant; the line names the run to give."""
+    run = a_run(tmp_path / "run")
+    (run / inside).mkdir(parents=True)
+    with pytest.raises(UserError, match=rf"is not a run folder; --base alone names a fine-tune's base, give --from "
+                                        rf"{re.escape(str(run))}$"):
+        run_base(run / inside)
+
+
+def test_a_gguf_base_whose_float_copy_the_run_did_not_keep_is_made_into_the_cache(tmp_path, monkeypatch):
+    """model.gguf_cache=false: the run holds no base/ and records no loads_from. Was: 'give --from the GGUF', which
+    export and evaluate refuse (a file) and which names no file; now the GGUF's float copy, made in the cache once."""
+    from toolkit.models import gguf_base
+
+    run, gguf, cache = a_run(tmp_path / "run"), tmp_path / "SmolLM2.gguf", tmp_path / "cache" / "gguf-SmolLM2-0123"
+    gguf.write_bytes(b"GGUF")
+    recorded(run / "adapter", None)  # path and gguf_file null: the default SmolLM2
+    made = []
+
+    def dequantise(cfg, path):
+        assert cfg.gguf_cache and path == gguf
+        made.append(path)
+        cache.mkdir(parents=True)
+        (cache / "config.json").write_text("{}")
+        return None, None, []
+
+    monkeypatch.setattr(gguf_base, "resolve_gguf", lambda cfg: gguf)
+    monkeypatch.setattr(gguf_base, "cache_folder", lambda cfg, path: cache)
+    monkeypatch.setattr(gguf_base, "dequantise", dequantise)
+    assert run_base(run) == str(cache) and made == [gguf]
+    assert run_base(run) == str(cache) and made == [gguf]  # once: the cache's copy is read the second time
