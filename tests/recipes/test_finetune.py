@@ -8,6 +8,8 @@ reloaded onto the base, and the merged final/ model.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pydoc_data.topics import topics
 
 import pytest
@@ -170,8 +172,18 @@ def test_the_adapter_loads_by_itself_with_peft_and_has_a_card(smol_run, capsys):
         chat = recipe_module("chat")  # the README's `--from runs/ft --base`: the base the run started from
         assert chat.main(["--from", str(out), "--base", "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
         assert f"[chat] source: Hugging Face model folder {out / 'base'}" in capsys.readouterr().err
+        # the run folder moved too: the toolkit's merge finds base/ beside adapter/ (peft's loader reads the old path)
+        shutil.copytree(out, out.parent / "run-moved", copy_function=os.link)
+        (out / "base").rename(out.parent / "base-away")
+        again, _, _ = load_model(resolve_source(out.parent / "run-moved" / "adapter"), merge_lora=True)
+        with torch.no_grad():
+            torch.testing.assert_close(again(**inputs).logits, live_logits, atol=2e-4, rtol=0)
+        assert not cache.exists()  # not the GGUF parsed again into a cache the user cleared
     finally:
         moved.rename(cache)
+        if (out.parent / "base-away").exists():
+            (out.parent / "base-away").rename(out / "base")
+        shutil.rmtree(out.parent / "run-moved", ignore_errors=True)
     card = (out / "adapter" / "README.md").read_text()
     assert "More Information Needed" not in card
     assert "AutoPeftModelForCausalLM.from_pretrained" in card

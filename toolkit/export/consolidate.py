@@ -294,7 +294,12 @@ def _kept_base(folder: Path) -> str | None:
     """The folder `folder`'s base_model.json says loads the base alone (`loads_from`: a GGUF's float copy kept in its
     run, or the base's own folder), where it still exists: no GGUF parse, and no cache needed."""
     kept = json.loads((folder / BASE_MODEL_FILE).read_text()).get("loads_from")
-    return kept if kept and (Path(kept) / "config.json").is_file() else None
+    if not kept:
+        return None
+    # the run's own base/ where the run folder was moved since: beside adapter/, or above a checkpoint's model files
+    run = folder.parent if folder.name != MODEL_FILES else folder.parent.parent.parent
+    moved = run / "base" if Path(kept).name == "base" and kept != str(run / "base") else None
+    return next((str(p) for p in (Path(kept), moved) if p is not None and (p / "config.json").is_file()), None)
 
 
 def _has_tokenizer(folder: Path) -> bool:

@@ -98,8 +98,9 @@ def adapter_card(out_dir: Path, facts: dict, lora: dict, base_path: str | None, 
     elif base_path and gguf:
         row = f"`{Path(base_path).name}/` beside this folder: {Path(gguf).name} dequantised to float"
         note = (f"The base is the run's float copy of the GGUF {Path(gguf).name}, kept in the run folder; "
-                "adapter_config.json names it by its path. Elsewhere, dequantise that GGUF (`model.path` of the "
-                "toolkit's recipes takes it) and load the adapter onto it. ")
+                "adapter_config.json names it by its path (the run folder moved: set its base_model_name_or_path to "
+                "base/'s new path; the toolkit's commands find it beside this folder). Elsewhere, dequantise that "
+                "GGUF (`model.path` of the toolkit's recipes takes it) and load the adapter onto it. ")
     elif base_path:
         row, note = f"the folder `{Path(base_path).name}` (adapter_config.json names its path)", ""
     else:
