@@ -349,6 +349,9 @@ def test_a_finished_run_launched_again_is_kept_and_says_what_trains_more(pretrai
                         "resume=auto; to start over from the base, overwrite=true (deletes the run) or another output_dir")
     assert files(out) == before
     assert not (tmp_path / "cache").exists()  # said before any data work
+    shutil.rmtree(out / "final")  # an output gone: resume=auto makes it again from the last checkpoint
+    assert pretrain.main(argv[:-1]) == 0
+    assert "is finished" not in capsys.readouterr().err and (out / "final" / "training_summary.json").is_file()
 
 
 def test_resume_auto_does_not_restart_a_finished_run_without_checkpoints(pretrain, capsys, monkeypatch, tmp_path,

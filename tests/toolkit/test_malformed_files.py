@@ -373,7 +373,7 @@ READERS: dict[str, str] = {
                                                        "test_configs.py",
     "toolkit/config/text_lists.py:entries": "a command line's value (yaml of a string), not a file",
     "toolkit/config/text_lists.py:read_text_list": "a command line's value (yaml of a string), not a file",
-    "toolkit/run/folder.py:finished_at": OWN + " (final/ and adapter/'s training_summary.json: one it cannot read "
+    "toolkit/run/folder.py:_trained": OWN + " (final/ and adapter/'s training_summary.json: one it cannot read "
                                                "is no finished run, and resume=auto goes on as it did)",
     "toolkit/training/profiling.py:_quiet_stderr": "/dev/null",
     "toolkit/training/entry.py:run": "/dev/null, as stdout once a --preview's reader has gone (| head)",

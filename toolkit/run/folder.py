@@ -238,28 +238,27 @@ class RunDir:
         if lock is not None:
             lock.release()
 
-    def finished_at(self) -> int | None:
-        """The step a run in this folder finished at: its final/ or adapter/ was written from the training of its
-        newest complete checkpoint (their training_summary.json's last trained step is the checkpoint's); None for a
-        run stopped before its outputs, or extended past them."""
+    def finished_at(self, outputs: tuple[Path, ...] = ()) -> int | None:
+        """The step a run in this folder finished at: each of its `outputs` (by default either of final/ and adapter/)
+        was written from the training of its newest complete checkpoint (their training_summary.json's last trained
+        step is the checkpoint's); None for a run stopped before its outputs, or extended past them."""
         newest = self.latest_checkpoint()
-        for delivered in (self.final, self.adapter):
-            try:
-                facts = json.loads((delivered / "training_summary.json").read_text())
-            except (OSError, ValueError):
-                continue
-            trained = facts.get("trained_steps", facts.get("step")) if isinstance(facts, dict) else None
-            if newest is not None and trained == checkpoint_step(newest):
-                return trained
-        return None
+        if newest is None:
+            return None
+        step = checkpoint_step(newest)
+        delivered = [_trained(p) == step for p in outputs or (self.final, self.adapter)]
+        return step if (all(delivered) if outputs else any(delivered)) else None
 
-    def check_unfinished(self, resume: str | None, max_steps: int | None) -> None:
-        """resume=auto on a finished run (RunFinished) when train.max_steps asks for no step more (None: a run of
-        train.epochs, whose steps are known once its data is packed)."""
-        step = self.finished_at() if resume == "auto" and max_steps is not None else None
-        if step is None or max_steps > step:
+    def check_unfinished(self, cfg) -> None:
+        """resume=auto on a finished run (RunFinished) when train.max_steps asks for no step more (a run of
+        train.epochs knows its steps once its data is packed); a run missing one of its outputs makes it again."""
+        adapter = getattr(cfg, "adapter", None)  # a fine-tune's: adapter/, and final/ where it is merged
+        lora = adapter is not None and adapter.is_lora
+        outputs = (self.adapter,) * lora + (self.final,) * (not lora or adapter.merge)
+        step = self.finished_at(outputs) if cfg.resume == "auto" and cfg.train.epochs is None else None
+        if step is None or cfg.train.max_steps > step:
             return
-        written = " and ".join(f"{p.name}/" for p in (self.final, self.adapter) if p.is_dir())
+        written = " and ".join(f"{p.name}/" for p in outputs)
         raise RunFinished(
             f"{self.root} is finished: it trained its {step} steps and wrote {written}; nothing is left to train, so "
             f"nothing ran. To train on, raise train.max_steps (e.g. train.max_steps={2 * step}) with resume=auto; to "
@@ -364,6 +363,15 @@ def replace_folder(new: Path, target: Path) -> Path:
     new.rename(target)
     shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _trained(output: Path) -> int | None:
+    """The last step trained into final/ or adapter/ (its training_summary.json), None where it cannot be read."""
+    try:
+        facts = json.loads((output / "training_summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return facts.get("trained_steps", facts.get("step")) if isinstance(facts, dict) else None
 
 
 def _looks_like_checkpoint(folder: Path) -> bool:

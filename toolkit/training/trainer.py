@@ -103,7 +103,7 @@ class Trainer:
 
     def _launch(self, name: str, cfg: Any) -> None:
         self.resume_from = self.run.resolve_resume(cfg.resume)
-        self.run.check_unfinished(cfg.resume, cfg.train.max_steps if cfg.train.epochs is None else None)
+        self.run.check_unfinished(cfg)
         if self.resume_from is not None:  # what its record decides that the launch does not: before DeepSpeed loads
             check_before_preparing(self.resume_from, cfg, optimizer_in_ds_json=True, launched=False)
 
