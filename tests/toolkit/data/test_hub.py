@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import huggingface_hub
@@ -50,10 +51,19 @@ def test_an_http_endpoint_without_a_port_is_tried_on_80_and_https_on_443(probe, 
 
 def test_a_connection_that_hangs_is_given_up_after_its_timeout(probe, monkeypatch):
     """A resolver that never answers: the connection's own timeout does not bound the name lookup."""
-    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: time.sleep(30))
+    answered = threading.Event()
+
+    def never_answers(*args, **kwargs):
+        answered.wait(30)  # the test's end lets the probe's thread go, refused, rather than outlive it
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "create_connection", never_answers)
     start = time.monotonic()
-    assert hub.hub_unreachable(timeout_s=0.5) == "huggingface.co: no answer in 0.5 s"
-    assert time.monotonic() - start < 2
+    try:
+        assert hub.hub_unreachable(timeout_s=0.5) == "huggingface.co: no answer in 0.5 s"
+        assert time.monotonic() - start < 2
+    finally:
+        answered.set()
 
 
 def test_a_proxy_is_what_is_tried_and_offline_tries_nothing(probe, monkeypatch):
