@@ -48,23 +48,20 @@ def prompts_for_other_data(cfg: Any) -> str | None:
     return whose[0][0]
 
 
-def _yours(cfg: Any) -> str:
-    return f"data.path={cfg.data.path}" if cfg.data.path else "data.sources"
-
-
 def prompts_line(cfg: Any) -> str | None:
     """The log's line at startup where the prompts were written for other data (prompts_for_other_data), or None."""
-    whose = prompts_for_other_data(cfg)
-    if whose is None:
-        return None
-    return (f"samples: the prompts are {whose}'s (written for its data), not about yours ({_yours(cfg)}); set "
-            "'samples.prompts=[a question about your data, another]' for samples that show what this run learned")
+    return _said(cfg, "samples: the prompts are {whose}'s (written for its data), not about yours ({yours}); set "
+                      "'samples.prompts=[a question about your data, another]' for samples that show what this run "
+                      "learned")
 
 
 def prompts_note(cfg: Any) -> str | None:
     """samples.md's note at its top, where the prompts were written for other data (prompts_for_other_data)."""
+    return _said(cfg, "Note: these prompts are {whose}'s, written for its data, not for this run's ({yours}); set "
+                      "samples.prompts to prompts about your data for samples that show what the run learned.")
+
+
+def _said(cfg: Any, words: str) -> str | None:
     whose = prompts_for_other_data(cfg)
-    if whose is None:
-        return None
-    return (f"Note: these prompts are {whose}'s, written for its data, not for this run's ({_yours(cfg)}); set "
-            "samples.prompts to prompts about your data for samples that show what the run learned.")
+    yours = f"data.path={cfg.data.path}" if cfg.data.path else "data.sources"
+    return None if whose is None else words.format(whose=whose, yours=yours)
