@@ -209,6 +209,18 @@ def data_cache(tmp_path_factory) -> Path:
         yield cache
 
 
+@pytest.fixture
+def recipe_in_process(data_cache, monkeypatch):
+    """A recipe's main() run in this process: the run's cache, and Accelerate's state reset after it, as the next
+    process of a user's would start without it."""
+    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory, data_cache) -> Path:
     """A pretrained tiny LLaMA: the final/ folder of a short pretraining run (the fine-tunes' base)."""

@@ -20,14 +20,7 @@ def finetune():
     return recipe_module("finetune")
 
 
-@pytest.fixture(autouse=True)
-def _cache(data_cache, monkeypatch):
-    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("recipe_in_process")
 
 
 def run(finetune, capsys, tmp_path, *overrides) -> tuple[int, str, str]:

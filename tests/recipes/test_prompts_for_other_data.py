@@ -12,14 +12,7 @@ from recipe_runner import FT_TINY, ROOT, TINY, recipe_module
 CONFIGS = ROOT / "recipes" / "configs"
 
 
-@pytest.fixture(autouse=True)
-def _cache(data_cache, monkeypatch):
-    monkeypatch.setenv("LLM_TOOLKIT_CACHE", str(data_cache))
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("recipe_in_process")
 
 
 @pytest.fixture

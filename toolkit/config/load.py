@@ -121,7 +121,8 @@ def load_config(
         raw = read_config_file(path, notes)
         _not_a_launch_config(raw, path)
     problems: list[str] = []
-    over = parse_overrides(overrides or [], {key for key, hint in dotted_keys(cls).items() if is_text_list(hint)})
+    keys = dotted_keys(cls)
+    over = parse_overrides(overrides or [], {key for key, hint in keys.items() if is_text_list(hint)})
     renamed = getattr(cls, "RENAMED", {})
     # renamed in the file and in the overrides separately, so that an override wins either way
     lines = apply_renames(raw, renamed, problems) + apply_renames(over, renamed, problems)
@@ -129,7 +130,7 @@ def load_config(
         notes.extend(dict.fromkeys(lines))
     from_file = raw
     if given is not None:
-        for key in dotted_keys(cls):
+        for key in keys:
             where = "command line" if is_set(over, key) else "config" if is_set(from_file, key) else None
             if where is not None:
                 given[key] = where
